@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.sr.checkpoint import write_tiny
+from worker.sr.engine import SREngine
+
+VARIANTS = [("piflow", True), ("piflow", False), ("flowmatch", True), ("flowmatch", False)]
+# Inputs that give a 2x2 tile grid with the tiny model's (32, 64) landscape tile, 9 frames = 3 latent frames.
+CLIP_SIZE = {2: (24, 48), 2.25: (24, 48), 4: (12, 24)}
+FRAMES = 9
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[tuple[str, bool], Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        (variant, upscaler): write_tiny(root / f"{variant}-{'lu' if upscaler else 'pixel'}", variant, upscaler)
+        for variant, upscaler in VARIANTS
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_piflow(tiny_checkpoints) -> Path:
+    return tiny_checkpoints[("piflow", True)]
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_piflow) -> SREngine:
+    return SREngine.from_pretrained(str(tiny_piflow))
+
+
+def clip(scale: float, seed: int = 0, frames: int = FRAMES) -> torch.Tensor:
+    """A random (F, 3, H, W) clip in [0, 1] that the tiny model tiles 2x2 at `scale`."""
+    height, width = CLIP_SIZE[scale]
+    return torch.rand(frames, 3, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def run(engine: SREngine, video: torch.Tensor, request, **kwargs) -> torch.Tensor:
+    chunks: list[torch.Tensor] = []
+    engine.upscale(video, request, chunks.append, **kwargs)
+    return torch.cat(chunks)

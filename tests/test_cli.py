@@ -1,0 +1,47 @@
+"""`vsrq` as a user runs it: real MP4 files in and out, exit codes, no tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import av
+import pytest
+
+from worker.media.synthetic import write_clip
+
+
+def vsrq(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def probe(path) -> tuple[int, int, int, float]:
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = sum(1 for _ in container.decode(stream))
+        return frames, stream.width, stream.height, float(stream.average_rate)
+
+
+@pytest.mark.parametrize(("model", "scale", "size"), [("tiny", "2", (192, 128)), ("lanczos", "2.25", (216, 144))])
+def test_upscale_writes_the_promised_mp4(tmp_path, tiny_piflow, model, scale, size):
+    source = write_clip(tmp_path / "in.mp4", num_frames=10, size=(64, 96))
+    output = tmp_path / "out.mp4"
+    result = vsrq("upscale", str(source), "-o", str(output), "--model", str(tiny_piflow) if model == "tiny" else model, "--scale", scale)
+    assert result.returncode == 0, result.stderr
+    assert probe(output) == (10, *size, 24.0)
+    assert "10 frames 96x64" in result.stdout
+
+
+def test_missing_model_exits_3_without_traceback_or_output(tmp_path):
+    source = write_clip(tmp_path / "in.mp4", num_frames=5)
+    result = vsrq("upscale", str(source), "-o", str(tmp_path / "out.mp4"), "--model", str(tmp_path / "no-model"))
+    assert result.returncode == 3
+    assert "model_not_found" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out.mp4").exists()
+
+
+def test_checkpoint_tiny_writes_a_loadable_checkpoint(tmp_path):
+    result = vsrq("checkpoint", "tiny", str(tmp_path / "ck"), "--variant", "flowmatch", "--no-latent-upscaler")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "ck" / "scheduler" / "scheduler_config.json").read_text().count("FlowMatchEulerDiscreteScheduler") == 1
+    assert not (tmp_path / "ck" / "latent_upscaler").exists()

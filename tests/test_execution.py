@@ -1,0 +1,85 @@
+"""Default (per-tile) noise: output independent of tile batching, device count and decode segmenting; frames
+stream out segment by segment; progress and cancellation work between tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import clip, run
+from worker.sr.engine import SREngine, SRRequest
+from worker.sr.errors import Cancelled, InvalidRequest
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    return run(engine, clip(2), SRRequest(scale=2, seed=3))
+
+
+@pytest.mark.parametrize("tiles_batch_size", [2, 4])
+def test_tile_batch_size_does_not_change_output(engine, baseline, tiles_batch_size):
+    assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3, tiles_batch_size=tiles_batch_size)), baseline)
+
+
+def test_two_devices_give_the_same_bits(tiny_piflow, baseline):
+    engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu"])
+    assert len(engine.replicas) == 2
+    assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3, tiles_batch_size=2)), baseline)
+
+
+@pytest.mark.parametrize("decode_segment", [1, 2, 64])
+def test_decode_segment_does_not_change_output(tiny_piflow, baseline, decode_segment):
+    engine = SREngine.from_pretrained(str(tiny_piflow), decode_segment=decode_segment)
+    assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
+
+
+def test_seed_changes_output(engine, baseline):
+    other = run(engine, clip(2), SRRequest(scale=2, seed=4))
+    assert (other - baseline).abs().max() > 1e-3
+
+
+def test_frames_stream_out_in_bounded_segments(engine):
+    """Each sink call holds at most one decode segment, whatever the clip length, and arrives before decoding ends."""
+    for frames in (9, 33):
+        events, chunks = [], []
+        engine.upscale(
+            clip(2, frames=frames),
+            SRRequest(scale=2),
+            lambda chunk: chunks.append((len(chunk), events[-1].done if events else 0)),
+            progress=events.append,
+        )
+        total = events[-1].total
+        assert sum(n for n, _ in chunks) == frames
+        assert max(n for n, _ in chunks) <= 4 * engine.decode_segment
+        assert chunks[0][1] < total  # the first frames left before the last tile was decoded
+
+
+def test_any_frame_count_and_size_round_trip(engine):
+    """Sizes and frame counts the model cannot take directly are padded inside and cropped back."""
+    video = torch.rand(6, 3, 21, 43)
+    out = run(engine, video, SRRequest(scale=2))
+    assert out.shape == (6, 3, 42, 86)
+    assert engine.output_size(21, 43, 2) == (42, 86)
+
+
+def test_progress_counts_every_tile_step_and_segment(engine):
+    events = []
+    run(engine, clip(2), SRRequest(scale=2, num_inference_steps=3), progress=events.append)
+    # 4 tiles x (3 steps + 2 decode segments of 3 latent frames).
+    assert events[-1].done == events[-1].total == 4 * (3 + 2)
+    assert [e.done for e in events] == sorted(e.done for e in events)
+    assert {e.stage for e in events} == {"denoise", "decode"}
+
+
+def test_cancellation_stops_between_steps(engine):
+    events, chunks = [], []
+    with pytest.raises(Cancelled):
+        engine.upscale(clip(2), SRRequest(scale=2), chunks.append, progress=events.append, cancelled=lambda: len(events) >= 3)
+    assert len(events) == 3
+    assert chunks == []
+
+
+@pytest.mark.parametrize("field", [{"scale": 3}, {"num_inference_steps": 0}, {"min_overlap": 1.0}, {"lq_noise_scale": 0}])
+def test_invalid_requests_are_refused(engine, field):
+    with pytest.raises(InvalidRequest):
+        run(engine, clip(2), SRRequest(**field))

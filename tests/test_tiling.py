@@ -1,0 +1,43 @@
+"""Our tile plan is the reference pipeline's plan: same positions, windows and sizes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import _hann_window_2d, _tile_positions
+
+from worker.sr.tiling import hann_window_2d, plan_tiles, tile_positions
+
+FULL_TILES = ((512, 512), (512, 768), (768, 512))
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.2, 0.5, 0.9])
+def test_positions_match_reference(overlap):
+    for length, tile, snap in itertools.product(range(16, 1200, 16), (128, 192, 256, 384), (4, 16)):
+        assert tile_positions(length, tile, overlap, snap) == _tile_positions(length, tile, overlap, snap)
+
+
+def test_hann_window_matches_reference_and_is_positive():
+    ours = hann_window_2d(512, 768)
+    assert torch.equal(ours, _hann_window_2d(512, 768, torch.device("cpu")))
+    assert ours.min() > 0
+
+
+@pytest.mark.parametrize(
+    ("scale", "tiles", "output", "tile"),
+    [(2, 9, (1024, 1536), (256, 384)), (2.25, 9, (1152, 1728), (256, 384)), (4, 25, (2048, 3072), (128, 192))],
+)
+def test_worked_case_768x512(scale, tiles, output, tile):
+    plan = plan_tiles(512, 768, scale, FULL_TILES, snap=16)
+    assert len(plan.tiles) == tiles
+    assert plan.output_size == output
+    assert (plan.tile_height, plan.tile_width) == tile
+    # Every output pixel is covered, and the weights never vanish.
+    assert plan.weight_map().min() > 0
+
+
+def test_too_small_input_is_refused():
+    with pytest.raises(ValueError, match="smaller than one"):
+        plan_tiles(128, 128, 2, FULL_TILES, snap=16)

@@ -1,0 +1,1 @@
+"""Reading source videos and writing MP4s with PyAV."""

@@ -1,0 +1,225 @@
+"""Kandinsky 6 SR checkpoints in the diffusers format: load them onto a device group, or write a tiny random one.
+
+Layout: `transformer/`, `vae/`, `scheduler/` and optionally `latent_upscaler/`, as `Kandinsky6SRPipeline.
+save_pretrained` writes it. The transformer, VAE and scheduler load with diffusers' own `from_pretrained`; the latent
+upscaler bank is built empty and filled from its safetensors with only the weights its `forward` uses, since the x2
+entry carries a 1.45 B-parameter backbone (2.9 GB in bf16) that is never run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.sr.attention import PROCESSORS
+from worker.sr.errors import CheckpointNotFound
+
+logger = logging.getLogger(__name__)
+
+HUB_ID = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
+CONFIG_FILES = {"transformer": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json"}
+SCHEDULERS = ("PiflowScheduler", "FlowMatchEulerDiscreteScheduler")
+# Submodules of each `Kandinsky6SRLatentUpscaler` that its `forward` never calls (diffusers 0.42.1, U:176-182 and
+# 236-237): the x2 entry only runs `mid_input_proj` + `x2_branch`; no entry runs the deep-supervision head.
+UNUSED_UPSCALER_MODULES = {
+    2: ("input_proj", "pre_blocks", "upsample_1", "mid_blocks", "mid_output_head", "upsample_2", "post_blocks", "output_proj"),
+    4: ("mid_output_head",),
+}
+HOW_TO_GET = (
+    f"Download the real weights with `huggingface-cli download {HUB_ID} --local-dir DIR` and pass that DIR, "
+    "or write a tiny random checkpoint for tests and demos with `vsrq checkpoint tiny DIR`."
+)
+
+
+@dataclass
+class Components:
+    """One replica of the model on one device."""
+
+    device: torch.device
+    transformer: nn.Module
+    vae: nn.Module
+    scheduler: object
+    latent_upscaler: nn.Module | None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    def modules(self) -> dict[str, nn.Module]:
+        named = {"transformer": self.transformer, "vae": self.vae, "latent_upscaler": self.latent_upscaler}
+        return {name: module for name, module in named.items() if module is not None}
+
+
+@dataclass
+class LoadReport:
+    source: str
+    rows: list[tuple[str, str, int]] = field(default_factory=list)  # (component, device, bytes)
+    skipped_bytes: int = 0  # weights in the checkpoint that were never read
+
+    def __str__(self) -> str:
+        lines = [f"loaded {self.source}"]
+        lines += [f"  {name:<16} {device:<8} {size / 2**20:12.3f} MiB" for name, device, size in self.rows]
+        lines.append(f"  not loaded (never used by forward): {self.skipped_bytes / 2**20:.3f} MiB")
+        return "\n".join(lines)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def resolve(source: str) -> Path:
+    """A local directory holding the checkpoint; hub ids are fetched (or found in the local cache)."""
+    path = Path(source).expanduser()
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        missing = [f"{name}/" for name, config in CONFIG_FILES.items() if not (path / name / config).exists()]
+        if missing:
+            raise CheckpointNotFound(f"No Kandinsky 6 SR checkpoint at '{path}': missing {', '.join(missing)}. {HOW_TO_GET}")
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(source, allow_patterns=[f"{name}/*" for name in (*CONFIG_FILES, "latent_upscaler")] + ["model_index.json"])
+        )
+    except Exception as exc:  # offline, unknown repo, auth: all mean "not here" to the user
+        raise CheckpointNotFound(
+            f"Could not get checkpoint '{source}' from the Hugging Face hub ({type(exc).__name__}). {HOW_TO_GET}"
+        ) from None
+
+
+def load(source: str, devices: list[torch.device], dtype: torch.dtype | None = None) -> tuple[list[Components], LoadReport]:
+    """Load one replica per distinct device (CPU 'devices' share one), in eval mode with the dense SDPA processor."""
+    import diffusers
+
+    path = resolve(source)
+    report = LoadReport(source=str(path))
+    replicas: dict[torch.device, Components] = {}
+    for device in devices:
+        if device in replicas:
+            continue
+        model_dtype = dtype or default_dtype(device)
+        transformer = diffusers.Kandinsky6SRTransformer3DModel.from_pretrained(path, subfolder="transformer", dtype=model_dtype)
+        transformer.set_attn_processor(PROCESSORS["sdpa"]())
+        vae = diffusers.Kandinsky6SRVAE.from_pretrained(path, subfolder="vae", dtype=model_dtype)
+        upscaler, skipped = _load_upscaler(path / "latent_upscaler", model_dtype)
+        report.skipped_bytes = skipped
+        replica = Components(
+            device=device,
+            transformer=transformer,
+            vae=vae,
+            scheduler=_load_scheduler(path),
+            latent_upscaler=upscaler,
+        )
+        for name, module in replica.modules().items():
+            module.requires_grad_(False).eval().to(device)
+            report.rows.append((name, str(device), module_bytes(module)))
+        replicas[device] = replica
+    logger.info("%s", report)
+    return [replicas[device] for device in devices], report
+
+
+def _load_scheduler(path: Path):
+    import diffusers
+
+    config = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
+    name = config.get("_class_name")
+    if name not in SCHEDULERS:
+        raise CheckpointNotFound(f"Unsupported scheduler {name!r} in '{path}/scheduler'; expected one of {SCHEDULERS}.")
+    return getattr(diffusers, name).from_pretrained(path, subfolder="scheduler")
+
+
+def _load_upscaler(path: Path, dtype: torch.dtype) -> tuple[nn.Module | None, int]:
+    """The bank without its unused submodules, reading only the weights it keeps. Returns (bank, bytes skipped)."""
+    if not (path / "config.json").exists():
+        return None, 0
+    from accelerate import init_empty_weights
+    from diffusers import Kandinsky6SRLatentUpscalerBank
+    from safetensors import safe_open
+
+    config = Kandinsky6SRLatentUpscalerBank.load_config(path)
+    with init_empty_weights():
+        bank = Kandinsky6SRLatentUpscalerBank.from_config(config)
+    for scale, model in zip(bank.config.scales, bank._models):
+        for name in UNUSED_UPSCALER_MODULES.get(scale, ()):
+            delattr(model, name)
+    wanted = set(bank.state_dict())
+    state, skipped = {}, 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            for key in weights.keys():
+                if key in wanted:
+                    state[key] = weights.get_tensor(key).to(dtype)
+                else:
+                    sliced = weights.get_slice(key)
+                    skipped += _numel(sliced.get_shape()) * dtype.itemsize
+    missing = wanted - state.keys()
+    if missing:
+        raise CheckpointNotFound(f"Latent upscaler at '{path}' lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}.")
+    bank.load_state_dict(state, strict=True, assign=True)
+    return bank, skipped
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def write_tiny(directory: Path, variant: str = "piflow", latent_upscaler: bool = True, seed: int = 0) -> Path:
+    """A tiny random checkpoint in the real format (the config diffusers' own tests use); fast on a CPU."""
+    import diffusers
+
+    if variant not in ("piflow", "flowmatch"):
+        raise ValueError(f"variant must be 'piflow' or 'flowmatch', got {variant!r}")
+    torch.manual_seed(seed)
+    latent_channels = 4
+    n_grid = 10
+    transformer = diffusers.Kandinsky6SRTransformer3DModel(
+        in_visual_dim=latent_channels,
+        out_visual_dim=latent_channels * (n_grid if variant == "piflow" else 1),
+        time_dim=16,
+        model_dim=24,
+        ff_dim=32,
+        num_visual_blocks=2,
+        axes_dims=(4, 4, 4),
+        tile_sizes=((32, 32), (32, 64), (64, 32)),
+    )
+    vae = diffusers.Kandinsky6SRVAE(
+        latent_channels=latent_channels,
+        encoder_block_out_channels=(4, 8, 8),
+        decoder_block_out_channels=(4, 8, 8),
+        layers_per_block=1,
+        temporal_compression_ratio=4,
+        temporal_compression_start_level=0,
+    )
+    upscaler = (
+        diffusers.Kandinsky6SRLatentUpscalerBank(
+            in_channels=latent_channels,
+            stage_channels=(8, 8, 4),
+            num_pre_blocks=1,
+            num_mid_blocks=1,
+            num_post_blocks=1,
+            num_x2_adapter_blocks=1,
+            scales=(2, 4),
+        )
+        if latent_upscaler
+        else None
+    )
+    scheduler = (
+        diffusers.PiflowScheduler(n_grid=n_grid)
+        if variant == "piflow"
+        else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.5)
+    )
+    pipeline = diffusers.Kandinsky6SRPipeline(transformer=transformer, vae=vae, scheduler=scheduler, latent_upscaler=upscaler)
+    pipeline.save_pretrained(directory)
+    return Path(directory)

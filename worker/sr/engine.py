@@ -1,0 +1,381 @@
+"""The tiled Kandinsky 6 SR executor.
+
+`SREngine.upscale` reads top to bottom like a diffusers `__call__`: pad, plan, noise, low-res latents, denoise,
+then a streaming decode that hands finished output frames to a sink. Compared with `Kandinsky6SRPipeline` it
+- spreads whole tiles over a device group (one replica per device; the host blends in tile order, so the output is
+  bit-identical whatever the device count),
+- draws every tile's noise from its own generator (output independent of tile batching and device count),
+- decodes all tiles in lockstep, one temporal segment at a time through each tile's causal cache, so only one
+  segment of the output canvas ever exists and peak memory does not grow with clip length,
+- computes attention with dense SDPA instead of eager flex attention (which materialises the score matrix).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+import torch.nn.functional as F
+
+from worker.sr import checkpoint, tiling
+from worker.sr.checkpoint import Components
+from worker.sr.errors import Cancelled, InvalidRequest
+from worker.sr.noise import NoiseMode, tile_noise
+from worker.sr.tiling import Tile, TilePlan
+
+# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1] on the CPU.
+FrameSink = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class SRRequest:
+    scale: float = 2
+    num_inference_steps: int = 2
+    seed: int = 42
+    min_overlap: float = 0.2
+    lq_noise_scale: float = 0.7
+    tiles_batch_size: int = 1
+    noise_mode: NoiseMode = NoiseMode.PER_TILE
+    # Extra seed material, e.g. the temporal window index of a long clip, so windows get unrelated noise.
+    noise_key: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        if self.scale not in tiling.SCALES:
+            raise InvalidRequest(f"scale must be one of {tiling.SCALES}, got {self.scale}")
+        if self.num_inference_steps < 1:
+            raise InvalidRequest(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if not 0.0 < self.lq_noise_scale <= 1.0:
+            raise InvalidRequest(f"lq_noise_scale must be in (0, 1], got {self.lq_noise_scale}")
+        if not 0.0 <= self.min_overlap < 1.0:
+            raise InvalidRequest(f"min_overlap must be in [0, 1), got {self.min_overlap}")
+        if self.tiles_batch_size < 1:
+            raise InvalidRequest(f"tiles_batch_size must be >= 1, got {self.tiles_batch_size}")
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str  # "encode", "denoise", "decode"
+    done: int  # work units done over the whole call: one per tile and step, one per tile and decode segment
+    total: int
+
+
+@dataclass
+class RunInfo:
+    """What one call did, for logs, job records and benchmarks."""
+
+    input_size: tuple[int, int]
+    output_size: tuple[int, int]
+    frames: int
+    padded_input: tuple[int, int, int]  # (frames, height, width) the model actually ran on
+    tiles: int
+    devices: list[str]
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = devices
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, stage: str, started: float) -> float:
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        now = perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - started
+        return now
+
+
+class SREngine:
+    """Runs Kandinsky 6 SR over a group of devices, each holding a replica of the model."""
+
+    def __init__(self, replicas: Sequence[Components], decode_segment: int = 4) -> None:
+        if not replicas:
+            raise ValueError("an engine needs at least one replica")
+        if decode_segment < 1:
+            raise ValueError("decode_segment must be >= 1 latent frame")
+        self.replicas = list(replicas)
+        self.decode_segment = decode_segment
+        first = self.replicas[0]
+        self.snap = first.vae.spatial_compression_ratio
+        self.frame_stride = first.vae.temporal_compression_ratio
+        self.tile_sizes = tuple(tuple(size) for size in first.transformer.config.tile_sizes)
+        self.scaling_factor = first.vae.config.scaling_factor
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="vsrq-device") if len(self.replicas) > 1 else None
+
+    @classmethod
+    def from_pretrained(cls, source: str, devices: Sequence[str | torch.device] = ("cpu",), **kwargs) -> SREngine:
+        replicas, _ = checkpoint.load(source, [torch.device(d) for d in devices], kwargs.pop("dtype", None))
+        return cls(replicas, **kwargs)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [replica.device for replica in self.replicas]
+
+    def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
+        """Size of the frames `upscale` emits for a `height` x `width` input."""
+        padded_height, padded_width = self._padded_size(height, width, scale)
+        out_height, out_width = tiling.plan_tiles(padded_height, padded_width, scale, self.tile_sizes, self.snap).output_size
+        return round(height * out_height / padded_height), round(width * out_width / padded_width)
+
+    @torch.no_grad()
+    def upscale(
+        self,
+        video: torch.Tensor,
+        request: SRRequest,
+        sink: FrameSink,
+        progress: Callable[[Progress], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> RunInfo:
+        """Upscale `video` ((F, 3, H, W) float in [0, 1], any F >= 1 and any size) and stream the result to `sink`."""
+        request.validate()
+        if video.ndim != 4 or video.shape[1] != 3:
+            raise InvalidRequest(f"video must be (frames, 3, height, width), got {tuple(video.shape)}")
+        clock = _Clock(self.devices)
+        started = perf_counter()
+        num_frames, _, height, width = video.shape
+        home = self.replicas[0]
+        dtype = home.dtype
+        tracker = _Tracker(progress, cancelled)
+
+        # 1. Pad to the model's shape: 1 + 4k frames, sizes a multiple of the VAE factor and at least one tile
+        video = self._pad(video, request.scale)
+        padded_frames, _, padded_height, padded_width = video.shape
+        video = (2.0 * video - 1.0).permute(1, 0, 2, 3).unsqueeze(0).to(home.device)  # (1, 3, F, H, W) in [-1, 1]
+
+        # 2. Plan the tiles (after the x2.25 bilinear pre-upscale) and assign them to devices
+        plan = tiling.plan_tiles(padded_height, padded_width, request.scale, self.tile_sizes, self.snap, request.min_overlap)
+        if (plan.height, plan.width) != (padded_height, padded_width):
+            frames = F.interpolate(video[0].transpose(0, 1), size=(plan.height, plan.width), mode="bilinear", align_corners=False)
+            video = frames.transpose(0, 1).unsqueeze(0)
+        assignment = _assign(plan.tiles, len(self.replicas))
+        latent_frames = (padded_frames - 1) // self.frame_stride + 1
+        tracker.total = len(plan.tiles) * (request.num_inference_steps + len(self._segments(latent_frames)))
+
+        # 3. Starting noise of every tile, drawn on the CPU
+        latent_shape = (1, latent_frames, plan.base_height // self.snap, plan.base_width // self.snap, home.transformer.config.in_visual_dim)
+        noise = tile_noise(
+            request.noise_mode,
+            request.seed,
+            latent_shape,
+            len(plan.tiles),
+            dtype,
+            key=request.noise_key,
+            chunk_size=request.tiles_batch_size,
+        )
+
+        # 4. Low-resolution latent tiles at the trained tile size
+        tracker.stage = "encode"
+        lq_latents = self._low_res_latents(video, plan, assignment)
+        started = clock.lap("encode", started)
+
+        # 5. Denoise every tile on its device
+        tracker.stage = "denoise"
+        latents = self._on_devices(
+            assignment, lambda replica, tiles: self._denoise(replica, tiles, lq_latents, noise, request, tracker)
+        )
+        del lq_latents
+        started = clock.lap("denoise", started)
+
+        # 6. Decode all tiles segment by segment, blend each segment and hand its frames to the sink
+        tracker.stage = "decode"
+        out_height, out_width = self.output_size(height, width, request.scale)
+        emitted = 0
+        for segment in self._decode_and_blend(plan, assignment, latents, tracker):
+            segment = segment[: num_frames - emitted, :, :out_height, :out_width]
+            if len(segment):
+                sink(segment)
+                emitted += len(segment)
+        clock.lap("decode", started)
+
+        return RunInfo(
+            input_size=(height, width),
+            output_size=(out_height, out_width),
+            frames=emitted,
+            padded_input=(padded_frames, padded_height, padded_width),
+            tiles=len(plan.tiles),
+            devices=[str(device) for device in self.devices],
+            stage_seconds=clock.seconds,
+        )
+
+    # --- step 1 -----------------------------------------------------------------------------------------------
+
+    def _padded_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
+        def up(size: int) -> int:
+            return -(-size // self.snap) * self.snap
+
+        min_height, min_width = tiling.min_input_size(up(height), up(width), scale, self.tile_sizes)
+        if scale == 2.25:  # the tile must fit after the x1.125 pre-upscale
+            min_height, min_width = (up(math.ceil(size / tiling.PRE_UPSCALE_2_25)) for size in (min_height, min_width))
+        return max(up(height), min_height), max(up(width), min_width)
+
+    def _pad(self, video: torch.Tensor, scale: float) -> torch.Tensor:
+        """Replicate the last frame up to 1 + 4k frames; mirror the edges out to the padded size."""
+        num_frames, _, height, width = video.shape
+        extra_frames = -(num_frames - 1) % self.frame_stride
+        if extra_frames:
+            video = torch.cat([video, video[-1:].expand(extra_frames, -1, -1, -1)])
+        padded_height, padded_width = self._padded_size(height, width, scale)
+        pad_bottom, pad_right = padded_height - height, padded_width - width
+        if pad_bottom or pad_right:
+            mode = "reflect" if pad_bottom < height and pad_right < width else "replicate"
+            video = F.pad(video, (0, pad_right, 0, pad_bottom), mode=mode)
+        return video
+
+    # --- step 4 -----------------------------------------------------------------------------------------------
+
+    def _low_res_latents(
+        self, video: torch.Tensor, plan: TilePlan, assignment: dict[int, list[Tile]]
+    ) -> dict[int, torch.Tensor]:
+        """(1, C, T, h, w) latents per tile index, on the tile's device, in the model dtype."""
+        home = self.replicas[0]
+        upscaler = home.latent_upscaler
+        if upscaler is not None and plan.tiling_scale in upscaler.config.scales:
+            # Encode the whole video once, crop each tile's latents and upscale them in latent space.
+            whole = self._encode(home, video)
+
+            def upscale(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
+                return {
+                    tile.index: replica.latent_upscaler(
+                        whole[(..., *plan.latent_box(tile))].to(replica.device), scale=plan.tiling_scale, return_dict=False
+                    )[0].to(replica.dtype)
+                    for tile in tiles
+                }
+
+            return self._on_devices(assignment, upscale)
+
+        def encode(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
+            encoded = {}
+            for tile in tiles:
+                pixels = video[(..., *plan.input_box(tile))].to(replica.device)[0].transpose(0, 1)
+                pixels = F.interpolate(pixels, size=(plan.base_height, plan.base_width), mode="bilinear", align_corners=False)
+                encoded[tile.index] = self._encode(replica, pixels.transpose(0, 1).unsqueeze(0)).to(replica.dtype)
+            return encoded
+
+        return self._on_devices(assignment, encode)
+
+    def _encode(self, replica: Components, video: torch.Tensor) -> torch.Tensor:
+        # The K-VAE was trained on `pixels / 128 - 1`, not the `pixels / 127.5 - 1` the input is in.
+        video = (video.to(replica.vae.dtype) + 1) * (127.5 / 128) - 1
+        return replica.vae.encode(video, return_dict=False)[0].mode() * self.scaling_factor
+
+    # --- step 5 -----------------------------------------------------------------------------------------------
+
+    def _denoise(
+        self,
+        replica: Components,
+        tiles: list[Tile],
+        lq_latents: dict[int, torch.Tensor],
+        noise: list[torch.Tensor],
+        request: SRRequest,
+        tracker: _Tracker,
+    ) -> dict[int, torch.Tensor]:
+        """Denoised (1, T, h, w, C) latents per tile index."""
+        device, dtype = replica.device, replica.dtype
+        scheduler = replica.scheduler.__class__.from_config(replica.scheduler.config)  # step state is per thread
+        out: dict[int, torch.Tensor] = {}
+        for start in range(0, len(tiles), request.tiles_batch_size):
+            chunk = tiles[start : start + request.tiles_batch_size]
+            # The transformer works on (batch, frames, height, width, channels).
+            lq = torch.cat([lq_latents[tile.index] for tile in chunk]).permute(0, 2, 3, 4, 1)
+            eps = torch.cat([noise[tile.index] for tile in chunk]).to(device)
+            latents = math.sqrt(1 - request.lq_noise_scale**2) * lq + request.lq_noise_scale * eps
+            scheduler.set_timesteps(request.num_inference_steps, device=device)
+            # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
+            anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
+            for t in scheduler.timesteps:
+                tracker.check()  # between steps: a full-size step takes seconds
+                model_input = torch.cat([latents, anchor], dim=-1)
+                # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in the
+                # timestep MLP and change the low bits with the batch size.
+                prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
+                latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+                tracker.advance(len(chunk))
+            out.update({tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)})
+        return out
+
+    # --- step 6 -----------------------------------------------------------------------------------------------
+
+    def _segments(self, latent_frames: int) -> list[slice]:
+        """Latent-frame slices decoded one after another; the leading frame alone yields one pixel frame."""
+        bounds = [0, 1, *range(1 + self.decode_segment, latent_frames, self.decode_segment), latent_frames]
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    def _decode_and_blend(
+        self,
+        plan: TilePlan,
+        assignment: dict[int, list[Tile]],
+        latents: dict[int, torch.Tensor],
+        tracker: _Tracker,
+    ) -> Iterator[torch.Tensor]:
+        """Yield blended output frames, (n, 3, H, W) in [0, 1], one decode segment at a time."""
+        caches = {tile.index: self.replicas[0].vae.decoder.make_cache() for tile in plan.tiles}
+        windows = {replica.device: plan.window(replica.device) for replica in self.replicas}
+        weights = plan.weight_map()
+        z = {index: latent.permute(0, 4, 1, 2, 3) for index, latent in latents.items()}  # (1, C, T, h, w)
+
+        def decode(replica: Components, tiles: list[Tile], segment: slice) -> dict[int, torch.Tensor]:
+            vae, weighted = replica.vae, {}
+            for tile in tiles:
+                tracker.check()
+                frames = vae.decoder(z[tile.index][:, :, segment].to(vae.dtype) / self.scaling_factor, caches[tile.index])
+                frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
+                weighted[tile.index] = (frames[0] * windows[replica.device]).cpu()
+                tracker.advance(1)
+            return weighted
+
+        for segment in self._segments(next(iter(z.values())).shape[2]):
+            weighted = self._on_devices(assignment, lambda replica, tiles: decode(replica, tiles, segment))
+            frames = next(iter(weighted.values())).shape[1]
+            canvas = torch.zeros((3, frames, *plan.output_size))
+            for tile in plan.tiles:  # tile order, whatever device ran it: the sum is device-count independent
+                canvas[(..., *plan.output_box(tile))] += weighted[tile.index]
+            video = (canvas / weights).clamp(-1, 1)
+            yield (video * 0.5 + 0.5).clamp(0, 1).transpose(0, 1)
+
+    # --- the device group -------------------------------------------------------------------------------------
+
+    def _on_devices(self, assignment: dict[int, list[Tile]], work: Callable) -> dict:
+        """Run `work(replica, tiles)` for every device at once; merge the per-tile dicts they return."""
+        jobs = [(self.replicas[slot], tiles) for slot, tiles in assignment.items() if tiles]
+        if self._pool is None or len(jobs) == 1:
+            results = [work(replica, tiles) for replica, tiles in jobs]
+        else:
+            results = [future.result() for future in [self._pool.submit(work, r, t) for r, t in jobs]]
+        return {key: value for result in results for key, value in result.items()}
+
+
+def _assign(tiles: Sequence[Tile], slots: int) -> dict[int, list[Tile]]:
+    """Contiguous, balanced runs of tiles per device slot."""
+    per_slot, extra = divmod(len(tiles), slots)
+    assignment, start = {}, 0
+    for slot in range(slots):
+        count = per_slot + (slot < extra)
+        assignment[slot] = list(tiles[start : start + count])
+        start += count
+    return assignment
+
+
+class _Tracker:
+    """Thread-safe progress counting and the cancellation check between tiles."""
+
+    def __init__(self, progress: Callable[[Progress], None] | None, cancelled: Callable[[], bool] | None) -> None:
+        self.progress, self.cancelled = progress, cancelled
+        self.stage, self.done, self.total = "encode", 0, 0
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        if self.cancelled is not None and self.cancelled():
+            raise Cancelled("the job was cancelled")
+
+    def advance(self, units: int) -> None:
+        with self._lock:
+            self.done += units
+            event = Progress(self.stage, self.done, self.total)
+        if self.progress is not None:
+            self.progress(event)

@@ -1,0 +1,146 @@
+"""The spatial tile plan: where tiles sit, how big they are, and how they blend.
+
+It reproduces `Kandinsky6SRPipeline`'s plan exactly (same tile size choice, positions and Hann window), so the
+engine's output can be compared with the reference bit for bit; only the execution around it is ours.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SCALES = (2, 2.25, 4)
+# The x2.25 route bilinearly pre-upscales the input by this factor, then runs the x2 path.
+PRE_UPSCALE_2_25 = 1.125
+
+
+@dataclass(frozen=True)
+class Tile:
+    index: int
+    top: int  # input-pixel coordinates (after any pre-upscale)
+    left: int
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Tile grid of one video at one scale."""
+
+    scale: float  # what the user asked for: 2, 2.25 or 4
+    tiling_scale: int  # what the model does per tile: 2 or 4
+    height: int  # model input size, after the x2.25 pre-upscale
+    width: int
+    tile_height: int  # input tile
+    tile_width: int
+    base_height: int  # output tile: one of the trained tile sizes
+    base_width: int
+    snap: int  # VAE spatial factor: tiles align to the latent grid
+    tiles: tuple[Tile, ...]
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        return self.height * self.tiling_scale, self.width * self.tiling_scale
+
+    def output_box(self, tile: Tile) -> tuple[slice, slice]:
+        top, left = tile.top * self.tiling_scale, tile.left * self.tiling_scale
+        return slice(top, top + self.base_height), slice(left, left + self.base_width)
+
+    def input_box(self, tile: Tile) -> tuple[slice, slice]:
+        return slice(tile.top, tile.top + self.tile_height), slice(tile.left, tile.left + self.tile_width)
+
+    def latent_box(self, tile: Tile) -> tuple[slice, slice]:
+        rows, cols = self.input_box(tile)
+        return slice(rows.start // self.snap, rows.stop // self.snap), slice(cols.start // self.snap, cols.stop // self.snap)
+
+    def window(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return hann_window_2d(self.base_height, self.base_width, device)
+
+    def weight_map(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Sum of all tiles' windows over the output canvas, accumulated in tile order like the reference."""
+        weights = torch.zeros(self.output_size, device=device)
+        window = self.window(device)
+        for tile in self.tiles:
+            weights[self.output_box(tile)] += window
+        return weights
+
+
+def tile_positions(length: int, tile: int, min_overlap: float, snap: int) -> list[int]:
+    """Evenly spread, `snap`-aligned starts covering `[0, length - tile]`, neighbours sharing >= `min_overlap`."""
+    if tile >= length:
+        return [0]
+    span = (length - tile) // snap
+    max_stride = max(1, math.floor(tile * (1.0 - min_overlap) / snap))
+    count = math.ceil(span / max_stride) + 1
+    return [round(index * span / (count - 1)) * snap for index in range(count)]
+
+
+def hann_window_2d(height: int, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Separable Hann window without its zero ends, so an area one tile alone covers keeps a positive weight."""
+    window_y = torch.hann_window(height + 2, device=device)[1:-1]
+    window_x = torch.hann_window(width + 2, device=device)[1:-1]
+    return window_y[:, None] * window_x[None, :]
+
+
+def split_scale(scale: float) -> tuple[int, float]:
+    """(model scale per tile, pixel pre-upscale factor) for a user-facing scale."""
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale}")
+    return (2, PRE_UPSCALE_2_25) if scale == 2.25 else (int(scale), 1.0)
+
+
+def pre_upscaled_size(height: int, width: int, pre_upscale: float, snap: int) -> tuple[int, int]:
+    return round(height * pre_upscale / snap) * snap, round(width * pre_upscale / snap) * snap
+
+
+def choose_base_tile(height: int, width: int, tile_sizes: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """The trained tile size whose aspect ratio is closest to the video's."""
+    return min(tile_sizes, key=lambda hw: abs(hw[1] / hw[0] - width / height))
+
+
+def min_input_size(
+    height: int, width: int, scale: float, tile_sizes: tuple[tuple[int, int], ...]
+) -> tuple[int, int]:
+    """Smallest model-input (height, width) that holds one tile, for a video of this aspect ratio."""
+    tiling_scale, _ = split_scale(scale)
+    base_height, base_width = choose_base_tile(height, width, tile_sizes)
+    return base_height // tiling_scale, base_width // tiling_scale
+
+
+def plan_tiles(
+    height: int,
+    width: int,
+    scale: float,
+    tile_sizes: tuple[tuple[int, int], ...],
+    snap: int,
+    min_overlap: float = 0.2,
+) -> TilePlan:
+    """Plan the tiles of a `height` x `width` input (before the x2.25 pre-upscale; sizes multiples of `snap`)."""
+    if not 0.0 <= min_overlap < 1.0:
+        raise ValueError(f"min_overlap must be in [0, 1), got {min_overlap}")
+    if height % snap or width % snap:
+        raise ValueError(f"input size {height}x{width} must be a multiple of {snap}")
+    tiling_scale, pre_upscale = split_scale(scale)
+    if pre_upscale != 1.0:
+        height, width = pre_upscaled_size(height, width, pre_upscale, snap)
+    base_height, base_width = choose_base_tile(height, width, tile_sizes)
+    if base_height % (snap * tiling_scale) or base_width % (snap * tiling_scale):
+        raise ValueError(f"tile size {(base_height, base_width)} is not divisible by {snap * tiling_scale}")
+    tile_height, tile_width = base_height // tiling_scale, base_width // tiling_scale
+    if height < tile_height or width < tile_width:
+        raise ValueError(f"input {height}x{width} is smaller than one {tile_height}x{tile_width} tile at x{scale}")
+    tops = tile_positions(height, tile_height, min_overlap, snap)
+    lefts = tile_positions(width, tile_width, min_overlap, snap)
+    tiles = tuple(Tile(i, top, left) for i, (top, left) in enumerate((t, l) for t in tops for l in lefts))
+    return TilePlan(
+        scale=scale,
+        tiling_scale=tiling_scale,
+        height=height,
+        width=width,
+        tile_height=tile_height,
+        tile_width=tile_width,
+        base_height=base_height,
+        base_width=base_width,
+        snap=snap,
+        tiles=tiles,
+    )
