@@ -16,6 +16,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -28,7 +29,7 @@ from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.noise import NoiseMode, tile_noise
 from worker.sr.tiling import Tile, TilePlan
 
-# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1] on the CPU.
+# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the engine's first device.
 FrameSink = Callable[[torch.Tensor], None]
 
 
@@ -313,10 +314,15 @@ class SREngine:
         latents: dict[int, torch.Tensor],
         tracker: _Tracker,
     ) -> Iterator[torch.Tensor]:
-        """Yield blended output frames, (n, 3, H, W) in [0, 1], one decode segment at a time."""
+        """Yield blended output frames, (n, 3, H, W) in [0, 1], one decode segment at a time.
+
+        The canvas of one segment lives on the first device; each device weights its tiles by the window before
+        they travel, and the canvas adds them in tile order, so the sum does not depend on the device count.
+        """
+        home = self.replicas[0].device
         caches = {tile.index: self.replicas[0].vae.decoder.make_cache() for tile in plan.tiles}
         windows = {replica.device: plan.window(replica.device) for replica in self.replicas}
-        weights = plan.weight_map()
+        weights = plan.weight_map(home)
         z = {index: latent.permute(0, 4, 1, 2, 3) for index, latent in latents.items()}  # (1, C, T, h, w)
 
         def decode(replica: Components, tiles: list[Tile], segment: slice) -> dict[int, torch.Tensor]:
@@ -325,16 +331,16 @@ class SREngine:
                 tracker.check()
                 frames = vae.decoder(z[tile.index][:, :, segment].to(vae.dtype) / self.scaling_factor, caches[tile.index])
                 frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
-                weighted[tile.index] = (frames[0] * windows[replica.device]).cpu()
+                weighted[tile.index] = frames[0] * windows[replica.device]
                 tracker.advance(1)
             return weighted
 
         for segment in self._segments(next(iter(z.values())).shape[2]):
             weighted = self._on_devices(assignment, lambda replica, tiles: decode(replica, tiles, segment))
             frames = next(iter(weighted.values())).shape[1]
-            canvas = torch.zeros((3, frames, *plan.output_size))
-            for tile in plan.tiles:  # tile order, whatever device ran it: the sum is device-count independent
-                canvas[(..., *plan.output_box(tile))] += weighted[tile.index]
+            canvas = torch.zeros((3, frames, *plan.output_size), device=home)
+            for tile in plan.tiles:
+                canvas[(..., *plan.output_box(tile))] += weighted.pop(tile.index).to(home)
             video = (canvas / weights).clamp(-1, 1)
             yield (video * 0.5 + 0.5).clamp(0, 1).transpose(0, 1)
 
@@ -343,10 +349,16 @@ class SREngine:
     def _on_devices(self, assignment: dict[int, list[Tile]], work: Callable) -> dict:
         """Run `work(replica, tiles)` for every device at once; merge the per-tile dicts they return."""
         jobs = [(self.replicas[slot], tiles) for slot, tiles in assignment.items() if tiles]
+
+        def on_device(replica: Components, tiles: list[Tile]) -> dict:
+            # Tensors a component creates without naming a device must land on this replica's GPU.
+            with torch.cuda.device(replica.device) if replica.device.type == "cuda" else nullcontext():
+                return work(replica, tiles)
+
         if self._pool is None or len(jobs) == 1:
-            results = [work(replica, tiles) for replica, tiles in jobs]
+            results = [on_device(replica, tiles) for replica, tiles in jobs]
         else:
-            results = [future.result() for future in [self._pool.submit(work, r, t) for r, t in jobs]]
+            results = [future.result() for future in [self._pool.submit(on_device, r, t) for r, t in jobs]]
         return {key: value for result in results for key, value in result.items()}
 
 
