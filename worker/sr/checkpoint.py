@@ -148,9 +148,7 @@ def _load_upscaler(path: Path, dtype: torch.dtype) -> tuple[nn.Module | None, in
     config = Kandinsky6SRLatentUpscalerBank.load_config(path)
     with init_empty_weights():
         bank = Kandinsky6SRLatentUpscalerBank.from_config(config)
-    for scale, model in zip(bank.config.scales, bank._models):
-        for name in UNUSED_UPSCALER_MODULES.get(scale, ()):
-            delattr(model, name)
+    prune_upscaler(bank)
     wanted = set(bank.state_dict())
     state, skipped = {}, 0
     for file in sorted(path.glob("*.safetensors")):
@@ -168,6 +166,14 @@ def _load_upscaler(path: Path, dtype: torch.dtype) -> tuple[nn.Module | None, in
     return bank, skipped
 
 
+def prune_upscaler(bank: nn.Module) -> nn.Module:
+    """Drop the submodules of each upscaler that its `forward` never calls."""
+    for scale, model in zip(bank.config.scales, bank._models):
+        for name in UNUSED_UPSCALER_MODULES.get(scale, ()):
+            delattr(model, name)
+    return bank
+
+
 def _numel(shape: list[int]) -> int:
     count = 1
     for size in shape:
@@ -175,35 +181,34 @@ def _numel(shape: list[int]) -> int:
     return count
 
 
-def write_tiny(directory: Path, variant: str = "piflow", latent_upscaler: bool = True, seed: int = 0) -> Path:
-    """A tiny random checkpoint in the real format (the config diffusers' own tests use); fast on a CPU."""
+def tiny_components(variant: str = "piflow", latent_upscaler: bool = True, seed: int = 0) -> dict:
+    """Random components in the tiny configuration diffusers' own tests use; fast on a CPU."""
     import diffusers
 
     if variant not in ("piflow", "flowmatch"):
         raise ValueError(f"variant must be 'piflow' or 'flowmatch', got {variant!r}")
     torch.manual_seed(seed)
-    latent_channels = 4
-    n_grid = 10
-    transformer = diffusers.Kandinsky6SRTransformer3DModel(
-        in_visual_dim=latent_channels,
-        out_visual_dim=latent_channels * (n_grid if variant == "piflow" else 1),
-        time_dim=16,
-        model_dim=24,
-        ff_dim=32,
-        num_visual_blocks=2,
-        axes_dims=(4, 4, 4),
-        tile_sizes=((32, 32), (32, 64), (64, 32)),
-    )
-    vae = diffusers.Kandinsky6SRVAE(
-        latent_channels=latent_channels,
-        encoder_block_out_channels=(4, 8, 8),
-        decoder_block_out_channels=(4, 8, 8),
-        layers_per_block=1,
-        temporal_compression_ratio=4,
-        temporal_compression_start_level=0,
-    )
-    upscaler = (
-        diffusers.Kandinsky6SRLatentUpscalerBank(
+    latent_channels, n_grid = 4, 10
+    return {
+        "transformer": diffusers.Kandinsky6SRTransformer3DModel(
+            in_visual_dim=latent_channels,
+            out_visual_dim=latent_channels * (n_grid if variant == "piflow" else 1),
+            time_dim=16,
+            model_dim=24,
+            ff_dim=32,
+            num_visual_blocks=2,
+            axes_dims=(4, 4, 4),
+            tile_sizes=((32, 32), (32, 64), (64, 32)),
+        ),
+        "vae": diffusers.Kandinsky6SRVAE(
+            latent_channels=latent_channels,
+            encoder_block_out_channels=(4, 8, 8),
+            decoder_block_out_channels=(4, 8, 8),
+            layers_per_block=1,
+            temporal_compression_ratio=4,
+            temporal_compression_start_level=0,
+        ),
+        "latent_upscaler": diffusers.Kandinsky6SRLatentUpscalerBank(
             in_channels=latent_channels,
             stage_channels=(8, 8, 4),
             num_pre_blocks=1,
@@ -213,13 +218,16 @@ def write_tiny(directory: Path, variant: str = "piflow", latent_upscaler: bool =
             scales=(2, 4),
         )
         if latent_upscaler
-        else None
-    )
-    scheduler = (
-        diffusers.PiflowScheduler(n_grid=n_grid)
+        else None,
+        "scheduler": diffusers.PiflowScheduler(n_grid=n_grid)
         if variant == "piflow"
-        else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.5)
-    )
-    pipeline = diffusers.Kandinsky6SRPipeline(transformer=transformer, vae=vae, scheduler=scheduler, latent_upscaler=upscaler)
-    pipeline.save_pretrained(directory)
+        else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.5),
+    }
+
+
+def write_tiny(directory: Path, variant: str = "piflow", latent_upscaler: bool = True, seed: int = 0) -> Path:
+    """Save `tiny_components` in the real checkpoint format, as `Kandinsky6SRPipeline.save_pretrained` does."""
+    import diffusers
+
+    diffusers.Kandinsky6SRPipeline(**tiny_components(variant, latent_upscaler, seed)).save_pretrained(directory)
     return Path(directory)

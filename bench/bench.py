@@ -1,0 +1,309 @@
+"""Side-by-side benchmark: diffusers' `Kandinsky6SRPipeline` vs the vsrq engine, same GPU(s), same process.
+
+Full-size configuration with random bf16 weights (compute does not depend on the values). Every phase appends one
+JSON line to --out as soon as it is measured, so a run cut short still reports what it finished.
+
+    python bench/bench.py --phases ref:W1,ours:W1:cuda:0,ours:W1:cuda:0+cuda:1,batch:W1short:2 --hot 2 --out r.jsonl
+
+Phases:
+  ref:WL              the reference pipeline: one cold run, --hot hot runs (every ref: phase must come first)
+  ours:WL:DEVICES     the engine + MP4 encoding, cold + hot; then, if ref:WL ran, one run in reference noise mode
+                      compared with the reference output; bit-identity against the first ours:WL phase
+  batch:WL:N          tile batch N vs 1 on the first device: bit-identity
+`--tiny` runs the same phases on the CPU with the tiny configuration, so CI keeps this script working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import diffusers  # noqa: E402
+
+from worker.media.synthetic import pattern  # noqa: E402
+from worker.media.writer import Mp4Writer  # noqa: E402
+from worker.sr import tiling  # noqa: E402
+from worker.sr.attention import DenseSDPAProcessor  # noqa: E402
+from worker.sr.checkpoint import Components, module_bytes, prune_upscaler, tiny_components  # noqa: E402
+from worker.sr.engine import SREngine, SRRequest  # noqa: E402
+from worker.sr.noise import NoiseMode  # noqa: E402
+
+WORKLOADS = {  # (height, width, frames, scale)
+    "W1": (512, 768, 121, 2),
+    "W1x4": (512, 768, 121, 4),
+    "W2": (256, 384, 33, 2),
+    "W3": (512, 768, 481, 2),
+    "W1short": (512, 768, 17, 2),  # W1's 9 tiles on 17 frames: cheap bit-identity checks
+}
+SEED = 42
+# FLOPs of one W1 tile (512x768 output, 121 frames, 47,616 tokens) from ../shared/docs/kandinsky6-sr.md, in TF.
+W1_TOKENS, W1_ATTENTION, W1_LINEAR, W1_DECODE, W1_ENCODE, W1_UPSCALE = 47_616, 520.0, 118.0, 837.6, 96.3, 22.6
+
+
+def stage_tflop(height: int, width: int, frames: int, scale: float, tile_sizes, snap: int) -> dict[str, float]:
+    """TFLOP per stage, scaled from the W1 counts: attention ~ tokens^2, everything else ~ size."""
+    plan = tiling.plan_tiles(height, width, scale, tile_sizes, snap)
+    tokens = ((frames - 1) // 4 + 1) * (plan.base_height // snap) * (plan.base_width // snap)
+    ratio = tokens / W1_TOKENS
+    tiles = len(plan.tiles)
+    return {
+        "dit": tiles * 2 * (W1_ATTENTION * ratio**2 + W1_LINEAR * ratio),
+        "decode": tiles * W1_DECODE * ratio,
+        "encode": W1_ENCODE * frames * height * width / (121 * 512 * 768),
+        "latent_upscale": tiles * W1_UPSCALE * ratio,
+    }
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StageTimer:
+    """Device-synchronised seconds per model stage, from forward hooks; summed over devices (GPU-seconds)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._started: dict[tuple[int, int], float] = {}  # (module, thread): CPU replicas share modules
+
+    def attach(self, module: torch.nn.Module, stage: str, device: torch.device) -> None:
+        def before(*_) -> None:
+            synchronize(device)
+            self._started[(id(module), threading.get_ident())] = time.perf_counter()
+
+        def after(*_) -> None:
+            synchronize(device)
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - self._started.pop((id(module), threading.get_ident()))
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+
+    def take(self) -> dict[str, float]:
+        seconds, self.seconds = self.seconds, {}
+        return {stage: round(value, 3) for stage, value in seconds.items()}
+
+
+def build(device: torch.device, tiny: bool) -> dict:
+    """Random components: full size in bf16 (fp32 where diffusers keeps them fp32), or tiny in fp32."""
+    if tiny:
+        parts = tiny_components()
+    else:
+        torch.manual_seed(SEED)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                parts = {
+                    "transformer": diffusers.Kandinsky6SRTransformer3DModel(),
+                    "vae": diffusers.Kandinsky6SRVAE(),
+                    "latent_upscaler": diffusers.Kandinsky6SRLatentUpscalerBank(),
+                    "scheduler": diffusers.PiflowScheduler(),
+                }
+        finally:
+            torch.set_default_dtype(previous)
+        keep = parts["transformer"]._keep_in_fp32_modules
+        for name, module in parts["transformer"].named_modules():
+            if name.split(".")[-1] in keep:
+                module.float()
+        parts["transformer"].pooled_bias.data = parts["transformer"].pooled_bias.data.float()
+    parts["transformer"].set_attn_processor(DenseSDPAProcessor())
+    for name in ("transformer", "vae", "latent_upscaler"):
+        parts[name].to(device).eval().requires_grad_(False)
+    return parts
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = (a.float() - b.float()).pow(2).mean().item()
+    return 99.0 if mse == 0 else round(10 * torch.log10(torch.tensor(1.0 / mse)).item(), 2)
+
+
+class Bench:
+    def __init__(self, out: Path, hot: int, tiny: bool) -> None:
+        self.out, self.hot, self.tiny = out, hot, tiny
+        self.home = torch.device("cpu" if tiny else "cuda:0")
+        self.timer = StageTimer()
+        self.parts = build(self.home, tiny)
+        self.snap = self.parts["vae"].spatial_compression_ratio
+        self.tile_sizes = tuple(tuple(size) for size in self.parts["transformer"].config.tile_sizes)
+        self.replicas: dict[torch.device, Components] = {}
+        self.reference_frames: dict[str, torch.Tensor] = {}
+        self.first_ours: dict[str, torch.Tensor] = {}
+        self._attach(self.parts, self.home)
+        self.emit({"phase": "build", "bytes": {name: module_bytes(self.parts[name]) for name in ("transformer", "vae", "latent_upscaler")}})
+
+    def _attach(self, parts: dict, device: torch.device) -> None:
+        for module, stage in ((parts["transformer"], "dit"), (parts["vae"].decoder, "decode"), (parts["vae"].encoder, "encode"), (parts["latent_upscaler"], "latent_upscale")):
+            self.timer.attach(module, stage, device)
+
+    def emit(self, record: dict) -> None:
+        record |= {
+            "device": "cpu (tiny)" if self.tiny else torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+        line = json.dumps(record)
+        print(line, flush=True)
+        with self.out.open("a") as file:
+            file.write(line + "\n")
+
+    def workload(self, name: str) -> tuple[int, int, int, float]:
+        height, width, frames, scale = WORKLOADS[name]
+        if self.tiny:  # the tiny VAE is x4 spatially (the real one x16), the tiny tiles 16x smaller
+            height, width, frames = height // 16, width // 16, min(frames, 9)
+        return height, width, frames, scale
+
+    def reset_peaks(self, devices: list[torch.device]) -> None:
+        for device in devices:
+            synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+
+    def peaks(self, devices: list[torch.device]) -> dict[str, float]:
+        return {str(d): round(torch.cuda.max_memory_reserved(d) / 2**30, 2) for d in devices if d.type == "cuda"}
+
+    # --- phases -------------------------------------------------------------------------------------------------
+
+    def reference(self, name: str) -> None:
+        if self.replicas:
+            raise SystemExit("every ref: phase must come before the first ours: phase (ours drops unused weights)")
+        height, width, frames, scale = self.workload(name)
+        pipe = diffusers.Kandinsky6SRPipeline(**self.parts)
+        pipe.set_progress_bar_config(disable=True)
+        video = pattern(frames, height, width)[None]
+        runs, stages, output = [], [], None
+        for _ in range(1 + self.hot):
+            self.reset_peaks([self.home])
+            started = time.perf_counter()
+            output = pipe(video=video, resolution_scale=scale, num_inference_steps=2, generator=torch.Generator().manual_seed(SEED), output_type="pt").frames[0]
+            synchronize(self.home)
+            runs.append(time.perf_counter() - started)
+            stages.append(self.timer.take())
+        self.reference_frames[name] = output.cpu()
+        del output
+        self.emit(self.summary("diffusers-reference", name, runs, stages, self.peaks([self.home]), [self.home]))
+
+    def engine(self, devices: list[torch.device]) -> SREngine:
+        if not self.replicas:
+            prune_upscaler(self.parts["latent_upscaler"])
+            if self.home.type == "cuda":
+                torch.cuda.empty_cache()
+        for device in devices:
+            if device in self.replicas:
+                continue
+            parts = self.parts
+            if device != self.home:
+                parts = build(device, self.tiny)
+                prune_upscaler(parts["latent_upscaler"])
+                for key in ("transformer", "vae", "latent_upscaler"):
+                    parts[key].load_state_dict(self.parts[key].state_dict())
+                self._attach(parts, device)
+            self.replicas[device] = Components(device, parts["transformer"], parts["vae"], parts["scheduler"], parts["latent_upscaler"])
+        return SREngine([self.replicas[d] for d in devices])
+
+    def run_ours(self, engine: SREngine, name: str, request: SRRequest, collect: bool) -> tuple[float, dict, torch.Tensor | None]:
+        """One end-to-end call: engine + MP4 encoding (closed, i.e. fully written, inside the timed region)."""
+        height, width, frames, _ = self.workload(name)
+        video = pattern(frames, height, width)
+        collected: list[torch.Tensor] = []
+        self.reset_peaks(engine.devices)
+        with tempfile.TemporaryDirectory() as scratch:
+            started = time.perf_counter()
+            writer = Mp4Writer(Path(scratch) / "out.mp4", Fraction(24), engine.output_size(height, width, request.scale))
+
+            def sink(chunk: torch.Tensor) -> None:
+                writer.write(chunk)
+                if collect:
+                    collected.append(chunk.cpu())
+
+            engine.upscale(video, request, sink)
+            writer.close()
+            elapsed = time.perf_counter() - started
+        stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3)}
+        return elapsed, stages, torch.cat(collected) if collect else None
+
+    def ours(self, name: str, devices: list[torch.device]) -> None:
+        engine = self.engine(devices)
+        scale = self.workload(name)[3]
+        runs, stages, output = [], [], None
+        for index in range(1 + self.hot):
+            elapsed, stage, collected = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED), collect=index == self.hot)
+            runs.append(elapsed)
+            stages.append(stage)
+            output = collected if collected is not None else output
+        record = self.summary("vsrq", name, runs, stages, self.peaks(engine.devices), devices)
+        first = self.first_ours.setdefault(name, output)
+        record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
+        if name in self.reference_frames:
+            elapsed, _, ours = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, noise_mode=NoiseMode.REFERENCE), collect=True)
+            expected = self.reference_frames[name]
+            record["vs_reference"] = {
+                "noise_mode": "reference",
+                "max_abs_delta": round((ours - expected).abs().max().item(), 6),
+                "psnr_db": psnr(ours, expected),
+            }
+        self.emit(record)
+
+    def batch(self, name: str, size: int) -> None:
+        engine = self.engine([self.home])
+        scale = self.workload(name)[3]
+        outputs = {}
+        for batch in (1, size):
+            _, _, outputs[batch] = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, tiles_batch_size=batch), collect=True)
+        delta = (outputs[1] - outputs[size]).abs().max().item()
+        self.emit({"phase": "batch", "workload": name, "tiles_batch_size": size, "bit_identical_to_batch_1": delta == 0, "max_abs_delta": delta})
+
+    def summary(self, impl: str, name: str, runs: list[float], stages: list[dict], memory: dict, devices: list[torch.device]) -> dict:
+        height, width, frames, scale = self.workload(name)
+        hot = runs[1:] or runs
+        last = stages[-1]
+        flop = stage_tflop(height, width, frames, scale, self.tile_sizes, self.snap)
+        return {
+            "impl": impl,
+            "workload": name,
+            "input": f"{width}x{height}x{frames}",
+            "scale": scale,
+            "devices": [str(d) for d in devices],
+            "cold_s": round(runs[0], 2),
+            "hot_s": [round(r, 2) for r in hot],
+            "hot_median_s": round(statistics.median(hot), 2),
+            "stage_device_s_last_run": last,
+            "achieved_tflop_per_s": {} if self.tiny else {k: round(flop[k] / last[k], 1) for k in flop if last.get(k)},
+            "peak_reserved_gib": memory,
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phases", required=True)
+    parser.add_argument("--hot", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny configuration: checks the script, measures nothing")
+    parser.add_argument("--out", type=Path, default=Path("bench-results.jsonl"))
+    args = parser.parse_args(argv)
+    bench = Bench(args.out, args.hot, args.tiny)
+    for phase in args.phases.split(","):
+        kind, name, *rest = phase.split(":", 2)
+        if kind == "ref":
+            bench.reference(name)
+        elif kind == "ours":
+            bench.ours(name, [torch.device(d) for d in (rest[0] if rest else str(bench.home)).split("+")])
+        elif kind == "batch":
+            bench.batch(name, int(rest[0]))
+        else:
+            raise SystemExit(f"unknown phase {phase!r}")
+
+
+if __name__ == "__main__":
+    main()
