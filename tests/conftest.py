@@ -9,8 +9,9 @@ from worker.sr.checkpoint import write_tiny
 from worker.sr.engine import SREngine
 
 VARIANTS = [("piflow", True), ("piflow", False), ("flowmatch", True), ("flowmatch", False)]
-# Inputs that give a 2x2 tile grid with the tiny model's (32, 64) landscape tile, 9 frames = 3 latent frames.
-CLIP_SIZE = {2: (24, 48), 2.25: (24, 48), 4: (12, 24)}
+# Inputs the tiny model's (32, 64) landscape tile covers with 2x2 tiles (3x3 at x2.25, whose x1.125 pre-upscale
+# lands on the VAE grid only from 32 px), 9 frames = 3 latent frames.
+CLIP_SIZE = {2: (24, 48), 2.25: (32, 64), 4: (12, 24)}
 FRAMES = 9
 
 
@@ -34,7 +35,7 @@ def engine(tiny_piflow) -> SREngine:
 
 
 def clip(scale: float, seed: int = 0, frames: int = FRAMES) -> torch.Tensor:
-    """A random (F, 3, H, W) clip in [0, 1] that the tiny model tiles 2x2 at `scale`."""
+    """A random (F, 3, H, W) clip in [0, 1] that the tiny model tiles without padding at `scale`."""
     height, width = CLIP_SIZE[scale]
     return torch.rand(frames, 3, height, width, generator=torch.Generator().manual_seed(seed))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import _hann_window_2d, _tile_positions
 
-from worker.sr.tiling import hann_window_2d, plan_tiles, tile_positions
+from worker.sr.tiling import hann_window_2d, output_size, plan_tiles, pre_upscaled_size, split_scale, tile_positions
 
 FULL_TILES = ((512, 512), (512, 768), (768, 512))
 
@@ -30,12 +30,18 @@ def test_hann_window_matches_reference_and_is_positive():
     [(2, 9, (1024, 1536), (256, 384)), (2.25, 9, (1152, 1728), (256, 384)), (4, 25, (2048, 3072), (128, 192))],
 )
 def test_worked_case_768x512(scale, tiles, output, tile):
-    plan = plan_tiles(512, 768, scale, FULL_TILES, snap=16)
+    tiling_scale, _ = split_scale(scale)
+    plan = plan_tiles(*pre_upscaled_size(512, 768, scale), tiling_scale, FULL_TILES, snap=16)
     assert len(plan.tiles) == tiles
-    assert plan.output_size == output
+    assert plan.output_size == output == output_size(512, 768, scale)
     assert (plan.tile_height, plan.tile_width) == tile
     # Every output pixel is covered, and the weights never vanish.
     assert plan.weight_map().min() > 0
+
+
+@pytest.mark.parametrize(("size", "scale", "expected"), [((190, 250), 2.25, (428, 562)), ((21, 43), 2.25, (48, 96)), ((21, 43), 4, (84, 172)), ((10, 10), 1.5, (15, 15))])
+def test_output_size_is_the_scale_exactly(size, scale, expected):
+    assert output_size(*size, scale) == expected
 
 
 def test_too_small_input_is_refused():

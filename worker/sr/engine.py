@@ -119,10 +119,7 @@ class SREngine:
         return [replica.device for replica in self.replicas]
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
-        """Size of the frames `upscale` emits for a `height` x `width` input."""
-        padded_height, padded_width = self._padded_size(height, width, scale)
-        out_height, out_width = tiling.plan_tiles(padded_height, padded_width, scale, self.tile_sizes, self.snap).output_size
-        return round(height * out_height / padded_height), round(width * out_width / padded_width)
+        return tiling.output_size(height, width, scale)
 
     @torch.no_grad()
     def upscale(
@@ -143,22 +140,29 @@ class SREngine:
         home = self.replicas[0]
         dtype = home.dtype
         tracker = _Tracker(progress, cancelled)
+        tiling_scale, _ = tiling.split_scale(request.scale)
 
-        # 1. Pad to the model's shape: 1 + 4k frames, sizes a multiple of the VAE factor and at least one tile
-        video = self._pad(video, request.scale)
-        padded_frames, _, padded_height, padded_width = video.shape
-        video = (2.0 * video - 1.0).permute(1, 0, 2, 3).unsqueeze(0).to(home.device)  # (1, 3, F, H, W) in [-1, 1]
+        # 1. To the first device, as (1, 3, F, H, W) in [-1, 1]
+        video = (2.0 * video.to(home.device) - 1.0).permute(1, 0, 2, 3).unsqueeze(0)
 
-        # 2. Plan the tiles (after the x2.25 bilinear pre-upscale) and assign them to devices
-        plan = tiling.plan_tiles(padded_height, padded_width, request.scale, self.tile_sizes, self.snap, request.min_overlap)
-        if (plan.height, plan.width) != (padded_height, padded_width):
-            frames = F.interpolate(video[0].transpose(0, 1), size=(plan.height, plan.width), mode="bilinear", align_corners=False)
+        # 2. The x2.25 route: bilinear x1.125 pre-upscale, then the x2 model
+        model_height, model_width = tiling.pre_upscaled_size(height, width, request.scale)
+        if (model_height, model_width) != (height, width):
+            frames = F.interpolate(video[0].transpose(0, 1), size=(model_height, model_width), mode="bilinear", align_corners=False)
             video = frames.transpose(0, 1).unsqueeze(0)
+
+        # 3. Pad to what the model takes: 1 + 4k frames, sizes a multiple of the VAE factor and at least one tile
+        base = tiling.choose_base_tile(model_height, model_width, self.tile_sizes)
+        video = self._pad(video, base, tiling_scale)
+        _, _, padded_frames, padded_height, padded_width = video.shape
+
+        # 4. Plan the tiles and assign them to devices
+        plan = tiling.plan_tiles(padded_height, padded_width, tiling_scale, self.tile_sizes, self.snap, request.min_overlap, base)
         assignment = _assign(plan.tiles, len(self.replicas))
         latent_frames = (padded_frames - 1) // self.frame_stride + 1
         tracker.total = len(plan.tiles) * (request.num_inference_steps + len(self._segments(latent_frames)))
 
-        # 3. Starting noise of every tile, drawn on the CPU
+        # 5. Starting noise of every tile, drawn on the CPU
         latent_shape = (1, latent_frames, plan.base_height // self.snap, plan.base_width // self.snap, home.transformer.config.in_visual_dim)
         noise = tile_noise(
             request.noise_mode,
@@ -170,12 +174,12 @@ class SREngine:
             chunk_size=request.tiles_batch_size,
         )
 
-        # 4. Low-resolution latent tiles at the trained tile size
+        # 6. Low-resolution latent tiles at the trained tile size
         tracker.stage = "encode"
         lq_latents = self._low_res_latents(video, plan, assignment)
         started = clock.lap("encode", started)
 
-        # 5. Denoise every tile on its device
+        # 7. Denoise every tile on its device
         tracker.stage = "denoise"
         latents = self._on_devices(
             assignment, lambda replica, tiles: self._denoise(replica, tiles, lq_latents, noise, request, tracker)
@@ -183,9 +187,9 @@ class SREngine:
         del lq_latents
         started = clock.lap("denoise", started)
 
-        # 6. Decode all tiles segment by segment, blend each segment and hand its frames to the sink
+        # 8. Decode all tiles segment by segment, blend each segment, crop the padding and hand frames to the sink
         tracker.stage = "decode"
-        out_height, out_width = self.output_size(height, width, request.scale)
+        out_height, out_width = model_height * tiling_scale, model_width * tiling_scale
         emitted = 0
         for segment in self._decode_and_blend(plan, assignment, latents, tracker):
             segment = segment[: num_frames - emitted, :, :out_height, :out_width]
@@ -204,28 +208,23 @@ class SREngine:
             stage_seconds=clock.seconds,
         )
 
-    # --- step 1 -----------------------------------------------------------------------------------------------
+    # --- step 3 -----------------------------------------------------------------------------------------------
 
-    def _padded_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
-        def up(size: int) -> int:
-            return -(-size // self.snap) * self.snap
-
-        min_height, min_width = tiling.min_input_size(up(height), up(width), scale, self.tile_sizes)
-        if scale == 2.25:  # the tile must fit after the x1.125 pre-upscale
-            min_height, min_width = (up(math.ceil(size / tiling.PRE_UPSCALE_2_25)) for size in (min_height, min_width))
-        return max(up(height), min_height), max(up(width), min_width)
-
-    def _pad(self, video: torch.Tensor, scale: float) -> torch.Tensor:
-        """Replicate the last frame up to 1 + 4k frames; mirror the edges out to the padded size."""
-        num_frames, _, height, width = video.shape
+    def _pad(self, video: torch.Tensor, base: tuple[int, int], tiling_scale: int) -> torch.Tensor:
+        """Repeat the last frame up to 1 + 4k frames; mirror the edges out to the VAE grid and one tile."""
+        *_, num_frames, height, width = video.shape
         extra_frames = -(num_frames - 1) % self.frame_stride
         if extra_frames:
-            video = torch.cat([video, video[-1:].expand(extra_frames, -1, -1, -1)])
-        padded_height, padded_width = self._padded_size(height, width, scale)
+            video = torch.cat([video, video[:, :, -1:].expand(-1, -1, extra_frames, -1, -1)], dim=2)
+        padded_height, padded_width = (
+            max(-(-size // self.snap) * self.snap, tile // tiling_scale) for size, tile in zip((height, width), base)
+        )
         pad_bottom, pad_right = padded_height - height, padded_width - width
         if pad_bottom or pad_right:
+            # Reflection needs the pad to be shorter than the side; tiny inputs fall back to edge replication.
             mode = "reflect" if pad_bottom < height and pad_right < width else "replicate"
-            video = F.pad(video, (0, pad_right, 0, pad_bottom), mode=mode)
+            frames = F.pad(video[0].transpose(0, 1), (0, pad_right, 0, pad_bottom), mode=mode)
+            video = frames.transpose(0, 1).unsqueeze(0)
         return video
 
     # --- step 4 -----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from worker.sr import tiling
 from worker.sr.engine import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.errors import Cancelled, InvalidRequest
 
@@ -19,7 +20,7 @@ class LanczosUpscaler:
     devices = [torch.device("cpu")]
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
-        return round(height * scale), round(width * scale)
+        return tiling.output_size(height, width, scale)
 
     def upscale(
         self,

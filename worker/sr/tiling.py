@@ -27,9 +27,8 @@ class Tile:
 class TilePlan:
     """Tile grid of one video at one scale."""
 
-    scale: float  # what the user asked for: 2, 2.25 or 4
     tiling_scale: int  # what the model does per tile: 2 or 4
-    height: int  # model input size, after the x2.25 pre-upscale
+    height: int  # model input size (after the x2.25 pre-upscale and padding)
     width: int
     tile_height: int  # input tile
     tile_width: int
@@ -89,8 +88,24 @@ def split_scale(scale: float) -> tuple[int, float]:
     return (2, PRE_UPSCALE_2_25) if scale == 2.25 else (int(scale), 1.0)
 
 
-def pre_upscaled_size(height: int, width: int, pre_upscale: float, snap: int) -> tuple[int, int]:
-    return round(height * pre_upscale / snap) * snap, round(width * pre_upscale / snap) * snap
+def pre_upscaled_size(height: int, width: int, scale: float) -> tuple[int, int]:
+    """Size after the x2.25 route's bilinear x1.125 pre-upscale (unchanged for other scales).
+
+    The reference rounds this to a multiple of 16, which makes its "x2.25" anything from x2.1 to x2.4 on small
+    inputs; we keep the exact size and pad instead, so the output is 2 x round(1.125 x size). The two agree whenever
+    1.125 x size is a multiple of 16.
+    """
+    _, pre_upscale = split_scale(scale)
+    return round(height * pre_upscale), round(width * pre_upscale)
+
+
+def output_size(height: int, width: int, scale: float) -> tuple[int, int]:
+    """The output size every backend promises: x2 and x4 exactly, 2 x round(1.125 x size) for x2.25; any other
+    scale (classical backends only) rounds."""
+    if scale not in SCALES:
+        return round(height * scale), round(width * scale)
+    tiling_scale, _ = split_scale(scale)
+    return tuple(size * tiling_scale for size in pre_upscaled_size(height, width, scale))
 
 
 def choose_base_tile(height: int, width: int, tile_sizes: tuple[tuple[int, int], ...]) -> tuple[int, int]:
@@ -98,42 +113,33 @@ def choose_base_tile(height: int, width: int, tile_sizes: tuple[tuple[int, int],
     return min(tile_sizes, key=lambda hw: abs(hw[1] / hw[0] - width / height))
 
 
-def min_input_size(
-    height: int, width: int, scale: float, tile_sizes: tuple[tuple[int, int], ...]
-) -> tuple[int, int]:
-    """Smallest model-input (height, width) that holds one tile, for a video of this aspect ratio."""
-    tiling_scale, _ = split_scale(scale)
-    base_height, base_width = choose_base_tile(height, width, tile_sizes)
-    return base_height // tiling_scale, base_width // tiling_scale
-
-
 def plan_tiles(
     height: int,
     width: int,
-    scale: float,
+    tiling_scale: int,
     tile_sizes: tuple[tuple[int, int], ...],
     snap: int,
     min_overlap: float = 0.2,
+    base: tuple[int, int] | None = None,
 ) -> TilePlan:
-    """Plan the tiles of a `height` x `width` input (before the x2.25 pre-upscale; sizes multiples of `snap`)."""
+    """Plan the tiles of a `height` x `width` model input (multiples of `snap`, after any pre-upscale).
+
+    `base` fixes the output tile; by default it is the trained size closest to the input's aspect ratio.
+    """
     if not 0.0 <= min_overlap < 1.0:
         raise ValueError(f"min_overlap must be in [0, 1), got {min_overlap}")
     if height % snap or width % snap:
         raise ValueError(f"input size {height}x{width} must be a multiple of {snap}")
-    tiling_scale, pre_upscale = split_scale(scale)
-    if pre_upscale != 1.0:
-        height, width = pre_upscaled_size(height, width, pre_upscale, snap)
-    base_height, base_width = choose_base_tile(height, width, tile_sizes)
+    base_height, base_width = base or choose_base_tile(height, width, tile_sizes)
     if base_height % (snap * tiling_scale) or base_width % (snap * tiling_scale):
         raise ValueError(f"tile size {(base_height, base_width)} is not divisible by {snap * tiling_scale}")
     tile_height, tile_width = base_height // tiling_scale, base_width // tiling_scale
     if height < tile_height or width < tile_width:
-        raise ValueError(f"input {height}x{width} is smaller than one {tile_height}x{tile_width} tile at x{scale}")
+        raise ValueError(f"input {height}x{width} is smaller than one {tile_height}x{tile_width} tile at x{tiling_scale}")
     tops = tile_positions(height, tile_height, min_overlap, snap)
     lefts = tile_positions(width, tile_width, min_overlap, snap)
     tiles = tuple(Tile(i, top, left) for i, (top, left) in enumerate((t, l) for t in tops for l in lefts))
     return TilePlan(
-        scale=scale,
         tiling_scale=tiling_scale,
         height=height,
         width=width,
