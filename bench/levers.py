@@ -1,0 +1,183 @@
+"""Micro-benchmarks of the GPU levers, one W1 tile at full size (random bf16 weights): where decode and DiT time
+goes (torch.profiler), and what each candidate change buys and costs in accuracy.
+
+    python bench/levers.py --out levers.jsonl [--sections profile,decode,attention,dit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import diffusers
+
+TILE_LATENT = (1, 64, 31, 32, 48)  # (B, C, T, H, W): one W1 tile, 121 frames of 512x768
+TOKENS = 31 * 32 * 48
+
+
+def timed(fn, repeat: int = 1) -> tuple[float, object]:
+    fn()  # warm-up (and cuDNN autotune where enabled)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        out = fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeat, out
+
+
+def decode(vae, z: torch.Tensor, segment: int, channels_last: bool = False) -> torch.Tensor:
+    cache = vae.decoder.make_cache()
+    bounds = [0, 1, *range(1 + segment, z.shape[2], segment), z.shape[2]]
+    frames = []
+    for a, b in zip(bounds, bounds[1:]):
+        part = z[:, :, a:b]
+        if channels_last:
+            part = part.contiguous(memory_format=torch.channels_last_3d)
+        frames.append(vae.decoder(part, cache).float())
+    return torch.cat(frames, dim=2)
+
+
+def top_kernels(prof) -> str:
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=25)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=25)
+
+
+def channels_last(vae) -> None:
+    for module in vae.decoder.modules():
+        if isinstance(module, torch.nn.Conv3d):
+            module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
+
+
+def compile_blocks(vae) -> None:
+    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
+
+    for module in vae.decoder.modules():
+        if isinstance(module, Kandinsky6SRResnetBlock3D):
+            module.compile(dynamic=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sections", default="decode,dit")
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    device = torch.device("cuda:0")
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        with args.out.open("a") as file:
+            file.write(line + "\n")
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        vae = diffusers.Kandinsky6SRVAE().eval().requires_grad_(False)
+        transformer = diffusers.Kandinsky6SRTransformer3DModel().eval().requires_grad_(False)
+    torch.set_default_dtype(previous)
+    for name, module in transformer.named_modules():
+        if name.split(".")[-1] in transformer._keep_in_fp32_modules:
+            module.float()
+    transformer.pooled_bias.data = transformer.pooled_bias.data.float()
+    from worker.sr.attention import DenseSDPAProcessor
+
+    transformer.set_attn_processor(DenseSDPAProcessor())
+    z = torch.randn(TILE_LATENT, device=device, dtype=torch.bfloat16)
+
+    with torch.no_grad():
+        if "profile" in sections:
+            from torch.profiler import ProfilerActivity, profile
+
+            decode(vae, z[:, :, :9], 4)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                decode(vae, z[:, :, :9], 4)
+                torch.cuda.synchronize()
+            emit({"section": "profile_decode_9_latent_frames", "table": top_kernels(prof)})
+            x = torch.randn(1, 31, 32, 48, 129, device=device, dtype=torch.bfloat16)
+            t = torch.tensor([700.0], device=device)
+            transformer(x, t)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                transformer(x, t)
+                torch.cuda.synchronize()
+            emit({"section": "profile_dit_call", "table": top_kernels(prof)})
+
+        if "decode" in sections:
+            from worker.sr.fast_vae import speed_up_decoder
+
+            reference = None
+            variants = [("stock", None), ("broadcast_norm", speed_up_decoder), ("broadcast_norm+channels_last", channels_last), ("broadcast_norm+channels_last+compiled_blocks", compile_blocks)]
+            for name, change in variants:
+                started = time.perf_counter()
+                if change is not None:
+                    change(vae)
+                layout = "channels_last" in name
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                first = time.perf_counter()
+                decode(vae, z, 4, layout)  # first call: compiles where compiled
+                torch.cuda.synchronize()
+                first = time.perf_counter() - first
+                seconds, out = timed(lambda: decode(vae, z, 4, layout))
+                reference = out if reference is None else reference
+                emit({
+                    "section": "decode_one_tile",
+                    "variant": name,
+                    "seconds": round(seconds, 3),
+                    "first_call_s": round(first, 1),
+                    "peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                    "max_abs_delta_vs_stock": (out - reference).abs().max().item(),
+                    "psnr_vs_stock_db": round(10 * torch.log10(4 / (out - reference).pow(2).mean().clamp_min(1e-20)).item(), 1),
+                })
+                del out
+
+        if "attention" in sections:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            q, k, v = (torch.randn(1, 28, TOKENS, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+            flops = 4 * TOKENS * TOKENS * 64 * 28
+            base = None
+            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+                try:
+                    with sdpa_kernel(backend):
+                        seconds, out = timed(lambda: F.scaled_dot_product_attention(q, k, v), repeat=3)
+                except RuntimeError as error:
+                    emit({"section": "attention", "backend": backend.name, "error": str(error)[:200]})
+                    continue
+                base = out if base is None else base
+                emit({"section": "attention", "backend": backend.name, "ms": round(seconds * 1e3, 2), "tflop_per_s": round(flops / seconds / 1e12, 1), "max_abs_delta_vs_flash": (out - base).abs().max().item()})
+            seconds, _ = timed(lambda: F.scaled_dot_product_attention(q, k, v), repeat=3)
+            emit({"section": "attention", "backend": "default_dispatch", "ms": round(seconds * 1e3, 2)})
+
+        if "dit" in sections:
+            x = torch.randn(1, 31, 32, 48, 129, device=device, dtype=torch.bfloat16)
+            t = torch.tensor([700.0], device=device)
+            seconds, eager = timed(lambda: transformer(x, t, return_dict=False)[0], repeat=2)
+            emit({"section": "dit_call", "variant": "eager_sdpa", "seconds": round(seconds, 3)})
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                seconds, out = timed(lambda: transformer(x, t, return_dict=False)[0], repeat=2)
+            emit({"section": "dit_call", "variant": "eager_cudnn_attention", "seconds": round(seconds, 3), "max_abs_delta": (out.float() - eager.float()).abs().max().item()})
+            started = time.perf_counter()
+            transformer.compile_repeated_blocks(fullgraph=True)
+            transformer(x, t)
+            torch.cuda.synchronize()
+            compile_seconds = time.perf_counter() - started
+            seconds, out = timed(lambda: transformer(x, t, return_dict=False)[0], repeat=2)
+            emit({"section": "dit_call", "variant": "compiled_blocks_sdpa", "compile_s": round(compile_seconds, 1), "seconds": round(seconds, 3), "max_abs_delta": (out.float() - eager.float()).abs().max().item()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The faster decoder computes the same decode (fp32, CPU), segment by segment through the causal cache."""
+
+from __future__ import annotations
+
+import copy
+
+import diffusers
+import torch
+
+from worker.sr.checkpoint import tiny_components
+from worker.sr.fast_vae import BroadcastSpatialNorm3D, speed_up_decoder
+
+
+def decode_in_segments(vae, z: torch.Tensor) -> torch.Tensor:
+    cache = vae.decoder.make_cache()
+    return torch.cat([vae.decoder(z[:, :, a:b], cache) for a, b in [(0, 1), (1, 3), (3, 5)]], dim=2)
+
+
+def test_broadcast_spatial_norm_decodes_like_stock():
+    stock = tiny_components()["vae"].eval()
+    fast = speed_up_decoder(copy.deepcopy(stock))
+    assert any(isinstance(m, BroadcastSpatialNorm3D) for m in fast.decoder.modules())
+    z = torch.randn(1, 4, 5, 8, 12, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, ours = decode_in_segments(stock, z), decode_in_segments(fast, z)
+    assert ours.shape == expected.shape == (1, 3, 17, 32, 48)
+    assert (ours - expected).abs().max() <= 1e-5
+    assert expected.std() > 0.01
+
+
+def test_full_size_decoder_layout_has_integer_upsampling_factors():
+    """Every norm of the real decoder meets zq at an integer multiple of its size (the broadcast path applies)."""
+    with torch.device("meta"):
+        vae = speed_up_decoder(diffusers.Kandinsky6SRVAE())
+    factors = []
+
+    def record(module, args, _output):
+        hidden, zq = args[0], args[1]
+        factors.append(tuple(full / small for full, small in zip(hidden.shape[2:], zq.shape[2:])))
+
+    for module in vae.decoder.modules():
+        if isinstance(module, BroadcastSpatialNorm3D):
+            module.register_forward_hook(record)
+    cache = vae.decoder.make_cache()
+    for frames in (1, 4):
+        vae.decoder(torch.empty(1, 64, frames, 32, 48, device="meta"), cache)
+    assert factors and all(float(f).is_integer() for triple in factors for f in triple)

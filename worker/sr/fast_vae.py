@@ -1,0 +1,58 @@
+"""Faster K-VAE decoding, same maths.
+
+The decoder's spatial norms nearest-upsample the latent `zq` (64 channels) to every feature map, run two 1x1x1
+convolutions on it at full resolution, then multiply-add: on a 512x768 tile that upsampling alone is ~16 % of
+decode time. A 1x1x1 convolution commutes with nearest upsampling, and nearest upsampling by integer factors is
+a broadcast, so we convolve at latent resolution and broadcast the result into one fused multiply-add
+(`addcmul`): no full-resolution copy of `zq` or of its projections is ever made.
+
+`speed_up_decoder` swaps the class of the decoder's norm modules in place (weights and caches untouched), so it
+works on any loaded `Kandinsky6SRVAE`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRSpatialNorm3D
+
+
+def _modulate(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`normed * up(scale) + up(shift)`, `up` being nearest upsampling to `normed`'s (frames, height, width)."""
+    batch, channels, *size = normed.shape
+    low = scale.shape[2:]
+    if any(full % small for full, small in zip(size, low)):  # never in this decoder; stay exact if it ever is
+        size = normed.shape[2:]
+        return normed * F.interpolate(scale, size=size, mode="nearest") + F.interpolate(shift, size=size, mode="nearest")
+    t, h, w = low
+    grouped = normed.reshape(batch, channels, t, size[0] // t, h, size[1] // h, w, size[2] // w)
+
+    def spread(low_res: torch.Tensor) -> torch.Tensor:
+        return low_res.reshape(batch, channels, t, 1, h, 1, w, 1)
+
+    return torch.addcmul(spread(shift), grouped, spread(scale)).reshape(normed.shape)
+
+
+class BroadcastSpatialNorm3D(Kandinsky6SRSpatialNorm3D):
+    """`Kandinsky6SRSpatialNorm3D` with its 1x1x1 convolutions at latent resolution and a broadcast multiply-add."""
+
+    def forward(self, hidden_states: torch.Tensor, zq: torch.Tensor, cache: dict) -> torch.Tensor:
+        normed = self.norm_layer(hidden_states)
+        scale, shift = self.conv_y(zq), self.conv_b(zq)
+        if cache["is_first_segment"]:
+            # The first pixel frame comes from the first latent frame alone (T + 1 latent frames -> 2T + 1 frames).
+            parts = [_modulate(normed[:, :, :1], scale[:, :, :1], shift[:, :, :1])]
+            if zq.size(2) > 1:
+                parts.append(_modulate(normed[:, :, 1:], scale[:, :, 1:], shift[:, :, 1:]))
+            output = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        else:
+            output = _modulate(normed, scale, shift)
+        cache["is_first_segment"] = False
+        return output
+
+
+def speed_up_decoder(vae: torch.nn.Module) -> torch.nn.Module:
+    for module in vae.decoder.modules():
+        if type(module) is Kandinsky6SRSpatialNorm3D:
+            module.__class__ = BroadcastSpatialNorm3D
+    return vae
