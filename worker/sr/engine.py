@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from worker.sr import checkpoint, tiling
 from worker.sr.checkpoint import Components
 from worker.sr.errors import Cancelled, InvalidRequest
+from worker.sr.fast_vae import speed_up_decoder
 from worker.sr.noise import NoiseMode, tile_noise
 from worker.sr.tiling import Tile, TilePlan
 
@@ -95,13 +96,30 @@ class _Clock:
 class SREngine:
     """Runs Kandinsky 6 SR over a group of devices, each holding a replica of the model."""
 
-    def __init__(self, replicas: Sequence[Components], decode_segment: int = 4) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Components],
+        decode_segment: int = 4,
+        fast_decode: bool = True,
+        compile_transformer: bool | None = None,
+    ) -> None:
+        """`replicas` are prepared in place: `fast_decode` swaps the decoder's norms for `fast_vae`'s (same maths,
+        about half the memory traffic); `compile_transformer` compiles its repeated blocks (default: on GPUs)."""
         if not replicas:
             raise ValueError("an engine needs at least one replica")
         if decode_segment < 1:
             raise ValueError("decode_segment must be >= 1 latent frame")
         self.replicas = list(replicas)
         self.decode_segment = decode_segment
+        prepared: set[int] = set()  # CPU "devices" share one replica: prepare it once
+        for replica in self.replicas:
+            if id(replica) in prepared:
+                continue
+            prepared.add(id(replica))
+            if fast_decode:
+                speed_up_decoder(replica.vae)
+            if compile_transformer if compile_transformer is not None else replica.device.type == "cuda":
+                replica.transformer.compile_repeated_blocks(fullgraph=True)
         first = self.replicas[0]
         self.snap = first.vae.spatial_compression_ratio
         self.frame_stride = first.vae.temporal_compression_ratio
