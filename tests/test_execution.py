@@ -27,6 +27,12 @@ def test_two_devices_give_the_same_bits(tiny_piflow, baseline):
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3, tiles_batch_size=2)), baseline)
 
 
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
+def test_tile_major_decode_gives_the_same_bits(tiny_piflow, baseline, devices):
+    engine = SREngine.from_pretrained(str(tiny_piflow), devices=devices, decode_order="tile_major")
+    assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
+
+
 @pytest.mark.parametrize("decode_segment", [1, 2, 64])
 def test_decode_segment_does_not_change_output(tiny_piflow, baseline, decode_segment):
     engine = SREngine.from_pretrained(str(tiny_piflow), decode_segment=decode_segment)

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from itertools import zip_longest
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -30,8 +31,9 @@ from worker.sr.fast_vae import speed_up_decoder
 from worker.sr.noise import NoiseMode, tile_noise
 from worker.sr.tiling import Tile, TilePlan
 
-# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the engine's first device.
+# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the first device or the CPU.
 FrameSink = Callable[[torch.Tensor], None]
+DECODE_ORDERS = ("lockstep", "tile_major")
 
 
 @dataclass(frozen=True)
@@ -100,17 +102,25 @@ class SREngine:
         self,
         replicas: Sequence[Components],
         decode_segment: int = 4,
+        decode_order: str = "lockstep",
         fast_decode: bool = True,
         compile_transformer: bool | None = None,
     ) -> None:
-        """`replicas` are prepared in place: `fast_decode` swaps the decoder's norms for `fast_vae`'s (same maths,
+        """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
+        its device; "tile_major" decodes one whole tile at a time per device (one cache, least GPU memory) into a
+        host canvas and emits the frames at the end. Both give the same bits.
+
+        `replicas` are prepared in place: `fast_decode` swaps the decoder's norms for `fast_vae`'s (same maths,
         about half the memory traffic); `compile_transformer` compiles its repeated blocks (default: on GPUs)."""
+        if decode_order not in DECODE_ORDERS:
+            raise ValueError(f"decode_order must be one of {DECODE_ORDERS}, got {decode_order!r}")
         if not replicas:
             raise ValueError("an engine needs at least one replica")
         if decode_segment < 1:
             raise ValueError("decode_segment must be >= 1 latent frame")
         self.replicas = list(replicas)
         self.decode_segment = decode_segment
+        self.decode_order = decode_order
         prepared: set[int] = set()  # CPU "devices" share one replica: prepare it once
         for replica in self.replicas:
             if id(replica) in prepared:
@@ -331,35 +341,52 @@ class SREngine:
         latents: dict[int, torch.Tensor],
         tracker: _Tracker,
     ) -> Iterator[torch.Tensor]:
-        """Yield blended output frames, (n, 3, H, W) in [0, 1], one decode segment at a time.
+        """Yield blended output frames, (n, 3, H, W) in [0, 1], in order.
 
-        The canvas of one segment lives on the first device; each device weights its tiles by the window before
-        they travel, and the canvas adds them in tile order, so the sum does not depend on the device count.
+        Each device weights its tiles by the window before they travel; the canvas adds them in tile order, so the
+        sum does not depend on the device count or the decode order (the two orders are bit-identical).
         """
         home = self.replicas[0].device
-        caches = {tile.index: self.replicas[0].vae.decoder.make_cache() for tile in plan.tiles}
         windows = {replica.device: plan.window(replica.device) for replica in self.replicas}
-        weights = plan.weight_map(home)
         z = {index: latent.permute(0, 4, 1, 2, 3) for index, latent in latents.items()}  # (1, C, T, h, w)
+        segments = self._segments(next(iter(z.values())).shape[2])
 
-        def decode(replica: Components, tiles: list[Tile], segment: slice) -> dict[int, torch.Tensor]:
-            vae, weighted = replica.vae, {}
-            for tile in tiles:
-                tracker.check()
-                frames = vae.decoder(z[tile.index][:, :, segment].to(vae.dtype) / self.scaling_factor, caches[tile.index])
-                frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
-                weighted[tile.index] = frames[0] * windows[replica.device]
-                tracker.advance(1)
-            return weighted
+        def decode(replica: Components, tile: Tile, segment: slice, cache: dict) -> torch.Tensor:
+            tracker.check()
+            vae = replica.vae
+            frames = vae.decoder(z[tile.index][:, :, segment].to(vae.dtype) / self.scaling_factor, cache)
+            frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
+            tracker.advance(1)
+            return frames[0] * windows[replica.device]
 
-        for segment in self._segments(next(iter(z.values())).shape[2]):
-            weighted = self._on_devices(assignment, lambda replica, tiles: decode(replica, tiles, segment))
-            frames = next(iter(weighted.values())).shape[1]
-            canvas = torch.zeros((3, frames, *plan.output_size), device=home)
-            for tile in plan.tiles:
-                canvas[(..., *plan.output_box(tile))] += weighted.pop(tile.index).to(home)
-            video = (canvas / weights).clamp(-1, 1)
-            yield (video * 0.5 + 0.5).clamp(0, 1).transpose(0, 1)
+        if self.decode_order == "lockstep":
+            # Every tile's causal cache stays on its device; only one segment of the canvas ever exists.
+            caches = {tile.index: self.replicas[0].vae.decoder.make_cache() for tile in plan.tiles}
+            weights = plan.weight_map(home)
+            for segment in segments:
+                weighted = self._on_devices(
+                    assignment, lambda replica, tiles: {t.index: decode(replica, t, segment, caches[t.index]) for t in tiles}
+                )
+                frames = next(iter(weighted.values())).shape[1]
+                canvas = _blend(plan, weighted, torch.zeros((3, frames, *plan.output_size), device=home))
+                yield _normalise(canvas, weights)
+            return
+
+        # tile_major: one decoder cache per device at a time and a host canvas of the whole call (at most one
+        # temporal window long): the least GPU memory, frames leave only at the end.
+        latent_frames = segments[-1].stop
+        canvas = torch.zeros((3, 1 + self.frame_stride * (latent_frames - 1), *plan.output_size))
+
+        def whole_tiles(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
+            cache = replica.vae.decoder.make_cache()
+            return {tiles[0].index: torch.cat([decode(replica, tiles[0], s, cache).cpu() for s in segments], dim=1)}
+
+        # Round-robin assignment makes each round a run of consecutive tiles: adding rounds in order is tile order.
+        for round_ in zip_longest(*assignment.values()):
+            weighted = self._on_devices({slot: [tile] for slot, tile in enumerate(round_) if tile is not None}, whole_tiles)
+            _blend(plan, weighted, canvas)
+        # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
+        yield from _normalise(canvas, plan.weight_map(home).cpu()).split(4 * self.decode_segment)
 
     # --- the device group -------------------------------------------------------------------------------------
 
@@ -380,14 +407,21 @@ class SREngine:
 
 
 def _assign(tiles: Sequence[Tile], slots: int) -> dict[int, list[Tile]]:
-    """Contiguous, balanced runs of tiles per device slot."""
-    per_slot, extra = divmod(len(tiles), slots)
-    assignment, start = {}, 0
-    for slot in range(slots):
-        count = per_slot + (slot < extra)
-        assignment[slot] = list(tiles[start : start + count])
-        start += count
-    return assignment
+    """Tiles dealt round-robin to device slots: balanced, and each round of whole tiles is consecutive."""
+    return {slot: list(tiles[slot::slots]) for slot in range(slots)}
+
+
+def _blend(plan: TilePlan, weighted: dict[int, torch.Tensor], canvas: torch.Tensor) -> torch.Tensor:
+    """Add window-weighted tiles into `canvas` in tile order (the order fixes the float sum)."""
+    for index in sorted(weighted):
+        canvas[(..., *plan.output_box(plan.tiles[index]))] += weighted[index].to(canvas.device)
+    return canvas
+
+
+def _normalise(canvas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Canvas (3, n, H, W) in [-1, 1] units -> frames (n, 3, H, W) in [0, 1]."""
+    video = (canvas / weights).clamp(-1, 1)
+    return (video * 0.5 + 0.5).clamp(0, 1).transpose(0, 1)
 
 
 class _Tracker:
