@@ -7,8 +7,10 @@ JSON line to --out as soon as it is measured, so a run cut short still reports w
 
 Phases:
   ref:WL              the reference pipeline: one cold run, --hot hot runs (every ref: phase must come first)
-  ours:WL:DEVICES     the engine + MP4 encoding, cold + hot; then, if ref:WL ran, one run in reference noise mode
-                      compared with the reference output; bit-identity against the first ours:WL phase
+  ours:WL:DEVICES[@ORDER[/SEGMENT]]
+                      the engine + MP4 encoding, cold + hot; then (unless --no-check), if ref:WL ran, one run in
+                      reference noise mode compared with the reference output; bit-identity against the first
+                      ours:WL phase. ORDER is lockstep (default) or tile_major, SEGMENT the decode segment (4)
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
 `--tiny` runs the same phases on the CPU with the tiny configuration, so CI keeps this script working.
 """
@@ -130,8 +132,8 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Bench:
-    def __init__(self, out: Path, hot: int, tiny: bool) -> None:
-        self.out, self.hot, self.tiny = out, hot, tiny
+    def __init__(self, out: Path, hot: int, tiny: bool, check: bool = True) -> None:
+        self.out, self.hot, self.tiny, self.check = out, hot, tiny, check
         self.home = torch.device("cpu" if tiny else "cuda:0")
         self.timer = StageTimer()
         self.parts = build(self.home, tiny)
@@ -197,7 +199,7 @@ class Bench:
         del output
         self.emit(self.summary("diffusers-reference", name, runs, stages, self.peaks([self.home]), [self.home]))
 
-    def engine(self, devices: list[torch.device]) -> SREngine:
+    def engine(self, devices: list[torch.device], order: str = "lockstep", segment: int = 4) -> SREngine:
         if not self.replicas:
             prune_upscaler(self.parts["latent_upscaler"])
             if self.home.type == "cuda":
@@ -213,9 +215,9 @@ class Bench:
                     parts[key].load_state_dict(self.parts[key].state_dict())
                 self._attach(parts, device)
             self.replicas[device] = Components(device, parts["transformer"], parts["vae"], parts["scheduler"], parts["latent_upscaler"])
-        key = tuple(devices)
-        if key not in self.engines:  # an engine prepares (compiles) its replicas once
-            self.engines[key] = SREngine([self.replicas[d] for d in devices])
+        key = (*devices, order, segment)
+        if key not in self.engines:
+            self.engines[key] = SREngine([self.replicas[d] for d in devices], segment, order)
         return self.engines[key]
 
     def run_ours(self, engine: SREngine, name: str, request: SRRequest, collect: bool) -> tuple[float, dict, torch.Tensor | None]:
@@ -239,8 +241,8 @@ class Bench:
         stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3)}
         return elapsed, stages, torch.cat(collected) if collect else None
 
-    def ours(self, name: str, devices: list[torch.device]) -> None:
-        engine = self.engine(devices)
+    def ours(self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4) -> None:
+        engine = self.engine(devices, order, segment)
         scale = self.workload(name)[3]
         runs, stages = [], []
         for _ in range(1 + self.hot):
@@ -248,6 +250,10 @@ class Bench:
             runs.append(elapsed)
             stages.append(stage)
         record = self.summary("vsrq", name, runs, stages, self.peaks(engine.devices), devices)
+        record |= {"decode_order": order, "decode_segment": segment}
+        if not self.check:
+            self.emit(record)
+            return
         # One untimed run whose output is checked: in the reference's noise mode when the reference ran, so the same
         # output serves for the comparison with it and for bit-identity across device counts.
         mode = NoiseMode.REFERENCE if name in self.reference_frames else NoiseMode.PER_TILE
@@ -299,14 +305,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hot", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny configuration: checks the script, measures nothing")
     parser.add_argument("--out", type=Path, default=Path("bench-results.jsonl"))
+    parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     args = parser.parse_args(argv)
-    bench = Bench(args.out, args.hot, args.tiny)
+    bench = Bench(args.out, args.hot, args.tiny, args.check)
     for phase in args.phases.split(","):
         kind, name, *rest = phase.split(":", 2)
         if kind == "ref":
             bench.reference(name)
         elif kind == "ours":
-            bench.ours(name, [torch.device(d) for d in (rest[0] if rest else str(bench.home)).split("+")])
+            devices, _, layout = (rest[0] if rest else str(bench.home)).partition("@")
+            order, _, segment = (layout or "lockstep").partition("/")
+            bench.ours(name, [torch.device(d) for d in devices.split("+")], order, int(segment or 4))
         elif kind == "batch":
             bench.batch(name, int(rest[0]))
         else:

@@ -128,7 +128,8 @@ class SREngine:
             prepared.add(id(replica))
             if fast_decode:
                 speed_up_decoder(replica.vae)
-            if compile_transformer if compile_transformer is not None else replica.device.type == "cuda":
+            compile_now = compile_transformer if compile_transformer is not None else replica.device.type == "cuda"
+            if compile_now and not _is_compiled(replica.transformer):
                 replica.transformer.compile_repeated_blocks(fullgraph=True)
         first = self.replicas[0]
         self.snap = first.vae.spatial_compression_ratio
@@ -404,6 +405,12 @@ class SREngine:
         else:
             results = [future.result() for future in [self._pool.submit(on_device, r, t) for r, t in jobs]]
         return {key: value for result in results for key, value in result.items()}
+
+
+def _is_compiled(transformer: torch.nn.Module) -> bool:
+    """Whether `compile_repeated_blocks` already ran (another engine on the same replica): compiling twice would
+    throw the compiled code away."""
+    return getattr(transformer.visual_transformer_blocks[0], "_compiled_call_impl", None) is not None
 
 
 def _assign(tiles: Sequence[Tile], slots: int) -> dict[int, list[Tile]]:
