@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -24,12 +25,34 @@ def probe(path) -> tuple[int, int, int, float]:
 
 @pytest.mark.parametrize(("model", "scale", "size"), [("tiny", "2", (192, 128)), ("lanczos", "2.25", (216, 144))])
 def test_upscale_writes_the_promised_mp4(tmp_path, tiny_piflow, model, scale, size):
-    source = write_clip(tmp_path / "in.mp4", num_frames=10, size=(64, 96))
+    source = write_clip(tmp_path / "in.mp4", num_frames=10, size=(64, 96), audio_codec="aac")
     output = tmp_path / "out.mp4"
     result = vsrq("upscale", str(source), "-o", str(output), "--model", str(tiny_piflow) if model == "tiny" else model, "--scale", scale)
     assert result.returncode == 0, result.stderr
     assert probe(output) == (10, *size, 24.0)
-    assert "10 frames 96x64" in result.stdout
+    assert "10 frames 96x64" in result.stdout and "audio #1 (aac): copied" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.mp4", "out.mp4"]  # no partial file left
+
+
+def test_probe_prints_what_the_service_would_see(tmp_path):
+    source = write_clip(tmp_path / "in.mkv", num_frames=10, size=(64, 96), audio_codec="libopus")
+    result = vsrq("probe", str(source), "--scale", "4")
+    assert result.returncode == 0, result.stderr
+    assert "10 frames at 24 fps (constant)" in result.stdout and "opus 48000 Hz stereo" in result.stdout
+    assert "upscale x4: 384x256, 10 frames in 1 window(s)" in result.stdout and "audio #1 (opus): copied" in result.stdout
+    info = json.loads(vsrq("probe", str(source), "--json").stdout)
+    assert (info["video"]["frames"], info["video"]["fps"], info["audio"][0]["sample_rate"]) == (10, "24", 48000)
+
+
+@pytest.mark.parametrize("command", ["upscale", "probe"])
+def test_bad_input_exits_2_with_its_code_and_no_output(tmp_path, command):
+    source = tmp_path / "in.mp4"
+    source.write_text("not a video")
+    extra = ["-o", str(tmp_path / "out.mp4"), "--model", "lanczos"] if command == "upscale" else []
+    result = vsrq(command, str(source), *extra)
+    assert result.returncode == 2
+    assert result.stderr.startswith("vsrq: input_unreadable: in.mp4 is not a video file") and "Traceback" not in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["in.mp4"]
 
 
 def test_missing_model_exits_3_without_traceback_or_output(tmp_path):

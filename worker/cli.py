@@ -1,4 +1,4 @@
-"""`vsrq`: upscale a video, write a tiny checkpoint, run the demo.
+"""`vsrq`: upscale a video, probe one, write a tiny checkpoint, run the demo.
 
 Exit codes: 0 done, 2 bad input or arguments, 3 model not found, 130 cancelled, 1 internal error.
 """
@@ -6,14 +6,18 @@ Exit codes: 0 done, 2 bad input or arguments, 3 model not found, 130 cancelled, 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-EXIT_CODES = {"invalid_request": 2, "model_not_found": 3, "cancelled": 130}
+from worker.media.errors import BAD_INPUT_CODES
+
+EXIT_CODES = {"invalid_request": 2, "model_not_found": 3, "cancelled": 130} | dict.fromkeys(BAD_INPUT_CODES, 2)
+log = logging.getLogger("vsrq")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,14 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vsrq: cancelled", file=sys.stderr)
         return EXIT_CODES["cancelled"]
+    except Exception as error:  # a bug: say so in one line; -v shows where
+        log.info("internal error", exc_info=True)
+        print(f"vsrq: internal_error: {type(error).__name__}: {error} (run with -v for details)", file=sys.stderr)
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vsrq", description="Video super-resolution with Kandinsky 6 VSR.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what loads where")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what loads where; show internal errors in full")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    upscale = commands.add_parser("upscale", help="upscale a video file to an MP4")
+    upscale = commands.add_parser("upscale", help="upscale a video file to an MP4 (every frame, the audio, the subtitles)")
     upscale.add_argument("input", type=Path)
     upscale.add_argument("-o", "--output", type=Path, required=True)
     upscale.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
@@ -45,9 +53,26 @@ def _parser() -> argparse.ArgumentParser:
     upscale.add_argument("--seed", type=int, default=42)
     upscale.add_argument("--steps", type=int, default=2, help="denoising steps (2 for the distilled checkpoint)")
     upscale.add_argument("--tiles-batch-size", type=int, default=1)
-    upscale.add_argument("--min-overlap", type=float, default=0.2)
-    upscale.add_argument("--crf", type=int, default=18)
+    upscale.add_argument("--min-overlap", type=float, default=0.2, help="least share of a tile its neighbours overlap")
+    upscale.add_argument("--target-resolution", help="then downscale to hd, fullhd, 2k or WxH (never upscales)")
+    upscale.add_argument("--resize-mode", choices=("fit", "exact"), default="fit", help="fit keeps the aspect ratio")
+    upscale.add_argument("--codec", choices=("h264", "hevc", "av1"), default="h264")
+    upscale.add_argument("--crf", type=int, default=18, help="quality: lower is better and bigger (the codec's scale)")
+    upscale.add_argument("--preset", default="medium", help="encoder speed preset (x264 names; AV1 maps them)")
+    upscale.add_argument("--window", type=int, default=121, help="frames per temporal window (1 + 4k)")
+    upscale.add_argument("--window-overlap", type=int, default=16, help="frames neighbouring windows crossfade over")
+    upscale.add_argument("--keep-windows", type=Path, metavar="DIR", help="keep finished windows in DIR: rerunning resumes")
+    _limit_arguments(upscale)
     upscale.set_defaults(run=_upscale)
+
+    probe = commands.add_parser("probe", help="what vsrq sees in a file, and what upscaling it would do")
+    probe.add_argument("input", type=Path)
+    probe.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
+    probe.add_argument("--window", type=int, default=121)
+    probe.add_argument("--window-overlap", type=int, default=16)
+    probe.add_argument("--json", action="store_true", help="machine-readable")
+    _limit_arguments(probe)
+    probe.set_defaults(run=_probe)
 
     checkpoint = commands.add_parser("checkpoint", help="checkpoint tools")
     checkpoint_commands = checkpoint.add_subparsers(required=True, metavar="KIND")
@@ -64,39 +89,106 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    from worker.media.limits import Limits
+
+    default = Limits()
+    limits = parser.add_argument_group("input limits (refused before any work)")
+    limits.add_argument("--max-pixels", type=int, default=default.max_pixels, help="per frame (default: %(default)s)")
+    limits.add_argument("--max-frames", type=int, default=default.max_frames, help="(default: %(default)s)")
+    limits.add_argument("--max-seconds", type=float, default=default.max_seconds, help="(default: %(default)s)")
+    limits.add_argument("--max-bytes", type=int, default=default.max_bytes, help="file size (default: %(default)s)")
+    limits.add_argument("--min-frames", type=int, default=default.min_frames, help="(default: %(default)s)")
+
+
+def _limits(args: argparse.Namespace):
+    from worker.media.limits import Limits
+
+    return Limits(args.max_pixels, args.max_frames, args.max_seconds, args.max_bytes, args.min_frames)
+
+
 def _upscale(args: argparse.Namespace) -> int:
-    from worker.media.reader import read_clip
-    from worker.media.writer import Mp4Writer
+    from worker.media.resize import Target
     from worker.sr.backends import open_upscaler
     from worker.sr.engine import SRRequest
+    from worker.sr.windows import DirectoryWindowStore
+    from worker.upscale import UpscaleOptions, upscale_file
 
-    started = time.perf_counter()
-    upscaler = open_upscaler(args.model, args.devices.split(","))
-    clip = read_clip(args.input)
-    num_frames, _, height, width = clip.frames.shape
-    size = upscaler.output_size(height, width, args.scale)
-    request = SRRequest(
-        scale=args.scale,
-        num_inference_steps=args.steps,
-        seed=args.seed,
-        min_overlap=args.min_overlap,
-        tiles_batch_size=args.tiles_batch_size,
+    options = UpscaleOptions(
+        request=SRRequest(
+            scale=args.scale,
+            num_inference_steps=args.steps,
+            seed=args.seed,
+            min_overlap=args.min_overlap,
+            tiles_batch_size=args.tiles_batch_size,
+        ),
+        target=Target.parse(args.target_resolution, args.resize_mode) if args.target_resolution else None,
+        window=args.window,
+        window_overlap=args.window_overlap,
+        codec=args.codec,
+        crf=args.crf,
+        preset=args.preset,
+        limits=_limits(args),
     )
-    bar = tqdm(total=1, unit="unit", desc="upscaling", dynamic_ncols=True, disable=None)  # no bar when piped
+    upscaler = open_upscaler(args.model, args.devices.split(","))
+    store = DirectoryWindowStore(args.keep_windows, _job_key(args)) if args.keep_windows else None
+    bar = tqdm(total=1, unit="window", dynamic_ncols=True, disable=None, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
 
     def progress(event) -> None:
-        bar.total = event.total
-        bar.set_description(event.stage)
-        bar.update(event.done - bar.n)
+        bar.total = event.windows
+        bar.set_description(f"window {event.window + 1}/{event.windows} {event.stage}", refresh=False)
+        bar.set_postfix_str(f"{event.done}/{event.total}" + (f", {event.tiles} tiles" if event.tiles else ""), refresh=False)
+        bar.update(event.fraction * event.windows - bar.n)
 
-    with Mp4Writer(args.output, clip.fps, size, crf=args.crf) as writer:
-        info = upscaler.upscale(clip.frames, request, writer.write, progress)
-    bar.close()
+    try:
+        result = upscale_file(args.input, args.output, upscaler, options, progress, store=store)
+    finally:
+        bar.close()
+    if store is not None:
+        store.clear()
+    source, written = result.source.video, result.written.video
+    audio = ", ".join(c.describe() for c in result.carried if c.action != "drop") or "no audio"
     print(
-        f"{args.output}: {info.frames} frames {width}x{height} -> {info.output_size[1]}x{info.output_size[0]} "
-        f"at {float(clip.fps):g} fps, {info.tiles} tiles on {','.join(info.devices)}, "
-        f"{time.perf_counter() - started:.1f} s, {args.output.stat().st_size / 1e6:.2f} MB"
+        f"{result.output}: {written.frames} frames {source.width}x{source.height} -> {written.width}x{written.height} "
+        f"at {float(written.fps):g} fps, {result.windows} window(s) ({result.restored} restored), {result.tiles} tiles "
+        f"on {','.join(result.devices) or '-'}; {audio}; {result.seconds:.1f} s, {result.output.stat().st_size / 1e6:.2f} MB"
     )
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _job_key(args: argparse.Namespace) -> str:
+    """Names the job a kept window belongs to: the input file as it is now, the model and every option that
+    changes the frames (not the encoder's, which only sees them afterwards)."""
+    stat = args.input.stat()
+    fields = [str(args.input.resolve()), stat.st_size, stat.st_mtime_ns, args.model, args.devices, args.scale, args.seed,
+              args.steps, args.min_overlap, args.window, args.window_overlap, args.target_resolution, args.resize_mode]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from worker.media.passthrough import plan_streams
+    from worker.media.probe import probe
+    from worker.sr import tiling
+    from worker.sr.windows import plan_windows
+
+    info = probe(args.input, _limits(args))
+    video = info.video
+    height, width = tiling.output_size(video.height, video.width, args.scale)
+    plan = plan_windows(video.frames, args.window, args.window_overlap)
+    carried = plan_streams(info)
+    if args.json:
+        print(json.dumps(info.to_dict() | {"plan": {
+            "output_size": [width, height],
+            "windows": [[w.start, w.stop] for w in plan.windows],
+            "streams": [{"index": c.index, "kind": c.kind, "action": c.action, "detail": c.detail} for c in carried],
+        }}, indent=2))
+        return 0
+    print("\n".join(info.describe()))
+    print(f"upscale x{args.scale:g}: {width}x{height}, {video.frames} frames in {len(plan.windows)} window(s) of up to {plan.length}")
+    for c in carried:
+        print(f"  {c.describe()}")
     return 0
 
 
@@ -115,8 +207,8 @@ def _demo(args: argparse.Namespace) -> int:
     model = args.dir / "tiny-checkpoint"
     if not (model / "model_index.json").exists():
         main(["checkpoint", "tiny", str(model)])
-    source = write_clip(args.dir / "input.mp4", num_frames=33, size=(64, 96))
-    print(f"generated {source}")
+    source = write_clip(args.dir / "input.mp4", num_frames=33, size=(64, 96), audio_codec="aac")
+    print(f"generated {source} (with a stereo tone)")
     return main(["upscale", str(source), "-o", str(args.dir / "output-x2.mp4"), "--model", str(model), "--scale", "2"])
 
 

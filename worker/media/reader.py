@@ -1,27 +1,103 @@
-"""Decode a video file into the engine's input layout."""
+"""Decode a video as a stream of RGB frames, as they are meant to be seen: rotation applied, colour converted with
+the stream's own matrix and range. Memory stays at one frame (plus whatever a consumer buffers)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from fractions import Fraction
+import queue
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import av
 import numpy as np
-import torch
+from av.video.reformatter import ColorRange, Colorspace
+
+from worker.media.errors import InputCorrupt
+from worker.media.probe import AVError, VideoInfo
+
+T = TypeVar("T")
+_UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
 
 
-@dataclass(frozen=True)
-class Clip:
-    frames: torch.Tensor  # (F, 3, H, W) float32 in [0, 1]
-    fps: Fraction
+def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
+    """Every frame of the probed `video` stream in presentation order, (H, W, 3) RGB: uint8, or uint16 (full 16-bit
+    scale) for sources deeper than 8 bits. Raises `InputCorrupt` if decoding fails or yields another frame count."""
+    pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
+    turns = video.rotation // 90
+    # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled back.
+    width, height = (video.height, video.width) if turns % 2 else (video.width, video.height)
+    count = 0
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams[video.index]
+            stream.thread_type = "AUTO"
+            for frame in container.decode(stream):
+                pixels = frame.to_ndarray(format=pixel_format, width=width, height=height, **_source_colour(frame))
+                count += 1
+                if count > video.frames:
+                    break
+                yield np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
+    except AVError as error:
+        raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
+    if count != video.frames:
+        raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
 
 
-def read_clip(path: str | Path) -> Clip:
-    """All frames of the first video stream, as RGB."""
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        fps = stream.average_rate or stream.guessed_rate or Fraction(24)
-        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
-    video = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255.0
-    return Clip(frames=video, fps=Fraction(fps))
+def _source_colour(frame: av.VideoFrame) -> dict:
+    """How to read YUV as RGB. The stream's tags when it has them; untagged streams get what players assume:
+    BT.709 for HD sizes, BT.601 below, and limited range (full range arrives tagged, or as a yuvj format)."""
+    if frame.format.is_rgb:
+        return {}
+    hd = frame.width >= 1280 or frame.height > 576
+    colour = {}
+    if frame.colorspace == _UNSPECIFIED:
+        colour["src_colorspace"] = Colorspace.ITU709 if hd else Colorspace.ITU601
+    if frame.color_range == ColorRange.UNSPECIFIED:
+        colour["src_color_range"] = ColorRange.MPEG
+    return colour
+
+
+_END = object()
+
+
+def prefetch(items: Iterable[T], depth: int) -> Iterator[T]:
+    """Iterate `items` on a thread of its own, at most `depth` items ahead, so decoding overlaps the consumer's work.
+    Errors surface where the consumer would have met them; closing the iterator stops the thread."""
+    buffer: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def put(entry: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                buffer.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce() -> None:
+        iterator = iter(items)
+        try:
+            for item in iterator:
+                if not put((item, None)):
+                    return
+            put((_END, None))
+        except BaseException as error:  # handed to the consumer
+            put((_END, error))
+        finally:
+            getattr(iterator, "close", lambda: None)()
+
+    thread = threading.Thread(target=produce, name="vsrq-decoder", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = buffer.get()
+            if item is _END:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()

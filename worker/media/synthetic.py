@@ -1,14 +1,16 @@
-"""A generated test clip: moving shapes over a gradient, so motion and detail are visible after upscaling."""
+"""Generated clips: moving shapes over a gradient (motion and detail are visible after upscaling), optionally with
+a stereo tone, subtitles, rotation or irregular timestamps. The demo and the tests make every input with this."""
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 
+import av
 import numpy as np
 import torch
-
-from worker.media.writer import Mp4Writer
 
 
 def pattern(num_frames: int, height: int, width: int) -> torch.Tensor:
@@ -23,7 +25,88 @@ def pattern(num_frames: int, height: int, width: int) -> torch.Tensor:
     return torch.from_numpy(np.stack(frames).astype(np.float32))
 
 
-def write_clip(path: str | Path, num_frames: int = 17, size: tuple[int, int] = (64, 96), fps: Fraction = Fraction(24)) -> Path:
-    with Mp4Writer(path, fps, size, crf=12) as writer:
-        writer.write(pattern(num_frames, *size))
-    return Path(path)
+def tone(seconds: float, sample_rate: int = 48000, channels: int = 2) -> np.ndarray:
+    """(channels, samples) float32: 440 Hz, a fifth higher on each further channel."""
+    t = np.arange(round(seconds * sample_rate)) / sample_rate
+    return np.stack([0.3 * np.sin(2 * np.pi * 440 * 1.5**c * t) for c in range(channels)]).astype(np.float32)
+
+
+def write_clip(
+    path: str | Path,
+    num_frames: int = 17,
+    size: tuple[int, int] = (64, 96),
+    fps: Fraction = Fraction(24),
+    *,
+    video_codec: str = "libx264",
+    pix_fmt: str = "yuv420p",
+    crf: int = 12,
+    audio_codec: str | None = None,
+    sample_rate: int = 48000,
+    layout: str = "stereo",
+    rotation: int = 0,
+    timestamps: Sequence[int] | None = None,
+    time_base: Fraction | None = None,
+    subtitles: str | None = None,
+    language: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a clip of the pattern, stored `size` = (height, width) before any display `rotation` (degrees
+    counter-clockwise). `timestamps` (in `time_base`) make it variable-rate; `subtitles` is SRT text."""
+    path = Path(path)
+    height, width = size
+    options = {"x265-params": "log-level=error"} if video_codec == "libx265" else {}
+    with av.open(str(path), "w") as container, tempfile.TemporaryDirectory() as scratch:
+        container.metadata.update(metadata or {})
+        video = container.add_stream(video_codec, rate=fps, options={"crf": str(crf), **options})
+        video.width, video.height, video.pix_fmt = width, height, pix_fmt
+        if timestamps is not None:
+            video.codec_context.time_base = time_base
+        if rotation:
+            video.set_display_rotation(rotation)
+        audio = None
+        if audio_codec is not None:
+            audio = container.add_stream(audio_codec, rate=sample_rate, layout=layout)
+            if language:
+                audio.metadata["language"] = language
+        subtitle_source = _subtitle_source(subtitles, Path(scratch)) if subtitles else None
+        subtitle = container.add_stream_from_template(subtitle_source.streams.subtitles[0]) if subtitle_source else None
+        if subtitle is not None and language:
+            subtitle.metadata["language"] = language
+
+        deep = max(component.bits for component in av.VideoFormat(pix_fmt).components) > 8
+        for index, frame in enumerate(pattern(num_frames, height, width)):
+            pixels = frame.permute(1, 2, 0).numpy()
+            image = (
+                av.VideoFrame.from_ndarray((pixels * 65535).round().astype(np.uint16), format="rgb48le")
+                if deep
+                else av.VideoFrame.from_ndarray((pixels * 255).round().astype(np.uint8), format="rgb24")
+            )
+            image.pts = index if timestamps is None else timestamps[index]
+            container.mux(video.encode(image))
+        container.mux(video.encode())
+
+        if audio is not None:
+            seconds = num_frames / fps if timestamps is None else float(timestamps[-1] * time_base) + 1 / float(fps)
+            _write_audio(container, audio, tone(float(seconds), sample_rate, audio.codec_context.channels), layout)
+        if subtitle_source is not None:
+            for packet in subtitle_source.demux(subtitle_source.streams.subtitles[0]):
+                if packet.dts is not None:
+                    packet.stream = subtitle
+                    container.mux(packet)
+            subtitle_source.close()
+    return path
+
+
+def _write_audio(container: av.container.OutputContainer, stream: av.AudioStream, samples: np.ndarray, layout: str) -> None:
+    context = stream.codec_context
+    resampler = av.AudioResampler(format=context.format, layout=layout, rate=context.sample_rate, frame_size=context.frame_size or 1024)
+    frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout=layout)
+    frame.sample_rate, frame.pts, frame.time_base = context.sample_rate, 0, Fraction(1, context.sample_rate)
+    for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
+        container.mux(stream.encode(chunk))
+    container.mux(stream.encode())
+
+
+def _subtitle_source(srt: str, scratch: Path) -> av.container.InputContainer:
+    (scratch / "subtitles.srt").write_text(srt)
+    return av.open(str(scratch / "subtitles.srt"))

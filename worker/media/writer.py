@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from time import perf_counter
@@ -12,25 +14,93 @@ from types import TracebackType
 import av
 import numpy as np
 import torch
+from av.video.reformatter import ColorRange, Colorspace
+
+from worker.media.passthrough import Passthrough
+from worker.sr.errors import InvalidRequest
+from worker.sr.frames import quantise
 
 _DONE = None
+BT709 = 1  # AVCOL_SPC_BT709 / AVCOL_PRI_BT709 / AVCOL_TRC_BT709
+# Our codec names -> FFmpeg encoders, best first.
+ENCODERS = {"h264": ("libx264",), "hevc": ("libx265",), "av1": ("libsvtav1",)}
+# SVT-AV1 takes numbered presets; x264's names map onto its speed scale.
+_SVT_PRESETS = {"ultrafast": 12, "superfast": 11, "veryfast": 10, "faster": 9, "fast": 8, "medium": 7, "slow": 5, "slower": 4, "veryslow": 2}
+
+
+def encoder_for(codec: str) -> str:
+    """The FFmpeg encoder this PyAV build has for `codec` ("h264", "hevc", "av1")."""
+    if codec not in ENCODERS:
+        raise InvalidRequest(f"video codec must be one of {tuple(ENCODERS)}, got {codec!r}")
+    for name in ENCODERS[codec]:
+        try:
+            av.codec.Codec(name, "w")
+            return name
+        except av.codec.codec.UnknownCodecError:
+            continue
+    raise InvalidRequest(f"this PyAV build has no {codec} encoder (tried {', '.join(ENCODERS[codec])})")
+
+
+def _encoder_options(encoder: str, crf: int, preset: str) -> dict[str, str]:
+    if encoder == "libsvtav1":
+        os.environ.setdefault("SVT_LOG", "1")  # errors only (it prints its whole configuration otherwise)
+        return {"crf": str(crf), "preset": str(_SVT_PRESETS.get(preset, preset))}
+    options = {"crf": str(crf), "preset": preset}
+    if encoder == "libx265":
+        options["x265-params"] = "log-level=error"
+    return options
 
 
 class Mp4Writer:
-    """H.264 (yuv420p, +faststart) MP4 writer; `write` takes (n, 3, H, W) float frames in [0, 1] on any device.
+    """MP4 writer (H.264 by default, or HEVC / AV1; yuv420p BT.709; +faststart); `write` takes (n, 3, H, W) float
+    frames in [0, 1] on any device.
+
+    Frames are timed at `fps` or, for variable-rate video, at `timestamps` (in `time_base`, from 0). A `passthrough`
+    muxes the source's audio and subtitles alongside, as the video advances.
 
     `write` only quantises and queues; a background thread encodes and muxes. A failure there surfaces at the next
     `write` or at `close`. Leaving the `with` block through an exception deletes the partial file.
     """
 
     def __init__(
-        self, path: str | Path, fps: Fraction, size: tuple[int, int], crf: int = 18, preset: str = "medium", queue_size: int = 4
+        self,
+        path: str | Path,
+        fps: Fraction,
+        size: tuple[int, int],
+        crf: int = 18,
+        preset: str = "medium",
+        queue_size: int = 4,
+        *,
+        codec: str = "h264",
+        timestamps: Sequence[int] | None = None,
+        time_base: Fraction | None = None,
+        passthrough: Passthrough | None = None,
+        metadata: Mapping[str, str] | None = None,
+        language: str | None = None,
+        colour: tuple[int, int] = (BT709, BT709),
     ) -> None:
         height, width = size
+        encoder = encoder_for(codec)
         self.path = Path(path)
-        self.container = av.open(str(self.path), mode="w", options={"movflags": "+faststart"})
-        self.stream = self.container.add_stream("libx264", rate=fps, options={"crf": str(crf), "preset": preset})
+        self.timestamps, self.passthrough = timestamps, passthrough
+        self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": "+faststart"})
+        self.container.metadata.update(metadata or {})
+        self.stream = self.container.add_stream(encoder, rate=fps, options=_encoder_options(encoder, crf, preset))
         self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, "yuv420p"
+        if codec == "hevc":
+            self.stream.codec_tag = "hvc1"  # what Apple's players require of HEVC in MP4
+        # Constant rate: frame i at i / fps. Variable: at its own timestamp.
+        self.time_base = 1 / Fraction(fps) if timestamps is None else time_base
+        self.stream.codec_context.time_base = self.time_base
+        # Frames are converted with the BT.709 matrix to limited range and tagged so; primaries and transfer are the
+        # source's (the RGB values were never converted between them).
+        context = self.stream.codec_context
+        context.colorspace, context.color_range = BT709, ColorRange.MPEG
+        context.color_primaries, context.color_trc = colour
+        if language:
+            self.stream.metadata["language"] = language
+        if passthrough is not None:
+            passthrough.add_streams(self.container)
         self.frames = 0
         self.encode_seconds = 0.0
         self._queue: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=queue_size)
@@ -40,8 +110,7 @@ class Mp4Writer:
 
     def write(self, frames: torch.Tensor) -> None:
         self._raise_if_failed()
-        # Quantise where the frames are (a GPU moves a quarter of the bytes to the host this way).
-        pixels = (frames * 255.0).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        pixels = quantise(frames).cpu().numpy()
         self._queue.put(pixels)
         self.frames += len(pixels)
 
@@ -50,15 +119,26 @@ class Mp4Writer:
         self._thread.join()
         self._raise_if_failed()
         self.container.close()
+        self._close_passthrough()
 
     def _encode_loop(self) -> None:
         try:
+            index = 0
             while (pixels := self._queue.get()) is not _DONE:
                 started = perf_counter()
                 for pixel in pixels:
-                    self.container.mux(self.stream.encode(av.VideoFrame.from_ndarray(pixel, format="rgb24")))
+                    frame = av.VideoFrame.from_ndarray(pixel, format="rgb24").reformat(
+                        format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+                    )
+                    frame.pts = index if self.timestamps is None else self.timestamps[index]
+                    index += 1
+                    self.container.mux(self.stream.encode(frame))
+                    if self.passthrough is not None:
+                        self.passthrough.mux_until(float(frame.pts * self.time_base))
                 self.encode_seconds += perf_counter() - started
             self.container.mux(self.stream.encode())
+            if self.passthrough is not None:
+                self.passthrough.mux_until(None)
         except BaseException as error:  # handed to the producer thread
             self._error = error
             while self._queue.get() is not _DONE:  # unblock a producer waiting on a full queue
@@ -68,16 +148,32 @@ class Mp4Writer:
         if self._error is not None:
             raise self._error
 
+    def _close_passthrough(self) -> None:
+        if self.passthrough is not None:
+            self.passthrough.close()
+
     def __enter__(self) -> Mp4Writer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if exc_type is None:
-            self.close()
-            return
-        # Never leave a partial output behind.
+            try:
+                self.close()
+                return
+            except BaseException:
+                self._discard()
+                raise
+        self._discard()
+
+    def _discard(self) -> None:
+        """Never leave a partial output behind."""
         if self._thread.is_alive():
             self._queue.put(_DONE)
             self._thread.join()
-        self.container.close()
-        self.path.unlink(missing_ok=True)
+        try:
+            self.container.close()
+        except av.error.FFmpegError:
+            pass  # the trailer of a file that is deleted next
+        finally:
+            self._close_passthrough()
+            self.path.unlink(missing_ok=True)

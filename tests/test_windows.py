@@ -1,0 +1,141 @@
+"""Temporal windows: the plan, the crossfade, bounded memory, per-window noise, and resuming from kept windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from worker.sr.engine import RunInfo, SRRequest
+from worker.sr.errors import Cancelled, InvalidRequest
+from worker.sr.frames import quantise
+from worker.sr.windows import DirectoryWindowStore, plan_windows, upscale_windows
+
+
+def test_a_300_frame_clip_is_three_balanced_windows_of_1_plus_4k():
+    plan = plan_windows(300, window=121, overlap=16)
+    assert [(w.start, w.stop) for w in plan.windows] == [(0, 113), (97, 210), (194, 300)]
+    assert plan.length == 113 and (plan.length - 1) % 4 == 0
+    assert all(a.stop - b.start == 16 for a, b in zip(plan.windows, plan.windows[1:]))
+
+
+@pytest.mark.parametrize("frames", [1, 2, 121, 122, 137, 1000])
+def test_windows_cover_every_frame_with_the_overlap(frames):
+    plan = plan_windows(frames, window=121, overlap=16)
+    assert plan.windows[0].start == 0 and plan.windows[-1].stop == frames
+    assert all(w.frames <= 121 for w in plan.windows)
+    assert all(a.stop - b.start == 16 for a, b in zip(plan.windows, plan.windows[1:]))
+    assert len(plan.windows) == (1 if frames <= 121 else -(-(frames - 16) // 105))
+
+
+@pytest.mark.parametrize(("window", "overlap"), [(120, 16), (3, 0), (33, 17), (33, -4)])
+def test_bad_window_settings_are_refused(window, overlap):
+    with pytest.raises(InvalidRequest):
+        plan_windows(300, window, overlap)
+
+
+@dataclass
+class Offset:
+    """A x1 'upscaler' adding a different constant per window, emitting in chunks of 3 like a streaming decode."""
+
+    calls: list[tuple[int, ...]] = field(default_factory=list)
+    devices: tuple = (torch.device("cpu"),)
+
+    def output_size(self, height, width, scale):
+        return height, width
+
+    def upscale(self, video, request, sink, progress=None, cancelled=None):
+        self.calls.append(request.noise_key)
+        out = video + 0.1 * request.noise_key[-1]
+        for start in range(0, len(out), 3):
+            sink(out[start : start + 3])
+        return RunInfo((8, 8), (8, 8), len(video), (len(video), 8, 8), 1, ["cpu"])
+
+
+def frames(count: int, value: float = 0.25) -> list[np.ndarray]:
+    return [np.full((8, 8, 3), round(value * 255), np.uint8) for _ in range(count)]
+
+
+def collect(upscaler, source, plan, **kwargs) -> torch.Tensor:
+    chunks = []
+    upscale_windows(upscaler, source, plan, SRRequest(scale=2), chunks.append, **kwargs)
+    return torch.cat(chunks)
+
+
+def test_overlaps_crossfade_smoothly_from_one_window_into_the_next():
+    plan = plan_windows(40, window=21, overlap=8)  # windows [0, 21) [13, 34) [26, 40)
+    upscaler = Offset()
+    out = collect(upscaler, frames(40), plan)[:, 0, 0, 0]
+    assert upscaler.calls == [(0,), (1,), (2,)]  # every window draws its own noise
+    assert len(out) == 40
+    base = 64 / 255
+    assert torch.allclose(out[:13], torch.full((13,), base))  # window 0 alone
+    fade = out[13:21] - base  # 0 -> 0.1, strictly rising, never a jump
+    assert torch.all(fade[1:] > fade[:-1]) and 0 < fade[0] < 0.02 and 0.08 < fade[-1] < 0.1
+    assert torch.allclose(fade, 0.1 * plan.ramp()[:, 0, 0, 0])
+    assert torch.allclose(out[21:26], torch.full((5,), base + 0.1))  # window 1 alone
+
+
+def test_memory_holds_one_window_of_input_not_the_clip():
+    plan = plan_windows(200, window=21, overlap=4)
+    pulled, emitted, most = [0], [0], [0]
+
+    def source():
+        for frame in frames(200):
+            pulled[0] += 1
+            most[0] = max(most[0], pulled[0] - emitted[0])
+            yield frame
+
+    def sink(chunk):
+        emitted[0] += len(chunk)
+
+    upscale_windows(Offset(), source(), plan, SRRequest(scale=2), sink)
+    assert emitted[0] == 200
+    assert most[0] <= plan.length + plan.overlap
+
+
+class Recording:
+    """Wraps an upscaler; records which windows it computed."""
+
+    def __init__(self, upscaler):
+        self.upscaler, self.windows = upscaler, []
+        self.devices = upscaler.devices
+
+    def output_size(self, *args):
+        return self.upscaler.output_size(*args)
+
+    def upscale(self, video, request, sink, progress=None, cancelled=None):
+        self.windows.append(request.noise_key[-1])
+        return self.upscaler.upscale(video, request, sink, progress, cancelled)
+
+
+def test_a_cancelled_job_resumes_from_kept_windows_and_matches_an_uninterrupted_run(engine, tmp_path):
+    video = [np.random.default_rng(0).integers(0, 256, (24, 48, 3), dtype=np.uint8) for _ in range(45)]
+    plan = plan_windows(45, window=17, overlap=4)  # 4 windows with the tiny model
+    assert len(plan.windows) == 4
+
+    def run(store=None, cancelled=None):
+        upscaler, out = Recording(engine), []
+        try:
+            upscale_windows(upscaler, iter(video), plan, SRRequest(scale=2, seed=5), lambda f: out.append(quantise(f)), cancelled=cancelled, store=store)
+        except Cancelled:
+            pass
+        return upscaler.windows, torch.cat(out)
+
+    computed, uninterrupted = run()
+    assert computed == [0, 1, 2, 3] and len(uninterrupted) == 45
+
+    key = "job-1"
+    store = DirectoryWindowStore(tmp_path / "windows", key)
+    kept = lambda: sorted(p.name for p in (tmp_path / "windows").glob("*.json") if p.name != "job.json")  # noqa: E731
+    computed, partial = run(store, cancelled=lambda: len(kept()) == 2)  # dies as the third window starts
+    assert computed == [0, 1] and len(partial) < 45
+
+    computed, resumed = run(DirectoryWindowStore(tmp_path / "windows", key))
+    assert computed == [2, 3]  # only the missing windows
+    assert torch.equal(resumed, uninterrupted)
+
+    computed, _ = run(DirectoryWindowStore(tmp_path / "windows", "another job"))
+    assert computed == [0, 1, 2, 3]  # a store kept for other settings is never replayed

@@ -1,0 +1,72 @@
+"""Errors of the media layer: each has a stable `code` for the API and the CLI, and a message a user can act on.
+
+`BAD_INPUT_CODES` are the caller's problem (exit code 2, HTTP 4xx); everything else is ours.
+"""
+
+from __future__ import annotations
+
+from worker.sr.errors import SRError
+
+
+class InputNotFound(SRError):
+    code = "input_not_found"
+
+
+class InputEmpty(SRError):
+    code = "input_empty"
+
+
+class InputUnreadable(SRError):
+    """Not a media file FFmpeg can open: random bytes, text, a file cut before its header or index."""
+
+    code = "input_unreadable"
+
+
+class InputNoVideo(SRError):
+    """Audio only, a still image, or cover art without a video stream."""
+
+    code = "input_no_video"
+
+
+class InputUnsupportedCodec(SRError):
+    code = "input_unsupported_codec"
+
+
+class InputCorrupt(SRError):
+    """Opens but cannot be decoded to the end: truncated, damaged packets, frames missing."""
+
+    code = "input_corrupt"
+
+
+class InputTooLarge(SRError):
+    code = "input_too_large"
+
+
+class InputTooShort(SRError):
+    code = "input_too_short"
+
+
+class OutputUnwritable(SRError):
+    code = "output_unwritable"
+
+
+class OutputMismatch(SRError):
+    """The written file is not what was promised: our bug, never handed to the user as done."""
+
+    code = "output_mismatch"
+
+
+BAD_INPUT_CODES = frozenset(
+    error.code
+    for error in (
+        InputNotFound,
+        InputEmpty,
+        InputUnreadable,
+        InputNoVideo,
+        InputUnsupportedCodec,
+        InputCorrupt,
+        InputTooLarge,
+        InputTooShort,
+        OutputUnwritable,
+    )
+)

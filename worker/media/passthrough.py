@@ -1,0 +1,268 @@
+"""The source's audio and subtitle streams, carried into the output MP4 next to the new video.
+
+Audio MP4 holds (AAC, MP3, AC-3, E-AC-3, ALAC, FLAC, Opus) is copied packet for packet; anything else is decoded
+and re-encoded to AAC at its own sample rate and channel layout. Text subtitles become mov_text (the one subtitle
+format MP4 players read); bitmap subtitles cannot live in MP4 and are left out, which the plan says.
+
+Timing: the output's clock starts at the first video frame, so every carried stream is shifted by the video's start
+and cut to the video's span: audio and video start together, and A/V offsets in the source are kept.
+The streams are read from a second demuxer over the source and muxed as the video advances (`mux_until`), so the
+output is interleaved and nothing is buffered beyond the muxer's own queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from fractions import Fraction
+
+import av
+import numpy as np
+
+from worker.media.errors import InputCorrupt
+from worker.media.probe import AudioInfo, AVError, MediaInfo
+
+COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
+TEXT_SUBTITLES = frozenset({"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text"})
+AAC_BITRATE_PER_CHANNEL = 96_000
+# Source metadata that describes the old file rather than its content.
+_TECHNICAL_METADATA = frozenset({"major_brand", "minor_version", "compatible_brands", "encoder", "duration"})
+_DEFAULT_LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
+
+
+@dataclass(frozen=True)
+class Carried:
+    """What happens to one source stream."""
+
+    index: int
+    kind: str  # "audio" or "subtitle"
+    action: str  # "copy", "aac", "mov_text" or "drop"
+    detail: str  # for people: the codec, or why it is dropped
+
+    def describe(self) -> str:
+        verb = {"copy": "copied", "aac": "re-encoded to AAC", "mov_text": "converted to mov_text", "drop": "left out"}
+        return f"{self.kind} #{self.index} ({self.detail}): {verb[self.action]}"
+
+
+def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
+    carried = []
+    for audio in info.audio:
+        if audio.codec == "unknown" or audio.channels == 0:
+            carried.append(Carried(audio.index, "audio", "drop", "no decoder for its codec"))
+        elif audio.duration <= 0:
+            carried.append(Carried(audio.index, "audio", "drop", f"{audio.codec}, holds no samples"))
+        else:
+            carried.append(Carried(audio.index, "audio", "copy" if audio.codec in COPY_AUDIO else "aac", audio.codec))
+    for subtitle in info.subtitles:
+        text = subtitle.codec in TEXT_SUBTITLES
+        carried.append(
+            Carried(subtitle.index, "subtitle", "mov_text" if text else "drop", subtitle.codec + ("" if text else ", a bitmap format MP4 cannot hold"))
+        )
+    return tuple(carried)
+
+
+def output_metadata(info: MediaInfo) -> dict[str, str]:
+    """Container metadata worth keeping (title, dates, ...), not what described the old file's muxing."""
+    return {key: value for key, value in info.metadata.items() if key.lower() not in _TECHNICAL_METADATA}
+
+
+class Passthrough:
+    """Carries the planned streams of `info`'s file into an output container, shifted by `offset` seconds (the video's
+    start) and cut at `end` seconds of output time (the video's duration)."""
+
+    def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float) -> None:
+        self.path = info.path
+        self.offset, self.end = offset, end
+        self.container = av.open(str(info.path), metadata_errors="replace")
+        wanted = {c.index: c.action for c in carried if c.action != "drop"}
+        self.streams = [self.container.streams[index] for index in wanted]
+        self.handlers: dict[int, _Handler] = {}
+        self._actions = wanted
+        self._packets = self.container.demux(self.streams) if self.streams else iter(())
+        self._pending: av.Packet | None = None
+
+    def add_streams(self, output: av.container.OutputContainer) -> None:
+        """Create the output streams: before the output's header is written."""
+        kinds = {"copy": _Copy, "aac": _ToAac, "mov_text": _ToMovText}
+        for stream in self.streams:
+            handler = kinds[self._actions[stream.index]](stream, output, self)
+            for key in ("language", "title"):
+                if stream.metadata.get(key):
+                    handler.output.metadata[key] = stream.metadata[key]
+            self.handlers[stream.index] = handler
+
+    def mux_until(self, seconds: float | None) -> None:
+        """Mux every carried packet that starts before `seconds` of output time (None: all that remain)."""
+        while True:
+            packet, self._pending = self._pending, None
+            if packet is None:
+                with self.reading():
+                    packet = next(self._packets, None)
+            if packet is None:
+                break
+            if seconds is not None and packet.pts is not None and self.output_time(packet) >= seconds:
+                self._pending = packet
+                return
+            self.handlers[packet.stream.index].take(packet)
+        if seconds is None:
+            for handler in self.handlers.values():
+                handler.finish()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Demuxing and decoding the source: its failures are the input's (muxing failures are ours)."""
+        try:
+            yield
+        except AVError as error:
+            raise InputCorrupt(f"{self.path.name}: a carried stream cannot be read ({error})") from None
+
+    def output_time(self, packet: av.Packet) -> float:
+        return float(packet.pts * packet.time_base) - self.offset
+
+    def close(self) -> None:
+        self.container.close()
+
+
+class _Handler:
+    def __init__(self, stream: av.stream.Stream, output: av.container.OutputContainer, passthrough: Passthrough) -> None:
+        self.source, self.passthrough = stream, passthrough
+        self.output = self._add(output)
+
+    def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
+        raise NotImplementedError
+
+    def take(self, packet: av.Packet) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+
+class _Copy(_Handler):
+    def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
+        return output.add_stream_from_template(self.source)
+
+    def take(self, packet: av.Packet) -> None:
+        if packet.size == 0 or packet.pts is None:
+            return
+        start = self.passthrough.output_time(packet)
+        duration = float((packet.duration or 0) * packet.time_base)
+        # Keep one packet before the start: codecs like AAC need it to decode the first samples (the MP4 edit list
+        # hides it). At the end a copy can only be cut between packets: keep those that are mostly before it.
+        if start + duration <= -duration or start + duration / 2 >= self.passthrough.end:
+            return
+        shift = round(self.passthrough.offset / packet.time_base)
+        packet.pts -= shift
+        if packet.dts is not None:
+            packet.dts -= shift
+        packet.stream = self.output
+        self.output.container.mux(packet)
+
+
+class _ToAac(_Handler):
+    """Decode, place every sample on the output clock (silence before a late start, nothing before the video's
+    start or after its end), encode AAC in 1024-sample frames at the source's rate and layout."""
+
+    FRAME = 1024
+    # Decoded timestamps jitter (Matroska rounds them to milliseconds): only gaps beyond this are real.
+    SLACK_SECONDS = 0.02
+
+    def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
+        context = self.source.codec_context
+        self.rate, self.layout = aac_format(context.sample_rate, context.layout.name, context.channels)
+        channels = av.AudioLayout(self.layout).nb_channels
+        stream = output.add_stream("aac", rate=self.rate, layout=self.layout)
+        stream.codec_context.bit_rate = AAC_BITRATE_PER_CHANNEL * channels
+        self.resampler = av.AudioResampler(format="fltp", layout=self.layout, rate=self.rate)
+        self.buffer = np.zeros((channels, 0), np.float32)
+        self.position = None  # output sample the next decoded sample lands on
+        self.encoded = 0
+        self.limit = round(self.passthrough.end * self.rate)
+        return stream
+
+    def take(self, packet: av.Packet) -> None:
+        with self.passthrough.reading():
+            frames = packet.decode()  # an empty packet flushes the decoder
+        for frame in frames:
+            at = None
+            if frame.pts is not None:
+                at = round((float(frame.pts * frame.time_base) - self.passthrough.offset) * self.rate)
+            self._place(self.resampler.resample(frame), at)
+
+    def _place(self, frames: list[av.AudioFrame], at: int | None) -> None:
+        """Append decoded samples that start at output sample `at` (None: right after the previous ones)."""
+        samples = np.concatenate([self.buffer[:, :0], *(frame.to_ndarray() for frame in frames)], axis=1)
+        if at is not None and (self.position is None or abs(at - self.position) > self.SLACK_SECONDS * self.rate):
+            position = self.position or 0
+            if at > position:  # a gap, or a late start: silence until the samples are due
+                samples = np.concatenate([np.zeros((len(samples), at - position), np.float32), samples], axis=1)
+            else:  # an overlap, or an early start: drop what is before the output clock's position
+                samples = samples[:, position - at :]
+            if self.position is None and not samples.shape[1]:
+                return  # all before the video's start: the clock starts with the first sample kept
+            self.position = position
+        self.position = (self.position or 0) + samples.shape[1]
+        room = self.limit - (self.encoded + self.buffer.shape[1])
+        self.buffer = np.concatenate([self.buffer, samples[:, : max(0, room)]], axis=1)
+        while self.buffer.shape[1] >= self.FRAME:
+            self._encode(self.FRAME)
+
+    def _encode(self, count: int) -> None:
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(self.buffer[:, :count]), format="fltp", layout=self.layout)
+        frame.sample_rate, frame.pts, frame.time_base = self.rate, self.encoded, Fraction(1, self.rate)
+        self.buffer = self.buffer[:, count:]
+        self.encoded += count
+        self.output.container.mux(self.output.encode(frame))
+
+    def finish(self) -> None:
+        self._place(self.resampler.resample(None), None)
+        if self.buffer.shape[1]:
+            self._encode(self.buffer.shape[1])
+        self.output.container.mux(self.output.encode(None))
+
+
+def aac_format(sample_rate: int, layout: str, channels: int) -> tuple[int, str]:
+    """(rate, layout) of the AAC a source is re-encoded to: its own wherever FFmpeg's AAC encoder takes them, else
+    48 kHz and the standard layout of as many channels."""
+    rate = sample_rate if sample_rate in av.codec.Codec("aac", "w").audio_rates else 48000
+    context = av.codec.CodecContext.create("aac", "w")
+    context.sample_rate, context.layout, context.format = rate, layout, "fltp"
+    try:
+        context.open()
+        return rate, layout
+    except AVError:
+        return rate, _DEFAULT_LAYOUTS.get(channels, "stereo")
+
+
+def audio_output(audio: AudioInfo, action: str) -> tuple[str, int, int]:
+    """(codec, sample rate, channels) a carried audio stream has in the output."""
+    if action == "copy":
+        return audio.codec, audio.sample_rate, audio.channels
+    rate, layout = aac_format(audio.sample_rate, audio.layout, audio.channels)
+    return "aac", rate, av.AudioLayout(layout).nb_channels
+
+
+class _ToMovText(_Handler):
+    def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
+        decoder = self.source.codec_context
+        decoder.open()  # its ASS header is the encoder's, and must exist before the output header is written
+        stream = output.add_stream("mov_text")
+        stream.codec_context.time_base = Fraction(1, 1000)
+        stream.codec_context.subtitle_header = decoder.subtitle_header
+        stream.codec_context.open()
+        return stream
+
+    def take(self, packet: av.Packet) -> None:
+        if packet.size == 0 or packet.pts is None:
+            return
+        start = self.passthrough.output_time(packet)
+        with self.passthrough.reading():
+            subtitles = self.source.codec_context.decode2(packet)
+        if not subtitles or start >= self.passthrough.end or start + float((packet.duration or 0) * packet.time_base) <= 0:
+            return
+        encoded = self.output.codec_context.encode_subtitle(subtitles)
+        encoded.stream, encoded.time_base = self.output, packet.time_base
+        encoded.pts = encoded.dts = packet.pts - round(self.passthrough.offset / packet.time_base)
+        encoded.duration = packet.duration
+        self.output.container.mux(encoded)

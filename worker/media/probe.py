@@ -1,0 +1,315 @@
+"""Probe a media file before any work is spent on it: its streams, their timing, and whether we can and may take it.
+
+One demux pass over the whole file (packets only; just the first video frame is decoded) gives the exact frame
+count, every frame's timestamp (constant or variable rate), each audio stream's extent, and catches truncated
+files. Limits are checked as early as the file can tell them: size before opening, declared dimensions and
+duration before reading a packet, the frame count while counting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import av
+
+from worker.media.errors import (
+    InputCorrupt,
+    InputEmpty,
+    InputNoVideo,
+    InputNotFound,
+    InputTooLarge,
+    InputTooShort,
+    InputUnreadable,
+    InputUnsupportedCodec,
+)
+from worker.media.limits import Limits
+
+AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
+
+# FFmpeg's AVColorSpace / AVColorRange values, named for people.
+MATRICES = {0: "rgb", 1: "bt709", 2: "unspecified", 4: "fcc", 5: "bt470bg", 6: "smpte170m", 7: "smpte240m", 9: "bt2020nc", 10: "bt2020c"}
+RANGES = {0: "unspecified", 1: "limited", 2: "full"}
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    index: int
+    codec: str
+    width: int  # as displayed, i.e. after rotation
+    height: int
+    rotation: int  # degrees counter-clockwise the stored frames are turned for display: 0, 90, 180 or 270
+    pix_fmt: str
+    bit_depth: int
+    color_matrix: int  # FFmpeg's AVCOL_* values, as the stream tags them (2 = unspecified)
+    color_range: int
+    color_primaries: int
+    color_trc: int
+    frames: int
+    fps: Fraction  # the constant rate, or the average of a variable one
+    cfr: bool
+    start: float  # seconds: presentation time of the first frame
+    duration: float  # seconds: from the first frame to the end of the last
+    time_base: Fraction
+    language: str | None
+    # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
+    timestamps: tuple[int, ...] = field(default=(), repr=False)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+
+@dataclass(frozen=True)
+class AudioInfo:
+    index: int
+    codec: str  # "unknown" when FFmpeg has no decoder for it
+    sample_rate: int
+    channels: int
+    layout: str
+    start: float  # seconds, first to last sample the stream presents
+    duration: float
+    packet_seconds: float  # the longest packet: how finely a copy can be cut
+    language: str | None
+    title: str | None
+
+
+@dataclass(frozen=True)
+class SubtitleInfo:
+    index: int
+    codec: str
+    language: str | None
+    title: str | None
+
+
+@dataclass(frozen=True)
+class MediaInfo:
+    path: Path
+    format: str
+    size_bytes: int
+    video: VideoInfo
+    audio: tuple[AudioInfo, ...]
+    subtitles: tuple[SubtitleInfo, ...]
+    metadata: dict[str, str]
+
+    def to_dict(self) -> dict:
+        """JSON-ready (timestamps left out)."""
+        info = asdict(self)
+        info["path"] = str(self.path)
+        del info["video"]["timestamps"]
+        info["video"].update(fps=str(self.video.fps), time_base=str(self.video.time_base))
+        return info
+
+    def describe(self) -> list[str]:
+        video = self.video
+        rate = f"{float(video.fps):.3f}".rstrip("0").rstrip(".")
+        lines = [
+            f"{self.path.name}: {self.format}, {self.size_bytes / 1e6:.2f} MB",
+            f"video #{video.index}: {video.codec} {video.width}x{video.height} {video.pix_fmt} {video.bit_depth}-bit "
+            f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
+            f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
+            + (f", rotated {video.rotation} degrees for display" if video.rotation else ""),
+        ]
+        lines += [
+            f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
+            f"{a.start:+.3f} s" + (f", {a.language}" if a.language else "")
+            for a in self.audio
+        ]
+        lines += [f"subtitle #{s.index}: {s.codec}" + (f", {s.language}" if s.language else "") for s in self.subtitles]
+        return lines
+
+
+def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
+    """Everything the job needs to know about `path`, or the typed error that says why it cannot be taken."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputNotFound(f"{path} does not exist or is not a file")
+    size = path.stat().st_size
+    if size == 0:
+        raise InputEmpty(f"{path.name} is empty (0 bytes)")
+    if limits.max_bytes is not None and size > limits.max_bytes:
+        raise InputTooLarge(f"{path.name} is {size / 2**30:.1f} GiB; the limit is {limits.max_bytes / 2**30:.1f} GiB")
+    try:
+        container = av.open(str(path), metadata_errors="replace")
+    except AVError as error:
+        raise InputUnreadable(f"{path.name} is not a video file FFmpeg can read ({_reason(error)})") from None
+    with container:
+        stream = _video_stream(container, path)
+        _check_declared(container, stream, path, limits)
+        scan = _scan(container, stream, path, limits)
+        video = _video_info(stream, scan, path, limits)
+        audio = tuple(_audio_info(s, scan.extents.get(s.index)) for s in container.streams.audio)
+        subtitles = tuple(
+            SubtitleInfo(s.index, _codec(s), s.language, s.metadata.get("title"))
+            for s in container.streams.subtitles
+        )
+        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata))
+
+
+def _codec(stream: av.stream.Stream) -> str:
+    """The codec's own name ("mp3", "av1"), not its decoder's ("mp3float", "libdav1d")."""
+    return stream.codec_context.codec.canonical_name if stream.codec_context else "unknown"
+
+
+def _reason(error: BaseException) -> str:
+    return getattr(error, "strerror", None) or str(error)
+
+
+def _video_stream(container: av.container.InputContainer, path: Path) -> av.VideoStream:
+    name = container.format.name
+    if name.startswith("image2") or name.endswith("_pipe"):
+        raise InputNoVideo(f"{path.name} is a still image ({name}), not a video")
+    # Cover art in music files is a video stream of one picture: not a video.
+    streams = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
+    if not streams:
+        kinds = sorted({s.type for s in container.streams}) or ["no streams"]
+        raise InputNoVideo(f"{path.name} has no video stream ({', '.join(kinds)})")
+    stream = streams[0]
+    if stream.codec_context is None:
+        raise InputUnsupportedCodec(f"{path.name}: FFmpeg has no decoder for its video codec")
+    return stream
+
+
+def _check_declared(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> None:
+    """What the header claims, before a single packet is read (a header may claim absurd sizes)."""
+    _check_pixels(stream.codec_context.width, stream.codec_context.height, path, limits)
+    if container.duration is not None and limits.max_seconds is not None and container.duration / 1e6 > limits.max_seconds:
+        raise InputTooLarge(f"{path.name} lasts {container.duration / 1e6:.0f} s; the limit is {limits.max_seconds:.0f} s")
+
+
+def _check_pixels(width: int, height: int, path: Path, limits: Limits) -> None:
+    if limits.max_pixels is not None and width * height > limits.max_pixels:
+        raise InputTooLarge(f"{path.name} is {width}x{height}; the limit is {limits.max_pixels / 1e6:.1f} Mpx per frame")
+
+
+@dataclass
+class _Scan:
+    first_frame: av.VideoFrame | None = None
+    video_packets: int = 0  # every packet, including those an edit list discards
+    timestamps: list[int | None] = field(default_factory=list)  # presented frames, decode order
+    extents: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # audio -> (start, end, longest packet)
+    end: float = 0.0  # latest packet end over all streams, seconds
+    keyframe_seen: bool = False
+
+
+def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
+    scan = _Scan()
+    stream.thread_type = "AUTO"
+    try:
+        for packet in container.demux():
+            if packet.size == 0:
+                continue
+            owner = packet.stream
+            if packet.pts is not None and packet.time_base is not None:
+                start = float(packet.pts * packet.time_base)
+                end = start + float((packet.duration or 0) * packet.time_base)
+                scan.end = max(scan.end, end)
+                if owner.type == "audio" and not packet.is_discard:
+                    first, last, longest = scan.extents.get(owner.index, (start, end, 0.0))
+                    scan.extents[owner.index] = (min(first, start), max(last, end), max(longest, end - start))
+            if owner.index != stream.index:
+                continue
+            scan.video_packets += 1
+            if scan.first_frame is None:
+                scan.first_frame = next(iter(packet.decode()), None)
+            # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
+            scan.keyframe_seen = scan.keyframe_seen or packet.is_keyframe
+            if scan.keyframe_seen and not packet.is_discard:
+                scan.timestamps.append(packet.pts)
+                if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
+                    raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
+        if scan.first_frame is None:  # a decoder with a delay may hold short streams until it is flushed
+            scan.first_frame = next(iter(stream.decode(None)), None)
+    except AVError as error:
+        raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
+    if scan.first_frame is None:
+        raise InputCorrupt(f"{path.name} holds no decodable video frame")
+    # MP4/MOV index every sample, so fewer packets than indexed means a cut file (AVI headers count empty chunks).
+    declared = stream.frames if "mp4" in container.format.name else 0
+    if declared and scan.video_packets < declared:
+        raise InputCorrupt(f"{path.name} is truncated: its index lists {declared} frames, the file holds {scan.video_packets}")
+    # Matroska declares its duration in the header: a file that ends well before it was cut short.
+    if "matroska" in container.format.name and container.duration and scan.end < container.duration / 1e6 - 0.1:
+        raise InputCorrupt(
+            f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {scan.end:.2f} s"
+        )
+    return scan
+
+
+def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
+    frame = scan.first_frame
+    rotation = round(frame.rotation / 90) * 90 % 360
+    width, height = (frame.height, frame.width) if rotation in (90, 270) else (frame.width, frame.height)
+    _check_pixels(width, height, path, limits)
+    frames = len(scan.timestamps)
+    if frames < limits.min_frames:
+        raise InputTooShort(f"{path.name} has {frames} frame(s): a still image, not a video (at least {limits.min_frames})")
+    time_base = stream.time_base or Fraction(1, 90000)
+    fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
+    first = timestamps[0] if timestamps else 0
+    if cfr:
+        duration = frames / fps
+    else:  # the last frame lasts as long as an average one
+        duration = float((timestamps[-1] - first) * time_base) * frames / (frames - 1)
+    if limits.max_seconds is not None and duration > limits.max_seconds:
+        raise InputTooLarge(f"{path.name} lasts {duration:.0f} s; the limit is {limits.max_seconds:.0f} s")
+    return VideoInfo(
+        index=stream.index,
+        codec=_codec(stream),
+        width=width,
+        height=height,
+        rotation=rotation,
+        pix_fmt=frame.format.name,
+        bit_depth=max(component.bits for component in frame.format.components),
+        color_matrix=frame.colorspace,
+        color_range=frame.color_range,
+        color_primaries=frame.color_primaries,
+        color_trc=frame.color_trc,
+        frames=frames,
+        fps=fps,
+        cfr=cfr,
+        start=float(first * time_base),
+        duration=float(duration),
+        time_base=time_base,
+        language=stream.language,
+        timestamps=() if cfr else tuple(t - first for t in timestamps),
+    )
+
+
+def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) -> tuple[Fraction, bool, list[int]]:
+    """(frame rate, constant?, sorted timestamps). Constant when every frame sits on one rate's grid, to within the
+    time base's rounding or 5 % of a frame; the stream's declared rates are tried first, then the measured one."""
+    declared = [rate for rate in (stream.average_rate, stream.base_rate, stream.guessed_rate) if rate and 0 < rate <= 1000]
+    if None in pts or len(pts) < 2:  # raw streams carry no timestamps: trust the declared rate
+        return (declared[0] if declared else Fraction(24)), True, []
+    timestamps = sorted(pts)
+    span = (timestamps[-1] - timestamps[0]) * time_base
+    if span <= 0:
+        raise InputCorrupt(f"{len(pts)} frames share one timestamp")
+    measured = (Fraction(len(timestamps) - 1) / span).limit_denominator(1001)
+    seconds = [float((t - timestamps[0]) * time_base) for t in timestamps]
+    for rate in [*declared, measured]:
+        step = 1 / float(rate)
+        tolerance = max(0.6 * float(time_base), step / 20)  # rounding to the time base, or a little jitter
+        if all(math.fabs(t - i * step) <= tolerance for i, t in enumerate(seconds)):
+            return Fraction(rate), True, timestamps
+    return measured, False, timestamps
+
+
+def _audio_info(stream: av.AudioStream, extent: tuple[float, float, float] | None) -> AudioInfo:
+    context = stream.codec_context
+    start, end, longest = extent or (0.0, 0.0, 0.0)
+    return AudioInfo(
+        index=stream.index,
+        codec=_codec(stream),
+        sample_rate=context.sample_rate if context else 0,
+        channels=context.channels if context else 0,
+        layout=context.layout.name if context else "unknown",
+        start=start,
+        duration=end - start,
+        packet_seconds=longest,
+        language=stream.language,
+        title=stream.metadata.get("title"),
+    )

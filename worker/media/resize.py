@@ -1,0 +1,92 @@
+"""A target resolution after super-resolution, like SGLang's `sr_target_resolution`: downscale only.
+
+`fit` keeps the aspect ratio inside the target box; `exact` resizes to the box itself. Named targets follow the
+video's orientation (`hd` is 1280x720 for landscape, 720x1280 for portrait); `WxH` is taken as written. Sizes are
+even, as 4:2:0 video needs. The resize runs on the upscaler's frames in float, on its device, before quantisation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.sr.engine import FrameSink, Progress, RunInfo, SRRequest
+from worker.sr.errors import InvalidRequest
+
+NAMED = {"hd": (1280, 720), "fullhd": (1920, 1080), "2k": (2560, 1440)}  # width, height
+MODES = ("fit", "exact")
+
+
+@dataclass(frozen=True)
+class Target:
+    width: int
+    height: int
+    mode: str = "fit"
+    named: bool = False  # follows the video's orientation
+
+    @classmethod
+    def parse(cls, text: str, mode: str = "fit") -> Target:
+        if mode not in MODES:
+            raise InvalidRequest(f"resize mode must be one of {MODES}, got {mode!r}")
+        key = text.strip().lower()
+        if key in NAMED:
+            return cls(*NAMED[key], mode=mode, named=True)
+        match = re.fullmatch(r"(\d+)x(\d+)", key)
+        if not match or min(int(match[1]), int(match[2])) < 2:
+            raise InvalidRequest(f"target resolution must be one of {', '.join(NAMED)} or WxH, got {text!r}")
+        return cls(int(match[1]), int(match[2]), mode=mode)
+
+    def size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) for an upscaled `height` x `width` video; never larger than it."""
+        box_width, box_height = self.width, self.height
+        if self.named and (height > width) != (box_height > box_width):
+            box_width, box_height = box_height, box_width
+        if self.mode == "exact":
+            if box_width > width or box_height > height:
+                raise InvalidRequest(
+                    f"target {box_width}x{box_height} is larger than the upscaled {width}x{height}: "
+                    "the target resolution only downscales (use a larger scale or the fit mode)"
+                )
+            return _even(box_height), _even(box_width)
+        ratio = min(1.0, box_width / width, box_height / height)
+        return (height, width) if ratio == 1.0 else (_even(height * ratio), _even(width * ratio))
+
+
+def _even(size: float) -> int:
+    return max(2, 2 * round(size / 2))
+
+
+class Resized:
+    """An upscaler whose output is resized to `target` (same interface as the upscaler it wraps)."""
+
+    def __init__(self, upscaler, target: Target) -> None:
+        self.upscaler, self.target = upscaler, target
+        self.devices = upscaler.devices
+
+    def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
+        return self.target.size(*self.upscaler.output_size(height, width, scale))
+
+    def upscale(
+        self,
+        video: torch.Tensor,
+        request: SRRequest,
+        sink: FrameSink,
+        progress: Callable[[Progress], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> RunInfo:
+        _, _, height, width = video.shape
+        size = self.output_size(height, width, request.scale)
+
+        def resize(frames: torch.Tensor) -> None:
+            if tuple(frames.shape[-2:]) != size:
+                # Antialiased bicubic: a plain bicubic downscale aliases fine detail the model just made.
+                frames = F.interpolate(frames, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
+            sink(frames)
+
+        info = self.upscaler.upscale(video, request, resize, progress, cancelled)
+        info.output_size = size
+        return info

@@ -1,0 +1,88 @@
+"""Before an output is called done it is read back and compared with what the job promised."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from worker.media.errors import OutputMismatch
+from worker.media.limits import Limits
+from worker.media.passthrough import Carried, audio_output
+from worker.media.probe import MediaInfo, probe
+from worker.sr.errors import SRError
+
+
+@dataclass(frozen=True)
+class AudioPromise:
+    codec: str
+    sample_rate: int
+    channels: int
+    duration: float  # seconds the stream covers of the video's span
+    slack: float  # beyond one frame: a copied stream ends on a packet boundary, up to half a packet off
+
+
+@dataclass(frozen=True)
+class Promise:
+    frames: int
+    width: int
+    height: int
+    fps: Fraction
+    cfr: bool
+    duration: float
+    audio: tuple[AudioPromise, ...]
+    subtitles: int
+
+    @classmethod
+    def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...]) -> Promise:
+        """What upscaling `source` to `size` (height, width) with `carried` streams must produce: every frame, the
+        source's timing, each carried audio stream over the part of the video it covered in the source."""
+        video = source.video
+        audio = []
+        for stream in source.audio:
+            action = next(c.action for c in carried if c.index == stream.index)
+            if action != "drop":
+                start, end = stream.start - video.start, stream.start + stream.duration - video.start
+                # Re-encoded audio that starts late is preceded by silence from 0; copied audio keeps its start.
+                first = 0.0 if action == "aac" else max(start, 0.0)
+                covered = max(0.0, min(end, video.duration) - first)
+                slack = stream.packet_seconds / 2 if action == "copy" else 0.0
+                audio.append(AudioPromise(*audio_output(stream, action), covered, slack))
+        subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
+        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles)
+
+
+def verify(path: str | Path, promise: Promise) -> MediaInfo:
+    """The probed output, or `OutputMismatch` listing every way it differs from `promise`. Durations may differ by
+    one frame (copied audio by half a packet more); a constant frame rate must match exactly, a variable one on
+    average to 1 %."""
+    try:
+        written = probe(path, Limits.none())
+    except SRError as error:
+        raise OutputMismatch(f"the output cannot be read back: {error.message}") from None
+    video, frame = written.video, 1.0 / float(promise.fps)
+    problems = []
+
+    def check(what: str, got: object, expected: object, ok: bool) -> None:
+        if not ok:
+            problems.append(f"{what} is {got}, expected {expected}")
+
+    check("frame count", video.frames, promise.frames, video.frames == promise.frames)
+    check("size", f"{video.width}x{video.height}", f"{promise.width}x{promise.height}", (video.width, video.height) == (promise.width, promise.height))
+    check("constant frame rate", video.cfr, promise.cfr, video.cfr == promise.cfr)
+    fps_ok = video.fps == promise.fps if promise.cfr else abs(video.fps / promise.fps - 1) <= 0.01
+    check("frame rate", video.fps, promise.fps, fps_ok)
+    check("duration", f"{video.duration:.3f} s", f"{promise.duration:.3f} s", abs(video.duration - promise.duration) <= frame)
+    check("audio stream count", len(written.audio), len(promise.audio), len(written.audio) == len(promise.audio))
+    for number, (got, expected) in enumerate(zip(written.audio, promise.audio)):
+        check(f"audio {number} codec", got.codec, expected.codec, got.codec == expected.codec)
+        check(f"audio {number} sample rate", got.sample_rate, expected.sample_rate, got.sample_rate == expected.sample_rate)
+        check(f"audio {number} channels", got.channels, expected.channels, got.channels == expected.channels)
+        # Packets a codec needs before the first sample (AAC priming, Opus pre-skip) may start before 0.
+        covered = got.start + got.duration - max(got.start, 0.0)
+        ok = abs(covered - expected.duration) <= frame + expected.slack
+        check(f"audio {number} duration", f"{covered:.3f} s", f"{expected.duration:.3f} s", ok)
+    check("subtitle stream count", len(written.subtitles), promise.subtitles, len(written.subtitles) == promise.subtitles)
+    if problems:
+        raise OutputMismatch(f"{Path(path).name} is not what was promised: " + "; ".join(problems))
+    return written

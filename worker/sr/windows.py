@@ -1,0 +1,279 @@
+"""Clips longer than one model window, in overlapping temporal windows over any upscaler.
+
+A window is a run of input frames, 1 + 4k long so the model pads nothing; neighbours share `overlap` frames, which
+are crossfaded in float (a raised-cosine ramp) before anything is quantised, so boundaries show no seam. Frames go
+to the sink as the upscaler finishes them: only the current window's input and the previous window's overlap tail
+are ever held, so memory does not grow with the clip. Each window draws its own noise (`noise_key=(index,)`).
+
+Finished windows can be kept in a `WindowStore`; a rerun of the same job replays them instead of computing them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from worker.sr.engine import FrameSink, Progress, RunInfo, SRRequest
+from worker.sr.errors import Cancelled, InvalidRequest
+from worker.sr.frames import dequantise, quantise
+
+DEFAULT_WINDOW = 121  # frames the released checkpoint was trained on (5 s at 24 fps)
+DEFAULT_OVERLAP = 16
+
+
+@dataclass(frozen=True)
+class Window:
+    index: int
+    start: int  # input frames [start, stop)
+    stop: int
+
+    @property
+    def frames(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    frames: int
+    length: int  # frames per window (the last may be shorter)
+    overlap: int
+    windows: tuple[Window, ...]
+
+    def ramp(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Weight of the incoming window over the overlap, (overlap, 1, 1, 1), strictly between 0 and 1."""
+        steps = torch.arange(1, self.overlap + 1, dtype=torch.float32, device=device) / (self.overlap + 1)
+        return (0.5 - 0.5 * torch.cos(math.pi * steps)).view(-1, 1, 1, 1)
+
+    def finished_frames(self, window: Window) -> int:
+        """Output frames final once `window` is done: all but the tail the next window fades into."""
+        return window.frames - (self.overlap if window.index < len(self.windows) - 1 else 0)
+
+
+def plan_windows(frames: int, window: int = DEFAULT_WINDOW, overlap: int = DEFAULT_OVERLAP) -> WindowPlan:
+    """As few windows as cover `frames` with at most `window` frames each, all of one balanced length."""
+    if window < 5 or (window - 1) % 4:
+        raise InvalidRequest(f"the window must be 1 + 4k frames (5, 9, ..., 121), got {window}")
+    if not 0 <= 2 * overlap < window:
+        raise InvalidRequest(f"the window overlap must be in [0, {(window - 1) // 2}] frames, got {overlap}")
+    if frames < 1:
+        raise InvalidRequest("a clip needs at least one frame")
+    if frames <= window:
+        return WindowPlan(frames, frames, overlap, (Window(0, 0, frames),))
+    count = math.ceil((frames - overlap) / (window - overlap))
+    # Shortest 1 + 4k length with which `count` windows cover the clip: never longer than `window`.
+    length = 1 + 4 * math.ceil((math.ceil((frames + (count - 1) * overlap) / count) - 1) / 4)
+    stride = length - overlap
+    windows = tuple(Window(i, i * stride, min(i * stride + length, frames)) for i in range(count))
+    return WindowPlan(frames, length, overlap, windows)
+
+
+@dataclass(frozen=True)
+class WindowProgress:
+    window: int  # index of the window being worked on
+    windows: int
+    stage: str  # the upscaler's stage, or "restored" for a window replayed from the store
+    done: int  # the upscaler's units within this window
+    total: int
+    tiles: int | None  # tiles per window, once the first window has told
+
+    @property
+    def fraction(self) -> float:
+        return (self.window + (self.done / self.total if self.total else 1.0)) / self.windows
+
+
+@dataclass(frozen=True)
+class WindowsRun:
+    windows: int
+    restored: int  # windows replayed from the store
+    runs: tuple[RunInfo, ...]  # one per computed window
+
+
+# --- keeping finished windows ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredWindow:
+    pixels: np.ndarray  # (n, H, W, 3) uint8: the window's finished frames, exactly as the encoder got them
+    tail: torch.Tensor | None  # (overlap, 3, H, W) float32: its last frames before the crossfade, None if last
+
+
+class WindowRecorder(Protocol):
+    def add(self, pixels: np.ndarray) -> None: ...
+
+    def commit(self, tail: torch.Tensor | None) -> None: ...
+
+
+class WindowStore(Protocol):
+    def load(self, index: int) -> StoredWindow | None: ...
+
+    def record(self, index: int) -> WindowRecorder: ...
+
+
+class DirectoryWindowStore:
+    """Finished windows as raw files in a directory: 8-bit frames (as big as the raw output of those windows) and
+    the float overlap tail. `key` names the job (input, model, options): a directory kept for another key is
+    emptied, so a stale window can never be replayed into a different job."""
+
+    def __init__(self, directory: str | Path, key: str) -> None:
+        self.directory = Path(directory)
+        marker = self.directory / "job.json"
+        if self.directory.exists() and (not marker.exists() or json.loads(marker.read_text()) != {"key": key}):
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"key": key}))
+
+    def load(self, index: int) -> StoredWindow | None:
+        meta = self._path(index, "json")
+        if not meta.exists():
+            return None
+        shape = tuple(json.loads(meta.read_text())["shape"])
+        pixels = np.memmap(self._path(index, "u8"), dtype=np.uint8, mode="r", shape=shape)
+        tail_path = self._path(index, "tail.npy")
+        return StoredWindow(pixels, torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None)
+
+    def record(self, index: int) -> _DirectoryRecorder:
+        return _DirectoryRecorder(self, index)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _path(self, index: int, suffix: str) -> Path:
+        return self.directory / f"window-{index:05d}.{suffix}"
+
+
+class _DirectoryRecorder:
+    def __init__(self, store: DirectoryWindowStore, index: int) -> None:
+        self.store, self.index = store, index
+        self.partial = store._path(index, "u8.partial")
+        self.partial.unlink(missing_ok=True)  # left by an attempt that died in this window
+        self.shape: list[int] | None = None
+
+    def add(self, pixels: np.ndarray) -> None:
+        with self.partial.open("ab") as file:
+            file.write(np.ascontiguousarray(pixels).tobytes())
+        self.shape = [(self.shape[0] if self.shape else 0) + len(pixels), *pixels.shape[1:]]
+
+    def commit(self, tail: torch.Tensor | None) -> None:
+        if tail is not None:
+            np.save(self.store._path(self.index, "tail.npy"), tail.cpu().numpy())
+        self.partial.replace(self.store._path(self.index, "u8"))
+        # Written last: a window counts as kept only once everything it needs is on disk.
+        self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape}))
+
+
+# --- running ------------------------------------------------------------------------------------------------
+
+
+def upscale_windows(
+    upscaler,
+    frames: Iterable[np.ndarray],
+    plan: WindowPlan,
+    request: SRRequest,
+    sink: FrameSink,
+    progress: Callable[[WindowProgress], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    store: WindowStore | None = None,
+) -> WindowsRun:
+    """Upscale `plan.frames` frames ((H, W, 3) uint8 or uint16 RGB arrays, in order) window by window; `sink` gets
+    the output frames in order, like an upscaler's sink."""
+    source = iter(frames)
+    held: list[np.ndarray] = []  # input frames [held_from, held_from + len(held))
+    held_from = 0
+    tail: torch.Tensor | None = None
+    runs: list[RunInfo] = []
+    restored = 0
+    for window in plan.windows:
+        if cancelled is not None and cancelled():
+            raise Cancelled("the job was cancelled")
+        del held[: window.start - held_from]
+        held_from = window.start
+        held.extend(_take(source, window.stop - held_from - len(held), held_from + len(held)))
+        tiles = runs[0].tiles if runs else None
+
+        stored = store.load(window.index) if store is not None else None
+        if stored is not None and len(stored.pixels) == plan.finished_frames(window):
+            for start in range(0, len(stored.pixels), 8):
+                sink(dequantise(torch.from_numpy(np.array(stored.pixels[start : start + 8]))))
+            tail, restored = stored.tail, restored + 1
+            if progress is not None:
+                progress(WindowProgress(window.index, len(plan.windows), "restored", 1, 1, tiles))
+            continue
+
+        def on_progress(event: Progress, index: int = window.index, tiles: int | None = tiles) -> None:
+            if progress is not None:
+                progress(WindowProgress(index, len(plan.windows), event.stage, event.done, event.total, tiles))
+
+        blender = _Blender(plan, window, tail, sink, store.record(window.index) if store is not None else None)
+        request_window = replace(request, noise_key=(*request.noise_key, window.index))
+        runs.append(upscaler.upscale(_video(held), request_window, blender, on_progress, cancelled))
+        tail = blender.finish()
+    if next(source, None) is not None:
+        raise ValueError(f"the frame source holds more than the planned {plan.frames} frames")
+    return WindowsRun(len(plan.windows), restored, tuple(runs))
+
+
+def _take(source: Iterator[np.ndarray], count: int, position: int) -> list[np.ndarray]:
+    taken = [frame for _, frame in zip(range(count), source)]
+    if len(taken) < count:
+        raise ValueError(f"the frame source ended at frame {position + len(taken)}, before the plan's end")
+    return taken
+
+
+def _video(frames: list[np.ndarray]) -> torch.Tensor:
+    """(F, 3, H, W) float32 in [0, 1] from (H, W, 3) integer RGB frames (8- or 16-bit scale)."""
+    pixels = torch.from_numpy(np.stack(frames))
+    video = torch.empty(pixels.shape[0], 3, *pixels.shape[1:3])
+    video.copy_(pixels.permute(0, 3, 1, 2))
+    return video.div_(255.0 if pixels.dtype == torch.uint8 else 65535.0)
+
+
+class _Blender:
+    """The sink of one window: fades its head into the previous window's tail, passes the middle on, holds its own
+    tail for the next window; tees finished frames to the store's recorder."""
+
+    def __init__(
+        self,
+        plan: WindowPlan,
+        window: Window,
+        previous_tail: torch.Tensor | None,
+        sink: FrameSink,
+        recorder: WindowRecorder | None,
+    ) -> None:
+        self.plan, self.window, self.previous_tail = plan, window, previous_tail
+        self.sink, self.recorder = sink, recorder
+        self.head = plan.overlap if previous_tail is not None else 0
+        self.finished = plan.finished_frames(window)
+        self.position = 0
+        self.tail: list[torch.Tensor] = []
+
+    def __call__(self, frames: torch.Tensor) -> None:
+        start, count = self.position, len(frames)
+        self.position += count
+        if start < self.head:
+            fade = min(count, self.head - start)
+            previous = self.previous_tail[start : start + fade].to(frames.device)
+            weight = self.plan.ramp(frames.device)[start : start + fade]
+            frames = torch.cat([previous + (frames[:fade] - previous) * weight, frames[fade:]])
+        keep = max(0, min(count, self.finished - start))
+        if keep < count:
+            self.tail.append(frames[keep:].clone())
+        if keep:
+            self.sink(frames[:keep])
+            if self.recorder is not None:
+                self.recorder.add(quantise(frames[:keep]).cpu().numpy())
+
+    def finish(self) -> torch.Tensor | None:
+        if self.position != self.window.frames:
+            raise RuntimeError(f"window {self.window.index}: the upscaler emitted {self.position} of {self.window.frames} frames")
+        tail = torch.cat(self.tail) if self.tail else None
+        if self.recorder is not None:
+            self.recorder.commit(tail)
+        return tail

@@ -1,0 +1,157 @@
+"""One video file in, one verified MP4 out: what the `vsrq upscale` command and the job service both run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass, replace
+from pathlib import Path
+from time import perf_counter
+
+from worker.media.errors import OutputUnwritable
+from worker.media.limits import Limits
+from worker.media.passthrough import Carried, Passthrough, output_metadata, plan_streams
+from worker.media.probe import MediaInfo, VideoInfo, probe
+from worker.media.reader import prefetch, read_frames
+from worker.media.resize import Resized, Target
+from worker.media.verify import Promise, verify
+from worker.media.writer import BT709, Mp4Writer, encoder_for
+from worker.sr import tiling
+from worker.sr.engine import RunInfo, SRRequest
+from worker.sr.errors import InvalidRequest
+from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, WindowProgress, WindowStore, plan_windows, upscale_windows
+
+
+@dataclass(frozen=True)
+class UpscaleOptions:
+    request: SRRequest = SRRequest()  # scale, steps, seed, tiling; the window index is added to its noise key
+    target: Target | None = None  # downscale the result to a target resolution
+    window: int = DEFAULT_WINDOW  # frames per temporal window (1 + 4k)
+    window_overlap: int = DEFAULT_OVERLAP
+    codec: str = "h264"
+    crf: int = 18
+    preset: str = "medium"
+    limits: Limits = Limits()
+
+
+@dataclass(frozen=True)
+class Result:
+    output: Path
+    source: MediaInfo
+    written: MediaInfo  # the output as read back and verified
+    windows: int
+    restored: int  # windows replayed from the store instead of computed
+    tiles: int  # per window, as the upscaler tiled it
+    devices: tuple[str, ...]
+    carried: tuple[Carried, ...]
+    notes: tuple[str, ...]  # what a user should know about how the job ran
+    seconds: float
+
+
+def upscale_file(
+    source: str | Path,
+    output: str | Path,
+    upscaler,
+    options: UpscaleOptions = UpscaleOptions(),
+    progress: Callable[[WindowProgress], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    store: WindowStore | None = None,
+) -> Result:
+    """Upscale `source` into the MP4 `output` with `upscaler` (an `SREngine`, `LanczosUpscaler`, ...).
+
+    Nothing exists at `output` until the finished file has been verified; on any error nothing is left behind.
+    """
+    started = perf_counter()
+    source, output = Path(source), Path(output)
+
+    # 1. Arguments that need no decoding: where the output goes, the encoder
+    _check_output(source, output)
+    encoder_for(options.codec)
+
+    # 2. Probe the input and check the limits: a file we refuse costs no GPU time
+    info = probe(source, options.limits)
+    video = info.video
+
+    # 3. Plan: output size, temporal windows, the streams carried over, and what the output must be
+    snap = getattr(upscaler, "snap", 1)  # the model's alignment, to tell tile padding from alignment padding
+    if options.target is not None:
+        upscaler = Resized(upscaler, options.target)
+    size = upscaler.output_size(video.height, video.width, options.request.scale)
+    plan = plan_windows(video.frames, options.window, options.window_overlap)
+    carried = plan_streams(info)
+    promise = Promise.of(info, size, carried)
+
+    # 4. Decode ahead (one window), upscale window by window, encode as frames arrive, mux the carried streams;
+    #    all into a hidden file next to the output
+    partial = output.with_name(f".{output.name}.partial")
+    try:
+        with Mp4Writer(
+            partial,
+            video.fps,
+            size,
+            options.crf,
+            options.preset,
+            codec=options.codec,
+            timestamps=None if video.cfr else video.timestamps,
+            time_base=video.time_base,
+            passthrough=Passthrough(info, carried, offset=video.start, end=video.duration),
+            metadata=output_metadata(info),
+            language=video.language,
+            colour=(_tag(video.color_primaries), _tag(video.color_trc)),
+        ) as writer, closing(prefetch(read_frames(source, video), plan.length)) as frames:
+            run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
+
+        # 5. Read the file back and check it against the promise, then put it in place atomically
+        written = replace(verify(partial, promise), path=output)
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+
+    first = run.runs[0] if run.runs else None
+    return Result(
+        output=output,
+        source=info,
+        written=written,
+        windows=run.windows,
+        restored=run.restored,
+        tiles=first.tiles if first else 0,
+        devices=tuple(first.devices) if first else (),
+        carried=carried,
+        notes=_notes(info, carried, first, options.request.scale, snap),
+        seconds=perf_counter() - started,
+    )
+
+
+def _check_output(source: Path, output: Path) -> None:
+    if output.exists() and source.exists() and output.samefile(source):
+        raise InvalidRequest(f"the output {output} is the input: pick another name")
+    if output.is_dir():
+        raise OutputUnwritable(f"the output {output} is a directory")
+    if not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
+        raise OutputUnwritable(f"cannot write into {output.parent}: no such directory, or no permission")
+
+
+def _tag(value: int) -> int:
+    """A colour tag worth keeping; unspecified (2) or reserved (0) ones become BT.709, what players assume in HD."""
+    return value if value not in (0, 2) else BT709
+
+
+def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, scale: float, snap: int) -> tuple[str, ...]:
+    video: VideoInfo = info.video
+    notes = []
+    if run is not None:
+        # Padding beyond the model's alignment means the input was smaller than one tile.
+        height, width = tiling.pre_upscaled_size(video.height, video.width, scale) if scale in tiling.SCALES else (video.height, video.width)
+        _, padded_height, padded_width = run.padded_input
+        if padded_height > -(-height // snap) * snap or padded_width > -(-width // snap) * snap:
+            notes.append(
+                f"the input ({video.width}x{video.height}) is smaller than one model tile: it ran padded to "
+                f"{padded_width}x{padded_height} (mirrored edges) and was cropped back"
+            )
+    if video.rotation:
+        notes.append(f"the source is displayed rotated {video.rotation} degrees: frames were turned upright, the flag cleared")
+    if not video.cfr:
+        notes.append(f"variable frame rate (average {float(video.fps):.3f} fps): every frame keeps its timestamp")
+    notes += [c.describe() for c in carried if c.action == "drop"]
+    return tuple(notes)
