@@ -1,4 +1,4 @@
-# The two commands of README.md: `make demo` (set up + run the main job) and `make test`.
+# The two commands of README.md: `make demo` (set up + run the main job on the embedded stack) and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 

@@ -51,6 +51,19 @@ def _binary(name: str) -> str:
     return found
 
 
+def stop_processes(processes: dict[str, subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM each (last started first), SIGKILL what outlives `timeout_s`; empties `processes`."""
+    for name, process in reversed(list(processes.items())):
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        del processes[name]
+
+
 class Stack:
     def __init__(self, root: str | Path, *, bucket: str = "vsrq", ports: dict[str, int] | None = None) -> None:
         self.root, self.bucket = Path(root).resolve(), bucket
@@ -159,15 +172,7 @@ class Stack:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def stop(self, timeout_s: float = 15) -> None:
-        for name, process in reversed(list(self._processes.items())):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            del self._processes[name]
+        stop_processes(self._processes, timeout_s)
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=_tiny)
 
-    demo = commands.add_parser("demo", help="generate a clip and upscale it with a tiny checkpoint, on the CPU")
+    demo = commands.add_parser("demo", help="run the main job end to end on the embedded stack (CPU, tiny checkpoint)")
     demo.add_argument("--dir", type=Path, default=Path("demo"))
     demo.set_defaults(run=_demo)
     return parser
@@ -201,6 +202,11 @@ def _tiny(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """The main job end to end on the embedded stack: a generated clip with audio goes in over the API, a job runs
+    on a CPU worker with a tiny random checkpoint, the MP4 comes back."""
+    import requests
+
+    from infra.dev import DevStack
     from worker.media.synthetic import write_clip
 
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -208,8 +214,30 @@ def _demo(args: argparse.Namespace) -> int:
     if not (model / "model_index.json").exists():
         main(["checkpoint", "tiny", str(model)])
     source = write_clip(args.dir / "input.mp4", num_frames=33, size=(64, 96), audio_codec="aac")
-    print(f"generated {source} (with a stereo tone)")
-    return main(["upscale", str(source), "-o", str(args.dir / "output-x2.mp4"), "--model", str(model), "--scale", "2"])
+    print(f"generated {source} (96x64, 33 frames, stereo tone)")
+    with DevStack(args.dir / "stack", str(model)) as stack:
+        print(f"stack up: Redis, SeaweedFS, API {stack.url}, a CPU worker, the reaper (logs in {stack.root})")
+        api = requests.Session()
+        api.headers["Authorization"] = f"Bearer {stack.token}"
+        with open(source, "rb") as video:  # SGLang's request form, unchanged
+            response = api.post(f"{stack.url}/v1/videos", files={"video_reference": video}, data={"sr_resolution_scale": "2"})
+        response.raise_for_status()
+        job = response.json()
+        print(f"POST /v1/videos -> {job['id']} {job['status']}")
+        while job["status"] not in ("completed", "failed", "cancelled"):
+            time.sleep(0.5)
+            job = api.get(f"{stack.url}/v1/videos/{job['id']}").json()
+            print(f"  {job['status']:<11} {job.get('stage') or '':<10} {job['progress']:3d} %")
+        if job["status"] != "completed":
+            print(f"vsrq: the job ended {job['status']}: {job.get('error')}", file=sys.stderr)
+            return 1
+        output = args.dir / "output-x2.mp4"
+        with api.get(f"{stack.url}/v1/videos/{job['id']}/content", stream=True) as content, open(output, "wb") as file:
+            content.raise_for_status()
+            for chunk in content.iter_content(1 << 20):
+                file.write(chunk)
+    print(f"{output}: {json.dumps(job['output'])}")
+    return 0
 
 
 if __name__ == "__main__":

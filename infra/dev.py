@@ -1,0 +1,90 @@
+"""The embedded local stack: Redis and SeaweedFS (infra.stack), then the Procfile's processes — the API under
+gunicorn, one CPU worker, the reaper — on loopback, each logging into one directory, stopped by PID.
+
+`vsrq dev` keeps it up until Ctrl-C; `vsrq demo` runs the main job through it, as a user would over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from infra.stack import Stack, free_ports, stop_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+QUEUE = "vsrq.k6"
+
+
+class DevStack:
+    def __init__(self, root: str | Path, model: str, devices: str = "cpu", port: int | None = None) -> None:
+        self.root = Path(root).resolve()
+        self.model, self.devices = model, devices
+        self.url = f"http://127.0.0.1:{port or free_ports(1)[0]}"
+        self.token = f"sk-dev-{secrets.token_hex(16)}"  # this run's only API key
+        self.stack = Stack(self.root / "stack")
+        self._processes: dict[str, subprocess.Popen] = {}
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            **self.stack.env(),
+            "VSRQ_API_KEYS": json.dumps([{"id": "dev", "token": self.token}]),
+            "VSRQ_MODELS": json.dumps({"k6-vsr": QUEUE}),
+            "VSRQ_BIND": self.url.removeprefix("http://"),
+            "VSRQ_WORKER_MODEL": self.model,
+            "VSRQ_WORKER_DEVICES": self.devices,
+            "VSRQ_WORKER_QUEUE": QUEUE,
+        }
+
+    def start(self, timeout_s: float = 120) -> DevStack:
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.stack.start()
+            python = [sys.executable, "-m"]
+            self._spawn("web", [*python, "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"])
+            self._spawn("worker", [*python, "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
+                                   "--concurrency", "1", "-Q", QUEUE, "-n", f"dev-{os.getpid()}@localhost"])  # fmt: skip
+            self._spawn("reaper", [*python, "worker.reaper"])
+            self._wait_for_worker(time.monotonic() + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, command: list[str]) -> None:
+        with open(self.root / f"{name}.log", "wb") as log:
+            self._processes[name] = subprocess.Popen(
+                command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def _wait_for_worker(self, deadline: float) -> None:
+        """Until /healthz answers and counts a worker (which loads its model first)."""
+        while True:
+            for name, process in self._processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {process.returncode}; see {self.root / name}.log")
+            try:
+                if requests.get(f"{self.url}/healthz", timeout=5).json()["checks"]["workers"]["seen"]:
+                    return
+            except (requests.ConnectionError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the stack did not come up in time; logs in {self.root}")
+            time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        stop_processes(self._processes, timeout_s)
+        self.stack.stop()
+
+    def __enter__(self) -> DevStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
