@@ -87,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the main job end to end on the embedded stack (CPU, tiny checkpoint)")
     demo.add_argument("--dir", type=Path, default=Path("demo"))
     demo.set_defaults(run=_demo)
+
+    dev = commands.add_parser("dev", help="run the embedded stack until Ctrl-C: Redis, SeaweedFS, API, worker, reaper")
+    dev.add_argument("--dir", type=Path, default=Path("var/dev"))
+    dev.add_argument("--model", default="lanczos", help="the worker's checkpoint directory, hub id, or 'lanczos'")
+    dev.add_argument("--devices", default="cpu")
+    dev.add_argument("--port", type=int, default=8000)
+    dev.set_defaults(run=_dev)
     return parser
 
 
@@ -237,6 +244,29 @@ def _demo(args: argparse.Namespace) -> int:
             for chunk in content.iter_content(1 << 20):
                 file.write(chunk)
     print(f"{output}: {json.dumps(job['output'])}")
+    return 0
+
+
+def _dev(args: argparse.Namespace) -> int:
+    import signal
+
+    from infra.dev import DevStack
+
+    # SIGTERM (a supervisor stopping us) ends the stack as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with DevStack(args.dir, args.model, args.devices, args.port) as stack:
+        print(
+            f"vsrq dev: API {stack.url}, worker model {args.model} on {args.devices}, logs in {stack.root}\n"
+            f"  export VSRQ_TOKEN={stack.token}\n"
+            f'  curl -H "Authorization: Bearer $VSRQ_TOKEN" -F video_reference=@IN.mp4 -F sr_resolution_scale=2 '
+            f"{stack.url}/v1/videos\n"
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            print("vsrq dev: stopping", flush=True)
     return 0
 
 

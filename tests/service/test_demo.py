@@ -28,3 +28,40 @@ def test_demo_runs_the_main_job_through_the_embedded_stack(tmp_path):
     # Everything it started is stopped: no process still runs out of the demo's directory.
     leftovers = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
+
+
+def test_dev_serves_jobs_until_interrupted_then_stops_everything(tmp_path):
+    import signal
+    import time
+
+    import requests
+
+    from infra.stack import free_ports
+
+    port = free_ports(1)[0]
+    dev = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        banner = [dev.stdout.readline() for _ in range(2)]
+        assert banner[0].startswith(f"vsrq dev: API http://127.0.0.1:{port}"), banner
+        token = banner[1].split("VSRQ_TOKEN=")[1].strip()
+        api = requests.Session()
+        api.headers["Authorization"] = f"Bearer {token}"
+        from worker.media.synthetic import write_clip
+
+        clip = write_clip(tmp_path / "in.mp4", num_frames=9, size=(32, 48))
+        with open(clip, "rb") as video:
+            job = api.post(f"http://127.0.0.1:{port}/v1/videos", files={"video_reference": video}, data={"sr_resolution_scale": "2"}).json()
+        deadline = time.monotonic() + 120
+        while job["status"] not in ("completed", "failed", "cancelled") and time.monotonic() < deadline:
+            time.sleep(0.3)
+            job = api.get(f"http://127.0.0.1:{port}/v1/videos/{job['id']}").json()
+        assert job["status"] == "completed", job
+        assert job["output"]["media"]["width"] == 96
+    finally:
+        dev.send_signal(signal.SIGINT)
+        assert dev.wait(60) == 0
+    leftovers = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
