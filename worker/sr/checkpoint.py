@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,7 +159,7 @@ def _load_upscaler(path: Path, dtype: torch.dtype) -> tuple[nn.Module | None, in
                     state[key] = weights.get_tensor(key).to(dtype)
                 else:
                     sliced = weights.get_slice(key)
-                    skipped += _numel(sliced.get_shape()) * dtype.itemsize
+                    skipped += math.prod(sliced.get_shape()) * dtype.itemsize
     missing = wanted - state.keys()
     if missing:
         raise CheckpointNotFound(f"Latent upscaler at '{path}' lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}.")
@@ -172,13 +173,6 @@ def prune_upscaler(bank: nn.Module) -> nn.Module:
         for name in UNUSED_UPSCALER_MODULES.get(scale, ()):
             delattr(model, name)
     return bank
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def tiny_components(variant: str = "piflow", latent_upscaler: bool = True, seed: int = 0) -> dict:
