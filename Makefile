@@ -16,4 +16,5 @@ demo: setup
 	$(VENV)/bin/vsrq demo --dir demo
 
 test: setup
-	$(PY) -m pytest
+	# two processes, each test file whole in one of them (files share their stack); FIGURE lines: run a file with -s
+	$(PY) -m pytest -n 2 --dist loadfile

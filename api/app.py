@@ -5,15 +5,17 @@ Nothing here imports torch or the engine: jobs are handed to the GPU workers as 
 
 from __future__ import annotations
 
-from flask import Flask
+from flask import Flask, g, request
 from redis import Redis
 
-from api import errors, health, uploads, videos
+from api import errors, health, metrics, openapi, uploads, videos, web
 from api.idempotency import Idempotency
+from api.ratelimit import RateLimiter
 from api.services import Services
 from storage.blobs import open_blob_store
 from storage.config import Settings
 from storage.jobs import JobStore
+from storage.logs import current_job
 from worker.celery_app import make_celery
 
 
@@ -31,8 +33,23 @@ def create_app(settings: Settings | None = None) -> Flask:
         jobs=JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts),
         celery=make_celery(settings),
         idempotency=Idempotency(redis, settings.idempotency_ttl_s, settings.idempotency_in_flight_ttl_s),
+        limiter=RateLimiter(redis),
     )
     errors.register(app)
-    for module in (videos, uploads, health):
+    metrics.instrument(app)
+    app.before_request(_log_job_id)
+    app.teardown_request(_forget_job_id)
+    for module in (videos, uploads, health, web, metrics):
         app.register_blueprint(module.blueprint)
+    openapi.register(app)
     return app
+
+
+def _log_job_id() -> None:
+    """A request about one job logs its id on every line (storage.logs), until the request ends."""
+    g.job_log_token = current_job.set((request.view_args or {}).get("job_id"))
+
+
+def _forget_job_id(_: BaseException | None) -> None:
+    if (token := g.pop("job_log_token", None)) is not None:
+        current_job.reset(token)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flask import Flask, Response, json, request
-from pydantic import ValidationError
+import botocore.exceptions
+import redis.exceptions
+from flask import Flask, Response, request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger("vsrq.api")
+UNAVAILABLE_RETRY_AFTER_S = 5  # about a Redis restart with its AOF, or an S3 gateway's
 
 _TITLES = {
     400: "Bad request",
@@ -24,9 +27,30 @@ _TITLES = {
     413: "Content too large",
     415: "Unsupported media type",
     422: "Unprocessable content",
+    429: "Too many requests",
     500: "Internal server error",
     503: "Service unavailable",
 }
+
+
+class FieldError(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    field: str | None = Field(description="the field as the caller named it; null for the request as a whole")
+    code: str
+    message: str
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem: the body of every error (the OpenAPI document is generated from this model)."""
+
+    type: str = Field(description="urn:vsrq:problem:{code}")
+    title: str
+    status: int
+    code: str = Field(description="stable: what a client switches on")
+    detail: str = Field(description="for a person: what went wrong and what to do")
+    instance: str = Field(description="the request path")
+    errors: list[FieldError] | None = Field(None, description="per-field problems, when there are some")
 
 
 class ApiError(Exception):
@@ -51,17 +75,18 @@ def problem(
     errors: list[dict[str, Any]] | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    body: dict[str, Any] = {
-        "type": f"urn:vsrq:problem:{code}",
-        "title": _TITLES.get(status, "Error"),
-        "status": status,
-        "code": code,
-        "detail": detail,
-        "instance": request.path,
-    }
-    if errors:
-        body["errors"] = errors
-    response = Response(json.dumps(body), status=status, mimetype="application/problem+json")
+    body = Problem(
+        type=f"urn:vsrq:problem:{code}",
+        title=_TITLES.get(status, "Error"),
+        status=status,
+        code=code,
+        detail=detail,
+        instance=request.path,
+        errors=errors or None,
+    )
+    response = Response(
+        body.model_dump_json(exclude=None if errors else {"errors"}), status=status, mimetype="application/problem+json"
+    )
     response.headers.update(headers or {})
     return response
 
@@ -90,6 +115,20 @@ def register(app: Flask) -> None:
             code,
             error.description or error.name,
             headers={"Allow": ", ".join(allow)} if allow else None,
+        )
+
+    # Redis restarting (or loading its AOF), blob storage unreachable: the request was fine, it can be sent again
+    # shortly. Never a 500, so clients and load balancers retry instead of reporting a bug.
+    @app.errorhandler(redis.exceptions.ConnectionError)
+    @app.errorhandler(redis.exceptions.TimeoutError)
+    @app.errorhandler(botocore.exceptions.ConnectionError)
+    def _unavailable(error: Exception) -> Response:
+        log.warning("dependency unavailable on %s %s: %s", request.method, request.path, type(error).__name__)
+        return problem(
+            503,
+            "service_unavailable",
+            "A backing service is briefly unavailable; retry after the delay in Retry-After.",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         )
 
     @app.errorhandler(Exception)  # a bug, or a broken dependency: an invalid record from Redis is not the caller's

@@ -8,6 +8,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify
 
 from api.services import services
+from storage.workers import WorkerRegistry
 
 blueprint = Blueprint("health", __name__)
 
@@ -35,6 +36,9 @@ def healthz() -> tuple[Response, int]:
         checks["workers"] = {"ok": False, "seen": 0, "error": type(error).__name__}
     if checks["redis"]["ok"]:
         checks["queues"] = {queue: svc.jobs.queue_depth(queue) for queue in sorted(set(svc.settings.models.values()))}
+        # what the registry says each worker runs (storage.workers; `vsrq status` shows more)
+        registered = WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s).list()
+        checks["workers"]["registered"] = [{"name": w.name, "queues": w.queues, "job": w.job} for w in registered]
     healthy = checks["redis"]["ok"] and checks["storage"]["ok"]
     status = "ok" if healthy and checks["workers"]["ok"] else "degraded" if healthy else "unavailable"
     return jsonify(status=status, checks=checks), 200 if healthy else 503

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from api.errors import ApiError, field_errors
 
@@ -30,7 +30,16 @@ SGLANG_IGNORED = frozenset(
 SERVER_PATHS = frozenset(
     {"video_path", "output_path", "perf_dump_path", "upscaling_model_path", "frame_interpolation_model_path"}
 )
-URL_INPUTS = frozenset({"video_url", "reference_url"})
+REFERENCES = ("upload_id", "input_key", "video_url")  # a JSON create names its input with exactly one
+
+
+def _https(url: str) -> str:
+    if not url.startswith("https://"):
+        raise ValueError("must be an https:// URL")
+    return url
+
+
+HttpsUrl = Annotated[str, Field(max_length=2048), AfterValidator(_https)]
 
 
 class UpscaleParams(BaseModel):
@@ -38,10 +47,12 @@ class UpscaleParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sr_resolution_scale: float = 2.25
+    sr_resolution_scale: float = Field(2.25, json_schema_extra={"enum": list(SCALES)})  # checked by _scale
     sr_tiles_batch_size: int = Field(1, ge=1, le=64)
     sr_tile_min_overlap: float = Field(0.2, ge=0.0, lt=1.0)
-    sr_target_resolution: str | None = None  # hd, fullhd, 2k or WxH: downscale after SR, never up
+    sr_target_resolution: str | None = Field(
+        None, description="hd, fullhd, 2k or WxH (e.g. 1280x720): downscale after SR, never up"
+    )
     sr_target_resize_mode: Literal["fit", "exact"] = "fit"
     num_inference_steps: int | None = Field(None, ge=1, le=64)  # None: the model's own (2 for the distilled one)
     seed: int = Field(42, ge=0, lt=2**63)
@@ -72,7 +83,7 @@ class JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    webhook_url: str | None = Field(None, max_length=2048)
+    webhook_url: HttpsUrl | None = None
     metadata: dict[str, str] = Field(default_factory=dict, max_length=16)
 
     @field_validator("metadata", mode="before")
@@ -92,13 +103,6 @@ class JobOptions(BaseModel):
             raise ValueError("keys are at most 64 characters, values at most 512")
         return metadata
 
-    @field_validator("webhook_url")
-    @classmethod
-    def _https(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith("https://"):
-            raise ValueError("must be an https:// URL")
-        return url
-
 
 class CreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -107,6 +111,21 @@ class CreateRequest(BaseModel):
     options: JobOptions
     upload_id: str | None = Field(None, pattern=r"^upload_[0-9a-f]{24}$")
     input_key: str | None = Field(None, max_length=1024)
+    video_url: HttpsUrl | None = Field(
+        None, description='an https URL the worker fetches the video from when the job runs ({"url": ...} too)'
+    )
+    _video_url_field: str = PrivateAttr("video_url")  # the name the caller gave it (SGLang: `input_reference`)
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _url_part(cls, value: Any) -> Any:
+        # OpenAI-style content parts name it {"url": ...}
+        return value.get("url") if isinstance(value, dict) else value
+
+    @property
+    def video_url_field(self) -> str:
+        """The name the caller gave the URL, for errors to use."""
+        return self._video_url_field
 
 
 class ListQuery(BaseModel):
@@ -135,6 +154,11 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
             raise ApiError(400, "malformed_extra_body", f"`{nested}` must be a JSON object.")
         fields = {**(extra or {}), **fields}
 
+    url_field, reference = "video_url", fields.get("input_reference")
+    if references and isinstance(reference, str) and "://" in reference:  # SGLang clients may name a URL there
+        if "video_url" in fields:
+            raise ApiError(422, "missing_video", "Name the input URL in one of `video_url` or `input_reference`.")
+        fields["video_url"], url_field = fields.pop("input_reference"), "input_reference"
     paths = sorted(SERVER_PATHS & fields.keys())
     if paths or isinstance(fields.get("input_reference"), str):
         raise ApiError(
@@ -147,21 +171,10 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
                 for name in paths or ["input_reference"]
             ],
         )
-    urls = sorted(URL_INPUTS & fields.keys())
-    if urls:
-        raise ApiError(
-            422,
-            "url_input_unsupported",
-            "Fetching the input from a URL is not supported yet: upload the video (multipart `video_reference`, or "
-            "POST /v1/uploads and then `upload_id`).",
-            errors=[{"field": name, "code": "url_input_unsupported", "message": "not accepted"} for name in urls],
-        )
 
     params = {name: value for name, value in fields.items() if name in UpscaleParams.model_fields}
     options = {name: value for name, value in fields.items() if name in JobOptions.model_fields}
-    references_given = {
-        name: value for name, value in fields.items() if references and name in ("upload_id", "input_key")
-    }
+    references_given = {name: value for name, value in fields.items() if references and name in REFERENCES}
     unknown = sorted(fields.keys() - params.keys() - options.keys() - references_given.keys() - SGLANG_IGNORED)
     if unknown:
         raise ApiError(
@@ -174,9 +187,13 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     params = {name: value for name, value in params.items() if value not in ("", None)}
     options = {name: value for name, value in options.items() if value not in ("", None)}
     try:
-        return CreateRequest.model_validate({"params": params, "options": options, **references_given})
+        create = CreateRequest.model_validate({"params": params, "options": options, **references_given})
     except ValidationError as error:
         errors = field_errors(error)
         for item in errors:  # name the field as the caller sent it, flat
             item["field"] = (item["field"] or "").removeprefix("params.").removeprefix("options.") or None
+            if item["field"] == "video_url":
+                item["field"] = url_field
         raise ApiError(422, "invalid_request", "The request has invalid fields: see `errors`.", errors=errors) from None
+    create._video_url_field = url_field
+    return create

@@ -9,6 +9,7 @@ from flask import current_app
 from redis import Redis
 
 from api.idempotency import Idempotency
+from api.ratelimit import RateLimiter
 from storage.blobs import BlobStore
 from storage.config import Settings
 from storage.jobs import JobStore
@@ -22,6 +23,7 @@ class Services:
     jobs: JobStore
     celery: Celery
     idempotency: Idempotency
+    limiter: RateLimiter
 
 
 def services() -> Services:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from flask import Blueprint, Response, jsonify, request
+from flask import Blueprint, Response, g, jsonify, request
 
 from api.auth import authenticate, owner
 from api.errors import ApiError
 from api.multipart import FormFile, FormReader, boundary_of
+from api.ratelimit import limits_of
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
 
@@ -21,7 +22,8 @@ blueprint = Blueprint("uploads", __name__)
 
 @blueprint.before_request
 def _authenticate() -> None:
-    authenticate(services().settings)
+    svc = services()
+    svc.limiter.admit(authenticate(svc.settings), svc.settings)
 
 
 # Form overhead on top of the file: boundaries, part headers, the non-file fields.
@@ -44,11 +46,11 @@ class ReceivedForm:
 
 
 def _upload_limit() -> int:
-    """The upload size limit; a body declared larger than it is refused before a byte is read."""
-    settings = services().settings
-    if request.content_length is not None and request.content_length > settings.max_upload_bytes + _FORM_SLACK:
-        raise ApiError(413, "upload_too_large", f"Uploads are limited to {settings.max_upload_bytes} bytes.")
-    return settings.max_upload_bytes
+    """The caller's upload size limit; a body declared larger than it is refused before a byte is read."""
+    limit = limits_of(g.api_key, services().settings).upload_bytes
+    if request.content_length is not None and request.content_length > limit + _FORM_SLACK:
+        raise ApiError(413, "upload_too_large", f"Uploads are limited to {limit} bytes.")
+    return limit
 
 
 def receive_form(file_fields: frozenset[str]) -> ReceivedForm:

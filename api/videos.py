@@ -1,11 +1,13 @@
 """/v1/videos: OpenAI's / SGLang's video jobs API, for super-resolution.
 
     POST   /v1/videos                 create: multipart with the video in `video_reference`, or JSON naming an upload
+                                      or an https `video_url`
     GET    /v1/videos                 list the caller's jobs: after / limit / order, and status
     GET    /v1/videos/{id}            poll
     POST   /v1/videos/{id}/cancel     cancel (a running job stops at its next tile)
     DELETE /v1/videos/{id}            delete the job and its files
-    GET    /v1/videos/{id}/content    the MP4: streamed, or a redirect to a presigned URL
+    GET    /v1/videos/{id}/content    the MP4: streamed (one `Range` honoured, for players that seek), or a redirect to
+                                      a presigned URL
 
 A caller sees only its own jobs: another key's job answers 404, exactly as a missing one.
 """
@@ -16,17 +18,18 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Blueprint, Response, jsonify, redirect, request
+from flask import Blueprint, Response, g, jsonify, redirect, request
 from pydantic import ValidationError
 
 from api import idempotency
 from api.auth import authenticate, owner
 from api.errors import ApiError, field_errors, problem
-from api.schemas import CreateRequest, ListQuery, create_request
+from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
 from api.uploads import hash_form, receive_form
-from storage.blobs import BlobError, output_prefix, upload_key
+from storage.blobs import SAFE_KEY, BlobError, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
+from storage.lifecycle import delete_job_files
 from storage.ssrf import UnsafeUrl, public_addresses
 from worker.celery_app import send_upscale
 
@@ -38,7 +41,8 @@ MAX_JSON_BYTES = 1024 * 1024
 
 @blueprint.before_request
 def _authenticate() -> None:
-    authenticate(services().settings)
+    svc = services()
+    svc.limiter.admit(authenticate(svc.settings), svc.settings)
 
 
 @blueprint.errorhandler(JobNotFound)
@@ -72,7 +76,14 @@ def create_video() -> tuple[Response, int]:
 
 
 def _create() -> tuple[int, dict[str, Any], str]:
-    """Creates the job from this request; returns (status, body, the request's fingerprint)."""
+    """Creates the job from this request; returns (status, body, the request's fingerprint). The key's job slot is
+    taken before the upload streams, so a key at its limit sends no video for nothing."""
+    svc = services()
+    with svc.limiter.job_slot(g.api_key, svc.settings, svc.jobs.active_keys(owner())):
+        return _create_from_request()
+
+
+def _create_from_request() -> tuple[int, dict[str, Any], str]:
     if request.mimetype == "application/json":
         fields = _json_body()
         create = create_request(fields, references=True)
@@ -124,14 +135,21 @@ def _json_body() -> dict[str, Any]:
 
 
 def _referenced_input(create: CreateRequest) -> InputInfo:
-    """The input a JSON create names: one of the caller's uploads, by id or by key."""
-    if (create.upload_id is None) == (create.input_key is None):
-        raise ApiError(422, "missing_video", "Name the input video with exactly one of `upload_id` or `input_key`.")
+    """The input a JSON create names: one of the caller's uploads, by id or by key, or an https URL."""
+    if sum(getattr(create, name) is not None for name in REFERENCES) != 1:
+        raise ApiError(
+            422, "missing_video", "Name the input video with exactly one of `upload_id`, `input_key` or `video_url`."
+        )
+    if create.video_url is not None:  # checked again by the worker right before each connection
+        _check_url(create.video_url_field, create.video_url, services().settings.fetch_allow_loopback)
+        return InputInfo(url=create.video_url)
     caller = owner()
     key = upload_key(caller, create.upload_id) if create.upload_id else create.input_key
-    # Another caller's upload, or any key outside the caller's uploads, answers exactly as a missing one.
+    # Another caller's upload, or any key outside the caller's uploads, answers exactly as a missing one; so does a key
+    # that is not plainly spelled: `uploads/{caller}/../{other}/...` starts like the caller's (and S3 answers it 400).
+    ours = key.startswith(upload_key(caller, "")) and SAFE_KEY.fullmatch(key)
     try:
-        blob = services().blobs.head(key) if key.startswith(upload_key(caller, "")) else None
+        blob = services().blobs.head(key) if ours else None
     except BlobError:
         blob = None
     if blob is None:
@@ -147,15 +165,7 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
             422, "unknown_model", f"Model {model!r} is not served here; served: {', '.join(settings.models)}."
         )
     if create.options.webhook_url is not None:  # checked again when each delivery connects
-        try:
-            public_addresses(create.options.webhook_url, allow_loopback=settings.webhook_allow_loopback)
-        except UnsafeUrl as error:
-            raise ApiError(
-                422,
-                "unsafe_webhook_url",
-                f"webhook_url is refused: {error}.",
-                errors=[{"field": "webhook_url", "code": UnsafeUrl.code, "message": str(error)}],
-            ) from None
+        _check_url("webhook_url", create.options.webhook_url, settings.webhook_allow_loopback, "unsafe_webhook_url")
     job = jobs.create(
         owner=owner(),
         model=model,
@@ -170,7 +180,21 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
     except Exception as error:
         jobs.abandon(job.id, "enqueue_failed", f"The job could not be queued: {type(error).__name__}")
         raise ApiError(503, "enqueue_failed", "The job could not be queued; retry later.") from error
+    jobs.sent(job.id)  # unconfirmed (this process died first), the reaper sends it after `enqueue_grace_s`
     return _body(job)
+
+
+def _check_url(field: str, url: str, allow_loopback: bool, code: str = UnsafeUrl.code) -> None:
+    """422 unless `url` reaches only public addresses (storage.ssrf)."""
+    try:
+        public_addresses(url, allow_loopback=allow_loopback)
+    except UnsafeUrl as error:
+        raise ApiError(
+            422,
+            code,
+            f"{field} is refused: {error}.",
+            errors=[{"field": field, "code": UnsafeUrl.code, "message": str(error)}],
+        ) from None
 
 
 def _body(job: JobRecord) -> dict[str, Any]:
@@ -234,11 +258,9 @@ def delete_video(job_id: str) -> Response:
         jobs.delete(job_id)
     except JobActive:
         raise ApiError(409, "job_active", "The job is running: cancel it, then delete it.") from None
-    # The record goes first: nobody can see a job whose files are half gone. Files left by a crash here are swept by
-    # the bucket's lifecycle rules.
-    blobs.delete_prefix(output_prefix(job_id))
-    if job.input.owned_by_job:
-        blobs.delete(job.input.key)
+    # The record goes first: nobody can see a job whose files are half gone. Files left by a crash here are deleted by
+    # the reaper's storage sweep.
+    delete_job_files(blobs, job)
     return jsonify(id=job_id, object="video.deleted", deleted=True)
 
 
@@ -252,7 +274,16 @@ def video_content(job_id: str) -> Response:
         url = blobs.presigned_url(job.output.key, settings.presign_ttl_s)
         if url is not None:
             return redirect(url, 302)
-    stream = blobs.open(job.output.key)
+    output = job.output
+    headers = {
+        "ETag": f'"{output.sha256}"',  # the content's own hash: the same bytes are the same tag, whatever the job
+        "Accept-Ranges": "bytes",
+        "Content-Disposition": f'attachment; filename="{job_id}.mp4"',
+    }
+    if request.if_none_match.contains_weak(output.sha256):
+        return Response(status=304, headers=headers)
+    byte_range = _byte_range(output.bytes, output.sha256)
+    stream = blobs.open(output.key, byte_range)  # a ranged GET on S3: a player seeking reads only what it shows
 
     def chunks() -> Iterator[bytes]:
         try:
@@ -261,12 +292,31 @@ def video_content(job_id: str) -> Response:
         finally:
             stream.close()
 
-    return Response(
-        chunks(),
-        mimetype="video/mp4",
-        headers={
-            "Content-Length": str(job.output.bytes),
-            "Content-Disposition": f'attachment; filename="{job_id}.mp4"',
-            "ETag": f'"{job.output.sha256}"',
-        },
-    )
+    if byte_range is None:
+        return Response(chunks(), mimetype="video/mp4", headers={**headers, "Content-Length": str(output.bytes)})
+    first, last = byte_range
+    headers |= {"Content-Length": str(last - first + 1), "Content-Range": f"bytes {first}-{last}/{output.bytes}"}
+    return Response(chunks(), status=206, mimetype="video/mp4", headers=headers)
+
+
+def _byte_range(length: int, etag: str) -> tuple[int, int] | None:
+    """The one byte range (first, last) the request asks for, or None for the whole video: no Range, several ranges
+    (allowed to be answered whole), another unit, an invalid header, or an If-Range naming other content. A range
+    that starts past the end answers 416."""
+    asked = request.range
+    if asked is None or asked.units != "bytes" or len(asked.ranges) != 1:
+        return None
+    if "If-Range" in request.headers and request.if_range.etag != etag:
+        return None
+    [(start, stop)] = asked.ranges
+    if start < 0:  # the last -start bytes; a suffix longer than the video is all of it (RFC 9110, 14.1.2)
+        start, stop = max(length + start, 0), length
+    stop = length if stop is None else min(stop, length)
+    if start >= length:
+        raise ApiError(
+            416,
+            "range_not_satisfiable",
+            f"The video has {length} bytes: the range asked for starts past its end.",
+            headers={"Content-Range": f"bytes */{length}"},
+        )
+    return start, stop - 1

@@ -10,8 +10,10 @@ Phases:
   ours:WL:DEVICES[@ORDER[/SEGMENT]]
                       the engine + MP4 encoding, cold + hot; then (unless --no-check), if ref:WL ran, one run in
                       reference noise mode compared with the reference output; bit-identity against the first
-                      ours:WL phase. ORDER is lockstep (default) or tile_major, SEGMENT the decode segment (4)
+                      ours:WL phase. ORDER is lockstep (default) or tile_major, SEGMENT the decode segment (4).
+                      Clips longer than one window (W3) run in temporal windows, as the worker runs them
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
+A phase ending in *N runs N hot runs instead of --hot's (e.g. ours:W1:cuda:0*0: cold and the check only).
 `--tiny` runs the same phases on the CPU with the tiny configuration, so CI keeps this script working.
 """
 
@@ -39,7 +41,9 @@ from worker.sr import tiling  # noqa: E402
 from worker.sr.attention import DenseSDPAProcessor  # noqa: E402
 from worker.sr.checkpoint import Components, module_bytes, prune_upscaler, tiny_components  # noqa: E402
 from worker.sr.engine import SREngine, SRRequest  # noqa: E402
+from worker.sr.frames import quantise  # noqa: E402
 from worker.sr.noise import NoiseMode  # noqa: E402
+from worker.sr.windows import DEFAULT_WINDOW, plan_windows, upscale_windows  # noqa: E402
 
 WORKLOADS = {  # (height, width, frames, scale)
     "W1": (512, 768, 121, 2),
@@ -132,8 +136,9 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Bench:
-    def __init__(self, out: Path, hot: int, tiny: bool, check: bool = True) -> None:
+    def __init__(self, out: Path, hot: int, tiny: bool, check: bool = True, ref_hot: int | None = None) -> None:
         self.out, self.hot, self.tiny, self.check = out, hot, tiny, check
+        self.ref_hot = hot if ref_hot is None else ref_hot
         self.home = torch.device("cpu" if tiny else "cuda:0")
         self.timer = StageTimer()
         self.parts = build(self.home, tiny)
@@ -165,7 +170,9 @@ class Bench:
     def workload(self, name: str) -> tuple[int, int, int, float]:
         height, width, frames, scale = WORKLOADS[name]
         if self.tiny:  # the tiny VAE is x4 spatially (the real one x16), the tiny tiles 16x smaller
-            height, width, frames = height // 16, width // 16, min(frames, 9)
+            # (a long clip keeps two windows' worth of frames, so the windowed path runs too)
+            height, width = height // 16, width // 16
+            frames = DEFAULT_WINDOW + 8 if frames > DEFAULT_WINDOW else min(frames, 9)
         return height, width, frames, scale
 
     def reset_peaks(self, devices: list[torch.device]) -> None:
@@ -188,7 +195,7 @@ class Bench:
         pipe.set_progress_bar_config(disable=True)
         video = pattern(frames, height, width)[None]
         runs, stages, output = [], [], None
-        for _ in range(1 + self.hot):
+        for _ in range(1 + self.ref_hot):
             self.reset_peaks([self.home])
             started = time.perf_counter()
             output = pipe(video=video, resolution_scale=scale, num_inference_steps=2, generator=torch.Generator().manual_seed(SEED), output_type="pt").frames[0]
@@ -235,17 +242,21 @@ class Bench:
                 if collect:
                     collected.append(chunk.cpu())
 
-            engine.upscale(video, request, sink)
+            if frames > DEFAULT_WINDOW:  # as the product runs long clips: temporal windows, crossfaded
+                pixels = (frame.numpy() for frame in quantise(video))
+                upscale_windows(engine, pixels, plan_windows(frames), request, sink)
+            else:
+                engine.upscale(video, request, sink)
             writer.close()
             elapsed = time.perf_counter() - started
         stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3)}
         return elapsed, stages, torch.cat(collected) if collect else None
 
-    def ours(self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4) -> None:
+    def ours(self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4, hot: int | None = None) -> None:
         engine = self.engine(devices, order, segment)
         scale = self.workload(name)[3]
         runs, stages = [], []
-        for _ in range(1 + self.hot):
+        for _ in range(1 + (self.hot if hot is None else hot)):
             elapsed, stage, _ = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED), collect=False)
             runs.append(elapsed)
             stages.append(stage)
@@ -305,17 +316,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hot", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny configuration: checks the script, measures nothing")
     parser.add_argument("--out", type=Path, default=Path("bench-results.jsonl"))
+    parser.add_argument("--ref-hot", type=int, help="hot runs of the reference (default: --hot)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     args = parser.parse_args(argv)
-    bench = Bench(args.out, args.hot, args.tiny, args.check)
+    bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot)
     for phase in args.phases.split(","):
+        phase, _, hot = phase.partition("*")
         kind, name, *rest = phase.split(":", 2)
         if kind == "ref":
             bench.reference(name)
         elif kind == "ours":
             devices, _, layout = (rest[0] if rest else str(bench.home)).partition("@")
             order, _, segment = (layout or "lockstep").partition("/")
-            bench.ours(name, [torch.device(d) for d in devices.split("+")], order, int(segment or 4))
+            bench.ours(name, [torch.device(d) for d in devices.split("+")], order, int(segment or 4), int(hot) if hot else None)
         elif kind == "batch":
             bench.batch(name, int(rest[0]))
         else:

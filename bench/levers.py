@@ -1,7 +1,9 @@
 """Micro-benchmarks of the GPU levers, one W1 tile at full size (random bf16 weights): where decode and DiT time
 goes (torch.profiler), and what each candidate change buys and costs in accuracy.
 
-    python bench/levers.py --out levers.jsonl [--sections profile,decode,attention,dit]
+    python bench/levers.py --out levers.jsonl [--sections profile,decode,attention,dit,nabla]
+
+Run `nabla` and `dit` in separate processes: each compiles the transformer's blocks for its own processor.
 """
 
 from __future__ import annotations
@@ -33,16 +35,24 @@ def timed(fn, repeat: int = 1) -> tuple[float, object]:
     return (time.perf_counter() - started) / repeat, out
 
 
-def decode(vae, z: torch.Tensor, segment: int, channels_last: bool = False) -> torch.Tensor:
+def decode(vae, z: torch.Tensor, segment: int) -> torch.Tensor:
     cache = vae.decoder.make_cache()
     bounds = [0, 1, *range(1 + segment, z.shape[2], segment), z.shape[2]]
     frames = []
     for a, b in zip(bounds, bounds[1:]):
-        part = z[:, :, a:b]
-        if channels_last:
-            part = part.contiguous(memory_format=torch.channels_last_3d)
-        frames.append(vae.decoder(part, cache).float())
+        frames.append(vae.decoder(z[:, :, a:b], cache).float())
     return torch.cat(frames, dim=2)
+
+
+def compiled_dit_call(transformer, x: torch.Tensor, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """Compiles the transformer's blocks: (compile seconds, seconds per call, output)."""
+    started = time.perf_counter()
+    transformer.compile_repeated_blocks(fullgraph=True)
+    transformer(x, t)
+    torch.cuda.synchronize()
+    compile_seconds = time.perf_counter() - started
+    seconds, out = timed(lambda: transformer(x, t, return_dict=False)[0], repeat=2)
+    return compile_seconds, seconds, out
 
 
 def top_kernels(prof) -> str:
@@ -53,20 +63,6 @@ def top_kernels(prof) -> str:
         except (AttributeError, KeyError, ValueError):
             continue
     return averages.table(row_limit=25)
-
-
-def channels_last(vae) -> None:
-    for module in vae.decoder.modules():
-        if isinstance(module, torch.nn.Conv3d):
-            module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
-
-
-def compile_blocks(vae) -> None:
-    from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
-
-    for module in vae.decoder.modules():
-        if isinstance(module, Kandinsky6SRResnetBlock3D):
-            module.compile(dynamic=True)
 
 
 def main() -> None:
@@ -106,33 +102,65 @@ def main() -> None:
             emit({"section": "profile_dit_call", "table": top_kernels(prof)})
 
         if "decode" in sections:
-            from worker.sr.fast_vae import speed_up_decoder
+            from worker.sr.fast_vae import BroadcastSpatialNorm3D, compile_decoder, speed_up_decoder
+
+            def norms_only(vae) -> None:
+                for module in vae.decoder.modules():
+                    if type(module).__name__ == "Kandinsky6SRSpatialNorm3D":
+                        module.__class__ = BroadcastSpatialNorm3D
 
             reference = None
-            variants = [("stock", None), ("broadcast_norm", speed_up_decoder), ("broadcast_norm+channels_last", channels_last), ("broadcast_norm+channels_last+compiled_blocks", compile_blocks)]
+            variants = [("stock", None), ("broadcast_norm", norms_only), ("broadcast_norm+implicit_pad", speed_up_decoder), ("broadcast_norm+implicit_pad+compiled_blocks", compile_decoder)]
             for name, change in variants:
-                started = time.perf_counter()
                 if change is not None:
                     change(vae)
-                layout = "channels_last" in name
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 first = time.perf_counter()
-                decode(vae, z, 4, layout)  # first call: compiles where compiled
+                decode(vae, z, 4)  # first call: compiles where compiled
                 torch.cuda.synchronize()
                 first = time.perf_counter() - first
-                seconds, out = timed(lambda: decode(vae, z, 4, layout))
+                seconds, out = timed(lambda: decode(vae, z, 4), repeat=2)
                 reference = out if reference is None else reference
                 emit({
                     "section": "decode_one_tile",
                     "variant": name,
                     "seconds": round(seconds, 3),
                     "first_call_s": round(first, 1),
+                    "tflop_per_s": round(837.6 / seconds, 1),
                     "peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
                     "max_abs_delta_vs_stock": (out - reference).abs().max().item(),
                     "psnr_vs_stock_db": round(10 * torch.log10(4 / (out - reference).pow(2).mean().clamp_min(1e-20)).item(), 1),
                 })
                 del out
+
+        if "nabla" in sections:
+            from worker.sr.attention import NablaFlexProcessor, _qkv, nabla_density
+
+            x = torch.randn(1, 31, 32, 48, 129, device=device, dtype=torch.bfloat16)
+            t = torch.tensor([700.0], device=device)
+            densities: list[float] = []
+            hooks = [
+                block.self_attention.register_forward_pre_hook(
+                    lambda attn, args: densities.append(nabla_density(*_qkv(attn, args[0], args[1])[:2], args[2]).item())
+                )
+                for block in transformer.visual_transformer_blocks
+            ]
+            dense = transformer(x, t, return_dict=False)[0].float()  # eager, dense SDPA: the exact reference
+            for hook in hooks:
+                hook.remove()
+            emit({"section": "nabla", "density_mean": round(sum(densities) / len(densities), 4), "density_per_layer": [round(d, 3) for d in densities]})
+            transformer.set_attn_processor(NablaFlexProcessor())
+            compile_seconds, seconds, out = compiled_dit_call(transformer, x, t)
+            delta = out.float() - dense
+            emit({
+                "section": "dit_call",
+                "variant": "compiled_blocks_nabla_flex",
+                "compile_s": round(compile_seconds, 1),
+                "seconds": round(seconds, 3),
+                "max_abs_delta_vs_dense": delta.abs().max().item(),
+                "rel_rms_delta_vs_dense": (delta.pow(2).mean().sqrt() / dense.pow(2).mean().sqrt()).item(),
+            })
 
         if "attention" in sections:
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -162,12 +190,7 @@ def main() -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 seconds, out = timed(lambda: transformer(x, t, return_dict=False)[0], repeat=2)
             emit({"section": "dit_call", "variant": "eager_cudnn_attention", "seconds": round(seconds, 3), "max_abs_delta": (out.float() - eager.float()).abs().max().item()})
-            started = time.perf_counter()
-            transformer.compile_repeated_blocks(fullgraph=True)
-            transformer(x, t)
-            torch.cuda.synchronize()
-            compile_seconds = time.perf_counter() - started
-            seconds, out = timed(lambda: transformer(x, t, return_dict=False)[0], repeat=2)
+            compile_seconds, seconds, out = compiled_dit_call(transformer, x, t)
             emit({"section": "dit_call", "variant": "compiled_blocks_sdpa", "compile_s": round(compile_seconds, 1), "seconds": round(seconds, 3), "max_abs_delta": (out.float() - eager.float()).abs().max().item()})
 
 

@@ -1,5 +1,6 @@
 """The embedded local stack: Redis and SeaweedFS (infra.stack), then the Procfile's processes — the API under
-gunicorn, one CPU worker, the reaper — on loopback, each logging into one directory, stopped by PID.
+gunicorn, one CPU worker, the reaper, the webhook worker — on loopback, each logging into one directory, stopped by
+PID.
 
 `vsrq dev` keeps it up until Ctrl-C; `vsrq demo` runs the main job through it, as a user would over HTTP.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import requests
 
 from infra.stack import Stack, free_ports, stop_processes
+from storage.webhooks import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "vsrq.k6"
@@ -28,6 +30,7 @@ class DevStack:
         self.model, self.devices = model, devices
         self.url = f"http://127.0.0.1:{port or free_ports(1)[0]}"
         self.token = f"sk-dev-{secrets.token_hex(16)}"  # this run's only API key
+        self.secret = new_secret()  # and the secret its webhooks are signed with
         self.stack = Stack(self.root / "stack")
         self._processes: dict[str, subprocess.Popen] = {}
 
@@ -35,12 +38,13 @@ class DevStack:
         return {
             **os.environ,
             **self.stack.env(),
-            "VSRQ_API_KEYS": json.dumps([{"id": "dev", "token": self.token}]),
+            "VSRQ_API_KEYS": json.dumps([{"id": "dev", "token": self.token, "webhook_secret": self.secret}]),
             "VSRQ_MODELS": json.dumps({"k6-vsr": QUEUE}),
             "VSRQ_BIND": self.url.removeprefix("http://"),
             "VSRQ_WORKER_MODEL": self.model,
             "VSRQ_WORKER_DEVICES": self.devices,
             "VSRQ_WORKER_QUEUE": QUEUE,
+            "VSRQ_LOG_FORMAT": os.environ.get("VSRQ_LOG_FORMAT", "text"),  # read by people here
         }
 
     def start(self, timeout_s: float = 120) -> DevStack:
@@ -53,6 +57,10 @@ class DevStack:
                                    "--concurrency", "1", "-Q", QUEUE, "-n", f"dev-{os.getpid()}@localhost"])  # fmt: skip
             self._spawn("reaper", [*python, "worker.reaper"])
             self._wait_for_worker(time.monotonic() + timeout_s)
+            # after the wait, which counts workers: the one it waits for is the model's
+            self._spawn("webhooks", [*python, "celery", "-A", "worker.webhooks", "worker", "--pool", "threads",
+                                     "--concurrency", "4", "-Q", "vsrq.webhooks",
+                                     "-n", f"hooks-{os.getpid()}@localhost"])  # fmt: skip
         except BaseException:
             self.stop()
             raise
@@ -73,7 +81,7 @@ class DevStack:
             try:
                 if requests.get(f"{self.url}/healthz", timeout=5).json()["checks"]["workers"]["seen"]:
                     return
-            except (requests.ConnectionError, ValueError, KeyError):
+            except (requests.ConnectionError, requests.Timeout, ValueError, KeyError):  # not up yet, or a busy machine
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the stack did not come up in time; logs in {self.root}")

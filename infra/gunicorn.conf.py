@@ -2,6 +2,11 @@
 Redis, S3 and the network, and an upload holds its thread for as long as the client takes to send the file."""
 
 import os
+import tempfile
+from pathlib import Path
+
+from storage.config import Settings
+from storage.logs import dict_config, settings_secrets
 
 bind = os.environ.get("VSRQ_BIND", "127.0.0.1:8000")
 workers = int(os.environ.get("VSRQ_WEB_WORKERS", "2"))
@@ -11,3 +16,18 @@ timeout = 120  # a worker process silent this long is restarted; streaming reque
 graceful_timeout = 60
 accesslog = "-"
 errorlog = "-"
+_settings = Settings()
+logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings_secrets(_settings))
+
+# /metrics (api/metrics.py) sums the samples that every worker process writes to this directory (prometheus-client's
+# multiprocess mode). Set here, before the workers fork and import prometheus_client; emptied at start, since the
+# files of a previous run would be summed in.
+if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vsrq-metrics-")
+
+
+def on_starting(server) -> None:
+    metrics_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    for stale in metrics_dir.glob("*.db"):
+        stale.unlink()

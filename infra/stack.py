@@ -106,13 +106,30 @@ class Stack:
             self._start_redis()
             self._start_weed()
             deadline = time.monotonic() + timeout_s
-            self._wait("redis", deadline, lambda: redis.Redis.from_url(self.redis_url).ping())
-            # S3 is up once a signed request on the bucket succeeds: the gateway, the filer and the bucket all exist
-            self._wait("weed", deadline, lambda: self.s3_client().head_bucket(Bucket=self.bucket))
+            self._wait("redis", deadline, self._redis_ready)
+            self._wait("weed", deadline, self._weed_ready)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _redis_ready(self) -> None:
+        redis.Redis.from_url(self.redis_url).ping()  # answers LOADING (an error) until the AOF is read back
+
+    def _weed_ready(self) -> None:
+        # S3 is up once a signed request on the bucket succeeds: the gateway, the filer and the bucket all exist
+        self.s3_client().head_bucket(Bucket=self.bucket)
+
+    def stop_service(self, name: str, timeout_s: float = 15) -> None:
+        """Stops one service ("redis" or "weed"), as an outage would; its data stays for `start_service`."""
+        stop_processes({name: self._processes.pop(name)}, timeout_s)
+
+    def start_service(self, name: str, timeout_s: float = 60) -> None:
+        """(Re)starts one service on the same ports and data directory, and waits until it answers."""
+        services = {"redis": (self._start_redis, self._redis_ready), "weed": (self._start_weed, self._weed_ready)}
+        start, ready = services[name]
+        start()
+        self._wait(name, time.monotonic() + timeout_s, ready)
 
     def _start_redis(self) -> None:
         directory = self.root / "redis"

@@ -8,11 +8,11 @@ read in parts (S3 multipart above `part_bytes`), never whole, while its size is 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import secrets
-import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -29,6 +29,8 @@ from storage.config import Settings
 # outputs/{job_id}/attempt-{n}.mp4       what attempt n wrote. It is promoted to the job's result by the fenced
 #                                        `complete` that records its key: a stale attempt can upload, but never
 #                                        become (or overwrite) the result. Other attempts' files are then deleted.
+# work/{job_id}/                         what an attempt keeps for the next attempt of the same job (finished
+#                                        windows): attempt-independent, deleted when the job ends
 
 
 def new_upload_id() -> str:
@@ -45,6 +47,10 @@ def output_prefix(job_id: str) -> str:
 
 def attempt_output_key(job_id: str, attempt: int) -> str:
     return f"{output_prefix(job_id)}attempt-{attempt}.mp4"
+
+
+def work_prefix(job_id: str) -> str:
+    return f"work/{job_id}/"
 
 
 # -- Interface -----------------------------------------------------------------------------------------------------
@@ -75,6 +81,11 @@ class BlobInfo:
     key: str
     size: int
     sha256: str | None = None  # known where we wrote the blob (put): the caller records it
+    modified: float | None = None  # epoch seconds, in listings (`entries`): what the lifecycle sweep ages by
+
+
+# Bytes moved since the last call, from the thread doing the transfer: long transfers drive a lease's heartbeats.
+Progress = Callable[[int], None]
 
 
 class BlobStore(Protocol):
@@ -85,13 +96,15 @@ class BlobStore(Protocol):
         *,
         content_type: str = "application/octet-stream",
         max_bytes: int | None = None,
+        progress: Progress | None = None,
     ) -> BlobInfo:
         """Stream `source` to `key`; raises `TooLarge` past `max_bytes`, leaving nothing behind."""
 
-    def open(self, key: str) -> BinaryIO:
-        """A stream of the blob (close it); raises `BlobNotFound`."""
+    def open(self, key: str, byte_range: tuple[int, int] | None = None) -> BinaryIO:
+        """A stream of the blob (close it), or of its bytes first..last (inclusive, as HTTP counts them: the range
+        must lie within the blob); raises `BlobNotFound`."""
 
-    def download(self, key: str, path: Path) -> None: ...
+    def download(self, key: str, path: Path, progress: Progress | None = None) -> None: ...
 
     def head(self, key: str) -> BlobInfo | None: ...
 
@@ -102,7 +115,13 @@ class BlobStore(Protocol):
 
     def keys(self, prefix: str) -> Iterator[str]: ...
 
+    def entries(self, prefix: str) -> Iterator[BlobInfo]:
+        """The blobs under `prefix`, with size and `modified`."""
+
     def delete_prefix(self, prefix: str) -> int: ...
+
+    def abort_incomplete(self, before: float) -> int:
+        """Drops writes begun before `before` (epoch seconds) and never finished; returns how many."""
 
     def presigned_url(self, key: str, ttl_s: int) -> str | None:
         """A URL that GETs the blob for `ttl_s` seconds, or None where the backend has no server to sign for."""
@@ -179,25 +198,32 @@ class S3BlobStore:
         *,
         content_type: str = "application/octet-stream",
         max_bytes: int | None = None,
+        progress: Progress | None = None,
     ) -> BlobInfo:
         metered = _Metered(source, max_bytes)
         # A failed multipart upload is aborted by boto3's transfer manager, so a refused upload leaves no parts.
         self.client.upload_fileobj(
-            metered, self.bucket, key, ExtraArgs={"ContentType": content_type}, Config=self._transfer
+            metered,
+            self.bucket,
+            key,
+            ExtraArgs={"ContentType": content_type},
+            Config=self._transfer,
+            Callback=progress,
         )
         return BlobInfo(key, metered.size, metered.sha256)
 
-    def open(self, key: str) -> BinaryIO:
+    def open(self, key: str, byte_range: tuple[int, int] | None = None) -> BinaryIO:
+        ranged = {"Range": f"bytes={byte_range[0]}-{byte_range[1]}"} if byte_range else {}
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            return self.client.get_object(Bucket=self.bucket, Key=key, **ranged)["Body"]
         except ClientError as error:
             if _missing(error):
                 raise BlobNotFound(key) from error
             raise
 
-    def download(self, key: str, path: Path) -> None:
+    def download(self, key: str, path: Path, progress: Progress | None = None) -> None:
         try:
-            self.client.download_file(self.bucket, key, str(path), Config=self._transfer)
+            self.client.download_file(self.bucket, key, str(path), Config=self._transfer, Callback=progress)
         except ClientError as error:
             if _missing(error):
                 raise BlobNotFound(key) from error
@@ -219,9 +245,12 @@ class S3BlobStore:
         self.client.delete_object(Bucket=self.bucket, Key=key)
 
     def keys(self, prefix: str) -> Iterator[str]:
+        return (entry.key for entry in self.entries(prefix))
+
+    def entries(self, prefix: str) -> Iterator[BlobInfo]:
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             for item in page.get("Contents", []):
-                yield item["Key"]
+                yield BlobInfo(item["Key"], item["Size"], modified=item["LastModified"].timestamp())
 
     def delete_prefix(self, prefix: str) -> int:
         keys = list(self.keys(prefix))
@@ -229,6 +258,17 @@ class S3BlobStore:
             batch = [{"Key": key} for key in keys[start : start + 1000]]
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
         return len(keys)
+
+    def abort_incomplete(self, before: float) -> int:
+        aborted = 0
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket):
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"].timestamp() < before:
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    aborted += 1
+        return aborted
 
     def presigned_url(self, key: str, ttl_s: int) -> str | None:
         return self.client.generate_presigned_url(
@@ -247,7 +287,26 @@ def _missing(error: ClientError) -> bool:
 
 # Segments of letters, digits, '.', '_' and '-' that do not start with a dot: no '..', no hidden files, no absolute
 # paths, no backslashes. Keys are server-chosen, so this only ever refuses bugs and attacks.
-_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
+SAFE_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
+
+
+class _Slice(io.RawIOBase):
+    """The next `length` bytes of a file, ending there as an S3 ranged GET does."""
+
+    def __init__(self, file: BinaryIO, length: int) -> None:
+        self._file, self._left = file, length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        got = self._file.readinto(memoryview(buffer)[: self._left])
+        self._left -= got
+        return got
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 class LocalBlobStore:
@@ -256,7 +315,7 @@ class LocalBlobStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        if not _KEY.fullmatch(key) or len(key) > 1024:
+        if not SAFE_KEY.fullmatch(key) or len(key) > 1024:
             raise InvalidKey(f"invalid blob key {key!r}")
         path = (self.root / key).resolve()
         if not path.is_relative_to(self.root):  # belt and braces: symlinks inside the root
@@ -270,6 +329,7 @@ class LocalBlobStore:
         *,
         content_type: str = "application/octet-stream",
         max_bytes: int | None = None,
+        progress: Progress | None = None,
     ) -> BlobInfo:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,21 +338,25 @@ class LocalBlobStore:
         partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
         try:
             with open(partial, "wb") as sink:
-                shutil.copyfileobj(metered, sink, 1024 * 1024)
+                _copy(metered, sink, progress)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
         return BlobInfo(key, metered.size, metered.sha256)
 
-    def open(self, key: str) -> BinaryIO:
+    def open(self, key: str, byte_range: tuple[int, int] | None = None) -> BinaryIO:
         try:
-            return open(self._path(key), "rb")
+            file = open(self._path(key), "rb")
         except FileNotFoundError as error:
             raise BlobNotFound(key) from error
+        if byte_range is None:
+            return file
+        file.seek(byte_range[0])
+        return io.BufferedReader(_Slice(file, byte_range[1] - byte_range[0] + 1))
 
-    def download(self, key: str, path: Path) -> None:
+    def download(self, key: str, path: Path, progress: Progress | None = None) -> None:
         with self.open(key) as source, open(path, "wb") as sink:
-            shutil.copyfileobj(source, sink, 1024 * 1024)
+            _copy(source, sink, progress)
 
     def head(self, key: str) -> BlobInfo | None:
         path = self._path(key)
@@ -305,10 +369,14 @@ class LocalBlobStore:
         self._path(key).unlink(missing_ok=True)
 
     def keys(self, prefix: str) -> Iterator[str]:
+        return (entry.key for entry in self.entries(prefix))
+
+    def entries(self, prefix: str) -> Iterator[BlobInfo]:
         for path in sorted(self.root.rglob("*")):
             key = path.relative_to(self.root).as_posix()
-            if path.is_file() and key.startswith(prefix) and _KEY.fullmatch(key):
-                yield key
+            if path.is_file() and key.startswith(prefix) and SAFE_KEY.fullmatch(key):
+                stat = path.stat()
+                yield BlobInfo(key, stat.st_size, modified=stat.st_mtime)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = list(self.keys(prefix))
@@ -316,9 +384,23 @@ class LocalBlobStore:
             self.delete(key)
         return len(keys)
 
+    def abort_incomplete(self, before: float) -> int:
+        # A put that died midway leaves its hidden `.partial` file: the local store's incomplete upload.
+        stale = [path for path in self.root.rglob(".*.partial") if path.is_file() and path.stat().st_mtime < before]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
+
     def presigned_url(self, key: str, ttl_s: int) -> str | None:
         return None
 
     def check(self) -> None:
         if not os.access(self.root, os.W_OK):
             raise BlobError(f"{self.root} is not writable")
+
+
+def _copy(source: BinaryIO, sink: BinaryIO, progress: Progress | None) -> None:
+    while chunk := source.read(1024 * 1024):
+        sink.write(chunk)
+        if progress is not None:
+            progress(len(chunk))

@@ -13,8 +13,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from storage.webhooks import InvalidSecret, secret_key
 
 K6_VSR = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 MiB = 1024 * 1024
@@ -23,10 +25,29 @@ MiB = 1024 * 1024
 class ApiKey(BaseModel):
     """One caller: its bearer token, the id its jobs and uploads are filed under, its webhook signing secret."""
 
+    model_config = ConfigDict(hide_input_in_errors=True)  # a refused token or secret is not printed with its error
     # The id appears in storage keys (uploads/{id}/...), so it is kept to a safe alphabet.
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
     token: SecretStr = Field(min_length=16)
-    webhook_secret: SecretStr | None = None
+    webhook_secret: SecretStr | None = None  # whsec_<base64 of 24-64 random bytes> (Standard Webhooks)
+    # This key's own limits (api/ratelimit.py); unset: the service-wide defaults (Settings' per-key defaults).
+    rate_limit_requests: int | None = Field(None, ge=1)
+    rate_limit_window_s: int | None = Field(None, ge=1)
+    max_active_jobs: int | None = Field(None, ge=1)
+    max_upload_bytes: int | None = Field(None, ge=1)
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _whsec(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None:
+            try:
+                secret_key(secret.get_secret_value())
+            except InvalidSecret as error:  # the message names the rule, never the value
+                raise ValueError(
+                    f"webhook_secret {error}; make one with `python -c \"from storage.webhooks import new_secret; "
+                    f'print(new_secret())"`'
+                ) from None
+        return secret
 
 
 class Settings(BaseSettings):
@@ -53,6 +74,21 @@ class Settings(BaseSettings):
 
     api_keys: list[ApiKey] = []
     webhook_allow_loopback: bool = False  # development only: lets webhooks reach a receiver on this machine
+    # Webhook deliveries (worker/webhooks.py): a failed attempt is retried after about base x 2^n (with jitter, at
+    # most retry_max_s), webhook_max_attempts in all; the defaults spread 8 attempts over 2-4 hours.
+    webhook_ca_bundle: Path | None = None  # the CAs receivers are verified against (None: certifi's)
+    webhook_timeout_s: float = Field(10, gt=0)  # one attempt, connection to response
+    webhook_max_attempts: int = Field(8, ge=1)
+    webhook_retry_base_s: float = Field(120, gt=0)
+    webhook_retry_max_s: float = Field(4 * 3600, gt=0)
+    # A webhook handed to a delivery worker is handed out again if its attempt has not ended by then (the worker died)
+    webhook_claim_s: float = Field(120, gt=0)
+
+    # Inputs named by an https URL, fetched by the worker (worker/fetch.py)
+    fetch_allow_loopback: bool = False  # development only: lets inputs come from a server on this machine
+    fetch_ca_bundle: Path | None = None  # the CAs input URLs are verified against (None: certifi's)
+    fetch_connect_timeout_s: float = Field(10, gt=0)
+    fetch_read_timeout_s: float = Field(60, gt=0)  # per read: a stalled origin ends the attempt, and it is retried
 
     # Served models and the Celery queue (pipeline group) of each; the first is the default.
     models: dict[str, str] = {K6_VSR: "vsrq.k6"}
@@ -60,7 +96,15 @@ class Settings(BaseSettings):
     # Limits and retention
     max_upload_bytes: int = Field(4 * 1024 * MiB, ge=1)
     max_form_field_bytes: int = Field(64 * 1024, ge=1024)  # one non-file multipart field
+    # Per-key defaults (a key's own values win); None: unlimited. Requests per window; jobs queued or running.
+    rate_limit_requests: int | None = Field(None, ge=1)
+    rate_limit_window_s: int = Field(60, ge=1)
+    max_active_jobs_per_key: int | None = Field(None, ge=1)
     result_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # finished jobs keep their output this long (expires_at)
+    # The reaper's storage sweep (storage.lifecycle): uploads no job claims, writes never finished
+    upload_ttl_s: int = Field(24 * 3600, ge=1)  # an upload (POST /v1/uploads) no live job names is deleted after this
+    multipart_abort_s: int = Field(24 * 3600, ge=1)  # incomplete multipart uploads older than this are aborted
+    sweep_interval_s: float = Field(600, gt=0)
     idempotency_ttl_s: int = Field(24 * 3600, ge=60)
     idempotency_in_flight_ttl_s: int = Field(3600, ge=10)  # a claim whose request died is released after this
     list_limit_max: int = Field(100, ge=1)
@@ -68,8 +112,20 @@ class Settings(BaseSettings):
     # Workers and recovery
     lease_s: int = Field(120, ge=1)  # a worker that misses heartbeats this long loses its job to the reaper
     max_attempts: int = Field(3, ge=1)  # then the job fails: redelivering an OOM forever helps nobody
+    # A queued job whose Celery message was not confirmed sent this long (the sender died) gets one from the reaper
+    enqueue_grace_s: float = Field(30, gt=0)
     longest_job_s: int = Field(12 * 3600, ge=60)  # Celery's visibility timeout is set above this
+    # Overrides kombu's Redis transport options, e.g. {"visibility_timeout": 5, "unacked_restore_interval": 1,
+    # "unacked_restore_throttle": 1} to see an unacknowledged message redelivered in seconds.
+    broker_transport_options: dict[str, int | float | str] = {}
     health_ping_timeout_s: float = Field(0.5, gt=0)
+
+    # Operations: log lines (storage/logs.py) and each Celery worker's Prometheus port (worker/metrics.py)
+    log_format: Literal["json", "text"] = "json"  # text for people (the dev stack), json for a log pipeline
+    log_level: str = "INFO"
+    metrics_port: int = Field(0, ge=0, le=65535)  # 0: no /metrics on the workers
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for the scraper
+    worker_ttl_s: int = Field(30, ge=3)  # a worker missing from the registry this long is gone (storage/workers.py)
 
     @field_validator("models")
     @classmethod
@@ -85,6 +141,8 @@ class Settings(BaseSettings):
             raise ValueError("api_keys: every key needs its own id and token")
         if self.blob_backend == "s3" and not (self.s3_access_key and self.s3_secret_key):
             raise ValueError("the s3 blob backend needs s3_access_key and s3_secret_key")
+        if self.webhook_claim_s <= self.webhook_timeout_s:
+            raise ValueError("webhook_claim_s must exceed webhook_timeout_s: an attempt in flight would be handed out")
         return self
 
     @property

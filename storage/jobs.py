@@ -18,7 +18,10 @@ Times come from Redis (`TIME`), so workers' and API servers' clocks never disagr
     vsrq:job:{id}:events            list: JSON events, oldest first
     vsrq:queue:{queue}              zset: queued job ids by enqueue order (queue position = rank)
     vsrq:leases                     zset: in-progress job ids by lease expiry (what the reaper scans)
+    vsrq:unsent                     zset: job ids put in `queued` whose Celery message is not yet confirmed sent, by
+                                    when it was due; written before the message, removed after it (`sent`)
     vsrq:owner:{owner}:{view}       zset: the owner's job ids by creation order; view = "all" or a status
+    vsrq:webhooks:*                 the webhook outbox (storage.webhooks): a job's end writes its webhook there
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
@@ -34,6 +37,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from redis import Redis
 from redis.exceptions import ResponseError
+
+from storage.webhooks import outbox_keys
 
 
 class Status(StrEnum):
@@ -108,8 +113,9 @@ class MediaInfo(BaseModel):
 
 
 class InputInfo(BaseModel):
-    key: str  # blob key
-    bytes: int
+    key: str | None = None  # blob key; None for an input the worker fetches from `url`
+    bytes: int | None = None  # None until known (a URL input)
+    url: str | None = None  # an https URL (JSON create's `video_url`), fetched at task time by worker/fetch.py
     sha256: str | None = None  # known when the API received the file itself
     filename: str | None = None
     upload_id: str | None = None
@@ -130,7 +136,7 @@ class JobErrorInfo(BaseModel):
 
 
 class JobEvent(BaseModel):
-    type: str  # created, leased, stage, cancel_requested, requeued, completed, failed, cancelled
+    type: str  # created, leased, stage, cancel_requested, requeued, completed, failed, cancelled, webhook
     at: float
     attempt: int
     status: Status
@@ -164,7 +170,7 @@ class JobRecord(BaseModel):
 
 
 class VideoInput(BaseModel):
-    bytes: int
+    bytes: int | None
     sha256: str | None
     filename: str | None
     upload_id: str | None
@@ -252,6 +258,7 @@ _PRELUDE = (
     + "}\n"
     + """
 local JOB, EVENTS, QUEUE, LEASES, SEQ, ALL = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11]
+local OUTBOX, WEBHOOKS = KEYS[12], KEYS[13]
 local function fail(code, message) error({err = code .. ' ' .. message}) end
 local function now()
   local t = redis.call('TIME')
@@ -276,6 +283,15 @@ local function event(kind, t, detail)
   if detail then e.detail = detail end
   redis.call('RPUSH', EVENTS, cjson.encode(e))
 end
+-- A job that ends with a webhook_url gets its webhook in the same write: the outbox of storage.webhooks.
+local function announce(to, t)
+  local url = field('webhook_url')
+  if next(ALLOWED[to]) ~= nil or not url then return end
+  local id = 'msg_' .. field('id') .. '_' .. to
+  redis.call('HSET', WEBHOOKS, id, cjson.encode({job = field('id'), owner = field('owner'), url = url,
+    type = 'video.' .. to, at = t}))
+  redis.call('ZADD', OUTBOX, t, id)
+end
 -- The one way a status changes: checked against ALLOWED, reflected in the queue, lease and listing indexes.
 local function move(to, t)
   local from = status()
@@ -290,6 +306,7 @@ local function move(to, t)
     redis.call('HDEL', JOB, 'lease_until', 'worker')
   end
   redis.call('HSET', JOB, 'status', to, 'updated_at', t)
+  announce(to, t)
 end
 local function finish(t, ttl)
   redis.call('HSET', JOB, 'completed_at', t, 'expires_at', t + ttl)
@@ -418,6 +435,13 @@ redis.call('DEL', JOB, EVENTS)
 return 1
 """
 
+# ARGV: event type, detail JSON. An event from outside the state machine (a webhook delivery attempt).
+_NOTE = """
+status()
+event(ARGV[1], now(), cjson.decode(ARGV[2]))
+return 1
+"""
+
 _ERROR_REPLY = re.compile(r"^(\w+) (.*?)(?: script: \w+, on @user_script:\d+\.)?$", re.DOTALL)
 
 
@@ -438,6 +462,7 @@ class JobStore:
             "requeue": _REQUEUE,
             "cancel": _CANCEL,
             "delete": _DELETE,
+            "note": _NOTE,
         }
         self._scripts: dict[str, Callable] = {
             name: redis.register_script(_PRELUDE + body) for name, body in scripts.items()
@@ -461,6 +486,10 @@ class JobStore:
     def _seq_key(self) -> str:
         return f"{self.prefix}:seq"
 
+    @property
+    def _unsent_key(self) -> str:
+        return f"{self.prefix}:unsent"
+
     def _keys(self, job_id: str) -> list[str]:
         # owner and queue never change, so reading them before the script cannot race with it
         owner, queue = self.redis.hmget(self._job_key(job_id), "owner", "queue")
@@ -475,6 +504,7 @@ class JobStore:
             self._seq_key,
             *(self._owner_key(owner, status) for status in _STATUSES),
             self._owner_key(owner, "all"),
+            *outbox_keys(self.prefix),
         ]
 
     def _run(self, script: str, job_id: str, *args: Any) -> Any:
@@ -524,6 +554,7 @@ class JobStore:
             tx.zadd(self._queue_key(queue), {job_id: seq})
             tx.zadd(self._owner_key(owner, "all"), {job_id: seq})
             tx.zadd(self._owner_key(owner, Status.QUEUED), {job_id: seq})
+            tx.zadd(self._unsent_key, {job_id: created_at})  # until the API confirms the message: see `unsent`
             tx.execute()
         return job
 
@@ -547,6 +578,10 @@ class JobStore:
 
     def queue_position(self, job: JobRecord) -> int | None:
         return self.redis.zrank(self._queue_key(job.queue), job.id) if job.status == Status.QUEUED else None
+
+    def active_keys(self, owner: str) -> list[str]:
+        """The sorted sets of the owner's queued and running jobs, for a quota script to count atomically."""
+        return [self._owner_key(owner, Status.QUEUED), self._owner_key(owner, Status.IN_PROGRESS)]
 
     def queue_depth(self, queue: str) -> int:
         return self.redis.zcard(self._queue_key(queue))
@@ -641,7 +676,11 @@ class JobStore:
         """A failure another attempt may not repeat (lost device, OOM under load): requeued, or failed once the job
         has had `max_attempts`. The caller sends the task again when this returns `queued`."""
         reason = JobErrorInfo(code=code, message=message).model_dump_json()
-        return Status(self._run("requeue", job_id, attempt, reason, self.max_attempts, self.result_ttl_s, 0).decode())
+        self._message_due(job_id)
+        status = Status(self._run("requeue", job_id, attempt, reason, self.max_attempts, self.result_ttl_s, 0).decode())
+        if status != Status.QUEUED:
+            self.sent(job_id)
+        return status
 
     # -- the owner's side: cancel, delete --------------------------------------------------------------------------
 
@@ -654,6 +693,10 @@ class JobStore:
     def delete(self, job_id: str) -> None:
         """Removes the record (not its blobs: the caller deletes those). Raises `JobActive` while it runs."""
         self._run("delete", job_id)
+
+    def note(self, job_id: str, kind: str, detail: dict[str, Any]) -> None:
+        """Appends an event that changes nothing (a webhook delivery attempt). Raises `JobNotFound` once deleted."""
+        self._run("note", job_id, kind, json.dumps(detail))
 
     # -- the reaper ------------------------------------------------------------------------------------------------
 
@@ -672,15 +715,56 @@ class JobStore:
             if job is None or job.status != Status.IN_PROGRESS:
                 continue
             reason = JobErrorInfo(code="lease_expired", message=f"worker {job.worker} stopped sending heartbeats")
+            self._message_due(job_id)
             try:
                 status = self._run(
                     "requeue", job_id, job.attempt, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1
                 ).decode()
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue
+            if status != Status.QUEUED:
+                self.sent(job_id)
             if status:
                 outcome[job_id] = Status(status)
         return outcome
+
+
+    # -- messages: every way into `queued` needs a Celery message, and its sender may die before sending it --------
+
+    def _message_due(self, job_id: str) -> None:
+        """Marks that `job_id` is about to need a message; written before the job is requeued, so a sender that dies
+        between the two leaves the job to `unsent`."""
+        self.redis.zadd(self._unsent_key, {job_id: _redis_now(self.redis)})
+
+    def sent(self, job_id: str) -> None:
+        """The job's message is on the broker."""
+        self.redis.zrem(self._unsent_key, job_id)
+
+    def unsent(self, older_than_s: float, limit: int = 100) -> list[JobRecord]:
+        """Queued jobs whose message was due more than `older_than_s` ago and never confirmed sent: the reaper sends
+        them one. A duplicate is harmless (a lease is fenced; a message for a job that is not queued is dropped).
+        Marks of jobs that moved on are dropped here."""
+        due = _redis_now(self.redis) - older_than_s
+        found = []
+        for raw in self.redis.zrangebyscore(self._unsent_key, "-inf", due, start=0, num=limit):
+            job = self.get(raw.decode())
+            if job is not None and job.status == Status.QUEUED:
+                found.append(job)
+            else:
+                self.redis.zrem(self._unsent_key, raw)
+        return found
+
+    def records(self) -> Iterator[JobRecord]:
+        """Every job record, by SCAN: for periodic sweeps, never for requests."""
+        prefix = f"{self.prefix}:job:"
+        for key in self.redis.scan_iter(match=f"{prefix}*", count=1000, _type="hash"):
+            job_id = key.decode().removeprefix(prefix)
+            if ":" not in job_id and (job := self.get(job_id)) is not None:
+                yield job
+
+    def now(self) -> float:
+        """Redis's clock: the one every lease, `created_at` and `expires_at` is written in."""
+        return _redis_now(self.redis)
 
 
 @dataclass(frozen=True)

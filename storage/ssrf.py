@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from urllib.parse import urlsplit
+from pathlib import Path
+from urllib.parse import SplitResult, urlsplit, urlunsplit
+
+import certifi
+import urllib3
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -58,3 +62,25 @@ def _unwrapped(address: IPAddress) -> list[IPAddress]:
         if address in _NAT64:
             found.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
     return found
+
+
+def pinned_pool(
+    parts: SplitResult, address: IPAddress, ca_bundle: Path | None, timeout: urllib3.Timeout
+) -> urllib3.HTTPSConnectionPool:
+    """An HTTPS pool whose socket goes to `address` (one `public_addresses` checked) while SNI and the certificate
+    check use the URL's host name: DNS is never asked again between the check and the connection."""
+    return urllib3.HTTPSConnectionPool(
+        str(address),
+        parts.port or 443,
+        server_hostname=parts.hostname,
+        assert_hostname=parts.hostname,
+        cert_reqs="CERT_REQUIRED",
+        ca_certs=str(ca_bundle or certifi.where()),
+        timeout=timeout,
+        retries=False,
+    )
+
+
+def request_target(parts: SplitResult) -> str:
+    """The path and query to send on a pinned connection."""
+    return urlunsplit(("", "", parts.path or "/", parts.query, ""))

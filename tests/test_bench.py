@@ -9,12 +9,14 @@ from bench.bench import main
 
 def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     out = tmp_path / "results.jsonl"
-    main(["--tiny", "--hot", "1", "--out", str(out), "--phases", "ref:W1,ours:W1:cpu,ours:W1:cpu+cpu@tile_major/1,batch:W1short:2"])
+    main(["--tiny", "--hot", "1", "--out", str(out), "--phases", "ref:W1,ours:W1:cpu,ours:W1:cpu+cpu@tile_major/1,batch:W1short:2,ours:W3:cpu*0"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    reference, single, double, batch = records[1:]
+    reference, single, double, batch, long = records[1:]
     assert reference["impl"] == "diffusers-reference" and reference["hot_median_s"] > 0
     assert single["vs_reference"]["max_abs_delta"] <= 1e-5
     assert {"dit", "decode", "encode", "latent_upscale", "mp4_encode_thread"} <= single["stage_device_s_last_run"].keys()
     assert double["devices"] == ["cpu", "cpu"] and double["decode_order"] == "tile_major"
     assert double["bit_identical_to_first_vsrq_phase"]
     assert batch["bit_identical_to_batch_1"]
+    assert long["workload"] == "W3" and long["input"].endswith("x129")  # two temporal windows
+    assert long["stage_device_s_last_run"]["dit"] > single["stage_device_s_last_run"]["dit"]

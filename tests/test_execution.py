@@ -89,3 +89,30 @@ def test_cancellation_stops_between_steps(engine):
 def test_invalid_requests_are_refused(engine, field):
     with pytest.raises(InvalidRequest):
         run(engine, clip(2), SRRequest(**field))
+
+
+def test_nabla_attention_option_runs_the_sparse_processor(tiny_piflow, baseline):
+    """On the CPU eager flex attention is dense, so the NABLA option must give the dense output here (the sparse
+    kernel and its distance from dense are GPU figures: bench/levers.py)."""
+    engine = SREngine.from_pretrained(str(tiny_piflow), attention="nabla")
+    processors = {type(p).__name__ for p in engine.replicas[0].transformer.attn_processors.values()}
+    assert processors == {"NablaFlexProcessor"}
+    assert (run(engine, clip(2), SRRequest(scale=2, seed=3)) - baseline).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="attention must be one of"):
+        SREngine.from_pretrained(str(tiny_piflow), attention="flash")
+
+
+def test_warmup_gives_every_device_a_tile(tiny_piflow):
+    engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu", "cpu"])
+    assert not engine.compiles  # nothing is compiled on the CPU: the worker skips the warmup there
+    info = engine.warmup(frames=5)
+    assert info.tiles >= 3 and info.frames == 5
+
+
+@pytest.mark.parametrize("mode", ["speed", "memory"])
+def test_performance_modes_give_the_same_bits(tiny_piflow, baseline, mode):
+    from worker.sr.backends import PERFORMANCE_MODES, open_upscaler
+
+    engine = open_upscaler(str(tiny_piflow), ["cpu"], mode)
+    assert (engine.decode_order, engine.decode_segment) == tuple(PERFORMANCE_MODES[mode].values())
+    assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import VARIANTS, clip, run
-from worker.sr.attention import DenseSDPAProcessor
+from worker.sr.attention import DenseSDPAProcessor, NablaFlexProcessor, _qkv, nabla_density
 from worker.sr.engine import SREngine, SRRequest
 from worker.sr.noise import NoiseMode
 
@@ -70,3 +70,28 @@ def test_sdpa_matches_stock_flex_attention(tiny_piflow):
         transformer.set_attn_processor(DenseSDPAProcessor())
         ours = transformer(hidden, timestep, return_dict=False)[0]
     assert (stock - ours).abs().max() <= 1e-5
+
+
+
+def test_nabla_processor_is_the_stock_sparse_attention(tiny_piflow):
+    """Our flex processor computes the stock processor's attention, and its density figure sees the sparsity a
+    narrow window and threshold make. (Eager flex ignores the block lists, so on the CPU both are dense; the sparse
+    kernel runs compiled on GPUs, where bench/levers.py measures its speed, density and distance from dense.)"""
+    transformer = diffusers.Kandinsky6SRTransformer3DModel.from_pretrained(
+        tiny_piflow, subfolder="transformer", nabla_window=(1, 1, 1), nabla_threshold=0.3
+    )
+    hidden = torch.randn(1, 3, 16, 32, 9, generator=torch.Generator().manual_seed(0))
+    timestep = torch.tensor([500.0])
+    densities = []
+    attention = transformer.visual_transformer_blocks[0].self_attention
+    attention.register_forward_pre_hook(
+        lambda attn, args: densities.append(nabla_density(*_qkv(attn, args[0], args[1])[:2], args[2]).item())
+    )
+    outputs = {}
+    with torch.no_grad():
+        for name, processor in (("stock", None), ("nabla", NablaFlexProcessor())):
+            if processor is not None:
+                transformer.set_attn_processor(processor)
+            outputs[name] = transformer(hidden, timestep, return_dict=False)[0]
+    assert 0 < densities[0] < 0.9
+    assert (outputs["nabla"] - outputs["stock"]).abs().max() <= 1e-5

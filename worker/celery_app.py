@@ -18,7 +18,7 @@ def make_celery(settings: Settings) -> Celery:
     app = Celery("vsrq", broker=settings.celery_broker_url, backend=settings.celery_broker_url)
     # Redis redelivers an unacknowledged message after the visibility timeout, even while its worker still runs it:
     # keep it above the longest job. Recovery of dead workers is the reaper's, through leases, not Celery's.
-    transport = {"visibility_timeout": settings.longest_job_s + 3600}
+    transport = {"visibility_timeout": settings.longest_job_s + 3600, **settings.broker_transport_options}
     app.conf.update(
         task_acks_late=True,  # acknowledged when the task ends: a worker that dies mid-job leaves it to redeliver
         task_reject_on_worker_lost=True,

@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -94,6 +93,27 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--devices", default="cpu")
     dev.add_argument("--port", type=int, default=8000)
     dev.set_defaults(run=_dev)
+
+    status = commands.add_parser("status", help="the service now: queue depths, workers and their jobs, jobs by status")
+    status.add_argument("--json", action="store_true", help="machine-readable")
+    status.set_defaults(run=_status)
+
+    bulk = commands.add_parser("bulk", help="send a folder, a CSV/JSONL manifest or an s3:// prefix to the API")
+    bulk.add_argument("source", help="a folder (recursively), a .csv or .jsonl manifest, or s3://bucket/prefix")
+    bulk.add_argument("--api-url", help="the API's base URL (default: $VSRQ_API_URL, else http://127.0.0.1:8000)")
+    bulk.add_argument("--token", help="API key (default: $VSRQ_TOKEN)")
+    bulk.add_argument("--scale", choices=("2", "2.25", "4"), help="for every video (a manifest row may say otherwise)")
+    bulk.add_argument("--seed")
+    bulk.add_argument("--model", help="a model the API serves (default: its first)")
+    bulk.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any other create field")
+    bulk.add_argument("--concurrency", type=int, default=4, help="requests in flight: uploads, polls, downloads")
+    bulk.add_argument("--wait", action="store_true", help="poll until every job has ended")
+    bulk.add_argument("--poll", type=float, default=2.0, metavar="SECONDS", help="between polls of one job")
+    bulk.add_argument("--download", type=Path, metavar="DIR", help="fetch outputs into DIR (existing files are kept)")
+    bulk.add_argument("--report", type=Path, default=Path("bulk-report.csv"), help=".csv or .jsonl (journal beside)")
+    bulk.add_argument("--s3-endpoint-url", help="for s3:// sources (default: $AWS_ENDPOINT_URL, else AWS)")
+    bulk.add_argument("--service-bucket", help="its uploads are referenced (default: $VSRQ_S3_BUCKET, vsrq)")
+    bulk.set_defaults(run=_bulk)
     return parser
 
 
@@ -211,8 +231,7 @@ def _tiny(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     """The main job end to end on the embedded stack: a generated clip with audio goes in over the API, a job runs
     on a CPU worker with a tiny random checkpoint, the MP4 comes back."""
-    import requests
-
+    from api.client import Client
     from infra.dev import DevStack
     from worker.media.synthetic import write_clip
 
@@ -224,27 +243,56 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"generated {source} (96x64, 33 frames, stereo tone)")
     with DevStack(args.dir / "stack", str(model)) as stack:
         print(f"stack up: Redis, SeaweedFS, API {stack.url}, a CPU worker, the reaper (logs in {stack.root})")
-        api = requests.Session()
-        api.headers["Authorization"] = f"Bearer {stack.token}"
-        with open(source, "rb") as video:  # SGLang's request form, unchanged
-            response = api.post(f"{stack.url}/v1/videos", files={"video_reference": video}, data={"sr_resolution_scale": "2"})
-        response.raise_for_status()
-        job = response.json()
+        api = Client(stack.url, stack.token)
+        job = api.create_from_file(source, {"sr_resolution_scale": "2"})  # SGLang's request form, unchanged
         print(f"POST /v1/videos -> {job['id']} {job['status']}")
-        while job["status"] not in ("completed", "failed", "cancelled"):
-            time.sleep(0.5)
-            job = api.get(f"{stack.url}/v1/videos/{job['id']}").json()
-            print(f"  {job['status']:<11} {job.get('stage') or '':<10} {job['progress']:3d} %")
+        job = api.wait(job["id"], poll_s=0.5, on_update=lambda job: print(
+            f"  {job['status']:<11} {job.get('stage') or '':<10} {job['progress']:3d} %"))  # fmt: skip
         if job["status"] != "completed":
             print(f"vsrq: the job ended {job['status']}: {job.get('error')}", file=sys.stderr)
             return 1
-        output = args.dir / "output-x2.mp4"
-        with api.get(f"{stack.url}/v1/videos/{job['id']}/content", stream=True) as content, open(output, "wb") as file:
-            content.raise_for_status()
-            for chunk in content.iter_content(1 << 20):
-                file.write(chunk)
+        output = api.download(job["id"], args.dir / "output-x2.mp4", sha256=job["output"]["sha256"])
     print(f"{output}: {json.dumps(job['output'])}")
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Read from the Redis that VSRQ_REDIS_URL names, as the API reads it (storage.overview)."""
+    from redis import Redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from storage.config import Settings
+    from storage.jobs import JobStore
+    from storage.overview import overview
+    from storage.workers import WorkerRegistry
+
+    settings = Settings()
+    redis = Redis.from_url(settings.redis_url)
+    jobs = JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+    try:
+        now = overview(jobs, WorkerRegistry(redis, ttl_s=settings.worker_ttl_s), list(settings.models.values()))
+    except RedisConnectionError as error:
+        print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(now.model_dump_json(indent=2))
+        return 0
+    seconds = WorkerRegistry(redis).now()
+    print("queues   " + "  ".join(f"{queue} {depth}" for queue, depth in now.queues.items()))
+    print("jobs     " + "  ".join(f"{status} {count}" for status, count in now.jobs.items()))
+    print(f"workers  {len(now.workers)}")
+    for worker in now.workers:
+        runs = f"{worker.model} on {','.join(worker.devices)}" if worker.model else "no model"
+        gpus = f" ({', '.join(worker.gpus)})" if worker.gpus else ""
+        print(f"  {worker.name}  {','.join(worker.queues)}  {runs}{gpus}  job {worker.job or '-'}  "
+              f"beat {seconds - worker.heartbeat_at:.0f}s ago")  # fmt: skip
+    return 0
+
+
+def _bulk(args: argparse.Namespace) -> int:
+    from api.bulk import run
+
+    return run(args)
 
 
 def _dev(args: argparse.Namespace) -> int:

@@ -1,4 +1,6 @@
-"""The reaper: requeues the jobs whose worker stopped sending heartbeats (or fails them after `max_attempts`).
+"""The reaper: requeues the jobs whose worker stopped sending heartbeats (or fails them after `max_attempts`), sends the
+message of queued jobs whose sender died before sending it, sweeps blob storage (storage.lifecycle), and relays due
+webhooks from the outbox to their delivery workers (worker.webhooks).
 
     python -m worker.reaper            every VSRQ_REAP_INTERVAL_S seconds (default 10), until SIGTERM / SIGINT
 
@@ -11,39 +13,62 @@ import logging
 import os
 import signal
 import threading
+from time import monotonic
 
 from celery import Celery
 
 from storage.jobs import JobStore, Status
+from storage.lifecycle import sweep
+from storage.logs import configure, settings_secrets
 from worker import service
 from worker.celery_app import app, send_upscale
+from worker.webhooks import outbox, relay_once
 
 log = logging.getLogger("vsrq.reaper")
 
 
-def reap_once(jobs: JobStore, celery: Celery) -> dict[str, Status]:
-    """One pass: expired leases are requeued (or failed), and a requeued job gets a new `vsrq.upscale` message."""
+def reap_once(jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = None) -> dict[str, Status]:
+    """One pass: expired leases are requeued (or failed), and a requeued job gets a new `vsrq.upscale` message; so does
+    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the setting)."""
     outcome = jobs.reap()
     for job_id, status in outcome.items():
         job = jobs.get(job_id)
         if status == Status.QUEUED and job is not None:
             send_upscale(celery, job_id, job.queue)
-        log.info("%s: lease expired, now %s", job_id, status)
+            jobs.sent(job_id)
+        log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
+    grace = service.settings().enqueue_grace_s if enqueue_grace_s is None else enqueue_grace_s
+    for job in jobs.unsent(grace):
+        send_upscale(celery, job.id, job.queue)
+        jobs.sent(job.id)
+        log.warning("%s: queued without a message (its sender died): sent one", job.id, extra={"job_id": job.id})
     return outcome
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = service.settings()
+    configure(settings.log_format, settings.log_level, settings_secrets(settings))
     interval = float(os.environ.get("VSRQ_REAP_INTERVAL_S", "10"))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    log.info("reaping every %g s", interval)
+    log.info("reaping every %g s, sweeping storage every %g s", interval, settings.sweep_interval_s)
+    next_sweep = monotonic()
     while not stop.is_set():
         try:
             reap_once(service.jobs(), app)
         except Exception:  # Redis restarting: try again next time rather than exit
             log.exception("reap failed")
+        try:
+            relay_once(outbox(), app, settings.webhook_claim_s)
+        except Exception:  # Redis or the broker down: the events wait in the outbox for the next pass
+            log.exception("webhook relay failed")
+        if monotonic() >= next_sweep:
+            next_sweep = monotonic() + settings.sweep_interval_s
+            try:
+                sweep(service.jobs(), service.blobs(), settings)
+            except Exception:  # storage or Redis down: the next sweep catches up
+                log.exception("storage sweep failed")
         stop.wait(interval)
 
 

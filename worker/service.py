@@ -7,6 +7,7 @@ worker loads it at start (`worker_init`, see worker.tasks) rather than inside it
 from __future__ import annotations
 
 from functools import cache
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis import Redis
@@ -24,6 +25,19 @@ class WorkerSettings(BaseSettings):
     model: str = "lanczos"  # a checkpoint directory, a hub id, or "lanczos"
     devices: str = "cpu"  # comma-separated, e.g. "cuda:0,cuda:1"
     heartbeat_s: float = 0.5  # progress heartbeats at most this often (and at the end of every window)
+    # "speed": every tile's decoder cache resident; "memory": one tile at a time per GPU (same output, under half
+    # the peak memory, ~1.25x the time: bench/RESULTS.md)
+    performance_mode: Literal["speed", "memory"] = "speed"
+    warmup: bool = True  # compile for one window at start (GPUs), so the first job is not the cold one
+    storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
+    # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)
+    window: int | None = None
+    window_overlap: int | None = None
+
+    @property
+    def window_options(self) -> dict[str, int]:
+        """The window settings that are set, as `UpscaleOptions` fields."""
+        return {name: value for name in ("window", "window_overlap") if (value := getattr(self, name)) is not None}
 
     @property
     def device_list(self) -> list[str]:
@@ -57,4 +71,4 @@ def upscaler():
     from worker.sr.backends import open_upscaler  # torch and the engine: only in processes that run jobs
 
     config = worker_settings()
-    return open_upscaler(config.model, config.device_list)
+    return open_upscaler(config.model, config.device_list, config.performance_mode, config.warmup)

@@ -15,19 +15,23 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import replace
+from functools import cache
 from math import inf
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from time import monotonic
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import botocore.exceptions
 import redis.exceptions
 import torch
 from boto3.exceptions import S3UploadFailedError
 from celery.signals import worker_init
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from storage.blobs import BlobNotFound, attempt_output_key
+from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, work_prefix
 from storage.jobs import (
     InvalidTransition,
     JobNotFound,
@@ -39,8 +43,10 @@ from storage.jobs import (
     StaleAttempt,
     Status,
 )
-from worker import service
+from worker import metrics, service, signals  # signals: importing it connects the process's handlers
 from worker.celery_app import UPSCALE_TASK, app, send_upscale
+from worker.fetch import FetchUnavailable, fetch
+from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
 from worker.sr.engine import SRRequest
@@ -54,13 +60,13 @@ log = logging.getLogger("vsrq.worker")
 # the fenced `complete` sets 100.
 UPSCALED = 90
 UPLOADING = 95
+T = TypeVar("T")
 
 
 @worker_init.connect
 def _load_model(**_: Any) -> None:
     """Loads the upscaler before the worker takes its first message: a bad checkpoint stops the worker at once."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signals.configure_logging()  # Celery sets logging up only after `worker_init`: the load and warmup would be lost
     config = service.worker_settings()
     log.info("loading %s on %s", config.model, ",".join(config.device_list))
     service.upscaler()
@@ -81,34 +87,60 @@ def upscale(self, job_id: str) -> None:
         _run(job, lease, output_key)
     except StaleAttempt as error:  # reaped or ended elsewhere: another attempt owns the job now
         log.warning("%s attempt %d lost the job: %s", job.id, lease.attempt, error.message)
+        _discard(output_key)  # uploaded before it found out: never promoted, so never kept
     except Exception as error:
         _end(job, lease, output_key, error)
 
 
 def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
-    options = job_options(job.params)
-    beat = Heartbeat(lease, service.worker_settings().heartbeat_s)
+    config = service.worker_settings()
+    options = replace(job_options(job.params), **config.window_options)
+    beat = Heartbeat(lease, config.heartbeat_s)
     with TemporaryDirectory(prefix="vsrq-") as scratch:
         source, output = Path(scratch, "input"), Path(scratch, "output.mp4")
 
         # 2. Fetch the input
         beat.send(progress=0, stage="probing", force=True)
-        service.blobs().download(job.input.key, source)
+        if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
+            fetched = fetch(job.input.url, source, service.settings(), beat.cancelled)
+            log.info("%s fetched its input: %d bytes, sha256 %s", job.id, fetched.bytes, fetched.sha256)
+        else:
+            beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
 
-        # 3. Probe, upscale window by window, encode, verify: heartbeats carry progress and bring back the cancel flag
-        result = upscale_file(source, output, service.upscaler(), options, beat.window, beat.cancelled)
+        # 3. Probe, upscale window by window, encode, verify: heartbeats carry progress and bring back the cancel flag.
+        #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
+        windows = windows_key(job, config.model, options)
+        kept = beat.storage(
+            lambda: BlobWindowStore(service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer)
+        )
+        result = upscale_file(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
+        metrics.record_upscale(result)
 
         # 4. Upload to this attempt's key: a stale attempt may upload, but only the fenced `complete` promotes
         if beat.send(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True):
             raise Cancelled("the job was cancelled")
-        with open(output, "rb") as file:
-            stored = service.blobs().put(output_key, file, content_type="video/mp4")
+        stored = beat.storage(lambda: _upload(output, output_key, beat.transfer))
+        if beat.send(force=True):  # asked while it uploaded: the output is discarded, not promoted
+            raise Cancelled("the job was cancelled")
 
-    # 5. Promote
+    # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
     lease.complete(
         OutputInfo(key=output_key, bytes=stored.size, sha256=stored.sha256, media=media_info(result.written))
     )
-    log.info("%s completed by attempt %d: %s (%d bytes)", job.id, lease.attempt, output_key, stored.size)
+    for key in service.blobs().keys(output_prefix(job.id)):
+        if key != output_key:
+            _discard(key)
+    _forget_windows(job.id)
+    log.info(
+        "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
+        job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,
+    )  # fmt: skip
+    _report_memory_once()
+
+
+def _upload(path: Path, key: str, progress: Callable[[int], None]) -> BlobInfo:
+    with open(path, "rb") as file:
+        return service.blobs().put(key, file, content_type="video/mp4", progress=progress)
 
 
 def job_options(params: dict[str, Any]) -> UpscaleOptions:
@@ -177,6 +209,30 @@ class Heartbeat:
     def cancelled(self) -> bool:
         return self.send()
 
+    def transfer(self, _: int) -> None:
+        """A blob transfer's progress callback (called from boto3's threads): a multi-GB transfer keeps the lease, and
+        a cancel stops it."""
+        if self.send():
+            raise Cancelled("the job was cancelled")
+
+    def storage(self, transfer: Callable[[], T]) -> T:
+        """Runs a blob transfer, waiting out a storage outage (a restart, a network blip) inside the attempt for up to
+        `storage_retry_s`: the lease is kept alive and a cancel still stops it within a beat. Past that, the error
+        ends the attempt as a `retry` (see `classify`)."""
+
+        def beat(_: RetryCallState) -> None:
+            if self.send(force=True):
+                raise Cancelled("the job was cancelled")
+
+        retrying = Retrying(
+            retry=retry_if_exception(lambda error: classify(error)[1] == "storage_unavailable"),
+            wait=wait_exponential(multiplier=0.25, max=1),
+            stop=stop_after_delay(service.worker_settings().storage_retry_s),
+            before_sleep=beat,
+            reraise=True,
+        )
+        return retrying(transfer)
+
 
 # -- Endings -------------------------------------------------------------------------------------------------------
 
@@ -191,6 +247,8 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "failed", error.code, error.message
     if isinstance(error, BlobNotFound):
         return "failed", "input_not_found", "The input video is no longer in storage."
+    if isinstance(error, FetchUnavailable):  # the input's origin is down or slow: it may answer the next attempt
+        return "retry", error.code, error.message
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "retry", "gpu_oom", "The GPU ran out of memory."
     if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
@@ -222,12 +280,29 @@ def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> Non
             lease.fail(code, message)
         elif lease.retry(code, message) == Status.QUEUED:
             send_upscale(app, job.id, job.queue)
+            service.jobs().sent(job.id)
+            return  # the next attempt replays the kept windows
+        _forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:
         log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)
+
+
+def _forget_windows(job_id: str) -> None:
+    try:
+        service.blobs().delete_prefix(work_prefix(job_id))
+    except Exception:  # storage down: the reaper's sweep deletes the work prefixes of ended jobs
+        log.warning("could not delete the kept windows of %s", job_id, exc_info=True)
 
 
 def _discard(key: str) -> None:
     try:
         service.blobs().delete(key)
-    except Exception:  # storage down: the bucket's lifecycle rules sweep what is left under outputs/
+    except Exception:  # storage down: the reaper's storage sweep (storage.lifecycle) deletes what is left
         log.warning("could not delete %s", key, exc_info=True)
+
+
+@cache
+def _report_memory_once() -> None:
+    """After the first job: how much of each GPU its peak used, so an operator can pick the performance mode."""
+    for line in getattr(service.upscaler(), "memory_report", list)():
+        log.info("memory after the first job: %s", line)

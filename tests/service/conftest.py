@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
@@ -28,7 +29,9 @@ MiB = 1024 * 1024
 # refused upload has already sent parts (a real multipart upload to abort).
 UPLOAD_LIMIT = 11 * MiB
 PART = 5 * MiB
-KEYS = {name: f"sk-test-{name}-{'0' * 16}" for name in ("alice", "bob", "carol", "dave", "erin")}
+KEYS = {name: f"sk-test-{name}-{'0' * 16}" for name in ("alice", "bob", "carol", "dave", "erin", "fuzz", "web", "bulk")}
+# Standard Webhooks secrets: whsec_ + base64 of 32 bytes
+WEBHOOK_SECRETS = {name: "whsec_" + base64.b64encode(f"hooks of {name}".ljust(32).encode()).decode() for name in KEYS}
 MODELS = {"k6-vsr": "vsrq.k6", "lanczos": "vsrq.cpu"}
 
 
@@ -41,13 +44,14 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 @pytest.fixture(scope="session")
 def service_env(stack: Stack) -> dict[str, str]:
     """The VSRQ_* settings of the API under test (and of anything else the tests start against it)."""
-    keys = [{"id": name, "token": token, "webhook_secret": f"whsec_{name}"} for name, token in KEYS.items()]
+    keys = [{"id": name, "token": token, "webhook_secret": WEBHOOK_SECRETS[name]} for name, token in KEYS.items()]
     return {
         **stack.env(),
         "VSRQ_API_KEYS": json.dumps(keys),
         "VSRQ_MODELS": json.dumps(MODELS),
         "VSRQ_MAX_UPLOAD_BYTES": str(UPLOAD_LIMIT),
         "VSRQ_S3_PART_BYTES": str(PART),
+        "VSRQ_FETCH_ALLOW_LOOPBACK": "true",  # input URLs served by the tests' own HTTPS origin (test_url_input.py)
     }
 
 
@@ -60,8 +64,14 @@ def settings(service_env: dict[str, str]) -> Settings:
 @pytest.fixture(scope="session")
 def api(service_env: dict[str, str], tmp_path_factory) -> Iterator[str]:
     """The API under gunicorn, as the Procfile runs it: its base URL."""
+    with serve_api(service_env, tmp_path_factory.mktemp("gunicorn") / "gunicorn.log") as url:
+        yield url
+
+
+@contextmanager
+def serve_api(service_env: dict[str, str], log: Path) -> Iterator[str]:
+    """gunicorn serving the API with these settings on a free loopback port, its output in `log`: its base URL."""
     port = free_ports(1)[0]
-    log = tmp_path_factory.mktemp("gunicorn") / "gunicorn.log"
     env = {
         **os.environ,
         **service_env,
@@ -82,7 +92,7 @@ def api(service_env: dict[str, str], tmp_path_factory) -> Iterator[str]:
             try:
                 if requests.get(f"{url}/healthz", timeout=5).status_code in (200, 503):
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # still starting (or a busy CI machine)
                 assert time.monotonic() < deadline, f"gunicorn not answering:\n{log.read_text()}"
             time.sleep(0.2)
         yield url

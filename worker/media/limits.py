@@ -14,8 +14,10 @@ class Limits:
     max_bytes: int | None = 16 * 2**30
     # One frame is a still image, not a video; set 1 to accept it anyway.
     min_frames: int = 2
+    # Above this the MP4 written back loses frames (its time base cannot hold the rate): refused up front instead.
+    max_fps: float | None = 1000.0
 
     @classmethod
     def none(cls) -> Limits:
         """No limits: for probing our own outputs."""
-        return cls(max_pixels=None, max_frames=None, max_seconds=None, max_bytes=None, min_frames=1)
+        return cls(max_pixels=None, max_frames=None, max_seconds=None, max_bytes=None, max_fps=None, min_frames=1)

@@ -248,6 +248,8 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         raise InputTooShort(f"{path.name} has {frames} frame(s): a still image, not a video (at least {limits.min_frames})")
     time_base = stream.time_base or Fraction(1, 90000)
     fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
+    if limits.max_fps is not None and fps > limits.max_fps:
+        raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
     first = timestamps[0] if timestamps else 0
     if cfr:
         duration = frames / fps

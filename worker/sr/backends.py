@@ -1,14 +1,29 @@
-"""Pick an upscaler by name: `lanczos`, or a Kandinsky 6 SR checkpoint (directory or hub id)."""
+"""Pick an upscaler by name: `lanczos`, or a Kandinsky 6 SR checkpoint (directory or hub id) in a performance mode."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from time import perf_counter
+from typing import Any, Literal, Protocol
 
 import torch
 
 from worker.sr.engine import FrameSink, Progress, RunInfo, SREngine, SRRequest
 from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.windows import DEFAULT_WINDOW
+
+log = logging.getLogger("vsrq.engine")
+
+PerformanceMode = Literal["speed", "memory"]
+# Measured on W1 (bench/RESULTS.md): both give the same bits; `memory` trades ~25 % more time for under half the
+# peak memory.
+PERFORMANCE_MODES: dict[PerformanceMode, dict[str, Any]] = {
+    # every tile's decoder cache resident, frames stream out segment by segment
+    "speed": {"decode_order": "lockstep", "decode_segment": 4},
+    # one tile's decoder cache per GPU, one latent frame at a time, into a host canvas
+    "memory": {"decode_order": "tile_major", "decode_segment": 1},
+}
 
 
 class Upscaler(Protocol):
@@ -26,7 +41,16 @@ class Upscaler(Protocol):
     ) -> RunInfo: ...
 
 
-def open_upscaler(model: str, devices: Sequence[str] = ("cpu",)) -> Upscaler:
+def open_upscaler(
+    model: str, devices: Sequence[str] = ("cpu",), performance_mode: PerformanceMode = "speed", warmup: bool = True
+) -> Upscaler:
+    """`warmup` builds the compiled blocks (GPUs) with one throwaway window, so the first job is not the cold one."""
     if model == "lanczos":
         return LanczosUpscaler()
-    return SREngine.from_pretrained(model, devices)
+    engine = SREngine.from_pretrained(model, devices, **PERFORMANCE_MODES[performance_mode])
+    if warmup and engine.compiles:
+        log.info("warming up %s (compiling for a %d-frame window)", ",".join(map(str, engine.devices)), DEFAULT_WINDOW)
+        started = perf_counter()
+        info = engine.warmup(DEFAULT_WINDOW)
+        log.info("warm after %.1f s (%d tiles over %d devices)", perf_counter() - started, info.tiles, len(info.devices))
+    return engine

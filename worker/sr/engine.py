@@ -7,7 +7,8 @@ then a streaming decode that hands finished output frames to a sink. Compared wi
 - draws every tile's noise from its own generator (output independent of tile batching and device count),
 - decodes all tiles in lockstep, one temporal segment at a time through each tile's causal cache, so only one
   segment of the output canvas ever exists and peak memory does not grow with clip length,
-- computes attention with dense SDPA instead of eager flex attention (which materialises the score matrix).
+- computes attention with dense SDPA instead of eager flex attention (which materialises the score matrix), or,
+  as an option, NABLA sparse attention through compiled flex attention.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from worker.sr import checkpoint, tiling
+from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
 from worker.sr.errors import Cancelled, InvalidRequest
+from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder
 from worker.sr.noise import NoiseMode, tile_noise
 from worker.sr.tiling import Tile, TilePlan
@@ -105,13 +108,20 @@ class SREngine:
         decode_order: str = "lockstep",
         fast_decode: bool = True,
         compile_transformer: bool | None = None,
+        compile_decoder: bool | None = None,
+        attention: str = "sdpa",
     ) -> None:
         """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
         its device; "tile_major" decodes one whole tile at a time per device (one cache, least GPU memory) into a
         host canvas and emits the frames at the end. Both give the same bits.
 
         `replicas` are prepared in place: `fast_decode` swaps the decoder's norms for `fast_vae`'s (same maths,
-        about half the memory traffic); `compile_transformer` compiles its repeated blocks (default: on GPUs)."""
+        about half the memory traffic); `compile_transformer` compiles its repeated blocks and `compile_decoder` the
+        decoder's resnet blocks (default: on GPUs; `warmup` pays for the compilation before the first job);
+        `attention` is "sdpa" (dense, exact) or "nabla" (the trained sparse pattern; needs the compiled transformer at
+        full size)."""
+        if attention not in PROCESSORS:
+            raise ValueError(f"attention must be one of {tuple(PROCESSORS)}, got {attention!r}")
         if decode_order not in DECODE_ORDERS:
             raise ValueError(f"decode_order must be one of {DECODE_ORDERS}, got {decode_order!r}")
         if not replicas:
@@ -128,14 +138,20 @@ class SREngine:
             prepared.add(id(replica))
             if fast_decode:
                 speed_up_decoder(replica.vae)
-            compile_now = compile_transformer if compile_transformer is not None else replica.device.type == "cuda"
-            if compile_now and not _is_compiled(replica.transformer):
+            _use_attention(replica.transformer, PROCESSORS[attention])
+            on_gpu = replica.device.type == "cuda"
+            if (on_gpu if compile_transformer is None else compile_transformer) and not _is_compiled(replica.transformer):
                 replica.transformer.compile_repeated_blocks(fullgraph=True)
+            if on_gpu if compile_decoder is None else compile_decoder:
+                compile_decoder_blocks(replica.vae)
         first = self.replicas[0]
         self.snap = first.vae.spatial_compression_ratio
         self.frame_stride = first.vae.temporal_compression_ratio
         self.tile_sizes = tuple(tuple(size) for size in first.transformer.config.tile_sizes)
         self.scaling_factor = first.vae.config.scaling_factor
+        # Whether the first call on new shapes builds compiled code (worth a `warmup`), and the shapes built so far.
+        self.compiles = any(_is_compiled(r.transformer) or _is_compiled_decoder(r.vae) for r in self.replicas)
+        self._warm_shapes: set[tuple] = set()
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="vsrq-device") if len(self.replicas) > 1 else None
 
     @classmethod
@@ -149,6 +165,35 @@ class SREngine:
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
         return tiling.output_size(height, width, scale)
+
+    def warmup(self, frames: int, scale: float = 2) -> RunInfo:
+        """Runs one throwaway call with at least one tile per device, `frames` long (a temporal window) and landscape,
+        so that the compiled blocks are built before the first job."""
+        base_height, base_width = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])  # output pixels at x2
+        height, width = base_height // 2, base_width // 2
+        while len(tiling.plan_tiles(height, width, 2, self.tile_sizes, self.snap, SRRequest.min_overlap).tiles) < len(self.replicas):
+            width += self.snap
+        return self.upscale(torch.zeros(frames, 3, height, width), SRRequest(scale=scale), lambda _: None)
+
+    def memory_report(self) -> list[str]:
+        """One line per GPU after a job: weights, the job's peak and what is left, and which placement fits."""
+        lines = []
+        for replica in self.replicas:
+            if replica.device.type != "cuda":
+                continue
+            total = torch.cuda.get_device_properties(replica.device).total_memory
+            peak = torch.cuda.max_memory_reserved(replica.device)
+            weights = sum(checkpoint.module_bytes(m) for m in (replica.transformer, replica.vae, replica.latent_upscaler) if m is not None)
+            verdict = (
+                "everything stays resident"
+                if peak < 0.9 * total
+                else "close to the limit: performance_mode=memory decodes one tile at a time in under half the memory"
+            )
+            lines.append(
+                f"{replica.device}: weights {weights / 2**30:.1f} GiB, peak reserved {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.0f} GiB ({self.decode_order} decode): {verdict}"
+            )
+        return lines
 
     @torch.no_grad()
     def upscale(
@@ -211,7 +256,9 @@ class SREngine:
         # 7. Denoise every tile on its device
         tracker.stage = "denoise"
         latents = self._on_devices(
-            assignment, lambda replica, tiles: self._denoise(replica, tiles, lq_latents, noise, request, tracker)
+            assignment,
+            lambda replica, tiles: self._denoise(replica, tiles, lq_latents, noise, request, tracker),
+            compiles=("denoise", latent_shape, request.tiles_batch_size),
         )
         del lq_latents
         started = clock.lap("denoise", started)
@@ -366,7 +413,9 @@ class SREngine:
             weights = plan.weight_map(home)
             for segment in segments:
                 weighted = self._on_devices(
-                    assignment, lambda replica, tiles: {t.index: decode(replica, t, segment, caches[t.index]) for t in tiles}
+                    assignment,
+                    lambda replica, tiles: {t.index: decode(replica, t, segment, caches[t.index]) for t in tiles},
+                    compiles=("decode", segment.start == 0, segment.stop - segment.start, plan.base_height, plan.base_width),
                 )
                 frames = next(iter(weighted.values())).shape[1]
                 canvas = _blend(plan, weighted, torch.zeros((3, frames, *plan.output_size), device=home))
@@ -384,33 +433,57 @@ class SREngine:
 
         # Round-robin assignment makes each round a run of consecutive tiles: adding rounds in order is tile order.
         for round_ in zip_longest(*assignment.values()):
-            weighted = self._on_devices({slot: [tile] for slot, tile in enumerate(round_) if tile is not None}, whole_tiles)
+            weighted = self._on_devices(
+                {slot: [tile] for slot, tile in enumerate(round_) if tile is not None},
+                whole_tiles,
+                compiles=("decode", latent_frames, plan.base_height, plan.base_width),
+            )
             _blend(plan, weighted, canvas)
         # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
         yield from _normalise(canvas, plan.weight_map(home).cpu()).split(4 * self.decode_segment)
 
     # --- the device group -------------------------------------------------------------------------------------
 
-    def _on_devices(self, assignment: dict[int, list[Tile]], work: Callable) -> dict:
-        """Run `work(replica, tiles)` for every device at once; merge the per-tile dicts they return."""
+    def _on_devices(self, assignment: dict[int, list[Tile]], work: Callable, compiles: tuple | None = None) -> dict:
+        """Run `work(replica, tiles)` for every device at once; merge the per-tile dicts they return.
+
+        `compiles` names work that runs compiled blocks on these shapes. The first time, devices take turns: while
+        Dynamo traces in one thread it patches `nn.Module.__call__` for every thread, so another device's forward
+        would fail ("FX to symbolically trace a dynamo-optimized function")."""
         jobs = [(self.replicas[slot], tiles) for slot, tiles in assignment.items() if tiles]
+        first_compile = compiles is not None and self.compiles and compiles not in self._warm_shapes
+
+        grad = torch.is_grad_enabled()  # thread-local: pool threads would run with gradients on, and compiled code
+        # guarded on grad mode would recompile there, concurrently
 
         def on_device(replica: Components, tiles: list[Tile]) -> dict:
             # Tensors a component creates without naming a device must land on this replica's GPU.
-            with torch.cuda.device(replica.device) if replica.device.type == "cuda" else nullcontext():
+            with torch.cuda.device(replica.device) if replica.device.type == "cuda" else nullcontext(), torch.set_grad_enabled(grad):
                 return work(replica, tiles)
 
-        if self._pool is None or len(jobs) == 1:
+        if self._pool is None or len(jobs) == 1 or first_compile:
             results = [on_device(replica, tiles) for replica, tiles in jobs]
+            if first_compile:
+                self._warm_shapes.add(compiles)
         else:
             results = [future.result() for future in [self._pool.submit(on_device, r, t) for r, t in jobs]]
         return {key: value for result in results for key, value in result.items()}
+
+
+def _use_attention(transformer: torch.nn.Module, processor: type) -> None:
+    """Sets the processor unless it is already in use (a new one would make compiled blocks recompile)."""
+    if not all(isinstance(p, processor) for p in transformer.attn_processors.values()):
+        transformer.set_attn_processor(processor())
 
 
 def _is_compiled(transformer: torch.nn.Module) -> bool:
     """Whether `compile_repeated_blocks` already ran (another engine on the same replica): compiling twice would
     throw the compiled code away."""
     return getattr(transformer.visual_transformer_blocks[0], "_compiled_call_impl", None) is not None
+
+
+def _is_compiled_decoder(vae: torch.nn.Module) -> bool:
+    return any(getattr(module, "_compiled_call_impl", None) is not None for module in vae.decoder.modules())
 
 
 def _assign(tiles: Sequence[Tile], slots: int) -> dict[int, list[Tile]]:

@@ -1,0 +1,498 @@
+"""`vsrq bulk SRC`: many videos through the job API, sent as a user sends them, resumable, never duplicated.
+
+SRC is a folder (every video in it, recursively), a manifest (CSV or JSONL; per row a `source`, which is a path
+relative to the manifest, an `s3://bucket/key` or an https URL, an optional `output` name, and any create field such as
+`scale`, `seed` or `sr_target_resolution`), or an `s3://bucket/prefix` (every video object under it).
+
+How each input reaches the service:
+- a local file goes up in the multipart create, streamed from disk;
+- an S3 object in the service's own bucket under the caller's uploads is referenced by key (`input_key`: no byte
+  moves; the API decides what is the caller's); any other object is copied through this machine into an upload. Not
+  a presigned URL: it would expire while the job waits in the queue, and would point at a private endpoint that the
+  service's SSRF guard refuses;
+- an https URL is named by URL; the service fetches it behind its SSRF guard.
+
+A rerun never makes a second job: each create carries an `Idempotency-Key` derived from the source (its name, and its
+content: a file's SHA-256, an object's ETag and size) and its fields, and the run keeps a journal beside the report
+(SQLite: every change is one committed transaction, so a run stopped anywhere leaves it consistent) of the job each
+source became. Rerunning skips what the journal says was created, follows those jobs, and submits the rest; a create
+whose answer was lost to Ctrl-C is replayed by the API under its key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import os
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import boto3
+import botocore.exceptions
+import requests
+from botocore.config import Config
+from pydantic import BaseModel
+from tqdm import tqdm
+
+from api.client import TERMINAL, ApiProblem, Client, DownloadMismatch
+
+# What PyAV reads and the README lists, with their common spellings.
+VIDEO_SUFFIXES = frozenset(
+    {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".ts", ".mts", ".m2ts", ".mpg", ".mpeg", ".flv", ".wmv", ".3gp",
+     ".mxf", ".ogv"}
+)  # fmt: skip
+ALIASES = {"scale": "sr_resolution_scale"}
+REPORT_COLUMNS = (
+    "source", "job_id", "status", "error_code", "error_message", "output", "queued_s", "running_s", "sha256"
+)  # fmt: skip
+
+
+class BulkError(Exception):
+    """Something the user fixes before a run can start (a missing source, a manifest without `source`...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Item:
+    source: str  # as the report names it: a path relative to the folder, a manifest's cell, an s3:// URL
+    location: str  # where it is read: an absolute path, s3://bucket/key or an http(s) URL
+    fields: dict[str, str]  # the create's fields: the command's defaults, then the row's own
+    output: str  # the file name under --download
+    stamp: str  # the source as it is now: a file's size and mtime, an object's ETag and size ("" for a URL)
+
+    @property
+    def id(self) -> str:
+        return _digest("item", self.source, self.fields)
+
+    def idempotency_key(self, content: str) -> str:
+        return "vsrq-bulk-" + _digest("job", self.source, self.fields, content)
+
+
+class Entry(BaseModel):
+    """What the journal knows of one item."""
+
+    source: str
+    stamp: str
+    job_id: str | None = None
+    status: str = "pending"  # then the job's status; or failed when the create was refused
+    error_code: str | None = None
+    error_message: str | None = None
+    output: str | None = None  # the downloaded file
+    sha256: str | None = None  # of the output, as the job recorded it
+    queued_s: int | None = None
+    running_s: int | None = None
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# -- planning: which videos, with which fields ---------------------------------------------------------------------
+
+
+def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> list[Item]:
+    if source.startswith("s3://"):
+        items = list(_s3_prefix(source, defaults, s3()))
+    else:
+        path = Path(source)
+        if path.is_dir():
+            items = [
+                _item(file.relative_to(path).as_posix(), str(file.resolve()), defaults, {}, None, s3)
+                for file in sorted(path.rglob("*"))
+                if file.suffix.lower() in VIDEO_SUFFIXES and file.is_file()
+            ]
+        elif path.suffix.lower() in (".csv", ".jsonl", ".ndjson") and path.is_file():
+            items = [_row(row, path.parent, defaults, s3, number) for number, row in _rows(path)]
+        else:
+            raise BulkError("bad_source", f"{source} is not a folder, a .csv or .jsonl manifest, or an s3:// prefix")
+    outputs = Counter(item.output for item in items)
+    clashes = sorted(name for name, count in outputs.items() if count > 1)
+    if clashes:
+        raise BulkError(
+            "output_clash",
+            f"several videos would be written to {', '.join(clashes[:5])}: name them in a manifest's `output` column",
+        )
+    return items
+
+
+def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with open(path, newline="", encoding="utf-8") as file:
+        if path.suffix.lower() == ".csv":
+            yield from enumerate(csv.DictReader(file), start=2)  # line 1 is the header
+            return
+        for number, line in enumerate(file, start=1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    raise BulkError("bad_manifest", f"{path}:{number} is not JSON") from None
+                if not isinstance(row, dict):
+                    raise BulkError("bad_manifest", f"{path}:{number} is not a JSON object")
+                yield number, row
+
+
+def _row(row: dict[str, Any], base: Path, defaults: dict[str, str], s3: Callable[[], Any], number: int) -> Item:
+    values = {str(name).strip(): "" if value is None else str(value).strip() for name, value in row.items() if name}
+    source = values.pop("source", "")
+    if not source:
+        raise BulkError("bad_manifest", f"row {number} names no `source`")
+    output = values.pop("output", "") or None
+    fields = {ALIASES.get(name, name): value for name, value in values.items() if value}
+    if source.startswith(("s3://", "https://", "http://")):
+        return _item(source, source, defaults, fields, output, s3)
+    return _item(source, str((base / source).resolve()), defaults, fields, output, s3)
+
+
+def _item(source: str, location: str, defaults: dict[str, str], fields: dict[str, str], output: str | None, s3) -> Item:
+    if location.startswith(("https://", "http://")):
+        stamp = ""
+    elif location.startswith("s3://"):
+        bucket, key = _split_s3(location)
+        try:
+            head = s3().head_object(Bucket=bucket, Key=key)
+        except botocore.exceptions.ClientError as error:
+            raise BulkError("source_not_found", f"{location}: {error}") from None
+        stamp = f"{head['ETag']}:{head['ContentLength']}"
+    else:
+        try:
+            stat = os.stat(location)
+        except OSError as error:
+            raise BulkError("source_not_found", f"{source}: {error.strerror}") from None
+        stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    name = output or _default_output(source)
+    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+        raise BulkError("bad_output", f"output {name!r} must be a relative name inside the download folder")
+    return Item(source, location, {**defaults, **fields}, name, stamp)
+
+
+def _default_output(source: str) -> str:
+    """The source's own name as an MP4, keeping its folders when it is relative."""
+    if source.startswith(("s3://", "https://", "http://")):
+        name = PurePosixPath(source.split("?", 1)[0].rstrip("/")).name or "video"
+        return str(PurePosixPath(name).with_suffix(".mp4"))
+    path = PurePosixPath(source)
+    return str((PurePosixPath(path.name) if path.is_absolute() or ".." in path.parts else path).with_suffix(".mp4"))
+
+
+def _s3_prefix(url: str, defaults: dict[str, str], s3) -> Iterator[Item]:
+    bucket, prefix = _split_s3(url)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            if PurePosixPath(obj["Key"]).suffix.lower() in VIDEO_SUFFIXES:
+                relative = obj["Key"][len(prefix) :].lstrip("/") or PurePosixPath(obj["Key"]).name
+                yield Item(
+                    f"s3://{bucket}/{obj['Key']}",
+                    f"s3://{bucket}/{obj['Key']}",
+                    dict(defaults),
+                    str(PurePosixPath(relative).with_suffix(".mp4")),
+                    f"{obj['ETag']}:{obj['Size']}",
+                )
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    if not bucket:
+        raise BulkError("bad_source", f"{url} names no bucket")
+    return bucket, key
+
+
+def s3_client(endpoint_url: str | None):
+    """boto3 with its usual credentials (environment, ~/.aws); path-style addressing for a custom endpoint, since a
+    local S3 (SeaweedFS, MinIO) has no DNS name per bucket."""
+    endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    config = Config(s3={"addressing_style": "path"}) if endpoint_url else None
+    return boto3.client("s3", endpoint_url=endpoint_url, config=config)
+
+
+# -- the journal ---------------------------------------------------------------------------------------------------
+
+
+class Journal:
+    """Entries by item id in SQLite: each save is one transaction, whole or absent, whatever stops the run."""
+
+    def __init__(self, path: Path) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False)
+        with self._lock, self._db:
+            self._db.execute("CREATE TABLE IF NOT EXISTS entries (item TEXT PRIMARY KEY, entry TEXT NOT NULL)")
+
+    def load(self) -> dict[str, Entry]:
+        with self._lock:
+            rows = self._db.execute("SELECT item, entry FROM entries").fetchall()
+        return {item: Entry.model_validate_json(entry) for item, entry in rows}
+
+    def save(self, item_id: str, entry: Entry) -> None:
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?)", (item_id, entry.model_dump_json()))
+
+    def close(self) -> None:
+        self._db.close()
+
+
+# -- the run -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bulk:
+    client: Client
+    items: list[Item]
+    journal: Journal
+    s3: Callable[[], Any]
+    service_bucket: str
+    concurrency: int = 4
+    wait: bool = False
+    poll_s: float = 2.0
+    download: Path | None = None
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        known = self.journal.load()
+        for item in self.items:
+            entry = known.get(item.id)
+            # a source changed since its job was made (rewritten file, new object version) is a new video
+            fresh = entry is None or entry.stamp != item.stamp
+            self.entries[item.id] = Entry(source=item.source, stamp=item.stamp) if fresh else entry
+
+    def run(self) -> None:
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="bulk")
+        bar = tqdm(total=len(self.items), unit="video", desc="bulk", dynamic_ncols=True, disable=None)
+        try:
+            self._count(bar)
+            # a create the API refused is tried again; a job that failed on the service stays failed
+            unsent = [item for item in self.items if self.entries[item.id].job_id is None]
+            self._each(pool, bar, self._submit, unsent)
+            while True:
+                following = [item for item in self.items if self._open(self.entries[item.id])]
+                if not following:
+                    break
+                started = time.monotonic()
+                self._each(pool, bar, self._follow, following)
+                if not self.wait:
+                    break
+                time.sleep(max(0.0, self.poll_s - (time.monotonic() - started)))
+        finally:
+            # Ctrl-C: what is in flight finishes and is journalled (at most `concurrency` requests); nothing new starts
+            pool.shutdown(wait=True, cancel_futures=True)
+            self._count(bar)
+            bar.close()
+
+    def _each(self, pool: ThreadPoolExecutor, bar: tqdm, work: Callable[[Item], None], items: Iterable[Item]) -> None:
+        pending = {pool.submit(work, item) for item in items}
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # an API that stays unreachable, or refuses the key, ends the run
+            self._count(bar)
+
+    def _open(self, entry: Entry) -> bool:
+        """Whether the job still needs following: not ended, or completed and not downloaded yet."""
+        if entry.job_id is None:
+            return False
+        return entry.status not in TERMINAL or (
+            self.download is not None and entry.status == "completed" and entry.output is None
+        )
+
+    def _count(self, bar: tqdm) -> None:
+        counts = self.counts()
+        bar.n = counts["completed"] + counts["failed"] + (0 if self.wait else counts["submitted"])
+        bar.set_postfix_str(
+            f"submitted {counts['submitted']}, done {counts['completed']}, failed {counts['failed']}", refresh=False
+        )
+        bar.refresh()
+
+    def counts(self) -> Counter:
+        counts: Counter = Counter()
+        for entry in self.entries.values():
+            counts["submitted"] += entry.job_id is not None
+            counts["completed"] += entry.status == "completed"
+            counts["failed"] += entry.status in ("failed", "cancelled")
+            counts["in_progress"] += entry.job_id is not None and entry.status not in TERMINAL
+        return counts
+
+    def _save(self, item: Item, entry: Entry) -> None:
+        self.journal.save(item.id, entry)
+        self.entries[item.id] = entry
+
+    def _submit(self, item: Item) -> None:
+        entry = self.entries[item.id]
+        try:
+            job = self._create(item)
+        except requests.RequestException:
+            raise  # the API is unreachable (after the client's retries): the run stops, the journal stays
+        except ApiProblem as problem:
+            if problem.transient or problem.status == 401:
+                raise
+            entry = entry.model_copy(
+                update={"status": "failed", "error_code": problem.code, "error_message": problem.message}
+            )
+        except (OSError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as error:
+            entry = entry.model_copy(
+                update={"status": "failed", "error_code": "source_unreadable", "error_message": str(error)}
+            )
+        else:
+            entry = _observed(entry.model_copy(update={"job_id": job["id"]}), job)
+        self._save(item, entry)
+
+    def _create(self, item: Item) -> dict[str, Any]:
+        label = {"bulk_source": item.source[-512:]}  # the job says where it came from (metadata values: 512 chars)
+        form = {**item.fields, "metadata": json.dumps(label)}
+        if item.location.startswith(("https://", "http://")):
+            return self.client.create_from_url(
+                item.location, {**item.fields, "metadata": label}, idempotency_key=item.idempotency_key(item.stamp)
+            )
+        if not item.location.startswith("s3://"):
+            key = item.idempotency_key(_file_sha256(Path(item.location)))
+            return self.client.create_from_file(item.location, form, idempotency_key=key)
+        bucket, name = _split_s3(item.location)
+        key = item.idempotency_key(item.stamp)
+        if bucket == self.service_bucket:
+            try:
+                return self.client.create_from_key(name, {**item.fields, "metadata": label}, idempotency_key=key)
+            except ApiProblem as problem:
+                if problem.code != "upload_not_found":  # not the caller's upload: copied below
+                    raise
+        with tempfile.TemporaryDirectory(prefix="vsrq-bulk-") as scratch:
+            local = Path(scratch) / PurePosixPath(name).name
+            self.s3().download_file(bucket, name, str(local))
+            return self.client.create_from_file(local, form, idempotency_key=key)
+
+    def _follow(self, item: Item) -> None:
+        entry = self.entries[item.id]
+        try:
+            job = self.client.get(entry.job_id)
+        except ApiProblem as problem:
+            if problem.code != "job_not_found":  # deleted, or expired with its results
+                raise
+            self._save(item, entry.model_copy(update={"status": "failed", "error_code": problem.code,
+                                                      "error_message": problem.message}))  # fmt: skip
+            return
+        entry = _observed(entry, job)
+        if self.download is not None and entry.status == "completed" and entry.output is None:
+            path = self.download / item.output
+            try:
+                if not path.exists():  # already there (an earlier run, or the user's): kept as it is
+                    self.client.download(entry.job_id, path, sha256=entry.sha256)
+                entry = entry.model_copy(update={"output": str(path)})
+            except DownloadMismatch as error:
+                entry = entry.model_copy(
+                    update={"status": "failed", "error_code": error.code, "error_message": str(error)}
+                )
+        self._save(item, entry)
+
+
+def _observed(entry: Entry, job: dict[str, Any]) -> Entry:
+    error = job.get("error") or {}
+    created, started, ended = job.get("created_at"), job.get("started_at"), job.get("completed_at")
+    return entry.model_copy(
+        update={
+            "status": job["status"],
+            "error_code": error.get("code"),
+            "error_message": error.get("message"),
+            "sha256": (job.get("output") or {}).get("sha256"),
+            "queued_s": started - created if started is not None and created is not None else None,
+            "running_s": ended - started if ended is not None and started is not None else None,
+        }
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+# -- the report and the command ------------------------------------------------------------------------------------
+
+
+def write_report(path: Path, items: list[Item], entries: dict[str, Entry]) -> None:
+    """One row per item, CSV or JSONL by the name's suffix, written beside and renamed into place."""
+    rows = [{"source": item.source} | entries[item.id].model_dump(include=set(REPORT_COLUMNS)) for item in items]
+    rows = [{column: row.get(column) for column in REPORT_COLUMNS} for row in rows]
+    text = io.StringIO()
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        text.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
+        writer = csv.DictWriter(text, REPORT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text.getvalue(), encoding="utf-8")
+    os.replace(partial, path)
+
+
+def journal_path(report: Path) -> Path:
+    return report.with_name(report.name + ".state.sqlite")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`vsrq bulk`: 0 when every video was submitted (and, with --wait, completed), 1 when any failed or the API
+    stayed unreachable, 2 for a bad source or arguments."""
+    token = args.token or os.environ.get("VSRQ_TOKEN")
+    if not token:
+        print("vsrq: bulk: missing_token: pass --token or set VSRQ_TOKEN", file=sys.stderr)
+        return 2
+    defaults = {name: value for name, value in (("sr_resolution_scale", args.scale), ("seed", args.seed),
+                                                ("model", args.model)) if value is not None}  # fmt: skip
+    for assignment in args.set:
+        name, equals, value = assignment.partition("=")
+        if not equals or not name:
+            print(f"vsrq: bulk: bad_field: --set {assignment!r} is not FIELD=VALUE", file=sys.stderr)
+            return 2
+        defaults[ALIASES.get(name, name)] = value
+    s3 = _lazy(lambda: s3_client(args.s3_endpoint_url))
+    try:
+        items = plan(args.source, defaults, s3)
+    except BulkError as error:
+        print(f"vsrq: bulk: {error.code}: {error.message}", file=sys.stderr)
+        return 2
+    url = args.api_url or os.environ.get("VSRQ_API_URL") or "http://127.0.0.1:8000"
+    report = args.report
+    report.parent.mkdir(parents=True, exist_ok=True)
+    journal = Journal(journal_path(report))
+    bulk = Bulk(Client(url, token), items, journal, s3, args.service_bucket or os.environ.get("VSRQ_S3_BUCKET", "vsrq"),
+                max(1, args.concurrency), args.wait, args.poll, args.download)  # fmt: skip
+    try:
+        bulk.run()
+    except ApiProblem as problem:  # the key is refused, or the API kept answering 5xx / 429
+        print(f"vsrq: bulk: {problem.code}: {problem.message} (rerun to carry on)", file=sys.stderr)
+        return 2 if problem.status == 401 else 1
+    except requests.RequestException as error:
+        print(f"vsrq: bulk: api_unreachable: {url}: {error} (rerun to carry on)", file=sys.stderr)
+        return 1
+    finally:
+        write_report(report, items, bulk.entries)
+        journal.close()
+    counts = bulk.counts()
+    print(
+        f"vsrq bulk: {len(items)} videos: {counts['submitted']} submitted, {counts['completed']} completed, "
+        f"{counts['failed']} failed, {counts['in_progress']} still running; report {report}"
+    )
+    return 1 if counts["failed"] else 0
+
+
+def _lazy(make: Callable[[], Any]) -> Callable[[], Any]:
+    """`make()` once, on first use: a run without S3 sources never builds (or needs credentials for) a client."""
+    made: list[Any] = []
+    lock = threading.Lock()
+
+    def get() -> Any:
+        with lock:
+            if not made:
+                made.append(make())
+            return made[0]
+
+    return get

@@ -1,0 +1,216 @@
+"""A small client of the vsrq job API, for programs that talk to it as a user does (`vsrq bulk`, `vsrq demo`).
+
+It speaks HTTP only (requests; never imports torch or the server's modules). Every call is retried with tenacity on
+what a later try can fix: connection errors, timeouts, 5xx, 429 and 503 (waiting what `Retry-After` says), and 409
+`idempotency_in_flight`. A create always carries an `Idempotency-Key` (a random one unless the caller derives its
+own, as `vsrq bulk` does to survive reruns), so that its retries never make a second job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mimetypes
+import os
+import secrets
+import time
+from collections.abc import Callable
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+
+import requests
+from requests_toolbelt import MultipartEncoder
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    before_sleep_log,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+_TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+log = logging.getLogger("vsrq.client")
+
+
+class ApiProblem(Exception):
+    """An error answer: its HTTP status, the API's stable `code` and the human `message` (problem+json `detail`)."""
+
+    def __init__(self, status: int, code: str, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+    @property
+    def transient(self) -> bool:
+        return self.status in _TRANSIENT_STATUS or (self.status == 409 and self.code == "idempotency_in_flight")
+
+
+class DownloadMismatch(Exception):
+    """The bytes received are not the output the job recorded (a cut connection, a proxy's error page)."""
+
+    code = "download_mismatch"
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a `Retry-After` header asks for (delta-seconds or an HTTP date); None if absent or unreadable."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return float(value)
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def _transient(error: BaseException) -> bool:
+    if isinstance(error, ApiProblem):
+        return error.transient
+    # a download cut short raises ChunkedEncodingError (urllib3 checks Content-Length); it is fetched again
+    return isinstance(error, (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                              DownloadMismatch))  # fmt: skip
+
+
+class Client:
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout_s: tuple[float, float] = (10, 300),
+        retry_for_s: float = 300,
+    ) -> None:
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token}"
+        backoff = wait_exponential_jitter(initial=0.5, max=30)
+
+        def wait(state: RetryCallState) -> float:
+            error = state.outcome.exception() if state.outcome else None
+            asked = getattr(error, "retry_after", None)
+            return asked if asked is not None else backoff(state)
+
+        self._retrying = Retrying(
+            retry=retry_if_exception(_transient),
+            wait=wait,
+            stop=stop_after_delay(retry_for_s),
+            before_sleep=before_sleep_log(log, logging.INFO),  # `vsrq -v` shows each retry and why
+            reraise=True,
+        )
+
+    # -- create ------------------------------------------------------------------------------------------------
+
+    def create_from_file(
+        self, path: str | Path, fields: dict[str, str], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """A job on a local file, uploaded in SGLang's multipart form (`video_reference`), streamed from disk."""
+        path = Path(path)
+        name = path.name
+        content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
+        key = idempotency_key or secrets.token_hex(16)  # one key for every try
+
+        def send() -> requests.Response:
+            with open(path, "rb") as video:  # opened per try: a retry sends the file from its start
+                form = MultipartEncoder({**fields, "video_reference": (name, video, content_type)})
+                return self._request("POST", "/v1/videos", data=form, headers=_headers(key, form.content_type))
+
+        return self._retry(send).json()
+
+    def create_from_key(
+        self, key: str, fields: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """A job on a blob already in the service's storage, under the caller's uploads (`input_key`)."""
+        return self._create_json({**fields, "input_key": key}, idempotency_key)
+
+    def create_from_url(
+        self, url: str, fields: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """A job on an https URL, which the service fetches itself (`video_url`)."""
+        return self._create_json({**fields, "video_url": url}, idempotency_key)
+
+    def _create_json(self, body: dict[str, Any], idempotency_key: str | None) -> dict[str, Any]:
+        headers = _headers(idempotency_key or secrets.token_hex(16), "application/json")  # one key for every try
+        return self._retry(lambda: self._request("POST", "/v1/videos", json=body, headers=headers)).json()
+
+    # -- read --------------------------------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._retry(lambda: self._request("GET", f"/v1/videos/{job_id}")).json()
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        poll_s: float = 1.0,
+        timeout_s: float | None = None,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Polls until the job ends (completed, failed or cancelled); `on_update` sees every answer."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = self.get(job_id)
+            if on_update is not None:
+                on_update(job)
+            if job["status"] in TERMINAL:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{job_id} is still {job['status']} after {timeout_s} s")
+            time.sleep(poll_s)
+
+    def download(self, job_id: str, path: str | Path, *, sha256: str | None = None) -> Path:
+        """The job's MP4 into `path`: written beside it, checked against `sha256` when given, then renamed into
+        place, so `path` is either absent or whole."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        def fetch() -> Path:
+            partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+            try:
+                with self._request("GET", f"/v1/videos/{job_id}/content", stream=True) as response:
+                    digest = hashlib.sha256()
+                    with open(partial, "wb") as sink:
+                        for chunk in response.iter_content(1 << 20):
+                            digest.update(chunk)
+                            sink.write(chunk)
+                if sha256 is not None and digest.hexdigest() != sha256:
+                    raise DownloadMismatch(f"{job_id}: got sha256 {digest.hexdigest()}, the job recorded {sha256}")
+                os.replace(partial, path)
+            finally:
+                partial.unlink(missing_ok=True)
+            return path
+
+        return self._retry(fetch)
+
+    # -- plumbing ----------------------------------------------------------------------------------------------
+
+    def _retry(self, call: Callable[[], Any]) -> Any:
+        return self._retrying.copy()(call)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        response = self.session.request(method, self.base_url + path, timeout=self.timeout_s, **kwargs)
+        if response.status_code >= 400:
+            raise _problem(response)
+        return response
+
+
+def _headers(idempotency_key: str, content_type: str) -> dict[str, str]:
+    return {"Content-Type": content_type, "Idempotency-Key": idempotency_key}
+
+
+def _problem(response: requests.Response) -> ApiProblem:
+    """The API's problem+json as an exception; anything else in front of it (a proxy's page) by its status."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {}
+    response.close()
+    return ApiProblem(
+        response.status_code,
+        str(body.get("code") or f"http_{response.status_code}"),
+        str(body.get("detail") or response.reason or "no detail"),
+        retry_after=retry_after(response.headers.get("Retry-After")),
+    )

@@ -1,0 +1,336 @@
+"""The OpenAPI 3.1 document at /openapi.json, and Swagger UI at /docs to read and try it.
+
+The schemas are generated from the pydantic models the API validates requests with (api/schemas.py) and answers
+with (storage/jobs.py `Video`, api/errors.py `Problem`), so the document cannot drift from what is enforced; the few
+response shapes the handlers build by hand are described by the small models below, and the test suite checks every
+response of the live API against them (tests/service/test_openapi.py). Served models and the list limit come from the
+settings, so the document says what this deployment accepts.
+
+Swagger UI's assets come from the `flask-swagger-ui` package and are served by this API: the page needs nothing from
+another host at run time.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Any, Literal
+
+from flask import Blueprint, Flask, Response, current_app, jsonify
+from flask_swagger_ui import get_swaggerui_blueprint
+from pydantic import BaseModel, Field, create_model
+from pydantic.json_schema import models_json_schema
+
+from api.errors import Problem
+from api.idempotency import HEADER as IDEMPOTENCY_HEADER
+from api.schemas import SGLANG_IGNORED, CreateRequest, JobOptions, ListQuery, UpscaleParams
+from api.services import services
+from storage.config import Settings
+from storage.jobs import Video
+
+blueprint = Blueprint("openapi", __name__)
+DOCS_PATH = "/docs"
+SPEC_PATH = "/openapi.json"
+_REF = "#/components/schemas/{model}"
+
+
+# -- Response shapes built by hand in the handlers -------------------------------------------------------------------
+
+
+class VideoList(BaseModel):
+    object: Literal["list"]
+    data: list[Video]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool = Field(description="pass `last_id` as `after` for the next page")
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"]
+    deleted: Literal[True]
+
+
+class Upload(BaseModel):
+    id: str = Field(description="name it as `upload_id` in a JSON create")
+    object: Literal["upload"]
+    key: str
+    bytes: int
+    sha256: str
+    filename: str
+    content_type: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded", "unavailable"] = Field(
+        description="ok: Redis, storage and at least one worker answer; degraded: no worker (jobs wait); "
+        "unavailable: Redis or storage is down (503)"
+    )
+    checks: dict[str, Any]
+
+
+# -- Request bodies: the create fields, flat, as clients send them ---------------------------------------------------
+
+_REFERENCES = {name: (field.annotation, field) for name, field in CreateRequest.model_fields.items()}
+del _REFERENCES["params"], _REFERENCES["options"]
+_IGNORED = {
+    name: (Any, Field(None, description="accepted for SGLang compatibility; means nothing to super-resolution"))
+    for name in sorted(SGLANG_IGNORED)
+}
+VideoCreateJson = create_model(
+    "VideoCreateJson",
+    __base__=(UpscaleParams, JobOptions),
+    __doc__="A job on a video uploaded before (POST /v1/uploads) or on an https URL: name it by exactly one of "
+    "`upload_id`, `input_key` or `video_url`.",
+    **_REFERENCES,
+    **_IGNORED,
+)
+VideoCreateForm = create_model(
+    "VideoCreateForm",
+    __base__=(UpscaleParams, JobOptions),
+    __doc__="SGLang's multipart create: the video in `video_reference`, the fields as form values.",
+    video_reference=(bytes, Field(description="the video (`input_reference` is accepted too)")),
+    **_IGNORED,
+)
+UploadForm = create_model("UploadForm", file=(bytes, Field(description="the video")))
+
+
+# -- The document ----------------------------------------------------------------------------------------------------
+
+
+def _problems(*statuses: int) -> dict[str, Any]:
+    """problem+json answers: the statuses this operation gives for a reason of its own, and any other one."""
+    answer = {"content": {"application/problem+json": {"schema": {"$ref": _REF.format(model="Problem")}}}}
+    described = {401: "no valid API key", 404: "no such job (another key's jobs are missing too)"}
+    return {
+        **{str(status): {**answer, "description": described.get(status, "see `code`")} for status in statuses},
+        "default": {**answer, "description": "any other error: 4xx is the caller's to fix, 5xx is ours"},
+    }
+
+
+def _json(model: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model)}}}}
+
+
+# What a created job's id leads to: lets Schemathesis's stateful phase (and client generators) follow a job.
+_JOB_LINKS = {
+    name: {"operationId": name, "parameters": {"job_id": "$response.body#/id"}}
+    for name in ("getVideo", "cancelVideo", "getVideoContent", "deleteVideo")
+}
+
+
+def _job_operation(summary: str, headers: tuple[tuple[str, str], ...] = (), **extra: Any) -> dict[str, Any]:
+    job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}, "example": "video_..."}
+    header_parameters = [
+        {"name": name, "in": "header", "required": False, "description": description, "schema": {"type": "string"}}
+        for name, description in headers
+    ]
+    return {"summary": summary, "tags": ["videos"], "parameters": [job_id, *header_parameters], **extra}
+
+
+def _header(description: str) -> dict[str, Any]:
+    return {"description": description, "schema": {"type": "string"}}
+
+
+def _page(operation_id: str, summary: str) -> dict[str, Any]:
+    html = {"description": "an HTML page", "content": {"text/html": {"schema": {"type": "string"}}}}
+    return {
+        "operationId": operation_id,
+        "summary": summary,
+        "tags": ["service"],
+        "security": [],
+        "responses": {"200": html},
+    }
+
+
+def document(settings: Settings) -> dict[str, Any]:
+    models = [Video, VideoList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm, UploadForm]
+    _, definitions = models_json_schema(
+        [(model, "validation" if model.__name__.endswith(("Json", "Form")) else "serialization") for model in models],
+        ref_template=_REF,
+    )
+    schemas = definitions["$defs"]
+    served = {"enum": list(settings.models), "default": settings.default_model}
+    for body in ("VideoCreateJson", "VideoCreateForm"):
+        schemas[body]["properties"]["model"] = {**served, "description": "a model this deployment serves"}
+
+    listing = ListQuery.model_json_schema()
+    list_parameters = [
+        {"name": name, "in": "query", "required": False, "schema": schema}
+        for name, schema in listing["properties"].items()
+    ]
+    for parameter in list_parameters:
+        if parameter["name"] == "limit":
+            parameter["schema"] = {**parameter["schema"], "maximum": settings.list_limit_max}
+
+    idempotency_key = {
+        "name": IDEMPOTENCY_HEADER,
+        "in": "header",
+        "required": False,
+        "description": "retry a create safely: the first response is replayed for 24 h (409 while it runs, 422 when "
+        "the key is reused for another request)",
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+    }
+    public = {"security": []}
+    paths: dict[str, Any] = {
+        "/v1/videos": {
+            "post": {
+                "operationId": "createVideo",
+                "summary": "Create a job: upload a video (multipart) or name an upload (JSON)",
+                "tags": ["videos"],
+                "parameters": [idempotency_key],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "multipart/form-data": {
+                            "schema": {"$ref": _REF.format(model="VideoCreateForm")},
+                            "encoding": {"metadata": {"contentType": "application/json"}},
+                        },
+                        "application/json": {"schema": {"$ref": _REF.format(model="VideoCreateJson")}},
+                    },
+                },
+                "responses": {
+                    "200": {**_json("Video", "the job, queued"), "links": _JOB_LINKS},
+                    **_problems(400, 401, 404, 409, 413, 415, 422, 429, 503),
+                },
+            },
+            "get": {
+                "operationId": "listVideos",
+                "summary": "List your jobs, newest first",
+                "tags": ["videos"],
+                "parameters": list_parameters,
+                "responses": {"200": _json("VideoList", "a page of jobs"), **_problems(400, 401, 422)},
+            },
+        },
+        "/v1/videos/{job_id}": {
+            "get": _job_operation(
+                "Poll a job",
+                operationId="getVideo",
+                responses={"200": _json("Video", "the job"), **_problems(401, 404)},
+            ),
+            "delete": _job_operation(
+                "Delete a job and its files (cancel a running one first)",
+                operationId="deleteVideo",
+                responses={"200": _json("VideoDeleted", "deleted"), **_problems(401, 404, 409)},
+            ),
+        },
+        "/v1/videos/{job_id}/cancel": {
+            "post": _job_operation(
+                "Cancel a job (a running one stops at its next tile)",
+                operationId="cancelVideo",
+                responses={"200": _json("Video", "the job, cancelled or cancelling"), **_problems(401, 404, 409)},
+            )
+        },
+        "/v1/videos/{job_id}/content": {
+            "get": _job_operation(
+                "Download the upscaled MP4 of a completed job (one byte range at a time, for players that seek)",
+                operationId="getVideoContent",
+                headers=(
+                    ("Range", "one range: `bytes=first-last`, `bytes=first-` or `bytes=-suffix`"),
+                    ("If-Range", "the ETag the range belongs to: another one gets the whole video"),
+                    ("If-None-Match", "the ETag you have: 304 while it is still this video"),
+                ),
+                responses={
+                    "200": {
+                        "description": "the MP4",
+                        "headers": {"ETag": _header("the video's SHA-256"), "Accept-Ranges": _header("bytes")},
+                        "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
+                    },
+                    "206": {
+                        "description": "the one byte range a `Range` header asked for",
+                        "headers": {"Content-Range": _header("bytes first-last/length")},
+                        "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
+                    },
+                    "302": {
+                        "description": "a presigned URL to fetch it from (when the service delivers by redirect)",
+                        "headers": {"Location": _header("the presigned URL")},
+                    },
+                    "304": {"description": "`If-None-Match` names the ETag (the output's SHA-256): not modified"},
+                    **_problems(401, 404, 409, 416),
+                },
+            )
+        },
+        "/v1/uploads": {
+            "post": {
+                "operationId": "createUpload",
+                "summary": "Store a video for later jobs",
+                "tags": ["uploads"],
+                "requestBody": {
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": {"$ref": _REF.format(model="UploadForm")}}},
+                },
+                "responses": {"201": _json("Upload", "stored"), **_problems(400, 401, 413, 415, 422, 429)},
+            }
+        },
+        "/healthz": {
+            "get": {
+                "operationId": "health",
+                "summary": "Can this API do its job?",
+                "tags": ["service"],
+                **public,
+                "responses": {"200": _json("Health", "healthy"), "503": _json("Health", "Redis or storage is down")},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "summary": "Prometheus metrics: request latency, queue depth, jobs by status, live workers",
+                "tags": ["service"],
+                **public,
+                "responses": {
+                    "200": {"description": "Prometheus' text format", "content": {"text/plain": {"schema": {}}}}
+                },
+            }
+        },
+        "/": {"get": _page("webApp", "The web app: upload, watch, compare, download")},
+        f"{DOCS_PATH}/": {"get": _page("docs", "This document, in Swagger UI")},
+        SPEC_PATH: {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document",
+                "tags": ["service"],
+                **public,
+                "responses": {"200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}}},
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "vsrq",
+            "version": version("vsrq"),
+            "summary": "Video super-resolution jobs (Kandinsky 6 VSR), in SGLang's /v1/videos shape",
+            "description": "Send the API key as `Authorization: Bearer <key>`. A key sees only its own jobs and "
+            "uploads. Errors are RFC 9457 problem+json with a stable `code`. Try it in the web app at `/`.",
+        },
+        "tags": [
+            {"name": "videos", "description": "super-resolution jobs"},
+            {"name": "uploads", "description": "videos stored for later jobs"},
+            {"name": "service", "description": "health, metrics and this document"},
+        ],
+        "security": [{"bearer": []}],
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}},
+        },
+    }
+
+
+@blueprint.get(SPEC_PATH)
+def openapi_json() -> Response:
+    cached = current_app.extensions.setdefault("vsrq.openapi", {})
+    if "document" not in cached:  # settings are fixed for the app's life: build once per process
+        cached["document"] = document(services().settings)
+    return jsonify(cached["document"])
+
+
+def register(app: Flask) -> None:
+    app.register_blueprint(blueprint)
+    app.register_blueprint(
+        get_swaggerui_blueprint(
+            DOCS_PATH,
+            SPEC_PATH,
+            config={"app_name": "vsrq API", "persistAuthorization": True, "tryItOutEnabled": True},
+            blueprint_name="docs",
+        )
+    )

@@ -1,0 +1,613 @@
+// The vsrq web app: a client of the public API, nothing more. The key is sent only as `Authorization: Bearer`;
+// videos are shown from blob: URLs (the output fetched with that header, the input kept from the dropped file), so no
+// key or signed URL ever lands in a page address, a log or the browser history.
+"use strict";
+
+const KEY = "vsrq.key";
+const ACTIVE = new Set(["queued", "in_progress"]);
+const STATUS_LABEL = {queued: "Queued", in_progress: "Running", completed: "Completed", failed: "Failed", cancelled: "Cancelled"};
+const STAGE_LABEL = {probing: "Reading input", upscaling: "Upscaling", encoding: "Encoding", uploading: "Saving result"};
+const POLL_ACTIVE_MS = 1000;
+const POLL_IDLE_MS = 5000;
+const KEEP_INPUT_BYTES = 2 ** 30; // originals up to 1 GiB are kept in this browser for the comparison
+
+const $ = (id) => document.getElementById(id);
+const state = {key: null, picked: null, pickedMedia: null, jobs: new Map(), outputs: new Map(), comparing: null, timer: null};
+
+// -- small helpers -------------------------------------------------------------------------------------------------
+
+function el(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes)) {
+    if (name === "class") node.className = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value);
+  }
+  node.append(...children.filter((child) => child !== null && child !== undefined));
+  return node;
+}
+
+function bytes(n) {
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+  return `${n.toFixed(n < 10 && i ? 1 : 0)} ${units[i]}`;
+}
+
+function clock(seconds) {
+  const s = Math.max(0, Math.floor(seconds || 0));
+  return `${Math.floor(s / 60)}:${String(s % 60).padStart(2, "0")}`;
+}
+
+const relative = new Intl.RelativeTimeFormat(undefined, {numeric: "auto"});
+function ago(unixSeconds) {
+  const seconds = Math.round(unixSeconds - Date.now() / 1000);
+  const [value, unit] = Math.abs(seconds) < 60 ? [seconds, "second"] : Math.abs(seconds) < 3600
+    ? [Math.round(seconds / 60), "minute"] : Math.abs(seconds) < 86400 ? [Math.round(seconds / 3600), "hour"]
+    : [Math.round(seconds / 86400), "day"];
+  return relative.format(value, unit);
+}
+
+let toastTimer;
+function toast(message, kind = "info") {
+  const box = $("toast");
+  box.textContent = message;
+  box.dataset.kind = kind;
+  box.classList.add("show");
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(() => box.classList.remove("show"), 5000);
+}
+
+function fail(error) {
+  toast(error.message || String(error), "error");
+}
+
+// -- the API -------------------------------------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, body) {
+    super((body && (body.detail || body.title)) || `The service answered ${status}.`);
+    this.status = status;
+    this.body = body;
+  }
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, {...options, headers: {...options.headers, Authorization: `Bearer ${state.key}`}});
+  if (response.ok) return response;
+  let body = null;
+  try { body = await response.json(); } catch { /* not problem+json: the status says enough */ }
+  if (response.status === 401) signOut("The service did not accept this key; enter it again.");
+  throw new ApiError(response.status, body);
+}
+
+// Originals are kept in IndexedDB, so the comparison survives a reload.
+const originals = (() => {
+  let opened = null;
+  const open = () => opened ??= new Promise((resolve, reject) => {
+    const request = indexedDB.open("vsrq", 1);
+    request.onupgradeneeded = () => request.result.createObjectStore("inputs");
+    request.onsuccess = () => resolve(request.result);
+    request.onerror = () => reject(request.error);
+  });
+  const run = async (mode, action) => {
+    const db = await open();
+    return new Promise((resolve, reject) => {
+      const transaction = db.transaction("inputs", mode);
+      const request = action(transaction.objectStore("inputs"));
+      transaction.oncomplete = () => resolve(request.result);
+      transaction.onerror = () => reject(transaction.error);
+    });
+  };
+  const memory = new Map();
+  return {
+    async put(id, file) {
+      memory.set(id, file);
+      if (file.size <= KEEP_INPUT_BYTES) await run("readwrite", (store) => store.put(file, id)).catch(() => {});
+    },
+    async get(id) {
+      return memory.get(id) || await run("readonly", (store) => store.get(id)).catch(() => undefined);
+    },
+    async delete(id) {
+      memory.delete(id);
+      await run("readwrite", (store) => store.delete(id)).catch(() => {});
+    },
+  };
+})();
+
+// -- the key -------------------------------------------------------------------------------------------------------
+
+function storedKey() {
+  return sessionStorage.getItem(KEY) || localStorage.getItem(KEY);
+}
+
+async function connect(event) {
+  event.preventDefault();
+  const key = $("api-key").value.trim();
+  $("key-error").textContent = "";
+  if (!key) {
+    $("key-error").textContent = "Enter your API key.";
+    return;
+  }
+  state.key = key;
+  try {
+    await fetchJobs();
+  } catch (error) {
+    state.key = null;
+    $("key-error").textContent = error.status === 401 ? "This key was not accepted." : error.message;
+    return;
+  }
+  (($("remember").checked) ? localStorage : sessionStorage).setItem(KEY, key);
+  $("api-key").value = "";
+  showWorkspace();
+}
+
+function signOut(message) {
+  sessionStorage.removeItem(KEY);
+  localStorage.removeItem(KEY);
+  state.key = null;
+  clearTimeout(state.timer);
+  state.jobs.clear();
+  $("jobs").replaceChildren();
+  closeCompare();
+  $("workspace").hidden = true;
+  $("sign-out").hidden = true;
+  $("connect").hidden = false;
+  $("key-error").textContent = typeof message === "string" ? message : "";
+  $("api-key").focus();
+}
+
+function showWorkspace() {
+  $("connect").hidden = true;
+  $("workspace").hidden = false;
+  $("sign-out").hidden = false;
+  loadModels();
+  poll();
+}
+
+async function loadModels() {
+  const select = $("model");
+  if (select.options.length) return;
+  try {
+    const document_ = await (await fetch("/openapi.json")).json();
+    const model = document_.components.schemas.VideoCreateForm.properties.model;
+    for (const name of model.enum) select.append(el("option", {value: name}, name));
+    select.value = model.default;
+  } catch {
+    select.append(el("option", {value: ""}, "Default model"));
+  }
+}
+
+// -- picking a file ------------------------------------------------------------------------------------------------
+
+function pick(file) {
+  if (!file) return;
+  state.picked = file;
+  state.pickedMedia = null;
+  $("picked-name").textContent = file.name;
+  $("picked-info").textContent = bytes(file.size);
+  $("picked").hidden = false;
+  $("dropzone").hidden = true;
+  $("submit").disabled = false;
+  $("form-error").textContent = "";
+  // Read its size where the browser can decode it (not every container can be played here; the service reads more).
+  const probe = document.createElement("video");
+  probe.preload = "metadata";
+  probe.muted = true;
+  const url = URL.createObjectURL(file);
+  probe.onloadedmetadata = () => {
+    if (state.picked === file && probe.videoWidth) {
+      state.pickedMedia = {width: probe.videoWidth, height: probe.videoHeight};
+      $("picked-info").textContent =
+        `${probe.videoWidth}×${probe.videoHeight} · ${clock(probe.duration)} · ${bytes(file.size)}`;
+      outputSize();
+    }
+    URL.revokeObjectURL(url);
+  };
+  probe.onerror = () => URL.revokeObjectURL(url);
+  probe.src = url;
+  outputSize();
+}
+
+function unpick() {
+  state.picked = null;
+  state.pickedMedia = null;
+  $("picked").hidden = true;
+  $("dropzone").hidden = false;
+  $("submit").disabled = true;
+  $("file").value = "";
+  outputSize();
+}
+
+function chosenScale() {
+  return document.querySelector('input[name="sr_resolution_scale"]:checked').value;
+}
+
+function outputSize() {
+  const media = state.pickedMedia;
+  const scale = Number(chosenScale());
+  $("out-size").textContent = media
+    ? `Output ${Math.round(media.width * scale)}×${Math.round(media.height * scale)}` +
+      ($("target").value ? ", then downscaled to the target resolution" : "")
+    : "";
+}
+
+// -- creating a job ------------------------------------------------------------------------------------------------
+
+function formFields() {
+  const target = $("target").value === "custom" ? $("custom-target").value.trim() : $("target").value;
+  const fields = {
+    model: $("model").value,
+    sr_resolution_scale: chosenScale(),
+    seed: $("seed").value,
+    sr_tile_min_overlap: $("overlap").value,
+    sr_target_resolution: target,
+    sr_target_resize_mode: $("resize").value,
+    output_codec: $("codec").value,
+    output_crf: $("crf").value,
+  };
+  return Object.fromEntries(Object.entries(fields).filter(([, value]) => value !== ""));
+}
+
+function submit(event) {
+  event.preventDefault();
+  const file = state.picked;
+  if (!file) return;
+  const form = new FormData();
+  for (const [name, value] of Object.entries(formFields())) form.append(name, value);
+  form.append("video_reference", file, file.name);
+
+  const xhr = new XMLHttpRequest(); // fetch() reports no upload progress
+  xhr.open("POST", "/v1/videos");
+  xhr.setRequestHeader("Authorization", `Bearer ${state.key}`);
+  if (crypto.randomUUID) xhr.setRequestHeader("Idempotency-Key", crypto.randomUUID());
+  xhr.responseType = "json";
+  const bar = document.querySelector("#upload .bar");
+  const setProgress = (loaded, total) => {
+    const percent = total ? Math.round((100 * loaded) / total) : 0;
+    bar.firstElementChild.style.width = `${percent}%`;
+    bar.setAttribute("aria-valuenow", String(percent));
+    $("upload-text").textContent = `Uploading ${percent} % · ${bytes(loaded)} of ${bytes(total)}`;
+  };
+  xhr.upload.onprogress = (progress) => setProgress(progress.loaded, progress.total);
+  const done = () => {
+    $("upload").hidden = true;
+    $("submit").disabled = !state.picked;
+    $("submit").textContent = "Upscale";
+  };
+  xhr.onload = async () => {
+    done();
+    if (xhr.status === 200) {
+      const job = xhr.response;
+      await originals.put(job.id, file);
+      unpick();
+      toast(`Uploaded ${file.name}: the job is queued.`);
+      upsertJob(job);
+      poll();
+    } else {
+      if (xhr.status === 401) signOut("The service did not accept this key; enter it again.");
+      showFormError(new ApiError(xhr.status, xhr.response));
+    }
+  };
+  xhr.onerror = () => {
+    done();
+    $("form-error").textContent = "The upload was interrupted: check the connection and try again.";
+  };
+  $("form-error").textContent = "";
+  $("upload").hidden = false;
+  $("submit").disabled = true;
+  $("submit").textContent = "Uploading…";
+  setProgress(0, file.size);
+  xhr.send(form);
+}
+
+function showFormError(error) {
+  const fields = (error.body && error.body.errors) || [];
+  $("form-error").replaceChildren(
+    error.message,
+    ...fields.map((item) => el("span", {class: "field-error"}, `${item.field || "request"}: ${item.message}`)),
+  );
+}
+
+// -- the job list --------------------------------------------------------------------------------------------------
+
+async function fetchJobs() {
+  const response = await api("/v1/videos?limit=50");
+  return (await response.json()).data;
+}
+
+async function poll() {
+  clearTimeout(state.timer);
+  if (!state.key) return;
+  try {
+    const jobs = await fetchJobs();
+    const ids = new Set(jobs.map((job) => job.id));
+    for (const id of state.jobs.keys()) if (!ids.has(id)) removeJob(id);
+    jobs.slice().reverse().forEach(upsertJob);
+    $("jobs-updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;
+  } catch (error) {
+    if (!state.key) return;
+    $("jobs-updated").textContent = "Cannot reach the service; retrying…";
+  }
+  const active = [...state.jobs.values()].some((entry) => ACTIVE.has(entry.job.status));
+  state.timer = setTimeout(poll, active ? POLL_ACTIVE_MS : POLL_IDLE_MS);
+}
+
+function sizeLabel(size) {
+  return size ? size.replace("x", "×") : null;
+}
+
+function scaleLabel(job) {
+  return `${Number(job.params.sr_resolution_scale)}×`;
+}
+
+function stageText(job) {
+  switch (job.status) {
+    case "queued":
+      if (job.cancel_requested) return "Cancelling…";
+      return job.queue_position === 0 ? "Queued · next up"
+        : job.queue_position == null ? "Queued" : `Queued · ${job.queue_position} ahead`;
+    case "in_progress": {
+      const stage = STAGE_LABEL[job.stage] || "Starting";
+      const attempt = job.attempt > 1 ? ` · attempt ${job.attempt}` : "";
+      return job.cancel_requested ? "Cancelling…" : `${stage} · ${job.progress} %${attempt}`;
+    }
+    case "completed":
+      return job.started_at && job.completed_at
+        ? `Done in ${clock(job.completed_at - job.started_at)} · ${job.progress} %` : `Done · ${job.progress} %`;
+    case "failed":
+      return "Failed";
+    default:
+      return "Cancelled";
+  }
+}
+
+function upsertJob(job) {
+  let entry = state.jobs.get(job.id);
+  if (!entry) {
+    entry = {job, row: buildRow(job)};
+    state.jobs.set(job.id, entry);
+    $("jobs").prepend(entry.row);
+  }
+  entry.job = job;
+  fillRow(entry.row, job);
+  $("jobs-empty").hidden = state.jobs.size > 0;
+  if (state.comparing === job.id && job.status !== "completed") closeCompare();
+}
+
+function removeJob(id) {
+  const entry = state.jobs.get(id);
+  if (!entry) return;
+  entry.row.remove();
+  state.jobs.delete(id);
+  const url = state.outputs.get(id);
+  if (url) URL.revokeObjectURL(url);
+  state.outputs.delete(id);
+  if (state.comparing === id) closeCompare();
+  $("jobs-empty").hidden = state.jobs.size > 0;
+}
+
+function buildRow(job) {
+  const name = job.input.filename || job.id;
+  const row = el("li", {class: "job", "data-id": job.id},
+    el("div", {class: "job-head"},
+      el("span", {class: "job-name", title: name}, name),
+      el("span", {class: "badge"})),
+    el("div", {class: "job-meta muted small"}),
+    el("div", {class: "bar", role: "progressbar", "aria-label": `Progress of ${name}`, "aria-valuemin": "0",
+      "aria-valuemax": "100"}, el("span")),
+    el("div", {class: "job-foot"},
+      el("span", {class: "job-stage small"}),
+      el("div", {class: "actions"},
+        el("button", {type: "button", class: "ghost", "data-action": "compare", onclick: () => compare(job.id)}, "Compare"),
+        el("button", {type: "button", class: "ghost", "data-action": "download", onclick: () => download(job.id)}, "Download"),
+        el("button", {type: "button", class: "ghost", "data-action": "cancel", onclick: () => cancel(job.id)}, "Cancel"),
+        el("button", {type: "button", class: "ghost danger", "data-action": "delete", onclick: () => remove(job.id)}, "Delete"))),
+    el("p", {class: "job-error error small"}));
+  return row;
+}
+
+function fillRow(row, job) {
+  row.dataset.status = job.status;
+  const badge = row.querySelector(".badge");
+  badge.textContent = STATUS_LABEL[job.status] || job.status;
+  badge.className = `badge ${job.status}`;
+  const media = job.input.media;
+  const out = sizeLabel(job.size);
+  const sizes = media ? `${media.width}×${media.height} → ${out || "…"}` : out ? `→ ${out}` : null;
+  row.querySelector(".job-meta").textContent =
+    [scaleLabel(job), job.model, sizes, ago(job.created_at)].filter(Boolean).join(" · ");
+  const bar = row.querySelector(".bar");
+  bar.firstElementChild.style.width = `${job.progress}%`;
+  bar.setAttribute("aria-valuenow", String(job.progress));
+  bar.hidden = !ACTIVE.has(job.status) && job.status !== "completed";
+  row.querySelector(".job-stage").textContent = stageText(job);
+  row.querySelector(".job-error").textContent = job.error ? `${job.error.message} (${job.error.code})` : "";
+  const show = {
+    compare: job.status === "completed",
+    download: job.status === "completed",
+    cancel: ACTIVE.has(job.status) && !job.cancel_requested,
+    delete: !ACTIVE.has(job.status),
+  };
+  for (const button of row.querySelectorAll("[data-action]")) button.hidden = !show[button.dataset.action];
+}
+
+async function outputUrl(id) {
+  if (!state.outputs.has(id)) {
+    const blob = await (await api(`/v1/videos/${encodeURIComponent(id)}/content`)).blob();
+    state.outputs.set(id, URL.createObjectURL(blob));
+  }
+  return state.outputs.get(id);
+}
+
+async function download(id) {
+  const job = state.jobs.get(id).job;
+  try {
+    const link = el("a", {href: await outputUrl(id)});
+    const stem = (job.input.filename || job.id).replace(/\.[^.]+$/, "");
+    link.download = `${stem}-x${Number(job.params.sr_resolution_scale)}.mp4`;
+    document.body.append(link);
+    link.click();
+    link.remove();
+  } catch (error) {
+    fail(error);
+  }
+}
+
+async function cancel(id) {
+  try {
+    upsertJob(await (await api(`/v1/videos/${encodeURIComponent(id)}/cancel`, {method: "POST"})).json());
+    poll();
+  } catch (error) {
+    fail(error);
+  }
+}
+
+async function remove(id) {
+  const job = state.jobs.get(id).job;
+  if (!window.confirm(`Delete “${job.input.filename || job.id}” and its files?`)) return;
+  try {
+    await api(`/v1/videos/${encodeURIComponent(id)}`, {method: "DELETE"});
+    await originals.delete(id);
+    removeJob(id);
+    toast("Deleted.");
+  } catch (error) {
+    fail(error);
+  }
+}
+
+// -- before / after ------------------------------------------------------------------------------------------------
+
+async function compare(id) {
+  const job = state.jobs.get(id).job;
+  const before = $("before");
+  const after = $("after");
+  try {
+    after.src = await outputUrl(id);
+  } catch (error) {
+    fail(error);
+    return;
+  }
+  const original = await originals.get(id);
+  if (before.src.startsWith("blob:")) URL.revokeObjectURL(before.src);
+  before.removeAttribute("src");
+  if (original) before.src = URL.createObjectURL(original);
+  before.load();
+  $("no-before").hidden = Boolean(original);
+  $("stage").classList.toggle("no-original", !original);
+  state.comparing = id;
+  const media = job.input.media;
+  $("before-size").textContent = media ? `${media.width}×${media.height}` : "";
+  $("after-size").textContent = sizeLabel(job.size) || "";
+  $("compare-name").textContent = `${job.input.filename || job.id} · ${scaleLabel(job)} · ${job.model}`;
+  const [width, height] = (job.size || "16x9").split("x").map(Number);
+  $("stage").style.setProperty("--ratio", `${width} / ${height}`);
+  $("compare").hidden = false;
+  $("play").textContent = "Play";
+  $("compare").scrollIntoView({behavior: "smooth", block: "start"});
+}
+
+function closeCompare() {
+  const before = $("before");
+  const after = $("after");
+  after.pause();
+  before.pause();
+  if (before.src.startsWith("blob:")) URL.revokeObjectURL(before.src);
+  before.removeAttribute("src");
+  after.removeAttribute("src");
+  state.comparing = null;
+  $("compare").hidden = true;
+}
+
+// The result leads; the original follows it (play, pause, seek), nudged back whenever it drifts.
+function followAfter() {
+  const before = $("before");
+  const after = $("after");
+  if (before.src && Math.abs(before.currentTime - after.currentTime) > 0.08) before.currentTime = after.currentTime;
+  const duration = after.duration || 0;
+  $("seek").value = duration ? String(Math.round((1000 * after.currentTime) / duration)) : "0";
+  $("clock").textContent = `${clock(after.currentTime)} / ${clock(duration)}`;
+  if (!after.paused) requestAnimationFrame(followAfter);
+}
+
+function wirePlayer() {
+  const before = $("before");
+  const after = $("after");
+  before.loop = after.loop = true;
+  $("play").addEventListener("click", () => (after.paused ? after.play().catch(fail) : after.pause()));
+  after.addEventListener("play", () => {
+    $("play").textContent = "Pause";
+    $("play").setAttribute("aria-label", "Pause");
+    if (before.src) before.play().catch(() => {});
+    requestAnimationFrame(followAfter);
+  });
+  after.addEventListener("pause", () => {
+    $("play").textContent = "Play";
+    $("play").setAttribute("aria-label", "Play");
+    before.pause();
+    followAfter();
+  });
+  after.addEventListener("loadedmetadata", followAfter);
+  after.addEventListener("seeked", followAfter);
+  $("seek").addEventListener("input", () => {
+    if (after.duration) after.currentTime = (Number($("seek").value) / 1000) * after.duration;
+  });
+  const sound = () => { after.muted = !$("sound").checked; };
+  $("sound").addEventListener("change", sound);
+  sound();
+  const split = () => $("stage").style.setProperty("--split", `${$("split").value}%`);
+  $("split").addEventListener("input", split);
+  split();
+  for (const radio of document.querySelectorAll('input[name="layout"]')) {
+    radio.addEventListener("change", () => {
+      $("stage").classList.toggle("slider", radio.value === "slider" && radio.checked);
+      $("stage").classList.toggle("side", radio.value === "side" && radio.checked);
+    });
+  }
+  $("compare-close").addEventListener("click", closeCompare);
+}
+
+// -- start ---------------------------------------------------------------------------------------------------------
+
+function wireForm() {
+  const zone = $("dropzone");
+  zone.addEventListener("click", () => $("file").click());
+  zone.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" || event.key === " ") {
+      event.preventDefault();
+      $("file").click();
+    }
+  });
+  for (const kind of ["dragenter", "dragover"]) {
+    zone.addEventListener(kind, (event) => { event.preventDefault(); zone.classList.add("over"); });
+  }
+  zone.addEventListener("dragleave", () => zone.classList.remove("over"));
+  zone.addEventListener("drop", (event) => {
+    event.preventDefault();
+    zone.classList.remove("over");
+    pick(event.dataTransfer.files[0]);
+  });
+  // A file dropped anywhere else would make the browser navigate away from the page.
+  window.addEventListener("dragover", (event) => event.preventDefault());
+  window.addEventListener("drop", (event) => event.preventDefault());
+  $("file").addEventListener("change", () => pick($("file").files[0]));
+  $("unpick").addEventListener("click", unpick);
+  for (const radio of document.querySelectorAll('input[name="sr_resolution_scale"]')) {
+    radio.addEventListener("change", outputSize);
+  }
+  $("target").addEventListener("change", () => {
+    $("custom-field").hidden = $("target").value !== "custom";
+    outputSize();
+  });
+  $("job-form").addEventListener("submit", submit);
+  $("key-form").addEventListener("submit", connect);
+  $("sign-out").addEventListener("click", () => signOut());
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  wireForm();
+  wirePlayer();
+  state.key = storedKey();
+  if (state.key) showWorkspace();
+  else signOut();
+});

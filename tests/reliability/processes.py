@@ -1,0 +1,224 @@
+"""The service's processes as a fault test drives them: each started on loopback against one stack, logging to its own
+file, and stopped, killed (SIGKILL), paused (SIGSTOP) or resumed at the test's will. Around them: a supervisor that
+starts a new worker when one dies (as systemd or Kubernetes would), and a memory limit enforced the way a cgroup's
+OOM killer enforces it (SIGKILL past the limit), without touching the host's cgroups.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Process:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.command, self.env, self.log = name, command, {**os.environ, **env}, log
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> Process:
+        with open(self.log, "ab") as out:
+            self._process = subprocess.Popen(
+                self.command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL to the process and its children (its session): no handler runs, nothing is acknowledged or cleaned
+        up, as when a host or the OOM killer takes it."""
+        if self.alive:
+            os.killpg(self.pid, signal.SIGKILL)
+        self._process.wait()
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self._process is None:
+            return
+        if self.alive:
+            os.kill(self.pid, signal.SIGCONT)  # a paused process cannot handle SIGTERM
+            self._process.terminate()
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_for(self, ready: Callable[[], bool], what: str, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited before {what}:\n{self.text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: no {what} after {timeout_s} s:\n{self.text()[-4000:]}")
+            time.sleep(0.1)
+
+
+def worker(env: dict[str, str], queue: str, logs: Path, model: str = "lanczos") -> Process:
+    """A solo Celery worker, as the Procfile runs one; `started()` waits until it consumes."""
+    name = f"faults-{secrets.token_hex(3)}"
+    command = [
+        sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
+        "-Q", queue, "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "--loglevel", "info",
+    ]  # fmt: skip
+    settings = {**env, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
+    return Process(name, command, settings, logs / f"{name}.log")
+
+
+def started(process: Process, timeout_s: float = 180) -> Process:
+    """Waits until a worker started with `worker()` says it is ready for messages."""
+    process.wait_for(lambda: " ready." in process.text(), "ready worker", timeout_s)
+    return process
+
+
+def reaper(env: dict[str, str], logs: Path) -> Process:
+    return Process("reaper", [sys.executable, "-m", "worker.reaper"], env, logs / "reaper.log")
+
+
+def api(env: dict[str, str], port: int, logs: Path) -> Process:
+    """The API under gunicorn, as the Procfile runs it; `serving()` waits until /healthz answers."""
+    command = [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"]
+    return Process("api", command, {**env, "VSRQ_BIND": f"127.0.0.1:{port}"}, logs / f"api-{port}.log")
+
+
+def serving(process: Process, url: str, timeout_s: float = 120) -> Process:
+    def answers() -> bool:
+        try:
+            return requests.get(f"{url}/healthz", timeout=10).status_code in (200, 503)
+        except requests.RequestException:  # not listening yet, or still booting
+            return False
+
+    process.wait_for(answers, "answer on /healthz", timeout_s)
+    return process
+
+
+class Supervisor:
+    """Keeps one worker running: a new one is started whenever the current one has died (what a process manager
+    does). `history` holds every worker it started, oldest first."""
+
+    def __init__(self, make: Callable[[], Process], on_start: Callable[[Process], None] = lambda _: None) -> None:
+        self._make, self._on_start = make, on_start
+        self.history: list[Process] = []
+        self._start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    @property
+    def current(self) -> Process:
+        return self.history[-1]
+
+    def _start(self) -> None:
+        self.history.append(self._make().start())
+        self._on_start(self.current)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            if not self.current.alive:
+                self._start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for process in self.history:
+            process.stop()
+
+
+class MemoryLimit:
+    """SIGKILLs a watched process once its resident memory passes `limit_bytes`: a container memory limit, enforced
+    as the kernel's OOM killer would (which lets no handler run)."""
+
+    def __init__(self, limit_bytes: int | None = None, every_s: float = 0.02) -> None:
+        self.limit_bytes, self.every_s = limit_bytes, every_s  # None: not enforced yet
+        self.kills: list[int] = []  # pids
+        self._watched: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def watch(self, process: Process) -> None:
+        self._watched.append(process.pid)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for pid in list(self._watched):
+                try:
+                    if self.limit_bytes is not None and psutil.Process(pid).memory_info().rss > self.limit_bytes:
+                        os.kill(pid, signal.SIGKILL)
+                        self.kills.append(pid)
+                        self._watched.remove(pid)
+                except (psutil.NoSuchProcess, ProcessLookupError):
+                    self._watched.remove(pid)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Partition:
+    """A TCP forwarder on loopback in front of `target`: after `cut()`, bytes either way are dropped (requests go
+    unanswered, connections stay open), as a network partition drops packets."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        self._flowing.clear()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(self.target)
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                if self._flowing.is_set():
+                    sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                end.close()
+
+    def close(self) -> None:
+        self._server.close()

@@ -1,0 +1,610 @@
+"""Faults, injected on purpose into a service of real processes on loopback: Redis (AOF on) and SeaweedFS from
+infra.stack, the API under gunicorn, solo Celery workers (lanczos on the CPU) and the reaper, all with short leases.
+
+This module runs its own stack, not the session's: it kills, pauses and restarts the processes of it. Each test prints
+its figures on one line starting `FIGURE `:
+
+    pytest tests/reliability/test_faults.py -q -s | grep FIGURE
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from unittest import mock
+
+import psutil
+import pytest
+import redis
+import requests
+
+from infra.stack import Stack, free_ports
+from storage.blobs import S3BlobStore, output_prefix
+from storage.config import Settings
+from storage.jobs import TERMINAL, JobRecord, JobStore, Status
+from worker.media.synthetic import write_clip
+
+from . import processes
+from .processes import MemoryLimit, Partition, Process, Supervisor, serving, started
+
+QUEUE = "vsrq.faults"
+TOKEN = "sk-test-faults-" + "0" * 16
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LEASE_S = 10
+MAX_ATTEMPTS = 2
+UPLOAD_TTL_S = 6
+
+
+# -- the service under test ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fault-logs")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    with Stack(tmp_path_factory.mktemp("fault-stack")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def env(stack: Stack) -> dict[str, str]:
+    return {
+        **stack.env(),
+        "VSRQ_API_KEYS": json.dumps([{"id": "faults", "token": TOKEN}]),
+        "VSRQ_MODELS": json.dumps({"lanczos": QUEUE}),
+        "VSRQ_LEASE_S": str(LEASE_S),
+        "VSRQ_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
+        "VSRQ_REAP_INTERVAL_S": "0.5",
+        "VSRQ_WORKER_HEARTBEAT_S": "0.2",
+        "VSRQ_WEB_WORKERS": "2",
+        "VSRQ_WEB_THREADS": "4",
+        # the reaper's repairs, in seconds: a job whose message was never sent, an upload no job claimed
+        "VSRQ_ENQUEUE_GRACE_S": "2",
+        "VSRQ_UPLOAD_TTL_S": str(UPLOAD_TTL_S),
+        "VSRQ_SWEEP_INTERVAL_S": "1",
+    }
+
+
+@pytest.fixture(scope="module")
+def api(env: dict[str, str], logs: Path) -> Iterator[str]:
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    server = processes.api(env, port, logs).start()
+    try:
+        processes.serving(server, url)
+        yield url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reaper(env: dict[str, str], logs: Path) -> Iterator[Process]:
+    process = processes.reaper(env, logs).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def jobs(stack: Stack) -> JobStore:
+    return JobStore(redis.Redis.from_url(stack.redis_url), result_ttl_s=3600, max_attempts=MAX_ATTEMPTS)
+
+
+@pytest.fixture(scope="module")
+def blobs(env: dict[str, str]) -> S3BlobStore:
+    with mock.patch.dict(os.environ, env):  # read exactly as the service reads them
+        return S3BlobStore.from_settings(Settings(_env_file=None))
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> dict[str, bytes]:
+    """Real MP4s with AAC audio: small (a fraction of a second of lanczos), medium (a couple of seconds), long (two
+    windows, several seconds: long enough to be caught while it runs)."""
+    root = tmp_path_factory.mktemp("fault-clips")
+    sizes = {"small": (17, (32, 48)), "medium": (41, (96, 128)), "long": (181, (128, 192))}
+    return {
+        name: write_clip(root / f"{name}.mp4", frames, size, audio_codec="aac").read_bytes()
+        for name, (frames, size) in sizes.items()
+    }
+
+
+@pytest.fixture
+def workers(env: dict[str, str], logs: Path) -> Iterator[Callable[..., Process]]:
+    """Starts workers on the test's queue (extra settings as keyword arguments); every one is stopped afterwards."""
+    started_here: list[Process] = []
+
+    def start(**extra: str) -> Process:
+        process = processes.worker({**env, **extra}, QUEUE, logs).start()
+        started_here.append(process)
+        return process
+
+    yield start
+    for process in started_here:
+        process.stop()
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+
+
+def create(api: str, clip: bytes, **fields: str) -> str:
+    data = {"model": "lanczos", "sr_resolution_scale": "2", "seed": "7", **fields}
+    files = {"video_reference": ("clip.mp4", clip, "video/mp4")}
+    response = requests.post(f"{api}/v1/videos", data=data, files=files, headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def wait_until(jobs: JobStore, job_id: str, ready: Callable[[JobRecord], bool], limit_s: float = 120) -> JobRecord:
+    """Polls the record in Redis (not the API: faster, and up while the API is not)."""
+    deadline = time.monotonic() + limit_s
+    while not ready(job := jobs.require(job_id)):
+        assert time.monotonic() < deadline, f"{job_id} stuck: {job}"
+        time.sleep(0.02)
+    return job
+
+
+def ended(job: JobRecord) -> bool:
+    return job.status in TERMINAL
+
+
+def wait_all(jobs: JobStore, ids: list[str], limit_s: float) -> list[JobRecord]:
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            records = [jobs.require(job_id) for job_id in ids]
+        except redis.ConnectionError:  # Redis restarting
+            records = []
+        if records and all(ended(job) for job in records):
+            return records
+        assert time.monotonic() < deadline, [(job.id, job.status, job.stage, job.attempt) for job in records]
+        time.sleep(0.1)
+
+
+def leases(jobs: JobStore, job_id: str) -> list[float]:
+    """When each attempt leased the job (Redis time)."""
+    return [event.at for event in jobs.events(job_id) if event.type == "leased"]
+
+
+def first_event(jobs: JobStore, job_id: str, kind: str) -> float:
+    return next(event.at for event in jobs.events(job_id) if event.type == kind)
+
+
+def outputs(blobs: S3BlobStore, job_id: str) -> list[str]:
+    return list(blobs.keys(output_prefix(job_id)))
+
+
+def content_sha256(api: str, job_id: str) -> str:
+    response = requests.get(f"{api}/v1/videos/{job_id}/content", headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    return hashlib.sha256(response.content).hexdigest()
+
+
+def holder(job: JobRecord, candidates: list[Process]) -> Process | None:
+    """The worker process that holds a job's lease (its record names `host/pid`)."""
+    return next((p for p in candidates if p.alive and job.worker and job.worker.endswith(f"/{p.pid}")), None)
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+# -- 1. workers killed ---------------------------------------------------------------------------------------------
+
+
+def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips, logs):
+    """20 jobs, each one's worker SIGKILLed at a seeded random point of its progress; supervisors start new workers.
+
+    Two jobs run at a time on three workers, so that a worker is free when a killed job comes back: the time from the
+    kill to the next attempt is then the service's recovery, not a wait in the queue."""
+    rng = random.Random(20261130)
+    lease_s = 4  # the workers' own, shorter than the module's: recovery is lease-bound, and 20 of them run here
+    supervisors = [
+        Supervisor(lambda: processes.worker({**env, "VSRQ_LEASE_S": str(lease_s)}, QUEUE, logs)) for _ in range(3)
+    ]
+    try:
+        for supervisor in supervisors:
+            started(supervisor.current)
+        ids: list[str] = []
+        targets: dict[str, int] = {}  # 0: while it probes; 90: the encoder's flush and the check, after the last window
+        killed: dict[str, tuple[float, int]] = {}  # job -> (when, progress at the kill)
+        deadline = time.monotonic() + 600
+        while len(ids) < 20 or not all(ended(jobs.require(job_id)) for job_id in ids):
+            assert time.monotonic() < deadline, f"killed {len(killed)}; {[jobs.require(i).status for i in ids]}"
+            if len(ids) < 20 and sum(not ended(jobs.require(job_id)) for job_id in ids) < 2:
+                ids.append(create(api, clips["medium"]))
+                targets[ids[-1]] = rng.randint(0, 90)
+            for job_id in ids:
+                job = jobs.require(job_id)
+                if job_id in killed or job.status != Status.IN_PROGRESS or job.progress < targets[job_id]:
+                    continue
+                victim = holder(job, [supervisor.current for supervisor in supervisors])
+                if victim is not None:
+                    victim.kill()
+                    killed[job_id] = (time.time(), job.progress)
+            time.sleep(0.02)
+
+        records = [jobs.require(job_id) for job_id in ids]
+        completed = sum(job.status == Status.COMPLETED for job in records)
+        per_job = [len(outputs(blobs, job_id)) for job_id in ids]
+        # the kill of attempt 1 -> the reaper requeues it -> the next attempt leases it, on another (or a new) worker
+        requeued = [first_event(jobs, job_id, "requeued") - at for job_id, (at, _) in killed.items()]
+        resumed = [leases(jobs, job_id)[1] - at for job_id, (at, _) in killed.items() if len(leases(jobs, job_id)) > 1]
+        restarts = sum(len(supervisor.history) - 1 for supervisor in supervisors)
+        print(
+            f"FIGURE worker_killed: completed {completed}/{len(ids)}, killed {len(killed)} (progress at kill "
+            f"{sorted(p for _, p in killed.values())}), outputs per job min {min(per_job)} max {max(per_job)}, "
+            f"kill->requeued max {max(requeued):.1f} s, kill->resumed max {max(resumed):.1f} s median "
+            f"{statistics.median(resumed):.1f} s (lease {lease_s} s), workers restarted {restarts}"
+        )
+        assert len(killed) == len(ids), "every job's worker was killed once"
+        assert completed == len(ids), [(job.id, job.status, job.error) for job in records]
+        assert per_job == [1] * len(ids)
+        assert len(resumed) == len(ids) and max(resumed) <= lease_s + 30
+        for job in records:  # a killed attempt never wins: the output is the last attempt's
+            assert job.attempt >= 2 and job.output.key.endswith(f"attempt-{job.attempt}.mp4"), job
+    finally:
+        for supervisor in supervisors:
+            supervisor.stop()
+
+
+def test_a_long_job_killed_mid_way_resumes_from_its_kept_windows(env, api, reaper, jobs, blobs, clips, logs):
+    """The medium clip in windows of 9 frames (8 of them): the worker is killed once two windows are kept; the next
+    attempt replays what was kept and computes the rest, into the same bytes as an uninterrupted run."""
+    windows = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "4"}
+    supervisor = Supervisor(lambda: processes.worker({**env, **windows}, QUEUE, logs))
+    try:
+        started(supervisor.current)
+        reference = wait_all(jobs, [create(api, clips["medium"])], limit_s=180)[0]
+        job_id = create(api, clips["medium"])
+        kept_prefix = f"work/{job_id}/windows/"
+
+        def kept() -> int:
+            return sum(key.endswith(".json") and "window-" in key for key in blobs.keys(kept_prefix))
+
+        deadline = time.monotonic() + 180
+        while kept() < 2:
+            assert time.monotonic() < deadline and not ended(jobs.require(job_id)), "no window was kept"
+            time.sleep(0.05)
+        victim = supervisor.current
+        victim.kill()
+        finished = kept()  # windows done before the kill (read after it: none can be added since)
+        job = wait_all(jobs, [job_id], limit_s=180)[0]
+        pattern = re.compile(rf"{job_id} completed by attempt \d+: .*?(\d+) of (\d+) windows restored")
+        deadline = time.monotonic() + 30  # the worker logs its line just after the completion the test saw
+        while not (summary := pattern.search(supervisor.current.text())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert summary, supervisor.current.text()[-3000:]
+        restored, total = int(summary[1]), int(summary[2])
+        recomputed = finished - restored
+        print(
+            f"FIGURE kept_windows: {total} windows, {finished} finished before the kill, {restored} replayed by "
+            f"attempt {job.attempt}, recomputed {recomputed} (+1 in flight, lost); output identical to an "
+            f"uninterrupted run: {job.output.sha256 == reference.output.sha256}"
+        )
+        assert job.status == Status.COMPLETED and job.attempt == 2
+        assert recomputed <= 1
+        assert job.output.sha256 == reference.output.sha256
+        assert list(blobs.keys(kept_prefix)) == []  # the job's end deletes its kept windows
+    finally:
+        supervisor.stop()
+
+
+# -- 2. Redis restarted --------------------------------------------------------------------------------------------
+
+
+def test_redis_restart_loses_no_job_and_the_api_says_503(stack, env, api, reaper, jobs, blobs, clips, workers):
+    crew = [workers(), workers()]
+    for process in crew:
+        started(process)
+    running = [create(api, clips["long"]) for _ in range(2)]
+    for job_id in running:
+        wait_until(jobs, job_id, lambda job: job.stage == "upscaling")
+    queued = [create(api, clips["small"]) for _ in range(30)]
+    assert sum(jobs.require(job_id).status == Status.QUEUED for job_id in queued) >= 28  # the workers are busy
+
+    stack.stop_service("redis")
+    answers: list[tuple[int, str | None, str]] = []  # status, Retry-After, problem code
+    try:
+        outage_until = time.monotonic() + 4
+        while time.monotonic() < outage_until or len(answers) < 3:
+            for response in (
+                requests.get(f"{api}/v1/videos/{queued[0]}", headers=AUTH, timeout=60),
+                requests.get(f"{api}/v1/videos", headers=AUTH, timeout=60),
+                requests.post(
+                    f"{api}/v1/videos",
+                    data={"model": "lanczos"},
+                    files={"video_reference": ("clip.mp4", clips["small"], "video/mp4")},
+                    headers=AUTH,
+                    timeout=60,
+                ),
+            ):
+                code = response.json().get("code") if response.headers["Content-Type"].endswith("json") else None
+                answers.append((response.status_code, response.headers.get("Retry-After"), code))
+    finally:
+        stack.start_service("redis")
+
+    records = wait_all(jobs, running + queued, limit_s=300)
+    after = create(api, clips["small"])  # and the workers still consume, by themselves
+    records.append(wait_all(jobs, [after], limit_s=120)[0])
+    completed = sum(job.status == Status.COMPLETED for job in records)
+    statuses = sorted({status for status, _, _ in answers})
+    print(
+        f"FIGURE redis_restart: jobs completed {completed}/{len(records)} (2 running + 30 queued + 1 after), lost "
+        f"{len(records) - completed}; API during the outage: {len(answers)} requests, statuses {statuses}, "
+        f"Retry-After {sorted({retry for _, retry, _ in answers if retry})}; worker processes restarted 0 of "
+        f"{len(crew)} (alive: {sum(process.alive for process in crew)})"
+    )
+    assert all(status == 503 and retry and code == "service_unavailable" for status, retry, code in answers), answers
+    assert completed == len(records), [(job.id, job.status, job.error) for job in records if job.status != "completed"]
+    assert all(len(outputs(blobs, job.id)) == 1 for job in records)
+    assert all(process.alive for process in crew)
+
+
+# -- 3. S3 outage --------------------------------------------------------------------------------------------------
+
+
+def test_a_storage_outage_during_download_and_upload_is_waited_out(stack, api, reaper, jobs, blobs, clips, workers):
+    started(workers())
+    upload_job = create(api, clips["long"])
+    wait_until(jobs, upload_job, lambda job: job.stage == "upscaling")  # its input is downloaded
+    download_job = create(api, clips["small"])  # queued behind it
+
+    stack.stop_service("weed")
+    down_at = time.monotonic()
+    try:
+        workers()  # takes the queued job, and downloads its input during the outage
+        wait_until(jobs, upload_job, lambda job: job.stage == "uploading")
+        wait_until(jobs, download_job, lambda job: job.stage == "probing")
+        time.sleep(10)  # both transfers now fail and retry for 10 s
+    finally:
+        stack.start_service("weed")
+    outage_s = time.monotonic() - down_at
+
+    records = wait_all(jobs, [upload_job, download_job], limit_s=120)
+    matches = [content_sha256(api, job.id) == job.output.sha256 for job in records if job.output]
+    print(
+        f"FIGURE s3_outage: {outage_s:.1f} s down during an upload and a download; completed "
+        f"{sum(job.status == Status.COMPLETED for job in records)}/2, attempts {[job.attempt for job in records]}, "
+        f"output sha256 matches the recorded one {sum(matches)}/2"
+    )
+    assert [job.status for job in records] == [Status.COMPLETED] * 2, [job.error for job in records]
+    assert [job.attempt for job in records] == [1, 1]  # waited out inside the attempt, not retried from scratch
+    assert matches == [True, True]
+    assert all(len(outputs(blobs, job.id)) == 1 for job in records)
+
+
+# -- 4. a poison job -----------------------------------------------------------------------------------------------
+
+
+def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, jobs, blobs, clips, logs, tmp_path):
+    # A valid 1080p clip at x4: lanczos holds frames of 7680x4320 that no 1 GiB-bounded worker can, so the memory
+    # limit kills the worker on every attempt, as a container's OOM killer would.
+    poison_clip = write_clip(tmp_path / "1080p.mp4", 9, (1080, 1920), crf=35).read_bytes()
+    memory = MemoryLimit()
+    supervisor = Supervisor(lambda: processes.worker(env, QUEUE, logs), on_start=memory.watch)
+    try:
+        memory.limit_bytes = psutil.Process(started(supervisor.current).pid).memory_info().rss + 1024**3  # idle + 1 GiB
+        poison = create(api, poison_clip, sr_resolution_scale="4")
+        others = [create(api, clips["small"]) for _ in range(3)]
+        records = wait_all(jobs, [poison, *others], limit_s=300)
+        time.sleep(LEASE_S)  # a requeue or a redelivery would show by now (the reaper runs every 0.5 s)
+        job = jobs.require(poison)
+        attempts = len(leases(jobs, poison))
+        waiting = redis.Redis.from_url(env["VSRQ_REDIS_URL"]).llen(QUEUE)
+        print(
+            f"FIGURE poison_job: {job.status} with {job.error.code if job.error else None} after {attempts} attempts "
+            f"(max {MAX_ATTEMPTS}); workers killed by the memory limit {len(memory.kills)}; other jobs completed "
+            f"{sum(r.status == Status.COMPLETED for r in records[1:])}/{len(others)}; messages left queued {waiting}"
+        )
+        assert (job.status, job.error.code) == (Status.FAILED, "too_many_attempts"), job
+        assert "stopped sending heartbeats" in job.error.message and "Traceback" not in job.error.message
+        assert attempts == job.attempt == MAX_ATTEMPTS and len(memory.kills) == MAX_ATTEMPTS
+        assert outputs(blobs, poison) == []
+        assert all(r.status == Status.COMPLETED for r in records[1:]), records[1:]
+        assert waiting == 0
+    finally:
+        supervisor.stop()
+        memory.stop()
+
+
+# -- 5. cancellation -----------------------------------------------------------------------------------------------
+
+
+def test_cancel_at_every_stage(stack, api, reaper, jobs, blobs, clips, workers):
+    started(workers())
+    latencies: dict[str, float] = {}
+
+    def cancel(job_id: str, stage: str) -> None:
+        asked = time.monotonic()
+        response = requests.post(f"{api}/v1/videos/{job_id}/cancel", headers=AUTH, timeout=30)
+        assert response.status_code == 200, response.text
+        wait_until(jobs, job_id, ended, limit_s=30)
+        latencies[stage] = time.monotonic() - asked
+
+    def when(job_id: str, stage: str) -> bool:
+        job = wait_until(jobs, job_id, lambda job: job.stage == stage or ended(job))
+        return job.stage == stage
+
+    long_job = create(api, clips["long"])
+    assert when(long_job, "upscaling")
+    queued_job = create(api, clips["small"])  # behind the running one
+    cancel(queued_job, "queued")
+    cancel(long_job, "upscaling")
+
+    # encoding lasts from the end of the last window to the upload: caught by polling, so tried a few times
+    for _ in range(4):
+        job_id = create(api, clips["long"])
+        if when(job_id, "encoding"):
+            cancel(job_id, "encoding")
+            break
+        wait_until(jobs, job_id, ended)
+
+    # the upload and the download are held where they are by a storage outage
+    upload_job = create(api, clips["medium"])
+    download_job = create(api, clips["small"])
+    assert when(upload_job, "upscaling")
+    stack.stop_service("weed")
+    try:
+        assert when(upload_job, "uploading")
+        cancel(upload_job, "uploading")
+        assert when(download_job, "probing")
+        cancel(download_job, "probing")
+    finally:
+        stack.start_service("weed")
+    next_job = create(api, clips["small"])
+    last = wait_all(jobs, [next_job], limit_s=120)[0]
+
+    cancelled = [queued_job, long_job, upload_job, download_job]
+    records = [jobs.require(job_id) for job_id in cancelled]
+    running = [seconds for stage, seconds in latencies.items() if stage != "queued"]
+    print(
+        "FIGURE cancellation: seconds from request to cancelled "
+        + ", ".join(f"{stage} {seconds:.2f}" for stage, seconds in latencies.items())
+        + f"; p95 while running {p95(running):.2f} s; outputs kept {sum(len(outputs(blobs, i)) for i in cancelled)};"
+        f" next job {last.status}"
+    )
+    assert set(latencies) == {"queued", "upscaling", "encoding", "uploading", "probing"}, latencies
+    assert all(job.status == Status.CANCELLED and job.output is None for job in records), records
+    assert all(outputs(blobs, job_id) == [] for job_id in cancelled)
+    assert p95(running) <= 2.0, latencies
+    assert last.status == Status.COMPLETED
+
+
+# -- 6. duplicate delivery -----------------------------------------------------------------------------------------
+
+
+def test_a_redelivered_message_and_a_stalled_worker_give_one_execution_and_one_output(
+    api, reaper, jobs, blobs, clips, workers
+):
+    # Celery's real redelivery: an unacknowledged message goes back to the queue after the visibility timeout (here
+    # 2 s, swept every second) while its first worker still holds it.
+    redelivery = json.dumps({"visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1})
+    crew = [workers(VSRQ_BROKER_TRANSPORT_OPTIONS=redelivery) for _ in range(2)]
+    for process in crew:
+        started(process)
+    job_id = create(api, clips["long"])
+    job = wait_until(jobs, job_id, lambda job: job.stage == "upscaling")
+    first = holder(job, crew)
+    other = next(process for process in crew if process is not first)
+    first.pause()  # stalled (a GC pause, a frozen VM): its lease runs out, the reaper hands the job to another attempt
+    try:
+        wait_until(jobs, job_id, lambda job: job.attempt == 2 and job.status == Status.IN_PROGRESS, limit_s=60)
+    finally:
+        first.resume()  # and now it wakes up, still running attempt 1
+    done = wait_all(jobs, [job_id], limit_s=120)[0]
+    time.sleep(2)  # the stale attempt's next heartbeat, and any further redelivery, have happened
+    dropped = sum(process.text().count(f"dropped a message for {job_id}") for process in crew)
+    print(
+        f"FIGURE duplicate_delivery: executions {len(leases(jobs, job_id))} (attempt {done.attempt} won), "
+        f"redelivered messages dropped {dropped}, outputs {len(outputs(blobs, job_id))}, "
+        f"stale attempt stopped: {'lost the job' in first.text()}"
+    )
+    assert (done.status, done.attempt) == (Status.COMPLETED, 2)
+    assert outputs(blobs, job_id) == [done.output.key] and done.output.key.endswith("attempt-2.mp4")
+    assert dropped >= 1, "the redelivered message was dropped by the lease, not run again"
+    assert "lost the job" in first.text()
+
+
+# -- 7. the API killed between the upload and the enqueue ----------------------------------------------------------
+
+
+def test_an_api_killed_between_upload_and_enqueue_leaves_no_job_without_input_nor_an_orphan(
+    stack, env, logs, reaper, jobs, blobs, clips, workers
+):
+    started(workers())
+    # The API reaches the broker through a partition it can be cut off by, and its job store directly: its message
+    # can be lost on its own.
+    partition = Partition(("127.0.0.1", stack.ports["redis"]))
+    api_env = {**env, "VSRQ_BROKER_URL": f"redis://127.0.0.1:{partition.port}/0"}
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    server = serving(processes.api(api_env, port, logs).start(), url)
+    try:
+        # 1. killed after it stored the upload, before the job exists: the form's file part is sent whole, then
+        #    fields, more than one read of the server's (256 KiB) past the file, but never the form's last bytes
+        before = set(blobs.keys("uploads/faults/"))
+        boundary = "faults-boundary"
+        parts = [
+            f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="clip.mp4"\r\n'
+            "Content-Type: video/mp4\r\n\r\n".encode() + clips["small"] + b"\r\n",
+            *(
+                f'--{boundary}\r\nContent-Disposition: form-data; name="pad{i}"\r\n\r\n{"x" * 60_000}\r\n'.encode()
+                for i in range(6)
+            ),
+            f"--{boundary}--\r\n".encode(),
+        ]
+        body = b"".join(parts)
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(
+            f"POST /v1/videos HTTP/1.1\r\nHost: {url[7:]}\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {len(body)}"
+            "\r\n\r\n".encode() + body[:-64]
+        )
+        deadline = time.monotonic() + 60
+        while not (orphans := set(blobs.keys("uploads/faults/")) - before):
+            assert time.monotonic() < deadline, "the upload was never stored"
+            time.sleep(0.05)
+        server.kill()
+        client.close()
+        stored_at = time.monotonic()
+
+        # 2. killed while it enqueues: the record is written, the message never reaches the broker
+        server = serving(processes.api(api_env, port, logs).start(), url)
+        newest = jobs.page("faults", limit=1).jobs
+        partition.cut()
+        threading.Thread(target=lambda: _post_quietly(url, clips["small"]), daemon=True).start()
+        deadline = time.monotonic() + 60
+        while (page := jobs.page("faults", limit=1).jobs) == newest or not page:
+            assert time.monotonic() < deadline, "the job record was never written"
+            time.sleep(0.05)
+        time.sleep(0.5)  # well inside the enqueue, which waits on a broker that never answers
+        server.kill()
+        unsent = page[0].id
+
+        job = wait_all(jobs, [unsent], limit_s=120)[0]
+        deadline = time.monotonic() + UPLOAD_TTL_S + 60
+        while orphans & set(blobs.keys("uploads/faults/")):
+            assert time.monotonic() < deadline, f"orphaned uploads kept: {orphans}"
+            time.sleep(0.2)
+        swept_after = time.monotonic() - stored_at
+        # every job of the key names an input that exists, or has ended
+        live = [j for j in jobs.page("faults", limit=100).jobs if j.status not in TERMINAL]
+        without_input = [j.id for j in live if not blobs.exists(j.input.key)]
+        print(
+            f"FIGURE api_crash: job recorded but never enqueued -> {job.status} (attempt {job.attempt}); orphaned "
+            f"upload deleted {swept_after:.1f} s after it was stored (TTL {UPLOAD_TTL_S} s); live jobs without their "
+            f"input {len(without_input)}"
+        )
+        assert job.status == Status.COMPLETED, job
+        assert without_input == []
+        assert swept_after <= UPLOAD_TTL_S + 30
+    finally:
+        server.stop()
+        partition.close()
+
+
+def _post_quietly(url: str, clip: bytes) -> None:
+    """A create whose API dies under it: the connection error is the expected end."""
+    try:
+        requests.post(
+            f"{url}/v1/videos",
+            data={"model": "lanczos"},
+            files={"video_reference": ("clip.mp4", clip, "video/mp4")},
+            headers=AUTH,
+            timeout=120,
+        )
+    except requests.ConnectionError:
+        pass

@@ -1,0 +1,243 @@
+"""`vsrq bulk` as a user runs it: a subprocess against the live API (gunicorn), a real lanczos Celery worker and
+SeaweedFS, on real MP4s with audio. Jobs are counted through the API under a key only this module uses ("bulk")."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from email.utils import formatdate
+from pathlib import Path
+
+import av
+import pytest
+import requests
+
+from api.bulk import journal_path
+from api.client import ApiProblem, Client, retry_after
+from worker.media.synthetic import write_clip
+
+from .conftest import KEYS, ROOT, auth
+from .test_worker import celery_worker
+
+NOT_A_VIDEO = b"this is not a video\n" * 500
+
+
+@pytest.fixture(scope="module")
+def worker(service_env, redis_client, tmp_path_factory) -> Iterator[Path]:
+    redis_client.delete("vsrq.cpu")  # messages other tests left for jobs they only inspected
+    with celery_worker(service_env, "lanczos", "vsrq.cpu", tmp_path_factory.mktemp("worker") / "cpu.log") as log:
+        yield log
+
+
+def job_count(api: str) -> int:
+    """Jobs the "bulk" key owns, every page."""
+    count, after = 0, None
+    while True:
+        params = {"limit": 100, **({"after": after} if after else {})}
+        page = requests.get(f"{api}/v1/videos", params=params, headers=auth("bulk"), timeout=10).json()
+        count += len(page["data"])
+        if not page["has_more"]:
+            return count
+        after = page["last_id"]
+
+
+def bulk_command(api: str, source: str | Path, report: Path, *options: str) -> list[str]:
+    return [sys.executable, "-m", "worker.cli", "-v", "bulk", str(source), "--api-url", api, "--report", str(report),
+            "--model", "lanczos", "--poll", "0.2", *options]  # fmt: skip
+
+
+def bulk_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "VSRQ_TOKEN": KEYS["bulk"], **extra}
+
+
+def run_bulk(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command, env=env or bulk_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def report_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file)) if path.suffix == ".csv" else [json.loads(line) for line in file]
+
+
+def by_source(path: Path) -> dict[str, dict]:
+    return {row["source"]: row for row in report_rows(path)}
+
+
+def media(path: Path) -> tuple[int, int, int, bool]:
+    """(width, height, frames, has audio) of an MP4, read back with PyAV."""
+    with av.open(str(path)) as container:
+        video = container.streams.video[0]
+        frames = sum(1 for _ in container.decode(video))
+        return video.width, video.height, frames, bool(container.streams.audio)
+
+
+def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker, tmp_path):
+    folder, out, report = tmp_path / "in", tmp_path / "out", tmp_path / "report.csv"
+    frames = {}
+    for index in range(10):  # distinct clips (frame counts), some in a subfolder
+        name = f"{'nested/' if index % 3 == 0 else ''}clip{index}.mp4"
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        write_clip(folder / name, 5 + index, (32, 48), audio_codec="aac")
+        frames[name] = 5 + index
+    (folder / "notes.txt").write_text("not a video: skipped by its suffix")
+    command = bulk_command(api, folder, report, "--scale", "2", "--concurrency", "1", "--wait", "--download", str(out))
+    before = job_count(api)
+
+    first = subprocess.Popen(command, env=bulk_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while job_count(api) - before < 3:
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline, "no submissions"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 130, stdout + stderr
+    # the journal is consistent: it holds exactly the jobs the API made, no more, no fewer
+    with sqlite3.connect(journal_path(report)) as db:
+        journalled = {json.loads(entry)["job_id"] for (entry,) in db.execute("SELECT entry FROM entries")} - {None}
+    assert 3 <= len(journalled) == job_count(api) - before, stderr
+    print(f"FIGURE bulk interrupted after {len(journalled)}/10 submissions")
+    assert len(report_rows(report)) == 10  # the interrupted run reports too (pending rows included)
+
+    second = run_bulk(command)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert job_count(api) - before == 10  # no duplicates
+    rows = by_source(report)
+    assert sorted(rows) == sorted(frames) and len({row["job_id"] for row in rows.values()}) == 10
+    assert journalled <= {row["job_id"] for row in rows.values()}  # the first run's jobs were followed, not remade
+    for name, row in rows.items():
+        assert (row["status"], row["error_code"]) == ("completed", ""), row
+        output = Path(row["output"])
+        assert output == out / name  # the source's own name and folders
+        assert hashlib.sha256(output.read_bytes()).hexdigest() == row["sha256"]
+        assert media(output) == (96, 64, frames[name], True)
+        assert int(row["queued_s"]) >= 0 and int(row["running_s"]) >= 0
+    assert not list(out.rglob("*.partial"))
+
+    # a third run: nothing to submit, nothing to download again
+    stamps = {path: path.stat().st_mtime_ns for path in out.rglob("*.mp4")}
+    third = run_bulk(command)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert job_count(api) - before == 10
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*.mp4")} == stamps
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_a_manifest_carries_per_row_parameters_and_reports_a_bad_file(api, worker, tmp_path, kind):
+    write_clip(tmp_path / "a.mp4", 9, (32, 48), audio_codec="aac")
+    (tmp_path / "bad.mp4").write_bytes(NOT_A_VIDEO)
+    seed = {"csv": 11, "jsonl": 12}[kind]  # the two formats make their own jobs
+    rows = [
+        {"source": "a.mp4", "scale": 2, "seed": seed, "output": "x2/a.mp4"},
+        {"source": "a.mp4", "scale": 4, "seed": seed, "output": "x4/a.mp4"},
+        {"source": "bad.mp4", "seed": seed},  # same name and bytes in both runs: the seed makes it another job
+        {"source": "https://10.0.0.1/clip.mp4"},  # named by URL: the service's SSRF guard refuses a private address
+    ]
+    manifest = tmp_path / f"manifest.{kind}"
+    if kind == "csv":
+        with open(manifest, "w", newline="") as file:
+            writer = csv.DictWriter(file, ["source", "scale", "seed", "output"])
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = tmp_path / f"report.{kind}"
+    before = job_count(api)
+
+    result = run_bulk(bulk_command(api, manifest, report, "--wait", "--download", str(tmp_path / "out")))
+    assert result.returncode == 1, result.stdout + result.stderr  # some failed
+    assert "2 completed, 2 failed" in result.stdout
+    assert job_count(api) - before == 3  # the URL is refused at create: no job
+    report_list = report_rows(report)
+    assert [row["source"] for row in report_list] == [row["source"] for row in rows]  # the manifest's order
+    x2, x4, bad, url = report_list
+    assert media(Path(x2["output"])) == (96, 64, 9, True) and media(Path(x4["output"])) == (192, 128, 9, True)
+    assert Path(x4["output"]) == tmp_path / "out" / "x4" / "a.mp4"
+    job = requests.get(f"{api}/v1/videos/{x4['job_id']}", headers=auth("bulk"), timeout=10).json()
+    assert (job["params"]["sr_resolution_scale"], job["params"]["seed"]) == (4.0, seed)
+    assert job["metadata"] == {"bulk_source": "a.mp4"}
+    assert (bad["status"], bad["error_code"]) == ("failed", "input_unreadable"), bad
+    assert bad["job_id"] and bad["output"] in ("", None)
+    assert (url["status"], url["error_code"]) == ("failed", "unsafe_url"), url
+    assert url["job_id"] in ("", None)
+
+
+def test_s3_sources_are_referenced_in_our_bucket_and_copied_from_others(api, worker, stack, s3, tmp_path):
+    batch = os.urandom(4).hex()
+    clips = {name: write_clip(tmp_path / name, frames, (32, 48), audio_codec="aac").read_bytes()
+             for name, frames in (("r0.mp4", 7), ("r1.mp4", 8), ("c0.mp4", 9), ("c1.mp4", 10))}  # fmt: skip
+    client = stack.s3_client()
+    other = f"elsewhere-{batch}"
+    client.create_bucket(Bucket=other)
+    ours = f"uploads/bulk/{batch}/"
+    for name in ("r0.mp4", "r1.mp4"):
+        client.put_object(Bucket=stack.bucket, Key=ours + name, Body=clips[name])
+    client.put_object(Bucket=stack.bucket, Key=ours + "readme.txt", Body=b"skipped")
+    client.put_object(Bucket=other, Key="in/c0.mp4", Body=clips["c0.mp4"])
+    client.put_object(Bucket=stack.bucket, Key=f"incoming/{batch}/c1.mp4", Body=clips["c1.mp4"])  # not an upload
+    env = bulk_env(
+        AWS_ENDPOINT_URL=stack.s3_endpoint, AWS_ACCESS_KEY_ID=stack.access_key,
+        AWS_SECRET_ACCESS_KEY=stack.secret_key, AWS_DEFAULT_REGION="us-east-1",
+    )  # fmt: skip
+    before = job_count(api)
+
+    prefix = run_bulk(bulk_command(api, f"s3://{stack.bucket}/{ours}", tmp_path / "prefix.csv", "--scale", "2",
+                                   "--wait", "--download", str(tmp_path / "out")), env)  # fmt: skip
+    assert prefix.returncode == 0, prefix.stdout + prefix.stderr
+    rows = by_source(tmp_path / "prefix.csv")
+    assert sorted(rows) == [f"s3://{stack.bucket}/{ours}r0.mp4", f"s3://{stack.bucket}/{ours}r1.mp4"]
+    for row in rows.values():
+        job = requests.get(f"{api}/v1/videos/{row['job_id']}", headers=auth("bulk"), timeout=10).json()
+        assert job["status"] == "completed" and job["input"]["sha256"] is None  # referenced: the API stored nothing
+        assert media(Path(row["output"]))[:2] == (96, 64)
+    assert s3.exists(ours + "r0.mp4")  # a referenced upload is the caller's: no job deletes it
+
+    manifest = tmp_path / "copies.csv"
+    manifest.write_text(f"source\ns3://{other}/in/c0.mp4\ns3://{stack.bucket}/incoming/{batch}/c1.mp4\n")
+    copies = run_bulk(bulk_command(api, manifest, tmp_path / "copies-report.csv", "--scale", "2", "--wait"), env)
+    assert copies.returncode == 0, copies.stdout + copies.stderr
+    for source, row in by_source(tmp_path / "copies-report.csv").items():
+        job = requests.get(f"{api}/v1/videos/{row['job_id']}", headers=auth("bulk"), timeout=10).json()
+        name = source.rsplit("/", 1)[1]
+        assert job["status"] == "completed" and job["input"]["filename"] == name, job
+        assert job["input"]["sha256"] == hashlib.sha256(clips[name]).hexdigest()  # copied through an upload
+    assert job_count(api) - before == 4
+
+
+def test_the_client_maps_problems_and_replays_under_an_idempotency_key(api, clip, tmp_path):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    client = Client(api, KEYS["bulk"], retry_for_s=5)
+    fields = {"model": "lanczos", "sr_resolution_scale": "2"}
+    key = f"test-{os.urandom(6).hex()}"
+    first = client.create_from_file(path, fields, idempotency_key=key)
+    assert client.create_from_file(path, fields, idempotency_key=key)["id"] == first["id"]
+    assert client.get(first["id"])["id"] == first["id"]
+    with pytest.raises(ApiProblem) as refused:  # a 4xx is the caller's to fix: raised at once, never retried
+        client.create_from_file(path, {**fields, "sr_resolution_scale": "3"})
+    assert (refused.value.status, refused.value.code, refused.value.transient) == (422, "invalid_request", False)
+    with pytest.raises(ApiProblem) as missing:
+        client.get("video_does_not_exist")
+    assert (missing.value.status, missing.value.code) == (404, "job_not_found")
+
+
+def test_retry_after_reads_seconds_and_dates():
+    assert retry_after("7") == 7.0
+    assert 25 <= retry_after(formatdate(time.time() + 30, usegmt=True)) <= 30
+    assert retry_after(formatdate(time.time() - 30, usegmt=True)) == 0.0
+    assert retry_after(None) is None and retry_after("soon") is None
+
+
+def test_the_client_and_bulk_never_import_torch():
+    probe = "import sys, api.client, api.bulk, worker.cli; print(sorted({'torch', 'av'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -1,0 +1,131 @@
+"""/metrics of the live API (gunicorn, two processes: multiprocess mode) and of a real Celery worker (lanczos) around
+one job: each figure moves by what the job did, and the worker's log lines about the job are JSON with its id."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from infra.stack import free_ports
+
+from .conftest import KEYS
+from .test_worker import celery_worker, create, wait_for
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def scrape(url: str) -> Samples:
+    response = requests.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture(scope="module")
+def metered_worker(service_env, redis_client, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """The lanczos worker (vsrq.cpu) with its metrics port: (its /metrics base URL, its log file)."""
+    redis_client.delete("vsrq.cpu")  # messages other tests left for jobs they only inspected
+    port = free_ports(1)[0]
+    env = {**service_env, "VSRQ_METRICS_PORT": str(port), "VSRQ_LOG_FORMAT": "json"}
+    log = tmp_path_factory.mktemp("metered") / "worker.log"
+    with celery_worker(env, "lanczos", "vsrq.cpu", log):
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                requests.get(f"{url}/metrics", timeout=5)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.3)
+        yield url, log
+
+
+def test_a_job_moves_the_metrics_by_what_it_did(api, metered_worker, clip, service_env):
+    worker_url, log = metered_worker
+    api_before, worker_before = scrape(api), scrape(worker_url)
+
+    job_id = create(api, clip)["id"]
+    polls = 0
+
+    def done(job: dict) -> bool:
+        nonlocal polls
+        polls += 1
+        return job["status"] in ("completed", "failed", "cancelled")
+
+    job = wait_for(api, job_id, log, until=done)
+    assert job["status"] == "completed", job
+    api_after = scrape(api)
+    # The worker records a job's metrics and logs its end just after the completion the API showed: wait for both.
+    deadline = time.monotonic() + 30
+    while True:
+        worker_after, text = scrape(worker_url), log.read_text()
+        attempts = value(worker_after, "vsrq_worker_attempts_total", queue="vsrq.cpu", outcome="completed")
+        recorded = attempts > value(worker_before, "vsrq_worker_attempts_total", queue="vsrq.cpu", outcome="completed")
+        if (recorded and f"{job_id} completed" in text) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+
+    # the API: every request counted once, whichever of gunicorn's two processes served it
+    def requests_of(samples: Samples, method: str, route: str) -> float:
+        name = "vsrq_http_request_duration_seconds_count"
+        return value(samples, name, method=method, route=route, status="200")
+
+    assert requests_of(api_after, "POST", "/v1/videos") - requests_of(api_before, "POST", "/v1/videos") == 1
+    route = "/v1/videos/<job_id>"
+    assert requests_of(api_after, "GET", route) - requests_of(api_before, "GET", route) == polls
+    # the service's state, from Redis: the job moved from nowhere to completed, nothing more is left queued
+    assert value(api_after, "vsrq_jobs", status="completed") - value(api_before, "vsrq_jobs", status="completed") == 1
+    assert value(api_after, "vsrq_jobs", status="queued") == value(api_before, "vsrq_jobs", status="queued")
+    # (other tests' jobs may wait on the shared queue: it must hold what it held before, not this job)
+    assert value(api_after, "vsrq_queue_depth", queue="vsrq.cpu") == value(api_before, "vsrq_queue_depth", queue="vsrq.cpu")
+    assert value(api_after, "vsrq_workers", queue="vsrq.cpu") >= 1
+
+    # the worker: one completed attempt, its latency as the record tells it, every stage timed once
+    def delta(name: str, **labels: str) -> float:
+        return value(worker_after, name, **labels) - value(worker_before, name, **labels)
+
+    assert delta("vsrq_worker_attempts_total", queue="vsrq.cpu", outcome="completed") == 1
+    assert delta("vsrq_job_duration_seconds_count", queue="vsrq.cpu", status="completed") == 1
+    latency = delta("vsrq_job_duration_seconds_sum", queue="vsrq.cpu", status="completed")
+    assert abs(latency - (job["completed_at"] - job["created_at"])) <= 1.0  # the API shows whole seconds
+    for stage in ("queued", "probing", "uploading"):
+        assert delta("vsrq_job_stage_duration_seconds_count", queue="vsrq.cpu", stage=stage) == 1, stage
+    stages = sum(
+        delta("vsrq_job_stage_duration_seconds_sum", queue="vsrq.cpu", stage=stage)
+        for stage in ("queued", "probing", "upscaling", "encoding", "uploading")
+    )
+    assert 0 < stages <= latency + 1.0
+    assert delta("vsrq_worker_output_frames_total") == job["output"]["media"]["frames"]
+    assert delta("vsrq_worker_tiles_total") >= 1 and value(worker_after, "vsrq_worker_output_frames_per_second") > 0
+    assert not any(name == "vsrq_gpu_memory_peak_bytes" for name, _ in worker_after)  # a CPU worker has no GPU peak
+
+    # its log: JSON lines, the job's own carrying its id, no secret anywhere
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    mine = [line for line in lines if line.get("job_id") == job_id]
+    assert any(line["logger"] == "vsrq.worker" and "completed" in line["message"] for line in mine), text[-4000:]
+    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    assert KEYS["dave"] not in text and service_env["VSRQ_S3_SECRET_KEY"] not in text
+
+
+def test_metrics_needs_no_key_and_counts_refusals(api):
+    before = scrape(api)
+    refused = requests.get(f"{api}/v1/videos", headers={"Authorization": "Bearer sk-not-a-key-0000000"}, timeout=10)
+    assert refused.status_code == 401
+    after = scrape(api)
+    name = "vsrq_http_request_duration_seconds_count"
+    labels = {"method": "GET", "route": "/v1/videos", "status": "401"}
+    assert value(after, name, **labels) - value(before, name, **labels) == 1

@@ -1,0 +1,71 @@
+"""`vsrq status` against the real stack: a real Celery worker registers itself (queue, model, devices) with a heartbeat
+that expires, shows in `vsrq status --json` and in /healthz, and leaves the registry when it stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+from storage.workers import WorkerInfo, WorkerRegistry
+
+from .conftest import ROOT
+from .test_worker import celery_worker
+
+QUEUE = "vsrq.status-probe"  # served by no model: this worker takes none of the other tests' jobs
+
+
+def vsrq_status(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", *args],
+        cwd=ROOT, env={**os.environ, **service_env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_vsrq_status_lists_a_live_worker(service_env, settings, tmp_path):
+    log = tmp_path / "worker.log"
+    with celery_worker(service_env, "lanczos", QUEUE, log):
+        deadline = time.monotonic() + 120
+        while True:
+            result = vsrq_status(service_env, "--json")
+            assert result.returncode == 0, result.stderr
+            status = json.loads(result.stdout)
+            found = [worker for worker in status["workers"] if QUEUE in worker["queues"]]
+            if found:
+                break
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        worker = found[0]
+        assert (worker["queues"], worker["model"], worker["devices"], worker["gpus"], worker["job"]) == (
+            [QUEUE], "lanczos", ["cpu"], [], None
+        )
+        assert worker["name"].startswith("test-") and worker["pid"] > 0
+        assert set(status["queues"]) >= {*settings.models.values(), QUEUE}  # its queue shows beside the served ones
+        assert set(status["jobs"]) == {"queued", "in_progress", "completed", "failed", "cancelled"}
+
+        text = vsrq_status(service_env)
+        assert text.returncode == 0 and worker["name"] in text.stdout and "lanczos on cpu" in text.stdout
+        name = worker["name"]
+    # a worker that stops says so: gone at once, not after its TTL
+    status = json.loads(vsrq_status(service_env, "--json").stdout)
+    assert name not in [worker["name"] for worker in status["workers"]]
+
+
+def test_a_silent_worker_expires(redis_client):
+    registry = WorkerRegistry(redis_client, ttl_s=3, prefix=f"vsrq-test-{secrets.token_hex(3)}")
+    info = registry.register(
+        WorkerInfo(name="gone@host", queues=["q"], model="lanczos", devices=["cpu"], host="host", pid=1, started_at=0)
+    )
+    assert registry.list() == [info] and info.heartbeat_at > 0
+    registry.register(info.model_copy(update={"job": "video_1"}))
+    assert registry.list()[0].job == "video_1"
+    time.sleep(3.2)  # no heartbeat since: a SIGKILLed worker
+    assert registry.list() == []
+
+
+def test_vsrq_status_without_redis_says_so(service_env):
+    result = vsrq_status({**service_env, "VSRQ_REDIS_URL": "redis://127.0.0.1:1/0"}, "--json")
+    assert (result.returncode, result.stdout) == (1, "") and result.stderr.startswith("vsrq: redis_unavailable: ")

@@ -1,0 +1,221 @@
+"""The web app in Debian's headless Chromium (driven by Playwright, never a downloaded browser), against the real stack
+and a real Celery worker: a person enters the key, drops a real MP4 with audio, watches the job reach 100 %, compares
+before and after, plays and downloads the result, cancels and deletes a job. What is asserted is what they would see.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import av
+import pytest
+import requests
+
+from worker.media.synthetic import write_clip
+
+from .conftest import KEYS, auth
+from .test_worker import worker  # noqa: F401  (its lanczos worker fixture serves this module too)
+
+CHROMIUM = "/usr/bin/chromium"
+KEY = "web"
+# What the brief for CI asks of the browser: nothing reaches out, nothing is kept between runs (a fresh profile).
+FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+SIZE = (144, 256)  # height, width: big enough for a person to see the comparison
+
+
+@pytest.fixture(scope="module")
+def browser_context(tmp_path_factory) -> Iterator:
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{CHROMIUM} is missing: CI must install Debian's chromium (.ci/run does)")
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium); CI runs this test")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            tmp_path_factory.mktemp("chromium-profile"),  # --user-data-dir: a fresh one
+            executable_path=CHROMIUM,
+            headless=True,
+            args=FLAGS,
+            viewport={"width": 1280, "height": 1000},
+            accept_downloads=True,
+        )
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def drop(page, selector: str, path: Path) -> None:
+    """Drops the file on the element as a person's drag and drop does: a `drop` event carrying it."""
+    transfer = page.evaluate_handle(
+        """([data, name]) => {
+            const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+            const transfer = new DataTransfer();
+            transfer.items.add(new File([bytes], name, {type: "video/mp4"}));
+            return transfer;
+        }""",
+        [base64.b64encode(path.read_bytes()).decode(), path.name],
+    )
+    page.dispatch_event(selector, "drop", {"dataTransfer": transfer})
+
+
+def until(page, expression: str, timeout_s: float = 20) -> None:
+    """Waits for a JS expression to hold. (Playwright's own waiting evaluates strings with eval(), which the page's
+    Content-Security-Policy rightly forbids.)"""
+    for _ in range(int(timeout_s / 0.05)):
+        if page.evaluate(expression):
+            return
+        page.wait_for_timeout(50)
+    raise AssertionError(f"still false after {timeout_s} s: {expression}")
+
+
+@pytest.mark.usefixtures("worker")
+def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_context, tmp_path):
+    from playwright.sync_api import expect
+
+    clip = write_clip(tmp_path / "holiday.mp4", 48, SIZE, audio_codec="aac")
+    page = browser_context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    urls: list[str] = []
+    page.on("request", lambda request: urls.append(request.url))
+
+    # -- connect: a wrong key is refused, the right one opens the workspace
+    page.goto(f"{api}/")
+    expect(page.get_by_role("heading", name="Connect with your API key")).to_be_visible()
+    page.screenshot(path=str(tmp_path / "connect.png"))
+    page.get_by_role("textbox", name="API key").fill("sk-not-a-key-000000000000")
+    page.get_by_role("button", name="Connect").click()
+    expect(page.get_by_text("This key was not accepted.")).to_be_visible()
+    problems.clear()  # the browser logs the refused request itself
+    page.get_by_role("textbox", name="API key").fill(KEYS[KEY])
+    page.get_by_role("button", name="Connect").click()
+    expect(page.get_by_role("heading", name="Upscale a video")).to_be_visible()
+    expect(page.get_by_text("No jobs yet. Drop a video to start.")).to_be_visible()
+
+    # -- drop a real MP4 with audio; the page reads its size and says what comes out
+    page.get_by_label("Model", exact=True).select_option("lanczos")
+    drop(page, "#dropzone", clip)
+    expect(page.locator("#picked-name")).to_have_text("holiday.mp4")
+    height, width = SIZE
+    expect(page.locator("#picked-info")).to_contain_text(f"{width}×{height}")
+    expect(page.locator("#out-size")).to_have_text(f"Output {2 * width}×{2 * height}")
+    page.evaluate(  # what the upload's progress text said, as it changed
+        """() => {
+            const text = document.getElementById("upload-text");
+            window.uploadTexts = [];
+            new MutationObserver(() => window.uploadTexts.push(text.textContent))
+                .observe(text, {childList: true, characterData: true, subtree: true});
+        }"""
+    )
+    page.get_by_role("button", name="Upscale", exact=True).click()
+
+    # -- the job appears and its progress climbs to 100 %
+    row = page.locator("li.job", has_text="holiday.mp4")
+    expect(row).to_be_visible()
+    seen: list[int] = []
+    bar = row.get_by_role("progressbar")
+    deadline = time.monotonic() + 120  # generous: CI's two cores are shared by the whole suite
+    while time.monotonic() < deadline:
+        seen.append(int(bar.get_attribute("aria-valuenow") or 0))
+        if row.locator(".badge").inner_text() in ("Completed", "Failed", "Cancelled"):
+            break
+        page.wait_for_timeout(50)
+    expect(row.locator(".badge")).to_have_text("Completed", timeout=5000)
+    expect(bar).to_have_attribute("aria-valuenow", "100")
+    expect(row.locator(".job-stage")).to_contain_text("100 %")
+    expect(row.locator(".job-meta")).to_contain_text(f"2× · lanczos · {width}×{height} → {2 * width}×{2 * height}")
+    assert seen == sorted(seen), f"progress went back: {seen}"
+    upload_texts = page.evaluate("window.uploadTexts")
+    assert any(text.startswith("Uploading 100 %") for text in upload_texts), upload_texts
+
+    # -- before / after: both play, in sync, the result at twice the size
+    row.get_by_role("button", name="Compare").click()
+    compare = page.locator("#compare")
+    expect(compare.get_by_role("heading", name="Before / after")).to_be_visible()
+    expect(page.locator("#before-size")).to_have_text(f"{width}×{height}")
+    expect(page.locator("#after-size")).to_have_text(f"{2 * width}×{2 * height}")
+    expect(page.locator("#no-before")).to_be_hidden()
+    until(page, "['before', 'after'].every((id) => document.getElementById(id).readyState >= 2)")
+    sizes = page.evaluate("['before', 'after'].map((id) => document.getElementById(id).videoWidth)")
+    assert sizes == [width, 2 * width], sizes
+    compare.get_by_role("button", name="Play").click()
+    until(page, "document.getElementById('after').currentTime > 0.5")
+    playing = page.evaluate(
+        "['before', 'after'].map((id) => { const v = document.getElementById(id); return [v.paused, v.currentTime]; })"
+    )
+    assert not playing[0][0] and not playing[1][0], playing
+    assert abs(playing[0][1] - playing[1][1]) < 0.3, f"before and after drifted apart: {playing}"
+    page.locator("#split").fill("35")
+    assert page.evaluate("getComputedStyle(document.querySelector('.pane.after')).clipPath") == "inset(0px 0px 0px 35%)"
+    compare.get_by_role("button", name="Pause").click()
+    expect(page.locator("#clock")).to_contain_text("/ 0:02")
+    screenshot = tmp_path / "web.png"
+    page.screenshot(path=str(screenshot), full_page=True)
+    print(f"\nscreenshots: {tmp_path}/{{connect,web,side}}.png")
+    compare.get_by_text("Side by side").click()
+    before_box, after_box = (page.locator(f"#{side}").bounding_box() for side in ("before", "after"))
+    assert before_box["x"] + before_box["width"] <= after_box["x"] and before_box["y"] == after_box["y"]
+    compare.screenshot(path=str(tmp_path / "side.png"))
+
+    # -- download: the MP4 the service made, with its audio
+    with page.expect_download() as download:
+        row.get_by_role("button", name="Download").click()
+    assert download.value.suggested_filename == "holiday-x2.mp4"
+    saved = tmp_path / "downloaded.mp4"
+    download.value.save_as(saved)
+    with av.open(str(saved)) as container:
+        assert (container.streams.video[0].width, container.streams.video[0].height) == (2 * width, 2 * height)
+        assert len(container.streams.audio) == 1
+
+    # -- a job no worker serves waits in its queue: the person cancels it, then deletes it
+    page.get_by_label("Model", exact=True).select_option("k6-vsr")
+    drop(page, "#dropzone", clip)
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    waiting = page.locator("li.job[data-status='queued']")
+    expect(waiting.locator(".job-stage")).to_have_text(re.compile(r"Queued · (next up|\d+ ahead)"))
+    job_id = waiting.get_attribute("data-id")
+    waiting.get_by_role("button", name="Cancel").click()
+    cancelled = page.locator(f"li.job[data-id='{job_id}']")
+    expect(cancelled.locator(".badge")).to_have_text("Cancelled")
+    page.once("dialog", lambda dialog: dialog.accept())
+    cancelled.get_by_role("button", name="Delete").click()
+    expect(cancelled).to_have_count(0)
+    assert requests.get(f"{api}/v1/videos/{job_id}", headers=auth(KEY), timeout=30).status_code == 404
+
+    # -- a reload keeps the key (remembered) and the original (IndexedDB): the comparison still has both sides
+    page.reload()
+    expect(row.locator(".badge")).to_have_text("Completed")
+    row.get_by_role("button", name="Compare").click()
+    expect(page.locator("#no-before")).to_be_hidden()
+    until(page, "document.getElementById('before').readyState >= 2")
+
+    assert not [url for url in urls if KEYS[KEY] in url], "the API key went into a URL"
+    assert problems == [], problems
+
+
+def test_the_api_docs_render_the_document_from_this_api_alone(api, browser_context, tmp_path):
+    from playwright.sync_api import expect
+
+    page = browser_context.new_page()
+    urls: list[str] = []
+    page.on("request", lambda request: urls.append(request.url))
+    page.goto(f"{api}/docs")
+    expect(page.get_by_role("heading", name=re.compile(r"^vsrq"))).to_be_visible()
+    expect(page.get_by_text("OAS 3.1")).to_be_visible()
+    create = page.locator(".opblock-post", has_text="/v1/videos").first
+    expect(create).to_contain_text("Create a job")
+    expect(page.get_by_role("button", name="Authorize")).to_be_visible()
+    page.screenshot(path=str(tmp_path / "docs.png"))
+    print(f"\nscreenshot: {tmp_path / 'docs.png'}")
+    assert [url for url in urls if not url.startswith(api)] == [], "the docs page fetched from another host"

@@ -1,0 +1,171 @@
+"""The deployment recipes (infra/compose.yaml, infra/k8s/, infra/docker/) checked as far as this machine can: the YAML
+parses, the Kubernetes objects validate against the API's schemas (kubernetes-validate, offline), every VSRQ_*
+variable they set is one the code reads, their commands are the Procfile's, GPUs asked for match the devices used,
+KEDA scales the worker of the queue it watches, and the API image's package set (no model stack) imports the API,
+the reaper and the webhook worker. `docker compose config` runs where the compose plugin is installed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from infra.docker.requirements import MODEL_STACK, requirements
+from storage.config import Settings
+from worker.service import WorkerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+INFRA = ROOT / "infra"
+K8S = [doc for path in sorted((INFRA / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+COMPOSE = yaml.safe_load((INFRA / "compose.yaml").read_text())
+PROCFILE = {
+    name: shlex.split(command)
+    for name, command in re.findall(r"^(\w+):\s*(.+)$", (ROOT / "Procfile").read_text(), flags=re.MULTILINE)
+}
+
+
+def known_variables() -> set[str]:
+    """Every VSRQ_* name the code reads: the settings classes' fields, and names it looks up itself."""
+    names = {f"VSRQ_{field.upper()}" for field in Settings.model_fields}
+    names |= {f"VSRQ_WORKER_{field.upper()}" for field in WorkerSettings.model_fields}
+    for path in [*ROOT.glob("*/**/*.py"), ROOT / "Procfile"]:
+        if ".venv" not in path.parts and "tests" not in path.parts:
+            names |= set(re.findall(r"VSRQ_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+    return names
+
+
+def argv(command: list[str] | str) -> list[str]:
+    """A container command as the process sees it (`sh -c "exec ..."` unwrapped)."""
+    if isinstance(command, str):
+        command = shlex.split(command)
+    if command[:2] == ["sh", "-c"]:
+        command = shlex.split(command[2].removeprefix("exec "))
+    return command
+
+
+def queue_of(command: list[str]) -> str:
+    return command[command.index("-Q") + 1]
+
+
+def containers() -> list[tuple[str, dict]]:
+    return [
+        (doc["metadata"]["name"], container)
+        for doc in K8S
+        if doc["kind"] == "Deployment"
+        for container in doc["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def config_map() -> dict[str, str]:
+    return next(doc["data"] for doc in K8S if doc["kind"] == "ConfigMap")
+
+
+@pytest.mark.parametrize("doc", K8S, ids=lambda doc: f"{doc['kind']}/{doc['metadata']['name']}")
+def test_kubernetes_objects_validate(doc):
+    if doc["apiVersion"].startswith("keda.sh/"):  # a CRD: no schema ships offline; test_keda checks it
+        pytest.skip("KEDA's ScaledObject is a custom resource")
+    kubernetes_validate.validate(doc, "1.32.0", strict=True)
+
+
+def test_every_variable_set_is_read_by_the_code():
+    known = known_variables()
+    set_here = {name for doc in K8S if doc["kind"] in ("ConfigMap", "Secret") for name in doc.get("data", {})}
+    set_here |= {name for doc in K8S if doc["kind"] == "Secret" for name in doc.get("stringData", {})}
+    set_here |= {env["name"] for _, container in containers() for env in container.get("env", [])}
+    set_here |= set(COMPOSE["x-service-env"])
+    set_here |= {name for service in COMPOSE["services"].values() for name in service.get("environment", {})}
+    unknown = sorted(name for name in set_here if name.startswith("VSRQ_") and name not in known)
+    assert not unknown, f"set in infra/ but read nowhere: {unknown}"
+    assert "VSRQ_NOT_A_SETTING" not in known  # the check can fail
+
+
+def test_commands_are_the_procfiles():
+    web, reaper, worker = PROCFILE["web"], PROCFILE["reaper"], PROCFILE["worker"]
+    worker_prefix = worker[: worker.index("-Q")]
+    images = {"api": "vsrq-api:latest", "worker": "vsrq-worker:latest"}
+    served = set(json.loads(config_map()["VSRQ_MODELS"]).values())
+    for name, container in containers():
+        command = argv(container["command"])
+        if command[:3] == ["celery", "-A", "worker.tasks"]:
+            assert command[: len(worker_prefix)] == worker_prefix and queue_of(command) in served, name
+            assert container["image"] == images["worker"], name
+        elif command[:3] == ["celery", "-A", "worker.webhooks"]:
+            assert queue_of(command) == "vsrq.webhooks" and container["image"] == images["api"], name
+        else:
+            assert command in (web, reaper), name
+            assert container["image"] == images["api"], name
+    services = COMPOSE["services"]
+    assert argv(services["api"]["command"]) == web and argv(services["reaper"]["command"]) == reaper
+    assert argv(services["worker-k6"]["command"])[: len(worker_prefix)] == worker_prefix
+    assert queue_of(argv(services["webhooks"]["command"])) == "vsrq.webhooks"
+
+
+def test_gpus_asked_for_match_the_devices_used():
+    for name, container in containers():
+        env = {item["name"]: item.get("value") for item in container.get("env", [])}
+        gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+        devices = [device for device in (env.get("VSRQ_WORKER_DEVICES") or "").split(",") if device.startswith("cuda")]
+        assert gpus == len(devices), name
+    worker = COMPOSE["services"]["worker-k6"]
+    reserved = worker["deploy"]["resources"]["reservations"]["devices"][0]
+    assert reserved["driver"] == "nvidia" and "gpu" in reserved["capabilities"]
+    assert reserved["count"] == len(worker["environment"]["VSRQ_WORKER_DEVICES"].split(","))
+
+
+def test_keda_scales_the_worker_of_the_queue_it_watches():
+    deployments = {doc["metadata"]["name"]: doc for doc in K8S if doc["kind"] == "Deployment"}
+    scaled = [doc for doc in K8S if doc["kind"] == "ScaledObject"]
+    assert scaled
+    for doc in scaled:
+        target = deployments[doc["spec"]["scaleTargetRef"]["name"]]
+        command = argv(target["spec"]["template"]["spec"]["containers"][0]["command"])
+        (trigger,) = doc["spec"]["triggers"]
+        assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == queue_of(command)
+        assert trigger["metadata"]["address"] in config_map()["VSRQ_REDIS_URL"]
+        assert 0 <= doc["spec"]["minReplicaCount"] <= doc["spec"]["maxReplicaCount"]
+
+
+def test_compose_builds_from_dockerfiles_that_exist():
+    for name, service in COMPOSE["services"].items():
+        build = service.get("build")
+        if build:
+            assert (INFRA / build["context"] / build["dockerfile"]).is_file(), name
+
+
+def test_the_api_image_runs_without_the_model_stack(tmp_path):
+    kept = requirements("api")
+    assert kept and not {re.split(r"[=<>!~\[; ]", pin)[0].lower() for pin in kept} & MODEL_STACK
+    assert set(requirements("worker")) > set(kept)
+    # the model stack's modules made unimportable, as they are in that image
+    blocked = ["torch", "diffusers", "transformers", "accelerate", "safetensors", "huggingface_hub", "av", "numpy",
+               "PIL"]  # fmt: skip
+    script = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {blocked!r}: raise ImportError('not in the API image: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import api.app, worker.reaper, worker.webhooks, worker.metrics, storage.overview\n"
+        "api.app.create_app(api.app.Settings(api_keys=[{'id': 'a', 'token': 's' * 16}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_docker_compose_config():
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("the docker CLI with its compose plugin is not installed here")
+    result = subprocess.run(
+        [docker, "compose", "-f", str(INFRA / "compose.yaml"), "config", "--quiet"],
+        env={"VSRQ_API_KEYS": "[]", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,82 @@
+"""A job's finished windows, kept in blob storage so that the job's next attempt (retried, or requeued after its worker
+died) replays them and computes only the missing ones.
+
+A `DirectoryWindowStore` in the attempt's scratch directory, mirrored to work/{job_id}/windows/: the attempt first
+downloads the windows kept so far, then uploads each window as it is committed. The key is the job's, not the
+attempt's; the job's end deletes the prefix (the reaper's sweep deletes what a crash left).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from storage.blobs import BlobStore, Progress, work_prefix
+from storage.jobs import JobRecord
+from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
+from worker.upscale import UpscaleOptions
+
+log = logging.getLogger("vsrq.worker")
+
+MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed for
+# A window's files in upload order: its JSON says it is complete, so it goes last (and is what `_complete` looks for).
+SUFFIXES = ("u8", "tail.npy", "json")
+
+
+def windows_key(job: JobRecord, model: str, options: UpscaleOptions) -> str:
+    """What the kept windows were computed from: a window kept under another model or other options never replays."""
+    return hashlib.sha256(f"{job.id}\n{model}\n{options!r}".encode()).hexdigest()
+
+
+class BlobWindowStore:
+    def __init__(
+        self, blobs: BlobStore, job_id: str, directory: Path, key: str, progress: Progress | None = None
+    ) -> None:
+        self.blobs, self.prefix, self.progress = blobs, f"{work_prefix(job_id)}windows/", progress
+        self.local = DirectoryWindowStore(directory, key)
+        names = {blob.removeprefix(self.prefix) for blob in blobs.keys(self.prefix)}
+        if MARKER in names and self._read(MARKER) == (directory / MARKER).read_bytes():
+            for name in sorted(names - {MARKER}):
+                if f"{name.split('.', 1)[0]}.json" in names:  # files of windows whose upload was cut short stay out
+                    blobs.download(self.prefix + name, directory / name, progress)
+        else:  # nothing kept, or kept for another key: start the prefix over
+            blobs.delete_prefix(self.prefix)
+            self._upload(directory / MARKER)
+
+    def load(self, index: int) -> StoredWindow | None:
+        return self.local.load(index)
+
+    def record(self, index: int) -> WindowRecorder:
+        return _UploadingRecorder(self, index)
+
+    def _read(self, name: str) -> bytes:
+        with self.blobs.open(self.prefix + name) as stream:
+            return stream.read()
+
+    def _upload(self, path: Path) -> None:
+        with path.open("rb") as file:
+            self.blobs.put(self.prefix + path.name, file, progress=self.progress)
+
+
+class _UploadingRecorder:
+    def __init__(self, store: BlobWindowStore, index: int) -> None:
+        self.store, self.index = store, index
+        self.local = store.local.record(index)
+
+    def add(self, pixels: np.ndarray) -> None:
+        self.local.add(pixels)
+
+    def commit(self, tail: torch.Tensor | None) -> None:
+        self.local.commit(tail)
+        try:
+            for suffix in SUFFIXES:
+                path = self.store.local._path(self.index, suffix)
+                if path.exists():  # the last window has no tail
+                    self.store._upload(path)
+        except Exception:  # storage down: the attempt goes on (its output upload waits it out); only a later attempt
+            # would recompute this window
+            log.warning("window %d not kept: blob storage unavailable", self.index, exc_info=True)

@@ -1,0 +1,136 @@
+"""A worker process's life around its tasks, through Celery's signals: logging (storage.logs), the job id on every
+line logged while a job runs, the worker's entry in the registry (storage.workers) with a heartbeat thread, its
+/metrics port and the job metrics (worker.metrics).
+
+Importing this module connects the handlers: worker.tasks does, and so must any other Celery app run as a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from contextvars import Token
+from typing import Any
+
+from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
+
+from storage.logs import configure, current_job, settings_secrets
+from storage.workers import WorkerInfo, WorkerRegistry
+from worker import metrics, service
+from worker.celery_app import UPSCALE_TASK
+
+log = logging.getLogger("vsrq.worker")
+
+
+@setup_logging.connect
+def configure_logging(loglevel: int | str | None = None, **_: Any) -> None:
+    """Connected, so Celery leaves logging to us: its own lines go through the same handler."""
+    settings = service.settings()
+    configure(settings.log_format, loglevel or settings.log_level, settings_secrets(settings))
+
+
+@worker_init.connect
+def _metrics_port(**_: Any) -> None:
+    settings = service.settings()
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_host, settings.metrics_port)
+        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
+
+
+class Presence:
+    """This worker's registry entry, rewritten on every heartbeat (a third of its TTL) and when a job starts or ends."""
+
+    def __init__(self, info: WorkerInfo) -> None:
+        settings = service.settings()
+        self.registry = WorkerRegistry(service.jobs().redis, ttl_s=settings.worker_ttl_s)
+        self.info = info
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="vsrq-registry", daemon=True)
+
+    def start(self) -> None:
+        self.publish()
+        self._thread.start()
+
+    def publish(self, **changes: Any) -> None:
+        with self._lock:
+            self.info = self.info.model_copy(update=changes)
+            try:
+                self.registry.register(self.info)
+            except Exception:  # Redis restarting: the next beat writes the entry again
+                log.warning("could not update the worker registry", exc_info=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.registry.ttl_s / 3):
+            self.publish()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.registry.remove(self.info.name)
+
+
+_presence: Presence | None = None
+_job_tokens: dict[str, tuple[Token, int]] = {}  # task id -> (log context token, events the job had at the start)
+
+
+@worker_ready.connect
+def _register(sender: Any, **_: Any) -> None:
+    global _presence
+    runs_jobs = UPSCALE_TASK in sender.app.tasks
+    devices = service.worker_settings().device_list if runs_jobs else []
+    _presence = Presence(
+        WorkerInfo(
+            name=sender.hostname,
+            queues=sorted(queue.name for queue in sender.task_consumer.queues),
+            model=service.worker_settings().model if runs_jobs else None,
+            devices=devices,
+            gpus=_gpu_names(devices),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=service.jobs().redis.time()[0],
+        )
+    )
+    _presence.start()
+
+
+@worker_shutdown.connect
+def _unregister(**_: Any) -> None:
+    if _presence is not None:
+        _presence.stop()
+
+
+def _gpu_names(devices: list[str]) -> list[str]:
+    if not metrics.cuda_devices(devices):
+        return []
+    import torch
+
+    return [torch.cuda.get_device_name(device) for device in metrics.cuda_devices(devices)]
+
+
+@task_prerun.connect
+def _job_started(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
+    if task.name != UPSCALE_TASK or not args:
+        return
+    job_id = args[0]
+    _job_tokens[task_id] = (current_job.set(job_id), len(service.jobs().events(job_id)))
+    metrics.reset_gpu_peaks(service.worker_settings().device_list)
+    if _presence is not None:
+        _presence.publish(job=job_id)
+
+
+@task_postrun.connect
+def _job_ended(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
+    if task_id not in _job_tokens:
+        return
+    token, events_before = _job_tokens.pop(task_id)
+    try:
+        metrics.record_gpu_peaks(service.worker_settings().device_list)
+        metrics.observe_attempt(service.jobs(), args[0], events_before)
+    except Exception:  # metrics must never fail a job, nor the worker
+        log.warning("could not record the job's metrics", exc_info=True)
+    finally:
+        if _presence is not None:
+            _presence.publish(job=None)
+        current_job.reset(token)

@@ -1,0 +1,223 @@
+"""Webhook delivery: the relay that hands due outbox events (storage.webhooks) to Celery, and `vsrq.deliver_webhook`,
+which makes one signed POST of one event and records it in the job's events.
+
+    celery -A worker.webhooks worker --pool threads --concurrency 8 -Q vsrq.webhooks
+
+Threads, since an attempt is network I/O. The relay runs in the reaper's loop (worker.reaper): it is periodic work
+over Redis like reaping, the reaper already runs wherever the service does, and more than one is safe (taking an
+event is one atomic script). Retries are due times in the outbox, not Celery countdowns: a countdown message waits in
+one worker's memory, and goes with that worker (or comes back after the visibility timeout, hours later).
+
+An attempt checks the URL with storage.ssrf right before connecting and connects to an address that was checked (TLS
+is still verified against the URL's host name); it never follows a redirect. A 2xx delivers. 410 Gone, a URL refused
+at send time (`unsafe_url`), a key without a signing secret or a job deleted before its first attempt end the event
+at once. Anything else (a network error, a timeout, a 3xx, 4xx or 5xx) is retried after an exponential backoff with
+jitter, never sooner than the receiver's Retry-After, until `webhook_max_attempts`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from functools import cache
+from http import HTTPStatus
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import urllib3
+from celery import Celery
+from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
+
+from storage.config import Settings
+from storage.jobs import JobNotFound, JobStore
+from storage.logs import job_context
+from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
+from storage.webhooks import Claim, Outbox, Started, signed_headers
+from worker import metrics, service
+from worker import signals as _signals  # noqa: F401  (this worker's logging and registry entry)
+from worker.celery_app import app
+
+log = logging.getLogger("vsrq.webhooks")
+
+DELIVER_TASK = "vsrq.deliver_webhook"  # args: [event id, claim]
+QUEUE = "vsrq.webhooks"
+
+
+@cache
+def outbox() -> Outbox:
+    return Outbox(service.jobs().redis)
+
+
+def relay_once(box: Outbox, celery: Celery, claim_s: float) -> list[Claim]:
+    """One pass: every due event, under a new claim, becomes one `vsrq.deliver_webhook` message. A relay that dies
+    after taking an event and before its message is sent leaves it claimed: it is due again when the claim expires."""
+    taken = box.take(claim_s)
+    for claim in taken:
+        celery.send_task(DELIVER_TASK, args=[claim.event_id, claim.claim], queue=QUEUE)
+    return taken
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """How one attempt went. `failed` is for good: no attempt after it would do better."""
+
+    outcome: Literal["delivered", "retry", "failed"]
+    code: str | None = None
+    message: str | None = None
+    status_code: int | None = None
+    retry_after_s: float | None = None
+
+
+@app.task(name=DELIVER_TASK)
+def deliver_webhook(event_id: str, claim: int) -> None:
+    settings, box, jobs = service.settings(), outbox(), service.jobs()
+    started = box.start(event_id, claim, settings.webhook_claim_s)
+    if started is None:  # a later claim took the event over (this message waited longer than a claim lasts)
+        log.info("dropped a stale message for %s (claim %d)", event_id, claim)
+        return
+    with job_context(started.event.job):
+        _end(started, _attempt(started, settings, box, jobs), settings, box, jobs)
+
+
+def _attempt(started: Started, settings: Settings, box: Outbox, jobs: JobStore) -> Attempt:
+    event = started.event
+    if started.attempt > settings.webhook_max_attempts:  # its delivery workers kept dying mid-attempt
+        return Attempt("failed", "too_many_attempts", f"gave up after {started.attempt - 1} attempts")
+    key = next((key for key in settings.api_keys if key.id == event.owner), None)
+    if key is None or key.webhook_secret is None:
+        message = f"API key {event.owner!r} has no webhook_secret to sign with"
+        return Attempt("failed", "webhook_secret_missing", message)
+    payload = started.payload or _payload(started, box, jobs)
+    if payload is None:
+        return Attempt("failed", "job_deleted", "the job was deleted before its webhook was first sent")
+    headers = signed_headers([key.webhook_secret.get_secret_value()], started.event_id, int(time.time()), payload)
+    return post(event.url, payload, {**headers, "Content-Type": "application/json"}, settings)
+
+
+def _payload(started: Started, box: Outbox, jobs: JobStore) -> bytes | None:
+    """The body every attempt sends: the event, and the job as GET /v1/videos/{id} shows it (ended, so final)."""
+    job = jobs.get(started.event.job)
+    if job is None:
+        return None
+    body = {
+        "type": started.event.type,
+        "timestamp": datetime.fromtimestamp(started.event.at, UTC).isoformat().replace("+00:00", "Z"),
+        "data": jobs.view(job).model_dump(mode="json"),
+    }
+    return box.keep_payload(started.event_id, json.dumps(body, separators=(",", ":")).encode())
+
+
+def post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> Attempt:
+    """One POST to the first checked address of `url`'s host that accepts a connection, within the attempt's time."""
+    parts = urlsplit(url)
+    try:
+        if parts.scheme != "https":
+            raise UnsafeUrl("must be an https URL")
+        addresses = public_addresses(url, allow_loopback=settings.webhook_allow_loopback)
+    except UnsafeUrl as error:
+        return Attempt("failed", UnsafeUrl.code, f"the webhook URL is refused: {error}")
+    target = request_target(parts)
+    headers = {**headers, "Host": parts.netloc, "User-Agent": "vsrq-webhooks"}
+    deadline = time.monotonic() + settings.webhook_timeout_s
+    for address in addresses:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        pool = pinned_pool(parts, address, settings.webhook_ca_bundle, urllib3.Timeout(total=remaining))
+        try:
+            response = pool.urlopen(
+                "POST", target, body=body, headers=headers, redirect=False, retries=False, preload_content=False
+            )
+            response.close()  # the answer's body is never read: its size costs nothing
+        except (NewConnectionError, ConnectTimeoutError):  # this address is down: try the next
+            continue
+        except SSLError as error:
+            return Attempt("retry", "tls_failed", f"TLS with {parts.hostname} failed: {error.__context__ or error}")
+        except urllib3.exceptions.TimeoutError:
+            return Attempt("retry", "timeout", f"no answer within {settings.webhook_timeout_s:g} s")
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            return Attempt("retry", "connection_failed", f"the connection failed ({type(error).__name__})")
+        finally:
+            pool.close()
+        return _judged(response.status, response.headers.get("Retry-After"))
+    return Attempt("retry", "connection_failed", f"{parts.hostname} could not be reached")
+
+
+def _judged(status: int, retry_after: str | None) -> Attempt:
+    if 200 <= status < 300:
+        return Attempt("delivered", status_code=status)
+    if status == HTTPStatus.GONE:  # the receiver asks us to stop
+        return Attempt("failed", "receiver_gone", "the receiver answered 410 Gone", status)
+    if 300 <= status < 400:
+        message = f"the receiver answered {status}: redirects are not followed, give the final URL"
+        return Attempt("retry", "redirect_refused", message, status)
+    return Attempt("retry", "http_error", f"the receiver answered {status}", status, _seconds(retry_after))
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """Retry-After as seconds from now: a number of seconds, or an HTTP date."""
+    if not retry_after:
+        return None
+    if retry_after.strip().isdigit():
+        return float(retry_after)
+    try:
+        return max(0.0, parsedate_to_datetime(retry_after).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def backoff(attempt: int, settings: Settings, retry_after_s: float | None = None) -> float:
+    """Seconds until the attempt after `attempt` (1 for the first): base x 2^(attempt-1), at most retry_max_s, of which
+    a random half to whole (jitter: receivers coming back up are not hit by every retry at once); never sooner than
+    the receiver's Retry-After (itself capped at retry_max_s)."""
+    delay = min(settings.webhook_retry_max_s, settings.webhook_retry_base_s * 2 ** (attempt - 1))
+    delay *= random.uniform(0.5, 1.0)
+    if retry_after_s is not None:
+        delay = max(delay, min(retry_after_s, settings.webhook_retry_max_s))
+    return delay
+
+
+def _end(started: Started, attempt: Attempt, settings: Settings, box: Outbox, jobs: JobStore) -> None:
+    """Records the attempt in the job's events, then schedules the next one or removes the event."""
+    detail: dict[str, Any] = {
+        "webhook_id": started.event_id,
+        "event": started.event.type,
+        "attempt": started.attempt,
+        "outcome": attempt.outcome,
+        "code": attempt.code,
+        "status_code": attempt.status_code,
+        "message": attempt.message,
+    }
+    retry_in = None
+    if attempt.outcome == "retry":
+        if started.attempt < settings.webhook_max_attempts:
+            retry_in = backoff(started.attempt, settings, attempt.retry_after_s)
+            detail.update(outcome="retrying", retry_in_s=round(retry_in, 3))
+        else:
+            detail.update(outcome="failed", message=f"{attempt.message}; gave up after {started.attempt} attempts")
+    try:
+        jobs.note(started.event.job, "webhook", {name: value for name, value in detail.items() if value is not None})
+    except JobNotFound:  # deleted since: the delivery goes on, with nowhere to record it
+        pass
+    metrics.WEBHOOK_DELIVERIES.inc()
+    if attempt.outcome != "delivered":
+        metrics.WEBHOOK_FAILURES.inc()
+    if retry_in is not None:
+        current = box.retry(started.event_id, started.claim, retry_in)
+    else:
+        current = box.done(started.event_id, started.claim)
+    if not current:  # it outlasted its claim, and the event was taken again: that claim decides now
+        log.warning("%s attempt %d ended after its claim was taken over", started.event_id, started.attempt)
+    log.info(
+        "%s %s attempt %d: %s%s",
+        started.event_id,
+        started.event.type,
+        started.attempt,
+        detail["outcome"],
+        f" ({attempt.code}: {attempt.message})" if attempt.code else "",
+    )
