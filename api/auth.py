@@ -7,6 +7,7 @@ import hashlib
 from flask import g, request
 
 from api.errors import ApiError
+from api.services import services
 from storage.config import ApiKey, Settings
 
 
@@ -32,3 +33,9 @@ def authenticate(settings: Settings) -> ApiKey:
 def owner() -> str:
     """The id of the authenticated key: what its jobs are filed under."""
     return g.api_key.id
+
+
+def admit_caller() -> None:
+    """Every request of a blueprint that serves API keys: who is calling (401), and may they, now (429)."""
+    svc = services()
+    svc.limiter.admit(authenticate(svc.settings), svc.settings)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from api.auth import authenticate, owner
+from api.auth import admit_caller, owner
 from api.errors import ApiError
 from api.multipart import FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
@@ -20,10 +20,7 @@ from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
 blueprint = Blueprint("uploads", __name__)
 
 
-@blueprint.before_request
-def _authenticate() -> None:
-    svc = services()
-    svc.limiter.admit(authenticate(svc.settings), svc.settings)
+blueprint.before_request(admit_caller)
 
 
 # Form overhead on top of the file: boundaries, part headers, the non-file fields.

@@ -22,9 +22,10 @@ from flask import Blueprint, Response, g, jsonify, redirect, request
 from pydantic import ValidationError
 
 from api import idempotency
-from api.auth import authenticate, owner
+from api.auth import admit_caller, owner
 from api.errors import ApiError, field_errors, problem
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
+from api.ratelimit import limits_of
 from api.services import services
 from api.uploads import hash_form, receive_form
 from storage.blobs import SAFE_KEY, BlobError, upload_key
@@ -39,10 +40,7 @@ VIDEO_FILES = frozenset({"video_reference", "input_reference"})  # SGLang takes 
 MAX_JSON_BYTES = 1024 * 1024
 
 
-@blueprint.before_request
-def _authenticate() -> None:
-    svc = services()
-    svc.limiter.admit(authenticate(svc.settings), svc.settings)
+blueprint.before_request(admit_caller)
 
 
 @blueprint.errorhandler(JobNotFound)
@@ -142,7 +140,8 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
         )
     if create.video_url is not None:  # checked again by the worker right before each connection
         _check_url(create.video_url_field, create.video_url, services().settings.fetch_allow_loopback)
-        return InputInfo(url=create.video_url)
+        # the key's own upload limit holds for what the worker fetches for it, too
+        return InputInfo(url=create.video_url, max_bytes=limits_of(g.api_key, services().settings).upload_bytes)
     caller = owner()
     key = upload_key(caller, create.upload_id) if create.upload_id else create.input_key
     # Another caller's upload, or any key outside the caller's uploads, answers exactly as a missing one; so does a key
@@ -176,11 +175,10 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
         webhook_url=create.options.webhook_url,
     )
     try:
-        send_upscale(services().celery, job.id, job.queue)
+        send_upscale(services().celery, jobs, job)
     except Exception as error:
         jobs.abandon(job.id, "enqueue_failed", f"The job could not be queued: {type(error).__name__}")
         raise ApiError(503, "enqueue_failed", "The job could not be queued; retry later.") from error
-    jobs.sent(job.id)  # unconfirmed (this process died first), the reaper sends it after `enqueue_grace_s`
     return _body(job)
 
 

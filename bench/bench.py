@@ -271,6 +271,7 @@ class Bench:
         _, _, output = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, noise_mode=mode), collect=True)
         self.timer.take()
         first = self.first_ours.setdefault(name, output)
+        record["frames_out"] = len(output)
         record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
         if name in self.reference_frames:
             expected = self.reference_frames[name]

@@ -135,14 +135,14 @@ def main() -> None:
                 del out
 
         if "nabla" in sections:
-            from worker.sr.attention import NablaFlexProcessor, _qkv, nabla_density
+            from worker.sr.attention import NablaFlexProcessor, nabla_density, qkv
 
             x = torch.randn(1, 31, 32, 48, 129, device=device, dtype=torch.bfloat16)
             t = torch.tensor([700.0], device=device)
             densities: list[float] = []
             hooks = [
                 block.self_attention.register_forward_pre_hook(
-                    lambda attn, args: densities.append(nabla_density(*_qkv(attn, args[0], args[1])[:2], args[2]).item())
+                    lambda attn, args: densities.append(nabla_density(*qkv(attn, args[0], args[1])[:2], args[2]).item())
                 )
                 for block in transformer.visual_transformer_blocks
             ]

@@ -116,6 +116,7 @@ class InputInfo(BaseModel):
     key: str | None = None  # blob key; None for an input the worker fetches from `url`
     bytes: int | None = None  # None until known (a URL input)
     url: str | None = None  # an https URL (JSON create's `video_url`), fetched at task time by worker/fetch.py
+    max_bytes: int | None = None  # a URL input's size limit: its key's upload limit when the job was created
     sha256: str | None = None  # known when the API received the file itself
     filename: str | None = None
     upload_id: str | None = None

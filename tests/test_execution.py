@@ -116,3 +116,28 @@ def test_performance_modes_give_the_same_bits(tiny_piflow, baseline, mode):
     engine = open_upscaler(str(tiny_piflow), ["cpu"], mode)
     assert (engine.decode_order, engine.decode_segment) == tuple(PERFORMANCE_MODES[mode].values())
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
+
+
+def test_new_compiled_shapes_run_device_by_device_then_in_parallel(tiny_piflow, baseline):
+    """On GPUs the first call on new shapes compiles, and Dynamo tracing in one thread breaks module calls in the
+    others: such a call runs the devices in turn; later calls run them at once, every thread without gradients."""
+    import threading
+
+    engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu"])
+    engine.compiles = True  # what compiled blocks set on GPUs (compiling itself is GPU-only)
+    calls: list[tuple[str, bool]] = []
+    transformer = engine.replicas[0].transformer
+    hook = transformer.register_forward_pre_hook(
+        lambda *_: calls.append((threading.current_thread().name, torch.is_grad_enabled()))
+    )
+    try:
+        first = run(engine, clip(2), SRRequest(scale=2, seed=3))
+        in_turn = list(calls)
+        calls.clear()
+        second = run(engine, clip(2), SRRequest(scale=2, seed=3))
+    finally:
+        hook.remove()
+    assert {thread for thread, _ in in_turn} == {"MainThread"}
+    assert all(thread.startswith("vsrq-device") for thread, _ in calls)
+    assert not any(grad for _, grad in in_turn + calls)
+    assert torch.equal(first, baseline) and torch.equal(second, baseline)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import VARIANTS, clip, run
-from worker.sr.attention import DenseSDPAProcessor, NablaFlexProcessor, _qkv, nabla_density
+from worker.sr.attention import DenseSDPAProcessor, NablaFlexProcessor, nabla_density, qkv
 from worker.sr.engine import SREngine, SRRequest
 from worker.sr.noise import NoiseMode
 
@@ -85,7 +85,7 @@ def test_nabla_processor_is_the_stock_sparse_attention(tiny_piflow):
     densities = []
     attention = transformer.visual_transformer_blocks[0].self_attention
     attention.register_forward_pre_hook(
-        lambda attn, args: densities.append(nabla_density(*_qkv(attn, args[0], args[1])[:2], args[2]).item())
+        lambda attn, args: densities.append(nabla_density(*qkv(attn, args[0], args[1])[:2], args[2]).item())
     )
     outputs = {}
     with torch.no_grad():

@@ -10,6 +10,7 @@ from __future__ import annotations
 from celery import Celery
 
 from storage.config import Settings
+from storage.jobs import JobRecord, JobStore
 
 UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]
 
@@ -36,9 +37,11 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_upscale(app: Celery, job_id: str, queue: str) -> None:
-    """Puts one `vsrq.upscale` message for `job_id` on `queue` (the pipeline group serving the job's model)."""
-    app.send_task(UPSCALE_TASK, args=[job_id], queue=queue)
+def send_upscale(app: Celery, jobs: JobStore, job: JobRecord) -> None:
+    """Puts one `vsrq.upscale` message for `job` on its queue (the pipeline group serving its model), then confirms
+    it on the record: a job left unconfirmed (its sender died in between) gets one from the reaper."""
+    app.send_task(UPSCALE_TASK, args=[job.id], queue=job.queue)
+    jobs.sent(job.id)
 
 
 app = make_celery(Settings())

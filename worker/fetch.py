@@ -57,8 +57,11 @@ class Fetched:
     sha256: str
 
 
-def fetch(url: str, path: Path, settings: Settings, cancelled: Callable[[], bool]) -> Fetched:
-    """Downloads `url` to `path`. `cancelled` is asked between reads (it is the lease's heartbeat): True stops."""
+def fetch(
+    url: str, path: Path, settings: Settings, cancelled: Callable[[], bool], max_bytes: int | None = None
+) -> Fetched:
+    """Downloads `url` to `path`, at most `max_bytes` (default: the service's upload limit). `cancelled` is asked
+    between reads (it is the lease's heartbeat): True stops."""
     for _ in range(MAX_REDIRECTS + 1):
         with _get(url, settings) as response:
             if response.status in _REDIRECTS:
@@ -74,7 +77,7 @@ def fetch(url: str, path: Path, settings: Settings, cancelled: Callable[[], bool
                     f"The input URL answered {response.status} {_reason(response.status)}: check that it is "
                     "reachable without credentials and has not expired."
                 )
-            return _save(response, url, path, settings.max_upload_bytes, cancelled)
+            return _save(response, url, path, max_bytes or settings.max_upload_bytes, cancelled)
     raise FetchFailed(f"The input URL redirected more than {MAX_REDIRECTS} times.")
 
 

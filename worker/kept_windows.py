@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from storage.blobs import BlobStore, Progress, work_prefix
-from storage.jobs import JobRecord
+from storage.jobs import JobRecord, StaleAttempt
+from worker.sr.errors import Cancelled
 from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
 from worker.upscale import UpscaleOptions
 
@@ -77,6 +78,8 @@ class _UploadingRecorder:
                 path = self.store.local._path(self.index, suffix)
                 if path.exists():  # the last window has no tail
                     self.store._upload(path)
+        except (Cancelled, StaleAttempt):  # raised by the transfer's heartbeat: the attempt must stop
+            raise
         except Exception:  # storage down: the attempt goes on (its output upload waits it out); only a later attempt
             # would recompute this window
             log.warning("window %d not kept: blob storage unavailable", self.index, exc_info=True)

@@ -34,13 +34,11 @@ def reap_once(jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = No
     for job_id, status in outcome.items():
         job = jobs.get(job_id)
         if status == Status.QUEUED and job is not None:
-            send_upscale(celery, job_id, job.queue)
-            jobs.sent(job_id)
+            send_upscale(celery, jobs, job)
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
     grace = service.settings().enqueue_grace_s if enqueue_grace_s is None else enqueue_grace_s
     for job in jobs.unsent(grace):
-        send_upscale(celery, job.id, job.queue)
-        jobs.sent(job.id)
+        send_upscale(celery, jobs, job)
         log.warning("%s: queued without a message (its sender died): sent one", job.id, extra={"job_id": job.id})
     return outcome
 

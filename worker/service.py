@@ -68,7 +68,10 @@ def blobs() -> BlobStore:
 
 @cache
 def upscaler():
-    from worker.sr.backends import open_upscaler  # torch and the engine: only in processes that run jobs
+    # torch and the engine: only in processes that run jobs
+    from worker.sr.backends import open_upscaler
+    from worker.sr.windows import DEFAULT_WINDOW
 
     config = worker_settings()
-    return open_upscaler(config.model, config.device_list, config.performance_mode, config.warmup)
+    window = config.window or DEFAULT_WINDOW
+    return open_upscaler(config.model, config.device_list, config.performance_mode, window if config.warmup else None)

@@ -102,10 +102,13 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         # 2. Fetch the input
         beat.send(progress=0, stage="probing", force=True)
         if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
-            fetched = fetch(job.input.url, source, service.settings(), beat.cancelled)
+            fetched = fetch(job.input.url, source, service.settings(), beat.cancelled, job.input.max_bytes)
             log.info("%s fetched its input: %d bytes, sha256 %s", job.id, fetched.bytes, fetched.sha256)
         else:
-            beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
+            try:
+                beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
+            except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
+                raise InputNotFound("The input video is no longer in storage.") from None
 
         # 3. Probe, upscale window by window, encode, verify: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
@@ -127,15 +130,18 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
     lease.complete(
         OutputInfo(key=output_key, bytes=stored.size, sha256=stored.sha256, media=media_info(result.written))
     )
-    for key in service.blobs().keys(output_prefix(job.id)):
-        if key != output_key:
-            _discard(key)
-    _forget_windows(job.id)
     log.info(
         "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
         job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,
     )  # fmt: skip
-    _report_memory_once()
+    try:  # housekeeping: an error here must not reach `_end`, which would discard the promoted output
+        for key in service.blobs().keys(output_prefix(job.id)):
+            if key != output_key:
+                _discard(key)
+        _forget_windows(job.id)
+        _report_memory_once()
+    except Exception:  # storage.lifecycle's sweep deletes the leftovers of ended jobs
+        log.warning("%s: cleaning up after completion failed", job.id, exc_info=True)
 
 
 def _upload(path: Path, key: str, progress: Callable[[int], None]) -> BlobInfo:
@@ -239,23 +245,26 @@ class Heartbeat:
 Outcome = Literal["cancelled", "failed", "retry"]
 
 
+class InputNotFound(SRError):
+    code = "input_not_found"
+
+
 def classify(error: BaseException) -> tuple[Outcome, str, str]:
     """(outcome, code, message a user can act on) for an error that stopped an attempt."""
     if isinstance(error, Cancelled):
         return "cancelled", error.code, error.message
     if isinstance(error, SRError):  # raised on purpose, with a stable code: another attempt would raise it again
         return "failed", error.code, error.message
-    if isinstance(error, BlobNotFound):
-        return "failed", "input_not_found", "The input video is no longer in storage."
+    if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
+        return "retry", "storage_unavailable", "A file of the job went missing from blob storage."
     if isinstance(error, FetchUnavailable):  # the input's origin is down or slow: it may answer the next attempt
         return "retry", error.code, error.message
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "retry", "gpu_oom", "The GPU ran out of memory."
     if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return "retry", "redis_unavailable", "The job store could not be reached."
-    if isinstance(error, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError)):
-        return "retry", "storage_unavailable", "Blob storage could not be reached."
-    if isinstance(error, S3UploadFailedError):  # boto3's transfer manager gave up on the upload's parts
+    # (S3UploadFailedError: boto3's transfer manager gave up on the upload's parts)
+    if isinstance(error, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, S3UploadFailedError)):
         return "retry", "storage_unavailable", "Blob storage could not be reached."
     if isinstance(error, botocore.exceptions.ClientError) and _server_side(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."
@@ -279,8 +288,7 @@ def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> Non
         elif outcome == "failed":
             lease.fail(code, message)
         elif lease.retry(code, message) == Status.QUEUED:
-            send_upscale(app, job.id, job.queue)
-            service.jobs().sent(job.id)
+            send_upscale(app, service.jobs(), job)
             return  # the next attempt replays the kept windows
         _forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:

@@ -50,7 +50,8 @@ QUEUE = "vsrq.webhooks"
 
 @cache
 def outbox() -> Outbox:
-    return Outbox(service.jobs().redis)
+    jobs = service.jobs()
+    return Outbox(jobs.redis, jobs.prefix)  # the outbox the job store's scripts write
 
 
 def relay_once(box: Outbox, celery: Celery, claim_s: float) -> list[Claim]:

@@ -79,8 +79,7 @@ def create_record(jobs: JobStore, s3: S3BlobStore, clip: bytes, queue: str) -> J
 
 
 def enqueue(jobs: JobStore, settings: Settings, job: JobRecord) -> None:
-    send_upscale(make_celery(settings), job.id, job.queue)
-    jobs.sent(job.id)
+    send_upscale(make_celery(settings), jobs, job)
 
 
 def wait_until(condition: Callable[[], object], limit_s: float, log: Path | None = None, step_s: float = 0.1):

@@ -276,6 +276,10 @@ def test_fetch_outcomes(origin, fetch_settings, url_clip, tmp_path):
             fetch(f"{origin.base}{path}", target, fetch_settings, never)
         assert classify(error.value)[:2] == ("retry", "input_fetch_unavailable"), path
 
+    # a key's own, smaller upload limit holds for what is fetched for it (recorded on the job at create)
+    with pytest.raises(FetchFailed, match="larger than the limit"):
+        fetch(f"{origin.base}/clip.mp4", target, fetch_settings, never, max_bytes=len(url_clip) - 1)
+
     strict = fetch_settings.model_copy(update={"fetch_allow_loopback": False})
     with pytest.raises(FetchFailed, match="non-public"):  # loopback only where the development flag allows it
         fetch(f"{origin.base}/clip.mp4", target, strict, never)

@@ -35,7 +35,7 @@ from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.sr.checkpoint import write_tiny
 from worker.sr.errors import Cancelled, InvalidRequest
-from worker.tasks import classify
+from worker.tasks import InputNotFound, classify
 
 from .conftest import ROOT, auth, broker_messages
 
@@ -168,8 +168,8 @@ def test_a_duplicate_delivery_runs_once(api, worker, settings, jobs, s3, stereo_
         owner="dave", model="lanczos", queue="vsrq.cpu", params=params, input=InputInfo(key=key, bytes=stored.size)
     )
     celery = make_celery(settings)
-    send_upscale(celery, job.id, job.queue)
-    send_upscale(celery, job.id, job.queue)
+    send_upscale(celery, jobs, job)
+    send_upscale(celery, jobs, job)
     behind = create(api, stereo_clip)
     assert wait_for(api, behind["id"], worker)["status"] == "completed"
 
@@ -196,7 +196,8 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
     assert classify(Cancelled("stop")) == ("cancelled", "cancelled", "stop")
     assert classify(InputCorrupt("cut short")) == ("failed", "input_corrupt", "cut short")
     assert classify(InvalidRequest("bad scale"))[:2] == ("failed", "invalid_request")
-    assert classify(BlobNotFound("uploads/x"))[:2] == ("failed", "input_not_found")
+    assert classify(InputNotFound("gone"))[:2] == ("failed", "input_not_found")  # the input itself: final
+    assert classify(BlobNotFound("work/x"))[:2] == ("retry", "storage_unavailable")  # any other file: try again
     assert classify(torch.cuda.OutOfMemoryError("CUDA out of memory"))[:2] == ("retry", "gpu_oom")
     assert classify(redis_py.ConnectionError("refused"))[:2] == ("retry", "redis_unavailable")
     assert classify(EndpointConnectionError(endpoint_url="http://s3"))[:2] == ("retry", "storage_unavailable")

@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import flex_attention
 NABLA_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
-def _qkv(attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def qkv(attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(B, H, S, D) query, key and value as the stock processor makes them (fp32 RMSNorm, then RoPE)."""
     query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
     key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
@@ -40,7 +40,7 @@ class DenseSDPAProcessor:
     """Dense self-attention on the same q/k/v as the stock processor."""
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
-        query, key, value = _qkv(attn, hidden_states, rotary_emb)
+        query, key, value = qkv(attn, hidden_states, rotary_emb)
         return _out(attn, F.scaled_dot_product_attention(query, key, value))
 
 
@@ -49,7 +49,7 @@ class NablaFlexProcessor:
     build on Hopper. Only for a compiled transformer (eager flex materialises the scores)."""
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
-        query, key, value = _qkv(attn, hidden_states, rotary_emb)
+        query, key, value = qkv(attn, hidden_states, rotary_emb)
         mask = nabla_block_mask(query, key, sparse_params["sta_mask"], thr=sparse_params["threshold"])
         return _out(attn, flex_attention(query, key, value, block_mask=mask, kernel_options=NABLA_KERNEL_OPTIONS))
 

@@ -42,15 +42,19 @@ class Upscaler(Protocol):
 
 
 def open_upscaler(
-    model: str, devices: Sequence[str] = ("cpu",), performance_mode: PerformanceMode = "speed", warmup: bool = True
+    model: str,
+    devices: Sequence[str] = ("cpu",),
+    performance_mode: PerformanceMode = "speed",
+    warmup_frames: int | None = DEFAULT_WINDOW,
 ) -> Upscaler:
-    """`warmup` builds the compiled blocks (GPUs) with one throwaway window, so the first job is not the cold one."""
+    """`warmup_frames` (the worker's window length; None: no warmup) builds the compiled blocks (GPUs) with one
+    throwaway window, so the first job is not the cold one."""
     if model == "lanczos":
         return LanczosUpscaler()
     engine = SREngine.from_pretrained(model, devices, **PERFORMANCE_MODES[performance_mode])
-    if warmup and engine.compiles:
-        log.info("warming up %s (compiling for a %d-frame window)", ",".join(map(str, engine.devices)), DEFAULT_WINDOW)
+    if warmup_frames and engine.compiles:
+        log.info("warming up %s (compiling for a %d-frame window)", ",".join(map(str, engine.devices)), warmup_frames)
         started = perf_counter()
-        info = engine.warmup(DEFAULT_WINDOW)
+        info = engine.warmup(warmup_frames)
         log.info("warm after %.1f s (%d tiles over %d devices)", perf_counter() - started, info.tiles, len(info.devices))
     return engine

@@ -122,6 +122,9 @@ class SREngine:
         full size)."""
         if attention not in PROCESSORS:
             raise ValueError(f"attention must be one of {tuple(PROCESSORS)}, got {attention!r}")
+        if attention == "nabla" and compile_transformer is False and any(r.device.type == "cuda" for r in replicas):
+            raise ValueError("attention='nabla' needs the compiled transformer on GPUs (eager flex attention "
+                             "materialises the whole score matrix)")
         if decode_order not in DECODE_ORDERS:
             raise ValueError(f"decode_order must be one of {DECODE_ORDERS}, got {decode_order!r}")
         if not replicas:
@@ -451,7 +454,10 @@ class SREngine:
         Dynamo traces in one thread it patches `nn.Module.__call__` for every thread, so another device's forward
         would fail ("FX to symbolically trace a dynamo-optimized function")."""
         jobs = [(self.replicas[slot], tiles) for slot, tiles in assignment.items() if tiles]
-        first_compile = compiles is not None and self.compiles and compiles not in self._warm_shapes
+        # Which devices run how many tiles is part of the shapes: a device that sat out, or gets another batch
+        # remainder, compiles then.
+        shapes = (compiles, tuple(len(tiles) for tiles in assignment.values()))
+        first_compile = compiles is not None and self.compiles and shapes not in self._warm_shapes
 
         grad = torch.is_grad_enabled()  # thread-local: pool threads would run with gradients on, and compiled code
         # guarded on grad mode would recompile there, concurrently
@@ -464,7 +470,7 @@ class SREngine:
         if self._pool is None or len(jobs) == 1 or first_compile:
             results = [on_device(replica, tiles) for replica, tiles in jobs]
             if first_compile:
-                self._warm_shapes.add(compiles)
+                self._warm_shapes.add(shapes)
         else:
             results = [future.result() for future in [self._pool.submit(on_device, r, t) for r, t in jobs]]
         return {key: value for result in results for key, value in result.items()}

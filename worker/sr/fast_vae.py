@@ -95,11 +95,14 @@ def speed_up_decoder(vae: torch.nn.Module) -> torch.nn.Module:
 def compile_decoder(vae: torch.nn.Module) -> torch.nn.Module:
     """Compiles each decoder resnet block for static shapes, so Inductor fuses its norms, SiLUs and padding copies.
 
-    Blocks share one code object: every (level, segment length, first segment or not) is its own graph, a few dozen
-    in all, above Dynamo's default limit of 8 recompiles."""
+    Blocks share one code object: every (level, segment length 1-4, first segment or not, tile size, device) is its
+    own graph, a few dozen per device and tile size, far above Dynamo's default limits (8 per code object, 256 in
+    all); with `fullgraph` a limit hit would fail the job instead of falling back to eager."""
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 4096)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 65536)
     for module in vae.decoder.modules():
         if isinstance(module, Kandinsky6SRResnetBlock3D) and getattr(module, "_compiled_call_impl", None) is None:
             module.compile(dynamic=False, fullgraph=True)
