@@ -181,8 +181,12 @@ def first_event(jobs: JobStore, job_id: str, kind: str) -> float:
     return next(event.at for event in jobs.events(job_id) if event.type == kind)
 
 
-def outputs(blobs: S3BlobStore, job_id: str) -> list[str]:
-    return list(blobs.keys(output_prefix(job_id)))
+def outputs(blobs: S3BlobStore, job_id: str, settle_s: float = 10) -> list[str]:
+    """The job's output objects, once the completing attempt's cleanup (just after its promotion) had its chance."""
+    deadline = time.monotonic() + settle_s
+    while len(found := list(blobs.keys(output_prefix(job_id)))) > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
 
 
 def content_sha256(api: str, job_id: str) -> str:
@@ -297,7 +301,10 @@ def test_a_long_job_killed_mid_way_resumes_from_its_kept_windows(env, api, reape
         assert job.status == Status.COMPLETED and job.attempt == 2
         assert recomputed <= 1
         assert job.output.sha256 == reference.output.sha256
-        assert list(blobs.keys(kept_prefix)) == []  # the job's end deletes its kept windows
+        deadline = time.monotonic() + 30  # the job's end deletes its kept windows, just after the promotion
+        while any(blobs.keys(kept_prefix)):
+            assert time.monotonic() < deadline, list(blobs.keys(kept_prefix))
+            time.sleep(0.1)
     finally:
         supervisor.stop()
 
