@@ -29,7 +29,7 @@ import redis.exceptions
 import torch
 from boto3.exceptions import S3UploadFailedError
 from celery.signals import worker_init
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, work_prefix
 from storage.jobs import (
@@ -120,11 +120,9 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         metrics.record_upscale(result)
 
         # 4. Upload to this attempt's key: a stale attempt may upload, but only the fenced `complete` promotes
-        if beat.send(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True):
-            raise Cancelled("the job was cancelled")
+        beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True)
         stored = beat.storage(lambda: _upload(output, output_key, beat.transfer))
-        if beat.send(force=True):  # asked while it uploaded: the output is discarded, not promoted
-            raise Cancelled("the job was cancelled")
+        beat.stop_if_cancelled(force=True)  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
     lease.complete(
@@ -215,26 +213,26 @@ class Heartbeat:
     def cancelled(self) -> bool:
         return self.send()
 
+    def stop_if_cancelled(self, **beat: Any) -> None:
+        """`send(**beat)`, raising `Cancelled` when the owner asked to cancel."""
+        if self.send(**beat):
+            raise Cancelled("the job was cancelled")
+
     def transfer(self, _: int) -> None:
         """A blob transfer's progress callback (called from boto3's threads): a multi-GB transfer keeps the lease, and
         a cancel stops it."""
-        if self.send():
-            raise Cancelled("the job was cancelled")
+        self.stop_if_cancelled()
 
     def storage(self, transfer: Callable[[], T]) -> T:
         """Runs a blob transfer, waiting out a storage outage (a restart, a network blip) inside the attempt for up to
         `storage_retry_s`: the lease is kept alive and a cancel still stops it within a beat. Past that, the error
         ends the attempt as a `retry` (see `classify`)."""
 
-        def beat(_: RetryCallState) -> None:
-            if self.send(force=True):
-                raise Cancelled("the job was cancelled")
-
         retrying = Retrying(
             retry=retry_if_exception(lambda error: classify(error)[1] == "storage_unavailable"),
             wait=wait_exponential(multiplier=0.25, max=1),
             stop=stop_after_delay(service.worker_settings().storage_retry_s),
-            before_sleep=beat,
+            before_sleep=lambda _: self.stop_if_cancelled(force=True),
             reraise=True,
         )
         return retrying(transfer)
@@ -256,15 +254,20 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     if isinstance(error, SRError):  # raised on purpose, with a stable code: another attempt would raise it again
         return "failed", error.code, error.message
     if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
-        return "retry", "storage_unavailable", "A file of the job went missing from blob storage."
+        # (its own code: `Heartbeat.storage` waits out only outages, and a missing file is not one)
+        return "retry", "job_file_missing", "A file of the job went missing from blob storage."
     if isinstance(error, FetchUnavailable):  # the input's origin is down or slow: it may answer the next attempt
         return "retry", error.code, error.message
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "retry", "gpu_oom", "The GPU ran out of memory."
     if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return "retry", "redis_unavailable", "The job store could not be reached."
-    # (S3UploadFailedError: boto3's transfer manager gave up on the upload's parts)
-    if isinstance(error, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, S3UploadFailedError)):
+    unreachable = (  # S3UploadFailedError: boto3's transfer manager gave up on the upload's parts
+        botocore.exceptions.ConnectionError,
+        botocore.exceptions.HTTPClientError,
+        S3UploadFailedError,
+    )
+    if isinstance(error, unreachable):
         return "retry", "storage_unavailable", "Blob storage could not be reached."
     if isinstance(error, botocore.exceptions.ClientError) and _server_side(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."

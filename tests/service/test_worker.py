@@ -197,7 +197,7 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
     assert classify(InputCorrupt("cut short")) == ("failed", "input_corrupt", "cut short")
     assert classify(InvalidRequest("bad scale"))[:2] == ("failed", "invalid_request")
     assert classify(InputNotFound("gone"))[:2] == ("failed", "input_not_found")  # the input itself: final
-    assert classify(BlobNotFound("work/x"))[:2] == ("retry", "storage_unavailable")  # any other file: try again
+    assert classify(BlobNotFound("work/x"))[:2] == ("retry", "job_file_missing")  # any other file: try again
     assert classify(torch.cuda.OutOfMemoryError("CUDA out of memory"))[:2] == ("retry", "gpu_oom")
     assert classify(redis_py.ConnectionError("refused"))[:2] == ("retry", "redis_unavailable")
     assert classify(EndpointConnectionError(endpoint_url="http://s3"))[:2] == ("retry", "storage_unavailable")
