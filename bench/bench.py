@@ -8,9 +8,10 @@ JSON line to --out as soon as it is measured, so a run cut short still reports w
 Phases:
   ref:WL              the reference pipeline: one cold run, --hot hot runs (every ref: phase must come first)
   ours:WL:DEVICES[@ORDER[/SEGMENT]]
-                      the engine + MP4 encoding, cold + hot; then (unless --no-check), if ref:WL ran, one run in
-                      reference noise mode compared with the reference output; bit-identity against the first
-                      ours:WL phase. ORDER is lockstep (default) or tile_major, SEGMENT the decode segment (4).
+                      the engine + MP4 encoding, cold + hot; then (unless --no-check), if ref:WL or another
+                      ours:WL phase runs, one run in reference noise mode compared with the reference output and
+                      for bit-identity against the first ours:WL phase. ORDER is lockstep (default) or
+                      tile_major, SEGMENT the decode segment (4).
                       Clips longer than one window (W3) run in temporal windows, as the worker runs them
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
 A phase ending in *N runs N hot runs instead of --hot's (e.g. ours:W1:cuda:0*0: cold and the check only).
@@ -58,7 +59,11 @@ W1_TOKENS, W1_ATTENTION, W1_LINEAR, W1_DECODE, W1_ENCODE, W1_UPSCALE = 47_616, 5
 
 
 def stage_tflop(height: int, width: int, frames: int, scale: float, tile_sizes, snap: int) -> dict[str, float]:
-    """TFLOP per stage, scaled from the W1 counts: attention ~ tokens^2, everything else ~ size."""
+    """TFLOP per stage, scaled from the W1 counts: attention ~ tokens^2, everything else ~ size; summed over the
+    temporal windows a long clip runs in."""
+    if frames > DEFAULT_WINDOW:
+        windows = [stage_tflop(height, width, window.frames, scale, tile_sizes, snap) for window in plan_windows(frames).windows]
+        return {stage: sum(window[stage] for window in windows) for stage in windows[0]}
     tiling_scale, _ = tiling.split_scale(scale)
     plan = tiling.plan_tiles(*tiling.pre_upscaled_size(height, width, scale), tiling_scale, tile_sizes, snap)
     tokens = ((frames - 1) // 4 + 1) * (plan.base_height // snap) * (plan.base_width // snap)
@@ -148,6 +153,8 @@ class Bench:
         self.engines: dict[tuple[torch.device, ...], SREngine] = {}
         self.reference_frames: dict[str, torch.Tensor] = {}
         self.first_ours: dict[str, torch.Tensor] = {}
+        self.compared: set[str] = set()  # workloads with a reference or another ours phase: worth the check run
+        self.frames_written = 0  # by the latest run_ours
         self._attach(self.parts, self.home)
         self.emit({"phase": "build", "bytes": {name: module_bytes(self.parts[name]) for name in ("transformer", "vae", "latent_upscaler")}})
 
@@ -182,8 +189,8 @@ class Bench:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
 
-    def peaks(self, devices: list[torch.device]) -> dict[str, float]:
-        return {str(d): round(torch.cuda.max_memory_reserved(d) / 2**30, 2) for d in devices if d.type == "cuda"}
+    def peaks(self, devices: list[torch.device], measure=torch.cuda.max_memory_reserved) -> dict[str, float]:
+        return {str(d): round(measure(d) / 2**30, 2) for d in devices if d.type == "cuda"}
 
     # --- phases -------------------------------------------------------------------------------------------------
 
@@ -247,9 +254,12 @@ class Bench:
                 upscale_windows(engine, pixels, plan_windows(frames), request, sink)
             else:
                 engine.upscale(video, request, sink)
+            engine_done = time.perf_counter()
             writer.close()
             elapsed = time.perf_counter() - started
-        stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3)}
+        # mp4_tail: from the engine's last frame to a finished file (what the encoder could not overlap)
+        stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3), "mp4_tail": round(started + elapsed - engine_done, 3)}
+        self.frames_written = writer.frames
         return elapsed, stages, torch.cat(collected) if collect else None
 
     def ours(self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4, hot: int | None = None) -> None:
@@ -261,8 +271,13 @@ class Bench:
             runs.append(elapsed)
             stages.append(stage)
         record = self.summary("vsrq", name, runs, stages, self.peaks(engine.devices), devices)
-        record |= {"decode_order": order, "decode_segment": segment}
-        if not self.check:
+        record |= {
+            "decode_order": order,
+            "decode_segment": segment,
+            "peak_allocated_gib": self.peaks(engine.devices, torch.cuda.max_memory_allocated),
+            "frames_out": self.frames_written,
+        }
+        if not self.check or name not in self.compared:
             self.emit(record)
             return
         # One untimed run whose output is checked: in the reference's noise mode when the reference ran, so the same
@@ -271,7 +286,6 @@ class Bench:
         _, _, output = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, noise_mode=mode), collect=True)
         self.timer.take()
         first = self.first_ours.setdefault(name, output)
-        record["frames_out"] = len(output)
         record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
         if name in self.reference_frames:
             expected = self.reference_frames[name]
@@ -311,6 +325,13 @@ class Bench:
         }
 
 
+def parse_phase(phase: str) -> tuple[str, str, list[str], str]:
+    """"ours:W1:cuda:0@tile_major/2*1" -> ("ours", "W1", ["cuda:0@tile_major/2"], "1")."""
+    phase, _, hot = phase.partition("*")
+    kind, name, *rest = phase.split(":", 2)
+    return kind, name, rest, hot
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phases", required=True)
@@ -321,9 +342,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     args = parser.parse_args(argv)
     bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot)
-    for phase in args.phases.split(","):
-        phase, _, hot = phase.partition("*")
-        kind, name, *rest = phase.split(":", 2)
+    phases = [parse_phase(phase) for phase in args.phases.split(",")]
+    ours = [name for kind, name, *_ in phases if kind == "ours"]
+    bench.compared = {name for kind, name, *_ in phases if kind == "ref"} | {name for name in ours if ours.count(name) > 1}
+    for kind, name, rest, hot in phases:
         if kind == "ref":
             bench.reference(name)
         elif kind == "ours":
@@ -333,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         elif kind == "batch":
             bench.batch(name, int(rest[0]))
         else:
-            raise SystemExit(f"unknown phase {phase!r}")
+            raise SystemExit(f"unknown phase kind {kind!r}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Micro-benchmarks of the GPU levers, one W1 tile at full size (random bf16 weights): where decode and DiT time
 goes (torch.profiler), and what each candidate change buys and costs in accuracy.
 
-    python bench/levers.py --out levers.jsonl [--sections profile,decode,attention,dit,nabla]
+    python bench/levers.py --out levers.jsonl [--sections profile,decode,memory,attention,dit,nabla,mp4]
 
 Run `nabla` and `dit` in separate processes: each compiles the transformer's blocks for its own processor.
 """
@@ -53,6 +53,29 @@ def compiled_dit_call(transformer, x: torch.Tensor, t: torch.Tensor) -> tuple[fl
     compile_seconds = time.perf_counter() - started
     seconds, out = timed(lambda: transformer(x, t, return_dict=False)[0], repeat=2)
     return compile_seconds, seconds, out
+
+
+def mp4_tail(lookahead: int | None, frames: int = 121, chunk: int = 16, every_s: float = 0.6) -> dict:
+    """The W1 output (1536x1024) through the product's writer, 16 frames every `every_s` as the engine delivers
+    them: how long the file takes to finish after the last frame (x264 holds its lookahead and one frame per
+    thread), and its size at the same CRF."""
+    import tempfile
+    from fractions import Fraction
+
+    from worker.media.synthetic import pattern
+    from worker.media.writer import Mp4Writer
+
+    video = pattern(frames, 1024, 1536)  # on the CPU, as the engine hands frames to the sink
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "out.mp4"
+        writer = Mp4Writer(path, Fraction(24), (1024, 1536), lookahead=lookahead)
+        for start in range(0, frames, chunk):
+            if start:
+                time.sleep(every_s)
+            writer.write(video[start : start + chunk])
+        started = time.perf_counter()  # right after the last frames, as `engine.upscale` returns
+        writer.close()
+        return {"lookahead": lookahead, "tail_s": round(time.perf_counter() - started, 3), "bytes": path.stat().st_size, "encode_thread_s": round(writer.encode_seconds, 3)}
 
 
 def top_kernels(prof) -> str:
@@ -134,6 +157,36 @@ def main() -> None:
                 })
                 del out
 
+        if "memory" in sections:
+            # Where a resident W1 job's decode memory goes: one tile's causal cache, and the activations of one
+            # segment by its length (the compiled decoder, as the engine runs it).
+            from worker.sr.fast_vae import cache_bytes, compile_decoder, speed_up_decoder
+
+            compile_decoder(speed_up_decoder(vae))
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            cache = vae.decoder.make_cache()
+            vae.decoder(z[:, :, :1], cache)
+            vae.decoder(z[:, :, 1:5], cache)
+            held = cache_bytes(cache)
+            emit({"section": "decode_cache", "bytes_per_tile": held, "gib_per_tile": round(held / 2**30, 2)})
+            del cache
+            for segment in (4, 2, 1):
+                decode(vae, z, segment)  # compiles this segment length
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                seconds, out = timed(lambda: decode(vae, z, segment), repeat=1)
+                emit({
+                    "section": "decode_memory",
+                    "segment": segment,
+                    "seconds": round(seconds, 3),
+                    "peak_allocated_above_weights_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2),
+                    "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                    "weights_gib": round(base / 2**30, 2),
+                })
+                del out
+
         if "nabla" in sections:
             from worker.sr.attention import NablaFlexProcessor, nabla_density, qkv
 
@@ -161,6 +214,10 @@ def main() -> None:
                 "max_abs_delta_vs_dense": delta.abs().max().item(),
                 "rel_rms_delta_vs_dense": (delta.pow(2).mean().sqrt() / dense.pow(2).mean().sqrt()).item(),
             })
+
+        if "mp4" in sections:
+            for lookahead in (None, 16, 8):
+                emit({"section": "mp4_tail"} | mp4_tail(lookahead))
 
         if "attention" in sections:
             from torch.nn.attention import SDPBackend, sdpa_kernel

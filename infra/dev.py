@@ -18,7 +18,7 @@ from pathlib import Path
 import requests
 
 from infra.stack import Stack, free_ports, stop_processes
-from storage.webhooks import new_secret
+from storage.signatures import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "vsrq.k6"

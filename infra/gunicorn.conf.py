@@ -10,7 +10,7 @@ from storage.logs import dict_config, settings_secrets
 
 bind = os.environ.get("VSRQ_BIND", "127.0.0.1:8000")
 workers = int(os.environ.get("VSRQ_WEB_WORKERS", "2"))
-worker_class = "gthread"
+worker_class = "api.gunicorn_worker.ProblemWorker"  # gthread, answering its own errors as problem+json
 threads = int(os.environ.get("VSRQ_WEB_THREADS", "8"))
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60

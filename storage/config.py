@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from storage.webhooks import InvalidSecret, secret_key
+from storage.signatures import InvalidSecret, secret_key
 
 K6_VSR = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 MiB = 1024 * 1024
@@ -44,7 +44,7 @@ class ApiKey(BaseModel):
                 secret_key(secret.get_secret_value())
             except InvalidSecret as error:  # the message names the rule, never the value
                 raise ValueError(
-                    f"webhook_secret {error}; make one with `python -c \"from storage.webhooks import new_secret; "
+                    f"webhook_secret {error}; make one with `python -c \"from storage.signatures import new_secret; "
                     f'print(new_secret())"`'
                 ) from None
         return secret

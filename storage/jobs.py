@@ -19,7 +19,8 @@ Times come from Redis (`TIME`), so workers' and API servers' clocks never disagr
     vsrq:queue:{queue}              zset: queued job ids by enqueue order (queue position = rank)
     vsrq:leases                     zset: in-progress job ids by lease expiry (what the reaper scans)
     vsrq:unsent                     zset: job ids put in `queued` whose Celery message is not yet confirmed sent, by
-                                    when it was due; written before the message, removed after it (`sent`)
+                                    when it was due; written with the move into `queued` (create's transaction, the
+                                    requeue script), removed once the message is sent (`sent`) or the job moves on
     vsrq:owner:{owner}:{view}       zset: the owner's job ids by creation order; view = "all" or a status
     vsrq:webhooks:*                 the webhook outbox (storage.webhooks): a job's end writes its webhook there
 """
@@ -112,12 +113,19 @@ class MediaInfo(BaseModel):
     audio: bool
 
 
+class FileDigest(BaseModel):
+    """A file's size and SHA-256, as its reader counted them."""
+
+    bytes: int
+    sha256: str
+
+
 class InputInfo(BaseModel):
     key: str | None = None  # blob key; None for an input the worker fetches from `url`
-    bytes: int | None = None  # None until known (a URL input)
+    bytes: int | None = None  # None until known (a URL input: once fetched)
     url: str | None = None  # an https URL (JSON create's `video_url`), fetched at task time by worker/fetch.py
     max_bytes: int | None = None  # a URL input's size limit: its key's upload limit when the job was created
-    sha256: str | None = None  # known when the API received the file itself
+    sha256: str | None = None  # known when the API received the file itself, or once the worker fetched `url`
     filename: str | None = None
     upload_id: str | None = None
     owned_by_job: bool = False  # uploaded with the job (multipart create): deleted with it
@@ -171,8 +179,10 @@ class JobRecord(BaseModel):
 
 
 class VideoInput(BaseModel):
-    bytes: int | None
-    sha256: str | None
+    bytes: int | None = Field(description="the input file's size; for a URL input, null until the worker fetched it")
+    sha256: str | None = Field(
+        description="hex SHA-256 of the input file: the one sent with the job, or a URL input's once fetched"
+    )
     filename: str | None
     upload_id: str | None
     media: MediaInfo | None
@@ -259,7 +269,7 @@ _PRELUDE = (
     + "}\n"
     + """
 local JOB, EVENTS, QUEUE, LEASES, SEQ, ALL = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11]
-local OUTBOX, WEBHOOKS = KEYS[12], KEYS[13]
+local OUTBOX, WEBHOOKS, UNSENT = KEYS[12], KEYS[13], KEYS[14]
 local function fail(code, message) error({err = code .. ' ' .. message}) end
 local function now()
   local t = redis.call('TIME')
@@ -300,8 +310,15 @@ local function move(to, t)
   local id, seq = field('id'), field('seq')
   redis.call('ZREM', KEYS[VIEW[from]], id)
   redis.call('ZADD', KEYS[VIEW[to]], seq, id)
-  if from == 'queued' then redis.call('ZREM', QUEUE, id) end
-  if to == 'queued' then redis.call('ZADD', QUEUE, redis.call('INCR', SEQ), id) end
+  if from == 'queued' then
+    redis.call('ZREM', QUEUE, id)
+    redis.call('ZREM', UNSENT, id)  -- leased (so sent), cancelled or abandoned: no message is due any more
+  end
+  -- Queued again: its message is due, in the same write, so a sender that dies before sending leaves it to `unsent`
+  if to == 'queued' then
+    redis.call('ZADD', QUEUE, redis.call('INCR', SEQ), id)
+    redis.call('ZADD', UNSENT, t, id)
+  end
   if from == 'in_progress' then
     redis.call('ZREM', LEASES, id)
     redis.call('HDEL', JOB, 'lease_until', 'worker')
@@ -333,7 +350,8 @@ event('leased', t, {worker = ARGV[1]})
 return attempt
 """
 
-# ARGV: attempt, lease seconds, progress ('' = unchanged), stage ('' = unchanged), input media JSON ('' = unchanged).
+# ARGV: attempt, lease seconds, progress ('' = unchanged), stage ('' = unchanged), a JSON object of input fields to set
+# (media, bytes, sha256; '' = unchanged).
 # Extends the lease; progress never goes back within an attempt. Returns 1 when cancellation was requested.
 _TOUCH = """
 fenced(ARGV[1])
@@ -350,7 +368,7 @@ if ARGV[4] ~= '' and ARGV[4] ~= field('stage') then
 end
 if ARGV[5] ~= '' then
   local input = cjson.decode(field('input'))
-  input.media = cjson.decode(ARGV[5])
+  for name, value in pairs(cjson.decode(ARGV[5])) do input[name] = value end
   redis.call('HSET', JOB, 'input', cjson.encode(input))
 end
 return tonumber(field('cancel_requested'))
@@ -431,7 +449,7 @@ _DELETE = """
 local current = status()
 if current == 'in_progress' then fail('job_active', 'the job is in progress: cancel it, then delete it') end
 local id = field('id')
-for _, key in ipairs({QUEUE, LEASES, ALL, KEYS[VIEW[current]]}) do redis.call('ZREM', key, id) end
+for _, key in ipairs({QUEUE, LEASES, ALL, UNSENT, KEYS[VIEW[current]]}) do redis.call('ZREM', key, id) end
 redis.call('DEL', JOB, EVENTS)
 return 1
 """
@@ -506,6 +524,7 @@ class JobStore:
             *(self._owner_key(owner, status) for status in _STATUSES),
             self._owner_key(owner, "all"),
             *outbox_keys(self.prefix),
+            self._unsent_key,
         ]
 
     def _run(self, script: str, job_id: str, *args: Any) -> Any:
@@ -640,12 +659,23 @@ class JobStore:
         progress: int | None = None,
         stage: Stage | None = None,
         input_media: MediaInfo | None = None,
+        input_file: FileDigest | None = None,
     ) -> bool:
-        """Heartbeat: extends the lease, records progress / stage / the input's probe. Returns whether the owner
-        asked to cancel. Raises `StaleAttempt` when this attempt no longer holds the job."""
-        media = input_media.model_dump_json() if input_media else ""
+        """Heartbeat: extends the lease, records progress / stage / the input's probe / a fetched input's size and
+        digest. Returns whether the owner asked to cancel. Raises `StaleAttempt` when this attempt no longer holds the
+        job."""
+        fields = {
+            **({"media": input_media.model_dump(mode="json")} if input_media else {}),
+            **(input_file.model_dump(mode="json") if input_file else {}),
+        }
         flag = self._run(
-            "touch", job_id, attempt, lease_s, "" if progress is None else int(progress), stage or "", media
+            "touch",
+            job_id,
+            attempt,
+            lease_s,
+            "" if progress is None else int(progress),
+            stage or "",
+            json.dumps(fields) if fields else "",
         )
         return bool(flag)
 
@@ -677,11 +707,7 @@ class JobStore:
         """A failure another attempt may not repeat (lost device, OOM under load): requeued, or failed once the job
         has had `max_attempts`. The caller sends the task again when this returns `queued`."""
         reason = JobErrorInfo(code=code, message=message).model_dump_json()
-        self._message_due(job_id)
-        status = Status(self._run("requeue", job_id, attempt, reason, self.max_attempts, self.result_ttl_s, 0).decode())
-        if status != Status.QUEUED:
-            self.sent(job_id)
-        return status
+        return Status(self._run("requeue", job_id, attempt, reason, self.max_attempts, self.result_ttl_s, 0).decode())
 
     # -- the owner's side: cancel, delete --------------------------------------------------------------------------
 
@@ -716,26 +742,18 @@ class JobStore:
             if job is None or job.status != Status.IN_PROGRESS:
                 continue
             reason = JobErrorInfo(code="lease_expired", message=f"worker {job.worker} stopped sending heartbeats")
-            self._message_due(job_id)
             try:
                 status = self._run(
                     "requeue", job_id, job.attempt, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1
                 ).decode()
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue
-            if status != Status.QUEUED:
-                self.sent(job_id)
             if status:
                 outcome[job_id] = Status(status)
         return outcome
 
 
     # -- messages: every way into `queued` needs a Celery message, and its sender may die before sending it --------
-
-    def _message_due(self, job_id: str) -> None:
-        """Marks that `job_id` is about to need a message; written before the job is requeued, so a sender that dies
-        between the two leaves the job to `unsent`."""
-        self.redis.zadd(self._unsent_key, {job_id: _redis_now(self.redis)})
 
     def sent(self, job_id: str) -> None:
         """The job's message is on the broker."""
@@ -744,7 +762,7 @@ class JobStore:
     def unsent(self, older_than_s: float, limit: int = 100) -> list[JobRecord]:
         """Queued jobs whose message was due more than `older_than_s` ago and never confirmed sent: the reaper sends
         them one. A duplicate is harmless (a lease is fenced; a message for a job that is not queued is dropped).
-        Marks of jobs that moved on are dropped here."""
+        Marks of jobs no longer queued (left by versions that wrote them outside the transition) are dropped here."""
         due = _redis_now(self.redis) - older_than_s
         found = []
         for raw in self.redis.zrangebyscore(self._unsent_key, "-inf", due, start=0, num=limit):
@@ -781,11 +799,22 @@ class Lease:
         return self.store.require(self.job_id)
 
     def heartbeat(
-        self, *, progress: int | None = None, stage: Stage | None = None, input_media: MediaInfo | None = None
+        self,
+        *,
+        progress: int | None = None,
+        stage: Stage | None = None,
+        input_media: MediaInfo | None = None,
+        input_file: FileDigest | None = None,
     ) -> bool:
         """Returns True when the owner asked to cancel."""
         return self.store.touch(
-            self.job_id, self.attempt, self.lease_s, progress=progress, stage=stage, input_media=input_media
+            self.job_id,
+            self.attempt,
+            self.lease_s,
+            progress=progress,
+            stage=stage,
+            input_media=input_media,
+            input_file=input_file,
         )
 
     def complete(self, output: OutputInfo) -> JobRecord:

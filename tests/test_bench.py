@@ -20,3 +20,13 @@ def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     assert batch["bit_identical_to_batch_1"]
     assert long["workload"] == "W3" and long["input"].endswith("x129")  # two temporal windows
     assert long["frames_out"] == 129  # every frame, through the windows
+    assert "bit_identical_to_first_vsrq_phase" not in long  # its only phase: nothing to compare, no check run
+    assert single["stage_device_s_last_run"]["mp4_tail"] >= 0
+
+
+def test_phases_parse_with_their_hot_run_counts():
+    from bench.bench import parse_phase
+
+    assert parse_phase("ours:W1:cuda:0+cuda:1@tile_major/2*1") == ("ours", "W1", ["cuda:0+cuda:1@tile_major/2"], "1")
+    assert parse_phase("ref:W1*0") == ("ref", "W1", [], "0")
+    assert parse_phase("ours:W2") == ("ours", "W2", [], "")

@@ -8,7 +8,7 @@ import diffusers
 import torch
 
 from worker.sr.checkpoint import tiny_components
-from worker.sr.fast_vae import BroadcastSpatialNorm3D, ImplicitPadCausalConv3d, speed_up_decoder
+from worker.sr.fast_vae import BroadcastSpatialNorm3D, ImplicitPadCausalConv3d, cache_bytes, speed_up_decoder, tile_cache_bytes
 
 
 def decode_in_segments(vae, z: torch.Tensor) -> torch.Tensor:
@@ -46,3 +46,19 @@ def test_full_size_decoder_layout_has_integer_upsampling_factors():
     for frames in (1, 4):
         vae.decoder(torch.empty(1, 64, frames, 32, 48, device="meta"), cache)
     assert factors and all(float(f).is_integer() for triple in factors for f in triple)
+
+
+def test_a_tiles_decoder_cache_is_sized_without_memory_or_arithmetic():
+    """The meta-device dry run gives the bytes a real cache holds: on the tiny model here, and for the full-size
+    VAE the 1,988,493,312 bytes measured on an H200 for a W1 tile (bench/results/2026-11-30-levers-memory-mp4.jsonl)."""
+    vae = speed_up_decoder(tiny_components()["vae"])
+    cache = vae.decoder.make_cache()
+    latents = torch.randn(1, vae.config.latent_channels, 6, 8, 16)
+    with torch.no_grad():
+        for segment in (slice(0, 1), slice(1, 5), slice(5, 6)):
+            vae.decoder(latents[:, :, segment], cache)
+    assert cache_bytes(cache) == tile_cache_bytes(vae, 8, 16) > 0
+    with torch.device("meta"):
+        full_size = diffusers.Kandinsky6SRVAE()
+    torch.nn.Module.to(full_size, torch.bfloat16)
+    assert tile_cache_bytes(full_size, 32, 48) == 1_988_493_312

@@ -247,3 +247,25 @@ def test_bad_input_gets_its_code_and_leaves_no_output(tmp_path, case):
     assert error.value.code == code, error.value.message
     assert error.value.message and str(source.name) in error.value.message
     assert list((tmp_path / "out").iterdir()) == []  # no output, no partial file
+
+
+@pytest.mark.parametrize(("codec", "option", "preset_default"), [("h264", b"rc_lookahead=%d", 40), ("hevc", b"rc-lookahead=%d", 20)])
+def test_the_encoder_holds_back_one_decode_segment_not_its_default_lookahead(tmp_path, codec, option, preset_default):
+    """Frames arrive a segment (16) at a time: a longer lookahead only delays the end of the file. The encoders
+    write their settings into the stream, so read them back from it."""
+    from worker.media.writer import LOOKAHEAD
+
+    written = {}
+    for lookahead in (LOOKAHEAD, None):
+        path = tmp_path / f"{lookahead}.mp4"
+        with Mp4Writer(path, Fraction(24), (64, 96), codec=codec, **({} if lookahead else {"lookahead": None})) as writer:
+            writer.write(pattern(24, 64, 96))
+        written[lookahead] = path.read_bytes()
+    assert option % LOOKAHEAD in written[LOOKAHEAD]
+    assert option % LOOKAHEAD not in written[None] and option % preset_default in written[None]  # medium's own
+
+
+def test_a_preset_that_looks_less_far_ahead_keeps_its_lookahead(tmp_path):
+    with Mp4Writer(tmp_path / "fast.mp4", Fraction(24), (64, 96), preset="veryfast") as writer:
+        writer.write(pattern(24, 64, 96))
+    assert b"rc_lookahead=10" in (tmp_path / "fast.mp4").read_bytes()

@@ -8,11 +8,13 @@ upload limit, enforced while reading: a declared Content-Length over it is refus
 past it is cut off there.
 
 Failures say whether another attempt could succeed: `FetchFailed` (the origin's 4xx, a refused URL or redirect, too
-large, an untrusted certificate) ends the job; `FetchUnavailable` (5xx, 429, a reset, a timeout) is retried.
+large, an untrusted certificate) ends the job; `FetchUnavailable` (5xx, 429, a reset, a timeout) is retried;
+`WorkerDiskFull` (no room for the body in this worker's scratch directory) is retried too, and is not the origin's.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,12 +28,14 @@ from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
 from storage.config import Settings
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
-from worker.sr.errors import Cancelled, SRError
+from worker.sr.errors import Cancelled, CodedError, SRError
 
 MAX_REDIRECTS = 5
 # Small reads (read1 returns what has arrived): the lease's heartbeat runs between them, however slow the origin.
 CHUNK = 256 * 1024
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+# Writing the body found no room: a full disk, a quota, or a file-size limit (RLIMIT_FSIZE) on this worker
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class FetchFailed(SRError):
@@ -40,14 +44,16 @@ class FetchFailed(SRError):
     code = "input_fetch_failed"
 
 
-class FetchUnavailable(Exception):
-    """The origin is down, overloaded or slow right now: another attempt may succeed."""
+class FetchUnavailable(CodedError):
+    """The origin is down, overloaded or slow right now: another attempt may succeed (so not an SRError)."""
 
     code = "input_fetch_unavailable"
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+
+class WorkerDiskFull(CodedError):
+    """This worker has no room for the input: another attempt (maybe on another worker) may have it."""
+
+    code = "worker_disk_full"
 
 
 @dataclass(frozen=True)
@@ -135,15 +141,23 @@ def _save(
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     digest, size = hashlib.sha256(), 0
-    with open(path, "wb") as sink:
-        while chunk := response.read1(CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            digest.update(chunk)
-            sink.write(chunk)
-            if cancelled():
-                raise Cancelled("the job was cancelled")
+    try:
+        with open(path, "wb") as sink:
+            while chunk := response.read1(CHUNK):
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                digest.update(chunk)
+                sink.write(chunk)
+                if cancelled():
+                    raise Cancelled("the job was cancelled")
+    except OSError as error:  # these come from the file, never the socket; others are network failures (_translated)
+        if error.errno in _NO_ROOM:
+            raise WorkerDiskFull(
+                f"The worker ran out of disk space after {size} bytes of the input ({error.strerror}); "
+                "another attempt (maybe on another worker) will try again."
+            ) from None
+        raise
     return Fetched(url, size, digest.hexdigest())
 
 

@@ -25,8 +25,8 @@ class WorkerSettings(BaseSettings):
     model: str = "lanczos"  # a checkpoint directory, a hub id, or "lanczos"
     devices: str = "cpu"  # comma-separated, e.g. "cuda:0,cuda:1"
     heartbeat_s: float = 0.5  # progress heartbeats at most this often (and at the end of every window)
-    # "speed": every tile's decoder cache resident; "memory": one tile at a time per GPU (same output, under half
-    # the peak memory, ~1.25x the time: bench/RESULTS.md)
+    # "speed": every tile's decoder cache resident; "memory": one tile at a time per GPU (same output, W1 on one
+    # H200: 22.0 GiB instead of 52.2 GiB peak, 1.2x the time: bench/RESULTS.md)
     performance_mode: Literal["speed", "memory"] = "speed"
     warmup: bool = True  # compile for one window at start (GPUs), so the first job is not the cold one
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt

@@ -33,6 +33,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_expone
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, work_prefix
 from storage.jobs import (
+    FileDigest,
     InvalidTransition,
     JobNotFound,
     JobRecord,
@@ -45,7 +46,7 @@ from storage.jobs import (
 )
 from worker import metrics, service, signals  # signals: importing it connects the process's handlers
 from worker.celery_app import UPSCALE_TASK, app, send_upscale
-from worker.fetch import FetchUnavailable, fetch
+from worker.fetch import FetchUnavailable, WorkerDiskFull, fetch
 from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
@@ -104,6 +105,7 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
             fetched = fetch(job.input.url, source, service.settings(), beat.cancelled, job.input.max_bytes)
             log.info("%s fetched its input: %d bytes, sha256 %s", job.id, fetched.bytes, fetched.sha256)
+            beat.stop_if_cancelled(input_file=FileDigest(bytes=fetched.bytes, sha256=fetched.sha256), force=True)
         else:
             try:
                 beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
@@ -192,12 +194,15 @@ class Heartbeat:
         progress: int | None = None,
         stage: Stage | None = None,
         input_media: MediaInfo | None = None,
+        input_file: FileDigest | None = None,
         force: bool = False,
     ) -> bool:
         """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job."""
         now = monotonic()
         if force or now - self._last >= self.every_s:
-            self.cancel_requested = self.lease.heartbeat(progress=progress, stage=stage, input_media=input_media)
+            self.cancel_requested = self.lease.heartbeat(
+                progress=progress, stage=stage, input_media=input_media, input_file=input_file
+            )
             self._last = now
         return self.cancel_requested
 
@@ -256,7 +261,8 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
         # (its own code: `Heartbeat.storage` waits out only outages, and a missing file is not one)
         return "retry", "job_file_missing", "A file of the job went missing from blob storage."
-    if isinstance(error, FetchUnavailable):  # the input's origin is down or slow: it may answer the next attempt
+    # the input's origin is down or slow, or this worker's disk is full: the next attempt (or worker) may succeed
+    if isinstance(error, (FetchUnavailable, WorkerDiskFull)):
         return "retry", error.code, error.message
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "retry", "gpu_oom", "The GPU ran out of memory."

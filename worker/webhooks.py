@@ -37,7 +37,8 @@ from storage.config import Settings
 from storage.jobs import JobNotFound, JobStore
 from storage.logs import job_context
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
-from storage.webhooks import Claim, Outbox, Started, signed_headers
+from storage.signatures import signed_headers
+from storage.webhooks import Claim, Outbox, Started
 from worker import metrics, service
 from worker import signals as _signals  # noqa: F401  (this worker's logging and registry entry)
 from worker.celery_app import app

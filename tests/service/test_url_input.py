@@ -175,13 +175,20 @@ def test_a_url_input_runs_end_to_end(api, origin, url_worker, url_clip):
     job = run(api, url_worker, video_url={"url": f"{origin.base}/hop/2"})
     assert (job["status"], job["size"], job["error"]) == ("completed", "128x96", None), job
     assert job["output"]["media"]["frames"] == 17 and job["output"]["media"]["audio"]
-    assert f"{len(url_clip)} bytes, sha256 {hashlib.sha256(url_clip).hexdigest()}" in url_worker.read_text()
+    # the served bytes' size and digest, on the record as an upload's are
+    assert job["input"]["bytes"] == len(url_clip) and job["input"]["sha256"] == hashlib.sha256(url_clip).hexdigest()
     # a player seeking in the worker's output gets the slice it asked for
     whole = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("dave"), timeout=30).content
     tail = requests.get(
         f"{api}/v1/videos/{job['id']}/content", headers={**auth("dave"), "Range": "bytes=-1000"}, timeout=30
     )
     assert tail.status_code == 206 and tail.content == whole[-1000:] and len(whole) == job["output"]["bytes"]
+
+
+def test_the_fetched_inputs_size_and_digest_are_documented(api):
+    schemas = requests.get(f"{api}/openapi.json", timeout=30).json()["components"]["schemas"]
+    fields = schemas["VideoInput"]["properties"]
+    assert all("URL input" in fields[name]["description"] for name in ("bytes", "sha256")), fields
 
 
 def test_an_origin_404_fails_the_job(api, origin, url_worker):

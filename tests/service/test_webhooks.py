@@ -32,7 +32,8 @@ from pydantic import ValidationError
 from infra.stack import free_ports
 from storage.config import ApiKey, Settings
 from storage.jobs import InputInfo, JobStore
-from storage.webhooks import Outbox, WebhookVerificationError, new_secret, signed_headers, verify
+from storage.signatures import WebhookVerificationError, new_secret, signed_headers, verify
+from storage.webhooks import Outbox
 from worker.webhooks import QUEUE, backoff
 
 from .conftest import ROOT, WEBHOOK_SECRETS, auth, serve_api

@@ -1,26 +1,30 @@
 """The tiled Kandinsky 6 SR executor.
 
-`SREngine.upscale` reads top to bottom like a diffusers `__call__`: pad, plan, noise, low-res latents, denoise,
-then a streaming decode that hands finished output frames to a sink. Compared with `Kandinsky6SRPipeline` it
-- spreads whole tiles over a device group (one replica per device; the host blends in tile order, so the output is
-  bit-identical whatever the device count),
+`SREngine.upscale` reads top to bottom like a diffusers `__call__`: pad, plan, noise, low-res latents, then denoise
+and a streaming decode that hand finished output frames to a sink. Compared with `Kandinsky6SRPipeline` it
+- spreads whole tiles over a device group (one replica per device, each running its own denoise-then-decode
+  pipeline, with the denoising and decoding of a tile balanced separately; the host blends in tile order, so the
+  output is bit-identical whatever the device count),
 - draws every tile's noise from its own generator (output independent of tile batching and device count),
-- decodes all tiles in lockstep, one temporal segment at a time through each tile's causal cache, so only one
-  segment of the output canvas ever exists and peak memory does not grow with clip length,
+- decodes all tiles in lockstep, one temporal segment at a time through each tile's causal cache, blending each
+  segment on the host as soon as its tiles are in, so the GPU holds no canvas and memory does not grow with clip
+  length (or tile by tile, one cache per GPU, where the caches would crowd it),
 - computes attention with dense SDPA instead of eager flex attention (which materialises the score matrix), or,
   as an option, NABLA sparse attention through compiled flex attention.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from itertools import zip_longest
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +34,13 @@ from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
 from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
-from worker.sr.fast_vae import speed_up_decoder
+from worker.sr.fast_vae import allow_many_graphs, speed_up_decoder, tile_cache_bytes
 from worker.sr.noise import NoiseMode, tile_noise
 from worker.sr.tiling import Tile, TilePlan
 
-# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the first device or the CPU.
+log = logging.getLogger("vsrq.engine")
+
+# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the CPU.
 FrameSink = Callable[[torch.Tensor], None]
 DECODE_ORDERS = ("lockstep", "tile_major")
 
@@ -66,7 +72,7 @@ class SRRequest:
 
 @dataclass(frozen=True)
 class Progress:
-    stage: str  # "encode", "denoise", "decode"
+    stage: str  # "denoise", "decode" (devices report both at once when they work on different stages)
     done: int  # work units done over the whole call: one per tile and step, one per tile and decode segment
     total: int
 
@@ -112,8 +118,9 @@ class SREngine:
         attention: str = "sdpa",
     ) -> None:
         """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
-        its device; "tile_major" decodes one whole tile at a time per device (one cache, least GPU memory) into a
-        host canvas and emits the frames at the end. Both give the same bits.
+        its device; "tile_major" decodes one whole tile at a time per device (one cache, least GPU memory) and emits
+        the frames with the last tile. Both give the same bits; a call whose lockstep caches would crowd a GPU runs
+        tile-major.
 
         `replicas` are prepared in place: `fast_decode` swaps the decoder's norms for `fast_vae`'s (same maths,
         about half the memory traffic); `compile_transformer` compiles its repeated blocks and `compile_decoder` the
@@ -134,6 +141,9 @@ class SREngine:
         self.replicas = list(replicas)
         self.decode_segment = decode_segment
         self.decode_order = decode_order
+        self.last_decode_order = decode_order  # what the latest call ran: lockstep may give way (`_decode_order`)
+        self.fast_decode = fast_decode
+        self._cache_sizes: dict[tuple[int, int], int] = {}
         prepared: set[int] = set()  # CPU "devices" share one replica: prepare it once
         for replica in self.replicas:
             if id(replica) in prepared:
@@ -143,9 +153,13 @@ class SREngine:
                 speed_up_decoder(replica.vae)
             _use_attention(replica.transformer, PROCESSORS[attention])
             on_gpu = replica.device.type == "cuda"
-            if (on_gpu if compile_transformer is None else compile_transformer) and not _is_compiled(replica.transformer):
+            compiles_transformer = (on_gpu if compile_transformer is None else compile_transformer) and not _is_compiled(replica.transformer)
+            compiles_decoder = on_gpu if compile_decoder is None else compile_decoder
+            if compiles_transformer or compiles_decoder:
+                _configure_compilation()
+            if compiles_transformer:
                 replica.transformer.compile_repeated_blocks(fullgraph=True)
-            if on_gpu if compile_decoder is None else compile_decoder:
+            if compiles_decoder:
                 compile_decoder_blocks(replica.vae)
         first = self.replicas[0]
         self.snap = first.vae.spatial_compression_ratio
@@ -155,7 +169,8 @@ class SREngine:
         # Whether the first call on new shapes builds compiled code (worth a `warmup`), and the shapes built so far.
         self.compiles = any(_is_compiled(r.transformer) or _is_compiled_decoder(r.vae) for r in self.replicas)
         self._warm_shapes: set[tuple] = set()
-        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="vsrq-device") if len(self.replicas) > 1 else None
+        # One thread per device, also for one: the caller's thread blends and encodes while the device works.
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="vsrq-device")
 
     @classmethod
     def from_pretrained(cls, source: str, devices: Sequence[str | torch.device] = ("cpu",), **kwargs) -> SREngine:
@@ -186,15 +201,15 @@ class SREngine:
                 continue
             total = torch.cuda.get_device_properties(replica.device).total_memory
             peak = torch.cuda.max_memory_reserved(replica.device)
-            weights = sum(checkpoint.module_bytes(m) for m in (replica.transformer, replica.vae, replica.latent_upscaler) if m is not None)
+            weights = _weight_bytes(replica)
             verdict = (
                 "everything stays resident"
                 if peak < 0.9 * total
-                else "close to the limit: performance_mode=memory decodes one tile at a time in under half the memory"
+                else "close to the limit: performance_mode=memory decodes one tile at a time (W1: 22 GiB instead of 52)"
             )
             lines.append(
                 f"{replica.device}: weights {weights / 2**30:.1f} GiB, peak reserved {peak / 2**30:.1f} GiB of "
-                f"{total / 2**30:.0f} GiB ({self.decode_order} decode): {verdict}"
+                f"{total / 2**30:.0f} GiB ({self.last_decode_order} decode): {verdict}"
             )
         return lines
 
@@ -233,9 +248,9 @@ class SREngine:
         video = self._pad(video, base, tiling_scale)
         _, _, padded_frames, padded_height, padded_width = video.shape
 
-        # 4. Plan the tiles and assign them to devices
+        # 4. Plan the tiles and share the work out over the devices
         plan = tiling.plan_tiles(padded_height, padded_width, tiling_scale, self.tile_sizes, self.snap, request.min_overlap, base)
-        assignment = _assign(plan.tiles, len(self.replicas))
+        schedule = _Schedule.balanced(plan.tiles, len(self.replicas))
         latent_frames = (padded_frames - 1) // self.frame_stride + 1
         tracker.total = len(plan.tiles) * (request.num_inference_steps + len(self._segments(latent_frames)))
 
@@ -251,31 +266,27 @@ class SREngine:
             chunk_size=request.tiles_batch_size,
         )
 
-        # 6. Low-resolution latent tiles at the trained tile size
-        tracker.stage = "encode"
-        lq_latents = self._low_res_latents(video, plan, assignment)
+        # 6. Low-resolution latent tiles at the trained tile size, on the devices that denoise them
+        lq_latents = self._low_res_latents(video, plan, schedule.denoise)
         started = clock.lap("encode", started)
 
-        # 7. Denoise every tile on its device
-        tracker.stage = "denoise"
-        latents = self._on_devices(
-            assignment,
-            lambda replica, tiles: self._denoise(replica, tiles, lq_latents, noise, request, tracker),
-            compiles=("denoise", latent_shape, request.tiles_batch_size),
-        )
-        del lq_latents
-        started = clock.lap("denoise", started)
-
-        # 8. Decode all tiles segment by segment, blend each segment, crop the padding and hand frames to the sink
-        tracker.stage = "decode"
+        # 7. Denoise and decode: one pipeline per device, blended here in tile order as segments arrive
         out_height, out_width = model_height * tiling_scale, model_width * tiling_scale
         emitted = 0
-        for segment in self._decode_and_blend(plan, assignment, latents, tracker):
-            segment = segment[: num_frames - emitted, :, :out_height, :out_width]
-            if len(segment):
-                sink(segment)
-                emitted += len(segment)
-        clock.lap("decode", started)
+
+        def emit(frames: torch.Tensor) -> None:
+            nonlocal emitted
+            frames = frames[: num_frames - emitted, :, :out_height, :out_width]  # the padding goes
+            if len(frames):
+                sink(frames)
+                emitted += len(frames)
+
+        self.last_decode_order = order = self._decode_order(plan, schedule)
+        warm_key = (latent_shape, schedule.shapes(request.tiles_batch_size))
+        in_turn = self.compiles and warm_key not in self._warm_shapes
+        self._generate(plan, schedule, order, lq_latents, noise, request, tracker, emit, in_turn)
+        self._warm_shapes.add(warm_key)
+        clock.lap("denoise_decode", started)
 
         return RunInfo(
             input_size=(height, width),
@@ -306,12 +317,10 @@ class SREngine:
             video = frames.transpose(0, 1).unsqueeze(0)
         return video
 
-    # --- step 4 -----------------------------------------------------------------------------------------------
+    # --- step 6 -----------------------------------------------------------------------------------------------
 
-    def _low_res_latents(
-        self, video: torch.Tensor, plan: TilePlan, assignment: dict[int, list[Tile]]
-    ) -> dict[int, torch.Tensor]:
-        """(1, C, T, h, w) latents per tile index, on the tile's device, in the model dtype."""
+    def _low_res_latents(self, video: torch.Tensor, plan: TilePlan, placement: dict[int, list[Tile]]) -> dict[int, torch.Tensor]:
+        """(1, C, T, h, w) latents per tile index, on the device that denoises the tile, in the model dtype."""
         home = self.replicas[0]
         upscaler = home.latent_upscaler
         if upscaler is not None and plan.tiling_scale in upscaler.config.scales:
@@ -326,7 +335,7 @@ class SREngine:
                     for tile in tiles
                 }
 
-            return self._on_devices(assignment, upscale)
+            return self._on_devices(placement, upscale)
 
         def encode(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
             encoded = {}
@@ -336,14 +345,109 @@ class SREngine:
                 encoded[tile.index] = self._encode(replica, pixels.transpose(0, 1).unsqueeze(0)).to(replica.dtype)
             return encoded
 
-        return self._on_devices(assignment, encode)
+        return self._on_devices(placement, encode)
 
     def _encode(self, replica: Components, video: torch.Tensor) -> torch.Tensor:
         # The K-VAE was trained on `pixels / 128 - 1`, not the `pixels / 127.5 - 1` the input is in.
         video = (video.to(replica.vae.dtype) + 1) * (127.5 / 128) - 1
         return replica.vae.encode(video, return_dict=False)[0].mode() * self.scaling_factor
 
-    # --- step 5 -----------------------------------------------------------------------------------------------
+    # --- step 7 -----------------------------------------------------------------------------------------------
+
+    def _generate(
+        self,
+        plan: TilePlan,
+        schedule: _Schedule,
+        decode_order: str,
+        lq_latents: dict[int, torch.Tensor],
+        noise: list[torch.Tensor],
+        request: SRRequest,
+        tracker: _Tracker,
+        emit: FrameSink,
+        in_turn: bool,
+    ) -> None:
+        """Denoise and decode every tile; `emit` blended output frames ((n, 3, H, W) in [0, 1]) in order.
+
+        Every device runs a pipeline of its own: it denoises its tiles, handing each tile's latents over as soon as
+        they exist, then decodes its share of the tiles (which `_Schedule` balances) segment by segment, weighted
+        by the window, into pinned host memory without waiting. This thread adds them into host canvases in tile
+        order, one canvas per segment, whatever the device and decode order, so the output is bit-identical for
+        any device count and both orders; a canvas leaves as frames once its last tile is in.
+
+        `in_turn`: the first call on new shapes compiles, and while Dynamo traces in one thread it patches
+        `nn.Module.__call__` for every thread, so another device's forward would fail ("FX to symbolically trace a
+        dynamo-optimized function"): then the devices take turns, one model call at a time."""
+        segments = self._segments(noise[0].shape[1])
+        pipeline = _Pipeline(len(plan.tiles), in_turn)
+
+        def run(slot: int) -> None:
+            replica = self.replicas[slot]
+            leaving = {tile.index for tile in schedule.denoise[slot]} - {tile.index for tile in schedule.decode[slot]}
+            for latents in self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, tracker, pipeline.turn):
+                # A tile decoded elsewhere leaves through pinned host memory, its copy queued right behind its last
+                # step: a GPU-to-GPU copy would tie both GPUs' streams, and a copy started by the receiver would
+                # wait behind whatever the sender has queued by then.
+                pipeline.hand_over({i: _to_host(latent) if i in leaving else (latent, None) for i, latent in latents.items()})
+            tiles = schedule.decode[slot]
+            z = {tile.index: pipeline.take(tile.index).to(replica.device).permute(0, 4, 1, 2, 3) for tile in tiles}
+            window = plan.window(replica.device)
+            decoder = replica.vae.decoder
+            # lockstep: segment by segment over all tiles, every tile's causal cache resident, frames stream out.
+            # tile_major: tile by tile, one cache at a time (the least GPU memory); frames leave with the last tile.
+            if decode_order == "lockstep":
+                order = [(number, tile) for number in range(len(segments)) for tile in tiles]
+            else:
+                order = [(number, tile) for tile in tiles for number in range(len(segments))]
+            caches: dict[int, dict] = {}
+            for number, tile in order:
+                if tile.index not in caches:
+                    caches[tile.index] = decoder.make_cache()
+                with pipeline.turn():
+                    tracker.check()
+                    latent = z[tile.index][:, :, segments[number]].to(replica.vae.dtype) / self.scaling_factor
+                    frames = decoder(latent, caches[tile.index])
+                frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
+                pipeline.put(number, tile.index, *_to_host(frames[0] * window))
+                tracker.advance(1, "decode")
+                if number == len(segments) - 1:
+                    del caches[tile.index]
+
+        # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
+        weights = plan.weight_map(self.replicas[0].device).cpu()
+        blends: dict[int, _Blend] = {}
+        finished = 0
+        try:
+            pipeline.start(self._pool, [self._on_device(slot, run) for slot in range(len(self.replicas))])
+            for number, index, weighted in pipeline.results():
+                blends.setdefault(number, _Blend(plan)).add(index, weighted)
+                while finished in blends and blends[finished].complete:
+                    emit(_normalise(blends.pop(finished).canvas, weights))
+                    finished += 1
+        finally:
+            pipeline.stop()
+        assert not blends and finished == len(segments), "every segment of every tile is blended"
+
+    def _decode_order(self, plan: TilePlan, schedule: _Schedule) -> str:
+        """The engine's decode order, except that lockstep gives way to tile-major for a call (same bits) where a
+        GPU's resident decoder caches would crowd it (`crowded`)."""
+        if self.decode_order != "lockstep":
+            return self.decode_order
+        for slot, tiles in schedule.decode.items():
+            replica = self.replicas[slot]
+            if replica.device.type != "cuda" or not tiles:
+                continue
+            per_tile = self._cache_bytes(plan.base_height // self.snap, plan.base_width // self.snap)
+            total = torch.cuda.get_device_properties(replica.device).total_memory
+            if crowded(len(tiles), per_tile, total, _weight_bytes(replica)):
+                log.info("%d decoder caches of %.2f GiB would crowd %s: decoding tile by tile", len(tiles), per_tile / 2**30, replica.device)
+                return "tile_major"
+        return "lockstep"
+
+    def _cache_bytes(self, latent_height: int, latent_width: int) -> int:
+        key = (latent_height, latent_width)
+        if key not in self._cache_sizes:  # once per tile size
+            self._cache_sizes[key] = tile_cache_bytes(self.replicas[0].vae, *key, fast=self.fast_decode)
+        return self._cache_sizes[key]
 
     def _denoise(
         self,
@@ -353,11 +457,11 @@ class SREngine:
         noise: list[torch.Tensor],
         request: SRRequest,
         tracker: _Tracker,
-    ) -> dict[int, torch.Tensor]:
-        """Denoised (1, T, h, w, C) latents per tile index."""
+        turn: Callable[[], AbstractContextManager],
+    ) -> Iterator[dict[int, torch.Tensor]]:
+        """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time."""
         device, dtype = replica.device, replica.dtype
         scheduler = replica.scheduler.__class__.from_config(replica.scheduler.config)  # step state is per thread
-        out: dict[int, torch.Tensor] = {}
         for start in range(0, len(tiles), request.tiles_batch_size):
             chunk = tiles[start : start + request.tiles_batch_size]
             # The transformer works on (batch, frames, height, width, channels).
@@ -368,112 +472,62 @@ class SREngine:
             # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
             anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
             for t in scheduler.timesteps:
-                tracker.check()  # between steps: a full-size step takes seconds
-                model_input = torch.cat([latents, anchor], dim=-1)
-                # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in the
-                # timestep MLP and change the low bits with the batch size.
-                prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
+                with turn():
+                    tracker.check()  # between steps: a full-size step takes seconds
+                    # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in
+                    # the timestep MLP and change the low bits with the batch size.
+                    model_input = torch.cat([latents, anchor], dim=-1)
+                    prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
                 latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-                tracker.advance(len(chunk))
-            out.update({tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)})
-        return out
-
-    # --- step 6 -----------------------------------------------------------------------------------------------
+                tracker.advance(len(chunk), "denoise")
+            yield {tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)}
 
     def _segments(self, latent_frames: int) -> list[slice]:
         """Latent-frame slices decoded one after another; the leading frame alone yields one pixel frame."""
         bounds = [0, 1, *range(1 + self.decode_segment, latent_frames, self.decode_segment), latent_frames]
         return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
-    def _decode_and_blend(
-        self,
-        plan: TilePlan,
-        assignment: dict[int, list[Tile]],
-        latents: dict[int, torch.Tensor],
-        tracker: _Tracker,
-    ) -> Iterator[torch.Tensor]:
-        """Yield blended output frames, (n, 3, H, W) in [0, 1], in order.
-
-        Each device weights its tiles by the window before they travel; the canvas adds them in tile order, so the
-        sum does not depend on the device count or the decode order (the two orders are bit-identical).
-        """
-        home = self.replicas[0].device
-        windows = {replica.device: plan.window(replica.device) for replica in self.replicas}
-        z = {index: latent.permute(0, 4, 1, 2, 3) for index, latent in latents.items()}  # (1, C, T, h, w)
-        segments = self._segments(next(iter(z.values())).shape[2])
-
-        def decode(replica: Components, tile: Tile, segment: slice, cache: dict) -> torch.Tensor:
-            tracker.check()
-            vae = replica.vae
-            frames = vae.decoder(z[tile.index][:, :, segment].to(vae.dtype) / self.scaling_factor, cache)
-            frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
-            tracker.advance(1)
-            return frames[0] * windows[replica.device]
-
-        if self.decode_order == "lockstep":
-            # Every tile's causal cache stays on its device; only one segment of the canvas ever exists.
-            caches = {tile.index: self.replicas[0].vae.decoder.make_cache() for tile in plan.tiles}
-            weights = plan.weight_map(home)
-            for segment in segments:
-                weighted = self._on_devices(
-                    assignment,
-                    lambda replica, tiles: {t.index: decode(replica, t, segment, caches[t.index]) for t in tiles},
-                    compiles=("decode", segment.start == 0, segment.stop - segment.start, plan.base_height, plan.base_width),
-                )
-                frames = next(iter(weighted.values())).shape[1]
-                canvas = _blend(plan, weighted, torch.zeros((3, frames, *plan.output_size), device=home))
-                yield _normalise(canvas, weights)
-            return
-
-        # tile_major: one decoder cache per device at a time and a host canvas of the whole call (at most one
-        # temporal window long): the least GPU memory, frames leave only at the end.
-        latent_frames = segments[-1].stop
-        canvas = torch.zeros((3, 1 + self.frame_stride * (latent_frames - 1), *plan.output_size))
-
-        def whole_tiles(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
-            cache = replica.vae.decoder.make_cache()
-            return {tiles[0].index: torch.cat([decode(replica, tiles[0], s, cache).cpu() for s in segments], dim=1)}
-
-        # Round-robin assignment makes each round a run of consecutive tiles: adding rounds in order is tile order.
-        for round_ in zip_longest(*assignment.values()):
-            weighted = self._on_devices(
-                {slot: [tile] for slot, tile in enumerate(round_) if tile is not None},
-                whole_tiles,
-                compiles=("decode", latent_frames, plan.base_height, plan.base_width),
-            )
-            _blend(plan, weighted, canvas)
-        # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
-        yield from _normalise(canvas, plan.weight_map(home).cpu()).split(4 * self.decode_segment)
-
     # --- the device group -------------------------------------------------------------------------------------
 
-    def _on_devices(self, assignment: dict[int, list[Tile]], work: Callable, compiles: tuple | None = None) -> dict:
-        """Run `work(replica, tiles)` for every device at once; merge the per-tile dicts they return.
+    def _on_device(self, slot: int, work: Callable[[int], Any]) -> Callable[[], Any]:
+        """`work(slot)` as a pool thread runs it: on the slot's GPU, with the caller's grad mode (thread-local: pool
+        threads would run with gradients on, and compiled code guarded on grad mode would recompile there)."""
+        device, grad = self.replicas[slot].device, torch.is_grad_enabled()
 
-        `compiles` names work that runs compiled blocks on these shapes. The first time, devices take turns: while
-        Dynamo traces in one thread it patches `nn.Module.__call__` for every thread, so another device's forward
-        would fail ("FX to symbolically trace a dynamo-optimized function")."""
-        jobs = [(self.replicas[slot], tiles) for slot, tiles in assignment.items() if tiles]
-        # Which devices run how many tiles is part of the shapes: a device that sat out, or gets another batch
-        # remainder, compiles then.
-        shapes = (compiles, tuple(len(tiles) for tiles in assignment.values()))
-        first_compile = compiles is not None and self.compiles and shapes not in self._warm_shapes
-
-        grad = torch.is_grad_enabled()  # thread-local: pool threads would run with gradients on, and compiled code
-        # guarded on grad mode would recompile there, concurrently
-
-        def on_device(replica: Components, tiles: list[Tile]) -> dict:
+        def call() -> Any:
             # Tensors a component creates without naming a device must land on this replica's GPU.
-            with torch.cuda.device(replica.device) if replica.device.type == "cuda" else nullcontext(), torch.set_grad_enabled(grad):
-                return work(replica, tiles)
+            with torch.cuda.device(device) if device.type == "cuda" else nullcontext(), torch.set_grad_enabled(grad):
+                return work(slot)
 
-        if self._pool is None or len(jobs) == 1 or first_compile:
-            results = [on_device(replica, tiles) for replica, tiles in jobs]
-            if first_compile:
-                self._warm_shapes.add(shapes)
-        else:
-            results = [future.result() for future in [self._pool.submit(on_device, r, t) for r, t in jobs]]
-        return {key: value for result in results for key, value in result.items()}
+        return call
+
+    def _on_devices(self, placement: dict[int, list[Tile]], work: Callable[[Components, list[Tile]], dict]) -> dict:
+        """Run `work(replica, tiles)` on every device that has tiles, at once; merge the per-tile dicts."""
+        calls = [self._on_device(slot, lambda slot, tiles=tiles: work(self.replicas[slot], tiles)) for slot, tiles in placement.items() if tiles]
+        futures = [self._pool.submit(call) for call in calls]
+        wait(futures)  # all of them, also when one fails: nothing of this call may run on into the next
+        return {key: value for future in futures for key, value in future.result().items()}
+
+
+def crowded(tiles: int, cache_bytes: int, total_bytes: int, weight_bytes: int) -> bool:
+    """Whether `tiles` resident decoder caches take more than half of what the weights leave on a GPU: the other
+    half is for one segment's activations (W1 tiles at segment 4: 13 GiB, beside 1.85 GiB of cache per tile) and
+    the allocator's slack."""
+    return tiles * cache_bytes > (total_bytes - weight_bytes) / 2
+
+
+def _weight_bytes(replica: Components) -> int:
+    return sum(checkpoint.module_bytes(m) for m in (replica.transformer, replica.vae, replica.latent_upscaler) if m is not None)
+
+
+def _configure_compilation() -> None:
+    """For the process, before the first compilation: Dynamo may keep a graph per block, shape and device (with
+    `fullgraph` a limit hit would fail the job), and Inductor runs in its deterministic mode. Without it, Inductor
+    times candidate configurations of a reduction kernel at its first launch and keeps the fastest; near-ties flip
+    between processes and devices, and with them the low bits of every norm (measured: a 2-GPU run stopped matching
+    the 1-GPU one). Every later compilation in the process (NABLA's flex attention too) skips such timing runs."""
+    allow_many_graphs()
+    torch._inductor.config.deterministic = True
 
 
 def _use_attention(transformer: torch.nn.Module, processor: type) -> None:
@@ -492,16 +546,169 @@ def _is_compiled_decoder(vae: torch.nn.Module) -> bool:
     return any(getattr(module, "_compiled_call_impl", None) is not None for module in vae.decoder.modules())
 
 
-def _assign(tiles: Sequence[Tile], slots: int) -> dict[int, list[Tile]]:
-    """Tiles dealt round-robin to device slots: balanced, and each round of whole tiles is consecutive."""
-    return {slot: list(tiles[slot::slots]) for slot in range(slots)}
+@dataclass(frozen=True)
+class _Schedule:
+    """Which device denoises and which decodes each tile (slot -> tiles, in tile order)."""
+
+    denoise: dict[int, list[Tile]]
+    decode: dict[int, list[Tile]]
+
+    @classmethod
+    def balanced(cls, tiles: Sequence[Tile], slots: int) -> _Schedule:
+        """Denoising is dealt round-robin; decoding mirrors its counts (the device with the most tiles to denoise
+        gets the fewest to decode), so every device does about the same work. A device short of tiles to decode
+        takes the earliest-denoised tiles of one with a surplus, which are ready long before it needs them.
+
+        9 tiles on 2 devices: denoise 5 + 4, decode 4 + 5 (tile 0 changes device), instead of 5 + 5 on the busier."""
+        denoise = {slot: list(tiles[slot::slots]) for slot in range(slots)}
+        wanted = {slot: len(denoise[slots - 1 - slot]) for slot in range(slots)}
+        surplus = [tile for slot in range(slots) for tile in denoise[slot][: max(0, len(denoise[slot]) - wanted[slot])]]
+        decode = {}
+        for slot in range(slots):
+            own = denoise[slot][max(0, len(denoise[slot]) - wanted[slot]) :]
+            taken, surplus = surplus[: wanted[slot] - len(own)], surplus[wanted[slot] - len(own) :]
+            decode[slot] = sorted(taken + own, key=lambda tile: tile.index)
+        return cls(denoise, decode)
+
+    def shapes(self, batch: int) -> tuple:
+        """What each device runs, as far as compiled code cares: its denoise chunk sizes, whether it decodes."""
+        return tuple(
+            (frozenset({min(batch, len(tiles) - start) for start in range(0, len(tiles), batch)}), bool(self.decode[slot]))
+            for slot, tiles in self.denoise.items()
+        )
 
 
-def _blend(plan: TilePlan, weighted: dict[int, torch.Tensor], canvas: torch.Tensor) -> torch.Tensor:
-    """Add window-weighted tiles into `canvas` in tile order (the order fixes the float sum)."""
-    for index in sorted(weighted):
-        canvas[(..., *plan.output_box(plan.tiles[index]))] += weighted[index].to(canvas.device)
-    return canvas
+class _Pipeline:
+    """The device threads of one call: latents handed between them, segments of weighted tiles to the caller, and
+    the first failure, which stops every thread at its next model call."""
+
+    def __init__(self, tiles: int, in_turn: bool) -> None:
+        self._running = 0
+        self._latents: dict[int, torch.Tensor] = {}
+        self._handed = threading.Condition()
+        # Bounded (about two segments of every tile): a slow sink holds the devices back instead of piling
+        # segments up in pinned memory (`_Blend` moves those that wait for an earlier tile out of it).
+        self._results: queue.Queue = queue.Queue(maxsize=2 * tiles)
+        self._turn = threading.Lock() if in_turn else None
+        self.error: BaseException | None = None
+
+    def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]]) -> None:
+        def thread(call: Callable[[], Any]) -> None:
+            try:
+                call()
+            except BaseException as error:  # handed to the caller's thread
+                self._fail(error)
+            finally:
+                self._results.put(_DONE)  # `stop` drains the queue: this never blocks for long
+
+        for call in calls:
+            pool.submit(thread, call)
+            self._running += 1
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Around each model call: stops a thread once another failed; one call at a time while compiling."""
+        with self._turn if self._turn is not None else nullcontext():
+            if self.error is not None:  # checked once the turn is ours: the wait may have been a long compile
+                raise _Stopped
+            yield
+
+    def hand_over(self, latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]]) -> None:
+        """Denoised latents by tile index, each with the event its copy to the host ends with (None: no copy)."""
+        with self._handed:
+            self._latents.update(latents)
+            self._handed.notify_all()
+
+    def take(self, index: int) -> torch.Tensor:
+        with self._handed:
+            self._handed.wait_for(lambda: index in self._latents or self.error is not None)
+            if self.error is not None:
+                raise _Stopped
+            latent, ready = self._latents[index]
+        if ready is not None:
+            ready.synchronize()
+        return latent
+
+    def put(self, number: int, index: int, weighted: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        while True:  # a caller that stopped consuming (it failed) must not leave this thread blocked
+            try:
+                self._results.put((number, index, weighted, ready), timeout=0.1)
+                return
+            except queue.Full:
+                if self.error is not None:
+                    raise _Stopped from None
+
+    def results(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(segment number, tile index, weighted frames on the host) as the devices produce them, until all are
+        done; then their first error."""
+        while self._running:
+            item = self._results.get()
+            if item is _DONE:
+                self._running -= 1
+            elif self.error is None:
+                number, index, weighted, ready = item
+                if ready is not None:
+                    ready.synchronize()  # its copy to the host
+                yield number, index, weighted
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """Stops the devices early (the caller failed) and waits for them; nothing once they are done."""
+        if self._running:
+            self._fail(_Stopped())
+        while self._running:
+            if self._results.get() is _DONE:
+                self._running -= 1
+
+    def _fail(self, error: BaseException) -> None:
+        with self._handed:
+            self.error = self.error or error
+            self._handed.notify_all()
+
+
+class _Stopped(Exception):
+    """Another device thread failed, or the caller stopped: this thread ends quietly."""
+
+
+_DONE = object()
+
+
+class _Blend:
+    """One segment of output frames on the host: window-weighted tiles added in tile order (the order fixes the
+    float sum)."""
+
+    def __init__(self, plan: TilePlan) -> None:
+        self.plan = plan
+        self.canvas: torch.Tensor | None = None
+        self._added = 0
+        self._waiting: dict[int, torch.Tensor] = {}
+
+    @property
+    def complete(self) -> bool:
+        return self._added == len(self.plan.tiles)
+
+    def add(self, index: int, weighted: torch.Tensor) -> None:
+        # A tile that must wait for an earlier one leaves pinned memory, which the host allocator would keep.
+        self._waiting[index] = weighted if index == self._added or not weighted.is_pinned() else weighted.clone()
+        while self._added in self._waiting:
+            frames = self._waiting.pop(self._added)
+            if self.canvas is None:
+                self.canvas = torch.zeros((3, frames.shape[1], *self.plan.output_size))
+            self.canvas[(..., *self.plan.output_box(self.plan.tiles[self._added]))] += frames
+            self._added += 1
+
+
+def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`tensor` in pinned host memory, the copy started without waiting for it: (host tensor, the event that marks
+    the copy done). A tensor already on the CPU comes back as it is, with no event."""
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    ready = torch.cuda.Event(blocking=True)  # waited on from another thread: sleep there, do not spin a core
+    ready.record(torch.cuda.current_stream(tensor.device))
+    return host, ready
 
 
 def _normalise(canvas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -511,20 +718,19 @@ def _normalise(canvas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 class _Tracker:
-    """Thread-safe progress counting and the cancellation check between tiles."""
+    """Thread-safe progress counting and the cancellation check before every model call."""
 
     def __init__(self, progress: Callable[[Progress], None] | None, cancelled: Callable[[], bool] | None) -> None:
         self.progress, self.cancelled = progress, cancelled
-        self.stage, self.done, self.total = "encode", 0, 0
+        self.done, self.total = 0, 0
         self._lock = threading.Lock()
 
     def check(self) -> None:
         if self.cancelled is not None and self.cancelled():
             raise Cancelled("the job was cancelled")
 
-    def advance(self, units: int) -> None:
-        with self._lock:
+    def advance(self, units: int, stage: str) -> None:
+        with self._lock:  # devices report concurrently: events go out in order
             self.done += units
-            event = Progress(self.stage, self.done, self.total)
-        if self.progress is not None:
-            self.progress(event)
+            if self.progress is not None:
+                self.progress(Progress(stage, self.done, self.total))

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 
-class SRError(Exception):
+class CodedError(Exception):
+    """An error raised on purpose: a stable `code` a client can switch on and a `message` a person can act on."""
+
     code = "internal_error"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class SRError(CodedError):
+    """Raised where another attempt would end the same way (worker.tasks.classify ends the job with it)."""
 
 
 class CheckpointNotFound(SRError):

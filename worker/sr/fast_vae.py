@@ -83,6 +83,31 @@ class ImplicitPadCausalConv3d(Kandinsky6SRCausalConv3d):
         return self.conv(F.pad(frames, (self.width_pad, self.width_pad, self.height_pad, self.height_pad)))
 
 
+def cache_bytes(cache: object) -> int:
+    """Bytes the tensors of a decoder cache (`decoder.make_cache()`, nested dicts and lists) hold."""
+    if isinstance(cache, torch.Tensor):
+        return cache.nbytes
+    children = cache.values() if isinstance(cache, dict) else cache if isinstance(cache, (list, tuple)) else ()
+    return sum(cache_bytes(child) for child in children)
+
+
+def tile_cache_bytes(vae: torch.nn.Module, latent_height: int, latent_width: int, fast: bool = True) -> int:
+    """Bytes one tile's causal decoder cache holds once it is full, from two segments decoded by a copy of `vae`'s
+    architecture on the meta device (shapes only: no memory, no arithmetic). `fast`: with this module's layers,
+    which carry unpadded frames."""
+    with torch.device("meta"):
+        dry = type(vae).from_config(vae.config)
+    torch.nn.Module.to(dry, vae.dtype)  # diffusers' `to` warns about keeping fp32 modules: shapes do not care
+    if fast:
+        speed_up_decoder(dry)
+    cache = dry.decoder.make_cache()
+    latents = torch.empty((1, vae.config.latent_channels, 2, latent_height, latent_width), device="meta", dtype=vae.dtype)
+    with torch.no_grad():
+        dry.decoder(latents[:, :, :1], cache)  # the first segment repeats its frame instead of reading the cache
+        dry.decoder(latents[:, :, 1:], cache)
+    return cache_bytes(cache)
+
+
 def speed_up_decoder(vae: torch.nn.Module) -> torch.nn.Module:
     for module in vae.decoder.modules():
         if type(module) is Kandinsky6SRSpatialNorm3D:
@@ -90,6 +115,14 @@ def speed_up_decoder(vae: torch.nn.Module) -> torch.nn.Module:
         elif type(module) is Kandinsky6SRCausalConv3d and module.time_stride == 1:
             module.__class__ = ImplicitPadCausalConv3d
     return vae
+
+
+def allow_many_graphs() -> None:
+    """Raises Dynamo's recompile limits (8 graphs per code object, 256 in all) for the process: a block class's code
+    object is shared by every replica and device, and each (shape, device) is a graph of its own."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 4096)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 65536)
 
 
 def compile_decoder(vae: torch.nn.Module) -> torch.nn.Module:
@@ -100,9 +133,7 @@ def compile_decoder(vae: torch.nn.Module) -> torch.nn.Module:
     all); with `fullgraph` a limit hit would fail the job instead of falling back to eager."""
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
 
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 4096)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 65536)
+    allow_many_graphs()
     for module in vae.decoder.modules():
         if isinstance(module, Kandinsky6SRResnetBlock3D) and getattr(module, "_compiled_call_impl", None) is None:
             module.compile(dynamic=False, fullgraph=True)

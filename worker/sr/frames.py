@@ -1,4 +1,4 @@
-"""The frames every upscaler emits: (n, 3, H, W) float32 in [0, 1], on the upscaler's first device.
+"""The frames every upscaler emits: (n, 3, H, W) float32 in [0, 1], on the CPU.
 
 `quantise` is the one place they become 8-bit: the encoder and the window store must round identically, or a
 resumed job would not reproduce an uninterrupted one.
@@ -10,7 +10,7 @@ import torch
 
 
 def quantise(frames: torch.Tensor) -> torch.Tensor:
-    """(n, H, W, 3) uint8 on the frames' device (a GPU moves a quarter of the bytes to the host this way)."""
+    """(n, H, W, 3) uint8 on the frames' device."""
     return (frames * 255.0).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
 
 
