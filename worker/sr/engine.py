@@ -370,8 +370,8 @@ class SREngine:
 
         Every device runs a pipeline of its own: it denoises its tiles, handing each tile's latents over as soon as
         they exist, then decodes its share of the tiles (which `_Schedule` balances) segment by segment, weighted
-        by the window, into pinned host memory without waiting. This thread adds them into host canvases in tile
-        order, one canvas per segment, whatever the device and decode order, so the output is bit-identical for
+        by the window, into pinned host memory without waiting. The calling thread adds them into host canvases,
+        one per segment, in tile order whatever the device and decode order, so the output is bit-identical for
         any device count and both orders; a canvas leaves as frames once its last tile is in.
 
         `in_turn`: the first call on new shapes compiles, and while Dynamo traces in one thread it patches
