@@ -139,38 +139,62 @@ def test_performance_modes_give_the_same_bits(tiny_piflow, baseline, mode):
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
 
 
-def test_new_compiled_shapes_run_device_by_device_then_in_parallel(tiny_piflow, baseline):
-    """On GPUs the first call on new shapes compiles, and Dynamo tracing in one thread breaks module calls in the
-    others: such a call runs one model call at a time; later calls run the devices at once, every thread without
-    gradients."""
+def test_new_compiled_shapes_run_alone_then_in_parallel(tiny_piflow, baseline):
+    """On GPUs the first call of a new shape compiles, and Dynamo tracing in one thread breaks module calls in the
+    others: that call runs alone; calls of shapes seen before run side by side, every thread without gradients."""
     import threading
 
     engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu"])
     engine.compiles = True  # what compiled blocks set on GPUs (compiling itself is GPU-only)
-    lock, active, calls = threading.Lock(), [0], []
+    lock, events = threading.Lock(), []  # (enter or leave, call number, shape, thread, grad)
 
-    def enter(*_) -> None:
-        with lock:
-            active[0] += 1
-            calls.append((threading.current_thread().name, torch.is_grad_enabled(), active[0]))
+    def watch(kind: str, shape_of):
+        def enter(module, args, kwargs) -> None:
+            with lock:
+                events.append(("enter", len(events), (kind, shape_of(args, kwargs)), threading.current_thread().name, torch.is_grad_enabled()))
+                threading.current_thread().vsrq_call = events[-1][1]
 
-    def leave(*_) -> None:
-        with lock:
-            active[0] -= 1
+        def leave(*_) -> None:
+            with lock:
+                events.append(("leave", threading.current_thread().vsrq_call, None, None, None))
 
-    modules = [engine.replicas[0].transformer, engine.replicas[0].vae.decoder]
-    hooks = [hook for m in modules for hook in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        return enter, leave
+
+    watched = [
+        (engine.replicas[0].transformer, watch("dit", lambda args, kwargs: tuple(kwargs["hidden_states"].shape))),
+        (engine.replicas[0].vae.decoder, watch("decode", lambda args, kwargs: (tuple(args[0].shape), args[1]["conv_in"]["padding"] is None))),
+    ]
+    hooks = [h for m, (enter, leave) in watched for h in (m.register_forward_pre_hook(enter, with_kwargs=True), m.register_forward_hook(leave))]
     try:
         first = run(engine, clip(2), SRRequest(scale=2, seed=3))
-        in_turn = list(calls)
-        calls.clear()
+        first_events = list(events)
+        events.clear()
         second = run(engine, clip(2), SRRequest(scale=2, seed=3))
     finally:
         for hook in hooks:
             hook.remove()
-    assert max(concurrent for *_, concurrent in in_turn) == 1
-    assert {thread for thread, *_ in in_turn + calls} == {"vsrq-device_0", "vsrq-device_1"}
-    assert not any(grad for _, grad, _ in in_turn + calls)
+
+    def overlapping(trace: list) -> set[int]:
+        """Calls during which another call was inside."""
+        inside, overlapped = set(), set()
+        for event, call, *_ in trace:
+            if event == "enter":
+                if inside:
+                    overlapped |= inside | {call}
+                inside.add(call)
+            else:
+                inside.discard(call)
+        return overlapped
+
+    firsts = {}
+    for event, call, shape, *_ in first_events:
+        if event == "enter":
+            firsts.setdefault(shape, call)
+    assert len(firsts) >= 3 and not overlapping(first_events) & set(firsts.values())  # each new shape ran alone
+    assert overlapping(first_events) or overlapping(events)  # the rest did run side by side
+    threads = {thread for event, _, _, thread, _ in first_events + events if event == "enter"}
+    assert threads == {"vsrq-device_0", "vsrq-device_1"}
+    assert not any(grad for event, *_, grad in first_events + events if event == "enter")
     assert torch.equal(first, baseline) and torch.equal(second, baseline)
 
 

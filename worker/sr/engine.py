@@ -19,7 +19,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from worker.sr import checkpoint, tiling
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
+from worker.sr.compile_gate import CompileGate
 from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import allow_many_graphs, speed_up_decoder, tile_cache_bytes
@@ -166,9 +167,9 @@ class SREngine:
         self.frame_stride = first.vae.temporal_compression_ratio
         self.tile_sizes = tuple(tuple(size) for size in first.transformer.config.tile_sizes)
         self.scaling_factor = first.vae.config.scaling_factor
-        # Whether the first call on new shapes builds compiled code (worth a `warmup`), and the shapes built so far.
+        # Whether the first call on new shapes builds compiled code (worth a `warmup`); such calls run alone.
         self.compiles = any(_is_compiled(r.transformer) or _is_compiled_decoder(r.vae) for r in self.replicas)
-        self._warm_shapes: set[tuple] = set()
+        self._gate = CompileGate()
         # One thread per device, also for one: the caller's thread blends and encodes while the device works.
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="vsrq-device")
 
@@ -282,10 +283,7 @@ class SREngine:
                 emitted += len(frames)
 
         self.last_decode_order = order = self._decode_order(plan, schedule)
-        warm_key = (latent_shape, schedule.shapes(request.tiles_batch_size))
-        in_turn = self.compiles and warm_key not in self._warm_shapes
-        self._generate(plan, schedule, order, lq_latents, noise, request, tracker, emit, in_turn)
-        self._warm_shapes.add(warm_key)
+        self._generate(plan, schedule, order, lq_latents, noise, request, tracker, emit)
         clock.lap("denoise_decode", started)
 
         return RunInfo(
@@ -364,7 +362,6 @@ class SREngine:
         request: SRRequest,
         tracker: _Tracker,
         emit: FrameSink,
-        in_turn: bool,
     ) -> None:
         """Denoise and decode every tile; `emit` blended output frames ((n, 3, H, W) in [0, 1]) in order.
 
@@ -372,13 +369,10 @@ class SREngine:
         they exist, then decodes its share of the tiles (which `_Schedule` balances) segment by segment, weighted
         by the window, into pinned host memory without waiting. The calling thread adds them into host canvases,
         one per segment, in tile order whatever the device and decode order, so the output is bit-identical for
-        any device count and both orders; a canvas leaves as frames once its last tile is in.
-
-        `in_turn`: the first call on new shapes compiles, and while Dynamo traces in one thread it patches
-        `nn.Module.__call__` for every thread, so another device's forward would fail ("FX to symbolically trace a
-        dynamo-optimized function"): then the devices take turns, one model call at a time."""
+        any device count and both orders; a canvas leaves as frames once its last tile is in. Model calls go
+        through the engine's `CompileGate` when blocks are compiled: the first call of a new shape runs alone."""
         segments = self._segments(noise[0].shape[1])
-        pipeline = _Pipeline(len(plan.tiles), in_turn)
+        pipeline = _Pipeline(len(plan.tiles), self._gate if self.compiles else None)
 
         def run(slot: int) -> None:
             replica = self.replicas[slot]
@@ -402,9 +396,9 @@ class SREngine:
             for number, tile in order:
                 if tile.index not in caches:
                     caches[tile.index] = decoder.make_cache()
-                with pipeline.turn():
+                latent = z[tile.index][:, :, segments[number]].to(replica.vae.dtype) / self.scaling_factor
+                with pipeline.turn(("decode", replica.device, latent.shape, number == 0)):
                     tracker.check()
-                    latent = z[tile.index][:, :, segments[number]].to(replica.vae.dtype) / self.scaling_factor
                     frames = decoder(latent, caches[tile.index])
                 frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
                 pipeline.put(number, tile.index, *_to_host(frames[0] * window))
@@ -457,7 +451,7 @@ class SREngine:
         noise: list[torch.Tensor],
         request: SRRequest,
         tracker: _Tracker,
-        turn: Callable[[], AbstractContextManager],
+        turn: Callable[[Hashable], AbstractContextManager],
     ) -> Iterator[dict[int, torch.Tensor]]:
         """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time."""
         device, dtype = replica.device, replica.dtype
@@ -472,7 +466,7 @@ class SREngine:
             # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
             anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
             for t in scheduler.timesteps:
-                with turn():
+                with turn(("denoise", device, latents.shape)):
                     tracker.check()  # between steps: a full-size step takes seconds
                     # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in
                     # the timestep MLP and change the low bits with the batch size.
@@ -570,26 +564,19 @@ class _Schedule:
             decode[slot] = sorted(taken + own, key=lambda tile: tile.index)
         return cls(denoise, decode)
 
-    def shapes(self, batch: int) -> tuple:
-        """What each device runs, as far as compiled code cares: its denoise chunk sizes, whether it decodes."""
-        return tuple(
-            (frozenset({min(batch, len(tiles) - start) for start in range(0, len(tiles), batch)}), bool(self.decode[slot]))
-            for slot, tiles in self.denoise.items()
-        )
-
 
 class _Pipeline:
     """The device threads of one call: latents handed between them, segments of weighted tiles to the caller, and
     the first failure, which stops every thread at its next model call."""
 
-    def __init__(self, tiles: int, in_turn: bool) -> None:
+    def __init__(self, tiles: int, gate: CompileGate | None) -> None:
         self._running = 0
         self._latents: dict[int, torch.Tensor] = {}
         self._handed = threading.Condition()
         # Bounded (about two segments of every tile): a slow sink holds the devices back instead of piling
         # segments up in pinned memory (`_Blend` moves those that wait for an earlier tile out of it).
         self._results: queue.Queue = queue.Queue(maxsize=2 * tiles)
-        self._turn = threading.Lock() if in_turn else None
+        self._gate = gate
         self.error: BaseException | None = None
 
     def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]]) -> None:
@@ -606,10 +593,11 @@ class _Pipeline:
             self._running += 1
 
     @contextmanager
-    def turn(self) -> Iterator[None]:
-        """Around each model call: stops a thread once another failed; one call at a time while compiling."""
-        with self._turn if self._turn is not None else nullcontext():
-            if self.error is not None:  # checked once the turn is ours: the wait may have been a long compile
+    def turn(self, key: Hashable) -> Iterator[None]:
+        """Around each model call (`key`: its device and input shapes): through the compile gate, and stopping the
+        thread once another failed."""
+        with self._gate.call(key) if self._gate is not None else nullcontext():
+            if self.error is not None:  # checked once inside: the wait may have been another call's compilation
                 raise _Stopped
             yield
 
