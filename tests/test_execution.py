@@ -30,6 +30,25 @@ def test_more_devices_give_the_same_bits(tiny_piflow, baseline, devices):
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
 
 
+@pytest.mark.parametrize("decode_order", ["lockstep", "tile_major"])
+def test_more_devices_than_tiles_and_a_slow_sink_still_give_the_same_bits(engine, tiny_piflow, decode_order):
+    """5 devices for 4 tiles (one denoises nothing and decodes a tile it is handed), and a sink slower than the
+    devices, so the bounded queue of 65 frames' 20 tile segments fills: the call neither hangs nor reorders."""
+    import time
+
+    request, video = SRRequest(scale=2, seed=3), clip(2, frames=65)
+    expected = run(engine, video, request)
+    many = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu"] * 5, decode_order=decode_order)
+    chunks: list[torch.Tensor] = []
+
+    def slow_sink(frames: torch.Tensor) -> None:
+        time.sleep(0.1)
+        chunks.append(frames)
+
+    many.upscale(video, request, slow_sink)
+    assert torch.equal(torch.cat(chunks), expected)
+
+
 @pytest.mark.parametrize(("tiles", "slots"), [(9, 2), (25, 2), (10, 3), (4, 3), (1, 2), (9, 1), (8, 8)])
 def test_schedule_balances_denoising_and_decoding(tiles, slots):
     from worker.sr.engine import _Schedule
