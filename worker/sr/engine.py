@@ -571,7 +571,7 @@ class _Pipeline:
 
     def __init__(self, tiles: int, gate: CompileGate | None) -> None:
         self._running = 0
-        self._latents: dict[int, torch.Tensor] = {}
+        self._latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._handed = threading.Condition()
         # Bounded (about two segments of every tile): a slow sink holds the devices back instead of piling
         # segments up in pinned memory (`_Blend` moves those that wait for an earlier tile out of it).
@@ -612,10 +612,8 @@ class _Pipeline:
             self._handed.wait_for(lambda: index in self._latents or self.error is not None)
             if self.error is not None:
                 raise _Stopped
-            latent, ready = self._latents[index]
-        if ready is not None:
-            ready.synchronize()
-        return latent
+            handed = self._latents[index]
+        return _arrived(*handed)
 
     def put(self, number: int, index: int, weighted: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         while True:  # a caller that stopped consuming (it failed) must not leave this thread blocked
@@ -634,10 +632,8 @@ class _Pipeline:
             if item is _DONE:
                 self._running -= 1
             elif self.error is None:
-                number, index, weighted, ready = item
-                if ready is not None:
-                    ready.synchronize()  # its copy to the host
-                yield number, index, weighted
+                number, index, *weighted = item
+                yield number, index, _arrived(*weighted)
         if self.error is not None:
             raise self.error
 
@@ -697,6 +693,13 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
     ready = torch.cuda.Event(blocking=True)  # waited on from another thread: sleep there, do not spin a core
     ready.record(torch.cuda.current_stream(tensor.device))
     return host, ready
+
+
+def _arrived(tensor: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
+    """A `_to_host` copy once its copy is done."""
+    if ready is not None:
+        ready.synchronize()
+    return tensor
 
 
 def _normalise(canvas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
