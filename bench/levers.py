@@ -160,7 +160,8 @@ def main() -> None:
         if "memory" in sections:
             # Where a resident W1 job's decode memory goes: one tile's causal cache, and the activations of one
             # segment by its length (the compiled decoder, as the engine runs it).
-            from worker.sr.fast_vae import cache_bytes, compile_decoder, speed_up_decoder
+            from worker.sr.decoder_caches import cache_bytes
+            from worker.sr.fast_vae import compile_decoder, speed_up_decoder
 
             compile_decoder(speed_up_decoder(vae))
             torch.cuda.synchronize()

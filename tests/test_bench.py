@@ -30,3 +30,13 @@ def test_phases_parse_with_their_hot_run_counts():
     assert parse_phase("ours:W1:cuda:0+cuda:1@tile_major/2*1") == ("ours", "W1", ["cuda:0+cuda:1@tile_major/2"], "1")
     assert parse_phase("ref:W1*0") == ("ref", "W1", [], "0")
     assert parse_phase("ours:W2") == ("ours", "W2", [], "")
+
+
+def test_check_only_limits_the_untimed_checks_to_the_named_workloads(tmp_path):
+    out = tmp_path / "results.jsonl"
+    phases = "ours:W1short:cpu*0,ours:W1short:cpu@parked/1*0,ours:W1:cpu*0,ours:W1:cpu@parked*0"
+    main(["--tiny", "--out", str(out), "--phases", phases, "--check-only", "W1short"])
+    records = [record for record in map(json.loads, out.read_text().splitlines()) if record.get("impl") == "vsrq"]
+    checked = {(r["workload"], r["decode_order"]): "bit_identical_to_first_vsrq_phase" in r for r in records}
+    assert checked == {("W1short", "lockstep"): True, ("W1short", "parked"): True, ("W1", "lockstep"): False, ("W1", "parked"): False}
+    assert all(r["bit_identical_to_first_vsrq_phase"] for r in records if r["workload"] == "W1short")

@@ -1,60 +1,48 @@
-"""The compile gate with real threads: a call with a new key never shares the gate; calls with seen keys do."""
+"""The compile gate with real threads: the model calls of a call of a new signature never overlap; once such a call
+succeeded, calls of that signature do."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
+
 from worker.sr.compile_gate import CompileGate
 
 
-def test_a_new_key_runs_alone_and_seen_keys_run_together():
-    gate, lock = CompileGate(), threading.Lock()
-    inside: list[str] = []
-    overlaps: list[tuple[str, ...]] = []
+def overlaps_in(gate: CompileGate, signature: str, threads: int = 3) -> int:
+    """Model calls (50 ms each, 2 per thread) of one gated call that found another inside."""
+    lock, inside, overlaps = threading.Lock(), [0], [0]
 
-    def call(key: str, name: str) -> None:
-        with gate.call(key):
-            with lock:
-                if inside:
-                    overlaps.append((name, *inside))
-                inside.append(name)
-            time.sleep(0.05)
-            with lock:
-                inside.remove(name)
+    def device(model_call) -> None:
+        for _ in range(2):
+            with model_call():
+                with lock:
+                    overlaps[0] += inside[0] > 0
+                    inside[0] += 1
+                time.sleep(0.05)
+                with lock:
+                    inside[0] -= 1
 
-    def together(*calls: tuple[str, str]) -> None:
-        threads = [threading.Thread(target=call, args=args) for args in calls]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-
-    together(("a", "a1"), ("a", "a2"), ("b", "b1"))  # every key new: one at a time
-    assert overlaps == []
-    together(("a", "a3"), ("b", "b2"), ("a", "a4"))  # all seen: side by side
-    assert len(overlaps) >= 1
-    overlaps.clear()
-    together(("a", "a5"), ("c", "c1"), ("b", "b3"), ("a", "a6"))  # c is new: it never shares
-    assert not any("c1" in overlap for overlap in overlaps)
+    with gate.call(signature) as model_call:
+        workers = [threading.Thread(target=device, args=(model_call,)) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    return overlaps[0]
 
 
-def test_a_failed_call_leaves_its_key_new():
+def test_a_new_signature_runs_its_model_calls_one_at_a_time_then_side_by_side():
     gate = CompileGate()
-    try:
-        with gate.call("k"):
-            raise RuntimeError("the compilation failed")
-    except RuntimeError:
-        pass
-    entered = threading.Event()
+    assert overlaps_in(gate, "W1") == 0
+    assert overlaps_in(gate, "W1") > 0  # it succeeded once: every graph exists
+    assert overlaps_in(gate, "W3") == 0  # another signature is new again
 
-    def other() -> None:
-        with gate.call("seen-later"):
-            entered.set()
 
-    with gate.call("k"):  # runs alone again: nothing else gets in meanwhile
-        thread = threading.Thread(target=other)
-        thread.start()
-        assert not entered.wait(0.2)
-    thread.join()
-    assert entered.is_set()
+def test_a_failed_call_leaves_its_signature_new():
+    gate = CompileGate()
+    with pytest.raises(RuntimeError), gate.call("W1"):
+        raise RuntimeError("the compilation failed")
+    assert overlaps_in(gate, "W1") == 0

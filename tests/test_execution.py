@@ -65,10 +65,21 @@ def test_schedule_balances_denoising_and_decoding(tiles, slots):
         assert [len(schedule.denoise[s]) for s in range(2)] == [5, 4] and [len(schedule.decode[s]) for s in range(2)] == [4, 5]
 
 
-@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
-def test_tile_major_decode_gives_the_same_bits(tiny_piflow, baseline, devices):
-    engine = SREngine.from_pretrained(str(tiny_piflow), devices=devices, decode_order="tile_major")
+@pytest.mark.parametrize(("decode_order", "devices", "segment"), [
+    ("tile_major", ["cpu"], 4), ("tile_major", ["cpu", "cpu"], 4), ("parked", ["cpu"], 4), ("parked", ["cpu"], 1),
+])
+def test_other_decode_orders_give_the_same_bits(tiny_piflow, baseline, monkeypatch, decode_order, devices, segment):
+    """Parked caches go to host memory and back between segments, one segment of every tile after another: a cache
+    restored to the wrong tile or a stale copy would change the frames. Only parked moves caches."""
+    from worker.sr.decoder_caches import DecoderCaches
+
+    parked = []
+    give_back = DecoderCaches.give_back
+    monkeypatch.setattr(DecoderCaches, "give_back", lambda self, index, cache, last: (parked.append(self._park and not last), give_back(self, index, cache, last)))
+    engine = SREngine.from_pretrained(str(tiny_piflow), devices=devices, decode_order=decode_order, decode_segment=segment)
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
+    # 4 tiles; 9 frames are 3 latent frames: segments [0:1], [1:3] (segment 4) or three (segment 1)
+    assert sum(parked) == (4 * (2 if segment == 1 else 1) if decode_order == "parked" else 0)
 
 
 @pytest.mark.parametrize("decode_segment", [1, 2, 64])
@@ -149,7 +160,7 @@ def test_warmup_gives_every_device_a_tile(tiny_piflow):
     assert info.tiles >= 3 and info.frames == 5
 
 
-@pytest.mark.parametrize("mode", ["speed", "memory"])
+@pytest.mark.parametrize("mode", ["speed", "balanced", "memory"])
 def test_performance_modes_give_the_same_bits(tiny_piflow, baseline, mode):
     from worker.sr.backends import PERFORMANCE_MODES, open_upscaler
 
@@ -158,63 +169,51 @@ def test_performance_modes_give_the_same_bits(tiny_piflow, baseline, mode):
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
 
 
-def test_new_compiled_shapes_run_alone_then_in_parallel(tiny_piflow, baseline):
-    """On GPUs the first call of a new shape compiles, and Dynamo tracing in one thread breaks module calls in the
-    others: that call runs alone; calls of shapes seen before run side by side, every thread without gradients."""
+def test_a_new_clip_shape_runs_model_calls_one_at_a_time_then_in_parallel(tiny_piflow, baseline):
+    """On GPUs the first call of a new clip shape compiles, and Dynamo tracing in one thread breaks module calls in
+    the others: its model calls never overlap; the next call of that shape runs them side by side, every thread
+    without gradients, and a new shape is gated again."""
     import threading
 
     engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu"])
     engine.compiles = True  # what compiled blocks set on GPUs (compiling itself is GPU-only)
-    lock, events = threading.Lock(), []  # (enter or leave, call number, shape, thread, grad)
+    lock, events = threading.Lock(), []  # (enter or leave, call number, thread, grad)
 
-    def watch(kind: str, shape_of):
-        def enter(module, args, kwargs) -> None:
-            with lock:
-                events.append(("enter", len(events), (kind, shape_of(args, kwargs)), threading.current_thread().name, torch.is_grad_enabled()))
-                threading.current_thread().vsrq_call = events[-1][1]
+    def enter(*_) -> None:
+        with lock:
+            events.append(("enter", len(events), threading.current_thread().name, torch.is_grad_enabled()))
+            threading.current_thread().vsrq_call = events[-1][1]
 
-        def leave(*_) -> None:
-            with lock:
-                events.append(("leave", threading.current_thread().vsrq_call, None, None, None))
+    def leave(*_) -> None:
+        with lock:
+            events.append(("leave", threading.current_thread().vsrq_call, None, None))
 
-        return enter, leave
-
-    watched = [
-        (engine.replicas[0].transformer, watch("dit", lambda args, kwargs: tuple(kwargs["hidden_states"].shape))),
-        (engine.replicas[0].vae.decoder, watch("decode", lambda args, kwargs: (tuple(args[0].shape), args[1]["conv_in"]["padding"] is None))),
-    ]
-    hooks = [h for m, (enter, leave) in watched for h in (m.register_forward_pre_hook(enter, with_kwargs=True), m.register_forward_hook(leave))]
+    models = (engine.replicas[0].transformer, engine.replicas[0].vae.decoder)
+    hooks = [hook for m in models for hook in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    traces, outputs = [], []
     try:
-        first = run(engine, clip(2), SRRequest(scale=2, seed=3))
-        first_events = list(events)
-        events.clear()
-        second = run(engine, clip(2), SRRequest(scale=2, seed=3))
+        for video in (clip(2), clip(2), clip(2), clip(2, frames=13)):
+            events.clear()
+            outputs.append(run(engine, video, SRRequest(scale=2, seed=3)))
+            traces.append(list(events))
     finally:
         for hook in hooks:
             hook.remove()
 
-    def overlapping(trace: list) -> set[int]:
-        """Calls during which another call was inside."""
-        inside, overlapped = set(), set()
+    def overlapping(trace: list) -> bool:
+        """Whether a model call started while another was inside."""
+        inside = set()
         for event, call, *_ in trace:
-            if event == "enter":
-                if inside:
-                    overlapped |= inside | {call}
-                inside.add(call)
-            else:
-                inside.discard(call)
-        return overlapped
+            if event == "enter" and inside:
+                return True
+            (inside.add if event == "enter" else inside.discard)(call)
+        return False
 
-    firsts = {}
-    for event, call, shape, *_ in first_events:
-        if event == "enter":
-            firsts.setdefault(shape, call)
-    assert len(firsts) >= 3 and not overlapping(first_events) & set(firsts.values())  # each new shape ran alone
-    assert overlapping(first_events) or overlapping(events)  # the rest did run side by side
-    threads = {thread for event, _, _, thread, _ in first_events + events if event == "enter"}
-    assert threads == {"vsrq-device_0", "vsrq-device_1"}
-    assert not any(grad for event, *_, grad in first_events + events if event == "enter")
-    assert torch.equal(first, baseline) and torch.equal(second, baseline)
+    first, *seen, new_shape = traces
+    assert not overlapping(first) and any(map(overlapping, seen)) and not overlapping(new_shape)
+    assert {thread for event, _, thread, _ in first + seen[0] if event == "enter"} == {"vsrq-device_0", "vsrq-device_1"}
+    assert not any(grad for trace in traces for event, *_, grad in trace if event == "enter")
+    assert torch.equal(outputs[0], baseline) and torch.equal(outputs[1], baseline)
 
 
 def test_a_failing_sink_or_device_stops_every_device(tiny_piflow, baseline):
@@ -265,13 +264,24 @@ def test_compiling_engines_pin_inductor_kernel_choices(tiny_piflow):
 
 
 @pytest.mark.parametrize(
-    ("tiles", "gpu_gib", "crowds"),
-    [(9, 139, False), (25, 139, False), (9, 79.6, False), (25, 79.6, True), (9, 44.4, False), (9, 23.6, True)],
+    ("order", "tiles", "gpu_gib", "host_gib", "expected"),
+    [
+        ("lockstep", [9], 139, 100, "lockstep"),  # W1 on an H200
+        ("lockstep", [25], 139, 100, "lockstep"),  # x4 too (measured at 82 GiB there)
+        ("lockstep", [9], 79.6, 100, "lockstep"),
+        ("lockstep", [25], 79.6, 100, "parked"),  # x4 on an 80 GB GPU: 46 GiB of caches go to the host
+        ("lockstep", [13, 12], 79.6, 100, "lockstep"),  # x4 on two such GPUs: each holds its share
+        ("lockstep", [25], 79.6, 80, "tile_major"),  # 25 x 2 GiB pinned would take over half the host
+        ("lockstep", [9], 23.6, 100, "parked"),  # W1 on a 24 GB GPU
+        ("parked", [9], 139, 100, "parked"),  # asked for (`balanced`)
+        ("parked", [2, 2], 139, 100, "lockstep"),  # nothing to save: three caches stay in flight anyway
+        ("parked", [9], 139, 30, "tile_major"),
+        ("tile_major", [25], 23.6, 1, "tile_major"),
+    ],
 )
-def test_lockstep_gives_way_where_its_caches_would_crowd_the_gpu(tiles, gpu_gib, crowds):
-    """W1 (9 tiles) and W1 at x4 (25) with the full-size decoder's 1.85 GiB caches and 10 GiB of weights: an H200
-    holds both in lockstep (x4 measured at 82 GiB there), an 80 GB GPU runs x4 tile by tile (29 GiB for W1), a
-    24 GB GPU everything."""
-    from worker.sr.engine import crowded
+def test_the_decode_order_follows_gpu_and_host_memory(order, tiles, gpu_gib, host_gib, expected):
+    """With the full-size decoder's 1.85 GiB caches per W1 tile (2 GiB pinned) and 10 GiB of weights per GPU."""
+    from worker.sr.engine import decode_order_for
 
-    assert crowded(tiles, 1_988_493_312, int(gpu_gib * 2**30), 10 * 2**30) is crowds
+    gpus = [(count, int(gpu_gib * 2**30), 10 * 2**30) for count in tiles]
+    assert decode_order_for(order, gpus, 1_988_493_312, int(host_gib * 2**30)) == expected

@@ -8,7 +8,8 @@ import diffusers
 import torch
 
 from worker.sr.checkpoint import tiny_components
-from worker.sr.fast_vae import BroadcastSpatialNorm3D, ImplicitPadCausalConv3d, cache_bytes, speed_up_decoder, tile_cache_bytes
+from worker.sr.decoder_caches import cache_bytes
+from worker.sr.fast_vae import BroadcastSpatialNorm3D, ImplicitPadCausalConv3d, speed_up_decoder, tile_cache_bytes
 
 
 def decode_in_segments(vae, z: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,10 @@ class WorkerSettings(BaseSettings):
     model: str = "lanczos"  # a checkpoint directory, a hub id, or "lanczos"
     devices: str = "cpu"  # comma-separated, e.g. "cuda:0,cuda:1"
     heartbeat_s: float = 0.5  # progress heartbeats at most this often (and at the end of every window)
-    # "speed": every tile's decoder cache resident; "memory": one tile at a time per GPU (same output, W1 on one
-    # H200: 22.0 GiB instead of 52.2 GiB peak, 1.2x the time: bench/RESULTS.md)
-    performance_mode: Literal["speed", "memory"] = "speed"
+    # "speed": every tile's decoder cache resident; "balanced": parked in host memory between segments; "memory":
+    # one tile at a time per GPU. Same output; W1 on one H200: 52.2 / 30.9 / 22.0 GiB peak for 1 / 1.09 / 1.2x the
+    # time (bench/RESULTS.md)
+    performance_mode: Literal["speed", "balanced", "memory"] = "speed"
     warmup: bool = True  # compile for one window at start (GPUs), so the first job is not the cold one
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
     # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)

@@ -16,12 +16,14 @@ from worker.sr.windows import DEFAULT_WINDOW
 
 log = logging.getLogger("vsrq.engine")
 
-PerformanceMode = Literal["speed", "memory"]
-# Measured on W1, one H200 (bench/RESULTS.md): both give the same bits; `memory` peaks at 22.0 GiB instead of
-# 52.2 GiB for 1.2x the time.
+PerformanceMode = Literal["speed", "balanced", "memory"]
+# Measured on W1, one H200 (bench/RESULTS.md): all give the same bits; peaks 52.2 / 30.9 / 22.0 GiB for 1 / 1.09 /
+# 1.2x the time.
 PERFORMANCE_MODES: dict[PerformanceMode, dict[str, Any]] = {
-    # every tile's decoder cache resident, frames stream out segment by segment
+    # every tile's decoder cache resident (parked where they would crowd the GPU), frames stream out per segment
     "speed": {"decode_order": "lockstep", "decode_segment": 4},
+    # the caches parked in pinned host memory between segments (1.85 GiB per W1 tile), frames stream out
+    "balanced": {"decode_order": "parked", "decode_segment": 2},
     # one tile's decoder cache per GPU at a time, two latent frames at a time; frames leave with the last tile
     "memory": {"decode_order": "tile_major", "decode_segment": 2},
 }
@@ -57,7 +59,7 @@ def open_upscaler(
     throwaway window, so the first job is not the cold one."""
     if model == "lanczos":
         return LanczosUpscaler()
-    if performance_mode == "memory" and any(device.startswith("cuda") for device in devices) and not _allocator_configured():
+    if performance_mode != "speed" and any(device.startswith("cuda") for device in devices) and not _allocator_configured():
         # Blocks of many sizes come and go while decoding: growable segments keep the reserve near what is in use
         # (the figures above were measured so). Set at runtime, since the worker may have touched CUDA already; it
         # holds for the whole process, as the environment variable would.

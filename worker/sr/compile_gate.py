@@ -1,48 +1,32 @@
 """Model calls from several device threads while compiled code may still be built.
 
-While Dynamo traces a new shape in one thread it patches `nn.Module.__call__` for every thread, so a forward in
-another thread fails ("FX to symbolically trace a dynamo-optimized function"). A call whose key (its device and
-input shapes) the gate has not seen succeed may compile: it runs alone. Calls with seen keys run side by side, so
-only the first call of each new shape is serialised, not the whole job that brings it.
+While Dynamo traces in one thread it patches `nn.Module.__call__` for every thread, so a forward in another thread
+fails ("FX to symbolically trace a dynamo-optimized function"). An engine call of a new signature (its shapes, tile
+count and decode order) may compile at any of its model calls, so they run one at a time, whatever their device.
+Once a call of that signature has succeeded, the graphs it needs exist, and later calls run side by side. An engine
+runs one call at a time (a worker runs one job at a time), so no other call can be compiling meanwhile.
+
+Gating only the first model call of each (device, input shape) was not enough on two H200s: the first 2-GPU W1 call
+failed so (`bench/RESULTS.md`), most likely because a later call of a seen (device, shape) compiled again while the
+other GPU ran (not reproducible on CPUs; the exact recompile was not logged).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 
 class CompileGate:
     def __init__(self) -> None:
-        self._seen: set[Hashable] = set()
-        self._state = threading.Condition()
-        self._inside = 0  # calls with seen keys, side by side
-        self._alone = False  # a call with a new key is inside
-        self._queued = 0  # calls with new keys waiting: they go first, or a stream of others would starve them
+        self._succeeded: set[Hashable] = set()
+        self._one_at_a_time = threading.Lock()
 
     @contextmanager
-    def call(self, key: Hashable) -> Iterator[None]:
-        with self._state:
-            alone = key not in self._seen
-            if alone:
-                self._queued += 1
-                self._state.wait_for(lambda: not self._alone and not self._inside)
-                self._queued -= 1
-                self._alone = True
-            else:
-                self._state.wait_for(lambda: not self._alone and not self._queued)
-                self._inside += 1
-        succeeded = False
-        try:
-            yield
-            succeeded = True
-        finally:
-            with self._state:
-                if alone:
-                    self._alone = False
-                    if succeeded:  # a failed call may have left its compilation unfinished
-                        self._seen.add(key)
-                else:
-                    self._inside -= 1
-                self._state.notify_all()
+    def call(self, signature: Hashable, gated: bool = True) -> Iterator[Callable[[], AbstractContextManager]]:
+        """Around one engine call: yields the context every model call of it runs in (`gated`: whether anything
+        compiles at all)."""
+        first = gated and signature not in self._succeeded
+        yield (lambda: self._one_at_a_time) if first else nullcontext
+        self._succeeded.add(signature)  # not reached when the call failed: it may have left a compilation unfinished

@@ -8,7 +8,8 @@ and a streaming decode that hand finished output frames to a sink. Compared with
 - draws every tile's noise from its own generator (output independent of tile batching and device count),
 - decodes all tiles in lockstep, one temporal segment at a time through each tile's causal cache, blending each
   segment on the host as soon as its tiles are in, so the GPU holds no canvas and memory does not grow with clip
-  length (or tile by tile, one cache per GPU, where the caches would crowd it),
+  length (the caches resident, or parked in host memory between segments where they would crowd the GPU; or tile
+  by tile, one cache per GPU),
 - computes attention with dense SDPA instead of eager flex attention (which materialises the score matrix), or,
   as an option, NABLA sparse attention through compiled flex attention.
 """
@@ -19,7 +20,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from worker.sr import checkpoint, tiling
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
 from worker.sr.compile_gate import CompileGate
+from worker.sr.decoder_caches import DecoderCaches, host_bytes_available, pinned_bytes
 from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import allow_many_graphs, speed_up_decoder, tile_cache_bytes
@@ -43,7 +45,7 @@ log = logging.getLogger("vsrq.engine")
 
 # Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the CPU.
 FrameSink = Callable[[torch.Tensor], None]
-DECODE_ORDERS = ("lockstep", "tile_major")
+DECODE_ORDERS = ("lockstep", "parked", "tile_major")
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,10 @@ class SREngine:
         attention: str = "sdpa",
     ) -> None:
         """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
-        its device; "tile_major" decodes one whole tile at a time per device (one cache, least GPU memory) and emits
-        the frames with the last tile. Both give the same bits; a call whose lockstep caches would crowd a GPU runs
-        tile-major.
+        its device; "parked" streams the same way with the caches in pinned host memory between segments (about
+        three per GPU, copied beside the decoding: `decoder_caches`); "tile_major" decodes one whole tile at a time
+        per device (one cache, no host copies) and emits the frames with the last tile. All give the same bits; a
+        call whose lockstep caches would crowd a GPU parks them.
 
         `replicas` are prepared in place: `fast_decode` swaps the decoder's norms for `fast_vae`'s (same maths,
         about half the memory traffic); `compile_transformer` compiles its repeated blocks and `compile_decoder` the
@@ -159,7 +162,9 @@ class SREngine:
             if compiles_transformer or compiles_decoder:
                 _configure_compilation()
             if compiles_transformer:
-                replica.transformer.compile_repeated_blocks(fullgraph=True)
+                # Static shapes, as the decoder's: every clip length gets a graph of its own, instead of Dynamo
+                # recompiling with dynamic sizes at the second length it meets (a graph the first call did not build).
+                replica.transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
             if compiles_decoder:
                 compile_decoder_blocks(replica.vae)
         first = self.replicas[0]
@@ -206,7 +211,8 @@ class SREngine:
             verdict = (
                 "everything stays resident"
                 if peak < 0.9 * total
-                else "close to the limit: performance_mode=memory decodes one tile at a time (W1: 22 GiB instead of 52)"
+                else "close to the limit: performance_mode=balanced parks the decoder caches in host memory (W1: 31 GiB "
+                "instead of 52, 1.09x the time), memory decodes one tile at a time (22 GiB, 1.2x)"
             )
             lines.append(
                 f"{replica.device}: weights {weights / 2**30:.1f} GiB, peak reserved {peak / 2**30:.1f} GiB of "
@@ -369,10 +375,10 @@ class SREngine:
         they exist, then decodes its share of the tiles (which `_Schedule` balances) segment by segment, weighted
         by the window, into pinned host memory without waiting. The calling thread adds them into host canvases,
         one per segment, in tile order whatever the device and decode order, so the output is bit-identical for
-        any device count and both orders; a canvas leaves as frames once its last tile is in. Model calls go
-        through the engine's `CompileGate` when blocks are compiled: the first call of a new shape runs alone."""
+        any device count and every order; a canvas leaves as frames once its last tile is in. Model calls go
+        through the engine's `CompileGate` when blocks are compiled: one at a time in a call of a new signature."""
         segments = self._segments(noise[0].shape[1])
-        pipeline = _Pipeline(len(plan.tiles), self._gate if self.compiles else None)
+        pipeline = _Pipeline(len(plan.tiles))
 
         def run(slot: int) -> None:
             replica = self.replicas[slot]
@@ -386,56 +392,58 @@ class SREngine:
             z = {tile.index: pipeline.take(tile.index).to(replica.device).permute(0, 4, 1, 2, 3) for tile in tiles}
             window = plan.window(replica.device)
             decoder = replica.vae.decoder
-            # lockstep: segment by segment over all tiles, every tile's causal cache resident, frames stream out.
-            # tile_major: tile by tile, one cache at a time (the least GPU memory); frames leave with the last tile.
-            if decode_order == "lockstep":
+            # lockstep and parked: segment by segment over all tiles, frames stream out; parked keeps the caches
+            # in host memory between segments. tile_major: tile by tile, one cache at a time; frames leave with
+            # the last tile.
+            if decode_order != "tile_major":
                 order = [(number, tile) for number in range(len(segments)) for tile in tiles]
             else:
                 order = [(number, tile) for tile in tiles for number in range(len(segments))]
-            caches: dict[int, dict] = {}
-            for number, tile in order:
-                if tile.index not in caches:
-                    caches[tile.index] = decoder.make_cache()
+            caches = DecoderCaches(decoder.make_cache, replica.device, park=decode_order == "parked")
+            for step, (number, tile) in enumerate(order):
+                cache = caches.take(tile.index)
                 latent = z[tile.index][:, :, segments[number]].to(replica.vae.dtype) / self.scaling_factor
-                with pipeline.turn(("decode", replica.device, latent.shape, number == 0)):
+                with pipeline.turn():
                     tracker.check()
-                    frames = decoder(latent, caches[tile.index])
+                    frames = decoder(latent, cache)
+                if step + 1 < len(order):
+                    caches.prefetch(order[step + 1][1].index)  # arrives while this segment decodes
+                caches.give_back(tile.index, cache, last=number == len(segments) - 1)
                 frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
                 pipeline.put(number, tile.index, *_to_host(frames[0] * window))
                 tracker.advance(1, "decode")
-                if number == len(segments) - 1:
-                    del caches[tile.index]
 
         # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
         weights = plan.weight_map(self.replicas[0].device).cpu()
         blends: dict[int, _Blend] = {}
         finished = 0
+        signature = (tuple(noise[0].shape), len(plan.tiles), decode_order, request.tiles_batch_size)
         try:
-            pipeline.start(self._pool, [self._on_device(slot, run) for slot in range(len(self.replicas))])
-            for number, index, weighted in pipeline.results():
-                blends.setdefault(number, _Blend(plan)).add(index, weighted)
-                while finished in blends and blends[finished].complete:
-                    emit(_normalise(blends.pop(finished).canvas, weights))
-                    finished += 1
+            with self._gate.call(signature, gated=self.compiles) as model_call:
+                pipeline.start(self._pool, [self._on_device(slot, run) for slot in range(len(self.replicas))], model_call)
+                for number, index, weighted in pipeline.results():
+                    blends.setdefault(number, _Blend(plan)).add(index, weighted)
+                    while finished in blends and blends[finished].complete:
+                        emit(_normalise(blends.pop(finished).canvas, weights))
+                        finished += 1
         finally:
             pipeline.stop()
         assert not blends and finished == len(segments), "every segment of every tile is blended"
 
     def _decode_order(self, plan: TilePlan, schedule: _Schedule) -> str:
-        """The engine's decode order, except that lockstep gives way to tile-major for a call (same bits) where a
-        GPU's resident decoder caches would crowd it (`crowded`)."""
-        if self.decode_order != "lockstep":
+        """The decode order of this call (`decode_order_for`), from the GPUs' sizes and the host memory free now."""
+        gpus = [
+            (len(tiles), torch.cuda.get_device_properties(replica.device).total_memory, _weight_bytes(replica))
+            for slot, tiles in schedule.decode.items()
+            if (replica := self.replicas[slot]).device.type == "cuda" and tiles
+        ]
+        if not gpus:  # CPUs: nothing to crowd, and parking is a plain copy there
             return self.decode_order
-        for slot, tiles in schedule.decode.items():
-            replica = self.replicas[slot]
-            if replica.device.type != "cuda" or not tiles:
-                continue
-            per_tile = self._cache_bytes(plan.base_height // self.snap, plan.base_width // self.snap)
-            total = torch.cuda.get_device_properties(replica.device).total_memory
-            if crowded(len(tiles), per_tile, total, _weight_bytes(replica)):
-                log.info("%d decoder caches of %.2f GiB would crowd %s: decoding tile by tile", len(tiles), per_tile / 2**30, replica.device)
-                return "tile_major"
-        return "lockstep"
+        per_tile = self._cache_bytes(plan.base_height // self.snap, plan.base_width // self.snap)
+        order = decode_order_for(self.decode_order, gpus, per_tile, host_bytes_available())
+        if order != self.decode_order:
+            log.info("decoding %s instead of %s: %d tiles, %.2f GiB of decoder cache each", order, self.decode_order, len(plan.tiles), per_tile / 2**30)
+        return order
 
     def _cache_bytes(self, latent_height: int, latent_width: int) -> int:
         key = (latent_height, latent_width)
@@ -451,7 +459,7 @@ class SREngine:
         noise: list[torch.Tensor],
         request: SRRequest,
         tracker: _Tracker,
-        turn: Callable[[Hashable], AbstractContextManager],
+        turn: Callable[[], AbstractContextManager],
     ) -> Iterator[dict[int, torch.Tensor]]:
         """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time."""
         device, dtype = replica.device, replica.dtype
@@ -466,7 +474,7 @@ class SREngine:
             # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
             anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
             for t in scheduler.timesteps:
-                with turn(("denoise", device, latents.shape)):
+                with turn():
                     tracker.check()  # between steps: a full-size step takes seconds
                     # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in
                     # the timestep MLP and change the low bits with the batch size.
@@ -501,6 +509,22 @@ class SREngine:
         futures = [self._pool.submit(call) for call in calls]
         wait(futures)  # all of them, also when one fails: nothing of this call may run on into the next
         return {key: value for future in futures for key, value in future.result().items()}
+
+
+def decode_order_for(order: str, gpus: Sequence[tuple[int, int, int]], cache_bytes: int, host_available: int) -> str:
+    """A call's decode order (all give the same bits). `gpus`: (tiles it decodes, its memory, its weights' bytes) per
+    GPU; `cache_bytes`: one tile's decoder cache.
+    - lockstep parks the caches where resident ones would crowd a GPU (`crowded`);
+    - parking saves nothing where no GPU decodes more than two tiles (it keeps up to three caches in flight);
+    - parked caches decode tile by tile instead where their pinned buffers would take over half of the host memory
+      available (the rest is for frames, blending and the encoder)."""
+    if order == "lockstep" and any(crowded(tiles, cache_bytes, total, weights) for tiles, total, weights in gpus):
+        order = "parked"
+    if order == "parked" and max(tiles for tiles, *_ in gpus) <= 2:
+        return "lockstep"
+    if order == "parked" and sum(tiles for tiles, *_ in gpus) * pinned_bytes(cache_bytes) > host_available / 2:
+        return "tile_major"
+    return order
 
 
 def crowded(tiles: int, cache_bytes: int, total_bytes: int, weight_bytes: int) -> bool:
@@ -569,17 +593,20 @@ class _Pipeline:
     """The device threads of one call: latents handed between them, segments of weighted tiles to the caller, and
     the first failure, which stops every thread at its next model call."""
 
-    def __init__(self, tiles: int, gate: CompileGate | None) -> None:
+    def __init__(self, tiles: int) -> None:
         self._running = 0
         self._latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._handed = threading.Condition()
         # Bounded (about two segments of every tile): a slow sink holds the devices back instead of piling
         # segments up in pinned memory (`_Blend` moves those that wait for an earlier tile out of it).
         self._results: queue.Queue = queue.Queue(maxsize=2 * tiles)
-        self._gate = gate
+        self._model_call: Callable[[], AbstractContextManager] = nullcontext
         self.error: BaseException | None = None
 
-    def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]]) -> None:
+    def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]], model_call: Callable[[], AbstractContextManager]) -> None:
+        """Runs `calls` on `pool`, each model call of theirs inside `model_call()` (the compile gate's context)."""
+        self._model_call = model_call
+
         def thread(call: Callable[[], Any]) -> None:
             try:
                 call()
@@ -593,10 +620,9 @@ class _Pipeline:
             self._running += 1
 
     @contextmanager
-    def turn(self, key: Hashable) -> Iterator[None]:
-        """Around each model call (`key`: its device and input shapes): through the compile gate, and stopping the
-        thread once another failed."""
-        with self._gate.call(key) if self._gate is not None else nullcontext():
+    def turn(self) -> Iterator[None]:
+        """Around each model call: as the compile gate has it, and stopping the thread once another failed."""
+        with self._model_call():
             if self.error is not None:  # checked once inside: the wait may have been another call's compilation
                 raise _Stopped
             yield

@@ -25,6 +25,8 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
     Kandinsky6SRSpatialNorm3D,
 )
 
+from worker.sr.decoder_caches import cache_bytes
+
 
 def _modulate(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """`normed * up(scale) + up(shift)`, `up` being nearest upsampling to `normed`'s (frames, height, width)."""
@@ -81,14 +83,6 @@ class ImplicitPadCausalConv3d(Kandinsky6SRCausalConv3d):
             return F.conv3d(frames, conv.weight, conv.bias, padding=(0, self.height_pad, self.width_pad))
         # Beyond cuDNN's comfort: the stock chunked convolution on explicitly padded frames.
         return self.conv(F.pad(frames, (self.width_pad, self.width_pad, self.height_pad, self.height_pad)))
-
-
-def cache_bytes(cache: object) -> int:
-    """Bytes the tensors of a decoder cache (`decoder.make_cache()`, nested dicts and lists) hold."""
-    if isinstance(cache, torch.Tensor):
-        return cache.nbytes
-    children = cache.values() if isinstance(cache, dict) else cache if isinstance(cache, (list, tuple)) else ()
-    return sum(cache_bytes(child) for child in children)
 
 
 def tile_cache_bytes(vae: torch.nn.Module, latent_height: int, latent_width: int, fast: bool = True) -> int:

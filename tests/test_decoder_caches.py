@@ -1,0 +1,79 @@
+"""A tile's decoder cache between its segments: kept, parked in host memory and brought back, or dropped."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.sr.checkpoint import tiny_components
+from worker.sr.decoder_caches import DecoderCaches, cache_bytes, tensors
+
+
+def filled_cache():
+    """A real cache of the tiny decoder after one segment: padding tensors at every level and first-segment flags."""
+    vae = tiny_components()["vae"].eval()
+    cache = vae.decoder.make_cache()
+    with torch.no_grad():
+        vae.decoder(torch.randn(1, vae.config.latent_channels, 1, 4, 4), cache)
+    return vae, cache
+
+
+def test_a_parked_cache_comes_back_equal_but_as_copies():
+    vae, cache = filled_cache()
+    caches = DecoderCaches(vae.decoder.make_cache, torch.device("cpu"), park=True)
+    caches.give_back(3, cache, last=False)
+    caches.prefetch(3)
+    back = caches.take(3)
+    assert cache_bytes(back) == cache_bytes(cache) > 0
+    pairs = list(zip(tensors(back), tensors(cache), strict=True))
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in pairs)
+    assert repr(_flags(back)) == repr(_flags(cache)) and False in _flags(back)  # "is_first_segment" went along
+
+
+def test_kept_caches_stay_and_a_last_segment_drops_the_cache():
+    vae, cache = filled_cache()
+    for park in (False, True):
+        caches = DecoderCaches(vae.decoder.make_cache, torch.device("cpu"), park=park)
+        caches.give_back(0, cache, last=False)
+        assert (caches.take(0) is cache) is not park  # without parking the very same cache
+        caches.give_back(0, cache, last=True)
+        assert cache_bytes(caches.take(0)) == 0  # a new, empty cache: the old one is gone
+        caches.prefetch(7)  # nothing parked under 7: nothing to do
+        assert cache_bytes(caches.take(7)) == 0
+
+
+def _flags(cache) -> list:
+    if isinstance(cache, dict):
+        return [flag for key, value in cache.items() for flag in ([value] if isinstance(value, bool) else _flags(value))]
+    if isinstance(cache, list):
+        return [flag for value in cache for flag in _flags(value)]
+    return []
+
+
+def test_parked_tensors_keep_dtype_layout_and_values_side_by_side_in_one_buffer():
+    """Compiled decoder blocks guard on strides: a channels-last tensor must come back channels-last; tensors of
+    different dtypes and odd sizes share the tile's buffer without overlapping; a second park reuses it."""
+    wide = torch.randn(1, 3, 2, 5, 7).contiguous(memory_format=torch.channels_last_3d)
+    cache = {"conv": {"padding": wide}, "blocks": [{"padding": torch.randn(3, 5).to(torch.bfloat16)}, {"padding": None}],
+             "is_first_segment": False}
+    caches = DecoderCaches(dict, torch.device("cpu"), park=True)
+    for _ in range(2):
+        caches.give_back(0, cache, last=False)
+        back = caches.take(0)
+        assert back["conv"]["padding"].stride() == wide.stride() and back["blocks"][1] == {"padding": None}
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors(back), tensors(cache), strict=True))
+        assert back["is_first_segment"] is False
+
+
+def test_host_memory_available_heeds_a_container_limit(tmp_path):
+    """A container sees the machine's free memory but may only use what its cgroup limit leaves."""
+    import psutil
+
+    from worker.sr.decoder_caches import host_bytes_available
+
+    machine = psutil.virtual_memory().available
+    assert 0 < host_bytes_available(tmp_path) <= machine  # no cgroup files: the machine's figure
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("1000\n")
+    assert host_bytes_available(tmp_path) > 1000  # no limit set
+    (tmp_path / "memory.max").write_text(f"{3 * 2**30}\n")
+    assert host_bytes_available(tmp_path) == min(3 * 2**30 - 1000, psutil.virtual_memory().available)
