@@ -83,6 +83,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def compiled_graphs() -> int:
+    """Graphs Dynamo has built in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 class StageTimer:
     """Seconds per model stage from forward hooks, summed over devices (GPU-seconds).
 
@@ -284,13 +289,18 @@ class Bench:
     def ours(self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4, hot: int | None = None) -> None:
         engine = self.engine(devices, order, segment)
         scale = self.workload(name)[3]
-        runs, stages = [], []
+        runs, stages, graphs = [], [], []
         for _ in range(1 + (self.hot if hot is None else hot)):
+            before = compiled_graphs()
             elapsed, stage, _ = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED), collect=False)
             runs.append(elapsed)
             stages.append(stage)
+            graphs.append(compiled_graphs() - before)
         record = self.summary("vsrq", name, runs, stages, self.peaks(engine.devices), devices)
         record |= {
+            # Graphs Dynamo built per run: a hot run that builds any ran compilation beside other devices' calls
+            # (what the compile gate must prevent) or met a shape its first run did not.
+            "graphs_compiled": {"first": graphs[0], "hot": graphs[1:]},
             "decode_order": order,
             "decode_segment": segment,
             "peak_allocated_gib": self.peaks(engine.devices, torch.cuda.max_memory_allocated),

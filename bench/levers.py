@@ -1,7 +1,9 @@
 """Micro-benchmarks of the GPU levers, one W1 tile at full size (random bf16 weights): where decode and DiT time
 goes (torch.profiler), and what each candidate change buys and costs in accuracy.
 
-    python bench/levers.py --out levers.jsonl [--sections profile,decode,memory,attention,dit,nabla,mp4]
+    python bench/levers.py --out levers.jsonl [--sections profile,decode,memory,attention,dit,nabla,mp4,host]
+
+`host` and `mp4` run on the CPU alone (no GPU needed).
 
 Run `nabla` and `dit` in separate processes: each compiles the transformer's blocks for its own processor.
 """
@@ -78,6 +80,34 @@ def mp4_tail(lookahead: int | None, frames: int = 121, chunk: int = 16, every_s:
         return {"lookahead": lookahead, "tail_s": round(time.perf_counter() - started, 3), "bytes": path.stat().st_size, "encode_thread_s": round(writer.encode_seconds, 3)}
 
 
+def host_segment(height: int, width: int, frames: int = 16) -> dict:
+    """The host's share of one output segment after the tiles are blended, as the engine and the writer run it:
+    normalising the canvas, quantising to 8 bits, converting to the encoder's YUV (the encoder thread's part before
+    x264). Best of three, seconds."""
+    from worker.media.writer import yuv_frame
+    from worker.sr.engine import _normalise
+    from worker.sr.frames import quantise
+
+    generator = torch.Generator().manual_seed(0)
+    canvas = torch.randn(3, frames, height, width, generator=generator)
+    weights = torch.rand(height, width, generator=generator) + 0.5
+
+    def best(step):
+        seconds = []
+        for _ in range(3):
+            started = time.perf_counter()
+            out = step()
+            seconds.append(time.perf_counter() - started)
+        return round(min(seconds), 3), out
+
+    normalise_s, video = best(lambda: _normalise(canvas, weights))
+    quantise_s, pixels = best(lambda: quantise(video))
+    arrays = pixels.numpy()
+    convert_s, _ = best(lambda: [yuv_frame(pixel) for pixel in arrays])
+    return {"size": f"{width}x{height}x{frames}", "threads": torch.get_num_threads(), "normalise_s": normalise_s,
+            "quantise_s": quantise_s, "yuv_convert_s": convert_s}
+
+
 def top_kernels(prof) -> str:
     averages = prof.key_averages()
     for key in ("self_device_time_total", "self_cuda_time_total"):
@@ -101,6 +131,15 @@ def main() -> None:
         print(line, flush=True)
         with args.out.open("a") as file:
             file.write(line + "\n")
+
+    if "host" in sections:  # W1's output segment, and W1 at x4's
+        for height, width in ((1024, 1536), (2048, 3072)):
+            emit({"section": "host_segment"} | host_segment(height, width))
+    if "mp4" in sections:
+        for lookahead in (None, 16, 8):
+            emit({"section": "mp4_tail"} | mp4_tail(lookahead))
+    if not sections - {"host", "mp4"}:
+        return
 
     parts = build(device, tiny=False)  # the benchmark's full-size random components, SDPA attention set
     del parts["latent_upscaler"]  # not measured here: keep its 7.3 GB out of the memory figures
@@ -215,10 +254,6 @@ def main() -> None:
                 "max_abs_delta_vs_dense": delta.abs().max().item(),
                 "rel_rms_delta_vs_dense": (delta.pow(2).mean().sqrt() / dense.pow(2).mean().sqrt()).item(),
             })
-
-        if "mp4" in sections:
-            for lookahead in (None, 16, 8):
-                emit({"section": "mp4_tail"} | mp4_tail(lookahead))
 
         if "attention" in sections:
             from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -27,12 +27,14 @@ Times come from Redis (`TIME`), so workers' and API servers' clocks never disagr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -119,13 +121,18 @@ class FileDigest(BaseModel):
     bytes: int
     sha256: str
 
+    @classmethod
+    def of(cls, path: Path) -> FileDigest:
+        with path.open("rb") as file:
+            return cls(bytes=path.stat().st_size, sha256=hashlib.file_digest(file, "sha256").hexdigest())
+
 
 class InputInfo(BaseModel):
     key: str | None = None  # blob key; None for an input the worker fetches from `url`
     bytes: int | None = None  # None until known (a URL input: once fetched)
     url: str | None = None  # an https URL (JSON create's `video_url`), fetched at task time by worker/fetch.py
     max_bytes: int | None = None  # a URL input's size limit: its key's upload limit when the job was created
-    sha256: str | None = None  # known when the API received the file itself, or once the worker fetched `url`
+    sha256: str | None = None  # known when the API received the file itself, else once the worker has read the input
     filename: str | None = None
     upload_id: str | None = None
     owned_by_job: bool = False  # uploaded with the job (multipart create): deleted with it

@@ -22,6 +22,7 @@ def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     assert long["frames_out"] == 129  # every frame, through the windows
     assert "bit_identical_to_first_vsrq_phase" not in long  # its only phase: nothing to compare, no check run
     assert single["stage_device_s_last_run"]["mp4_tail"] >= 0
+    assert single["graphs_compiled"] == {"first": 0, "hot": [0]}  # nothing compiles on a CPU
 
 
 def test_phases_parse_with_their_hot_run_counts():
@@ -40,3 +41,13 @@ def test_check_only_limits_the_untimed_checks_to_the_named_workloads(tmp_path):
     checked = {(r["workload"], r["decode_order"]): "bit_identical_to_first_vsrq_phase" in r for r in records}
     assert checked == {("W1short", "lockstep"): True, ("W1short", "parked"): True, ("W1", "lockstep"): False, ("W1", "parked"): False}
     assert all(r["bit_identical_to_first_vsrq_phase"] for r in records if r["workload"] == "W1short")
+
+
+def test_the_host_lever_times_the_products_own_steps():
+    """`levers.py --sections host` (CPU only) runs the engine's normalising, the quantiser and the writer's YUV
+    conversion; tiny here so the section cannot rot."""
+    from bench.levers import host_segment
+
+    record = host_segment(32, 48, frames=2)
+    assert record["size"] == "48x32x2"
+    assert all(record[key] >= 0 for key in ("normalise_s", "quantise_s", "yuv_convert_s"))  # rounded to ms

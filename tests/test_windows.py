@@ -139,3 +139,15 @@ def test_a_cancelled_job_resumes_from_kept_windows_and_matches_an_uninterrupted_
 
     computed, _ = run(DirectoryWindowStore(tmp_path / "windows", "another job"))
     assert computed == [0, 1, 2, 3]  # a store kept for other settings is never replayed
+
+
+def test_quantise_rounds_clamps_and_hands_the_encoder_contiguous_rgb():
+    """Out-of-range values clamp, halves round to even, and the (n, H, W, 3) result is contiguous (the encoder's
+    RGB-to-YUV conversion reads strided frames at a third of the speed); dequantise inverts it exactly."""
+    from worker.sr.frames import dequantise
+
+    frames = torch.tensor([-0.5, 0.0, 0.5 / 255, 1.5 / 255, 0.5, 1.0, 7.0]).reshape(1, 1, 1, 7).expand(2, 3, 1, 7)
+    pixels = quantise(frames)
+    assert pixels.shape == (2, 1, 7, 3) and pixels.is_contiguous() and pixels.dtype == torch.uint8
+    assert pixels[0, 0, :, 0].tolist() == [0, 0, 0, 2, 128, 255, 255]
+    assert torch.equal(quantise(dequantise(pixels)), pixels)

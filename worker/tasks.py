@@ -104,13 +104,18 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         beat.send(progress=0, stage="probing", force=True)
         if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
             fetched = fetch(job.input.url, source, service.settings(), beat.cancelled, job.input.max_bytes)
-            log.info("%s fetched its input: %d bytes, sha256 %s", job.id, fetched.bytes, fetched.sha256)
-            beat.stop_if_cancelled(input_file=FileDigest(bytes=fetched.bytes, sha256=fetched.sha256), force=True)
+            digest = FileDigest(bytes=fetched.bytes, sha256=fetched.sha256)
         else:
             try:
                 beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
             except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
                 raise InputNotFound("The input video is no longer in storage.") from None
+            # A referenced upload or key reached the API as a name only; parts download out of order, so the file
+            # is hashed once it is whole.
+            digest = None if job.input.sha256 else FileDigest.of(source)
+        if digest is not None:
+            log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
+            beat.stop_if_cancelled(input_file=digest, force=True)
 
         # 3. Probe, upscale window by window, encode, verify: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.

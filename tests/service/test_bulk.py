@@ -195,9 +195,11 @@ def test_s3_sources_are_referenced_in_our_bucket_and_copied_from_others(api, wor
     assert prefix.returncode == 0, prefix.stdout + prefix.stderr
     rows = by_source(tmp_path / "prefix.csv")
     assert sorted(rows) == [f"s3://{stack.bucket}/{ours}r0.mp4", f"s3://{stack.bucket}/{ours}r1.mp4"]
-    for row in rows.values():
+    for source, row in rows.items():
         job = requests.get(f"{api}/v1/videos/{row['job_id']}", headers=auth("bulk"), timeout=10).json()
-        assert job["status"] == "completed" and job["input"]["sha256"] is None  # referenced: the API stored nothing
+        # referenced: the API read no byte of it; the worker hashed what it downloaded
+        digest = hashlib.sha256(clips[source.rsplit("/", 1)[1]]).hexdigest()
+        assert job["status"] == "completed" and job["input"]["sha256"] == digest, job
         assert media(Path(row["output"]))[:2] == (96, 64)
     assert s3.exists(ours + "r0.mp4")  # a referenced upload is the caller's: no job deletes it
 

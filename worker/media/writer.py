@@ -36,6 +36,13 @@ _PRESET_LOOKAHEAD = {
 _SVT_PRESETS = {"ultrafast": 12, "superfast": 11, "veryfast": 10, "faster": 9, "fast": 8, "medium": 7, "slow": 5, "slower": 4, "veryslow": 2}
 
 
+def yuv_frame(pixel: np.ndarray) -> av.VideoFrame:
+    """One (H, W, 3) uint8 RGB frame as the encoder takes it: BT.709, limited range, 4:2:0."""
+    return av.VideoFrame.from_ndarray(pixel, format="rgb24").reformat(
+        format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+    )
+
+
 def encoder_for(codec: str) -> str:
     """The FFmpeg encoder this PyAV build has for `codec` ("h264", "hevc", "av1")."""
     if codec not in ENCODERS:
@@ -143,9 +150,7 @@ class Mp4Writer:
             while (pixels := self._queue.get()) is not _DONE:
                 started = perf_counter()
                 for pixel in pixels:
-                    frame = av.VideoFrame.from_ndarray(pixel, format="rgb24").reformat(
-                        format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
-                    )
+                    frame = yuv_frame(pixel)
                     frame.pts = index if self.timestamps is None else self.timestamps[index]
                     index += 1
                     self.container.mux(self.stream.encode(frame))
