@@ -188,7 +188,8 @@ class JobRecord(BaseModel):
 class VideoInput(BaseModel):
     bytes: int | None = Field(description="the input file's size; for a URL input, null until the worker fetched it")
     sha256: str | None = Field(
-        description="hex SHA-256 of the input file: the one sent with the job, or a URL input's once fetched"
+        description="hex SHA-256 of the input file: the one sent with the job; for a URL input or a referenced upload, "
+        "null until the worker has read it"
     )
     filename: str | None
     upload_id: str | None

@@ -133,15 +133,15 @@ class DecoderCaches:
     def _slots(self, index: int, cache: Cache) -> list[torch.Tensor]:
         """Host views for the cache's tensors, with their strides (a layout compiled code guards on), in tile
         `index`'s pinned buffer."""
-        places, size = [], 0
-        for tensor in tensors(cache):
+        held, places, size = list(tensors(cache)), [], 0
+        for tensor in held:
             places.append(size)
             size += -(-tensor.nbytes // _ALIGN) * _ALIGN
         buffer = self._buffers.get(index)
         if buffer is None or buffer.numel() < size:
             buffer = self._buffers[index] = torch.empty(size, dtype=torch.uint8, pin_memory=self._device.type == "cuda")
         slots = []
-        for place, tensor in zip(places, tensors(cache)):
+        for place, tensor in zip(places, held):
             flat = buffer[place : place + tensor.nbytes].view(tensor.dtype)
             # `empty_like` keeps the strides of a tensor without gaps (every cache tensor is a clone or a
             # concatenation) and makes others contiguous; on the meta device it allocates nothing.
