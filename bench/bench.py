@@ -15,7 +15,8 @@ Phases:
                       Clips longer than one window (W3) run in temporal windows, as the worker runs them
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
 A phase ending in *N runs N hot runs instead of --hot's (e.g. ours:W1:cuda:0*0: cold and the check only).
-`--tiny` runs the same phases on the CPU with the tiny configuration, so CI keeps this script working.
+`--compile none|transformer|decoder` builds engines with less compiled (default both): which compiled part changes
+what. `--tiny` runs the same phases on the CPU with the tiny configuration, so CI keeps this script working.
 """
 
 from __future__ import annotations
@@ -165,8 +166,8 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Bench:
-    def __init__(self, out: Path, hot: int, tiny: bool, check: bool = True, ref_hot: int | None = None) -> None:
-        self.out, self.hot, self.tiny, self.check = out, hot, tiny, check
+    def __init__(self, out: Path, hot: int, tiny: bool, check: bool = True, ref_hot: int | None = None, compiled: str = "both") -> None:
+        self.out, self.hot, self.tiny, self.check, self.compiled = out, hot, tiny, check, compiled
         self.ref_hot = hot if ref_hot is None else ref_hot
         self.home = torch.device("cpu" if tiny else "cuda:0")
         self.timer = StageTimer()
@@ -255,7 +256,9 @@ class Bench:
             self.replicas[device] = Components(device, parts["transformer"], parts["vae"], parts["scheduler"], parts["latent_upscaler"])
         key = (*devices, order, segment)
         if key not in self.engines:
-            self.engines[key] = SREngine([self.replicas[d] for d in devices], segment, order)
+            # None: the engine's default (compiled on GPUs); False: eager, to tell compiled code's effects apart
+            transformer, decoder = (None if self.compiled in (part, "both") else False for part in ("transformer", "decoder"))
+            self.engines[key] = SREngine([self.replicas[d] for d in devices], segment, order, compile_transformer=transformer, compile_decoder=decoder)
         return self.engines[key]
 
     def run_ours(self, engine: SREngine, name: str, request: SRRequest, collect: bool) -> tuple[float, dict, torch.Tensor | None]:
@@ -316,6 +319,7 @@ class Bench:
         self.timer.take()
         first = self.first_ours.setdefault(name, output)
         record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
+        record["max_abs_delta_to_first_vsrq_phase"] = (output - first).abs().max().item()
         if name in self.reference_frames:
             expected = self.reference_frames[name]
             record["vs_reference"] = {
@@ -368,10 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny configuration: checks the script, measures nothing")
     parser.add_argument("--out", type=Path, default=Path("bench-results.jsonl"))
     parser.add_argument("--ref-hot", type=int, help="hot runs of the reference (default: --hot)")
+    parser.add_argument("--compile", choices=("both", "transformer", "decoder", "none"), default="both", help="what the engines compile (on GPUs)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     parser.add_argument("--check-only", help="comma-separated workloads: of the checks that would run, only theirs")
     args = parser.parse_args(argv)
-    bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot)
+    bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot, args.compile)
     phases = [parse_phase(phase) for phase in args.phases.split(",")]
     ours = [name for kind, name, *_ in phases if kind == "ours"]
     bench.compared = {name for kind, name, *_ in phases if kind == "ref"} | {name for name in ours if ours.count(name) > 1}

@@ -16,7 +16,7 @@ def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     assert single["vs_reference"]["max_abs_delta"] <= 1e-5
     assert {"dit", "decode", "encode", "latent_upscale", "mp4_encode_thread"} <= single["stage_device_s_last_run"].keys()
     assert double["devices"] == ["cpu", "cpu"] and double["decode_order"] == "tile_major"
-    assert double["bit_identical_to_first_vsrq_phase"]
+    assert double["bit_identical_to_first_vsrq_phase"] and double["max_abs_delta_to_first_vsrq_phase"] == 0
     assert batch["bit_identical_to_batch_1"]
     assert long["workload"] == "W3" and long["input"].endswith("x129")  # two temporal windows
     assert long["frames_out"] == 129  # every frame, through the windows
