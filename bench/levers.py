@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench import build  # noqa: E402
+from worker.sr.compilation import COMPILE  # noqa: E402
 
 TILE_LATENT = (1, 64, 31, 32, 48)  # (B, C, T, H, W): one W1 tile, 121 frames of 512x768
 TOKENS = 31 * 32 * 48
@@ -49,7 +50,7 @@ def decode(vae, z: torch.Tensor, segment: int) -> torch.Tensor:
 def compiled_dit_call(transformer, x: torch.Tensor, t: torch.Tensor) -> tuple[float, float, torch.Tensor]:
     """Compiles the transformer's blocks: (compile seconds, seconds per call, output)."""
     started = time.perf_counter()
-    transformer.compile_repeated_blocks(fullgraph=True)
+    transformer.compile_repeated_blocks(**COMPILE)  # as the engine compiles them
     transformer(x, t)
     torch.cuda.synchronize()
     compile_seconds = time.perf_counter() - started

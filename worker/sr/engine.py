@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -33,11 +33,12 @@ import torch.nn.functional as F
 from worker.sr import checkpoint, tiling
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
-from worker.sr.compile_gate import CompileGate, Turns
+from worker.sr.compilation import COMPILE, allow_many_graphs
+from worker.sr.compile_gate import CompileGate
 from worker.sr.decoder_caches import DecoderCaches, host_bytes_available, pinned_bytes
 from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
-from worker.sr.fast_vae import allow_many_graphs, speed_up_decoder, tile_cache_bytes
+from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
 from worker.sr.noise import NoiseMode, tile_noise
 from worker.sr.tiling import Tile, TilePlan
 
@@ -159,12 +160,8 @@ class SREngine:
             on_gpu = replica.device.type == "cuda"
             compiles_transformer = (on_gpu if compile_transformer is None else compile_transformer) and not _is_compiled(replica.transformer)
             compiles_decoder = on_gpu if compile_decoder is None else compile_decoder
-            if compiles_transformer or compiles_decoder:
-                _configure_compilation()
             if compiles_transformer:
-                # Static shapes, as the decoder's: every clip length gets a graph of its own, instead of Dynamo
-                # recompiling with dynamic sizes at the second length it meets (a graph the first call did not build).
-                replica.transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
+                replica.transformer.compile_repeated_blocks(**COMPILE)
             if compiles_decoder:
                 compile_decoder_blocks(replica.vae)
         first = self.replicas[0]
@@ -172,11 +169,13 @@ class SREngine:
         self.frame_stride = first.vae.temporal_compression_ratio
         self.tile_sizes = tuple(tuple(size) for size in first.transformer.config.tile_sizes)
         self.scaling_factor = first.vae.config.scaling_factor
-        # Whether the first call on new shapes builds compiled code (worth a `warmup`); its devices take turns.
+        # Whether the first call on new shapes builds compiled code (worth a `warmup`); such calls run alone.
         self.compiles = any(_is_compiled(r.transformer) or _is_compiled_decoder(r.vae) for r in self.replicas)
         self._gate = CompileGate()
-        # One thread per device, also for one: the caller's thread blends and encodes while the device works.
-        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="vsrq-device")
+        # One thread per device, also for one: the caller's thread blends and encodes while the device works. Every
+        # model call runs on these threads, so they set Dynamo's limits (kept per thread) for themselves.
+        initializer = allow_many_graphs if self.compiles else None
+        self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="vsrq-device", initializer=initializer)
 
     @classmethod
     def from_pretrained(cls, source: str, devices: Sequence[str | torch.device] = ("cpu",), **kwargs) -> SREngine:
@@ -375,16 +374,15 @@ class SREngine:
         they exist, then decodes its share of the tiles (which `_Schedule` balances) segment by segment, weighted
         by the window, into pinned host memory without waiting. The calling thread adds them into host canvases,
         one per segment, in tile order whatever the device and decode order, so the output is bit-identical for
-        any device count and every order; a canvas leaves as frames once its last tile is in. In a call of a new
-        signature the devices take turns (the engine's `CompileGate`, when blocks are compiled): a device only ever
-        waits for tiles of devices before it (`_Schedule`), so the turns cannot deadlock."""
+        any device count and every order; a canvas leaves as frames once its last tile is in. Model calls go
+        through the engine's `CompileGate` when blocks are compiled: one at a time in a call of a new signature."""
         segments = self._segments(noise[0].shape[1])
         pipeline = _Pipeline(len(plan.tiles))
 
         def run(slot: int) -> None:
             replica = self.replicas[slot]
             leaving = {tile.index for tile in schedule.denoise[slot]} - {tile.index for tile in schedule.decode[slot]}
-            for latents in self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, tracker, pipeline.check_stopped):
+            for latents in self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, tracker, pipeline.turn):
                 # A tile decoded elsewhere leaves through pinned host memory, its copy queued right behind its last
                 # step: a GPU-to-GPU copy would tie both GPUs' streams, and a copy started by the receiver would
                 # wait behind whatever the sender has queued by then.
@@ -404,19 +402,15 @@ class SREngine:
             for step, (number, tile) in enumerate(order):
                 cache = caches.take(tile.index)
                 latent = z[tile.index][:, :, segments[number]].to(replica.vae.dtype) / self.scaling_factor
-                pipeline.check_stopped()
-                tracker.check()
-                frames = decoder(latent, cache)
+                with pipeline.turn():
+                    tracker.check()
+                    frames = decoder(latent, cache)
                 if step + 1 < len(order):
                     caches.prefetch(order[step + 1][1].index)  # arrives while this segment decodes
                 caches.give_back(tile.index, cache, last=number == len(segments) - 1)
                 frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
                 pipeline.put(number, tile.index, *_to_host(frames[0] * window))
                 tracker.advance(1, "decode")
-            if replica.device.type == "cuda":
-                # The device's share ends with the GPU idle: a device taking turns in a first call starts with the
-                # one before it done, as in the measured one-GPU-after-the-other compilation (`compile_gate`).
-                torch.cuda.synchronize(replica.device)
 
         # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
         weights = plan.weight_map(self.replicas[0].device).cpu()
@@ -424,8 +418,8 @@ class SREngine:
         finished = 0
         signature = (tuple(noise[0].shape), len(plan.tiles), decode_order, request.tiles_batch_size)
         try:
-            with self._gate.call(signature, gated=self.compiles) as turns:
-                pipeline.start(self._pool, [self._on_device(slot, run) for slot in range(len(self.replicas))], turns)
+            with self._gate.call(signature, gated=self.compiles) as model_call:
+                pipeline.start(self._pool, [self._on_device(slot, run) for slot in range(len(self.replicas))], model_call)
                 for number, index, weighted in pipeline.results():
                     blends.setdefault(number, _Blend(plan)).add(index, weighted)
                     while finished in blends and blends[finished].complete:
@@ -464,7 +458,7 @@ class SREngine:
         noise: list[torch.Tensor],
         request: SRRequest,
         tracker: _Tracker,
-        check_stopped: Callable[[], None],
+        turn: Callable[[], AbstractContextManager],
     ) -> Iterator[dict[int, torch.Tensor]]:
         """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time."""
         device, dtype = replica.device, replica.dtype
@@ -479,12 +473,12 @@ class SREngine:
             # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
             anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
             for t in scheduler.timesteps:
-                check_stopped()  # another device failed
-                tracker.check()  # between steps: a full-size step takes seconds
-                # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in the
-                # timestep MLP and change the low bits with the batch size.
-                model_input = torch.cat([latents, anchor], dim=-1)
-                prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
+                with turn():
+                    tracker.check()  # between steps: a full-size step takes seconds
+                    # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in
+                    # the timestep MLP and change the low bits with the batch size.
+                    model_input = torch.cat([latents, anchor], dim=-1)
+                    prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
                 latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
                 tracker.advance(len(chunk), "denoise")
             yield {tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)}
@@ -543,16 +537,6 @@ def _weight_bytes(replica: Components) -> int:
     return sum(checkpoint.module_bytes(m) for m in (replica.transformer, replica.vae, replica.latent_upscaler) if m is not None)
 
 
-def _configure_compilation() -> None:
-    """For the process, before the first compilation: Dynamo may keep a graph per block, shape and device (with
-    `fullgraph` a limit hit would fail the job), and Inductor runs in its deterministic mode. Without it, Inductor
-    times candidate configurations of a reduction kernel at its first launch and keeps the fastest; near-ties flip
-    between processes and devices, and with them the low bits of every norm (measured: a 2-GPU run stopped matching
-    the 1-GPU one). Every later compilation in the process (NABLA's flex attention too) skips such timing runs."""
-    allow_many_graphs()
-    torch._inductor.config.deterministic = True
-
-
 def _use_attention(transformer: torch.nn.Module, processor: type) -> None:
     """Sets the processor unless it is already in use (a new one would make compiled blocks recompile)."""
     if not all(isinstance(p, processor) for p in transformer.attn_processors.values()):
@@ -591,9 +575,6 @@ class _Schedule:
             own = denoise[slot][max(0, len(denoise[slot]) - wanted[slot]) :]
             taken, surplus = surplus[: wanted[slot] - len(own)], surplus[wanted[slot] - len(own) :]
             decode[slot] = sorted(taken + own, key=lambda tile: tile.index)
-        denoised_by = {tile.index: slot for slot, tiles_ in denoise.items() for tile in tiles_}
-        # Devices taking turns (`compile_gate`) would wait forever for a tile of a device after them.
-        assert all(denoised_by[tile.index] <= slot for slot, tiles_ in decode.items() for tile in tiles_)
         return cls(denoise, decode)
 
 
@@ -608,28 +589,32 @@ class _Pipeline:
         # Bounded (about two segments of every tile): a slow sink holds the devices back instead of piling
         # segments up in pinned memory (`_Blend` moves those that wait for an earlier tile out of it).
         self._results: queue.Queue = queue.Queue(maxsize=2 * tiles)
+        self._model_call: Callable[[], AbstractContextManager] = nullcontext
         self.error: BaseException | None = None
 
-    def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]], turns: Turns) -> None:
-        """Runs `calls` on `pool`, call i inside `turns(i)` (the compile gate's)."""
+    def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]], model_call: Callable[[], AbstractContextManager]) -> None:
+        """Runs `calls` on `pool`, each model call of theirs inside `model_call()` (the compile gate's context)."""
+        self._model_call = model_call
 
-        def thread(slot: int, call: Callable[[], Any]) -> None:
+        def thread(call: Callable[[], Any]) -> None:
             try:
-                with turns(slot):
-                    call()
+                call()
             except BaseException as error:  # handed to the caller's thread
                 self._fail(error)
             finally:
                 self._results.put(_DONE)  # `stop` drains the queue: this never blocks for long
 
-        for slot, call in enumerate(calls):
-            pool.submit(thread, slot, call)
+        for call in calls:
+            pool.submit(thread, call)
             self._running += 1
 
-    def check_stopped(self) -> None:
-        """Before each model call: stops the thread once another failed."""
-        if self.error is not None:
-            raise _Stopped
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Around each model call: as the compile gate has it, and stopping the thread once another failed."""
+        with self._model_call():
+            if self.error is not None:  # checked once inside: the wait may have been another call's compilation
+                raise _Stopped
+            yield
 
     def hand_over(self, latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]]) -> None:
         """Denoised latents by tile index, each with the event its copy to the host ends with (None: no copy)."""
@@ -715,10 +700,14 @@ class _Blend:
 
 def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """`tensor` in pinned host memory, the copy started without waiting for it: (host tensor, the event that marks
-    the copy done). A tensor already on the CPU comes back as it is, with no event."""
+    the copy done). A tensor already on the CPU comes back as it is, with no event.
+
+    The copy keeps the tensor's strides: compiled graphs are specialised on them, and denoised latents are
+    channel-major in memory. A tile handed to another GPU in another layout than its local twins was decoded by other
+    graphs, with other bits (measured on two H200s: `bench/RESULTS.md`)."""
     if tensor.device.type != "cuda":
         return tensor, None
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     ready = torch.cuda.Event(blocking=True)  # waited on from another thread: sleep there, do not spin a core
     ready.record(torch.cuda.current_stream(tensor.device))

@@ -25,6 +25,7 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
     Kandinsky6SRSpatialNorm3D,
 )
 
+from worker.sr.compilation import COMPILE, allow_many_graphs
 from worker.sr.decoder_caches import cache_bytes
 
 
@@ -111,24 +112,15 @@ def speed_up_decoder(vae: torch.nn.Module) -> torch.nn.Module:
     return vae
 
 
-def allow_many_graphs() -> None:
-    """Raises Dynamo's recompile limits (8 graphs per code object, 256 in all) for the process: a block class's code
-    object is shared by every replica and device, and each (shape, device) is a graph of its own."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 4096)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 65536)
-
-
 def compile_decoder(vae: torch.nn.Module) -> torch.nn.Module:
     """Compiles each decoder resnet block for static shapes, so Inductor fuses its norms, SiLUs and padding copies.
 
     Blocks share one code object: every (level, segment length 1-4, first segment or not, tile size, device) is its
-    own graph, a few dozen per device and tile size, far above Dynamo's default limits (8 per code object, 256 in
-    all); with `fullgraph` a limit hit would fail the job instead of falling back to eager."""
+    own graph, a few dozen per device and tile size (`compilation.allow_many_graphs`)."""
     from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
 
-    allow_many_graphs()
+    allow_many_graphs()  # for the calling thread; an engine's device threads raise the limits themselves
     for module in vae.decoder.modules():
         if isinstance(module, Kandinsky6SRResnetBlock3D) and getattr(module, "_compiled_call_impl", None) is None:
-            module.compile(dynamic=False, fullgraph=True)
+            module.compile(**COMPILE)
     return vae
