@@ -179,7 +179,7 @@ class Bench:
         self.reference_frames: dict[str, torch.Tensor] = {}
         self.first_ours: dict[str, torch.Tensor] = {}
         self.compared: set[str] = set()  # workloads with a reference or another ours phase: worth the check run
-        self.frames_written = 0  # by the latest run_ours
+        self.frames_written = self.mp4_bytes = 0  # by the latest run_ours
         self._attach(self.parts, self.home)
         self.emit({"phase": "build", "bytes": {name: module_bytes(self.parts[name]) for name in ("transformer", "vae", "latent_upscaler")}})
 
@@ -284,6 +284,8 @@ class Bench:
             engine_done = time.perf_counter()
             writer.close()
             elapsed = time.perf_counter() - started
+            # How compressible the output is decides the encoder's share: random weights' output is noise-like.
+            self.mp4_bytes = writer.path.stat().st_size
         # mp4_tail: from the engine's last frame to a finished file (what the encoder could not overlap)
         stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3), "mp4_tail": round(started + elapsed - engine_done, 3)}
         self.frames_written = writer.frames
@@ -308,6 +310,7 @@ class Bench:
             "decode_segment": segment,
             "peak_allocated_gib": self.peaks(engine.devices, torch.cuda.max_memory_allocated),
             "frames_out": self.frames_written,
+            "mp4_bytes": self.mp4_bytes,
         }
         if not self.check or name not in self.compared:
             self.emit(record)

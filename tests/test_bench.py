@@ -22,6 +22,7 @@ def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     assert long["frames_out"] == 129  # every frame, through the windows
     assert "bit_identical_to_first_vsrq_phase" not in long  # its only phase: nothing to compare, no check run
     assert single["stage_device_s_last_run"]["mp4_tail"] >= 0
+    assert single["mp4_bytes"] > 1000 and double["mp4_bytes"] > 1000  # the finished file of each phase's last run
     assert single["graphs_compiled"] == {"first": 0, "hot": [0]}  # nothing compiles on a CPU
 
 
