@@ -278,16 +278,19 @@ class Bench:
 
             if frames > DEFAULT_WINDOW:  # as the product runs long clips: temporal windows, crossfaded
                 pixels = (frame.numpy() for frame in quantise(video))
-                upscale_windows(engine, pixels, plan_windows(frames), request, sink)
+                runs = upscale_windows(engine, pixels, plan_windows(frames), request, sink).runs
             else:
-                engine.upscale(video, request, sink)
+                runs = (engine.upscale(video, request, sink),)
             engine_done = time.perf_counter()
             writer.close()
             elapsed = time.perf_counter() - started
             # How compressible the output is decides the encoder's share: random weights' output is noise-like.
             self.mp4_bytes = writer.path.stat().st_size
-        # mp4_tail: from the engine's last frame to a finished file (what the encoder could not overlap)
+        # mp4_tail: from the engine's last frame to a finished file (what the encoder could not overlap). host_blend:
+        # the calling thread adding tiles into canvases and normalising; host_sink: in `sink` (quantising, and waiting
+        # for room in the encoder's queue).
         stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3), "mp4_tail": round(started + elapsed - engine_done, 3)}
+        stages |= {f"host_{stage}": round(sum(run.stage_seconds.get(stage, 0.0) for run in runs), 3) for stage in ("blend", "sink")}
         self.frames_written = writer.frames
         return elapsed, stages, torch.cat(collected) if collect else None
 

@@ -33,7 +33,8 @@ def test_more_devices_give_the_same_bits(tiny_piflow, baseline, devices):
 @pytest.mark.parametrize("decode_order", ["lockstep", "tile_major"])
 def test_more_devices_than_tiles_and_a_slow_sink_still_give_the_same_bits(engine, tiny_piflow, decode_order):
     """5 devices for 4 tiles (one denoises nothing and decodes a tile it is handed), and a sink slower than the
-    devices, so the bounded queue of 65 frames' 20 tile segments fills: the call neither hangs nor reorders."""
+    devices, so the bounded queue of 65 frames' 20 tile segments fills: the call neither hangs nor reorders, and it
+    reports the time its sink and its own blending took apart from the rest."""
     import time
 
     request, video = SRRequest(scale=2, seed=3), clip(2, frames=65)
@@ -45,8 +46,11 @@ def test_more_devices_than_tiles_and_a_slow_sink_still_give_the_same_bits(engine
         time.sleep(0.1)
         chunks.append(frames)
 
-    many.upscale(video, request, slow_sink)
+    info = many.upscale(video, request, slow_sink)
     assert torch.equal(torch.cat(chunks), expected)
+    seconds = info.stage_seconds
+    assert seconds["sink"] >= 0.1 * len(chunks)
+    assert 0 < seconds["blend"] < seconds["denoise_decode"] - seconds["sink"]
 
 
 @pytest.mark.parametrize(("tiles", "slots"), [(9, 2), (25, 2), (10, 3), (4, 3), (1, 2), (9, 1), (8, 8)])

@@ -91,6 +91,8 @@ class RunInfo:
     padded_input: tuple[int, int, int]  # (frames, height, width) the model actually ran on
     tiles: int
     devices: list[str]
+    # Wall seconds: "encode" and "denoise_decode" (the devices synchronised at each end); and, within the latter,
+    # the calling thread's own work: "blend" (adding tiles into canvases, normalising) and "sink" (the caller's sink).
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -106,6 +108,15 @@ class _Clock:
         now = perf_counter()
         self.seconds[stage] = self.seconds.get(stage, 0.0) + now - started
         return now
+
+    @contextmanager
+    def host(self, stage: str) -> Iterator[None]:
+        """Adds the host time of the block to `stage`, without waiting for the devices."""
+        started = perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + perf_counter() - started
 
 
 class SREngine:
@@ -284,11 +295,12 @@ class SREngine:
             nonlocal emitted
             frames = frames[: num_frames - emitted, :, :out_height, :out_width]  # the padding goes
             if len(frames):
-                sink(frames)
+                with clock.host("sink"):
+                    sink(frames)
                 emitted += len(frames)
 
         self.last_decode_order = order = self._decode_order(plan, schedule)
-        self._generate(plan, schedule, order, lq_latents, noise, request, tracker, emit)
+        self._generate(plan, schedule, order, lq_latents, noise, request, tracker, emit, clock)
         clock.lap("denoise_decode", started)
 
         return RunInfo(
@@ -367,6 +379,7 @@ class SREngine:
         request: SRRequest,
         tracker: _Tracker,
         emit: FrameSink,
+        clock: _Clock,
     ) -> None:
         """Denoise and decode every tile; `emit` blended output frames ((n, 3, H, W) in [0, 1]) in order.
 
@@ -421,9 +434,12 @@ class SREngine:
             with self._gate.call(signature, gated=self.compiles) as model_call:
                 pipeline.start(self._pool, [self._on_device(slot, run) for slot in range(len(self.replicas))], model_call)
                 for number, index, weighted in pipeline.results():
-                    blends.setdefault(number, _Blend(plan)).add(index, weighted)
+                    with clock.host("blend"):
+                        blends.setdefault(number, _Blend(plan)).add(index, weighted)
                     while finished in blends and blends[finished].complete:
-                        emit(_normalise(blends.pop(finished).canvas, weights))
+                        with clock.host("blend"):
+                            frames = _normalise(blends.pop(finished).canvas, weights)
+                        emit(frames)
                         finished += 1
         finally:
             pipeline.stop()
