@@ -139,10 +139,10 @@ class SREngine:
         call whose lockstep caches would crowd a GPU parks them.
 
         `replicas` are prepared in place: `fast_decode` swaps the decoder's norms, causal convolutions and
-        upsamplings for `fast_vae`'s (same maths: half the norms' memory traffic, 12 % less arithmetic); `compile_transformer` compiles its repeated blocks and `compile_decoder` the
-        decoder's resnet blocks (default: on GPUs; `warmup` pays for the compilation before the first job);
-        `attention` is "sdpa" (dense, exact) or "nabla" (the trained sparse pattern; needs the compiled transformer at
-        full size)."""
+        upsamplings for `fast_vae`'s (same maths: half the norms' memory traffic, 12 % less arithmetic);
+        `compile_transformer` compiles its repeated blocks and `compile_decoder` the decoder's resnet blocks
+        (default: on GPUs; `warmup` pays for the compilation before the first job); `attention` is "sdpa" (dense,
+        exact) or "nabla" (the trained sparse pattern; needs the compiled transformer at full size)."""
         if attention not in PROCESSORS:
             raise ValueError(f"attention must be one of {tuple(PROCESSORS)}, got {attention!r}")
         if attention == "nabla" and compile_transformer is False and any(r.device.type == "cuda" for r in replicas):

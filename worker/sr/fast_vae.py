@@ -135,15 +135,17 @@ class SubPixelUpsample(Kandinsky6SRUpsample):
 
     @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, cache: dict) -> torch.Tensor:
+        frames = hidden_states.size(2)
+        if self.compress_time:  # T frames become 2T, and 2T - 1 in the first segment
+            frames = 2 * frames - (cache["temporal_conv"]["padding"] is None)
+        if 4 * hidden_states[:, :, :1].numel() * frames > CONV_CHUNK_ELEMENTS:
+            return super().forward(hidden_states, cache)  # beyond cuDNN's comfort: the stock chunked convolutions
         if self.compress_time:  # the stock temporal doubling, unchanged
             repeated = hidden_states.repeat_interleave(2, dim=2)
             if cache["temporal_conv"]["padding"] is None:
                 repeated = repeated[:, :, 1:]
             hidden_states = self.temporal_conv(repeated, cache["temporal_conv"]) + repeated
         batch, channels, frames, height, width = hidden_states.shape
-        if 4 * hidden_states.numel() > CONV_CHUNK_ELEMENTS:  # beyond cuDNN's comfort: the stock chunked convolutions
-            doubled = F.interpolate(hidden_states, scale_factor=(1, 2, 2), mode="nearest")
-            return self.linear(doubled + self.spatial_conv(doubled))
         # Phase (a, b) of output pixel (i, j) is the 2x2 window at padded (i + a, j + b): (B, 2, 2, C, T, H+1, W+1).
         phases = F.conv3d(hidden_states, self.phase_weight, self.phase_bias, padding=(0, 1, 1))
         phases = phases.unflatten(1, (2, 2, channels))
