@@ -187,7 +187,13 @@ class S3BlobStore:
             aws_access_key_id=settings.s3_access_key,
             aws_secret_access_key=settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
             # Path-style addressing works with every S3 implementation; virtual hosts need DNS per bucket.
-            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}, retries={"mode": "standard"}),
+            config=Config(
+                signature_version="s3v4",
+                s3={"addressing_style": "path"},
+                retries={"mode": "standard"},
+                connect_timeout=settings.s3_timeout_s,
+                read_timeout=settings.s3_timeout_s,
+            ),
         )
         return cls(client, settings.s3_bucket, settings.s3_part_bytes, settings.s3_upload_concurrency)
 

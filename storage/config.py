@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     s3_secret_key: SecretStr | None = None
     s3_part_bytes: int = Field(8 * MiB, ge=5 * MiB)  # multipart threshold and part size (S3's minimum part: 5 MiB)
     s3_upload_concurrency: int = Field(4, ge=1)  # parts in flight: bounds memory to parts x part size
+    # A storage request unanswered this long (connecting, or waiting for a reply) fails and is tried again: what a
+    # partition costs each try, rather than forever.
+    s3_timeout_s: float = Field(60, gt=0)
 
     # How GET /v1/videos/{id}/content delivers: through the API, or a 302 to a presigned URL (S3 only).
     content_delivery: Literal["stream", "redirect"] = "stream"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +37,18 @@ def windows_key(job: JobRecord, model: str, options: UpscaleOptions) -> str:
 
 class BlobWindowStore:
     def __init__(
-        self, blobs: BlobStore, job_id: str, directory: Path, key: str, progress: Progress | None = None
+        self,
+        blobs: BlobStore,
+        job_id: str,
+        directory: Path,
+        key: str,
+        progress: Progress | None = None,
+        kept_alive: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
+        """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
+        outlive an unanswered request)."""
         self.blobs, self.prefix, self.progress = blobs, f"{work_prefix(job_id)}windows/", progress
+        self.kept_alive = kept_alive
         self.local = DirectoryWindowStore(directory, key)
         names = {blob.removeprefix(self.prefix) for blob in blobs.keys(self.prefix)}
         if MARKER in names and self._read(MARKER) == (directory / MARKER).read_bytes():
@@ -74,10 +85,11 @@ class _UploadingRecorder:
     def commit(self, tail: torch.Tensor | None) -> None:
         self.local.commit(tail)
         try:
-            for suffix in SUFFIXES:
-                path = self.store.local._path(self.index, suffix)
-                if path.exists():  # the last window has no tail
-                    self.store._upload(path)
+            with self.store.kept_alive():
+                for suffix in SUFFIXES:
+                    path = self.store.local._path(self.index, suffix)
+                    if path.exists():  # the last window has no tail
+                        self.store._upload(path)
         except (Cancelled, StaleAttempt):  # raised by the transfer's heartbeat: the attempt must stop
             raise
         except Exception:  # storage down: the attempt goes on (its output upload waits it out); only a later attempt

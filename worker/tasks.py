@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from functools import cache
 from math import inf
@@ -121,7 +123,9 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
         windows = windows_key(job, config.model, options)
         kept = beat.storage(
-            lambda: BlobWindowStore(service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer)
+            lambda: BlobWindowStore(
+                service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive
+            )
         )
         result = upscale_file(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         metrics.record_upscale(result)
@@ -245,7 +249,28 @@ class Heartbeat:
             before_sleep=lambda _: self.stop_if_cancelled(force=True),
             reraise=True,
         )
-        return retrying(transfer)
+        with self.kept_alive():
+            return retrying(transfer)
+
+    @contextmanager
+    def kept_alive(self) -> Iterator[None]:
+        """Beats from a thread while the block runs: a storage request that gets no answer (a partition, a server
+        shutting down) blocks its caller for up to `s3_timeout_s` per try, and the lease must not expire meanwhile.
+        Only blob transfers get this: a stuck engine must still lose its lease."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.every_s):
+                with suppress(Exception):  # a lost lease or Redis down: the caller's own next beat raises it
+                    self.send()
+
+        thread = threading.Thread(target=beat, name="vsrq-keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
 
 # -- Endings -------------------------------------------------------------------------------------------------------

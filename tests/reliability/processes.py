@@ -192,12 +192,17 @@ class Partition:
         self.target = target
         self._flowing = threading.Event()
         self._flowing.set()
+        self.dropped = 0  # bytes, either way, while cut
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut(self) -> None:
         self._flowing.clear()
+
+    def heal(self) -> None:
+        """Bytes flow again; what was dropped stays lost (a request sent during the cut waits for its timeout)."""
+        self._flowing.set()
 
     def _accept(self) -> None:
         while True:
@@ -214,6 +219,8 @@ class Partition:
             while data := source.recv(65536):
                 if self._flowing.is_set():
                     sink.sendall(data)
+                else:
+                    self.dropped += len(data)
         except OSError:
             pass
         finally:

@@ -181,6 +181,11 @@ def first_event(jobs: JobStore, job_id: str, kind: str) -> float:
     return next(event.at for event in jobs.events(job_id) if event.type == kind)
 
 
+def requeues(jobs: JobStore, job_id: str) -> list[dict]:
+    """Why each of a job's attempts that did not end it ended (a lost lease, or an error to retry)."""
+    return [event.detail for event in jobs.events(job_id) if event.type == "requeued"]
+
+
 def outputs(blobs: S3BlobStore, job_id: str, settle_s: float = 10) -> list[str]:
     """The job's output objects, once the completing attempt's cleanup (just after its promotion) had its chance."""
     deadline = time.monotonic() + settle_s
@@ -388,9 +393,37 @@ def test_a_storage_outage_during_download_and_upload_is_waited_out(stack, api, r
         f"output sha256 matches the recorded one {sum(matches)}/2"
     )
     assert [job.status for job in records] == [Status.COMPLETED] * 2, [job.error for job in records]
-    assert [job.attempt for job in records] == [1, 1]  # waited out inside the attempt, not retried from scratch
+    # waited out inside the attempt, not retried from scratch (the events say why an attempt ended)
+    assert [job.attempt for job in records] == [1, 1], [requeues(jobs, job.id) for job in records]
     assert matches == [True, True]
     assert all(len(outputs(blobs, job.id)) == 1 for job in records)
+
+
+def test_a_storage_partition_longer_than_the_lease_is_waited_out(stack, api, reaper, jobs, blobs, clips, workers):
+    # The worker reaches S3 through a partition: cut, its requests go unanswered (not refused) until their timeout,
+    # longer than the lease, and no bytes move to call back. Only a beat independent of the transfer keeps the job.
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    timeout_s = LEASE_S + 2
+    s3 = {"VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}", "VSRQ_S3_TIMEOUT_S": str(timeout_s)}
+    try:
+        started(workers(**s3))
+        job_id = create(api, clips["long"])
+        wait_until(jobs, job_id, lambda job: job.stage == "upscaling")
+        partition.cut()  # its next window upload (or the output's) hangs
+        time.sleep(timeout_s + 1)
+        partition.heal()
+        job = wait_all(jobs, [job_id], limit_s=180)[0]
+    finally:
+        partition.close()
+
+    print(
+        f"FIGURE s3_partition: requests unanswered for {timeout_s + 1} s (lease {LEASE_S} s, request timeout "
+        f"{timeout_s} s; {partition.dropped} bytes dropped): {job.status} on attempt {job.attempt}"
+    )
+    assert partition.dropped > 0  # a request was lost: its caller waited out the whole timeout, past the lease
+    assert job.status == Status.COMPLETED, job.error
+    assert job.attempt == 1, requeues(jobs, job_id)
+    assert content_sha256(api, job_id) == job.output.sha256
 
 
 # -- 4. a poison job -----------------------------------------------------------------------------------------------
