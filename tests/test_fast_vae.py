@@ -13,6 +13,7 @@ from worker.sr import fast_vae
 from worker.sr.checkpoint import tiny_components
 from worker.sr.decoder_caches import cache_bytes
 from worker.sr.fast_vae import (
+    DECODER_SWAPS,
     BroadcastSpatialNorm3D,
     ImplicitPadCausalConv3d,
     SubPixelUpsample,
@@ -26,12 +27,23 @@ def decode_in_segments(vae, z: torch.Tensor) -> torch.Tensor:
     return torch.cat([vae.decoder(z[:, :, a:b], cache) for a, b in [(0, 1), (1, 3), (3, 5)]], dim=2)
 
 
-def test_fast_decoder_decodes_like_stock():
+FAST_CLASSES = {
+    "broadcast_norm": BroadcastSpatialNorm3D,
+    "implicit_pad": ImplicitPadCausalConv3d,
+    "sub_pixel_upsample": SubPixelUpsample,
+}
+
+
+@pytest.mark.parametrize("swaps", [None, *([name] for name in DECODER_SWAPS)], ids=lambda swaps: (swaps or ["all"])[0])
+def test_fast_decoder_decodes_like_stock(swaps):
+    """All swaps (the default: the engine's decoder), and each alone (as bench/levers.py measures them)."""
     stock = tiny_components()["vae"].eval()
-    fast = speed_up_decoder(copy.deepcopy(stock))
+    fast = speed_up_decoder(copy.deepcopy(stock), **({} if swaps is None else {"swaps": swaps}))
+    applied = set(DECODER_SWAPS if swaps is None else swaps)
     kinds = {type(m) for m in fast.decoder.modules()}
-    assert {BroadcastSpatialNorm3D, ImplicitPadCausalConv3d, SubPixelUpsample} <= kinds
-    assert Kandinsky6SRUpsample not in kinds
+    assert {FAST_CLASSES[name] for name in applied} <= kinds
+    assert not {FAST_CLASSES[name] for name in DECODER_SWAPS.keys() - applied} & kinds
+    assert (Kandinsky6SRUpsample in kinds) == ("sub_pixel_upsample" not in applied)
     z = torch.randn(1, 4, 5, 8, 12, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected, ours = decode_in_segments(stock, z), decode_in_segments(fast, z)

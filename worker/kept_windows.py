@@ -43,7 +43,7 @@ class BlobWindowStore:
         directory: Path,
         key: str,
         progress: Progress | None = None,
-        kept_alive: Callable[[], AbstractContextManager] = nullcontext,
+        kept_alive: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
         outlive an unanswered request)."""

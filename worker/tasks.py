@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import cache
 from math import inf
@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 import botocore.exceptions
 import redis.exceptions
 import torch
-from boto3.exceptions import S3UploadFailedError
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from celery.signals import worker_init
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
@@ -239,9 +239,8 @@ class Heartbeat:
 
     def storage(self, transfer: Callable[[], T]) -> T:
         """Runs a blob transfer, waiting out a storage outage (a restart, a network blip) inside the attempt for up to
-        `storage_retry_s`: the lease is kept alive and a cancel still stops it within a beat. Past that, the error
-        ends the attempt as a `retry` (see `classify`)."""
-
+        `storage_retry_s`, its lease kept alive. A cancel stops it between tries, and mid-transfer while bytes move (a
+        blocked request ends first). Past that, the error ends the attempt as a `retry` (see `classify`)."""
         retrying = Retrying(
             retry=retry_if_exception(lambda error: classify(error)[1] == "storage_unavailable"),
             wait=wait_exponential(multiplier=0.25, max=1),
@@ -254,15 +253,20 @@ class Heartbeat:
 
     @contextmanager
     def kept_alive(self) -> Iterator[None]:
-        """Beats from a thread while the block runs: a storage request that gets no answer (a partition, a server
-        shutting down) blocks its caller for up to `s3_timeout_s` per try, and the lease must not expire meanwhile.
-        Only blob transfers get this: a stuck engine must still lose its lease."""
-        done = threading.Event()
+        """Beats from a thread while the block runs, for up to `storage_retry_s`: a storage request that gets no answer
+        (a partition, a server shutting down) blocks its caller for `s3_timeout_s` per try, and the lease must not
+        expire meanwhile. Past that the beats stop, so a call that hangs for good loses the job to another worker
+        rather than holding it. Only blob transfers get this: a stuck engine must still lose its lease."""
+        done, deadline = threading.Event(), monotonic() + service.worker_settings().storage_retry_s
 
         def beat() -> None:
-            while not done.wait(self.every_s):
-                with suppress(Exception):  # a lost lease or Redis down: the caller's own next beat raises it
+            while not done.wait(self.every_s) and monotonic() < deadline:
+                try:
                     self.send()
+                except StaleAttempt:  # the job is another attempt's now: the caller finds out at its next beat
+                    return
+                except redis.exceptions.RedisError as error:  # Redis restarting: the lease outlives a short outage
+                    log.debug("a keep-alive heartbeat failed: %s", error)
 
         thread = threading.Thread(target=beat, name="vsrq-keepalive", daemon=True)
         thread.start()
@@ -298,10 +302,11 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "retry", "gpu_oom", "The GPU ran out of memory."
     if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return "retry", "redis_unavailable", "The job store could not be reached."
-    unreachable = (  # S3UploadFailedError: boto3's transfer manager gave up on the upload's parts
+    unreachable = (  # S3UploadFailedError, RetriesExceededError: boto3's transfer manager gave up on the parts
         botocore.exceptions.ConnectionError,
         botocore.exceptions.HTTPClientError,
         S3UploadFailedError,
+        RetriesExceededError,
     )
     if isinstance(error, unreachable):
         return "retry", "storage_unavailable", "Blob storage could not be reached."
@@ -320,7 +325,6 @@ def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> Non
         log.exception("%s attempt %d failed", job.id, lease.attempt)
     else:
         log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code)
-    _discard(output_key)  # an output that will not be promoted (e.g. cancelled during the upload)
     try:
         if outcome == "cancelled":
             lease.cancelled()
@@ -332,6 +336,10 @@ def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> Non
         _forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:
         log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)
+    finally:
+        # An output that will not be promoted (e.g. cancelled during the upload), deleted once the lease has ended:
+        # storage may be what failed, and a lease left to expire meanwhile would turn the ending into a requeue.
+        _discard(output_key)
 
 
 def _forget_windows(job_id: str) -> None:

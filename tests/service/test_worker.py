@@ -24,7 +24,8 @@ import pytest
 import redis as redis_py
 import requests
 import torch
-from botocore.exceptions import EndpointConnectionError
+from boto3.exceptions import RetriesExceededError
+from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 
 from api.schemas import UpscaleParams
 from storage.blobs import BlobNotFound, attempt_output_key, new_upload_id, output_prefix, upload_key
@@ -201,5 +202,7 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
     assert classify(torch.cuda.OutOfMemoryError("CUDA out of memory"))[:2] == ("retry", "gpu_oom")
     assert classify(redis_py.ConnectionError("refused"))[:2] == ("retry", "redis_unavailable")
     assert classify(EndpointConnectionError(endpoint_url="http://s3"))[:2] == ("retry", "storage_unavailable")
+    stalled = RetriesExceededError(ReadTimeoutError(endpoint_url="http://s3"))  # a download's body, on every try
+    assert classify(stalled)[:2] == ("retry", "storage_unavailable")
     outcome, code, message = classify(KeyError("sr_resolution_scale"))
     assert (outcome, code) == ("failed", "internal_error") and "sr_resolution_scale" not in message

@@ -24,6 +24,8 @@ so it works on any loaded `Kandinsky6SRVAE`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
@@ -182,16 +184,36 @@ def tile_cache_bytes(vae: torch.nn.Module, latent_height: int, latent_width: int
     return cache_bytes(cache)
 
 
-def speed_up_decoder(vae: torch.nn.Module) -> torch.nn.Module:
-    """Swaps the decoder's norms, causal convolutions and upsamplings for this module's; after the weights are loaded
-    (the sub-pixel upsampling derives its kernels from them)."""
+def _broadcast_norm(module: torch.nn.Module) -> None:
+    if type(module) is Kandinsky6SRSpatialNorm3D:
+        module.__class__ = BroadcastSpatialNorm3D
+
+
+def _implicit_pad(module: torch.nn.Module) -> None:
+    if type(module) is Kandinsky6SRCausalConv3d and module.time_stride == 1:
+        module.__class__ = ImplicitPadCausalConv3d
+
+
+def _sub_pixel_upsample(module: torch.nn.Module) -> None:
+    if type(module) is Kandinsky6SRUpsample:
+        SubPixelUpsample.fold(module)
+
+
+# Each swap changes the decoder modules it applies to; bench/levers.py measures them one at a time.
+DECODER_SWAPS: dict[str, Callable[[torch.nn.Module], None]] = {
+    "broadcast_norm": _broadcast_norm,
+    "implicit_pad": _implicit_pad,
+    "sub_pixel_upsample": _sub_pixel_upsample,
+}
+
+
+def speed_up_decoder(vae: torch.nn.Module, swaps: Iterable[str] = tuple(DECODER_SWAPS)) -> torch.nn.Module:
+    """Swaps the decoder's norms, causal convolutions and upsamplings for this module's (or only `swaps`); after the
+    weights are loaded (the sub-pixel upsampling derives its kernels from them)."""
+    changes = [DECODER_SWAPS[name] for name in swaps]
     for module in vae.decoder.modules():
-        if type(module) is Kandinsky6SRUpsample:
-            SubPixelUpsample.fold(module)
-        elif type(module) is Kandinsky6SRSpatialNorm3D:
-            module.__class__ = BroadcastSpatialNorm3D
-        elif type(module) is Kandinsky6SRCausalConv3d and module.time_stride == 1:
-            module.__class__ = ImplicitPadCausalConv3d
+        for change in changes:
+            change(module)
     return vae
 
 
