@@ -6,7 +6,6 @@ Nothing here imports torch or the engine: jobs are handed to the GPU workers as 
 from __future__ import annotations
 
 from flask import Flask, g, request
-from redis import Redis
 
 from api import errors, health, metrics, openapi, uploads, videos, web
 from api.idempotency import Idempotency
@@ -14,7 +13,7 @@ from api.ratelimit import RateLimiter
 from api.services import Services
 from storage.blobs import open_blob_store
 from storage.config import Settings
-from storage.jobs import JobStore
+from storage.jobs import JobStore, open_redis
 from storage.logs import current_job
 from worker.celery_app import make_celery
 
@@ -23,7 +22,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings()
     if not settings.api_keys:
         raise RuntimeError("no API keys configured: set VSRQ_API_KEYS (see storage/config.py)")
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30)
+    redis = open_redis(settings)
     app = Flask("vsrq", static_folder=None)
     app.json.sort_keys = False  # objects keep their documented field order
     app.extensions["vsrq"] = Services(

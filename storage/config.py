@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     # Redis holds the job records and is Celery's broker.
     redis_url: str = "redis://127.0.0.1:6379/0"
     broker_url: str | None = None  # defaults to redis_url
+    # A Redis connection or reply silent this long fails: a partition costs this, not a hang (the kernel never
+    # retransmits a request a middlebox accepted and dropped).
+    redis_timeout_s: float = Field(10, gt=0)
 
     # Blob storage: "s3" for any S3 endpoint (SeaweedFS, AWS, R2...), "local" for a directory (embedded mode).
     blob_backend: Literal["s3", "local"] = "local"

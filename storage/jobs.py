@@ -41,6 +41,7 @@ from pydantic import BaseModel, Field
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from storage.config import Settings
 from storage.webhooks import outbox_keys
 
 
@@ -473,6 +474,16 @@ _ERROR_REPLY = re.compile(r"^(\w+) (.*?)(?: script: \w+, on @user_script:\d+\.)?
 
 
 # -- The store -----------------------------------------------------------------------------------------------------
+
+
+def open_redis(settings: Settings) -> Redis:
+    """The Redis client of a process (API, worker, reaper, CLI): job records, idempotency, rate limits."""
+    return Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+        health_check_interval=30,  # a connection idle this long is checked before use (one a restart closed)
+    )
 
 
 def new_job_id() -> str:

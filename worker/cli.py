@@ -258,20 +258,20 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     """Read from the Redis that VSRQ_REDIS_URL names, as the API reads it (storage.overview)."""
-    from redis import Redis
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 
     from storage.config import Settings
-    from storage.jobs import JobStore
+    from storage.jobs import JobStore, open_redis
     from storage.overview import overview
     from storage.workers import WorkerRegistry
 
     settings = Settings()
-    redis = Redis.from_url(settings.redis_url)
+    redis = open_redis(settings)
     jobs = JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
     try:
         now = overview(jobs, WorkerRegistry(redis, ttl_s=settings.worker_ttl_s), list(settings.models.values()))
-    except RedisConnectionError as error:
+    except (RedisConnectionError, RedisTimeoutError) as error:
         print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
         return 1
     if args.json:

@@ -10,11 +10,10 @@ from functools import cache
 from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from redis import Redis
 
 from storage.blobs import BlobStore, open_blob_store
 from storage.config import Settings
-from storage.jobs import JobStore
+from storage.jobs import JobStore, open_redis
 
 
 class WorkerSettings(BaseSettings):
@@ -58,8 +57,7 @@ def worker_settings() -> WorkerSettings:
 @cache
 def jobs() -> JobStore:
     config = settings()
-    redis = Redis.from_url(config.redis_url)
-    return JobStore(redis, result_ttl_s=config.result_ttl_s, max_attempts=config.max_attempts)
+    return JobStore(open_redis(config), result_ttl_s=config.result_ttl_s, max_attempts=config.max_attempts)
 
 
 @cache

@@ -63,6 +63,7 @@ log = logging.getLogger("vsrq.worker")
 # the fenced `complete` sets 100.
 UPSCALED = 90
 UPLOADING = 95
+LEASE_RETRY_S = 2  # a message whose job could not be leased (Redis out of reach) comes back after this
 T = TypeVar("T")
 
 
@@ -84,6 +85,10 @@ def upscale(self, job_id: str) -> None:
     except (InvalidTransition, JobNotFound) as error:
         log.info("dropped a message for %s: %s", job_id, error.message)
         return
+    except redis.exceptions.RedisError as error:  # the job store is out of reach, the broker is not (VSRQ_BROKER_URL):
+        # acknowledged, this message would be the queued job's last. Sent again instead, for this worker or another.
+        log.warning("%s not leased (%s): its message is sent again in %g s", job_id, error, LEASE_RETRY_S)
+        raise self.retry(exc=error, countdown=LEASE_RETRY_S, max_retries=None) from error
     job = lease.job()
     output_key = attempt_output_key(job.id, lease.attempt)
     try:

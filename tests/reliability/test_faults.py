@@ -31,7 +31,7 @@ import requests
 from infra.stack import Stack, free_ports
 from storage.blobs import S3BlobStore, output_prefix
 from storage.config import Settings
-from storage.jobs import TERMINAL, JobRecord, JobStore, Status
+from storage.jobs import TERMINAL, JobRecord, JobStore, Status, open_redis
 from worker.media.synthetic import write_clip
 
 from . import processes
@@ -435,6 +435,44 @@ def lose_a_request(partition: Partition) -> None:
         time.sleep(0.05)
     time.sleep(LEASE_S + 1)
     partition.heal()
+
+
+def test_a_redis_partition_fails_a_command_in_its_timeout_instead_of_hanging(stack):
+    # Bytes a middlebox accepted and dropped are never retransmitted: without a socket timeout a heartbeat sent into a
+    # partition waits forever, and its worker with it.
+    partition = Partition(("127.0.0.1", stack.ports["redis"]))
+    try:
+        settings = Settings(_env_file=None, redis_url=f"redis://127.0.0.1:{partition.port}/0", redis_timeout_s=1)
+        store = JobStore(open_redis(settings), result_ttl_s=3600, max_attempts=MAX_ATTEMPTS)
+        assert store.get("video_none") is None  # connected, through the partition
+        partition.cut()
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            store.get("video_none")
+        waited = time.monotonic() - started
+    finally:
+        partition.close()
+    print(f"FIGURE redis_partition: a command sent into the partition failed after {waited:.2f} s (timeout 1 s)")
+    assert waited < 5
+
+
+def test_a_worker_cut_off_from_the_job_store_loses_no_message(stack, api, reaper, jobs, clips, workers):
+    # Job store and broker on separate connections (VSRQ_BROKER_URL): the worker gets the message, cannot lease its job.
+    partition = Partition(("127.0.0.1", stack.ports["redis"]))
+    store = f"redis://127.0.0.1:{partition.port}/0"
+    worker = workers(VSRQ_REDIS_URL=store, VSRQ_BROKER_URL=stack.redis_url, VSRQ_REDIS_TIMEOUT_S="1")
+    try:
+        started(worker)
+        partition.cut()
+        job_id = create(api, clips["small"])
+        worker.wait_for(lambda: f"{job_id} not leased" in worker.text(), "a lease that timed out", timeout_s=60)
+        partition.heal()
+        job = wait_all(jobs, [job_id], limit_s=120)[0]
+    finally:
+        partition.close()
+    print(f"FIGURE job_store_cut: the message came back and the job ended {job.status} on attempt {job.attempt}")
+    assert job.status == Status.COMPLETED, job.error
+    assert job.attempt == 1
 
 
 # -- 4. a poison job -----------------------------------------------------------------------------------------------
