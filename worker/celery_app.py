@@ -18,8 +18,14 @@ UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]
 def make_celery(settings: Settings) -> Celery:
     app = Celery("vsrq", broker=settings.celery_broker_url, backend=settings.celery_broker_url)
     # Redis redelivers an unacknowledged message after the visibility timeout, even while its worker still runs it:
-    # keep it above the longest job. Recovery of dead workers is the reaper's, through leases, not Celery's.
-    transport = {"visibility_timeout": settings.longest_job_s + 3600, **settings.broker_transport_options}
+    # keep it above the longest job. Recovery of dead workers is the reaper's, through leases, not Celery's. A
+    # publish into a partition fails after the socket timeout instead of hanging its sender (API, reaper, worker).
+    transport = {
+        "visibility_timeout": settings.longest_job_s + 3600,
+        "socket_timeout": settings.redis_timeout_s,
+        "socket_connect_timeout": settings.redis_timeout_s,
+        **settings.broker_transport_options,
+    }
     app.conf.update(
         task_acks_late=True,  # acknowledged when the task ends: a worker that dies mid-job leaves it to redeliver
         task_reject_on_worker_lost=True,

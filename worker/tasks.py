@@ -76,7 +76,7 @@ def _load_model(**_: Any) -> None:
     service.upscaler()
 
 
-@app.task(name=UPSCALE_TASK, bind=True)
+@app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
 def upscale(self, job_id: str) -> None:
     # 1. Lease the job: only one delivery of its message gets a queued job
     worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
@@ -88,7 +88,7 @@ def upscale(self, job_id: str) -> None:
     except redis.exceptions.RedisError as error:  # the job store is out of reach, the broker is not (VSRQ_BROKER_URL):
         # acknowledged, this message would be the queued job's last. Sent again instead, for this worker or another.
         log.warning("%s not leased (%s): its message is sent again in %g s", job_id, error, LEASE_RETRY_S)
-        raise self.retry(exc=error, countdown=LEASE_RETRY_S, max_retries=None) from error
+        raise self.retry(exc=error, countdown=LEASE_RETRY_S) from error
     job = lease.job()
     output_key = attempt_output_key(job.id, lease.attempt)
     try:
