@@ -217,6 +217,17 @@ class Bench:
     def peaks(self, devices: list[torch.device], measure=torch.cuda.max_memory_reserved) -> dict[str, float]:
         return {str(d): round(measure(d) / 2**30, 2) for d in devices if d.type == "cuda"}
 
+    @staticmethod
+    def reserved_by_stream() -> dict[str, dict[str, float]]:
+        """GiB reserved per device and allocator pool (one per stream) now: what a stream's pool holds, no other
+        stream's allocations can use."""
+        pools: dict[str, dict[str, float]] = {}
+        for segment in torch.cuda.memory_snapshot() if torch.cuda.is_available() else ():
+            device = pools.setdefault(f"cuda:{segment['device']}", {})
+            stream = hex(segment["stream"])
+            device[stream] = round(device.get(stream, 0.0) + segment["total_size"] / 2**30, 2)
+        return pools
+
     # --- phases -------------------------------------------------------------------------------------------------
 
     def reference(self, name: str) -> None:
@@ -312,6 +323,7 @@ class Bench:
             "decode_order": order,
             "decode_segment": segment,
             "peak_allocated_gib": self.peaks(engine.devices, torch.cuda.max_memory_allocated),
+            "reserved_gib_by_stream_after_last_run": self.reserved_by_stream(),
             "frames_out": self.frames_written,
             "mp4_bytes": self.mp4_bytes,
         }

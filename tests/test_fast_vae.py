@@ -11,7 +11,7 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SR
 
 from worker.sr import fast_vae
 from worker.sr.checkpoint import tiny_components
-from worker.sr.decoder_caches import cache_bytes
+from worker.sr.decoder_caches import cache_bytes, tensors
 from worker.sr.fast_vae import (
     DECODER_SWAPS,
     BroadcastSpatialNorm3D,
@@ -50,6 +50,19 @@ def test_fast_decoder_decodes_like_stock(swaps):
     assert ours.shape == expected.shape == (1, 3, 17, 32, 48)
     assert (ours - expected).abs().max() <= 1e-5
     assert expected.std() > 0.01
+
+
+def test_a_tiles_decoder_cache_keeps_its_memory_from_segment_to_segment():
+    """The fast causal convolutions carry their frames in place: no cache allocation after a tile's first segment."""
+    vae = speed_up_decoder(tiny_components()["vae"].eval())
+    z = torch.randn(1, 4, 5, 8, 12, generator=torch.Generator().manual_seed(0))
+    cache = vae.decoder.make_cache()
+    places = []
+    with torch.no_grad():
+        for a, b in [(0, 1), (1, 3), (3, 5)]:
+            vae.decoder(z[:, :, a:b], cache)
+            places.append([tensor.data_ptr() for tensor in tensors(cache)])
+    assert places[0] == places[1] == places[2] and len(places[0]) > 10
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "too_big_for_one_convolution"])

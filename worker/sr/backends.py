@@ -17,8 +17,8 @@ from worker.sr.windows import DEFAULT_WINDOW
 log = logging.getLogger("vsrq.engine")
 
 PerformanceMode = Literal["speed", "balanced", "memory"]
-# Measured on W1, one H200 (bench/RESULTS.md): all give the same bits; peaks 52.2 / 30.9 / 22.0 GiB for 1 / 1.09 /
-# 1.2x the time.
+# Measured on W1, one H200 (bench/RESULTS.md): all give the same bits; peaks 40.7 / 27.5 / 22.0 GiB for 1 / 1.11 /
+# 1.2x the time (memory: before the sub-pixel upsampling).
 PERFORMANCE_MODES: dict[PerformanceMode, dict[str, Any]] = {
     # every tile's decoder cache resident (parked where they would crowd the GPU), frames stream out per segment
     "speed": {"decode_order": "lockstep", "decode_segment": 4},
@@ -59,10 +59,11 @@ def open_upscaler(
     throwaway window, so the first job is not the cold one."""
     if model == "lanczos":
         return LanczosUpscaler()
-    if performance_mode != "speed" and any(device.startswith("cuda") for device in devices) and not _allocator_configured():
+    if any(device.startswith("cuda") for device in devices) and not _allocator_configured():
         # Blocks of many sizes come and go while decoding: growable segments keep the reserve near what is in use
-        # (the figures above were measured so). Set at runtime, since the worker may have touched CUDA already; it
-        # holds for the whole process, as the environment variable would.
+        # (W1 in `speed`: 40.7 GiB reserved for 40.0 allocated, at the same speed; 52-54 GiB without them). Set at
+        # runtime, since the worker may have touched CUDA already; it holds for the whole process, as the
+        # environment variable would.
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     engine = SREngine.from_pretrained(model, devices, **PERFORMANCE_MODES[performance_mode])
     if warmup_frames and engine.compiles:

@@ -10,6 +10,10 @@ output.
 Each tile parks into one pinned buffer of its own, reused for all its segments: PyTorch's pinned-memory cache rounds
 every allocation up to a power of two, which for a cache's 38 tensors one by one comes to 2.47 GiB per W1 tile
 instead of 2 GiB, and would allocate anew for every segment.
+
+A cache comes back into the device memory of the cache parked just before it (once that one's copy out is done),
+not into memory allocated on the copy stream: PyTorch's allocator keeps a pool per stream, and memory allocated on
+the copy stream could only ever be reused there, so two pools would each grow to their own peak.
 """
 
 from __future__ import annotations
@@ -69,6 +73,14 @@ def _map(cache: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return cache
 
 
+def _same_layout(host: Cache, device: Cache) -> bool:
+    """Whether `device`'s tensors can take `host`'s values one for one, strides included."""
+    held, places = list(tensors(host)), list(tensors(device))
+    return len(held) == len(places) and all(
+        (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype) for a, b in zip(held, places)
+    )
+
+
 class DecoderCaches:
     """One device's decoder caches during a call: `take` a tile's cache before its segment (a new one before its
     first), `give_back` after it, and `prefetch` the next tile's while a segment decodes.
@@ -83,6 +95,8 @@ class DecoderCaches:
         self._parked: dict[int, tuple[Cache, torch.cuda.Event | None]] = {}
         self._arriving: dict[int, tuple[Cache, torch.cuda.Event | None]] = {}
         self._buffers: dict[int, torch.Tensor] = {}  # tile index -> its pinned bytes
+        # The device cache given back last, and the event after which its memory is free to take the next one in
+        self._spare: tuple[Cache, torch.cuda.Event | None] | None = None
         streams = park and device.type == "cuda"
         self._out = torch.cuda.Stream(device) if streams else None
         self._in = torch.cuda.Stream(device) if streams else None
@@ -99,7 +113,7 @@ class DecoderCaches:
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(arrived)
             for tensor in tensors(cache):
-                tensor.record_stream(stream)  # allocated on the copy stream, used and freed on this one
+                tensor.record_stream(stream)  # where the copy stream allocated it: used and freed on this one
         return cache
 
     def prefetch(self, index: int) -> None:
@@ -107,16 +121,26 @@ class DecoderCaches:
         if index not in self._parked:
             return
         host, left = self._parked.pop(index)
+        spare, self._spare = self._spare, None
         with self._on(self._in):
             if left is not None:
                 self._in.wait_event(left)  # the copy out, on the other stream, wrote what comes back
-            cache = _map(host, lambda tensor: tensor.to(self._device, non_blocking=True, copy=True))
+            if spare is not None and _same_layout(host, spare[0]):
+                if spare[1] is not None:
+                    self._in.wait_event(spare[1])  # its segment and its own copy out are done with it
+                places = tensors(spare[0])
+                cache = _map(host, lambda tensor: next(places).copy_(tensor, non_blocking=True))
+            else:  # nothing parked before it, or another layout: new memory, from the copy stream's pool
+                cache = _map(host, lambda tensor: tensor.to(self._device, non_blocking=True, copy=True))
             self._arriving[index] = (cache, self._recorded())
 
     def give_back(self, index: int, cache: Cache, last: bool) -> None:
-        """After a segment of tile `index`: the cache is dropped after the tile's last segment, parked, or kept."""
+        """After a segment of tile `index`: the cache is dropped after the tile's last segment (parked: its memory
+        takes the next cache in), parked, or kept."""
         if last:
             self._buffers.pop(index, None)
+            if self._park:
+                self._spare = (cache, self._recorded())
             return
         if not self._park:
             self._resident[index] = cache
@@ -128,7 +152,8 @@ class DecoderCaches:
         with self._on(self._out):
             if decoded is not None:
                 self._out.wait_event(decoded)
-            self._parked[index] = (_map(cache, lambda tensor: self._copy_out(tensor, next(slots))), self._recorded())
+            self._parked[index] = (_map(cache, lambda tensor: self._copy_out(tensor, next(slots))), copied := self._recorded())
+        self._spare = (cache, copied)
 
     def _slots(self, index: int, cache: Cache) -> list[torch.Tensor]:
         """Host views for the cache's tensors, with their strides (a layout compiled code guards on), in tile

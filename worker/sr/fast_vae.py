@@ -9,7 +9,8 @@ one fused multiply-add (`addcmul`): no full-resolution copy of `zq` or of its pr
 The causal convolutions pad every input spatially (a full copy), convolve the frames next to the carried padding
 apart from the rest, and copy both results into a preallocated output (another full copy). `ImplicitPadCausalConv3d`
 concatenates the carried frames once and lets the convolution zero-pad spatially itself: one pass instead of three,
-one kernel launch instead of two. It carries the unpadded frames in its cache.
+one kernel launch instead of two. It carries the unpadded frames in its cache, updated in place: a cache is
+allocated once, at its tile's first segment, instead of anew at every segment between that segment's activations.
 
 Each spatial upsampling nearest-doubles the features, adds a 3x3 convolution of the doubled grid and applies a 1x1
 convolution, all at the doubled resolution (20 % of the decoder's arithmetic). Each of the four output phases
@@ -89,7 +90,11 @@ class ImplicitPadCausalConv3d(Kandinsky6SRCausalConv3d):
         if padding is None:  # the first segment repeats its first frame
             padding = hidden_states[:, :, :1].expand(-1, -1, self.time_pad, -1, -1)
         frames = torch.cat([padding, hidden_states], dim=2) if self.time_pad else hidden_states
-        cache["padding"] = frames[:, :, frames.size(2) - self.time_pad :].clone()
+        carried = frames[:, :, frames.size(2) - self.time_pad :]
+        if cache["padding"] is None:
+            cache["padding"] = carried.clone()
+        else:  # in place: a tile's cache keeps its memory for all its segments (no churn among the activations)
+            cache["padding"].copy_(carried)
         if frames.numel() <= CONV_CHUNK_ELEMENTS:
             conv = self.conv
             return F.conv3d(frames, conv.weight, conv.bias, padding=(0, self.height_pad, self.width_pad))
