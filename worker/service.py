@@ -25,8 +25,8 @@ class WorkerSettings(BaseSettings):
     devices: str = "cpu"  # comma-separated, e.g. "cuda:0,cuda:1"
     heartbeat_s: float = 0.5  # progress heartbeats at most this often (and at the end of every window)
     # "speed": every tile's decoder cache resident; "balanced": parked in host memory between segments; "memory":
-    # one tile at a time per GPU. Same output; W1 on one H200: 40.7 / 27.5 / 22.0 GiB peak for 1 / 1.11 / 1.2x the
-    # time (bench/RESULTS.md)
+    # one tile at a time per GPU. The same output, up to 2/255 on GPUs (segment 2 against speed's 4); W1 on one
+    # H200: 40.7 / 27.5 / 22.0 GiB peak for 1 / 1.12 / ~1.2x the time (bench/RESULTS.md)
     performance_mode: Literal["speed", "balanced", "memory"] = "speed"
     warmup: bool = True  # compile for one window at start (GPUs), so the first job is not the cold one
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt

@@ -14,6 +14,7 @@ import threading
 from contextvars import Token
 from typing import Any
 
+import redis.exceptions
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
 
 from storage.logs import configure, current_job, settings_secrets
@@ -59,7 +60,9 @@ class Presence:
             self.info = self.info.model_copy(update=changes)
             try:
                 self.registry.register(self.info)
-            except Exception:  # Redis restarting: the next beat writes the entry again
+            except redis.exceptions.RedisError as error:  # Redis restarting: the next beat writes the entry again
+                log.warning("could not update the worker registry: %s", error)
+            except Exception:  # never the worker's end: the registry only informs `vsrq status` and the API
                 log.warning("could not update the worker registry", exc_info=True)
 
     def _beat(self) -> None:
@@ -72,7 +75,7 @@ class Presence:
 
 
 _presence: Presence | None = None
-_job_tokens: dict[str, tuple[Token, int]] = {}  # task id -> (log context token, events the job had at the start)
+_job_tokens: dict[str, tuple[Token, int | None]] = {}  # task id -> (log context token, events the job had at the start)
 
 
 @worker_ready.connect
@@ -114,7 +117,12 @@ def _job_started(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
     if task.name != UPSCALE_TASK or not args:
         return
     job_id = args[0]
-    _job_tokens[task_id] = (current_job.set(job_id), len(service.jobs().events(job_id)))
+    try:
+        events_before: int | None = len(service.jobs().events(job_id))
+    except redis.exceptions.RedisError as error:  # the task finds the job store out of reach too, and says what next
+        log.debug("no metrics for this delivery of %s: %s", job_id, error)
+        events_before = None
+    _job_tokens[task_id] = (current_job.set(job_id), events_before)
     metrics.reset_gpu_peaks(service.worker_settings().device_list)
     if _presence is not None:
         _presence.publish(job=job_id)
@@ -127,7 +135,8 @@ def _job_ended(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
     token, events_before = _job_tokens.pop(task_id)
     try:
         metrics.record_gpu_peaks(service.worker_settings().device_list)
-        metrics.observe_attempt(service.jobs(), args[0], events_before)
+        if events_before is not None:
+            metrics.observe_attempt(service.jobs(), args[0], events_before)
     except Exception:  # metrics must never fail a job, nor the worker
         log.warning("could not record the job's metrics", exc_info=True)
     finally:

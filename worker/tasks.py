@@ -195,12 +195,18 @@ def media_info(probed: ProbedMedia) -> MediaInfo:
 class Heartbeat:
     """The lease's heartbeats, at most one per `every_s` unless forced, and the last cancel flag they brought back.
 
-    The engine asks `cancelled()` between tiles, so that must stay cheap: it only reaches Redis when a beat is due."""
+    The engine asks `cancelled()` between tiles, so that must stay cheap: it only reaches Redis when a beat is due.
+    A beat that cannot reach Redis (a restart, a blip) is not the end of the attempt while the lease it last extended
+    still holds: the attempt goes on, and what the beat carried goes with the next one."""
 
     def __init__(self, lease: Lease, every_s: float) -> None:
         self.lease, self.every_s = lease, every_s
         self.cancel_requested = False
         self._last = -inf
+        self._extended = monotonic()  # the lease was taken now: it holds until lease_s after the last delivered beat
+        self._undelivered: dict[str, Any] = {}  # fields not yet delivered (a beat not due, or one that failed)
+        self._lock = threading.Lock()  # boto3's callbacks and the keep-alive thread beat too
+        self._failing = False  # the latest beat did not reach Redis: logged once per outage
 
     def send(
         self,
@@ -211,14 +217,33 @@ class Heartbeat:
         input_file: FileDigest | None = None,
         force: bool = False,
     ) -> bool:
-        """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job."""
+        """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job, and Redis's
+        error when it stays out of reach until the lease has run out."""
+        fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file}
         now = monotonic()
-        if force or now - self._last >= self.every_s:
-            self.cancel_requested = self.lease.heartbeat(
-                progress=progress, stage=stage, input_media=input_media, input_file=input_file
-            )
-            self._last = now
-        return self.cancel_requested
+        with self._lock:
+            self._undelivered |= {name: value for name, value in fields.items() if value is not None}
+            if not force and now - self._last < self.every_s:
+                return self.cancel_requested
+            self._last, sent = now, dict(self._undelivered)
+        try:
+            cancel = self.lease.heartbeat(**sent)
+        except redis.exceptions.RedisError as error:
+            if monotonic() - self._extended >= self.lease.lease_s:  # expired: the job may be another attempt's
+                raise
+            if not self._failing:
+                log.warning("%s: heartbeats fail (%s); the lease holds, the attempt goes on", self.lease.job_id, error)
+            self._failing = True
+            return self.cancel_requested
+        if self._failing:
+            log.info("%s: heartbeats reach Redis again", self.lease.job_id)
+        self._failing = False
+        with self._lock:
+            self.cancel_requested, self._extended = cancel, max(self._extended, now)
+            for name, value in sent.items():  # what another thread added meanwhile is still to be delivered
+                if self._undelivered.get(name) is value:
+                    del self._undelivered[name]
+        return cancel
 
     def window(self, event: WindowProgress) -> None:
         finished = event.done >= event.total  # the end of a window is always reported
@@ -268,10 +293,8 @@ class Heartbeat:
             while not done.wait(self.every_s) and monotonic() < deadline:
                 try:
                     self.send()
-                except StaleAttempt:  # the job is another attempt's now: the caller finds out at its next beat
-                    return
-                except redis.exceptions.RedisError as error:  # Redis restarting: the lease outlives a short outage
-                    log.debug("a keep-alive heartbeat failed: %s", error)
+                except (StaleAttempt, redis.exceptions.RedisError):  # the job is lost, or the lease ran out while
+                    return  # Redis was out of reach: the caller finds out at its next beat
 
         thread = threading.Thread(target=beat, name="vsrq-keepalive", daemon=True)
         thread.start()

@@ -32,9 +32,10 @@ from kombu.exceptions import OperationalError
 from infra.stack import Stack, free_ports
 from storage.blobs import S3BlobStore, output_prefix
 from storage.config import Settings
-from storage.jobs import TERMINAL, JobRecord, JobStore, Status, open_redis
+from storage.jobs import TERMINAL, InputInfo, JobRecord, JobStore, Status, open_redis
 from worker.celery_app import UPSCALE_TASK, make_celery
 from worker.media.synthetic import write_clip
+from worker.tasks import Heartbeat
 
 from . import processes
 from .processes import MemoryLimit, Partition, Process, Supervisor, serving, started
@@ -351,6 +352,7 @@ def test_redis_restart_loses_no_job_and_the_api_says_503(stack, env, api, reaper
         stack.start_service("redis")
 
     records = wait_all(jobs, running + queued, limit_s=300)
+    carried_on = [jobs.require(job_id).attempt for job_id in running]
     after = create(api, clips["small"])  # and the workers still consume, by themselves
     records.append(wait_all(jobs, [after], limit_s=120)[0])
     completed = sum(job.status == Status.COMPLETED for job in records)
@@ -359,12 +361,15 @@ def test_redis_restart_loses_no_job_and_the_api_says_503(stack, env, api, reaper
         f"FIGURE redis_restart: jobs completed {completed}/{len(records)} (2 running + 30 queued + 1 after), lost "
         f"{len(records) - completed}; API during the outage: {len(answers)} requests, statuses {statuses}, "
         f"Retry-After {sorted({retry for _, retry, _ in answers if retry})}; worker processes restarted 0 of "
-        f"{len(crew)} (alive: {sum(process.alive for process in crew)})"
+        f"{len(crew)} (alive: {sum(process.alive for process in crew)}); the running jobs ended on attempts "
+        f"{carried_on}"
     )
     assert all(status == 503 and retry and code == "service_unavailable" for status, retry, code in answers), answers
     assert completed == len(records), [(job.id, job.status, job.error) for job in records if job.status != "completed"]
     assert all(len(outputs(blobs, job.id)) == 1 for job in records)
     assert all(process.alive for process in crew)
+    # their heartbeats failed for a few seconds of a 10 s lease: the attempts went on (`Heartbeat.send`)
+    assert carried_on == [1, 1], [requeues(jobs, job_id) for job_id in running]
 
 
 # -- 3. S3 outage --------------------------------------------------------------------------------------------------
@@ -493,6 +498,39 @@ def test_a_worker_cut_off_from_the_job_store_loses_no_message(stack, api, reaper
         f"on attempt {job.attempt}"
     )
     assert job.status == Status.COMPLETED, job.error
+    assert "Traceback" not in worker.text()  # a line per failure that says what happened, no stack dumps
+
+
+def test_a_heartbeat_that_cannot_reach_redis_ends_its_attempt_only_once_the_lease_has_run_out(stack, jobs):
+    # A Redis blip must not throw away minutes of GPU work whose lease still holds; once the lease has run out the
+    # job may be another attempt's, so the attempt stops.
+    partition = Partition(("127.0.0.1", stack.ports["redis"]))
+    settings = Settings(_env_file=None, redis_url=f"redis://127.0.0.1:{partition.port}/0", redis_timeout_s=1)
+    store = JobStore(open_redis(settings), result_ttl_s=3600, max_attempts=MAX_ATTEMPTS)
+    job = store.create(owner="erin", model="lanczos", queue="vsrq.beat", params={}, input=InputInfo(key="in", bytes=0))
+    beat = Heartbeat(store.lease(job.id, "test-heartbeat", lease_s=4), every_s=0.1)
+    try:
+        partition.cut()
+        assert beat.send(progress=40, stage="upscaling", force=True) is False  # failed, and the attempt goes on
+        partition.heal()
+        assert beat.send(force=True) is False
+        record = jobs.require(job.id)
+        assert (record.status, record.progress, record.stage) == (Status.IN_PROGRESS, 40, "upscaling")  # delivered now
+
+        partition.cut()
+        delivered, failed = time.monotonic(), 0
+        with pytest.raises(redis.RedisError):
+            while time.monotonic() - delivered < 30:
+                beat.send(force=True)
+                failed += 1
+        outlasted_s = time.monotonic() - delivered
+    finally:
+        partition.close()
+    print(
+        f"FIGURE heartbeat_cut: {failed} beats failed before the attempt ended, {outlasted_s:.1f} s after the last one "
+        "delivered (lease 4 s)"
+    )
+    assert failed >= 2 and 3.5 <= outlasted_s < 7
 
 
 # -- 4. a poison job -----------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Decoding every tile in lockstep, segment by segment, lets frames stream out as t
 cache must survive between its segments: 1.85 GiB per W1 tile, 16.7 GiB for W1's 9 tiles, 46 GiB for the 25 of
 W1 at x4. Parked caches wait in pinned host memory instead: after a tile's segment its cache leaves on one copy
 stream, and the next tile's comes back on another while the current one decodes (both directions of the bus at
-once), so a GPU holds about three caches whatever the tile count. The copies are exact: parking never changes the
+once), so a GPU holds two caches whatever the tile count. The copies are exact: parking never changes the
 output.
 
 Each tile parks into one pinned buffer of its own, reused for all its segments: PyTorch's pinned-memory cache rounds
@@ -129,7 +129,7 @@ class DecoderCaches:
                 if spare[1] is not None:
                     self._in.wait_event(spare[1])  # its segment and its own copy out are done with it
                 places = tensors(spare[0])
-                cache = _map(host, lambda tensor: next(places).copy_(tensor, non_blocking=True))
+                cache = _map(host, lambda tensor: self._copy_in(tensor, next(places)))
             else:  # nothing parked before it, or another layout: new memory, from the copy stream's pool
                 cache = _map(host, lambda tensor: tensor.to(self._device, non_blocking=True, copy=True))
             self._arriving[index] = (cache, self._recorded())
@@ -173,6 +173,12 @@ class DecoderCaches:
             stride = torch.empty_like(tensor, device="meta").stride()
             slots.append(flat.as_strided(tensor.size(), stride, flat.storage_offset()))
         return slots
+
+    def _copy_in(self, tensor: torch.Tensor, place: torch.Tensor) -> torch.Tensor:
+        place.copy_(tensor, non_blocking=True)
+        if place.is_cuda:  # freed untaken (a call that stops), its memory must still outwait this copy
+            place.record_stream(self._in)
+        return place
 
     def _copy_out(self, tensor: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         slot.copy_(tensor, non_blocking=True)

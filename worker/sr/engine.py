@@ -133,8 +133,8 @@ class SREngine:
         attention: str = "sdpa",
     ) -> None:
         """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
-        its device; "parked" streams the same way with the caches in pinned host memory between segments (about
-        three per GPU, copied beside the decoding: `decoder_caches`); "tile_major" decodes one whole tile at a time
+        its device; "parked" streams the same way with the caches in pinned host memory between segments (two per
+        GPU, copied beside the decoding: `decoder_caches`); "tile_major" decodes one whole tile at a time
         per device (one cache, no host copies) and emits the frames with the last tile. All give the same bits; a
         call whose lockstep caches would crowd a GPU parks them.
 
@@ -222,7 +222,7 @@ class SREngine:
                 "everything stays resident"
                 if peak < 0.9 * total
                 else "close to the limit: performance_mode=balanced parks the decoder caches in host memory (W1: 27.5 GiB "
-                "instead of 40.7, 1.11x the time), memory decodes one tile at a time (22 GiB, 1.2x)"
+                "instead of 40.7, 1.12x the time), memory decodes one tile at a time (22 GiB, ~1.2x)"
             )
             lines.append(
                 f"{replica.device}: weights {weights / 2**30:.1f} GiB, peak reserved {peak / 2**30:.1f} GiB of "
