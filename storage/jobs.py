@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from time import monotonic
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -666,8 +667,9 @@ class JobStore:
     def lease(self, job_id: str, worker: str, lease_s: int) -> Lease:
         """queued -> in_progress as a new attempt. Raises `InvalidTransition` when the job is not queued (another
         delivery of the same message got it, or it was cancelled) and `JobNotFound` when it was deleted."""
+        asked = monotonic()
         attempt = self._run("lease", job_id, worker, lease_s)
-        return Lease(self, job_id, int(attempt), lease_s)
+        return Lease(self, job_id, int(attempt), lease_s, asked)
 
     def touch(
         self,
@@ -813,6 +815,7 @@ class Lease:
     job_id: str
     attempt: int
     lease_s: int
+    asked_at: float  # `time.monotonic()` when the lease was asked for: it holds at least until lease_s after that
 
     def job(self) -> JobRecord:
         return self.store.require(self.job_id)

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
+import redis.exceptions
 import torch
 
 from storage.blobs import BlobStore, Progress, work_prefix
@@ -90,8 +91,8 @@ class _UploadingRecorder:
                     path = self.store.local._path(self.index, suffix)
                     if path.exists():  # the last window has no tail
                         self.store._upload(path)
-        except (Cancelled, StaleAttempt):  # raised by the transfer's heartbeat: the attempt must stop
-            raise
+        except (Cancelled, StaleAttempt, redis.exceptions.RedisError):  # raised by the transfer's heartbeat (Redis's
+            raise  # error once the lease has run out): the attempt must stop
         except Exception:  # storage down: the attempt goes on (its output upload waits it out); only a later attempt
             # would recompute this window
             log.warning("window %d not kept: blob storage unavailable", self.index, exc_info=True)

@@ -137,6 +137,8 @@ def _job_ended(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
         metrics.record_gpu_peaks(service.worker_settings().device_list)
         if events_before is not None:
             metrics.observe_attempt(service.jobs(), args[0], events_before)
+    except redis.exceptions.RedisError as error:
+        log.warning("could not record the job's metrics: %s", error)
     except Exception:  # metrics must never fail a job, nor the worker
         log.warning("could not record the job's metrics", exc_info=True)
     finally:

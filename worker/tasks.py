@@ -138,7 +138,7 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         # 4. Upload to this attempt's key: a stale attempt may upload, but only the fenced `complete` promotes
         beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True)
         stored = beat.storage(lambda: _upload(output, output_key, beat.transfer))
-        beat.stop_if_cancelled(force=True)  # asked while it uploaded: the output is discarded, not promoted
+        beat.settle()  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
     lease.complete(
@@ -203,9 +203,9 @@ class Heartbeat:
         self.lease, self.every_s = lease, every_s
         self.cancel_requested = False
         self._last = -inf
-        self._extended = monotonic()  # the lease was taken now: it holds until lease_s after the last delivered beat
+        self._extended = lease.asked_at  # the lease holds until lease_s after this, the last delivered beat's start
         self._undelivered: dict[str, Any] = {}  # fields not yet delivered (a beat not due, or one that failed)
-        self._lock = threading.Lock()  # boto3's callbacks and the keep-alive thread beat too
+        self._sending = threading.Lock()  # boto3's callbacks and the keep-alive thread beat too
         self._failing = False  # the latest beat did not reach Redis: logged once per outage
 
     def send(
@@ -219,31 +219,37 @@ class Heartbeat:
     ) -> bool:
         """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job, and Redis's
         error when it stays out of reach until the lease has run out."""
-        fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file}
-        now = monotonic()
-        with self._lock:
-            self._undelivered |= {name: value for name, value in fields.items() if value is not None}
-            if not force and now - self._last < self.every_s:
-                return self.cancel_requested
-            self._last, sent = now, dict(self._undelivered)
-        try:
-            cancel = self.lease.heartbeat(**sent)
-        except redis.exceptions.RedisError as error:
-            if monotonic() - self._extended >= self.lease.lease_s:  # expired: the job may be another attempt's
-                raise
-            if not self._failing:
-                log.warning("%s: heartbeats fail (%s); the lease holds, the attempt goes on", self.lease.job_id, error)
-            self._failing = True
+        # One beat at a time, so that a late one never lands older fields over a newer one's. A beat that is not
+        # forced gives way to one on its way (the engine's `cancelled()` must not wait for Redis).
+        if not self._sending.acquire(blocking=force):
             return self.cancel_requested
-        if self._failing:
-            log.info("%s: heartbeats reach Redis again", self.lease.job_id)
-        self._failing = False
-        with self._lock:
-            self.cancel_requested, self._extended = cancel, max(self._extended, now)
-            for name, value in sent.items():  # what another thread added meanwhile is still to be delivered
-                if self._undelivered.get(name) is value:
-                    del self._undelivered[name]
-        return cancel
+        try:
+            fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file}
+            self._undelivered |= {name: value for name, value in fields.items() if value is not None}
+            if not force and monotonic() - self._last < self.every_s:
+                return self.cancel_requested
+            try:
+                self._deliver()
+            except redis.exceptions.RedisError as error:
+                if monotonic() - self._extended >= self.lease.lease_s:  # expired: the job may be another attempt's
+                    raise
+                if not self._failing:
+                    log.warning("%s: heartbeats fail (%s); the attempt goes on", self.lease.job_id, error)
+                # the next try comes every_s after this one ended: a partition's timeouts must not take all the time
+                self._failing, self._last = True, monotonic()
+                return self.cancel_requested
+            if self._failing:
+                log.info("%s: heartbeats reach Redis again", self.lease.job_id)
+            self._failing = False
+            return self.cancel_requested
+        finally:
+            self._sending.release()
+
+    def _deliver(self) -> None:
+        """One beat with every undelivered field (the caller holds `_sending`)."""
+        self._last = now = monotonic()
+        self.cancel_requested = self.lease.heartbeat(**self._undelivered)
+        self._extended, self._undelivered = now, {}
 
     def window(self, event: WindowProgress) -> None:
         finished = event.done >= event.total  # the end of a window is always reported
@@ -260,6 +266,14 @@ class Heartbeat:
     def stop_if_cancelled(self, **beat: Any) -> None:
         """`send(**beat)`, raising `Cancelled` when the owner asked to cancel."""
         if self.send(**beat):
+            raise Cancelled("the job was cancelled")
+
+    def settle(self) -> None:
+        """Before the attempt completes: delivers what is still undelivered and raises `Cancelled` when the owner asked
+        to cancel. Redis's error ends the attempt here, however long the lease holds: a cancel must not be missed."""
+        with self._sending:
+            self._deliver()
+        if self.cancel_requested:
             raise Cancelled("the job was cancelled")
 
     def transfer(self, _: int) -> None:
@@ -364,6 +378,8 @@ def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> Non
         _forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:
         log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)
+    except redis.exceptions.RedisError as unreachable:  # the lease expires and the reaper requeues the job
+        log.warning("%s attempt %d could not end the job (%s): its lease expires", job.id, lease.attempt, unreachable)
     finally:
         # An output that will not be promoted (e.g. cancelled during the upload), deleted once the lease has ended:
         # storage may be what failed, and a lease left to expire meanwhile would turn the ending into a requeue.

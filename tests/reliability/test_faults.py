@@ -35,6 +35,7 @@ from storage.config import Settings
 from storage.jobs import TERMINAL, InputInfo, JobRecord, JobStore, Status, open_redis
 from worker.celery_app import UPSCALE_TASK, make_celery
 from worker.media.synthetic import write_clip
+from worker.sr.errors import Cancelled
 from worker.tasks import Heartbeat
 
 from . import processes
@@ -516,6 +517,17 @@ def test_a_heartbeat_that_cannot_reach_redis_ends_its_attempt_only_once_the_leas
         assert beat.send(force=True) is False
         record = jobs.require(job.id)
         assert (record.status, record.progress, record.stage) == (Status.IN_PROGRESS, 40, "upscaling")  # delivered now
+
+        # Before the attempt completes nothing may stay undelivered nor a cancel be missed: no tolerance there.
+        jobs.cancel(job.id)  # asked while the worker is cut off
+        partition.cut()
+        assert beat.send(progress=90, force=True) is False  # failed: the flag it knows is the old one
+        with pytest.raises(redis.RedisError):
+            beat.settle()
+        partition.heal()
+        with pytest.raises(Cancelled):
+            beat.settle()
+        assert jobs.require(job.id).progress == 90
 
         partition.cut()
         delivered, failed = time.monotonic(), 0
