@@ -410,13 +410,20 @@ return ARGV[3]
 """
 
 # ARGV: attempt, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0').
-# Requeues the attempt (a new attempt will lease it), or fails the job once it has used max attempts.
+# Requeues the attempt (a new attempt will lease it), fails the job once it has used max attempts, or cancels it when
+# its owner asked to (a new attempt would start without the flag and run to the end).
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
 _REQUEUE = """
 fenced(ARGV[1])
 local t = now()
 if ARGV[5] == '1' and tonumber(field('lease_until')) > t then return '' end
 local reason = cjson.decode(ARGV[2])
+if field('cancel_requested') == '1' then
+  move('cancelled', t)
+  finish(t, tonumber(ARGV[4]))
+  event('cancelled', t, {last = reason})
+  return 'cancelled'
+end
 if tonumber(ARGV[1]) >= tonumber(ARGV[3]) then
   move('failed', t)
   finish(t, tonumber(ARGV[4]))

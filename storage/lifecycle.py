@@ -72,7 +72,7 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings) -> SweepReport:
 
     work = _delete_grouped(jobs, blobs, WORK, live, keep=lambda job, key: job.status not in TERMINAL)
     outputs = _delete_grouped(
-        jobs, blobs, OUTPUTS, live, keep=lambda job, key: job.status not in TERMINAL or _promoted(job, key)
+        jobs, blobs, OUTPUTS, live, keep=lambda job, key: job.status not in TERMINAL or promoted(job, key)
     )
     report = SweepReport(aborted, len(unclaimed), len(expired), work, outputs)
     if report != SweepReport():
@@ -89,8 +89,9 @@ def _expire(jobs: JobStore, blobs: BlobStore, job: JobRecord) -> bool:
     return True
 
 
-def _promoted(job: JobRecord, key: str) -> bool:
-    return job.output is not None and job.output.key == key
+def promoted(job: JobRecord | None, key: str) -> bool:
+    """Whether `key` is the job's output (the attempt that wrote it completed the job)."""
+    return job is not None and job.output is not None and job.output.key == key
 
 
 def _delete_grouped(

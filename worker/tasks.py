@@ -31,9 +31,17 @@ import redis.exceptions
 import torch
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from celery.signals import worker_init
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+    wait_fixed,
+)
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, work_prefix
+from storage.lifecycle import promoted
 from storage.jobs import (
     FileDigest,
     InvalidTransition,
@@ -197,7 +205,8 @@ class Heartbeat:
 
     The engine asks `cancelled()` between tiles, so that must stay cheap: it only reaches Redis when a beat is due.
     A beat that cannot reach Redis (a restart, a blip) is not the end of the attempt while the lease it last extended
-    still holds: the attempt goes on, and what the beat carried goes with the next one."""
+    still holds: the attempt goes on, and what the beat carried goes with the next one (a beat that is not forced and
+    meets one on its way is dropped instead: later ones supersede it)."""
 
     def __init__(self, lease: Lease, every_s: float) -> None:
         self.lease, self.every_s = lease, every_s
@@ -269,10 +278,17 @@ class Heartbeat:
             raise Cancelled("the job was cancelled")
 
     def settle(self) -> None:
-        """Before the attempt completes: delivers what is still undelivered and raises `Cancelled` when the owner asked
-        to cancel. Redis's error ends the attempt here, however long the lease holds: a cancel must not be missed."""
+        """Before the attempt completes: delivers what is still undelivered, retrying while the lease holds, and raises
+        `Cancelled` when the owner asked to cancel. Unlike `send`, it never goes on without a delivered beat: a cancel
+        asked meanwhile must not be missed."""
+        retrying = Retrying(
+            retry=retry_if_exception_type(redis.exceptions.RedisError),
+            wait=wait_fixed(self.every_s),
+            stop=lambda _: monotonic() - self._extended >= self.lease.lease_s,
+            reraise=True,
+        )
         with self._sending:
-            self._deliver()
+            retrying(self._deliver)
         if self.cancel_requested:
             raise Cancelled("the job was cancelled")
 
@@ -367,6 +383,7 @@ def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> Non
         log.exception("%s attempt %d failed", job.id, lease.attempt)
     else:
         log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code)
+    kept = False  # a `complete` whose reply was lost did promote the output: it is the job's now
     try:
         if outcome == "cancelled":
             lease.cancelled()
@@ -378,12 +395,24 @@ def _end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> Non
         _forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:
         log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)
-    except redis.exceptions.RedisError as unreachable:  # the lease expires and the reaper requeues the job
-        log.warning("%s attempt %d could not end the job (%s): its lease expires", job.id, lease.attempt, unreachable)
+        kept = _kept(job.id, output_key)
+    except redis.exceptions.RedisError as unreachable:  # the reaper requeues or ends the job, or sends its message
+        log.warning("%s attempt %d could not end the job: %s", job.id, lease.attempt, unreachable)
+        kept = True  # it may be the job's output: the storage sweep (storage.lifecycle) deletes it if it is not
     finally:
         # An output that will not be promoted (e.g. cancelled during the upload), deleted once the lease has ended:
         # storage may be what failed, and a lease left to expire meanwhile would turn the ending into a requeue.
-        _discard(output_key)
+        if not kept:
+            _discard(output_key)
+
+
+def _kept(job_id: str, output_key: str) -> bool:
+    """Whether an attempt that lost its job must keep its output: the job's own (its `complete` went through, the
+    reply was lost), or maybe so (Redis cannot say)."""
+    try:
+        return promoted(service.jobs().get(job_id), output_key)
+    except redis.exceptions.RedisError:
+        return True
 
 
 def _forget_windows(job_id: str) -> None:

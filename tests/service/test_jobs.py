@@ -204,6 +204,22 @@ def test_cancel(jobs: JobStore):
     assert lease.cancelled().status == Status.CANCELLED
 
 
+def test_a_cancel_asked_before_an_attempt_ends_in_a_requeue_is_not_lost(jobs: JobStore):
+    """A worker that missed the flag (Redis out of reach) and ends its attempt as a retry, or whose lease the reaper
+    finds expired: the job is cancelled, not run again by an attempt that starts without the flag."""
+    retried, reaped = make(jobs), make(jobs)
+    retrying = jobs.lease(retried.id, "w", 30)
+    expiring = jobs.lease(reaped.id, "w", 1)
+    jobs.cancel(retried.id), jobs.cancel(reaped.id)
+    assert retrying.retry("redis_unavailable", "The job store could not be reached.") == Status.CANCELLED
+    time.sleep(1.2)
+    assert jobs.reap() == {reaped.id: Status.CANCELLED}
+    for job_id in (retried.id, reaped.id):
+        job = jobs.require(job_id)
+        assert (job.status, job.attempt, job.expires_at is not None) == (Status.CANCELLED, 1, True)
+        assert [event.type for event in jobs.events(job_id)][-1] == "cancelled"
+
+
 def test_delete(jobs: JobStore):
     job = make(jobs)
     lease = jobs.lease(job.id, "w", 30)

@@ -206,3 +206,26 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
     assert classify(stalled)[:2] == ("retry", "storage_unavailable")
     outcome, code, message = classify(KeyError("sr_resolution_scale"))
     assert (outcome, code) == ("failed", "internal_error") and "sr_resolution_scale" not in message
+
+
+@pytest.mark.parametrize("completed", [True, False])
+def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(jobs, s3, monkeypatch, completed):
+    """A `complete` that went through with its reply lost (a timeout) ends the attempt as a retry: it finds the job
+    completed by itself and must not delete the output the job points at. An attempt reaped meanwhile deletes it."""
+    from storage.jobs import OutputInfo
+    from worker import service
+    from worker.tasks import _end
+
+    monkeypatch.setattr(service, "jobs", lambda: jobs)  # the real stores of the test stack
+    monkeypatch.setattr(service, "blobs", lambda: s3)
+    job = jobs.create(owner="dave", model="lanczos", queue="vsrq.end", params={}, input=InputInfo(key="k", bytes=0))
+    lease = jobs.lease(job.id, "w", lease_s=1)
+    key = attempt_output_key(job.id, lease.attempt)
+    stored = s3.put(key, io.BytesIO(b"an mp4"))
+    if completed:
+        lease.complete(OutputInfo(key=key, bytes=stored.size, sha256=stored.sha256))
+    else:  # its lease expired meanwhile: requeued for another attempt
+        time.sleep(1.2)
+        assert jobs.reap() == {job.id: "queued"}
+    _end(job, lease, key, redis_py.TimeoutError("the reply to complete never came"))
+    assert s3.exists(key) is completed
