@@ -91,8 +91,9 @@ class _UploadingRecorder:
                     path = self.store.local._path(self.index, suffix)
                     if path.exists():  # the last window has no tail
                         self.store._upload(path)
-        except (Cancelled, StaleAttempt, redis.exceptions.RedisError):  # raised by the transfer's heartbeat (Redis's
-            raise  # error once the lease has run out): the attempt must stop
+        # Raised by the transfer's heartbeat (Redis's error once the lease has run out): the attempt must stop
+        except (Cancelled, StaleAttempt, redis.exceptions.RedisError):
+            raise
         except Exception:  # storage down: the attempt goes on (its output upload waits it out); only a later attempt
             # would recompute this window
             log.warning("window %d not kept: blob storage unavailable", self.index, exc_info=True)

@@ -240,7 +240,7 @@ class Heartbeat:
             try:
                 self._deliver()
             except redis.exceptions.RedisError as error:
-                if monotonic() - self._extended >= self.lease.lease_s:  # expired: the job may be another attempt's
+                if self._lease_ran_out():
                     raise
                 if not self._failing:
                     log.warning("%s: heartbeats fail (%s); the attempt goes on", self.lease.job_id, error)
@@ -253,6 +253,11 @@ class Heartbeat:
             return self.cancel_requested
         finally:
             self._sending.release()
+
+    def _lease_ran_out(self) -> bool:
+        """Whether the lease may have expired (lease_s after the last delivered beat's start): the job may be another
+        attempt's."""
+        return monotonic() - self._extended >= self.lease.lease_s
 
     def _deliver(self) -> None:
         """One beat with every undelivered field (the caller holds `_sending`)."""
@@ -284,7 +289,7 @@ class Heartbeat:
         retrying = Retrying(
             retry=retry_if_exception_type(redis.exceptions.RedisError),
             wait=wait_fixed(self.every_s),
-            stop=lambda _: monotonic() - self._extended >= self.lease.lease_s,
+            stop=lambda _: self._lease_ran_out(),
             reraise=True,
         )
         with self._sending:

@@ -18,8 +18,8 @@ log = logging.getLogger("vsrq.engine")
 
 PerformanceMode = Literal["speed", "balanced", "memory"]
 # Measured on W1, one H200 (bench/RESULTS.md): peaks 40.7 / 27.5 / 22.0 GiB for 1 / 1.12 / ~1.2x the time (memory:
-# an earlier engine, against that engine's speed). The same bits at the same segment length; segment 2 moves some pixels by up to
-# 2/255 on GPUs, whose kernels are picked per shape.
+# an earlier engine, against that engine's speed). The same bits at the same segment length; segment 2 moves some
+# pixels by up to 2/255 on GPUs, whose kernels are picked per shape.
 PERFORMANCE_MODES: dict[PerformanceMode, dict[str, Any]] = {
     # every tile's decoder cache resident (parked where they would crowd the GPU), frames stream out per segment
     "speed": {"decode_order": "lockstep", "decode_segment": 4},
@@ -63,8 +63,8 @@ def open_upscaler(
     if any(device.startswith("cuda") for device in devices) and not _allocator_configured():
         # Blocks of many sizes come and go while decoding: growable segments keep the reserve near what is in use
         # (W1 in `speed`, with decoder caches updated in place: 40.7 GiB reserved for 40.0 allocated, at the same
-        # speed; 52-54 GiB before both, measured together). Set at runtime, since the worker may have touched CUDA already; it holds for the whole process, as the
-        # environment variable would.
+        # speed; 52-54 GiB before both, measured together). Set at runtime, since the worker may have touched CUDA
+        # already; it holds for the whole process, as the environment variable would.
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     engine = SREngine.from_pretrained(model, devices, **PERFORMANCE_MODES[performance_mode])
     if warmup_frames and engine.compiles:

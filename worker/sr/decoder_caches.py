@@ -152,8 +152,10 @@ class DecoderCaches:
         with self._on(self._out):
             if decoded is not None:
                 self._out.wait_event(decoded)
-            self._parked[index] = (_map(cache, lambda tensor: self._copy_out(tensor, next(slots))), copied := self._recorded())
-        self._spare = (cache, copied)
+            host = _map(cache, lambda tensor: self._copy_out(tensor, next(slots)))
+            copied = self._recorded()
+        self._parked[index] = (host, copied)
+        self._spare = (cache, copied)  # its memory takes the next cache in once this copy is done
 
     def _slots(self, index: int, cache: Cache) -> list[torch.Tensor]:
         """Host views for the cache's tensors, with their strides (a layout compiled code guards on), in tile

@@ -221,8 +221,8 @@ class SREngine:
             verdict = (
                 "everything stays resident"
                 if peak < 0.9 * total
-                else "close to the limit: performance_mode=balanced parks the decoder caches in host memory (W1: 27.5 GiB "
-                "instead of 40.7, 1.12x the time), memory decodes one tile at a time (22 GiB, ~1.2x)"
+                else "close to the limit: performance_mode=balanced parks the decoder caches in host memory (W1: "
+                "27.5 GiB instead of 40.7, 1.12x the time), memory decodes one tile at a time (22 GiB, ~1.2x)"
             )
             lines.append(
                 f"{replica.device}: weights {weights / 2**30:.1f} GiB, peak reserved {peak / 2**30:.1f} GiB of "
