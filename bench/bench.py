@@ -14,7 +14,8 @@ Phases:
                       parked or tile_major, SEGMENT the decode segment (4).
                       Clips longer than one window (W3) run in temporal windows, as the worker runs them
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
-A phase ending in *N runs N hot runs instead of --hot's (e.g. ours:W1:cuda:0*0: cold and the check only).
+A phase ending in *N runs N hot runs instead of --hot's or --ref-hot's (e.g. ours:W1:cuda:0*0: cold and the check
+only; ref:W2*3).
 `--compile none|transformer|decoder` builds engines with less compiled (default both): which compiled part changes
 what. `--tiny` runs the same phases on the CPU with the tiny configuration, so CI keeps this script working.
 """
@@ -230,7 +231,7 @@ class Bench:
 
     # --- phases -------------------------------------------------------------------------------------------------
 
-    def reference(self, name: str) -> None:
+    def reference(self, name: str, hot: int | None = None) -> None:
         if self.replicas:
             raise SystemExit("every ref: phase must come before the first ours: phase (ours drops unused weights)")
         height, width, frames, scale = self.workload(name)
@@ -238,7 +239,7 @@ class Bench:
         pipe.set_progress_bar_config(disable=True)
         video = pattern(frames, height, width)[None]
         runs, stages, output = [], [], None
-        for _ in range(1 + self.ref_hot):
+        for _ in range(1 + (self.ref_hot if hot is None else hot)):
             self.reset_peaks([self.home])
             started = time.perf_counter()
             output = pipe(video=video, resolution_scale=scale, num_inference_steps=2, generator=torch.Generator().manual_seed(SEED), output_type="pt").frames[0]
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         bench.compared &= set(args.check_only.split(","))
     for kind, name, rest, hot in phases:
         if kind == "ref":
-            bench.reference(name)
+            bench.reference(name, int(hot) if hot else None)
         elif kind == "ours":
             devices, _, layout = (rest[0] if rest else str(bench.home)).partition("@")
             order, _, segment = (layout or "lockstep").partition("/")

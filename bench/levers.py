@@ -1,9 +1,9 @@
 """Micro-benchmarks of the GPU levers, one W1 tile at full size (random bf16 weights): where decode and DiT time
 goes (torch.profiler), and what each candidate change buys and costs in accuracy.
 
-    python bench/levers.py --out levers.jsonl [--sections profile,decode,memory,attention,dit,nabla,mp4,host]
+    python bench/levers.py --out levers.jsonl [--sections profile,decode,memory,attention,dit,nabla,mp4,threading,host]
 
-`host` and `mp4` run on the CPU alone (no GPU needed).
+`host`, `mp4` and `threading` run on the CPU alone (no GPU needed).
 
 Run `nabla` and `dit` in separate processes: each compiles the transformer's blocks for its own processor.
 """
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench import build  # noqa: E402
+from worker.media.writer import THREAD_TYPE  # noqa: E402
 from worker.sr.compilation import COMPILE  # noqa: E402
 
 TILE_LATENT = (1, 64, 31, 32, 48)  # (B, C, T, H, W): one W1 tile, 121 frames of 512x768
@@ -59,31 +60,50 @@ def compiled_dit_call(transformer, x: torch.Tensor, t: torch.Tensor) -> tuple[fl
 
 
 def mp4_tail(
-    lookahead: int | None, frames: int = 121, chunk: int = 16, every_s: float = 0.6, content: str = "pattern"
+    lookahead: int | None,
+    frames: int = 121,
+    chunk: int = 16,
+    every_s: float = 0.6,
+    content: str = "pattern",
+    size: tuple[int, int] = (1024, 1536),
+    thread_type: str = THREAD_TYPE,
 ) -> dict:
-    """The W1 output (1536x1024) through the product's writer, 16 frames every `every_s` as the engine delivers
-    them: how long the file takes to finish after the last frame (x264 holds its lookahead and one frame per
-    thread), and its size at the same CRF. `content`: the synthetic test pattern, or noise, which is what random
-    weights' output encodes like (on a 2-core CPU, W2's 33 frames: tail 0.21 s for the pattern, 2.7 s for noise)."""
+    """The W1 output (1536x1024; `size` (height, width)) through the product's writer, 16 frames every `every_s` as
+    the engine delivers them: how long the file takes to finish after the last frame (x264 holds its lookahead and
+    one frame per thread), and its size at the same CRF. `content`: the synthetic test pattern, or noise, which is
+    what random weights' output encodes like (on a 2-core CPU, W2's 33 frames: tail 0.21 s for the pattern, 2.7 s
+    for noise). `every_s` 0: as fast as the encoder takes them (its throughput)."""
     import tempfile
     from fractions import Fraction
 
     from worker.media.synthetic import pattern
     from worker.media.writer import Mp4Writer
 
-    video = pattern(frames, 1024, 1536)  # on the CPU, as the engine hands frames to the sink
+    video = pattern(frames, *size)  # on the CPU, as the engine hands frames to the sink
     if content == "noise":
         video = (video + 0.2 * torch.randn(video.shape, generator=torch.Generator().manual_seed(0))).clamp(0, 1)
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "out.mp4"
-        writer = Mp4Writer(path, Fraction(24), (1024, 1536), lookahead=lookahead)
+        writer = Mp4Writer(path, Fraction(24), size, lookahead=lookahead, thread_type=thread_type)
+        first = time.perf_counter()
         for start in range(0, frames, chunk):
             if start:
                 time.sleep(every_s)
             writer.write(video[start : start + chunk])
         started = time.perf_counter()  # right after the last frames, as `engine.upscale` returns
         writer.close()
-        return {"lookahead": lookahead, "content": content, "tail_s": round(time.perf_counter() - started, 3), "bytes": path.stat().st_size, "encode_thread_s": round(writer.encode_seconds, 3)}
+        finished = time.perf_counter()
+        return {
+            "size": f"{size[1]}x{size[0]}",
+            "thread_type": thread_type,
+            "every_s": every_s,
+            "lookahead": lookahead,
+            "content": content,
+            "tail_s": round(finished - started, 3),
+            "wall_s": round(finished - first, 3),
+            "bytes": path.stat().st_size,
+            "encode_thread_s": round(writer.encode_seconds, 3),
+        }
 
 
 def host_segment(height: int, width: int, frames: int = 16) -> dict:
@@ -144,7 +164,13 @@ def main() -> None:
     if "mp4" in sections:
         for lookahead, content in ((None, "pattern"), (16, "pattern"), (8, "pattern"), (16, "noise")):
             emit({"section": "mp4_tail"} | mp4_tail(lookahead, content=content))
-    if not sections - {"host", "mp4"}:
+    if "threading" in sections:  # x264's sliced threads (PyAV's default) against frame threads, on each output
+        for size, frames, every_s in (((512, 768), 33, 0.2), ((1024, 1536), 121, 0.6), ((2048, 3072), 121, 0.0)):
+            for content in ("noise", "pattern"):
+                for thread_type in ("SLICE", "FRAME"):
+                    record = mp4_tail(16, frames, every_s=every_s, content=content, size=size, thread_type=thread_type)
+                    emit({"section": "mp4_tail"} | record)
+    if not sections - {"host", "mp4", "threading"}:
         return
 
     parts = build(device, tiny=False)  # the benchmark's full-size random components, SDPA attention set

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.bench import main
 
 
 def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     out = tmp_path / "results.jsonl"
-    main(["--tiny", "--hot", "1", "--out", str(out), "--phases", "ref:W1,ours:W1:cpu,ours:W1:cpu+cpu@tile_major/1,batch:W1short:2,ours:W3:cpu*0"])
+    main(["--tiny", "--hot", "1", "--out", str(out), "--phases", "ref:W1*2,ours:W1:cpu,ours:W1:cpu+cpu@tile_major/1,batch:W1short:2,ours:W3:cpu*0"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     reference, single, double, batch, long = records[1:]
     assert reference["impl"] == "diffusers-reference" and reference["hot_median_s"] > 0
+    assert len(reference["hot_s"]) == 2 and len(single["hot_s"]) == 1  # ref:W1*2 overrides --hot 1
     assert single["vs_reference"]["max_abs_delta"] <= 1e-5
     stages = single["stage_device_s_last_run"]
     assert {"dit", "decode", "encode", "latent_upscale", "mp4_encode_thread", "host_blend", "host_sink"} <= stages.keys()
@@ -54,3 +57,13 @@ def test_the_host_lever_times_the_products_own_steps():
     record = host_segment(32, 48, frames=2)
     assert record["size"] == "48x32x2"
     assert all(record[key] >= 0 for key in ("normalise_s", "quantise_s", "yuv_convert_s"))  # rounded to ms
+
+
+@pytest.mark.parametrize("thread_type", ["SLICE", "FRAME"])
+def test_the_threading_lever_times_the_products_writer_with_each_threading(thread_type):
+    """`levers.py --sections threading` (CPU only), tiny here so the section cannot rot."""
+    from bench.levers import mp4_tail
+
+    record = mp4_tail(16, frames=20, every_s=0.0, content="noise", size=(128, 192), thread_type=thread_type)
+    assert record["thread_type"] == thread_type and record["size"] == "192x128"
+    assert 0 <= record["tail_s"] <= record["wall_s"] and record["bytes"] > 20 * 1000  # noise: ~13 KB a frame

@@ -28,6 +28,9 @@ ENCODERS = {"h264": ("libx264",), "hevc": ("libx265",), "av1": ("libsvtav1",)}
 # Frames arrive in bursts of one decode segment (16); a longer lookahead (x264 `medium`: 40) only delays the end
 # of the file: W1's MP4 tail went from 1.73 to 1.06 s (bench/RESULTS.md). Presets that look less far ahead keep theirs.
 LOOKAHEAD = 16
+# How the encoder spreads over cores: frame threads, as the ffmpeg CLI runs x264. PyAV's default, SLICE, turns on
+# x264's `sliced-threads`, which splits every frame instead (bench/RESULTS.md has both measured).
+THREAD_TYPE = "FRAME"
 # The presets' own `rc-lookahead` (x264's and x265's documentation), which LOOKAHEAD only ever lowers.
 _PRESET_LOOKAHEAD = {
     "libx264": {"ultrafast": 0, "superfast": 0, "veryfast": 10, "faster": 20, "fast": 30, "medium": 40, "slow": 50},
@@ -94,6 +97,7 @@ class Mp4Writer:
         queue_size: int = 4,
         *,
         lookahead: int | None = LOOKAHEAD,
+        thread_type: str = THREAD_TYPE,
         codec: str = "h264",
         timestamps: Sequence[int] | None = None,
         time_base: Fraction | None = None,
@@ -110,6 +114,7 @@ class Mp4Writer:
         self.container.metadata.update(metadata or {})
         self.stream = self.container.add_stream(encoder, rate=fps, options=_encoder_options(encoder, crf, preset, lookahead))
         self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, "yuv420p"
+        self.stream.codec_context.thread_type = thread_type
         if codec == "hevc":
             self.stream.codec_tag = "hvc1"  # what Apple's players require of HEVC in MP4
         # Constant rate: frame i at i / fps. Variable: at its own timestamp.
