@@ -26,9 +26,11 @@ from storage.config import Settings
 
 # -- Key layout ----------------------------------------------------------------------------------------------------
 # uploads/{owner}/{upload_id}            an input video (POST /v1/uploads, or the file of a multipart create)
-# outputs/{job_id}/attempt-{n}.mp4       what attempt n wrote. It is promoted to the job's result by the fenced
-#                                        `complete` that records its key: a stale attempt can upload, but never
-#                                        become (or overwrite) the result. Other attempts' files are then deleted.
+# outputs/{job_id}/attempt-{n}-{token}.mp4
+#                                        what attempt n (under lease token `token`) wrote. It is promoted to the
+#                                        job's result by the fenced `complete` that records its key: a stale attempt
+#                                        can upload, but never become (or overwrite) the result, even one whose
+#                                        attempt number was given again. Other attempts' files are then deleted.
 # work/{job_id}/                         what an attempt keeps for the next attempt of the same job (finished
 #                                        windows): attempt-independent, deleted when the job ends
 
@@ -45,8 +47,8 @@ def output_prefix(job_id: str) -> str:
     return f"outputs/{job_id}/"
 
 
-def attempt_output_key(job_id: str, attempt: int) -> str:
-    return f"{output_prefix(job_id)}attempt-{attempt}.mp4"
+def attempt_output_key(job_id: str, attempt: int, token: str) -> str:
+    return f"{output_prefix(job_id)}attempt-{attempt}-{token}.mp4"
 
 
 def work_prefix(job_id: str) -> str:

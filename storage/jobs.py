@@ -7,10 +7,11 @@
       └──cannot be enqueued───────────────────▶ failed
 
 Every change of state runs as one Lua script, so it is atomic against every other writer, and checks `TRANSITIONS`
-(the Lua table is generated from it). Each lease starts a new `attempt`: the attempt is the fencing token that every
-worker write carries, and a write whose attempt no longer holds the job (retried, reaped, finished) is refused with
-`StaleAttempt`. A worker keeps its lease alive with heartbeats (which also carry progress, and return the cancel
-flag); a periodic reaper requeues the jobs whose lease ran out, and fails them after `max_attempts`.
+(the Lua table is generated from it). Each lease starts a new `attempt` under a random lease token: the two are the
+fence that every worker write carries, and a write whose lease no longer holds the job (retried, reaped, finished,
+or leased again under the same attempt number after Redis lost the lease's write) is refused with `StaleAttempt`. A
+worker keeps its lease alive with heartbeats (which also carry progress, and return the cancel flag); a periodic
+reaper requeues the jobs whose lease ran out, and fails them after `max_attempts`.
 
 Times come from Redis (`TIME`), so workers' and API servers' clocks never disagree about a lease. Keys:
 
@@ -171,6 +172,7 @@ class JobRecord(BaseModel):
     stage: Stage | None = None
     progress: int = 0
     attempt: int = 0  # 0 until first leased
+    lease_token: str | None = None  # the holding lease's: attempt numbers repeat when Redis loses acknowledged writes
     cancel_requested: bool = False
     worker: str | None = None
     params: dict[str, Any]  # the SR and output parameters the worker runs with
@@ -291,12 +293,15 @@ local function status()
   if not current then fail('job_not_found', 'no such job') end
   return current
 end
--- The fence: only the attempt that holds the job (in progress, same attempt number) may write.
-local function fenced(attempt)
+-- The fence ('attempt:lease token'): only the lease that holds the job (in progress, same attempt, same token) may
+-- write. The token tells apart two leases of the same attempt number, which Redis losing a lease's write can give.
+local function fenced(fence)
   local current = status()
-  if current ~= 'in_progress' or field('attempt') ~= attempt then
+  local attempt = fence:match('^(%d+):') or fence
+  if current ~= 'in_progress' or field('attempt') .. ':' .. (field('lease_token') or '') ~= fence then
+    local again = field('attempt') == attempt and ' under another lease' or ''
     fail('stale_attempt', 'attempt ' .. attempt .. ' no longer holds the job (now ' .. current
-      .. ', attempt ' .. field('attempt') .. ')')
+      .. ', attempt ' .. field('attempt') .. again .. ')')
   end
 end
 local function event(kind, t, detail)
@@ -331,7 +336,7 @@ local function move(to, t)
   end
   if from == 'in_progress' then
     redis.call('ZREM', LEASES, id)
-    redis.call('HDEL', JOB, 'lease_until', 'worker')
+    redis.call('HDEL', JOB, 'lease_until', 'worker', 'lease_token')
   end
   redis.call('HSET', JOB, 'status', to, 'updated_at', t)
   announce(to, t)
@@ -343,7 +348,7 @@ end
 """
 )
 
-# ARGV: worker, lease seconds. Returns the new attempt.
+# ARGV: worker, lease seconds, lease token. Returns the new attempt.
 _LEASE = """
 local t = now()
 if status() ~= 'queued' then
@@ -352,7 +357,8 @@ end
 move('in_progress', t)
 local attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
 local lease_until = t + tonumber(ARGV[2])
-redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'progress', 0, 'cancel_requested', 0)
+redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'lease_token', ARGV[3], 'progress', 0,
+  'cancel_requested', 0)
 redis.call('HDEL', JOB, 'stage', 'error')
 if not field('started_at') then redis.call('HSET', JOB, 'started_at', t) end
 redis.call('ZADD', LEASES, lease_until, field('id'))
@@ -360,7 +366,7 @@ event('leased', t, {worker = ARGV[1]})
 return attempt
 """
 
-# ARGV: attempt, lease seconds, progress ('' = unchanged), stage ('' = unchanged), a JSON object of input fields to set
+# ARGV: fence, lease seconds, progress ('' = unchanged), stage ('' = unchanged), a JSON object of input fields to set
 # (media, bytes, sha256; '' = unchanged).
 # Extends the lease; progress never goes back within an attempt. Returns 1 when cancellation was requested.
 _TOUCH = """
@@ -384,9 +390,9 @@ end
 return tonumber(field('cancel_requested'))
 """
 
-# ARGV: from status, attempt, to status (completed | failed | cancelled), output JSON, error JSON, result ttl.
-# The worker ends its attempt (from in_progress), or the API gives up on a job it could not enqueue (from queued,
-# attempt 0).
+# ARGV: from status, fence (from queued: the attempt, 0), to status (completed | failed | cancelled), output JSON, error
+# JSON, result ttl. The worker ends its attempt (from in_progress), or the API gives up on a job it could not enqueue
+# (from queued, attempt 0).
 _END = """
 if ARGV[1] == 'in_progress' then
   fenced(ARGV[2])
@@ -409,7 +415,7 @@ event(ARGV[3], t, detail)
 return ARGV[3]
 """
 
-# ARGV: attempt, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0').
+# ARGV: fence, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0').
 # Requeues the attempt (a new attempt will lease it), fails the job once it has used max attempts, or cancels it when
 # its owner asked to (a new attempt would start without the flag and run to the end).
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
@@ -424,10 +430,11 @@ if field('cancel_requested') == '1' then
   event('cancelled', t, {last = reason})
   return 'cancelled'
 end
-if tonumber(ARGV[1]) >= tonumber(ARGV[3]) then
+local attempts = field('attempt')
+if tonumber(attempts) >= tonumber(ARGV[3]) then
   move('failed', t)
   finish(t, tonumber(ARGV[4]))
-  local message = 'gave up after ' .. ARGV[1] .. ' attempts; the last: ' .. reason.message
+  local message = 'gave up after ' .. attempts .. ' attempts; the last: ' .. reason.message
   local error = {code = 'too_many_attempts', message = message}
   redis.call('HSET', JOB, 'error', cjson.encode(error))
   event('failed', t, {error = error, last = reason})
@@ -674,14 +681,14 @@ class JobStore:
     def lease(self, job_id: str, worker: str, lease_s: int) -> Lease:
         """queued -> in_progress as a new attempt. Raises `InvalidTransition` when the job is not queued (another
         delivery of the same message got it, or it was cancelled) and `JobNotFound` when it was deleted."""
-        asked = monotonic()
-        attempt = self._run("lease", job_id, worker, lease_s)
-        return Lease(self, job_id, int(attempt), lease_s, asked)
+        asked, token = monotonic(), secrets.token_hex(8)
+        attempt = self._run("lease", job_id, worker, lease_s, token)
+        return Lease(self, job_id, int(attempt), token, lease_s, asked)
 
     def touch(
         self,
         job_id: str,
-        attempt: int,
+        fence: str,
         lease_s: int,
         *,
         progress: int | None = None,
@@ -690,8 +697,8 @@ class JobStore:
         input_file: FileDigest | None = None,
     ) -> bool:
         """Heartbeat: extends the lease, records progress / stage / the input's probe / a fetched input's size and
-        digest. Returns whether the owner asked to cancel. Raises `StaleAttempt` when this attempt no longer holds the
-        job."""
+        digest. Returns whether the owner asked to cancel. Raises `StaleAttempt` when the lease `fence` (`Lease.fence`)
+        no longer holds the job."""
         fields = {
             **({"media": input_media.model_dump(mode="json")} if input_media else {}),
             **(input_file.model_dump(mode="json") if input_file else {}),
@@ -699,7 +706,7 @@ class JobStore:
         flag = self._run(
             "touch",
             job_id,
-            attempt,
+            fence,
             lease_s,
             "" if progress is None else int(progress),
             stage or "",
@@ -707,12 +714,12 @@ class JobStore:
         )
         return bool(flag)
 
-    def complete(self, job_id: str, attempt: int, output: OutputInfo) -> JobRecord:
+    def complete(self, job_id: str, fence: str, output: OutputInfo) -> JobRecord:
         self._run(
             "end",
             job_id,
             Status.IN_PROGRESS,
-            attempt,
+            fence,
             Status.COMPLETED,
             output.model_dump_json(),
             "",
@@ -720,22 +727,22 @@ class JobStore:
         )
         return self.require(job_id)
 
-    def fail(self, job_id: str, attempt: int, code: str, message: str) -> JobRecord:
+    def fail(self, job_id: str, fence: str, code: str, message: str) -> JobRecord:
         """A failure that another attempt would repeat (bad input, a bug): the job ends."""
         error = JobErrorInfo(code=code, message=message).model_dump_json()
-        self._run("end", job_id, Status.IN_PROGRESS, attempt, Status.FAILED, "", error, self.result_ttl_s)
+        self._run("end", job_id, Status.IN_PROGRESS, fence, Status.FAILED, "", error, self.result_ttl_s)
         return self.require(job_id)
 
-    def cancelled(self, job_id: str, attempt: int) -> JobRecord:
+    def cancelled(self, job_id: str, fence: str) -> JobRecord:
         """The worker stopped because the owner asked it to."""
-        self._run("end", job_id, Status.IN_PROGRESS, attempt, Status.CANCELLED, "", "", self.result_ttl_s)
+        self._run("end", job_id, Status.IN_PROGRESS, fence, Status.CANCELLED, "", "", self.result_ttl_s)
         return self.require(job_id)
 
-    def retry(self, job_id: str, attempt: int, code: str, message: str) -> Status:
+    def retry(self, job_id: str, fence: str, code: str, message: str) -> Status:
         """A failure another attempt may not repeat (lost device, OOM under load): requeued, or failed once the job
         has had `max_attempts`. The caller sends the task again when this returns `queued`."""
         reason = JobErrorInfo(code=code, message=message).model_dump_json()
-        return Status(self._run("requeue", job_id, attempt, reason, self.max_attempts, self.result_ttl_s, 0).decode())
+        return Status(self._run("requeue", job_id, fence, reason, self.max_attempts, self.result_ttl_s, 0).decode())
 
     # -- the owner's side: cancel, delete --------------------------------------------------------------------------
 
@@ -771,8 +778,9 @@ class JobStore:
                 continue
             reason = JobErrorInfo(code="lease_expired", message=f"worker {job.worker} stopped sending heartbeats")
             try:
+                fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(
-                    "requeue", job_id, job.attempt, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1
+                    "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1
                 ).decode()
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue
@@ -814,15 +822,25 @@ class JobStore:
         return _redis_now(self.redis)
 
 
+def lease_fence(attempt: int, token: str | None) -> str:
+    """What a worker's writes carry, and the Lua `fenced` compares with the record's `attempt:lease_token`."""
+    return f"{attempt}:{token or ''}"
+
+
 @dataclass(frozen=True)
 class Lease:
-    """A worker's hold on one attempt of one job: every write it makes is fenced by `attempt`."""
+    """A worker's hold on one attempt of one job: every write it makes is fenced by `fence`."""
 
     store: JobStore
     job_id: str
     attempt: int
+    token: str  # random: a lease given again under the same attempt number (Redis lost this one's write) is another
     lease_s: int
     asked_at: float  # `time.monotonic()` when the lease was asked for: it holds at least until lease_s after that
+
+    @property
+    def fence(self) -> str:
+        return lease_fence(self.attempt, self.token)
 
     def job(self) -> JobRecord:
         return self.store.require(self.job_id)
@@ -838,7 +856,7 @@ class Lease:
         """Returns True when the owner asked to cancel."""
         return self.store.touch(
             self.job_id,
-            self.attempt,
+            self.fence,
             self.lease_s,
             progress=progress,
             stage=stage,
@@ -847,16 +865,16 @@ class Lease:
         )
 
     def complete(self, output: OutputInfo) -> JobRecord:
-        return self.store.complete(self.job_id, self.attempt, output)
+        return self.store.complete(self.job_id, self.fence, output)
 
     def fail(self, code: str, message: str) -> JobRecord:
-        return self.store.fail(self.job_id, self.attempt, code, message)
+        return self.store.fail(self.job_id, self.fence, code, message)
 
     def retry(self, code: str, message: str) -> Status:
-        return self.store.retry(self.job_id, self.attempt, code, message)
+        return self.store.retry(self.job_id, self.fence, code, message)
 
     def cancelled(self) -> JobRecord:
-        return self.store.cancelled(self.job_id, self.attempt)
+        return self.store.cancelled(self.job_id, self.fence)
 
 
 # -- Record <-> Redis hash -----------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def upscale(self, job_id: str) -> None:
         log.warning("%s not leased (%s): its message is sent again in %g s", job_id, error, LEASE_RETRY_S)
         raise self.retry(exc=error, countdown=LEASE_RETRY_S) from error
     job = lease.job()
-    output_key = attempt_output_key(job.id, lease.attempt)
+    output_key = attempt_output_key(job.id, lease.attempt, lease.token)
     try:
         _run(job, lease, output_key)
     except StaleAttempt as error:  # reaped or ended elsewhere: another attempt owns the job now

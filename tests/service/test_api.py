@@ -305,7 +305,8 @@ def test_cancel_a_queued_job(api, clip):
 def finish(jobs, s3, job_id: str, payload: bytes) -> None:
     """What the worker does at the end of a job, through the same record API: lease, write, complete (= promote)."""
     lease = jobs.lease(job_id, "test-worker", 30)
-    written = s3.put(attempt_output_key(job_id, lease.attempt), io.BytesIO(payload), content_type="video/mp4")
+    key = attempt_output_key(job_id, lease.attempt, lease.token)
+    written = s3.put(key, io.BytesIO(payload), content_type="video/mp4")
     lease.complete(OutputInfo(key=written.key, bytes=written.size, sha256=written.sha256))
 
 

@@ -78,7 +78,7 @@ def test_a_job_runs_from_queued_to_completed(jobs: JobStore):
 def test_forbidden_transitions_are_refused(jobs: JobStore):
     job = make(jobs)
     with pytest.raises(StaleAttempt):  # not leased: nobody holds attempt 0 or 1
-        jobs.complete(job.id, 1, output(job.id))
+        jobs.complete(job.id, "1:", output(job.id))
     lease = jobs.lease(job.id, "w", 30)
     with pytest.raises(InvalidTransition):  # in progress already
         jobs.lease(job.id, "other", 30)
@@ -121,6 +121,23 @@ def test_a_stale_attempt_cannot_write(jobs: JobStore):
     assert [event.type for event in jobs.events(job.id)] == ["created", "leased", "requeued", "leased", "completed"]
 
 
+def test_a_lease_given_again_under_the_same_attempt_number_fences_out_the_first(jobs: JobStore):
+    """Redis can lose a write it acknowledged (a crash before its fsync, a failover to a replica the write had not
+    reached): the job is queued again with its attempt count unchanged, and its next lease gets the first's number."""
+    job = make(jobs)
+    key = jobs._job_key(job.id)
+    before = jobs.redis.dump(key)
+    first = jobs.lease(job.id, "gpu-0", 30)
+    jobs.redis.restore(key, 0, before, replace=True)  # the lease's write, lost
+    second = jobs.lease(job.id, "gpu-1", 30)
+    assert first.attempt == second.attempt == 1
+    for write in (lambda: first.heartbeat(progress=90), lambda: first.complete(output(job.id))):
+        with pytest.raises(StaleAttempt, match="attempt 1 under another lease"):
+            write()
+    assert second.heartbeat(progress=10) is False
+    assert second.complete(output(job.id)).status == Status.COMPLETED
+
+
 def test_expired_leases_are_reaped_and_quarantined_after_max_attempts(jobs: JobStore):
     jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=2, prefix="vsrq-reap-" + secrets.token_hex(4))
     job, alive = make(jobs), make(jobs)
@@ -152,7 +169,7 @@ def test_only_one_of_concurrent_transitions_wins(jobs: JobStore):
     def lease(worker: str) -> None:
         barrier.wait()
         try:
-            results.append(jobs.lease(job.id, worker, 30).attempt)
+            results.append(jobs.lease(job.id, worker, 30))
         except InvalidTransition:
             results.append(None)
 
@@ -161,10 +178,10 @@ def test_only_one_of_concurrent_transitions_wins(jobs: JobStore):
         thread.start()
     for thread in threads:
         thread.join()
-    assert sorted(results, key=str) == [1] + [None] * 7
+    assert sorted((lease and lease.attempt for lease in results), key=str) == [1] + [None] * 7
 
     # the worker completing and its owner cancelling race: exactly one ending holds
-    attempt = [r for r in results if r][0]
+    fence = [lease for lease in results if lease][0].fence
     barrier, ends = threading.Barrier(3), []
 
     def end(action) -> None:
@@ -175,9 +192,9 @@ def test_only_one_of_concurrent_transitions_wins(jobs: JobStore):
             ends.append(None)
 
     actions = [
-        lambda: jobs.complete(job.id, attempt, output(job.id)),
-        lambda: jobs.fail(job.id, attempt, "x", "y"),
-        lambda: jobs.cancelled(job.id, attempt),
+        lambda: jobs.complete(job.id, fence, output(job.id)),
+        lambda: jobs.fail(job.id, fence, "x", "y"),
+        lambda: jobs.cancelled(job.id, fence),
     ]
     threads = [threading.Thread(target=end, args=(action,)) for action in actions]
     for thread in threads:

@@ -79,11 +79,11 @@ def finish(jobs: JobStore, blobs: BlobStore, job_id: str, attempts: int = 1) -> 
     """Runs `attempts` attempts that each write an output and kept windows; the last completes."""
     for attempt in range(1, attempts + 1):
         lease = jobs.lease(job_id, "w", 60)
-        put(blobs, attempt_output_key(job_id, attempt))
+        put(blobs, attempt_output_key(job_id, attempt, lease.token))
         put(blobs, f"{work_prefix(job_id)}windows/window-0000{attempt}.json")
         if attempt < attempts:
             lease.retry("gpu_oom", "out of memory")
-    key = attempt_output_key(job_id, attempts)
+    key = attempt_output_key(job_id, attempts, lease.token)
     lease.complete(OutputInfo(key=key, bytes=1000, sha256="0" * 64))
 
 
@@ -126,11 +126,11 @@ def test_the_sweep_deletes_what_no_job_needs_and_keeps_the_rest(blobs, redis_cli
     running = new_job(keeping, blobs, owned=True)
     lease = keeping.lease(running, "w", 60)
     running_files = {
-        put(blobs, attempt_output_key(running, lease.attempt)),
+        put(blobs, attempt_output_key(running, lease.attempt, lease.token)),
         put(blobs, f"{work_prefix(running)}windows/window-00000.json"),
     }
     gone = "video_" + secrets.token_hex(12)  # deleted while its storage was down: its files stayed
-    put(blobs, attempt_output_key(gone, 1))
+    put(blobs, attempt_output_key(gone, 1, secrets.token_hex(8)))
     put(blobs, f"{work_prefix(gone)}windows/window-00000.json")
     time.sleep(TTL_S + 1.5)
 
@@ -152,7 +152,7 @@ def test_the_sweep_deletes_what_no_job_needs_and_keeps_the_rest(blobs, redis_cli
         completed_job.input.key,  # owned by a job that keeps its result
         keeping.require(failed).input.key,
         keeping.require(running).input.key,
-        attempt_output_key(completed, 2),  # the promoted output; attempt 1's is gone, and both jobs' windows
+        completed_job.output.key,  # the promoted output (attempt 2's); attempt 1's is gone, and both jobs' windows
         *running_files,  # a running job's files are its worker's
     }
     assert orphan_upload not in set(blobs.keys(""))
@@ -184,7 +184,7 @@ def test_delete_removes_the_kept_windows_with_the_job(api, s3, clip):
     assert created.status_code == 200, created.text
     job_id = created.json()["id"]
     window = put(s3, f"{work_prefix(job_id)}windows/window-00000.json")  # as a requeued attempt leaves them
-    output = put(s3, attempt_output_key(job_id, 1))
+    output = put(s3, attempt_output_key(job_id, 1, secrets.token_hex(8)))
     response = requests.delete(f"{api}/v1/videos/{job_id}", headers=auth("erin"), timeout=30)
     assert response.status_code == 200, response.text
     assert not s3.exists(window) and not s3.exists(output)
@@ -194,7 +194,10 @@ def test_delete_removes_the_kept_windows_with_the_job(api, s3, clip):
 def test_the_reaper_process_sweeps_storage(service_env, s3, jobs, tmp_path):
     # A deleted job's leftovers in the service's own bucket; the reaper, with the default TTLs, sweeps them at start
     gone = "video_" + secrets.token_hex(12)
-    leftovers = {put(s3, attempt_output_key(gone, 1)), put(s3, f"{work_prefix(gone)}windows/window-00000.json")}
+    leftovers = {
+        put(s3, attempt_output_key(gone, 1, secrets.token_hex(8))),
+        put(s3, f"{work_prefix(gone)}windows/window-00000.json"),
+    }
     # (with a long enqueue grace: other tests' jobs, queued on purpose without a message, stay so)
     env = {
         **os.environ,

@@ -29,7 +29,7 @@ def output(jobs, s3, tmp_path_factory) -> tuple[str, bytes]:
         owner="erin", model="lanczos", queue="vsrq.range-test", params={}, input=InputInfo(key=upload_key("erin", "x"))
     )
     lease = jobs.lease(job.id, "range-test", lease_s=60)
-    stored = s3.put(attempt_output_key(job.id, lease.attempt), io.BytesIO(body), content_type="video/mp4")
+    stored = s3.put(attempt_output_key(job.id, lease.attempt, lease.token), io.BytesIO(body), content_type="video/mp4")
     lease.complete(OutputInfo(key=stored.key, bytes=stored.size, sha256=stored.sha256))
     return job.id, body
 

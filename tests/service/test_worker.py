@@ -123,7 +123,7 @@ def test_a_job_runs_end_to_end(api, worker, stereo_clip, jobs, s3, tmp_path):
         assert sum(1 for _ in container.decode(video=0)) == 17
     # promoted from the first attempt's key; the heartbeats went through the stages in order (a job this short may
     # end its only window before a throttled "upscaling" beat is due)
-    assert jobs.require(job["id"]).output.key == attempt_output_key(job["id"], 1)
+    assert re.fullmatch(rf"{output_prefix(job['id'])}attempt-1-[0-9a-f]{{16}}\.mp4", jobs.require(job["id"]).output.key)
     stages = [event.detail["stage"] for event in jobs.events(job["id"]) if event.type == "stage"]
     assert [stage for stage in stages if stage != "upscaling"] == ["probing", "encoding", "uploading"], stages
 
@@ -177,7 +177,7 @@ def test_a_duplicate_delivery_runs_once(api, worker, settings, jobs, s3, stereo_
     done = jobs.require(job.id)
     assert (done.status, done.attempt) == ("completed", 1)
     assert [event.type for event in jobs.events(job.id)].count("leased") == 1
-    assert list(s3.keys(output_prefix(job.id))) == [attempt_output_key(job.id, 1)]
+    assert list(s3.keys(output_prefix(job.id))) == [done.output.key]
     assert "dropped a message for " + job.id in worker.read_text()
 
 
@@ -220,7 +220,7 @@ def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(jo
     monkeypatch.setattr(service, "blobs", lambda: s3)
     job = jobs.create(owner="dave", model="lanczos", queue="vsrq.end", params={}, input=InputInfo(key="k", bytes=0))
     lease = jobs.lease(job.id, "w", lease_s=1)
-    key = attempt_output_key(job.id, lease.attempt)
+    key = attempt_output_key(job.id, lease.attempt, lease.token)
     stored = s3.put(key, io.BytesIO(b"an mp4"))
     if completed:
         lease.complete(OutputInfo(key=key, bytes=stored.size, sha256=stored.sha256))
