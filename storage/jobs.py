@@ -32,7 +32,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -348,20 +348,32 @@ end
 """
 )
 
-# ARGV: worker, lease seconds, lease token. Returns the new attempt.
+# ARGV: worker, lease seconds, lease token, lost tokens (',' joined: this message's earlier tries, whose replies never
+# came). Returns the attempt: a new one, or the one a lost try leased, taken over under the new token (a copy of the
+# message finds the new token, not its own, and is refused).
 _LEASE = """
 local t = now()
+local function hold()
+  local lease_until = t + tonumber(ARGV[2])
+  redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'lease_token', ARGV[3])
+  redis.call('ZADD', LEASES, lease_until, field('id'))
+end
+local held = field('lease_token')
+if status() == 'in_progress' and ARGV[4] ~= '' and held and (',' .. ARGV[4] .. ','):find(',' .. held .. ',', 1, true)
+then
+  hold()
+  event('leased', t, {worker = ARGV[1], taken_over = held})
+  return tonumber(field('attempt'))
+end
 if status() ~= 'queued' then
   fail('invalid_transition', 'only a queued job can be leased (it is ' .. status() .. ')')
 end
 move('in_progress', t)
 local attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
-local lease_until = t + tonumber(ARGV[2])
-redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'lease_token', ARGV[3], 'progress', 0,
-  'cancel_requested', 0)
+hold()
+redis.call('HSET', JOB, 'progress', 0, 'cancel_requested', 0)
 redis.call('HDEL', JOB, 'stage', 'error')
 if not field('started_at') then redis.call('HSET', JOB, 'started_at', t) end
-redis.call('ZADD', LEASES, lease_until, field('id'))
 event('leased', t, {worker = ARGV[1]})
 return attempt
 """
@@ -503,6 +515,10 @@ def open_redis(settings: Settings) -> Redis:
 
 def new_job_id() -> str:
     return "video_" + secrets.token_hex(12)
+
+
+def new_lease_token() -> str:
+    return secrets.token_hex(8)
 
 
 class JobStore:
@@ -678,11 +694,16 @@ class JobStore:
 
     # -- the worker's side: lease, heartbeat/progress, end ---------------------------------------------------------
 
-    def lease(self, job_id: str, worker: str, lease_s: int) -> Lease:
-        """queued -> in_progress as a new attempt. Raises `InvalidTransition` when the job is not queued (another
-        delivery of the same message got it, or it was cancelled) and `JobNotFound` when it was deleted."""
-        asked, token = monotonic(), secrets.token_hex(8)
-        attempt = self._run("lease", job_id, worker, lease_s, token)
+    def lease(
+        self, job_id: str, worker: str, lease_s: int, *, token: str | None = None, lost: Sequence[str] = ()
+    ) -> Lease:
+        """queued -> in_progress as a new attempt, under `token` (`new_lease_token()` if not given). `lost`: the tokens
+        of earlier tries for the same message that raised a Redis error; one whose reply was lost (it did lease the
+        job) is taken over, so the attempt goes on instead of waiting out its lease. Raises `InvalidTransition` when
+        the job is not queued (another delivery of the same message got it, or it was cancelled) and `JobNotFound`
+        when it was deleted."""
+        asked, token = monotonic(), token or new_lease_token()
+        attempt = self._run("lease", job_id, worker, lease_s, token, ",".join(lost))
         return Lease(self, job_id, int(attempt), token, lease_s, asked)
 
     def touch(
@@ -787,7 +808,6 @@ class JobStore:
             if status:
                 outcome[job_id] = Status(status)
         return outcome
-
 
     # -- messages: every way into `queued` needs a Celery message, and its sender may die before sending it --------
 

@@ -53,6 +53,7 @@ from storage.jobs import (
     Stage,
     StaleAttempt,
     Status,
+    new_lease_token,
 )
 from worker import metrics, service, signals  # signals: importing it connects the process's handlers
 from worker.celery_app import UPSCALE_TASK, app, send_upscale
@@ -85,18 +86,25 @@ def _load_model(**_: Any) -> None:
 
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
-def upscale(self, job_id: str) -> None:
+def upscale(self, job_id: str, lost_leases: list[str] | None = None) -> None:
+    """`lost_leases`: the lease tokens of this message's earlier tries, which raised a Redis error (set by the retry)."""
     # 1. Lease the job: only one delivery of its message gets a queued job
     worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
+    token, lost = new_lease_token(), lost_leases or []
     try:
-        lease = service.jobs().lease(job_id, worker, service.settings().lease_s)
+        lease = service.jobs().lease(job_id, worker, service.settings().lease_s, token=token, lost=lost)
     except (InvalidTransition, JobNotFound) as error:
         log.info("dropped a message for %s: %s", job_id, error.message)
         return
     except redis.exceptions.RedisError as error:  # the job store is out of reach, the broker is not (VSRQ_BROKER_URL):
-        # acknowledged, this message would be the queued job's last. Sent again instead, for this worker or another.
+        # acknowledged, this message would be the queued job's last. Sent again instead, for this worker or another,
+        # with this try's token: a try whose reply was lost did lease the job, and the next delivery takes it over.
         log.warning("%s not leased (%s): its message is sent again in %g s", job_id, error, LEASE_RETRY_S)
-        raise self.retry(exc=error, countdown=LEASE_RETRY_S) from error
+        # Tries are LEASE_RETRY_S apart at least: one older than the lease's length no longer holds it
+        lost_leases = [*lost, token][-(service.settings().lease_s // LEASE_RETRY_S + 1) :]
+        raise self.retry(exc=error, countdown=LEASE_RETRY_S, kwargs={"lost_leases": lost_leases}) from error
+    if lost:
+        log.info("%s attempt %d leased after %d tries that got no reply", job_id, lease.attempt, len(lost))
     job = lease.job()
     output_key = attempt_output_key(job.id, lease.attempt, lease.token)
     try:
@@ -203,10 +211,12 @@ def media_info(probed: ProbedMedia) -> MediaInfo:
 class Heartbeat:
     """The lease's heartbeats, at most one per `every_s` unless forced, and the last cancel flag they brought back.
 
-    The engine asks `cancelled()` between tiles, so that must stay cheap: it only reaches Redis when a beat is due.
-    A beat that cannot reach Redis (a restart, a blip) is not the end of the attempt while the lease it last extended
-    still holds: the attempt goes on, and what the beat carried goes with the next one (a beat that is not forced and
-    meets one on its way is dropped instead: later ones supersede it)."""
+    The engine asks `cancelled()` between tiles, so that must stay cheap: it never waits for Redis. A beat it makes
+    due is sent from a thread of its own, and what that beat raised (the job is lost, or the lease ran out) comes
+    back at the next `send`. A beat that cannot reach Redis (a restart, a blip, a partition) is not the end of the
+    attempt while the lease it last extended still holds: the attempt goes on, and what the beat carried goes with
+    the next one (a beat that is not forced and meets one on its way is dropped instead: later ones supersede it).
+    Forced beats (stages, a window's end) are sent from the caller's thread, after any beat on its way."""
 
     def __init__(self, lease: Lease, every_s: float) -> None:
         self.lease, self.every_s = lease, every_s
@@ -214,8 +224,9 @@ class Heartbeat:
         self._last = -inf
         self._extended = lease.asked_at  # the lease holds until lease_s after this, the last delivered beat's start
         self._undelivered: dict[str, Any] = {}  # fields not yet delivered (a beat not due, or one that failed)
-        self._sending = threading.Lock()  # boto3's callbacks and the keep-alive thread beat too
+        self._sending = threading.Lock()  # held for a beat on its way, by whichever thread sends it
         self._failing = False  # the latest beat did not reach Redis: logged once per outage
+        self._lost: BaseException | None = None  # what a beat sent in the background raised: raised from now on
 
     def send(
         self,
@@ -228,31 +239,57 @@ class Heartbeat:
     ) -> bool:
         """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job, and Redis's
         error when it stays out of reach until the lease has run out."""
-        # One beat at a time, so that a late one never lands older fields over a newer one's. A beat that is not
-        # forced gives way to one on its way (the engine's `cancelled()` must not wait for Redis).
+        self._raise_if_lost()
+        # One beat at a time, so that a late one never lands older fields over a newer one's.
         if not self._sending.acquire(blocking=force):
-            return self.cancel_requested
+            return self._known()
+        background = False
         try:
             fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file}
             self._undelivered |= {name: value for name, value in fields.items() if value is not None}
-            if not force and monotonic() - self._last < self.every_s:
-                return self.cancel_requested
-            try:
-                self._deliver()
-            except redis.exceptions.RedisError as error:
-                if self._lease_ran_out():
-                    raise
-                if not self._failing:
-                    log.warning("%s: heartbeats fail (%s); the attempt goes on", self.lease.job_id, error)
-                # the next try comes every_s after this one ended: a partition's timeouts must not take all the time
-                self._failing, self._last = True, monotonic()
-                return self.cancel_requested
-            if self._failing:
-                log.info("%s: heartbeats reach Redis again", self.lease.job_id)
-            self._failing = False
-            return self.cancel_requested
+            if force:
+                self._beat()
+            elif monotonic() - self._last >= self.every_s:
+                self._last = monotonic()
+                threading.Thread(target=self._beat_in_background, name="vsrq-heartbeat", daemon=True).start()
+                background = True  # the thread releases `_sending`
+            return self._known()
+        finally:
+            if not background:
+                self._sending.release()
+
+    def _known(self) -> bool:
+        """The cancel flag the last beat brought back, unless a beat in the background found the attempt over."""
+        self._raise_if_lost()
+        return self.cancel_requested
+
+    def _raise_if_lost(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+
+    def _beat_in_background(self) -> None:
+        try:
+            self._beat()
+        except Exception as error:  # the job is lost, the lease ran out, or a bug: the attempt ends at the next send
+            self._lost = error
         finally:
             self._sending.release()
+
+    def _beat(self) -> None:
+        """One beat, tolerating Redis errors while the lease holds (the caller holds `_sending`)."""
+        try:
+            self._deliver()
+        except redis.exceptions.RedisError as error:
+            if self._lease_ran_out():
+                raise
+            if not self._failing:
+                log.warning("%s: heartbeats fail (%s); the attempt goes on", self.lease.job_id, error)
+            # the next try comes every_s after this one ended: a partition's timeouts must not take all the time
+            self._failing, self._last = True, monotonic()
+            return
+        if self._failing:
+            log.info("%s: heartbeats reach Redis again", self.lease.job_id)
+        self._failing = False
 
     def _lease_ran_out(self) -> bool:
         """Whether the lease may have expired (lease_s after the last delivered beat's start): the job may be another
@@ -293,6 +330,7 @@ class Heartbeat:
             reraise=True,
         )
         with self._sending:
+            self._raise_if_lost()
             retrying(self._deliver)
         if self.cancel_requested:
             raise Cancelled("the job was cancelled")

@@ -186,23 +186,32 @@ class MemoryLimit:
 
 class Partition:
     """A TCP forwarder on loopback in front of `target`: after `cut()`, bytes either way are dropped (requests go
-    unanswered, connections stay open), as a network partition drops packets."""
+    unanswered, connections stay open), as a network partition drops packets; after `cut_replies_after(marker)`,
+    what `target` sends back is dropped from the first request that holds `marker` on: that request takes effect,
+    and its sender never learns it."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
-        self._flowing = threading.Event()
-        self._flowing.set()
+        self._requests, self._replies = threading.Event(), threading.Event()  # set: flowing
+        self._marker: bytes | None = None
+        self.heal()
         self.dropped = 0  # bytes, either way, while cut
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut(self) -> None:
-        self._flowing.clear()
+        self._requests.clear()
+        self._replies.clear()
+
+    def cut_replies_after(self, marker: bytes) -> None:
+        self._marker = marker
 
     def heal(self) -> None:
         """Bytes flow again; what was dropped stays lost (a request sent during the cut waits for its timeout)."""
-        self._flowing.set()
+        self._marker = None
+        self._requests.set()
+        self._replies.set()
 
     def _accept(self) -> None:
         while True:
@@ -211,13 +220,15 @@ class Partition:
             except OSError:  # closed
                 return
             upstream = socket.create_connection(self.target)
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+            for source, sink, flowing in ((client, upstream, self._requests), (upstream, client, self._replies)):
+                threading.Thread(target=self._pump, args=(source, sink, flowing), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, flowing: threading.Event) -> None:
         try:
             while data := source.recv(65536):
-                if self._flowing.is_set():
+                if flowing is self._requests and self._marker and self._marker in data:
+                    self._replies.clear()
+                if flowing.is_set():
                     sink.sendall(data)
                 else:
                     self.dropped += len(data)

@@ -502,6 +502,37 @@ def test_a_worker_cut_off_from_the_job_store_loses_no_message(stack, api, reaper
     assert "Traceback" not in worker.text()  # a line per failure that says what happened, no stack dumps
 
 
+def test_a_lease_whose_reply_is_lost_is_taken_over_by_the_message_sent_again(stack, api, reaper, jobs, clips, workers):
+    # The lease reaches Redis and its reply does not: the job is in progress under a lease its worker never saw.
+    # The message sent again carries that try's token and takes the attempt over, instead of the job waiting out
+    # its lease and starting again as attempt 2 (without the takeover it is dropped as "in progress").
+    partition = Partition(("127.0.0.1", stack.ports["redis"]))
+    store = f"redis://127.0.0.1:{partition.port}/0"
+    worker = workers(VSRQ_REDIS_URL=store, VSRQ_BROKER_URL=stack.redis_url, VSRQ_REDIS_TIMEOUT_S="2")
+    lease_script = jobs._scripts["lease"]
+    jobs.redis.script_load(lease_script.script)  # the worker's EVALSHA finds it: the lease itself is what is cut
+    try:
+        started(worker)
+        partition.cut_replies_after(lease_script.sha.encode())
+        job_id = create(api, clips["small"])
+        worker.wait_for(lambda: f"{job_id} not leased" in worker.text(), "a lease whose reply was lost", timeout_s=60)
+        partition.heal()
+        job = wait_all(jobs, [job_id], limit_s=120)[0]
+    finally:
+        partition.close()
+    leased = [event for event in jobs.events(job_id) if event.type == "leased"]
+    taken_over = [event for event in leased if "taken_over" in event.detail]
+    print(
+        f"FIGURE lease_reply_lost: {len(leased)} leases, {len(taken_over)} of them taking over a lost one; the job "
+        f"ended {job.status} on attempt {job.attempt}, {job.completed_at - job.created_at:.1f} s after it was created "
+        f"(lease {LEASE_S} s)"
+    )
+    assert job.status == Status.COMPLETED, job.error
+    assert job.attempt == 1 and not requeues(jobs, job_id)
+    assert taken_over and leased[-1] is taken_over[-1]
+    assert f"{job_id} attempt 1 leased after" in worker.text()
+
+
 def test_a_heartbeat_that_cannot_reach_redis_ends_its_attempt_only_once_the_lease_has_run_out(stack, jobs):
     # A Redis blip must not throw away minutes of GPU work whose lease still holds; once the lease has run out the
     # job may be another attempt's, so the attempt stops.
@@ -541,6 +572,35 @@ def test_a_heartbeat_that_cannot_reach_redis_ends_its_attempt_only_once_the_leas
         "delivered (lease 4 s)"
     )
     assert failed >= 2 and 3.5 <= outlasted_s < 7
+
+
+def test_the_engine_never_waits_for_a_heartbeat_sent_into_a_partition(stack):
+    # The engine asks `cancelled()` between tiles: a beat it makes due must not hold the GPU for the Redis timeout.
+    # Once the lease has run out the attempt still stops, at the engine's next call.
+    partition = Partition(("127.0.0.1", stack.ports["redis"]))
+    settings = Settings(_env_file=None, redis_url=f"redis://127.0.0.1:{partition.port}/0", redis_timeout_s=1)
+    store = JobStore(open_redis(settings), result_ttl_s=3600, max_attempts=MAX_ATTEMPTS)
+    job = store.create(owner="erin", model="lanczos", queue="vsrq.beat", params={}, input=InputInfo(key="in", bytes=0))
+    beat = Heartbeat(store.lease(job.id, "test-heartbeat", lease_s=4), every_s=0.1)
+    calls: list[float] = []
+    try:
+        partition.cut()
+        cut = time.monotonic()
+        with pytest.raises(redis.RedisError):
+            while time.monotonic() - cut < 30:
+                asked = time.monotonic()
+                beat.cancelled()
+                calls.append(time.monotonic() - asked)
+                time.sleep(0.01)  # a tile
+        stopped_s = time.monotonic() - cut
+    finally:
+        partition.close()
+    print(
+        f"FIGURE heartbeat_engine: {len(calls)} engine calls during the partition, the slowest {max(calls) * 1000:.1f} "
+        f"ms (Redis timeout 1 s); the attempt stopped {stopped_s:.1f} s after the cut (lease 4 s)"
+    )
+    assert max(calls) < 0.2
+    assert 3.5 <= stopped_s < 7
 
 
 # -- 4. a poison job -----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from storage.jobs import (
     OutputInfo,
     StaleAttempt,
     Status,
+    new_lease_token,
 )
 
 MEDIA = MediaInfo(width=96, height=64, frames=9, fps=24.0, duration=0.375, audio=False)
@@ -136,6 +137,28 @@ def test_a_lease_given_again_under_the_same_attempt_number_fences_out_the_first(
             write()
     assert second.heartbeat(progress=10) is False
     assert second.complete(output(job.id)).status == Status.COMPLETED
+
+
+def test_a_lease_whose_reply_was_lost_is_taken_over_by_the_next_try_and_only_by_it(jobs: JobStore):
+    """A lease that reached Redis and lost its reply (a timeout, a connection reset): the worker sends its message
+    again with the lost try's token, and that delivery takes the attempt over instead of waiting out its lease."""
+    job = make(jobs)
+    lost = new_lease_token()
+    jobs.lease(job.id, "gpu-0", 30, token=lost)  # applied; the caller never saw its reply
+    jobs.cancel(job.id)  # the owner's cancel, asked meanwhile, stays asked
+    with pytest.raises(InvalidTransition):  # a delivery that does not carry the lost try's token
+        jobs.lease(job.id, "gpu-1", 30, lost=[new_lease_token()])
+    resumed = jobs.lease(job.id, "gpu-1", 30, lost=[new_lease_token(), lost])
+    assert (resumed.attempt, resumed.job().worker, resumed.job().cancel_requested) == (1, "gpu-1", True)
+    with pytest.raises(InvalidTransition):  # a copy of the same message: the lost token no longer holds the job
+        jobs.lease(job.id, "gpu-2", 30, lost=[lost])
+    with pytest.raises(StaleAttempt, match="under another lease"):  # nor can the lost try's token write
+        jobs.touch(job.id, f"1:{lost}", 30, progress=5)
+    assert resumed.heartbeat(progress=5) is True
+    assert resumed.cancelled().status == Status.CANCELLED
+    events = jobs.events(job.id)
+    assert [event.type for event in events] == ["created", "leased", "cancel_requested", "leased", "cancelled"]
+    assert events[3].detail == {"worker": "gpu-1", "taken_over": lost} and events[3].attempt == 1
 
 
 def test_expired_leases_are_reaped_and_quarantined_after_max_attempts(jobs: JobStore):
