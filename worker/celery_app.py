@@ -2,7 +2,7 @@
 
 It imports no torch and no engine: the API enqueues by task name. Authoritative job state lives in our own Redis
 records (storage.jobs), not in Celery: a message only says "run job X", and a worker that gets one for a job that is
-no longer queued drops it.
+no longer queued drops it (but for a message a worker sent again after losing a lease's reply: worker.tasks).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from celery import Celery
 from storage.config import Settings
 from storage.jobs import JobRecord, JobStore
 
-UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]
+UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry a header (worker.tasks.upscale)
 
 
 def make_celery(settings: Settings) -> Celery:

@@ -129,13 +129,15 @@ def _job_started(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
 
 
 @task_postrun.connect
-def _job_ended(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
+def _job_ended(task_id: str, task: Any, args: tuple = (), state: str | None = None, **_: Any) -> None:
     if task_id not in _job_tokens:
         return
     token, events_before = _job_tokens.pop(task_id)
     try:
         metrics.record_gpu_peaks(service.worker_settings().device_list)
-        if events_before is not None:
+        # A delivery that could not lease (RETRY) ran no attempt, even where its lost reply did lease the job: the
+        # message it sent again runs that attempt and observes it
+        if events_before is not None and state != "RETRY":
             metrics.observe_attempt(service.jobs(), args[0], events_before)
     except redis.exceptions.RedisError as error:
         log.warning("could not record the job's metrics: %s", error)

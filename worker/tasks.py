@@ -6,8 +6,9 @@ Run a GPU worker with the solo pool (CUDA cannot be re-initialised in forked chi
         celery -A worker.tasks worker --pool solo --concurrency 1 -Q vsrq.k6
 
 Celery only says "run job X": the job's state is its record (storage.jobs), and every write this task makes is fenced
-by its lease's attempt. A message for a job that is not queued (a duplicate delivery, a cancelled or deleted job) is
-dropped.
+by its lease (attempt and lease token). A message for a job that is not queued (a duplicate delivery, a cancelled or
+deleted job) is dropped, unless it is the one a worker sent again after a lease whose reply was lost: that one takes
+the lease over.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ log = logging.getLogger("vsrq.worker")
 UPSCALED = 90
 UPLOADING = 95
 LEASE_RETRY_S = 2  # a message whose job could not be leased (Redis out of reach) comes back after this
+# The header of a message sent again that carries its earlier tries' lease tokens: a header, not an argument, so that
+# a worker of an older version (a rolling deploy) runs the message instead of failing it and losing the job.
+LOST_LEASES_HEADER = "vsrq_lost_leases"
 T = TypeVar("T")
 
 
@@ -86,11 +90,10 @@ def _load_model(**_: Any) -> None:
 
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
-def upscale(self, job_id: str, lost_leases: list[str] | None = None) -> None:
-    """`lost_leases`: the lease tokens of this message's earlier tries, which raised a Redis error (set by the retry)."""
+def upscale(self, job_id: str) -> None:
     # 1. Lease the job: only one delivery of its message gets a queued job
     worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
-    token, lost = new_lease_token(), lost_leases or []
+    token, lost = new_lease_token(), (self.request.headers or {}).get(LOST_LEASES_HEADER) or []
     try:
         lease = service.jobs().lease(job_id, worker, service.settings().lease_s, token=token, lost=lost)
     except (InvalidTransition, JobNotFound) as error:
@@ -101,8 +104,8 @@ def upscale(self, job_id: str, lost_leases: list[str] | None = None) -> None:
         # with this try's token: a try whose reply was lost did lease the job, and the next delivery takes it over.
         log.warning("%s not leased (%s): its message is sent again in %g s", job_id, error, LEASE_RETRY_S)
         # Tries are LEASE_RETRY_S apart at least: one older than the lease's length no longer holds it
-        lost_leases = [*lost, token][-(service.settings().lease_s // LEASE_RETRY_S + 1) :]
-        raise self.retry(exc=error, countdown=LEASE_RETRY_S, kwargs={"lost_leases": lost_leases}) from error
+        lost = [*lost, token][-(service.settings().lease_s // LEASE_RETRY_S + 1) :]
+        raise self.retry(exc=error, countdown=LEASE_RETRY_S, headers={LOST_LEASES_HEADER: lost}) from error
     if lost:
         log.info("%s attempt %d leased after %d tries that got no reply", job_id, lease.attempt, len(lost))
     job = lease.job()
@@ -239,27 +242,29 @@ class Heartbeat:
     ) -> bool:
         """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job, and Redis's
         error when it stays out of reach until the lease has run out."""
-        self._raise_if_lost()
         # One beat at a time, so that a late one never lands older fields over a newer one's.
         if not self._sending.acquire(blocking=force):
             return self._known()
         background = False
         try:
+            self._raise_if_lost()  # (a forced beat may have waited for one that found the attempt over)
             fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file}
             self._undelivered |= {name: value for name, value in fields.items() if value is not None}
             if force:
                 self._beat()
             elif monotonic() - self._last >= self.every_s:
-                self._last = monotonic()
+                self._last, background = monotonic(), True  # the thread releases `_sending`
                 threading.Thread(target=self._beat_in_background, name="vsrq-heartbeat", daemon=True).start()
-                background = True  # the thread releases `_sending`
             return self._known()
         finally:
             if not background:
                 self._sending.release()
 
     def _known(self) -> bool:
-        """The cancel flag the last beat brought back, unless a beat in the background found the attempt over."""
+        """The cancel flag the last beat brought back, unless a beat in the background found the attempt over, or
+        is stuck (in a partition) past the lease: the job may be another attempt's by now."""
+        if self._lost is None and self._lease_ran_out():
+            self._lost = redis.exceptions.TimeoutError(f"no heartbeat reached Redis in {self.lease.lease_s} s")
         self._raise_if_lost()
         return self.cancel_requested
 
