@@ -358,15 +358,15 @@ local function hold()
   redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'lease_token', ARGV[3])
   redis.call('ZADD', LEASES, lease_until, field('id'))
 end
-local held = field('lease_token')
-if status() == 'in_progress' and ARGV[4] ~= '' and held and (',' .. ARGV[4] .. ','):find(',' .. held .. ',', 1, true)
+local current, held = status(), field('lease_token')
+if current == 'in_progress' and ARGV[4] ~= '' and held and (',' .. ARGV[4] .. ','):find(',' .. held .. ',', 1, true)
 then
   hold()
   event('leased', t, {worker = ARGV[1], taken_over = held})
   return tonumber(field('attempt'))
 end
-if status() ~= 'queued' then
-  fail('invalid_transition', 'only a queued job can be leased (it is ' .. status() .. ')')
+if current ~= 'queued' then
+  fail('invalid_transition', 'only a queued job can be leased (it is ' .. current .. ')')
 end
 move('in_progress', t)
 local attempt = redis.call('HINCRBY', JOB, 'attempt', 1)

@@ -537,30 +537,36 @@ def test_a_lease_whose_reply_is_lost_is_taken_over_by_the_message_sent_again(sta
     assert len(deliveries) >= 2 and all(data["kwargs"] == "{}" for data in deliveries), deliveries
 
 
-def test_a_heartbeat_that_cannot_reach_redis_ends_its_attempt_only_once_the_lease_has_run_out(stack, jobs):
-    # A Redis blip must not throw away minutes of GPU work whose lease still holds; once the lease has run out the
-    # job may be another attempt's, so the attempt stops.
+def partitioned_heartbeat(stack: Stack) -> tuple[Partition, Heartbeat]:
+    """A job leased for 4 s through a forwarder in front of Redis (timeout 1 s), and its heartbeats every 0.1 s."""
     partition = Partition(("127.0.0.1", stack.ports["redis"]))
     settings = Settings(_env_file=None, redis_url=f"redis://127.0.0.1:{partition.port}/0", redis_timeout_s=1)
     store = JobStore(open_redis(settings), result_ttl_s=3600, max_attempts=MAX_ATTEMPTS)
     job = store.create(owner="erin", model="lanczos", queue="vsrq.beat", params={}, input=InputInfo(key="in", bytes=0))
-    beat = Heartbeat(store.lease(job.id, "test-heartbeat", lease_s=4), every_s=0.1)
+    return partition, Heartbeat(store.lease(job.id, "test-heartbeat", lease_s=4), every_s=0.1)
+
+
+def test_a_heartbeat_that_cannot_reach_redis_ends_its_attempt_only_once_the_lease_has_run_out(stack, jobs):
+    # A Redis blip must not throw away minutes of GPU work whose lease still holds; once the lease has run out the
+    # job may be another attempt's, so the attempt stops.
+    partition, beat = partitioned_heartbeat(stack)
+    job_id = beat.lease.job_id
     try:
         partition.cut()
         assert beat.send(progress=40, stage="upscaling", force=True) is False  # failed, and the attempt goes on
         partition.heal()
         assert beat.send(force=True) is False
-        record = jobs.require(job.id)
+        record = jobs.require(job_id)
         assert (record.status, record.progress, record.stage) == (Status.IN_PROGRESS, 40, "upscaling")  # delivered now
 
         # Before the attempt completes nothing may stay undelivered nor a cancel be missed: it waits for a beat.
-        jobs.cancel(job.id)  # asked while the worker is cut off
+        jobs.cancel(job_id)  # asked while the worker is cut off
         partition.cut()
         assert beat.send(progress=90, force=True) is False  # failed: the flag it knows is the old one
         threading.Timer(0.5, partition.heal).start()
         with pytest.raises(Cancelled):
             beat.settle()
-        assert jobs.require(job.id).progress == 90
+        assert jobs.require(job_id).progress == 90
 
         partition.cut()
         delivered, failed = time.monotonic(), 0
@@ -581,11 +587,7 @@ def test_a_heartbeat_that_cannot_reach_redis_ends_its_attempt_only_once_the_leas
 def test_the_engine_never_waits_for_a_heartbeat_sent_into_a_partition(stack):
     # The engine asks `cancelled()` between tiles: a beat it makes due must not hold the GPU for the Redis timeout.
     # Once the lease has run out the attempt still stops, at the engine's next call.
-    partition = Partition(("127.0.0.1", stack.ports["redis"]))
-    settings = Settings(_env_file=None, redis_url=f"redis://127.0.0.1:{partition.port}/0", redis_timeout_s=1)
-    store = JobStore(open_redis(settings), result_ttl_s=3600, max_attempts=MAX_ATTEMPTS)
-    job = store.create(owner="erin", model="lanczos", queue="vsrq.beat", params={}, input=InputInfo(key="in", bytes=0))
-    beat = Heartbeat(store.lease(job.id, "test-heartbeat", lease_s=4), every_s=0.1)
+    partition, beat = partitioned_heartbeat(stack)
     calls: list[float] = []
     try:
         partition.cut()
