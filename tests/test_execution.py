@@ -72,7 +72,7 @@ def test_schedule_balances_denoising_and_decoding(tiles, slots):
 @pytest.mark.parametrize(("decode_order", "devices", "segment"), [
     ("tile_major", ["cpu"], 4), ("tile_major", ["cpu", "cpu"], 4), ("parked", ["cpu"], 4), ("parked", ["cpu"], 1),
 ])
-def test_other_decode_orders_give_the_same_bits(tiny_piflow, baseline, monkeypatch, decode_order, devices, segment):
+def test_other_decode_orders_give_the_same_bits(engine, tiny_piflow, monkeypatch, decode_order, devices, segment):
     """Parked caches go to host memory and back between segments, one segment of every tile after another: a cache
     restored to the wrong tile or a stale copy would change the frames. Only parked moves caches."""
     from worker.sr.decoder_caches import DecoderCaches
@@ -80,10 +80,14 @@ def test_other_decode_orders_give_the_same_bits(tiny_piflow, baseline, monkeypat
     parked = []
     give_back = DecoderCaches.give_back
     monkeypatch.setattr(DecoderCaches, "give_back", lambda self, index, cache, last: (parked.append(self._park and not last), give_back(self, index, cache, last)))
-    engine = SREngine.from_pretrained(str(tiny_piflow), devices=devices, decode_order=decode_order, decode_segment=segment)
-    assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
-    # 4 tiles; 9 frames are 3 latent frames: segments [0:1], [1:3] (segment 4) or three (segment 1)
-    assert sum(parked) == (4 * (2 if segment == 1 else 1) if decode_order == "parked" else 0)
+    request, video = SRRequest(scale=2, seed=3), clip(2, frames=25)
+    expected = run(engine, video, request)
+    other = SREngine.from_pretrained(str(tiny_piflow), devices=devices, decode_order=decode_order, decode_segment=segment)
+    parked.clear()
+    assert torch.equal(run(other, video, request), expected)
+    # 4 tiles; 25 frames are 7 latent frames: segments [0:1], [1:5], [5:6], [6:7] (a remainder goes one frame at a
+    # time) or seven (segment 1)
+    assert sum(parked) == (4 * (6 if segment == 1 else 3) if decode_order == "parked" else 0)
 
 
 @pytest.mark.parametrize("decode_segment", [1, 2, 64])
@@ -126,8 +130,8 @@ def test_any_frame_count_and_size_round_trip(engine):
 def test_progress_counts_every_tile_step_and_segment(engine):
     events = []
     run(engine, clip(2), SRRequest(scale=2, num_inference_steps=3), progress=events.append)
-    # 4 tiles x (3 steps + 2 decode segments of 3 latent frames).
-    assert events[-1].done == events[-1].total == 4 * (3 + 2)
+    # 4 tiles x (3 steps + 3 decode segments of 3 latent frames: the leading frame, then one at a time).
+    assert events[-1].done == events[-1].total == 4 * (3 + 3)
     assert [e.done for e in events] == sorted(e.done for e in events)
     assert {e.stage for e in events} == {"denoise", "decode"}
 
@@ -255,18 +259,16 @@ def test_a_failing_sink_or_device_stops_every_device(tiny_piflow, baseline, comp
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
 
 
-def test_every_compiled_graph_is_built_deterministic_on_the_device_threads(tiny_piflow, monkeypatch):
-    """Every graph Inductor builds for an engine is built in its deterministic mode (no timed choice of reduction
-    kernels, whose near-ties differ between GPUs), on the device threads that run the model calls, and past Dynamo's
-    default of 8 graphs per code object (the decoder's resnet blocks: 8 graphs for a 9-frame clip, 4 more for 13
-    frames). PyTorch resets the mode after tracing and keeps settings per thread: on two H200s the second GPU's graphs
-    were built without it, and on torch 2.13 a device thread failed at the ninth graph."""
+@pytest.fixture
+def built_graphs(monkeypatch) -> list[tuple[str, bool]]:
+    """(thread, the mode Inductor builds the graph in) of every graph Dynamo hands to Inductor from now on, Dynamo's
+    caches emptied first (graphs are shared by every module of a class: another test's would be reused)."""
     import threading
 
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor
 
-    built: list[tuple[str, bool]] = []  # (thread, the mode Inductor builds the graph in) per graph Dynamo hands over
+    built: list[tuple[str, bool]] = []
     build = compile_fx.compile_fx
 
     def recording(graph, inputs, *args, config_patches=None, **kwargs):
@@ -274,13 +276,37 @@ def test_every_compiled_graph_is_built_deterministic_on_the_device_threads(tiny_
             built.append((threading.current_thread().name, config_patches.get("deterministic", inductor.deterministic)))
         return build(graph, inputs, *args, config_patches=config_patches, **kwargs)
 
+    torch._dynamo.reset()
     monkeypatch.setattr(compile_fx, "compile_fx", recording)
+    return built
+
+
+def test_every_compiled_graph_is_built_deterministic_on_the_device_threads(tiny_piflow, built_graphs):
+    """Every graph Inductor builds for an engine is built in its deterministic mode (no timed choice of reduction
+    kernels, whose near-ties differ between GPUs), on the device threads that run the model calls, and past Dynamo's
+    default of 8 graphs per code object (the decoder's resnet blocks: 8 graphs for a 9-frame clip, 4 more for 17
+    frames). PyTorch resets the mode after tracing and keeps settings per thread: on two H200s the second GPU's graphs
+    were built without it, and on torch 2.13 a device thread failed at the ninth graph."""
     engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu"], compile_transformer=True, compile_decoder=True)
-    for frames in (9, 13):
+    for frames in (9, 17):
         assert run(engine, clip(2, frames=frames), SRRequest(scale=2, seed=3)).shape[0] == frames
     # CPU "devices" share one replica, so whichever device thread meets a shape first builds its graph for both.
-    assert len(built) >= 12 and {mode for _, mode in built} == {True}
-    assert {thread for thread, _ in built} <= {"vsrq-device_0", "vsrq-device_1"}
+    assert len(built_graphs) >= 12 and {mode for _, mode in built_graphs} == {True}
+    assert {thread for thread, _ in built_graphs} <= {"vsrq-device_0", "vsrq-device_1"}
+
+
+@pytest.mark.parametrize("window", [21, 17])
+def test_after_the_warmup_no_clip_length_builds_a_decoder_graph(tiny_piflow, built_graphs, window):
+    """The compiled decoder builds a graph per segment shape, and the warmup builds every shape a clip can need, also
+    for a window that leaves no remainder (17 frames: 1 + 4 latent frames). Before, a remainder of 2 or 3 latent
+    frames was a shape of its own: 3 clip lengths in 4 compiled the decoder again in their first job."""
+    engine = SREngine.from_pretrained(str(tiny_piflow), compile_transformer=False, compile_decoder=True)
+    engine.warmup(window)
+    assert built_graphs  # the warmup compiled
+    built_graphs.clear()
+    for frames in (1, 5, 9, 13, 17, 20, 25, 29, 33):
+        assert run(engine, clip(2, frames=frames), SRRequest(scale=2, seed=3)).shape[0] == frames
+    assert built_graphs == []
 
 
 @pytest.mark.parametrize(

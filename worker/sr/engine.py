@@ -201,13 +201,22 @@ class SREngine:
         return tiling.output_size(height, width, scale)
 
     def warmup(self, frames: int, scale: float = 2) -> RunInfo:
-        """Runs one throwaway call with at least one tile per device, `frames` long (a temporal window) and landscape,
-        so that the compiled blocks are built before the first job."""
+        """Runs a throwaway call with at least one tile per device, `frames` long (a temporal window) and landscape,
+        so that the compiled blocks are built before the first job: every segment shape of the decoder, with a
+        second, shorter call where `frames` leaves no single-frame remainder (`_segments`)."""
         base_height, base_width = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])  # output pixels at x2
         height, width = base_height // 2, base_width // 2
         while len(tiling.plan_tiles(height, width, 2, self.tile_sizes, self.snap, SRRequest.min_overlap).tiles) < len(self.replicas):
             width += self.snap
-        return self.upscale(torch.zeros(frames, 3, height, width), SRRequest(scale=scale), lambda _: None)
+
+        def run(length: int) -> RunInfo:
+            return self.upscale(torch.zeros(length, 3, height, width), SRRequest(scale=scale), lambda _: None)
+
+        info = run(frames)
+        latent_frames = -(-(frames - 1) // self.frame_stride) + 1  # of the padded clip
+        if self.decode_segment > 1 and latent_frames > 1 and (latent_frames - 1) % self.decode_segment == 0:
+            run(frames - self.frame_stride)  # one latent frame fewer leaves a remainder
+        return info
 
     def memory_report(self) -> list[str]:
         """One line per GPU after a job: weights, the job's peak and what is left, and which placement fits."""
@@ -500,9 +509,14 @@ class SREngine:
             yield {tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)}
 
     def _segments(self, latent_frames: int) -> list[slice]:
-        """Latent-frame slices decoded one after another; the leading frame alone yields one pixel frame."""
-        bounds = [0, 1, *range(1 + self.decode_segment, latent_frames, self.decode_segment), latent_frames]
-        return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        """Latent-frame slices decoded one after another: the leading frame alone (it yields one pixel frame), then
+        `decode_segment` frames at a time, and what is left one frame at a time. A compiled decoder builds a graph
+        per segment shape, so every clip length decodes through the same three shapes, which a warmup builds: a new
+        length builds no decoder graph (a remainder of 2 or 3 frames was a new shape for 3 lengths in 4)."""
+        step = self.decode_segment
+        whole = 1 + (latent_frames - 1) // step * step  # where the last full segment ends
+        bounds = [0, *range(1, whole + 1, step), *range(whole + 1, latent_frames + 1)]
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
     # --- the device group -------------------------------------------------------------------------------------
 
