@@ -14,6 +14,8 @@ Phases:
                       parked or tile_major, SEGMENT the decode segment (4).
                       Clips longer than one window (W3) run in temporal windows, as the worker runs them
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
+  threads:N           host threads (`torch.set_num_threads`) for the phases after it: the calling thread's blending
+                      and quantising share the cores with x264's threads
 A phase ending in *N runs N hot runs instead of --hot's or --ref-hot's (e.g. ours:W1:cuda:0*0: cold and the check
 only; ref:W2*3).
 `--compile none|transformer|decoder` builds engines with less compiled (default both): which compiled part changes
@@ -55,6 +57,11 @@ WORKLOADS = {  # (height, width, frames, scale)
     "W2": (256, 384, 33, 2),
     "W3": (512, 768, 481, 2),
     "W1short": (512, 768, 17, 2),  # W1's 9 tiles on 17 frames: cheap bit-identity checks
+    # One W2 tile at the worker's window (121 frames, what it warms up for) and at two other lengths: what the first
+    # job of a new clip length compiles (graphs_compiled) and costs (cold_s against hot_s)
+    "L121": (256, 384, 121, 2),
+    "L109": (256, 384, 109, 2),
+    "L113": (256, 384, 113, 2),
 }
 SEED = 42
 # FLOPs of one W1 tile (512x768 output, 121 frames, 47,616 tokens) from ../shared/docs/kandinsky6-sr.md, in TF.
@@ -327,6 +334,7 @@ class Bench:
             "reserved_gib_by_stream_after_last_run": self.reserved_by_stream(),
             "frames_out": self.frames_written,
             "mp4_bytes": self.mp4_bytes,
+            "host_threads": torch.get_num_threads(),
         }
         if not self.check or name not in self.compared:
             self.emit(record)
@@ -410,6 +418,8 @@ def main(argv: list[str] | None = None) -> None:
             bench.ours(name, [torch.device(d) for d in devices.split("+")], order, int(segment or 4), int(hot) if hot else None)
         elif kind == "batch":
             bench.batch(name, int(rest[0]))
+        elif kind == "threads":
+            torch.set_num_threads(int(name))
         else:
             raise SystemExit(f"unknown phase kind {kind!r}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench.bench import main
 
@@ -37,6 +38,17 @@ def test_phases_parse_with_their_hot_run_counts():
     assert parse_phase("ours:W1:cuda:0+cuda:1@tile_major/2*1") == ("ours", "W1", ["cuda:0+cuda:1@tile_major/2"], "1")
     assert parse_phase("ref:W1*0") == ("ref", "W1", [], "0")
     assert parse_phase("ours:W2") == ("ours", "W2", [], "")
+
+
+def test_a_threads_phase_sets_the_host_threads_of_the_phases_after_it(tmp_path):
+    out = tmp_path / "results.jsonl"
+    threads = torch.get_num_threads()
+    try:
+        main(["--tiny", "--no-check", "--out", str(out), "--phases", "ours:W2:cpu*0,threads:1,ours:W2:cpu*0"])
+    finally:
+        torch.set_num_threads(threads)
+    records = [record for record in map(json.loads, out.read_text().splitlines()) if record.get("impl") == "vsrq"]
+    assert [record["host_threads"] for record in records] == [threads, 1]
 
 
 def test_check_only_limits_the_untimed_checks_to_the_named_workloads(tmp_path):
