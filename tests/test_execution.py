@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import clip, run
+from tests.conftest import CLIP_SIZE, clip, run
 from worker.sr.engine import SREngine, SRRequest
 from worker.sr.errors import Cancelled, InvalidRequest
 
@@ -295,17 +295,21 @@ def test_every_compiled_graph_is_built_deterministic_on_the_device_threads(tiny_
     assert {thread for thread, _ in built_graphs} <= {"vsrq-device_0", "vsrq-device_1"}
 
 
-@pytest.mark.parametrize("window", [21, 17])
-def test_after_the_warmup_no_clip_length_builds_a_decoder_graph(tiny_piflow, built_graphs, window):
-    """The compiled decoder builds a graph per segment shape, and the warmup builds every shape a clip can need, also
-    for a window that leaves no remainder (17 frames: 1 + 4 latent frames). Before, a remainder of 2 or 3 latent
-    frames was a shape of its own: 3 clip lengths in 4 compiled the decoder again in their first job."""
+@pytest.mark.parametrize(("window", "every_tile_size"), [(21, True), (17, False)])
+def test_after_the_warmup_no_clip_builds_a_decoder_graph(tiny_piflow, built_graphs, window, every_tile_size):
+    """The compiled decoder builds a graph per segment shape and tile size, and the warmup builds every shape a clip
+    can need: for landscape tiles, and portrait and square ones with `every_tile_size`; also where the window leaves
+    no remainder (17 frames: 1 + 4 latent frames). Before, a remainder of 2 or 3 latent frames was a shape of its
+    own (3 clip lengths in 4 compiled the decoder again in their first job), and only landscape was warmed up."""
     engine = SREngine.from_pretrained(str(tiny_piflow), compile_transformer=False, compile_decoder=True)
-    engine.warmup(window)
+    engine.warmup(window, every_tile_size=every_tile_size)
     assert built_graphs  # the warmup compiled
     built_graphs.clear()
-    for frames in (1, 5, 9, 13, 17, 20, 25, 29, 33):
-        assert run(engine, clip(2, frames=frames), SRRequest(scale=2, seed=3)).shape[0] == frames
+    sizes = [CLIP_SIZE[2], (48, 24), (32, 32)] if every_tile_size else [CLIP_SIZE[2]]  # landscape, portrait, square
+    for size in sizes:
+        for frames in (1, 5, 9, 13, 17, 20, 25, 29, 33):
+            video = torch.rand(frames, 3, *size, generator=torch.Generator().manual_seed(frames))
+            assert run(engine, video, SRRequest(scale=2, seed=3)).shape == (frames, 3, 2 * size[0], 2 * size[1])
     assert built_graphs == []
 
 

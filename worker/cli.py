@@ -158,7 +158,7 @@ def _upscale(args: argparse.Namespace) -> int:
         preset=args.preset,
         limits=_limits(args),
     )
-    upscaler = open_upscaler(args.model, args.devices.split(","))
+    upscaler = open_upscaler(args.model, args.devices.split(","), warmup_frames=None)  # one job compiles what it needs
     store = DirectoryWindowStore(args.keep_windows, _job_key(args)) if args.keep_windows else None
     bar = tqdm(total=1, unit="window", dynamic_ncols=True, disable=None, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
 

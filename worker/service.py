@@ -29,6 +29,9 @@ class WorkerSettings(BaseSettings):
     # H200: 40.7 / 27.5 / 22.0 GiB peak for 1 / 1.12 / ~1.2x the time (bench/RESULTS.md)
     performance_mode: Literal["speed", "balanced", "memory"] = "speed"
     warmup: bool = True  # compile for one window at start (GPUs), so the first job is not the cold one
+    # "all": portrait and square tiles too (a short clip each), so their first job does not compile the decoder
+    # either; "landscape": a faster start (a tile size's graphs took 77 s of a one-tile first call on an H200)
+    warmup_tiles: Literal["all", "landscape"] = "all"
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
     # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)
     window: int | None = None
@@ -73,4 +76,10 @@ def upscaler():
 
     config = worker_settings()
     window = config.window or DEFAULT_WINDOW
-    return open_upscaler(config.model, config.device_list, config.performance_mode, window if config.warmup else None)
+    return open_upscaler(
+        config.model,
+        config.device_list,
+        config.performance_mode,
+        window if config.warmup else None,
+        warmup_every_tile_size=config.warmup_tiles == "all",
+    )

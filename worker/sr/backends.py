@@ -55,9 +55,11 @@ def open_upscaler(
     devices: Sequence[str] = ("cpu",),
     performance_mode: PerformanceMode = "speed",
     warmup_frames: int | None = DEFAULT_WINDOW,
+    warmup_every_tile_size: bool = True,
 ) -> Upscaler:
     """`warmup_frames` (the worker's window length; None: no warmup) builds the compiled blocks (GPUs) with one
-    throwaway window, so the first job is not the cold one."""
+    throwaway window, and with `warmup_every_tile_size` a short clip of each other tile size (portrait, square), so
+    the first job is not the cold one."""
     if model == "lanczos":
         return LanczosUpscaler()
     if any(device.startswith("cuda") for device in devices) and not _allocator_configured():
@@ -68,8 +70,9 @@ def open_upscaler(
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     engine = SREngine.from_pretrained(model, devices, **PERFORMANCE_MODES[performance_mode])
     if warmup_frames and engine.compiles:
-        log.info("warming up %s (compiling for a %d-frame window)", ",".join(map(str, engine.devices)), warmup_frames)
+        tiles = "every tile size" if warmup_every_tile_size else "landscape tiles"
+        log.info("warming up %s (compiling for a %d-frame window, %s)", ",".join(map(str, engine.devices)), warmup_frames, tiles)
         started = perf_counter()
-        info = engine.warmup(warmup_frames)
+        info = engine.warmup(warmup_frames, every_tile_size=warmup_every_tile_size)
         log.info("warm after %.1f s (%d tiles over %d devices)", perf_counter() - started, info.tiles, len(info.devices))
     return engine

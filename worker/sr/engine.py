@@ -200,14 +200,28 @@ class SREngine:
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
         return tiling.output_size(height, width, scale)
 
-    def warmup(self, frames: int, scale: float = 2) -> RunInfo:
-        """Runs a throwaway call with at least one tile per device, `frames` long (a temporal window) and landscape,
-        so that the compiled blocks are built before the first job: every segment shape of the decoder, with a
-        second, shorter call where `frames` leaves no single-frame remainder (`_segments`)."""
-        base_height, base_width = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])  # output pixels at x2
-        height, width = base_height // 2, base_width // 2
+    def warmup(self, frames: int, scale: float = 2, every_tile_size: bool = False) -> RunInfo:
+        """Throwaway calls that build the compiled blocks before the first job, with at least one tile per device:
+        landscape tiles `frames` long (a temporal window: the transformer's graph for it too) and, with
+        `every_tile_size`, the other trained tile sizes (portrait, square) on a short clip. Each decodes every segment
+        shape of the decoder (`_segments`), so a job of another length builds only the transformer's graph."""
+        landscape = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])
+        info = self._warm(landscape, frames, scale)
+        if every_tile_size:
+            short = 1 + self.frame_stride * (1 + self.decode_segment)  # latent: the leading frame, a segment, one more
+            for size in self.tile_sizes:
+                if size != landscape:
+                    self._warm(size, short, scale)
+        return info
+
+    def _warm(self, base: tuple[int, int], frames: int, scale: float) -> RunInfo:
+        """One call on tiles of `base` (output pixels at x2), and a second, shorter one where `frames` leaves no
+        single-frame remainder to decode."""
+        # Grown in `base`'s exact aspect ratio until every device gets a tile: the plan keeps `base`
+        unit = (base[0] // math.gcd(*base), base[1] // math.gcd(*base))
+        height, width = base[0] // 2, base[1] // 2
         while len(tiling.plan_tiles(height, width, 2, self.tile_sizes, self.snap, SRRequest.min_overlap).tiles) < len(self.replicas):
-            width += self.snap
+            height, width = height + unit[0] * self.snap, width + unit[1] * self.snap
 
         def run(length: int) -> RunInfo:
             return self.upscale(torch.zeros(length, 3, height, width), SRRequest(scale=scale), lambda _: None)
