@@ -161,11 +161,25 @@ def test_nabla_attention_option_runs_the_sparse_processor(tiny_piflow, baseline)
         SREngine.from_pretrained(str(tiny_piflow), attention="flash")
 
 
-def test_warmup_gives_every_device_a_tile(tiny_piflow):
+def test_warmup_gives_every_device_a_tile_of_every_size_and_no_more_than_it_needs(tiny_piflow):
+    """Three devices: landscape and portrait clips grow along their long side to three tiles; a square one would
+    turn landscape that way, so it grows in both directions and keeps square tiles."""
+    from worker.sr import tiling
+
     engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu", "cpu"])
     assert not engine.compiles  # nothing is compiled on the CPU: the worker skips the warmup there
-    info = engine.warmup(frames=5)
-    assert info.tiles >= 3 and info.frames == 5
+    sizes: list[tuple[int, int]] = []
+    upscale = engine.upscale
+    engine.upscale = lambda video, *args, **kwargs: (sizes.append(tuple(video.shape[2:])), upscale(video, *args, **kwargs))[1]
+    info = engine.warmup(frames=5, every_tile_size=True)
+    assert info.frames == 5
+    tiles = {
+        tiling.choose_base_tile(*size, engine.tile_sizes): len(tiling.plan_tiles(*size, 2, engine.tile_sizes, engine.snap).tiles)
+        for size in sizes
+    }
+    landscape, portrait, square = (32, 64), (64, 32), (32, 32)
+    assert tiles.keys() == {landscape, portrait, square} == set(engine.tile_sizes)
+    assert tiles[landscape] == tiles[portrait] == 3 and tiles[square] >= 3
 
 
 @pytest.mark.parametrize("mode", ["speed", "balanced", "memory"])
@@ -299,8 +313,9 @@ def test_every_compiled_graph_is_built_deterministic_on_the_device_threads(tiny_
 def test_after_the_warmup_no_clip_builds_a_decoder_graph(tiny_piflow, built_graphs, window, every_tile_size):
     """The compiled decoder builds a graph per segment shape and tile size, and the warmup builds every shape a clip
     can need: for landscape tiles, and portrait and square ones with `every_tile_size`; also where the window leaves
-    no remainder (17 frames: 1 + 4 latent frames). Before, a remainder of 2 or 3 latent frames was a shape of its
-    own (3 clip lengths in 4 compiled the decoder again in their first job), and only landscape was warmed up."""
+    no remainder (17 frames: 1 + 4 latent frames). Before, a remainder of 1 to 3 latent frames decoded whole was a
+    shape of its own (after a 121-frame warmup, half of all clip lengths compiled the decoder again in their first
+    job), and only landscape was warmed up."""
     engine = SREngine.from_pretrained(str(tiny_piflow), compile_transformer=False, compile_decoder=True)
     engine.warmup(window, every_tile_size=every_tile_size)
     assert built_graphs  # the warmup compiled

@@ -203,8 +203,9 @@ class SREngine:
     def warmup(self, frames: int, scale: float = 2, every_tile_size: bool = False) -> RunInfo:
         """Throwaway calls that build the compiled blocks before the first job, with at least one tile per device:
         landscape tiles `frames` long (a temporal window: the transformer's graph for it too) and, with
-        `every_tile_size`, the other trained tile sizes (portrait, square) on a short clip. Each decodes every segment
-        shape of the decoder (`_segments`), so a job of another length builds only the transformer's graph."""
+        `every_tile_size`, the other trained tile sizes (portrait, square) on a short clip. They decode every segment
+        shape a job of at most `frames` needs (`_segments`): a job of another length builds only the transformer's
+        graph."""
         landscape = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])
         info = self._warm(landscape, frames, scale)
         if every_tile_size:
@@ -215,13 +216,19 @@ class SREngine:
         return info
 
     def _warm(self, base: tuple[int, int], frames: int, scale: float) -> RunInfo:
-        """One call on tiles of `base` (output pixels at x2), and a second, shorter one where `frames` leaves no
+        """One call on tiles of `base` (output pixels at x2), and a 2-latent-frame one where `frames` leaves no
         single-frame remainder to decode."""
-        # Grown in `base`'s exact aspect ratio until every device gets a tile: the plan keeps `base`
-        unit = (base[0] // math.gcd(*base), base[1] // math.gcd(*base))
         height, width = base[0] // 2, base[1] // 2
+        portrait = base[0] > base[1]
+        unit = (base[0] // math.gcd(*base), base[1] // math.gcd(*base))
         while len(tiling.plan_tiles(height, width, 2, self.tile_sizes, self.snap, SRRequest.min_overlap).tiles) < len(self.replicas):
-            height, width = height + unit[0] * self.snap, width + unit[1] * self.snap
+            # A tile more along the long side (width for square tiles), for as long as the plan keeps `base`; then
+            # both sides in `base`'s exact aspect ratio (a square clip widened far enough would turn landscape)
+            longer = (height + self.snap, width) if portrait else (height, width + self.snap)
+            if tiling.choose_base_tile(*longer, self.tile_sizes) == base:
+                height, width = longer
+            else:
+                height, width = height + unit[0] * self.snap, width + unit[1] * self.snap
 
         def run(length: int) -> RunInfo:
             return self.upscale(torch.zeros(length, 3, height, width), SRRequest(scale=scale), lambda _: None)
@@ -229,7 +236,7 @@ class SREngine:
         info = run(frames)
         latent_frames = -(-(frames - 1) // self.frame_stride) + 1  # of the padded clip
         if self.decode_segment > 1 and latent_frames > 1 and (latent_frames - 1) % self.decode_segment == 0:
-            run(frames - self.frame_stride)  # one latent frame fewer leaves a remainder
+            run(1 + self.frame_stride)  # the leading frame and one more: the single-frame shape
         return info
 
     def memory_report(self) -> list[str]:
@@ -526,7 +533,8 @@ class SREngine:
         """Latent-frame slices decoded one after another: the leading frame alone (it yields one pixel frame), then
         `decode_segment` frames at a time, and what is left one frame at a time. A compiled decoder builds a graph
         per segment shape, so every clip length decodes through the same three shapes, which a warmup builds: a new
-        length builds no decoder graph (a remainder of 2 or 3 frames was a new shape for 3 lengths in 4)."""
+        length builds no decoder graph (a remainder of 1 to 3 frames decoded whole was a shape of its own: after a
+        121-frame warmup, whose remainder is 2, half of all clip lengths compiled the decoder again)."""
         step = self.decode_segment
         whole = 1 + (latent_frames - 1) // step * step  # where the last full segment ends
         bounds = [0, *range(1, whole + 1, step), *range(whole + 1, latent_frames + 1)]
