@@ -234,8 +234,7 @@ class SREngine:
             return self.upscale(torch.zeros(length, 3, height, width), SRRequest(scale=scale), lambda _: None)
 
         info = run(frames)
-        latent_frames = -(-(frames - 1) // self.frame_stride) + 1  # of the padded clip
-        if self.decode_segment > 1 and latent_frames > 1 and (latent_frames - 1) % self.decode_segment == 0:
+        if 1 not in [part.stop - part.start for part in self._segments(self._latent_frames(frames))[1:]]:
             run(1 + self.frame_stride)  # the leading frame and one more: the single-frame shape
         return info
 
@@ -298,7 +297,7 @@ class SREngine:
         # 4. Plan the tiles and share the work out over the devices
         plan = tiling.plan_tiles(padded_height, padded_width, tiling_scale, self.tile_sizes, self.snap, request.min_overlap, base)
         schedule = _Schedule.balanced(plan.tiles, len(self.replicas))
-        latent_frames = (padded_frames - 1) // self.frame_stride + 1
+        latent_frames = self._latent_frames(padded_frames)
         tracker.total = len(plan.tiles) * (request.num_inference_steps + len(self._segments(latent_frames)))
 
         # 5. Starting noise of every tile, drawn on the CPU
@@ -528,6 +527,10 @@ class SREngine:
                 latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
                 tracker.advance(len(chunk), "denoise")
             yield {tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)}
+
+    def _latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of `frames` once `_pad` has made it 1 + 4k frames long."""
+        return -(-(frames - 1) // self.frame_stride) + 1
 
     def _segments(self, latent_frames: int) -> list[slice]:
         """Latent-frame slices decoded one after another: the leading frame alone (it yields one pixel frame), then
