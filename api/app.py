@@ -15,7 +15,7 @@ from storage.blobs import open_blob_store
 from storage.config import Settings
 from storage.jobs import JobStore, open_redis
 from storage.logs import current_job
-from worker.celery_app import make_celery
+from storage.queue import make_celery
 
 
 def create_app(settings: Settings | None = None) -> Flask:

@@ -32,7 +32,7 @@ from storage.blobs import SAFE_KEY, BlobError, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files
 from storage.ssrf import UnsafeUrl, public_addresses
-from worker.celery_app import send_upscale
+from storage.queue import send_upscale
 
 blueprint = Blueprint("videos", __name__)
 

@@ -13,7 +13,7 @@ from worker.media.synthetic import write_clip
 
 
 def vsrq(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def probe(path) -> tuple[int, int, int, float]:

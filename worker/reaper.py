@@ -21,7 +21,8 @@ from storage.jobs import JobStore, Status
 from storage.lifecycle import sweep
 from storage.logs import configure, settings_secrets
 from worker import service
-from worker.celery_app import app, send_upscale
+from storage.queue import send_upscale
+from worker.celery_app import app
 from worker.webhooks import outbox, relay_once
 
 log = logging.getLogger("vsrq.reaper")

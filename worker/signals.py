@@ -20,7 +20,7 @@ from celery.signals import setup_logging, task_postrun, task_prerun, worker_init
 from storage.logs import configure, current_job, settings_secrets
 from storage.workers import WorkerInfo, WorkerRegistry
 from worker import metrics, service
-from worker.celery_app import UPSCALE_TASK
+from storage.queue import UPSCALE_TASK
 
 log = logging.getLogger("vsrq.worker")
 

@@ -57,7 +57,8 @@ from storage.jobs import (
     new_lease_token,
 )
 from worker import metrics, service, signals  # signals: importing it connects the process's handlers
-from worker.celery_app import UPSCALE_TASK, app, send_upscale
+from storage.queue import UPSCALE_TASK, send_upscale
+from worker.celery_app import app
 from worker.fetch import FetchUnavailable, WorkerDiskFull, fetch
 from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.probe import MediaInfo as ProbedMedia

@@ -33,7 +33,7 @@ from infra.stack import Stack, free_ports
 from storage.blobs import S3BlobStore, output_prefix
 from storage.config import Settings
 from storage.jobs import TERMINAL, InputInfo, JobRecord, JobStore, Status, open_redis
-from worker.celery_app import UPSCALE_TASK, make_celery
+from storage.queue import UPSCALE_TASK, make_celery
 from worker.media.synthetic import write_clip
 from worker.sr.errors import Cancelled
 from worker.tasks import Heartbeat

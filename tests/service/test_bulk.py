@@ -20,8 +20,8 @@ import av
 import pytest
 import requests
 
-from api.bulk import journal_path
-from api.client import ApiProblem, Client, retry_after
+from client.bulk import journal_path
+from client.http import ApiProblem, Client, retry_after
 from worker.media.synthetic import write_clip
 
 from .conftest import KEYS, ROOT, auth
@@ -50,7 +50,7 @@ def job_count(api: str) -> int:
 
 
 def bulk_command(api: str, source: str | Path, report: Path, *options: str) -> list[str]:
-    return [sys.executable, "-m", "worker.cli", "-v", "bulk", str(source), "--api-url", api, "--report", str(report),
+    return [sys.executable, "-m", "client.cli", "-v", "bulk", str(source), "--api-url", api, "--report", str(report),
             "--model", "lanczos", "--poll", "0.2", *options]  # fmt: skip
 
 
@@ -240,6 +240,6 @@ def test_retry_after_reads_seconds_and_dates():
 
 
 def test_the_client_and_bulk_never_import_torch():
-    probe = "import sys, api.client, api.bulk, worker.cli; print(sorted({'torch', 'av'} & set(sys.modules)))"
+    probe = "import sys, client.http, client.bulk, client.cli; print(sorted({'torch', 'av'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -13,7 +13,7 @@ import psutil
 
 def test_demo_runs_the_main_job_through_the_embedded_stack(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "demo", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "client.cli", "demo", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "POST /v1/videos -> video_" in result.stdout and "completed" in result.stdout
@@ -40,7 +40,7 @@ def test_dev_serves_jobs_until_interrupted_then_stops_everything(tmp_path):
 
     port = free_ports(1)[0]
     dev = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
+        [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

@@ -28,7 +28,7 @@ from api.schemas import UpscaleParams
 from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore, new_upload_id, output_prefix, upload_key, work_prefix
 from storage.config import Settings
 from storage.jobs import InputInfo, JobRecord, JobStore, Lease
-from worker.celery_app import make_celery, send_upscale
+from storage.queue import make_celery, send_upscale
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.kept_windows import BlobWindowStore

@@ -20,7 +20,7 @@ QUEUE = "vsrq.status-probe"  # served by no model: this worker takes none of the
 
 def vsrq_status(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "worker.cli", "status", *args],
+        [sys.executable, "-m", "client.cli", "status", *args],
         cwd=ROOT, env={**os.environ, **service_env}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 

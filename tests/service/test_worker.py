@@ -30,7 +30,7 @@ from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 from api.schemas import UpscaleParams
 from storage.blobs import BlobNotFound, attempt_output_key, new_upload_id, output_prefix, upload_key
 from storage.jobs import InputInfo
-from worker.celery_app import UPSCALE_TASK, make_celery, send_upscale
+from storage.queue import UPSCALE_TASK, make_celery, send_upscale
 from worker.media.errors import InputCorrupt
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once

@@ -35,18 +35,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import boto3
-import botocore.exceptions
 import requests
-from botocore.config import Config
-from pydantic import BaseModel
 from tqdm import tqdm
 
-from api.client import TERMINAL, ApiProblem, Client, DownloadMismatch
+from client import config
+from client.http import TERMINAL, ApiProblem, Client, DownloadMismatch
 
 # What PyAV reads and the README lists, with their common spellings.
 VIDEO_SUFFIXES = frozenset(
@@ -83,7 +80,8 @@ class Item:
         return "vsrq-bulk-" + _digest("job", self.source, self.fields, content)
 
 
-class Entry(BaseModel):
+@dataclass(frozen=True)
+class Entry:
     """What the journal knows of one item."""
 
     source: str
@@ -163,6 +161,8 @@ def _item(source: str, location: str, defaults: dict[str, str], fields: dict[str
         stamp = ""
     elif location.startswith("s3://"):
         bucket, key = _split_s3(location)
+        import botocore.exceptions  # boto3 only for s3:// sources: the client installs without it
+
         try:
             head = s3().head_object(Bucket=bucket, Key=key)
         except botocore.exceptions.ClientError as error:
@@ -214,6 +214,11 @@ def _split_s3(url: str) -> tuple[str, str]:
 def s3_client(endpoint_url: str | None):
     """boto3 with its usual credentials (environment, ~/.aws); path-style addressing for a custom endpoint, since a
     local S3 (SeaweedFS, MinIO) has no DNS name per bucket."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise BulkError("s3_unavailable", "s3:// sources need boto3: pip install boto3") from None
     endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     config = Config(s3={"addressing_style": "path"}) if endpoint_url else None
     return boto3.client("s3", endpoint_url=endpoint_url, config=config)
@@ -234,11 +239,11 @@ class Journal:
     def load(self) -> dict[str, Entry]:
         with self._lock:
             rows = self._db.execute("SELECT item, entry FROM entries").fetchall()
-        return {item: Entry.model_validate_json(entry) for item, entry in rows}
+        return {item: Entry(**json.loads(entry)) for item, entry in rows}
 
     def save(self, item_id: str, entry: Entry) -> None:
         with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?)", (item_id, entry.model_dump_json()))
+            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?)", (item_id, json.dumps(asdict(entry))))
 
     def close(self) -> None:
         self._db.close()
@@ -337,15 +342,11 @@ class Bulk:
         except ApiProblem as problem:
             if problem.transient or problem.status == 401:
                 raise
-            entry = entry.model_copy(
-                update={"status": "failed", "error_code": problem.code, "error_message": problem.message}
-            )
-        except (OSError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as error:
-            entry = entry.model_copy(
-                update={"status": "failed", "error_code": "source_unreadable", "error_message": str(error)}
-            )
+            entry = replace(entry, status="failed", error_code=problem.code, error_message=problem.message)
+        except _source_errors() as error:
+            entry = replace(entry, status="failed", error_code="source_unreadable", error_message=str(error))
         else:
-            entry = _observed(entry.model_copy(update={"job_id": job["id"]}), job)
+            entry = _observed(replace(entry, job_id=job["id"]), job)
         self._save(item, entry)
 
     def _create(self, item: Item) -> dict[str, Any]:
@@ -378,8 +379,7 @@ class Bulk:
         except ApiProblem as problem:
             if problem.code != "job_not_found":  # deleted, or expired with its results
                 raise
-            self._save(item, entry.model_copy(update={"status": "failed", "error_code": problem.code,
-                                                      "error_message": problem.message}))  # fmt: skip
+            self._save(item, replace(entry, status="failed", error_code=problem.code, error_message=problem.message))
             return
         entry = _observed(entry, job)
         if self.download is not None and entry.status == "completed" and entry.output is None:
@@ -387,27 +387,30 @@ class Bulk:
             try:
                 if not path.exists():  # already there (an earlier run, or the user's): kept as it is
                     self.client.download(entry.job_id, path, sha256=entry.sha256)
-                entry = entry.model_copy(update={"output": str(path)})
+                entry = replace(entry, output=str(path))
             except DownloadMismatch as error:
-                entry = entry.model_copy(
-                    update={"status": "failed", "error_code": error.code, "error_message": str(error)}
-                )
+                entry = replace(entry, status="failed", error_code=error.code, error_message=str(error))
         self._save(item, entry)
 
 
 def _observed(entry: Entry, job: dict[str, Any]) -> Entry:
     error = job.get("error") or {}
     created, started, ended = job.get("created_at"), job.get("started_at"), job.get("completed_at")
-    return entry.model_copy(
-        update={
-            "status": job["status"],
-            "error_code": error.get("code"),
-            "error_message": error.get("message"),
-            "sha256": (job.get("output") or {}).get("sha256"),
-            "queued_s": started - created if started is not None and created is not None else None,
-            "running_s": ended - started if ended is not None and started is not None else None,
-        }
+    return replace(
+        entry,
+        status=job["status"],
+        error_code=error.get("code"),
+        error_message=error.get("message"),
+        sha256=(job.get("output") or {}).get("sha256"),
+        queued_s=started - created if started is not None and created is not None else None,
+        running_s=ended - started if ended is not None and started is not None else None,
     )
+
+
+def _source_errors() -> tuple[type[BaseException], ...]:
+    """What reading a source raises: OSError, and boto's errors once an s3:// source has imported it."""
+    boto = sys.modules.get("botocore.exceptions")
+    return (OSError,) if boto is None else (OSError, boto.BotoCoreError, boto.ClientError)
 
 
 def _file_sha256(path: Path) -> str:
@@ -420,7 +423,7 @@ def _file_sha256(path: Path) -> str:
 
 def write_report(path: Path, items: list[Item], entries: dict[str, Entry]) -> None:
     """One row per item, CSV or JSONL by the name's suffix, written beside and renamed into place."""
-    rows = [{"source": item.source} | entries[item.id].model_dump(include=set(REPORT_COLUMNS)) for item in items]
+    rows = [{"source": item.source} | asdict(entries[item.id]) for item in items]
     rows = [{column: row.get(column) for column in REPORT_COLUMNS} for row in rows]
     text = io.StringIO()
     if path.suffix.lower() in (".jsonl", ".ndjson"):
@@ -441,7 +444,7 @@ def journal_path(report: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     """`vsrq bulk`: 0 when every video was submitted (and, with --wait, completed), 1 when any failed or the API
     stayed unreachable, 2 for a bad source or arguments."""
-    token = args.token or os.environ.get("VSRQ_TOKEN")
+    token = args.token or config.token()
     if not token:
         print("vsrq: bulk: missing_token: pass --token or set VSRQ_TOKEN", file=sys.stderr)
         return 2
@@ -459,11 +462,11 @@ def run(args: argparse.Namespace) -> int:
     except BulkError as error:
         print(f"vsrq: bulk: {error.code}: {error.message}", file=sys.stderr)
         return 2
-    url = args.api_url or os.environ.get("VSRQ_API_URL") or "http://127.0.0.1:8000"
+    url = args.api_url or config.api_url()
     report = args.report
     report.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal(journal_path(report))
-    bulk = Bulk(Client(url, token), items, journal, s3, args.service_bucket or os.environ.get("VSRQ_S3_BUCKET", "vsrq"),
+    bulk = Bulk(Client(url, token), items, journal, s3, args.service_bucket or config.service_bucket(),
                 max(1, args.concurrency), args.wait, args.poll, args.download)  # fmt: skip
     try:
         bulk.run()

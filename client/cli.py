@@ -1,0 +1,141 @@
+"""`vsrq`: upscale a video, probe one, write a tiny checkpoint, run the demo or the dev stack, send many videos to the
+API, see the service now.
+
+Every subcommand's arguments are defined here, so `vsrq --help` and `vsrq bulk` need the client's packages only;
+the commands that run the engine or the stack are imported when they run (COMMANDS), and where their part is not
+installed the command says which extra to install.
+
+Exit codes: 0 done, 2 bad input or arguments (or a part not installed), 3 model not found, 130 cancelled, 1 internal
+error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+from client import config
+
+# subcommand: (the module:function that runs it, the extra that installs what it imports)
+COMMANDS = {
+    "upscale": ("worker.cli:upscale", "worker"),
+    "probe": ("worker.cli:probe", "worker"),
+    "checkpoint": ("worker.cli:checkpoint_tiny", "worker"),
+    "demo": ("infra.cli:demo", "dev"),
+    "dev": ("infra.cli:dev", "dev"),
+    "status": ("infra.cli:status", "api"),
+    "bulk": ("client.bulk:run", "client"),
+}
+OUR_PACKAGES = ("api", "client", "infra", "storage", "worker")
+log = logging.getLogger("vsrq")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    target, extra = COMMANDS[args.command]
+    module, _, function = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), function)(args)
+    except KeyboardInterrupt:
+        print("vsrq: cancelled", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] not in OUR_PACKAGES:
+            print(f"vsrq {args.command} needs the {extra} extra: pip install 'vsrq[{extra}]' (no module {error.name!r})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        log.info("internal error", exc_info=True)  # a bug: say so in one line; -v shows where
+        print(f"vsrq: internal_error: {type(error).__name__}: {error} (run with -v for details)", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vsrq", description="Video super-resolution with Kandinsky 6 VSR.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what loads where; show internal errors in full")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND", dest="command")
+
+    upscale = commands.add_parser("upscale", help="upscale a video file to an MP4 (every frame, the audio, the subtitles)")
+    upscale.add_argument("input", type=Path)
+    upscale.add_argument("-o", "--output", type=Path, required=True)
+    upscale.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
+    upscale.add_argument("--model", required=True, help="checkpoint directory, hub id, or 'lanczos'")
+    upscale.add_argument("--devices", default="cpu", help="comma-separated, e.g. cuda:0,cuda:1")
+    upscale.add_argument("--seed", type=int, default=42)
+    upscale.add_argument("--steps", type=int, default=2, help="denoising steps (2 for the distilled checkpoint)")
+    upscale.add_argument("--tiles-batch-size", type=int, default=1)
+    upscale.add_argument("--min-overlap", type=float, default=0.2, help="least share of a tile its neighbours overlap")
+    upscale.add_argument("--target-resolution", help="then downscale to hd, fullhd, 2k or WxH (never upscales)")
+    upscale.add_argument("--resize-mode", choices=("fit", "exact"), default="fit", help="fit keeps the aspect ratio")
+    upscale.add_argument("--codec", choices=("h264", "hevc", "av1"), default="h264")
+    upscale.add_argument("--crf", type=int, default=18, help="quality: lower is better and bigger (the codec's scale)")
+    upscale.add_argument("--preset", default="medium", help="encoder speed preset (x264 names; AV1 maps them)")
+    upscale.add_argument("--window", type=int, default=121, help="frames per temporal window (1 + 4k)")
+    upscale.add_argument("--window-overlap", type=int, default=16, help="frames neighbouring windows crossfade over")
+    upscale.add_argument("--keep-windows", type=Path, metavar="DIR", help="keep finished windows in DIR: rerunning resumes")
+    _limit_arguments(upscale)
+
+    probe = commands.add_parser("probe", help="what vsrq sees in a file, and what upscaling it would do")
+    probe.add_argument("input", type=Path)
+    probe.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
+    probe.add_argument("--window", type=int, default=121)
+    probe.add_argument("--window-overlap", type=int, default=16)
+    probe.add_argument("--json", action="store_true", help="machine-readable")
+    _limit_arguments(probe)
+
+    checkpoint = commands.add_parser("checkpoint", help="checkpoint tools")
+    checkpoint_commands = checkpoint.add_subparsers(required=True, metavar="KIND")
+    tiny = checkpoint_commands.add_parser("tiny", help="write a tiny random checkpoint (tests, demos)")
+    tiny.add_argument("directory", type=Path)
+    tiny.add_argument("--variant", choices=("piflow", "flowmatch"), default="piflow")
+    tiny.add_argument("--no-latent-upscaler", dest="latent_upscaler", action="store_false")
+    tiny.add_argument("--seed", type=int, default=0)
+
+    demo = commands.add_parser("demo", help="run the main job end to end on the embedded stack (CPU, tiny checkpoint)")
+    demo.add_argument("--dir", type=Path, default=Path("demo"))
+
+    dev = commands.add_parser("dev", help="run the embedded stack until Ctrl-C: Redis, SeaweedFS, API, worker, reaper")
+    dev.add_argument("--dir", type=Path, default=Path("var/dev"))
+    dev.add_argument("--model", default="lanczos", help="the worker's checkpoint directory, hub id, or 'lanczos'")
+    dev.add_argument("--devices", default="cpu")
+    dev.add_argument("--port", type=int, default=8000)
+
+    status = commands.add_parser("status", help="the service now: queue depths, workers and their jobs, jobs by status")
+    status.add_argument("--json", action="store_true", help="machine-readable")
+
+    bulk = commands.add_parser("bulk", help="send a folder, a CSV/JSONL manifest or an s3:// prefix to the API")
+    bulk.add_argument("source", help="a folder (recursively), a .csv or .jsonl manifest, or s3://bucket/prefix")
+    bulk.add_argument("--api-url", help=f"the API's base URL (default: $VSRQ_API_URL, else {config.DEFAULT_API_URL})")
+    bulk.add_argument("--token", help="API key (default: $VSRQ_TOKEN)")
+    bulk.add_argument("--scale", choices=("2", "2.25", "4"), help="for every video (a manifest row may say otherwise)")
+    bulk.add_argument("--seed")
+    bulk.add_argument("--model", help="a model the API serves (default: its first)")
+    bulk.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any other create field")
+    bulk.add_argument("--concurrency", type=int, default=4, help="requests in flight: uploads, polls, downloads")
+    bulk.add_argument("--wait", action="store_true", help="poll until every job has ended")
+    bulk.add_argument("--poll", type=float, default=2.0, metavar="SECONDS", help="between polls of one job")
+    bulk.add_argument("--download", type=Path, metavar="DIR", help="fetch outputs into DIR (existing files are kept)")
+    bulk.add_argument("--report", type=Path, default=Path("bulk-report.csv"), help=".csv or .jsonl (journal beside)")
+    bulk.add_argument("--s3-endpoint-url", help="for s3:// sources (default: $AWS_ENDPOINT_URL, else AWS)")
+    bulk.add_argument("--service-bucket", help="its uploads are referenced (default: $VSRQ_S3_BUCKET, vsrq)")
+    return parser
+
+
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    # A dataclass of numbers, no third-party import (tests/test_layers.py allows it): the defaults stay the service's.
+    from worker.media.limits import Limits
+
+    default = Limits()
+    limits = parser.add_argument_group("input limits (refused before any work)")
+    limits.add_argument("--max-pixels", type=int, default=default.max_pixels, help="per frame (default: %(default)s)")
+    limits.add_argument("--max-frames", type=int, default=default.max_frames, help="(default: %(default)s)")
+    limits.add_argument("--max-seconds", type=float, default=default.max_seconds, help="(default: %(default)s)")
+    limits.add_argument("--max-bytes", type=int, default=default.max_bytes, help="file size (default: %(default)s)")
+    limits.add_argument("--min-frames", type=int, default=default.min_frames, help="(default: %(default)s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

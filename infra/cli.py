@@ -1,0 +1,94 @@
+"""The `vsrq` commands that run or read the service on this machine: demo, dev (the embedded stack) and status
+(client/cli.py defines their arguments and imports this module when one runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def demo(args: argparse.Namespace) -> int:
+    """The main job end to end on the embedded stack: a generated clip with audio goes in over the API, a job runs
+    on a CPU worker with a tiny random checkpoint, the MP4 comes back."""
+    from client.http import Client
+    from infra.dev import DevStack
+    from worker.media.synthetic import write_clip
+    from worker.sr.checkpoint import write_tiny
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    model = args.dir / "tiny-checkpoint"
+    if not (model / "model_index.json").exists():
+        write_tiny(model, "piflow", True, 0)
+        print(f"wrote a tiny random piflow checkpoint to {model}")
+    source = write_clip(args.dir / "input.mp4", num_frames=33, size=(64, 96), audio_codec="aac")
+    print(f"generated {source} (96x64, 33 frames, stereo tone)")
+    with DevStack(args.dir / "stack", str(model)) as stack:
+        print(f"stack up: Redis, SeaweedFS, API {stack.url}, a CPU worker, the reaper (logs in {stack.root})")
+        api = Client(stack.url, stack.token)
+        job = api.create_from_file(source, {"sr_resolution_scale": "2"})  # SGLang's request form, unchanged
+        print(f"POST /v1/videos -> {job['id']} {job['status']}")
+        job = api.wait(job["id"], poll_s=0.5, on_update=lambda job: print(
+            f"  {job['status']:<11} {job.get('stage') or '':<10} {job['progress']:3d} %"))  # fmt: skip
+        if job["status"] != "completed":
+            print(f"vsrq: the job ended {job['status']}: {job.get('error')}", file=sys.stderr)
+            return 1
+        output = api.download(job["id"], args.dir / "output-x2.mp4", sha256=job["output"]["sha256"])
+    print(f"{output}: {json.dumps(job['output'])}")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    """Read from the Redis that VSRQ_REDIS_URL names, as the API reads it (storage.overview)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from storage.config import Settings
+    from storage.jobs import JobStore, open_redis
+    from storage.overview import overview
+    from storage.workers import WorkerRegistry
+
+    settings = Settings()
+    redis = open_redis(settings)
+    jobs = JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+    try:
+        now = overview(jobs, WorkerRegistry(redis, ttl_s=settings.worker_ttl_s), list(settings.models.values()))
+    except (RedisConnectionError, RedisTimeoutError) as error:
+        print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(now.model_dump_json(indent=2))
+        return 0
+    seconds = WorkerRegistry(redis).now()
+    print("queues   " + "  ".join(f"{queue} {depth}" for queue, depth in now.queues.items()))
+    print("jobs     " + "  ".join(f"{status} {count}" for status, count in now.jobs.items()))
+    print(f"workers  {len(now.workers)}")
+    for worker in now.workers:
+        runs = f"{worker.model} on {','.join(worker.devices)}" if worker.model else "no model"
+        gpus = f" ({', '.join(worker.gpus)})" if worker.gpus else ""
+        print(f"  {worker.name}  {','.join(worker.queues)}  {runs}{gpus}  job {worker.job or '-'}  "
+              f"beat {seconds - worker.heartbeat_at:.0f}s ago")  # fmt: skip
+    return 0
+
+
+def dev(args: argparse.Namespace) -> int:
+    import signal
+
+    from infra.dev import DevStack
+
+    # SIGTERM (a supervisor stopping us) ends the stack as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with DevStack(args.dir, args.model, args.devices, args.port) as stack:
+        print(
+            f"vsrq dev: API {stack.url}, worker model {args.model} on {args.devices}, logs in {stack.root}\n"
+            f"  export VSRQ_TOKEN={stack.token}\n"
+            f'  curl -H "Authorization: Bearer $VSRQ_TOKEN" -F video_reference=@IN.mp4 -F sr_resolution_scale=2 '
+            f"{stack.url}/v1/videos\n"
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            print("vsrq dev: stopping", flush=True)
+    return 0

@@ -1,0 +1,52 @@
+"""The queue contract the API (which sends tasks) and the workers (which run them) share: the task's name, its
+message, and the Celery app both sides build from the same settings.
+
+It imports no torch and no engine: the API enqueues by task name. Authoritative job state lives in our own Redis
+records (storage.jobs), not in Celery: a message only says "run job X", and a worker that gets one for a job that is
+no longer queued drops it (but for a message a worker sent again after losing a lease's reply: worker.tasks).
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from storage.config import Settings
+from storage.jobs import JobRecord, JobStore
+
+UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry a header (worker.tasks.upscale)
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("vsrq", broker=settings.celery_broker_url, backend=settings.celery_broker_url)
+    # Redis redelivers an unacknowledged message after the visibility timeout, even while its worker still runs it:
+    # keep it above the longest job. Recovery of dead workers is the reaper's, through leases, not Celery's. A
+    # publish into a partition fails after the socket timeout instead of hanging its sender (API, reaper, worker).
+    transport = {
+        "visibility_timeout": settings.longest_job_s + 3600,
+        "socket_timeout": settings.redis_timeout_s,
+        "socket_connect_timeout": settings.redis_timeout_s,
+        **settings.broker_transport_options,
+    }
+    app.conf.update(
+        task_acks_late=True,  # acknowledged when the task ends: a worker that dies mid-job leaves it to redeliver
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,  # a GPU worker holds one message at a time, never one it cannot start
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options=transport,
+        result_backend_transport_options=transport,
+        task_ignore_result=True,  # results live in the job records
+        task_serializer="json",
+        accept_content=["json"],
+        task_default_queue=next(iter(settings.models.values())),
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+def send_upscale(app: Celery, jobs: JobStore, job: JobRecord) -> None:
+    """Puts one `vsrq.upscale` message for `job` on its queue (the pipeline group serving its model), then confirms
+    it on the record: a job left unconfirmed (its sender died in between) gets one from the reaper."""
+    app.send_task(UPSCALE_TASK, args=[job.id], queue=job.queue)
+    jobs.sent(job.id)
+
