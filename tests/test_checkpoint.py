@@ -11,7 +11,8 @@ import torch
 from tests.conftest import clip, run
 from worker.sr.attention import DenseSDPAProcessor
 from worker.sr.checkpoint import Components, load, write_tiny
-from worker.sr.engine import SREngine, SRRequest
+from worker.sr.engine import SREngine
+from worker.sr.request import SRRequest
 from worker.sr.errors import CheckpointNotFound
 
 

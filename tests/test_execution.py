@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import CLIP_SIZE, clip, run
-from worker.sr.engine import SREngine, SRRequest
+from worker.sr.engine import SREngine
+from worker.sr.request import SRRequest
 from worker.sr.errors import Cancelled, InvalidRequest
 
 
@@ -55,10 +56,10 @@ def test_more_devices_than_tiles_and_a_slow_sink_still_give_the_same_bits(engine
 
 @pytest.mark.parametrize(("tiles", "slots"), [(9, 2), (25, 2), (10, 3), (4, 3), (1, 2), (9, 1), (8, 8)])
 def test_schedule_balances_denoising_and_decoding(tiles, slots):
-    from worker.sr.engine import _Schedule
+    from worker.sr.devices import Schedule
     from worker.sr.tiling import Tile
 
-    schedule = _Schedule.balanced([Tile(i, 0, 0) for i in range(tiles)], slots)
+    schedule = Schedule.balanced([Tile(i, 0, 0) for i in range(tiles)], slots)
     for share in (schedule.denoise, schedule.decode):
         assert sorted(t.index for tiles_ in share.values() for t in tiles_) == list(range(tiles))  # each tile once
     work = [len(schedule.denoise[s]) + len(schedule.decode[s]) for s in range(slots)]
@@ -346,7 +347,7 @@ def test_after_the_warmup_no_clip_builds_a_decoder_graph(tiny_piflow, built_grap
 )
 def test_the_decode_order_follows_gpu_and_host_memory(order, tiles, gpu_gib, host_gib, expected):
     """With the full-size decoder's 1.85 GiB caches per W1 tile (2 GiB pinned) and 10 GiB of weights per GPU."""
-    from worker.sr.engine import decode_order_for
+    from worker.sr.decode_order import decode_order_for
 
     gpus = [(count, int(gpu_gib * 2**30), 10 * 2**30) for count in tiles]
     assert decode_order_for(order, gpus, 1_988_493_312, int(host_gib * 2**30)) == expected

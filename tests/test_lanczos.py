@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import run
-from worker.sr.engine import SRRequest
+from worker.sr.request import SRRequest
 from worker.sr.lanczos import LanczosUpscaler
 
 

@@ -18,7 +18,7 @@ from worker.media.reader import read_frames
 from worker.media.resize import Target
 from worker.media.synthetic import pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
-from worker.sr.engine import SRRequest
+from worker.sr.request import SRRequest
 from worker.sr.errors import SRError
 from worker.sr.lanczos import LanczosUpscaler
 from worker.upscale import UpscaleOptions, upscale_file

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.sr.engine import RunInfo, SRRequest
+from worker.sr.request import RunInfo, SRRequest
 from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.frames import quantise
 from worker.sr.windows import DirectoryWindowStore, plan_windows, upscale_windows

@@ -43,7 +43,7 @@ def _limits(args: argparse.Namespace):
 def upscale(args: argparse.Namespace) -> int:
     from worker.media.resize import Target
     from worker.sr.backends import open_upscaler
-    from worker.sr.engine import SRRequest
+    from worker.sr.request import SRRequest
     from worker.sr.windows import DirectoryWindowStore
     from worker.upscale import UpscaleOptions, upscale_file
 

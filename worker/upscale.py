@@ -18,7 +18,7 @@ from worker.media.resize import Resized, Target
 from worker.media.verify import Promise, verify
 from worker.media.writer import BT709, Mp4Writer, encoder_for
 from worker.sr import tiling
-from worker.sr.engine import RunInfo, SRRequest
+from worker.sr.request import RunInfo, SRRequest
 from worker.sr.errors import InvalidRequest
 from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, WindowProgress, WindowStore, plan_windows, upscale_windows
 

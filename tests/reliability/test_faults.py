@@ -36,7 +36,7 @@ from storage.jobs import TERMINAL, InputInfo, JobRecord, JobStore, Status, open_
 from storage.queue import UPSCALE_TASK, make_celery
 from worker.media.synthetic import write_clip
 from worker.sr.errors import Cancelled
-from worker.tasks import Heartbeat
+from worker.heartbeat import Heartbeat
 
 from . import processes
 from .processes import MemoryLimit, Partition, Process, Supervisor, serving, started

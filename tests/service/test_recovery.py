@@ -32,12 +32,12 @@ from storage.queue import make_celery, send_upscale
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.kept_windows import BlobWindowStore
-from worker.sr.engine import SRRequest
+from worker.sr.request import SRRequest
 from worker.sr.errors import Cancelled
 from worker.sr.frames import quantise
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.windows import plan_windows, upscale_windows
-from worker.tasks import Heartbeat
+from worker.heartbeat import Heartbeat
 
 from .conftest import MiB, auth
 from ..test_windows import Recording

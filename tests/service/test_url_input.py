@@ -23,7 +23,7 @@ import trustme
 from worker.fetch import MAX_REDIRECTS, FetchFailed, FetchUnavailable, fetch
 from worker.media.synthetic import write_clip
 from worker.sr.errors import Cancelled
-from worker.tasks import classify
+from worker.attempt import classify
 
 from .conftest import UPLOAD_LIMIT, auth
 from .test_worker import celery_worker, wait_for

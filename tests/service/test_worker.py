@@ -31,12 +31,12 @@ from api.schemas import UpscaleParams
 from storage.blobs import BlobNotFound, attempt_output_key, new_upload_id, output_prefix, upload_key
 from storage.jobs import InputInfo
 from storage.queue import UPSCALE_TASK, make_celery, send_upscale
-from worker.media.errors import InputCorrupt
+from worker.attempt import classify
+from worker.media.errors import InputCorrupt, InputNotFound
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.sr.checkpoint import write_tiny
 from worker.sr.errors import Cancelled, InvalidRequest
-from worker.tasks import InputNotFound, classify
 
 from .conftest import ROOT, auth, broker_messages
 
@@ -214,7 +214,7 @@ def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(jo
     completed by itself and must not delete the output the job points at. An attempt reaped meanwhile deletes it."""
     from storage.jobs import OutputInfo
     from worker import service
-    from worker.tasks import _end
+    from worker.attempt import end
 
     monkeypatch.setattr(service, "jobs", lambda: jobs)  # the real stores of the test stack
     monkeypatch.setattr(service, "blobs", lambda: s3)
@@ -227,5 +227,5 @@ def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(jo
     else:  # its lease expired meanwhile: requeued for another attempt
         time.sleep(1.2)
         assert jobs.reap() == {job.id: "queued"}
-    _end(job, lease, key, redis_py.TimeoutError("the reply to complete never came"))
+    end(job, lease, key, redis_py.TimeoutError("the reply to complete never came"))
     assert s3.exists(key) is completed

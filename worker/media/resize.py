@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.sr.engine import FrameSink, Progress, RunInfo, SRRequest
+from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.errors import InvalidRequest
 
 NAMED = {"hd": (1280, 720), "fullhd": (1920, 1080), "2k": (2560, 1440)}  # width, height

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -35,65 +33,17 @@ from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
 from worker.sr.compilation import COMPILE, allow_many_graphs
 from worker.sr.compile_gate import CompileGate
-from worker.sr.decoder_caches import DecoderCaches, host_bytes_available, pinned_bytes
+from worker.sr.decode_order import DECODE_ORDERS, decode_order_for
+from worker.sr.decoder_caches import DecoderCaches, host_bytes_available
+from worker.sr.devices import Pipeline, Schedule, to_host
 from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
-from worker.sr.noise import NoiseMode, tile_noise
+from worker.sr.noise import tile_noise
+from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.tiling import Tile, TilePlan
 
 log = logging.getLogger("vsrq.engine")
-
-# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the CPU.
-FrameSink = Callable[[torch.Tensor], None]
-DECODE_ORDERS = ("lockstep", "parked", "tile_major")
-
-
-@dataclass(frozen=True)
-class SRRequest:
-    scale: float = 2
-    num_inference_steps: int = 2
-    seed: int = 42
-    min_overlap: float = 0.2
-    lq_noise_scale: float = 0.7
-    tiles_batch_size: int = 1
-    noise_mode: NoiseMode = NoiseMode.PER_TILE
-    # Extra seed material, e.g. the temporal window index of a long clip, so windows get unrelated noise.
-    noise_key: tuple[int, ...] = ()
-
-    def validate(self) -> None:
-        if self.scale not in tiling.SCALES:
-            raise InvalidRequest(f"scale must be one of {tiling.SCALES}, got {self.scale}")
-        if self.num_inference_steps < 1:
-            raise InvalidRequest(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
-        if not 0.0 < self.lq_noise_scale <= 1.0:
-            raise InvalidRequest(f"lq_noise_scale must be in (0, 1], got {self.lq_noise_scale}")
-        if not 0.0 <= self.min_overlap < 1.0:
-            raise InvalidRequest(f"min_overlap must be in [0, 1), got {self.min_overlap}")
-        if self.tiles_batch_size < 1:
-            raise InvalidRequest(f"tiles_batch_size must be >= 1, got {self.tiles_batch_size}")
-
-
-@dataclass(frozen=True)
-class Progress:
-    stage: str  # "denoise", "decode" (devices report both at once when they work on different stages)
-    done: int  # work units done over the whole call: one per tile and step, one per tile and decode segment
-    total: int
-
-
-@dataclass
-class RunInfo:
-    """What one call did, for logs, job records and benchmarks."""
-
-    input_size: tuple[int, int]
-    output_size: tuple[int, int]
-    frames: int
-    padded_input: tuple[int, int, int]  # (frames, height, width) the model actually ran on
-    tiles: int
-    devices: list[str]
-    # Wall seconds: "encode" and "denoise_decode" (the devices synchronised at each end); and, within the latter,
-    # the calling thread's own work: "blend" (adding tiles into canvases, normalising) and "sink" (the caller's sink).
-    stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class _Clock:
@@ -296,7 +246,7 @@ class SREngine:
 
         # 4. Plan the tiles and share the work out over the devices
         plan = tiling.plan_tiles(padded_height, padded_width, tiling_scale, self.tile_sizes, self.snap, request.min_overlap, base)
-        schedule = _Schedule.balanced(plan.tiles, len(self.replicas))
+        schedule = Schedule.balanced(plan.tiles, len(self.replicas))
         latent_frames = self._latent_frames(padded_frames)
         tracker.total = len(plan.tiles) * (request.num_inference_steps + len(self._segments(latent_frames)))
 
@@ -401,7 +351,7 @@ class SREngine:
     def _generate(
         self,
         plan: TilePlan,
-        schedule: _Schedule,
+        schedule: Schedule,
         decode_order: str,
         lq_latents: dict[int, torch.Tensor],
         noise: list[torch.Tensor],
@@ -413,13 +363,13 @@ class SREngine:
         """Denoise and decode every tile; `emit` blended output frames ((n, 3, H, W) in [0, 1]) in order.
 
         Every device runs a pipeline of its own: it denoises its tiles, handing each tile's latents over as soon as
-        they exist, then decodes its share of the tiles (which `_Schedule` balances) segment by segment, weighted
+        they exist, then decodes its share of the tiles (which `Schedule` balances) segment by segment, weighted
         by the window, into pinned host memory without waiting. The calling thread adds them into host canvases,
         one per segment, in tile order whatever the device and decode order, so the output is bit-identical for
         any device count and every order; a canvas leaves as frames once its last tile is in. Model calls go
         through the engine's `CompileGate` when blocks are compiled: one at a time in a call of a new signature."""
         segments = self._segments(noise[0].shape[1])
-        pipeline = _Pipeline(len(plan.tiles))
+        pipeline = Pipeline(len(plan.tiles))
 
         def run(slot: int) -> None:
             replica = self.replicas[slot]
@@ -428,7 +378,7 @@ class SREngine:
                 # A tile decoded elsewhere leaves through pinned host memory, its copy queued right behind its last
                 # step: a GPU-to-GPU copy would tie both GPUs' streams, and a copy started by the receiver would
                 # wait behind whatever the sender has queued by then.
-                pipeline.hand_over({i: _to_host(latent) if i in leaving else (latent, None) for i, latent in latents.items()})
+                pipeline.hand_over({i: to_host(latent) if i in leaving else (latent, None) for i, latent in latents.items()})
             tiles = schedule.decode[slot]
             z = {tile.index: pipeline.take(tile.index).to(replica.device).permute(0, 4, 1, 2, 3) for tile in tiles}
             window = plan.window(replica.device)
@@ -451,7 +401,7 @@ class SREngine:
                     caches.prefetch(order[step + 1][1].index)  # arrives while this segment decodes
                 caches.give_back(tile.index, cache, last=number == len(segments) - 1)
                 frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
-                pipeline.put(number, tile.index, *_to_host(frames[0] * window))
+                pipeline.put(number, tile.index, *to_host(frames[0] * window))
                 tracker.advance(1, "decode")
 
         # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
@@ -474,7 +424,7 @@ class SREngine:
             pipeline.stop()
         assert not blends and finished == len(segments), "every segment of every tile is blended"
 
-    def _decode_order(self, plan: TilePlan, schedule: _Schedule) -> str:
+    def _decode_order(self, plan: TilePlan, schedule: Schedule) -> str:
         """The decode order of this call (`decode_order_for`), from the GPUs' sizes and the host memory free now."""
         gpus = [
             (len(tiles), torch.cuda.get_device_properties(replica.device).total_memory, _weight_bytes(replica))
@@ -565,29 +515,6 @@ class SREngine:
         return {key: value for future in futures for key, value in future.result().items()}
 
 
-def decode_order_for(order: str, gpus: Sequence[tuple[int, int, int]], cache_bytes: int, host_available: int) -> str:
-    """A call's decode order (all give the same bits). `gpus`: (tiles it decodes, its memory, its weights' bytes) per
-    GPU; `cache_bytes`: one tile's decoder cache.
-    - lockstep parks the caches where resident ones would crowd a GPU (`crowded`);
-    - parking saves nothing where no GPU decodes more than two tiles (it keeps up to three caches in flight);
-    - parked caches decode tile by tile instead where their pinned buffers would take over half of the host memory
-      available (the rest is for frames, blending and the encoder)."""
-    if order == "lockstep" and any(crowded(tiles, cache_bytes, total, weights) for tiles, total, weights in gpus):
-        order = "parked"
-    if order == "parked" and max(tiles for tiles, *_ in gpus) <= 2:
-        return "lockstep"
-    if order == "parked" and sum(tiles for tiles, *_ in gpus) * pinned_bytes(cache_bytes) > host_available / 2:
-        return "tile_major"
-    return order
-
-
-def crowded(tiles: int, cache_bytes: int, total_bytes: int, weight_bytes: int) -> bool:
-    """Whether `tiles` resident decoder caches take more than half of what the weights leave on a GPU: the other
-    half is for one segment's activations (W1 tiles at segment 4: 13 GiB, beside 1.85 GiB of cache per tile) and
-    the allocator's slack."""
-    return tiles * cache_bytes > (total_bytes - weight_bytes) / 2
-
-
 def _weight_bytes(replica: Components) -> int:
     return sum(checkpoint.module_bytes(m) for m in (replica.transformer, replica.vae, replica.latent_upscaler) if m is not None)
 
@@ -606,126 +533,6 @@ def _is_compiled(transformer: torch.nn.Module) -> bool:
 
 def _is_compiled_decoder(vae: torch.nn.Module) -> bool:
     return any(getattr(module, "_compiled_call_impl", None) is not None for module in vae.decoder.modules())
-
-
-@dataclass(frozen=True)
-class _Schedule:
-    """Which device denoises and which decodes each tile (slot -> tiles, in tile order)."""
-
-    denoise: dict[int, list[Tile]]
-    decode: dict[int, list[Tile]]
-
-    @classmethod
-    def balanced(cls, tiles: Sequence[Tile], slots: int) -> _Schedule:
-        """Denoising is dealt round-robin; decoding mirrors its counts (the device with the most tiles to denoise
-        gets the fewest to decode), so every device does about the same work. A device short of tiles to decode
-        takes the earliest-denoised tiles of one with a surplus, which are ready long before it needs them.
-
-        9 tiles on 2 devices: denoise 5 + 4, decode 4 + 5 (tile 0 changes device), instead of 5 + 5 on the busier."""
-        denoise = {slot: list(tiles[slot::slots]) for slot in range(slots)}
-        wanted = {slot: len(denoise[slots - 1 - slot]) for slot in range(slots)}
-        surplus = [tile for slot in range(slots) for tile in denoise[slot][: max(0, len(denoise[slot]) - wanted[slot])]]
-        decode = {}
-        for slot in range(slots):
-            own = denoise[slot][max(0, len(denoise[slot]) - wanted[slot]) :]
-            taken, surplus = surplus[: wanted[slot] - len(own)], surplus[wanted[slot] - len(own) :]
-            decode[slot] = sorted(taken + own, key=lambda tile: tile.index)
-        return cls(denoise, decode)
-
-
-class _Pipeline:
-    """The device threads of one call: latents handed between them, segments of weighted tiles to the caller, and
-    the first failure, which stops every thread at its next model call."""
-
-    def __init__(self, tiles: int) -> None:
-        self._running = 0
-        self._latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        self._handed = threading.Condition()
-        # Bounded (about two segments of every tile): a slow sink holds the devices back instead of piling
-        # segments up in pinned memory (`_Blend` moves those that wait for an earlier tile out of it).
-        self._results: queue.Queue = queue.Queue(maxsize=2 * tiles)
-        self._model_call: Callable[[], AbstractContextManager] = nullcontext
-        self.error: BaseException | None = None
-
-    def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]], model_call: Callable[[], AbstractContextManager]) -> None:
-        """Runs `calls` on `pool`, each model call of theirs inside `model_call()` (the compile gate's context)."""
-        self._model_call = model_call
-
-        def thread(call: Callable[[], Any]) -> None:
-            try:
-                call()
-            except BaseException as error:  # handed to the caller's thread
-                self._fail(error)
-            finally:
-                self._results.put(_DONE)  # `stop` drains the queue: this never blocks for long
-
-        for call in calls:
-            pool.submit(thread, call)
-            self._running += 1
-
-    @contextmanager
-    def turn(self) -> Iterator[None]:
-        """Around each model call: as the compile gate has it, and stopping the thread once another failed."""
-        with self._model_call():
-            if self.error is not None:  # checked once inside: the wait may have been another call's compilation
-                raise _Stopped
-            yield
-
-    def hand_over(self, latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]]) -> None:
-        """Denoised latents by tile index, each with the event its copy to the host ends with (None: no copy)."""
-        with self._handed:
-            self._latents.update(latents)
-            self._handed.notify_all()
-
-    def take(self, index: int) -> torch.Tensor:
-        with self._handed:
-            self._handed.wait_for(lambda: index in self._latents or self.error is not None)
-            if self.error is not None:
-                raise _Stopped
-            handed = self._latents[index]
-        return _arrived(*handed)
-
-    def put(self, number: int, index: int, weighted: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        while True:  # a caller that stopped consuming (it failed) must not leave this thread blocked
-            try:
-                self._results.put((number, index, weighted, ready), timeout=0.1)
-                return
-            except queue.Full:
-                if self.error is not None:
-                    raise _Stopped from None
-
-    def results(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(segment number, tile index, weighted frames on the host) as the devices produce them, until all are
-        done; then their first error."""
-        while self._running:
-            item = self._results.get()
-            if item is _DONE:
-                self._running -= 1
-            elif self.error is None:
-                number, index, *weighted = item
-                yield number, index, _arrived(*weighted)
-        if self.error is not None:
-            raise self.error
-
-    def stop(self) -> None:
-        """Stops the devices early (the caller failed) and waits for them; nothing once they are done."""
-        if self._running:
-            self._fail(_Stopped())
-        while self._running:
-            if self._results.get() is _DONE:
-                self._running -= 1
-
-    def _fail(self, error: BaseException) -> None:
-        with self._handed:
-            self.error = self.error or error
-            self._handed.notify_all()
-
-
-class _Stopped(Exception):
-    """Another device thread failed, or the caller stopped: this thread ends quietly."""
-
-
-_DONE = object()
 
 
 class _Blend:
@@ -751,29 +558,6 @@ class _Blend:
                 self.canvas = torch.zeros((3, frames.shape[1], *self.plan.output_size))
             self.canvas[(..., *self.plan.output_box(self.plan.tiles[self._added]))] += frames
             self._added += 1
-
-
-def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """`tensor` in pinned host memory, the copy started without waiting for it: (host tensor, the event that marks
-    the copy done). A tensor already on the CPU comes back as it is, with no event.
-
-    The copy keeps the tensor's strides: compiled graphs are specialised on them, and denoised latents are
-    channel-major in memory. A tile handed to another GPU in another layout than its local twins was decoded by other
-    graphs, with other bits (measured on two H200s: `bench/RESULTS.md`)."""
-    if tensor.device.type != "cuda":
-        return tensor, None
-    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    ready = torch.cuda.Event(blocking=True)  # waited on from another thread: sleep there, do not spin a core
-    ready.record(torch.cuda.current_stream(tensor.device))
-    return host, ready
-
-
-def _arrived(tensor: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
-    """A `_to_host` copy once its copy is done."""
-    if ready is not None:
-        ready.synchronize()
-    return tensor
 
 
 def _normalise(canvas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ class CodedError(Exception):
 
 
 class SRError(CodedError):
-    """Raised where another attempt would end the same way (worker.tasks.classify ends the job with it)."""
+    """Raised where another attempt would end the same way (worker.attempt.classify ends the job with it)."""
 
 
 class CheckpointNotFound(SRError):

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from worker.sr import tiling
-from worker.sr.engine import FrameSink, Progress, RunInfo, SRRequest
+from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.errors import Cancelled, InvalidRequest
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from worker.sr.engine import FrameSink, Progress, RunInfo, SRRequest
+from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.frames import dequantise, quantise
 

@@ -1,0 +1,110 @@
+"""How an attempt ends: what stopped it (`classify`: cancelled, failed for good, or retried) and what that does to
+its job and its files (`end`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import botocore.exceptions
+import redis.exceptions
+import torch
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
+
+from storage.blobs import BlobNotFound, work_prefix
+from storage.jobs import JobRecord, Lease, StaleAttempt, Status
+from storage.lifecycle import promoted
+from storage.queue import send_upscale
+from worker import service
+from worker.celery_app import app
+from worker.fetch import FetchUnavailable, WorkerDiskFull
+from worker.sr.errors import Cancelled, SRError
+
+log = logging.getLogger("vsrq.worker")
+
+Outcome = Literal["cancelled", "failed", "retry"]
+
+
+def classify(error: BaseException) -> tuple[Outcome, str, str]:
+    """(outcome, code, message a user can act on) for an error that stopped an attempt."""
+    if isinstance(error, Cancelled):
+        return "cancelled", error.code, error.message
+    if isinstance(error, SRError):  # raised on purpose, with a stable code: another attempt would raise it again
+        return "failed", error.code, error.message
+    if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
+        # (its own code: `Heartbeat.storage` waits out only outages, and a missing file is not one)
+        return "retry", "job_file_missing", "A file of the job went missing from blob storage."
+    # the input's origin is down or slow, or this worker's disk is full: the next attempt (or worker) may succeed
+    if isinstance(error, (FetchUnavailable, WorkerDiskFull)):
+        return "retry", error.code, error.message
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "retry", "gpu_oom", "The GPU ran out of memory."
+    if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return "retry", "redis_unavailable", "The job store could not be reached."
+    unreachable = (  # S3UploadFailedError, RetriesExceededError: boto3's transfer manager gave up on the parts
+        botocore.exceptions.ConnectionError,
+        botocore.exceptions.HTTPClientError,
+        S3UploadFailedError,
+        RetriesExceededError,
+    )
+    if isinstance(error, unreachable):
+        return "retry", "storage_unavailable", "Blob storage could not be reached."
+    if isinstance(error, botocore.exceptions.ClientError) and _server_side(error):
+        return "retry", "storage_unavailable", "Blob storage is unavailable."
+    return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
+
+
+def _server_side(error: botocore.exceptions.ClientError) -> bool:
+    return error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500
+
+
+def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None:
+    outcome, code, message = classify(error)
+    if code == "internal_error":
+        log.exception("%s attempt %d failed", job.id, lease.attempt)
+    else:
+        log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code)
+    kept = False  # a `complete` whose reply was lost did promote the output: it is the job's now
+    try:
+        if outcome == "cancelled":
+            lease.cancelled()
+        elif outcome == "failed":
+            lease.fail(code, message)
+        elif lease.retry(code, message) == Status.QUEUED:
+            send_upscale(app, service.jobs(), job)
+            return  # the next attempt replays the kept windows
+        forget_windows(job.id)  # the job has ended
+    except StaleAttempt as stale:
+        log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)
+        kept = kept_output(job.id, output_key)
+    except redis.exceptions.RedisError as unreachable:  # the reaper requeues or ends the job, or sends its message
+        log.warning("%s attempt %d could not end the job: %s", job.id, lease.attempt, unreachable)
+        kept = True  # it may be the job's output: the storage sweep (storage.lifecycle) deletes it if it is not
+    finally:
+        # An output that will not be promoted (e.g. cancelled during the upload), deleted once the lease has ended:
+        # storage may be what failed, and a lease left to expire meanwhile would turn the ending into a requeue.
+        if not kept:
+            discard(output_key)
+
+
+def kept_output(job_id: str, output_key: str) -> bool:
+    """Whether an attempt that lost its job must keep its output: the job's own (its `complete` went through, the
+    reply was lost), or maybe so (Redis cannot say)."""
+    try:
+        return promoted(service.jobs().get(job_id), output_key)
+    except redis.exceptions.RedisError:
+        return True
+
+
+def forget_windows(job_id: str) -> None:
+    try:
+        service.blobs().delete_prefix(work_prefix(job_id))
+    except Exception:  # storage down: the reaper's sweep deletes the work prefixes of ended jobs
+        log.warning("could not delete the kept windows of %s", job_id, exc_info=True)
+
+
+def discard(key: str) -> None:
+    try:
+        service.blobs().delete(key)
+    except Exception:  # storage down: the reaper's storage sweep (storage.lifecycle) deletes what is left
+        log.warning("could not delete %s", key, exc_info=True)

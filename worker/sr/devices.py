@@ -1,0 +1,160 @@
+"""The device threads of one engine call: which device denoises and which decodes each tile (`Schedule`), the
+latents and weighted segments handed between the threads and the caller (`Pipeline`), and the host copies they
+travel as (`to_host`, `arrived`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.sr.tiling import Tile
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which device denoises and which decodes each tile (slot -> tiles, in tile order)."""
+
+    denoise: dict[int, list[Tile]]
+    decode: dict[int, list[Tile]]
+
+    @classmethod
+    def balanced(cls, tiles: Sequence[Tile], slots: int) -> Schedule:
+        """Denoising is dealt round-robin; decoding mirrors its counts (the device with the most tiles to denoise
+        gets the fewest to decode), so every device does about the same work. A device short of tiles to decode
+        takes the earliest-denoised tiles of one with a surplus, which are ready long before it needs them.
+
+        9 tiles on 2 devices: denoise 5 + 4, decode 4 + 5 (tile 0 changes device), instead of 5 + 5 on the busier."""
+        denoise = {slot: list(tiles[slot::slots]) for slot in range(slots)}
+        wanted = {slot: len(denoise[slots - 1 - slot]) for slot in range(slots)}
+        surplus = [tile for slot in range(slots) for tile in denoise[slot][: max(0, len(denoise[slot]) - wanted[slot])]]
+        decode = {}
+        for slot in range(slots):
+            own = denoise[slot][max(0, len(denoise[slot]) - wanted[slot]) :]
+            taken, surplus = surplus[: wanted[slot] - len(own)], surplus[wanted[slot] - len(own) :]
+            decode[slot] = sorted(taken + own, key=lambda tile: tile.index)
+        return cls(denoise, decode)
+
+
+class Pipeline:
+    """The device threads of one call: latents handed between them, segments of weighted tiles to the caller, and
+    the first failure, which stops every thread at its next model call."""
+
+    def __init__(self, tiles: int) -> None:
+        self._running = 0
+        self._latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._handed = threading.Condition()
+        # Bounded (about two segments of every tile): a slow sink holds the devices back instead of piling
+        # segments up in pinned memory (the engine's `_Blend` moves those that wait for an earlier tile out of it).
+        self._results: queue.Queue = queue.Queue(maxsize=2 * tiles)
+        self._model_call: Callable[[], AbstractContextManager] = nullcontext
+        self.error: BaseException | None = None
+
+    def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]], model_call: Callable[[], AbstractContextManager]) -> None:
+        """Runs `calls` on `pool`, each model call of theirs inside `model_call()` (the compile gate's context)."""
+        self._model_call = model_call
+
+        def thread(call: Callable[[], Any]) -> None:
+            try:
+                call()
+            except BaseException as error:  # handed to the caller's thread
+                self._fail(error)
+            finally:
+                self._results.put(_DONE)  # `stop` drains the queue: this never blocks for long
+
+        for call in calls:
+            pool.submit(thread, call)
+            self._running += 1
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Around each model call: as the compile gate has it, and stopping the thread once another failed."""
+        with self._model_call():
+            if self.error is not None:  # checked once inside: the wait may have been another call's compilation
+                raise Stopped
+            yield
+
+    def hand_over(self, latents: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]]) -> None:
+        """Denoised latents by tile index, each with the event its copy to the host ends with (None: no copy)."""
+        with self._handed:
+            self._latents.update(latents)
+            self._handed.notify_all()
+
+    def take(self, index: int) -> torch.Tensor:
+        with self._handed:
+            self._handed.wait_for(lambda: index in self._latents or self.error is not None)
+            if self.error is not None:
+                raise Stopped
+            handed = self._latents[index]
+        return arrived(*handed)
+
+    def put(self, number: int, index: int, weighted: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        while True:  # a caller that stopped consuming (it failed) must not leave this thread blocked
+            try:
+                self._results.put((number, index, weighted, ready), timeout=0.1)
+                return
+            except queue.Full:
+                if self.error is not None:
+                    raise Stopped from None
+
+    def results(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(segment number, tile index, weighted frames on the host) as the devices produce them, until all are
+        done; then their first error."""
+        while self._running:
+            item = self._results.get()
+            if item is _DONE:
+                self._running -= 1
+            elif self.error is None:
+                number, index, *weighted = item
+                yield number, index, arrived(*weighted)
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """Stops the devices early (the caller failed) and waits for them; nothing once they are done."""
+        if self._running:
+            self._fail(Stopped())
+        while self._running:
+            if self._results.get() is _DONE:
+                self._running -= 1
+
+    def _fail(self, error: BaseException) -> None:
+        with self._handed:
+            self.error = self.error or error
+            self._handed.notify_all()
+
+
+class Stopped(Exception):
+    """Another device thread failed, or the caller stopped: this thread ends quietly."""
+
+
+_DONE = object()
+
+
+def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`tensor` in pinned host memory, the copy started without waiting for it: (host tensor, the event that marks
+    the copy done). A tensor already on the CPU comes back as it is, with no event.
+
+    The copy keeps the tensor's strides: compiled graphs are specialised on them, and denoised latents are
+    channel-major in memory. A tile handed to another GPU in another layout than its local twins was decoded by other
+    graphs, with other bits (measured on two H200s: `bench/RESULTS.md`)."""
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    ready = torch.cuda.Event(blocking=True)  # waited on from another thread: sleep there, do not spin a core
+    ready.record(torch.cuda.current_stream(tensor.device))
+    return host, ready
+
+
+def arrived(tensor: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
+    """A `to_host` copy once its copy is done."""
+    if ready is not None:
+        ready.synchronize()
+    return tensor

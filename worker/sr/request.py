@@ -1,0 +1,63 @@
+"""What a caller of an upscaler asks for and gets back: the request, its progress events, the frame sink and what
+the call did. Every upscaler (the engine, Lanczos, the window runner) speaks these types."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.sr import tiling
+from worker.sr.errors import InvalidRequest
+from worker.sr.noise import NoiseMode
+
+# Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the CPU.
+FrameSink = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class SRRequest:
+    scale: float = 2
+    num_inference_steps: int = 2
+    seed: int = 42
+    min_overlap: float = 0.2
+    lq_noise_scale: float = 0.7
+    tiles_batch_size: int = 1
+    noise_mode: NoiseMode = NoiseMode.PER_TILE
+    # Extra seed material, e.g. the temporal window index of a long clip, so windows get unrelated noise.
+    noise_key: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        if self.scale not in tiling.SCALES:
+            raise InvalidRequest(f"scale must be one of {tiling.SCALES}, got {self.scale}")
+        if self.num_inference_steps < 1:
+            raise InvalidRequest(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if not 0.0 < self.lq_noise_scale <= 1.0:
+            raise InvalidRequest(f"lq_noise_scale must be in (0, 1], got {self.lq_noise_scale}")
+        if not 0.0 <= self.min_overlap < 1.0:
+            raise InvalidRequest(f"min_overlap must be in [0, 1), got {self.min_overlap}")
+        if self.tiles_batch_size < 1:
+            raise InvalidRequest(f"tiles_batch_size must be >= 1, got {self.tiles_batch_size}")
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str  # "denoise", "decode" (devices report both at once when they work on different stages)
+    done: int  # work units done over the whole call: one per tile and step, one per tile and decode segment
+    total: int
+
+
+@dataclass
+class RunInfo:
+    """What one call did, for logs, job records and benchmarks."""
+
+    input_size: tuple[int, int]
+    output_size: tuple[int, int]
+    frames: int
+    padded_input: tuple[int, int, int]  # (frames, height, width) the model actually ran on
+    tiles: int
+    devices: list[str]
+    # Wall seconds: "encode" and "denoise_decode" (the devices synchronised at each end); and, within the latter,
+    # the calling thread's own work: "blend" (adding tiles into canvases, normalising) and "sink" (the caller's sink).
+    stage_seconds: dict[str, float] = field(default_factory=dict)
