@@ -24,15 +24,15 @@ from pydantic import ValidationError
 from api import idempotency
 from api.auth import admit_caller, owner
 from api.errors import ApiError, field_errors, problem
-from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.ratelimit import limits_of
+from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
 from api.uploads import hash_form, receive_form
 from storage.blobs import SAFE_KEY, BlobError, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files
-from storage.ssrf import UnsafeUrl, public_addresses
 from storage.queue import send_upscale
+from storage.ssrf import UnsafeUrl, public_addresses
 
 blueprint = Blueprint("videos", __name__)
 

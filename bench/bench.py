@@ -41,15 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import diffusers  # noqa: E402
 
+from worker.frames import quantise  # noqa: E402
 from worker.media.synthetic import pattern  # noqa: E402
 from worker.media.writer import Mp4Writer  # noqa: E402
 from worker.sr import tiling  # noqa: E402
 from worker.sr.attention import DenseSDPAProcessor  # noqa: E402
 from worker.sr.checkpoint import Components, module_bytes, prune_upscaler, tiny_components  # noqa: E402
 from worker.sr.engine import SREngine  # noqa: E402
-from worker.sr.request import SRRequest  # noqa: E402
-from worker.sr.frames import quantise  # noqa: E402
 from worker.sr.noise import NoiseMode  # noqa: E402
+from worker.sr.request import SRRequest  # noqa: E402
 from worker.sr.windows import DEFAULT_WINDOW, plan_windows, upscale_windows  # noqa: E402
 
 WORKLOADS = {  # (height, width, frames, scale)

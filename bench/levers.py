@@ -112,7 +112,7 @@ def host_segment(height: int, width: int, frames: int = 16) -> dict:
     x264). Best of three, seconds."""
     from worker.media.writer import yuv_frame
     from worker.sr.engine import _normalise
-    from worker.sr.frames import quantise
+    from worker.frames import quantise
 
     generator = torch.Generator().manual_seed(0)
     canvas = torch.randn(3, frames, height, width, generator=generator)

@@ -12,8 +12,8 @@ from tests.conftest import clip, run
 from worker.sr.attention import DenseSDPAProcessor
 from worker.sr.checkpoint import Components, load, write_tiny
 from worker.sr.engine import SREngine
-from worker.sr.request import SRRequest
 from worker.sr.errors import CheckpointNotFound
+from worker.sr.request import SRRequest
 
 
 def test_saved_checkpoint_loads_back_to_the_same_output(tmp_path):

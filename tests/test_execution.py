@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.conftest import CLIP_SIZE, clip, run
+from worker.errors import Cancelled, InvalidRequest
 from worker.sr.engine import SREngine
 from worker.sr.request import SRRequest
-from worker.sr.errors import Cancelled, InvalidRequest
 
 
 @pytest.fixture(scope="module")

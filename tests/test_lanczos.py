@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import run
-from worker.sr.request import SRRequest
 from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.request import SRRequest
 
 
 def test_lanczos_any_scale_exact_size_and_flat_stays_flat():

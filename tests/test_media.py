@@ -12,15 +12,15 @@ import pytest
 from PIL import Image
 
 from tests.mediatools import read_back
+from worker.errors import PermanentError
 from worker.media.limits import Limits
 from worker.media.probe import probe
 from worker.media.reader import read_frames
 from worker.media.resize import Target
 from worker.media.synthetic import pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
-from worker.sr.request import SRRequest
-from worker.sr.errors import SRError
 from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.request import SRRequest
 from worker.upscale import UpscaleOptions, upscale_file
 
 SIZE = (190, 250)  # stored height, width
@@ -157,7 +157,7 @@ def test_target_resolution_downscales_after_sr(tmp_path, target, mode, size):
 def test_target_resolution_never_upscales(tmp_path):
     source = write_clip(tmp_path / "in.mp4", 5, SIZE)
     options = UpscaleOptions(request=SRRequest(scale=2), target=Target.parse("fullhd", "exact"))
-    with pytest.raises(SRError) as error:
+    with pytest.raises(PermanentError) as error:
         upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), options)
     assert error.value.code == "invalid_request" and not (tmp_path / "out.mp4").exists()
 
@@ -242,7 +242,7 @@ def test_bad_input_gets_its_code_and_leaves_no_output(tmp_path, case):
     (tmp_path / "out").mkdir()
     source = tmp_path / "in" / name
     make(source)
-    with pytest.raises(SRError) as error:
+    with pytest.raises(PermanentError) as error:
         upscale_file(source, tmp_path / "out" / "out.mp4", LanczosUpscaler(), UpscaleOptions(limits=limits, preset="ultrafast"))
     assert error.value.code == code, error.value.message
     assert error.value.message and str(source.name) in error.value.message

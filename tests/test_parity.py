@@ -9,8 +9,8 @@ import torch
 from tests.conftest import VARIANTS, clip, run
 from worker.sr.attention import DenseSDPAProcessor, NablaFlexProcessor, nabla_density, qkv
 from worker.sr.engine import SREngine
-from worker.sr.request import SRRequest
 from worker.sr.noise import NoiseMode
+from worker.sr.request import SRRequest
 
 SEED = 7
 

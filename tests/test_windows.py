@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from worker.errors import Cancelled, InvalidRequest
+from worker.frames import quantise
 from worker.sr.request import RunInfo, SRRequest
-from worker.sr.errors import Cancelled, InvalidRequest
-from worker.sr.frames import quantise
 from worker.sr.windows import DirectoryWindowStore, plan_windows, upscale_windows
 
 
@@ -144,7 +144,7 @@ def test_a_cancelled_job_resumes_from_kept_windows_and_matches_an_uninterrupted_
 def test_quantise_rounds_clamps_and_hands_the_encoder_contiguous_rgb():
     """Out-of-range values clamp, halves round to even, and the (n, H, W, 3) result is contiguous (the encoder's
     RGB-to-YUV conversion reads strided frames at a third of the speed); dequantise inverts it exactly."""
-    from worker.sr.frames import dequantise
+    from worker.frames import dequantise
 
     frames = torch.tensor([-0.5, 0.0, 0.5 / 255, 1.5 / 255, 0.5, 1.0, 7.0]).reshape(1, 1, 1, 7).expand(2, 3, 1, 7)
     pixels = quantise(frames)

@@ -17,8 +17,8 @@ from storage.lifecycle import promoted
 from storage.queue import send_upscale
 from worker import service
 from worker.celery_app import app
+from worker.errors import Cancelled, PermanentError
 from worker.fetch import FetchUnavailable, WorkerDiskFull
-from worker.sr.errors import Cancelled, SRError
 
 log = logging.getLogger("vsrq.worker")
 
@@ -29,7 +29,7 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     """(outcome, code, message a user can act on) for an error that stopped an attempt."""
     if isinstance(error, Cancelled):
         return "cancelled", error.code, error.message
-    if isinstance(error, SRError):  # raised on purpose, with a stable code: another attempt would raise it again
+    if isinstance(error, PermanentError):  # raised on purpose, with a stable code: another attempt would raise it again
         return "failed", error.code, error.message
     if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
         # (its own code: `Heartbeat.storage` waits out only outages, and a missing file is not one)

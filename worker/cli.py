@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
+from worker.errors import PermanentError
 from worker.media.errors import BAD_INPUT_CODES
-from worker.sr.errors import SRError
 
 EXIT_CODES = {"invalid_request": 2, "model_not_found": 3, "cancelled": 130} | dict.fromkeys(BAD_INPUT_CODES, 2)
 
@@ -26,7 +26,7 @@ def _reported(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
-        except SRError as error:
+        except PermanentError as error:
             print(f"vsrq: {error.code}: {error.message}", file=sys.stderr)
             return EXIT_CODES.get(error.code, 1)
 

@@ -28,7 +28,7 @@ from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
 from storage.config import Settings
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
-from worker.sr.errors import Cancelled, CodedError, SRError
+from worker.errors import Cancelled, CodedError, PermanentError
 
 MAX_REDIRECTS = 5
 # Small reads (read1 returns what has arrived): the lease's heartbeat runs between them, however slow the origin.
@@ -38,14 +38,14 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
-class FetchFailed(SRError):
+class FetchFailed(PermanentError):
     """The URL does not give us a video, and asking again will not change that: the job fails."""
 
     code = "input_fetch_failed"
 
 
 class FetchUnavailable(CodedError):
-    """The origin is down, overloaded or slow right now: another attempt may succeed (so not an SRError)."""
+    """The origin is down, overloaded or slow right now: another attempt may succeed (so not a PermanentError)."""
 
     code = "input_fetch_unavailable"
 

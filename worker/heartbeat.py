@@ -25,7 +25,7 @@ from tenacity import (
 from storage.jobs import FileDigest, Lease, MediaInfo, Stage, StaleAttempt
 from worker import service
 from worker.attempt import classify
-from worker.sr.errors import Cancelled
+from worker.errors import Cancelled
 from worker.sr.windows import WindowProgress
 
 log = logging.getLogger("vsrq.worker")

@@ -20,7 +20,7 @@ import torch
 
 from storage.blobs import BlobStore, Progress, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
-from worker.sr.errors import Cancelled
+from worker.errors import Cancelled
 from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
 from worker.upscale import UpscaleOptions
 

@@ -20,8 +20,8 @@ from celery import Celery
 from storage.jobs import JobStore, Status
 from storage.lifecycle import sweep
 from storage.logs import configure, settings_secrets
-from worker import service
 from storage.queue import send_upscale
+from worker import service
 from worker.celery_app import app
 from worker.webhooks import outbox, relay_once
 

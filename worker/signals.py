@@ -18,9 +18,9 @@ import redis.exceptions
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
 
 from storage.logs import configure, current_job, settings_secrets
+from storage.queue import UPSCALE_TASK
 from storage.workers import WorkerInfo, WorkerRegistry
 from worker import metrics, service
-from storage.queue import UPSCALE_TASK
 
 log = logging.getLogger("vsrq.worker")
 

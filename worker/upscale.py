@@ -9,17 +9,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from time import perf_counter
 
+from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
 from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_metadata, plan_streams
 from worker.media.probe import MediaInfo, VideoInfo, probe
 from worker.media.reader import prefetch, read_frames
-from worker.media.resize import Resized, Target
+from worker.media.resize import Target
 from worker.media.verify import Promise, verify
 from worker.media.writer import BT709, Mp4Writer, encoder_for
+from worker.resized import Resized
 from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
-from worker.sr.errors import InvalidRequest
 from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, WindowProgress, WindowStore, plan_windows, upscale_windows
 
 

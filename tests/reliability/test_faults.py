@@ -34,9 +34,9 @@ from storage.blobs import S3BlobStore, output_prefix
 from storage.config import Settings
 from storage.jobs import TERMINAL, InputInfo, JobRecord, JobStore, Status, open_redis
 from storage.queue import UPSCALE_TASK, make_celery
-from worker.media.synthetic import write_clip
-from worker.sr.errors import Cancelled
+from worker.errors import Cancelled
 from worker.heartbeat import Heartbeat
+from worker.media.synthetic import write_clip
 
 from . import processes
 from .processes import MemoryLimit, Partition, Process, Supervisor, serving, started

@@ -16,10 +16,10 @@ from pydantic import ValidationError
 from api.errors import ApiError
 from api.multipart import FormFile, FormReader, boundary_of
 from api.schemas import SGLANG_IGNORED, CreateRequest, JobOptions, ListQuery, UpscaleParams, create_request
+from worker.errors import PermanentError
 from worker.media.errors import BAD_INPUT_CODES
 from worker.media.probe import probe
 from worker.media.synthetic import write_clip
-from worker.sr.errors import SRError
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 TALLY: dict[str, dict[str, int]] = {}  # test -> outcome -> examples, printed as the figure
@@ -220,7 +220,7 @@ def test_probe_of_mutated_mp4s_raises_only_media_errors(real_mp4, tmp_path):
         try:
             probe(path)
             tally("probe", "probed")
-        except SRError as error:
+        except PermanentError as error:
             assert error.code in BAD_INPUT_CODES, error
             tally("probe", error.code)
         assert time.monotonic() - began < 10, "the probe took more than 10 s on a 10 kB file"

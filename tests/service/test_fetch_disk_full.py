@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from storage.jobs import JobStore
-from worker.fetch import WorkerDiskFull, fetch
 from worker.attempt import classify
+from worker.fetch import WorkerDiskFull, fetch
 
 from .test_url_input import ca_bundle, never, origin, submit, url_clip  # noqa: F401 (fixtures)
 from .test_worker import celery_worker, wait_for

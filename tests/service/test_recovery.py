@@ -29,15 +29,15 @@ from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore, new_upload_id,
 from storage.config import Settings
 from storage.jobs import InputInfo, JobRecord, JobStore, Lease
 from storage.queue import make_celery, send_upscale
+from worker.errors import Cancelled
+from worker.frames import quantise
+from worker.heartbeat import Heartbeat
+from worker.kept_windows import BlobWindowStore
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
-from worker.kept_windows import BlobWindowStore
-from worker.sr.request import SRRequest
-from worker.sr.errors import Cancelled
-from worker.sr.frames import quantise
 from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.request import SRRequest
 from worker.sr.windows import plan_windows, upscale_windows
-from worker.heartbeat import Heartbeat
 
 from .conftest import MiB, auth
 from ..test_windows import Recording

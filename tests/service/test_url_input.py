@@ -20,10 +20,10 @@ import pytest
 import requests
 import trustme
 
+from worker.attempt import classify
+from worker.errors import Cancelled
 from worker.fetch import MAX_REDIRECTS, FetchFailed, FetchUnavailable, fetch
 from worker.media.synthetic import write_clip
-from worker.sr.errors import Cancelled
-from worker.attempt import classify
 
 from .conftest import UPLOAD_LIMIT, auth
 from .test_worker import celery_worker, wait_for

@@ -32,11 +32,11 @@ from storage.blobs import BlobNotFound, attempt_output_key, new_upload_id, outpu
 from storage.jobs import InputInfo
 from storage.queue import UPSCALE_TASK, make_celery, send_upscale
 from worker.attempt import classify
+from worker.errors import Cancelled, InvalidRequest
 from worker.media.errors import InputCorrupt, InputNotFound
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.sr.checkpoint import write_tiny
-from worker.sr.errors import Cancelled, InvalidRequest
 
 from .conftest import ROOT, auth, broker_messages
 

@@ -5,52 +5,52 @@
 
 from __future__ import annotations
 
-from worker.sr.errors import SRError
+from worker.errors import PermanentError
 
 
-class InputNotFound(SRError):
+class InputNotFound(PermanentError):
     code = "input_not_found"
 
 
-class InputEmpty(SRError):
+class InputEmpty(PermanentError):
     code = "input_empty"
 
 
-class InputUnreadable(SRError):
+class InputUnreadable(PermanentError):
     """Not a media file FFmpeg can open: random bytes, text, a file cut before its header or index."""
 
     code = "input_unreadable"
 
 
-class InputNoVideo(SRError):
+class InputNoVideo(PermanentError):
     """Audio only, a still image, or cover art without a video stream."""
 
     code = "input_no_video"
 
 
-class InputUnsupportedCodec(SRError):
+class InputUnsupportedCodec(PermanentError):
     code = "input_unsupported_codec"
 
 
-class InputCorrupt(SRError):
+class InputCorrupt(PermanentError):
     """Opens but cannot be decoded to the end: truncated, damaged packets, frames missing."""
 
     code = "input_corrupt"
 
 
-class InputTooLarge(SRError):
+class InputTooLarge(PermanentError):
     code = "input_too_large"
 
 
-class InputTooShort(SRError):
+class InputTooShort(PermanentError):
     code = "input_too_short"
 
 
-class OutputUnwritable(SRError):
+class OutputUnwritable(PermanentError):
     code = "output_unwritable"
 
 
-class OutputMismatch(SRError):
+class OutputMismatch(PermanentError):
     """The written file is not what was promised: our bug, never handed to the user as done."""
 
     code = "output_mismatch"

@@ -2,20 +2,19 @@
 
 `fit` keeps the aspect ratio inside the target box; `exact` resizes to the box itself. Named targets follow the
 video's orientation (`hd` is 1280x720 for landscape, 720x1280 for portrait); `WxH` is taken as written. Sizes are
-even, as 4:2:0 video needs. The resize runs on the upscaler's frames in float, on its device, before quantisation.
+even, as 4:2:0 video needs. The resize runs on the upscaler's frames in float, on its device, before quantisation
+(worker/resized.py wraps an upscaler with it).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
-from worker.sr.errors import InvalidRequest
+from worker.errors import InvalidRequest
 
 NAMED = {"hd": (1280, 720), "fullhd": (1920, 1080), "2k": (2560, 1440)}  # width, height
 MODES = ("fit", "exact")
@@ -60,33 +59,9 @@ def _even(size: float) -> int:
     return max(2, 2 * round(size / 2))
 
 
-class Resized:
-    """An upscaler whose output is resized to `target` (same interface as the upscaler it wraps)."""
-
-    def __init__(self, upscaler, target: Target) -> None:
-        self.upscaler, self.target = upscaler, target
-        self.devices = upscaler.devices
-
-    def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
-        return self.target.size(*self.upscaler.output_size(height, width, scale))
-
-    def upscale(
-        self,
-        video: torch.Tensor,
-        request: SRRequest,
-        sink: FrameSink,
-        progress: Callable[[Progress], None] | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> RunInfo:
-        _, _, height, width = video.shape
-        size = self.output_size(height, width, request.scale)
-
-        def resize(frames: torch.Tensor) -> None:
-            if tuple(frames.shape[-2:]) != size:
-                # Antialiased bicubic: a plain bicubic downscale aliases fine detail the model just made.
-                frames = F.interpolate(frames, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
-            sink(frames)
-
-        info = self.upscaler.upscale(video, request, resize, progress, cancelled)
-        info.output_size = size
-        return info
+def resize_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(n, 3, H, W) frames in [0, 1] at `size` (height, width); as they are when they have it already."""
+    if tuple(frames.shape[-2:]) == size:
+        return frames
+    # Antialiased bicubic: a plain bicubic downscale aliases fine detail the model just made.
+    return F.interpolate(frames, size=size, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)

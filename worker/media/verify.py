@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from worker.errors import PermanentError
 from worker.media.errors import OutputMismatch
 from worker.media.limits import Limits
 from worker.media.passthrough import Carried, audio_output
 from worker.media.probe import MediaInfo, probe
-from worker.sr.errors import SRError
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def verify(path: str | Path, promise: Promise) -> MediaInfo:
     average to 1 %."""
     try:
         written = probe(path, Limits.none())
-    except SRError as error:
+    except PermanentError as error:
         raise OutputMismatch(f"the output cannot be read back: {error.message}") from None
     video, frame = written.video, 1.0 / float(promise.fps)
     problems = []

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from av.video.reformatter import ColorRange, Colorspace
 
+from worker.errors import InvalidRequest
+from worker.frames import quantise
 from worker.media.passthrough import Passthrough
-from worker.sr.errors import InvalidRequest
-from worker.sr.frames import quantise
 
 _DONE = None
 BT709 = 1  # AVCOL_SPC_BT709 / AVCOL_PRI_BT709 / AVCOL_TRC_BT709

@@ -11,8 +11,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from worker.sr.engine import SREngine
-from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.windows import DEFAULT_WINDOW
 
 log = logging.getLogger("vsrq.engine")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from worker.errors import Cancelled, InvalidRequest
 from worker.sr import checkpoint, tiling
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
@@ -36,7 +37,6 @@ from worker.sr.compile_gate import CompileGate
 from worker.sr.decode_order import DECODE_ORDERS, decode_order_for
 from worker.sr.decoder_caches import DecoderCaches, host_bytes_available
 from worker.sr.devices import Pipeline, Schedule, to_host
-from worker.sr.errors import Cancelled, InvalidRequest
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
 from worker.sr.noise import tile_noise

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from worker.errors import Cancelled, InvalidRequest
 from worker.sr import tiling
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
-from worker.sr.errors import Cancelled, InvalidRequest
 
 
 class LanczosUpscaler:

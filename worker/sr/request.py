@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.errors import InvalidRequest
 from worker.sr import tiling
-from worker.sr.errors import InvalidRequest
 from worker.sr.noise import NoiseMode
 
 # Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the CPU.

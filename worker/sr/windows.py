@@ -21,9 +21,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from worker.errors import Cancelled, InvalidRequest
+from worker.frames import dequantise, quantise
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
-from worker.sr.errors import Cancelled, InvalidRequest
-from worker.sr.frames import dequantise, quantise
 
 DEFAULT_WINDOW = 121  # frames the released checkpoint was trained on (5 s at 24 fps)
 DEFAULT_OVERLAP = 16
