@@ -8,15 +8,15 @@ from pathlib import Path
 from storage.config import Settings
 from storage.logs import dict_config, settings_secrets
 
-bind = os.environ.get("VSRQ_BIND", "127.0.0.1:8000")
-workers = int(os.environ.get("VSRQ_WEB_WORKERS", "2"))
+_settings = Settings()  # VSRQ_BIND, VSRQ_WEB_WORKERS, VSRQ_WEB_THREADS among them
+bind = _settings.bind
+workers = _settings.web_workers
 worker_class = "api.gunicorn_worker.ProblemWorker"  # gthread, answering its own errors as problem+json
-threads = int(os.environ.get("VSRQ_WEB_THREADS", "8"))
+threads = _settings.web_threads
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60
 accesslog = "-"
 errorlog = "-"
-_settings = Settings()
 logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings_secrets(_settings))
 
 # /metrics (api/metrics.py) sums the samples that every worker process writes to this directory (prometheus-client's

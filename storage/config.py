@@ -125,6 +125,12 @@ class Settings(BaseSettings):
     # "unacked_restore_throttle": 1} to see an unacknowledged message redelivered in seconds.
     broker_transport_options: dict[str, int | float | str] = {}
     health_ping_timeout_s: float = Field(0.5, gt=0)
+    reap_interval_s: float = Field(10, gt=0)  # between the reaper's passes (worker/reaper.py)
+
+    # The API's server (infra/gunicorn.conf.py): threads, not more processes (requests mostly wait on I/O)
+    bind: str = "127.0.0.1:8000"
+    web_workers: int = Field(2, ge=1)
+    web_threads: int = Field(8, ge=1)
 
     # Operations: log lines (storage/logs.py) and each Celery worker's Prometheus port (worker/metrics.py)
     log_format: Literal["json", "text"] = "json"  # text for people (the dev stack), json for a log pipeline

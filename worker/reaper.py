@@ -10,7 +10,6 @@ One reaper is enough, and more are safe: each requeue is an atomic, fenced scrip
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from time import monotonic
@@ -47,7 +46,7 @@ def reap_once(jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = No
 def main() -> None:
     settings = service.settings()
     configure(settings.log_format, settings.log_level, settings_secrets(settings))
-    interval = float(os.environ.get("VSRQ_REAP_INTERVAL_S", "10"))
+    interval = settings.reap_interval_s
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

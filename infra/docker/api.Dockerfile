@@ -13,6 +13,7 @@ RUN python requirements.py api pyproject.toml > /tmp/requirements.txt && pip ins
 
 COPY README.md Procfile ./
 COPY api api
+COPY client client
 COPY storage storage
 COPY worker worker
 COPY infra infra

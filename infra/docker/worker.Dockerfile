@@ -16,6 +16,7 @@ RUN python requirements.py worker pyproject.toml > /tmp/requirements.txt && pip 
 
 COPY README.md Procfile ./
 COPY api api
+COPY client client
 COPY storage storage
 COPY worker worker
 COPY infra infra
