@@ -1,6 +1,6 @@
 """The embedded local stack: Redis and SeaweedFS (infra.stack), then the Procfile's processes — the API under
 gunicorn, one CPU worker, the reaper, the webhook worker — on loopback, each logging into one directory, stopped by
-PID.
+PID; each also ends when this process does, however it ends (infra/children.py).
 
 `vsrq dev` keeps it up until Ctrl-C; `vsrq demo` runs the main job through it, as a user would over HTTP.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import requests
 
+from infra.children import ending_with_this_process
 from infra.stack import Stack, free_ports, stop_processes
 from storage.signatures import new_secret
 
@@ -67,10 +69,15 @@ class DevStack:
         return self
 
     def _spawn(self, name: str, command: list[str]) -> None:
+        # If this process dies without stop(): gunicorn's master stops its workers on SIGTERM; the Celery workers and
+        # the reaper keep nothing that is not in Redis (a job in hand is requeued when its lease runs out), and a
+        # warm shutdown would wait for that job, so they are killed.
+        death = signal.SIGTERM if name == "web" else signal.SIGKILL
         with open(self.root / f"{name}.log", "wb") as log:
             self._processes[name] = subprocess.Popen(
-                command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=ending_with_this_process(death),
+            )  # fmt: skip
 
     def _wait_for_worker(self, deadline: float) -> None:
         """Until /healthz answers and counts a worker (which loads its model first)."""

