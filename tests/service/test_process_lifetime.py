@@ -103,4 +103,3 @@ def test_redis_stops_when_its_data_directory_vanished(tmp_path, monkeypatch, pat
         assert took < 5 and "ready to exit" in stack.log_tail("redis"), (took, stack.log_tail("redis"))
     finally:
         stack.stop()
-
