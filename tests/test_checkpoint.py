@@ -61,7 +61,7 @@ def test_missing_directory_names_the_path_and_the_fix(tmp_path):
     with pytest.raises(CheckpointNotFound) as error:
         load(str(tmp_path / "nowhere"), [torch.device("cpu")])
     assert str(tmp_path / "nowhere") in error.value.message
-    assert "vsrq checkpoint tiny" in error.value.message and "huggingface-cli download" in error.value.message
+    assert "vsrq checkpoint tiny" in error.value.message and "hf download" in error.value.message
 
 
 def test_incomplete_directory_names_what_is_missing(tmp_path, tiny_piflow):

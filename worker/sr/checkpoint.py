@@ -32,7 +32,7 @@ UNUSED_UPSCALER_MODULES = {
     4: ("mid_output_head",),
 }
 HOW_TO_GET = (
-    f"Download the real weights with `huggingface-cli download {HUB_ID} --local-dir DIR` and pass that DIR, "
+    f"Download the real weights with `hf download {HUB_ID} --local-dir DIR` and pass that DIR, "
     "or write a tiny random checkpoint for tests and demos with `vsrq checkpoint tiny DIR`."
 )
 
