@@ -218,7 +218,7 @@ def s3_client(endpoint_url: str | None):
         import boto3
         from botocore.config import Config
     except ImportError:
-        raise BulkError("s3_unavailable", "s3:// sources need boto3: pip install boto3") from None
+        raise BulkError("s3_unavailable", "s3:// sources need boto3: pip install 'vsrq[s3]'") from None
     endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     config = Config(s3={"addressing_style": "path"}) if endpoint_url else None
     return boto3.client("s3", endpoint_url=endpoint_url, config=config)
