@@ -36,7 +36,7 @@ def die_with_parent(sig: signal.Signals, parent: int) -> None:
 def ending_with_this_process(sig: signal.Signals) -> Callable[[], None]:
     """A `preexec_fn` for subprocess.Popen: the child gets `sig` when the calling process (its thread) ends.
 
-    SIGTERM for a process that holds data and stops cleanly on it (Redis, SeaweedFS, gunicorn's master, which then
-    stops its workers); SIGKILL for one whose state is all in Redis and whose graceful stop could wait on a job."""
+    SIGTERM for a process that stops cleanly and promptly on it (Redis, gunicorn's master, which then stops its
+    workers); SIGKILL for one whose graceful stop could wait on a job or hang (the Celery workers, weed)."""
     parent = os.getpid()
     return lambda: die_with_parent(sig, parent)

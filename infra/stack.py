@@ -183,11 +183,14 @@ class Stack:
 
     def _spawn(self, name: str, command: list[str]) -> None:
         log = open(self.root / f"{name}.log", "ab")
-        # its own process group: a Ctrl-C meant for the caller does not kill the service before stop() runs; and
-        # SIGTERM (a clean stop: Redis fsyncs its AOF) if the caller dies without stopping it
+        # its own process group: a Ctrl-C meant for the caller does not kill the service before stop() runs; and a
+        # signal if the caller dies without stopping it: SIGTERM for Redis (it fsyncs its AOF and exits at once),
+        # SIGKILL for weed, whose graceful stop can hang for many seconds (seen: a component that never started) and
+        # which recovers its volumes at the next start
+        death = signal.SIGTERM if name == "redis" else signal.SIGKILL
         self._processes[name] = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True,
-            preexec_fn=ending_with_this_process(signal.SIGTERM),
+            preexec_fn=ending_with_this_process(death),
         )  # fmt: skip
         log.close()
 
