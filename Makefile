@@ -27,7 +27,7 @@ test: setup
 
 # infra/lock/*.txt from pyproject.toml's ranges, keeping the versions they pin (UPGRADE=--upgrade for the newest).
 # Needs uv (`pip install uv`). The worker's and the API's images: any platform, torch's CUDA build from PyPI. The
-# tests': Linux x86_64, CPython 3.11, torch's CPU build from PyPI's CPU index (TORCH_CPU: or a folder of wheels).
+# tests': Linux x86_64, CPython 3.11, torch's CPU build from PyTorch's CPU index (TORCH_CPU: or a folder of wheels).
 UV ?= uv
 TORCH_CPU ?= --extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match
 COMPILE = $(UV) pip compile pyproject.toml --generate-hashes --custom-compile-command "make lock" $(UPGRADE)
