@@ -155,7 +155,7 @@ class JobErrorInfo(BaseModel):
 
 
 class JobEvent(BaseModel):
-    type: str  # created, leased, stage, cancel_requested, requeued, completed, failed, cancelled, webhook
+    type: str  # created, leased, stage, cancel_requested, requeued, run (timings), completed, failed, cancelled, webhook
     at: float
     attempt: int
     status: Status

@@ -39,6 +39,12 @@ ATTEMPTS = Counter(
     "Attempts this worker ran, by how they ended: completed, failed, cancelled, requeued (retry or reaped), lost.",
     ["queue", "outcome"],
 )
+ENGINE_SECONDS = Histogram(
+    "vsrq_worker_engine_seconds",
+    "The upscaler's own seconds per attempt (its calls over the computed windows); the rest of an attempt is the "
+    "service's overhead: fetch, probe, MP4 tail, verify, upload.",
+    buckets=_JOB_BUCKETS,
+)
 TILES = Counter("vsrq_worker_tiles_total", "Tiles upscaled (tiles per window x windows computed, not restored).")
 FRAMES = Counter("vsrq_worker_output_frames_total", "Frames in verified outputs.")
 TILES_PER_SECOND = Gauge(
@@ -63,6 +69,7 @@ def record_upscale(result: Result) -> None:
     tiles = result.tiles * (result.windows - result.restored)
     TILES.inc(tiles)
     FRAMES.inc(result.written.video.frames)
+    ENGINE_SECONDS.observe(result.engine_seconds)
     if result.seconds > 0:
         TILES_PER_SECOND.set(tiles / result.seconds)
         FRAMES_PER_SECOND.set(result.written.video.frames / result.seconds)

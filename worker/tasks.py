@@ -49,6 +49,7 @@ from worker.media.errors import InputNotFound
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
 from worker.sr.request import SRRequest
+from worker.upscale import Result as UpscaleResult
 from worker.upscale import UpscaleOptions, upscale_file
 
 log = logging.getLogger("vsrq.worker")
@@ -139,6 +140,7 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         beat.settle()  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
+    _note_run(lease, result)
     lease.complete(
         OutputInfo(key=output_key, bytes=stored.size, sha256=stored.sha256, media=media_info(result.written))
     )
@@ -154,6 +156,24 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         _report_memory_once()
     except Exception:  # storage.lifecycle's sweep deletes the leftovers of ended jobs
         log.warning("%s: cleaning up after completion failed", job.id, exc_info=True)
+
+
+def _note_run(lease: Lease, result: UpscaleResult) -> None:
+    """A `run` event with the attempt's engine seconds beside its wall time, before `complete` so a completed job
+    has it: what the service costs on top of the model (bench/service.py reads it). Informational: never the
+    attempt's end."""
+    detail = {
+        "engine_s": round(result.engine_seconds, 3),
+        "upscale_s": round(result.seconds, 3),  # probe to verified file
+        "windows": result.windows,
+        "restored": result.restored,
+        "tiles": result.tiles,
+        "devices": list(result.devices),
+    }
+    try:
+        lease.store.note(lease.job_id, "run", detail)
+    except (JobNotFound, redis.exceptions.RedisError) as error:  # `complete` finds out what this means
+        log.warning("%s: could not record the run's timings: %s", lease.job_id, error)
 
 
 def _upload(path: Path, key: str, progress: Callable[[int], None]) -> BlobInfo:

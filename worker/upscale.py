@@ -23,6 +23,8 @@ from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
 from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, WindowProgress, WindowStore, plan_windows, upscale_windows
 
+ENGINE_STAGES = ("encode", "denoise_decode")  # `RunInfo.stage_seconds` that span the engine's call between them
+
 
 @dataclass(frozen=True)
 class UpscaleOptions:
@@ -48,6 +50,10 @@ class Result:
     carried: tuple[Carried, ...]
     notes: tuple[str, ...]  # what a user should know about how the job ran
     seconds: float
+    # The upscaler's own calls (encode, denoise and decode, the caller's blending and sink inside them), summed over
+    # computed windows: what is not probe, decode-ahead start, MP4 tail or verify. The service bench's overhead is
+    # a job's wall time less this.
+    engine_seconds: float = 0.0
 
 
 def upscale_file(
@@ -121,6 +127,7 @@ def upscale_file(
         carried=carried,
         notes=_notes(info, carried, first, options.request.scale, snap),
         seconds=perf_counter() - started,
+        engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
     )
 
 

@@ -126,6 +126,9 @@ def test_a_job_runs_end_to_end(api, worker, stereo_clip, jobs, s3, tmp_path):
     assert re.fullmatch(rf"{output_prefix(job['id'])}attempt-1-[0-9a-f]{{16}}\.mp4", jobs.require(job["id"]).output.key)
     stages = [event.detail["stage"] for event in jobs.events(job["id"]) if event.type == "stage"]
     assert [stage for stage in stages if stage != "upscaling"] == ["probing", "encoding", "uploading"], stages
+    # the attempt's engine seconds, beside its probe-to-verified-file seconds: what the service bench's overhead is
+    [run] = [event.detail for event in jobs.events(job["id"]) if event.type == "run"]
+    assert 0 < run["engine_s"] < run["upscale_s"] and (run["windows"], run["restored"]) == (1, 0), run
 
 
 def test_the_checkpoint_worker_runs_its_model(api, k6_worker, tmp_path):
