@@ -7,6 +7,7 @@ worker loads it at start (`worker_init`, see worker.tasks) rather than inside it
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,6 +33,10 @@ class WorkerSettings(BaseSettings):
     # "all": portrait and square tiles too (a short clip each), so their first job does not compile the decoder
     # either; "landscape": a faster start (a tile size's graphs took 77 s of a one-tile first call on an H200)
     warmup_tiles: Literal["all", "landscape"] = "all"
+    # Compiled graphs persist here between worker processes (a volume in compose/k8s): a restart loads the warmup's
+    # graphs instead of compiling them (worker.sr.compile_cache). Unset: Inductor's default, /tmp/torchinductor_<user>,
+    # which a container loses with its restart.
+    compile_cache_dir: Path | None = None
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
     # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)
     window: int | None = None
@@ -82,4 +87,5 @@ def upscaler():
         config.performance_mode,
         window if config.warmup else None,
         warmup_every_tile_size=config.warmup_tiles == "all",
+        compile_cache_dir=config.compile_cache_dir,
     )

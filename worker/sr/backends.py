@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from time import perf_counter
 from typing import Any, Literal, Protocol
 
 import torch
 
+from worker.sr import compile_cache
 from worker.sr.engine import SREngine
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
@@ -57,10 +59,14 @@ def open_upscaler(
     performance_mode: PerformanceMode = "speed",
     warmup_frames: int | None = DEFAULT_WINDOW,
     warmup_every_tile_size: bool = True,
+    compile_cache_dir: str | Path | None = None,
 ) -> Upscaler:
     """`warmup_frames` (the worker's window length; None: no warmup) builds the compiled blocks (GPUs) with one
     throwaway window, and with `warmup_every_tile_size` a short clip of each other tile size (portrait, square), so
-    the first job is not the cold one."""
+    the first job is not the cold one. `compile_cache_dir`: where compiled graphs persist between processes
+    (worker.sr.compile_cache): a restart loads the warmup's graphs instead of compiling them."""
+    if compile_cache_dir is not None:
+        log.info("compile cache in %s", compile_cache.use(compile_cache_dir))
     if model == "lanczos":
         return LanczosUpscaler()
     if any(device.startswith("cuda") for device in devices) and not _allocator_configured():
@@ -75,5 +81,10 @@ def open_upscaler(
         log.info("warming up %s (compiling for a %d-frame window, %s)", ",".join(map(str, engine.devices)), warmup_frames, tiles)
         started = perf_counter()
         info = engine.warmup(warmup_frames, every_tile_size=warmup_every_tile_size)
-        log.info("warm after %.1f s (%d tiles over %d devices)", perf_counter() - started, info.tiles, len(info.devices))
+        cache = compile_cache.stats()
+        log.info(
+            "warm after %.1f s (%d tiles over %d devices; compiled graphs from the cache: %d, compiled anew: %d)",
+            perf_counter() - started, info.tiles, len(info.devices), cache["fxgraph_cache_hit"],
+            cache["fxgraph_cache_miss"] + cache["fxgraph_cache_bypass"],
+        )  # fmt: skip
     return engine

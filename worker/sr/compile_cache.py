@@ -1,0 +1,43 @@
+"""Where compiled code persists between worker processes: Inductor's FX graph cache and AOTAutograd's cache (with
+the Triton kernels bundled into their entries) under one directory, so a restart (`kill -9`, a deploy, a KEDA
+scale-up onto a volume that holds it) loads the warmup's graphs instead of compiling them again.
+
+Both caches are keyed on the graph, the compile options (`compilation.COMPILE`: Inductor's deterministic mode is
+part of the key, the same at every start), torch/Triton versions and the device, so a directory shared by workers of
+one image and GPU model is portable between them; one from another version or GPU only misses. Dynamo still traces
+at every start (seconds); the code generation and the kernel compiles (most of a cold start) are what the cache
+saves. A directory on a volume is what `torch.compiler.save_cache_artifacts` would rebuild elsewhere: the worker uses
+the directory itself and ships no artifact blob.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+# Inductor's, AOTAutograd's and Triton's on-disk caches all live under TORCHINDUCTOR_CACHE_DIR (Triton's in
+# triton/<device>/ unless TRITON_CACHE_DIR says otherwise); the flags force the caches on whatever the defaults say.
+_ENVIRONMENT = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+
+
+def use(directory: str | Path) -> Path:
+    """Makes `directory` the process's compile cache (created if missing); call before the first compile."""
+    path = Path(directory).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.update(_ENVIRONMENT, TORCHINDUCTOR_CACHE_DIR=str(path))
+    # The flags are read when torch's config modules load (torch may be imported already): set them as well. They are
+    # process-wide defaults, which the engine's device threads start from.
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return path
+
+
+def stats() -> dict[str, int]:
+    """This process's FX graph cache hits, misses and bypasses, and AOTAutograd's hits and misses so far."""
+    counters = torch._dynamo.utils.counters
+    found = {name: int(counters["inductor"][name]) for name in COUNTERS}
+    found |= {f"autograd_cache_{name}": int(counters["aot_autograd"][f"autograd_cache_{name}"]) for name in ("hit", "miss")}
+    return found
