@@ -85,8 +85,11 @@ def stop_processes(processes: dict[str, subprocess.Popen], timeout_s: float) -> 
 
 
 class Stack:
-    def __init__(self, root: str | Path, *, bucket: str = "vsrq", ports: dict[str, int] | None = None) -> None:
-        self.root, self.bucket = Path(root).resolve(), bucket
+    def __init__(
+        self, root: str | Path, *, bucket: str = "vsrq", ports: dict[str, int] | None = None, s3: bool = True
+    ) -> None:
+        """`s3=False`: Redis alone, for a stack whose blobs are in a local directory (`blob_backend = "local"`)."""
+        self.root, self.bucket, self.s3 = Path(root).resolve(), bucket, s3
         self.ports = ports or dict(zip(DEFAULT_PORTS, free_ports(len(DEFAULT_PORTS)), strict=True))
         identity = json.loads(S3_CONFIG.read_text())["identities"][0]["credentials"][0]
         self.access_key, self.secret_key = identity["accessKey"], identity["secretKey"]
@@ -102,6 +105,8 @@ class Stack:
 
     def env(self) -> dict[str, str]:
         """The settings (storage/config.py) that point the API and workers at this stack."""
+        if not self.s3:
+            return {"VSRQ_REDIS_URL": self.redis_url}
         return {
             "VSRQ_REDIS_URL": self.redis_url,
             "VSRQ_BLOB_BACKEND": "s3",
@@ -124,10 +129,12 @@ class Stack:
     def start(self, timeout_s: float = 60) -> Stack:
         try:
             self._start_redis()
-            self._start_weed()
+            if self.s3:
+                self._start_weed()
             deadline = time.monotonic() + timeout_s
             self._wait("redis", deadline, self._redis_ready)
-            self._wait("weed", deadline, self._weed_ready)
+            if self.s3:
+                self._wait("weed", deadline, self._weed_ready)
         except BaseException:
             self.stop()
             raise

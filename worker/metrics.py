@@ -9,6 +9,8 @@ No torch at import: the webhook worker counts its deliveries here too, and loads
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -56,6 +58,21 @@ GPU_MEMORY_PEAK = Gauge(
     "Peak memory PyTorch's allocator reserved during the last job, per CUDA device (absent on the CPU).",
     ["device"],
 )
+GPU_MEMORY_RESERVED = Gauge(
+    "vsrq_gpu_memory_reserved_bytes",
+    "Memory PyTorch's allocator holds after the last job, per CUDA device: a value that keeps growing over jobs of "
+    "shapes seen before is a leak.",
+    ["device"],
+)
+COMPILED_GRAPHS = Gauge(
+    "vsrq_worker_compiled_graphs",
+    "Graphs Dynamo has built in this process (warmup included): a rise after a job of a shape seen before is a "
+    "rebuild, one after a new shape is its first job's compile.",
+)
+PINNED_HOST = Gauge(
+    "vsrq_pinned_host_bytes", "Pinned host memory PyTorch's host allocator owns (in use and cached) after the last job (GPU workers)."
+)
+THREADS = Gauge("vsrq_worker_threads", "Python threads alive in the worker process after the last job.")
 WEBHOOK_DELIVERIES = Counter("vsrq_webhook_deliveries_total", "Webhook deliveries attempted (each retry counts).")
 WEBHOOK_FAILURES = Counter("vsrq_webhook_delivery_failures_total", "Webhook deliveries that did not get a 2xx.")
 
@@ -70,6 +87,10 @@ def record_upscale(result: Result) -> None:
     TILES.inc(tiles)
     FRAMES.inc(result.written.video.frames)
     ENGINE_SECONDS.observe(result.engine_seconds)
+    THREADS.set(threading.active_count())
+    torch = sys.modules.get("torch")  # loaded by the engine; never imported here
+    if torch is not None:
+        COMPILED_GRAPHS.set(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     if result.seconds > 0:
         TILES_PER_SECOND.set(tiles / result.seconds)
         FRAMES_PER_SECOND.set(result.written.video.frames / result.seconds)
@@ -119,3 +140,5 @@ def record_gpu_peaks(devices: list[str]) -> None:
 
         for device in cuda_devices(devices):
             GPU_MEMORY_PEAK.labels(device).set(torch.cuda.max_memory_reserved(device))
+            GPU_MEMORY_RESERVED.labels(device).set(torch.cuda.memory_reserved(device))
+        PINNED_HOST.set(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))

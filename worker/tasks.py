@@ -24,6 +24,7 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 import redis.exceptions
+import torch
 from celery.signals import worker_init
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix
@@ -131,7 +132,9 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive
             )
         )
+        graphs = _graphs_built()
         result = upscale_file(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
+        graphs = _graphs_built() - graphs
         metrics.record_upscale(result)
 
         # 4. Upload to this attempt's key: a stale attempt may upload, but only the fenced `complete` promotes
@@ -140,7 +143,7 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         beat.settle()  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
-    _note_run(lease, result)
+    _note_run(lease, result, graphs)
     lease.complete(
         OutputInfo(key=output_key, bytes=stored.size, sha256=stored.sha256, media=media_info(result.written))
     )
@@ -158,7 +161,12 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         log.warning("%s: cleaning up after completion failed", job.id, exc_info=True)
 
 
-def _note_run(lease: Lease, result: UpscaleResult) -> None:
+def _graphs_built() -> int:
+    """Graphs Dynamo has built in this process: one built by a job means it met a shape the warmup did not compile."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _note_run(lease: Lease, result: UpscaleResult, graphs: int) -> None:
     """A `run` event with the attempt's engine seconds beside its wall time, before `complete` so a completed job
     has it: what the service costs on top of the model (bench/service.py reads it). Informational: never the
     attempt's end."""
@@ -169,6 +177,7 @@ def _note_run(lease: Lease, result: UpscaleResult) -> None:
         "restored": result.restored,
         "tiles": result.tiles,
         "devices": list(result.devices),
+        "graphs_built": graphs,
     }
     try:
         lease.store.note(lease.job_id, "run", detail)

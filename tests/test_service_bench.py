@@ -1,0 +1,52 @@
+"""bench/service.py on the CPU: the real stack (Redis, SeaweedFS, the API under gunicorn, a Celery worker on the tiny
+checkpoint, started twice with a kill -9 between), jobs through the API, the diffusers reference; every figure the
+GPU run reports comes out, with values that make sense (not the targets: a CPU measures nothing)."""
+
+from __future__ import annotations
+
+import json
+
+from bench.service import main
+
+
+def test_the_service_bench_reports_every_figure(tmp_path):
+    out = tmp_path / "service.jsonl"
+    main(["--tiny", "--blobs", "s3", "--jobs", "3", "--dir", str(tmp_path / "bench"), "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    by_phase: dict[str, list[dict]] = {}
+    for record in records:
+        by_phase.setdefault(record["phase"], []).append(record)
+
+    cold, warm = by_phase["worker_start"]
+    assert (cold["cache"], warm["cache"]) == ("cold", "warm (after kill -9)")
+    assert 0 < cold["ready_s"] < 300 and 0 < warm["ready_s"] < 300 and warm["cold_ready_s"] == cold["ready_s"]
+
+    solo = by_phase["solo"]
+    assert [job["job"] for job in solo] == ["W2", "W2", "W1"]
+    for job in solo + by_phase["queue_job"]:
+        assert job["output_ok"], job  # downloaded, read back: twice the size, every frame
+        assert 0 < job["engine_s"] < job["leased_to_completed_s"] <= job["post_to_completed_s"], job
+        assert job["overhead_s"] == round(job["post_to_completed_s"] - job["engine_s"], 3)
+        assert set(job["split_s"]) == {"lease", "download", "upscale_not_engine", "upload_complete"}
+        assert all(value >= 0 for value in job["split_s"].values()), job
+        assert sum(job["split_s"].values()) <= job["attempt_overhead_s"] + 0.01, job
+        assert job["graphs_built"] == 0  # nothing compiles on a CPU
+    assert solo[2]["tiles"] > solo[0]["tiles"]  # W1 tiles, W2 fits one
+
+    [new_size] = by_phase["first_job_of_a_new_size"]
+    assert new_size["job"] == "W2" and new_size["ratio"] == round(new_size["first_s"] / new_size["hot_s"], 3)
+
+    [queue] = by_phase["queue"]
+    assert queue["jobs"] == {"W2": 1, "portrait": 1, "square": 1}
+    assert 0 < queue["engine_busy_fraction"] <= 1 and queue["engine_s"] < queue["wall_s"] <= queue["client_wall_s"]
+    assert queue["gpu_sampled"] is None  # no nvidia-smi here
+    assert set(queue["idle_s_by_cause"]) == {"lease", "download", "upscale_not_engine", "upload_complete", "between_jobs"}
+    assert queue["megapixel_frames_per_gpu_hour"] > 0
+    stability = queue["stability"]
+    assert stability["graphs_rebuilt_for_a_seen_shape"] == [] and stability["jobs"] == 3
+    assert 0.5 < stability["last_over_first_peak"]["rss_gib"] < 2
+    assert stability["threads_first_last"][0] == stability["threads_first_last"][1] > 0  # no thread left per job
+
+    reference = by_phase["reference"][0]
+    assert [clip["job"] for clip in by_phase["reference_clip"]] == ["W2", "portrait", "square"]  # cheapest first
+    assert reference["skipped_for_time"] == [] and reference["reference_s"] > 0 and reference["vsrq_over_reference"] > 0
