@@ -50,3 +50,4 @@ def test_the_service_bench_reports_every_figure(tmp_path):
     reference = by_phase["reference"][0]
     assert [clip["job"] for clip in by_phase["reference_clip"]] == ["W2", "portrait", "square"]  # cheapest first
     assert reference["skipped_for_time"] == [] and reference["reference_s"] > 0 and reference["vsrq_over_reference"] > 0
+    assert reference["vsrq_over_reference_on_clips_it_ran"] > 0

