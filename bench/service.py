@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -73,6 +74,8 @@ TINY_WINDOW = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "2"}
 # after the last job with the peak after the first of each shape).
 MIX = ["W2", "portrait", "square", "W1", "W2", "long", "portrait", "1080p", "W2", "square"]
 SOLO = ["W2", "W2", "W1"]
+# worker.sr.backends' line once the warmup is over
+WARM_LINE = re.compile(r"warm after (?P<seconds>[\d.]+) s \(.*compiled graphs from the cache: (?P<hits>\d+), compiled anew: (?P<anew>\d+)\)")
 TERMINAL = ("completed", "failed", "cancelled")
 
 
@@ -162,14 +165,10 @@ class Service:
 
     def _warmup_line(self) -> dict[str, Any]:
         """The worker's own account of its warmup (worker.sr.backends logs it)."""
-        for line in self.worker_log.read_text(errors="replace").splitlines():
-            if "warm after" in line:
-                seconds = line.split("warm after ", 1)[1].split(" s", 1)[0]
-                hits = line.split("from the cache: ", 1)[1].split(",", 1)[0] if "from the cache: " in line else None
-                anew = line.split("compiled anew: ", 1)[1].rstrip(")") if "compiled anew: " in line else None
-                return {"warmup_s": float(seconds), "graphs_from_cache": int(hits) if hits else None,
-                        "graphs_compiled": int(anew) if anew else None}  # fmt: skip
-        return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None}  # the CPU compiles nothing
+        found = WARM_LINE.search(self.worker_log.read_text(errors="replace"))
+        if found is None:  # the CPU compiles nothing, and warms nothing up
+            return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None}
+        return {"warmup_s": float(found["seconds"]), "graphs_from_cache": int(found["hits"]), "graphs_compiled": int(found["anew"])}
 
     def kill_worker(self) -> None:
         """`kill -9`: no warm shutdown, no goodbye in the registry."""
