@@ -75,7 +75,10 @@ TINY_WINDOW = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "2"}
 MIX = ["W2", "portrait", "square", "W1", "W2", "long", "portrait", "1080p", "W2", "square"]
 SOLO = ["W2", "W2", "W1"]
 # worker.sr.backends' line once the warmup is over
-WARM_LINE = re.compile(r"warm after (?P<seconds>[\d.]+) s \(.*compiled graphs from the cache: (?P<hits>\d+), compiled anew: (?P<anew>\d+)\)")
+WARM_LINE = re.compile(
+    r"warm after (?P<seconds>[\d.]+) s \(.*"
+    r"compiled graphs from the cache: (?P<hits>\d+), compiled anew: (?P<anew>\d+)\)"
+)
 TERMINAL = ("completed", "failed", "cancelled")
 
 
@@ -83,7 +86,14 @@ class Service:
     """Redis (+ SeaweedFS with s3 blobs), the API under gunicorn, and at most one worker at a time."""
 
     def __init__(
-        self, root: Path, checkpoint: Path, devices: str, blobs: str, tiny: bool, lease_s: int, cache: Path | None = None
+        self,
+        root: Path,
+        checkpoint: Path,
+        devices: str,
+        blobs: str,
+        tiny: bool,
+        lease_s: int,
+        cache: Path | None = None,
     ) -> None:
         self.root, self.checkpoint, self.devices, self.tiny = root, checkpoint, devices, tiny
         self.stack = Stack(root / "stack", s3=blobs == "s3")
@@ -117,7 +127,8 @@ class Service:
     def start(self) -> Service:
         self.root.mkdir(parents=True, exist_ok=True)
         self.stack.start()
-        self._spawn("web", [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"], self.env())
+        gunicorn = [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"]
+        self._spawn("web", gunicorn, self.env())
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -128,13 +139,16 @@ class Service:
             if time.monotonic() > deadline or self._processes["web"].poll() is not None:
                 raise RuntimeError(f"the API did not come up; see {self.root}/web.log")
             time.sleep(0.1)
-        self.jobs = JobStore(open_redis(Settings(**{"redis_url": self.stack.redis_url})), result_ttl_s=3600, max_attempts=3)
+        redis = open_redis(Settings(**{"redis_url": self.stack.redis_url}))
+        self.jobs = JobStore(redis, result_ttl_s=3600, max_attempts=3)
         self.registry = WorkerRegistry(self.jobs.redis)
         return self
 
     def _spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
         with open(self.root / f"{name}.log", "ab") as log:
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._processes[name] = process
         return process
 
@@ -150,8 +164,9 @@ class Service:
             "VSRQ_METRICS_PORT": str(self.metrics_port),
         } | (TINY_WINDOW if self.tiny else {})
         self.worker_log = self.root / f"worker-{self.starts}.log"
-        command = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
-                   "-Q", QUEUE, "-n", self.worker_name, "--without-gossip", "--without-mingle", "--loglevel", "info"]  # fmt: skip
+        command = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
+                   "--concurrency", "1", "-Q", QUEUE, "-n", self.worker_name, "--without-gossip", "--without-mingle",
+                   "--loglevel", "info"]  # fmt: skip
         started = time.monotonic()
         self.worker = self._spawn(f"worker-{self.starts}", command, env)
         while not any(info.name == self.worker_name and info.pid == self.worker.pid for info in self.registry.list()):
@@ -168,7 +183,11 @@ class Service:
         found = WARM_LINE.search(self.worker_log.read_text(errors="replace"))
         if found is None:  # the CPU compiles nothing, and warms nothing up
             return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None}
-        return {"warmup_s": float(found["seconds"]), "graphs_from_cache": int(found["hits"]), "graphs_compiled": int(found["anew"])}
+        return {
+            "warmup_s": float(found["seconds"]),
+            "graphs_from_cache": int(found["hits"]),
+            "graphs_compiled": int(found["anew"]),
+        }
 
     def kill_worker(self) -> None:
         """`kill -9`: no warm shutdown, no goodbye in the registry."""
@@ -242,7 +261,8 @@ class Jobs:
             decoded = sum(1 for _ in container.decode(stream))
             size = (stream.codec_context.width, stream.codec_context.height)
         path.unlink()
-        return {"output_ok": size == (2 * width, 2 * height) and decoded == frames, "output": f"{size[0]}x{size[1]}x{decoded}"}
+        ok = size == (2 * width, 2 * height) and decoded == frames
+        return {"output_ok": ok, "output": f"{size[0]}x{size[1]}x{decoded}"}
 
     def timeline(self, job_id: str) -> dict[str, Any]:
         """The attempt's events: when it was leased, each stage, its `run` event (engine seconds), its end."""
@@ -312,7 +332,8 @@ class GpuSampler:
         if binary is None:
             return self
         self._process = subprocess.Popen(
-            [binary, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-lms", "100", "-i", "0"],
+            [binary, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-lms", "100",
+             "-i", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -360,7 +381,9 @@ class Bench:
             from worker.sr.checkpoint import write_tiny
 
             checkpoint = write_tiny(self.root / "tiny-checkpoint")
-        self.service = Service(self.root, Path(checkpoint), self.devices, args.blobs, args.tiny, args.lease_s, args.compile_cache)
+        self.service = Service(
+            self.root, Path(checkpoint), self.devices, args.blobs, args.tiny, args.lease_s, args.compile_cache
+        )
         self.clips = write_clips(self.root / "clips", args.tiny)
         self.started = time.monotonic()
         self.queue_jobs: list[str] = []
@@ -368,7 +391,8 @@ class Bench:
         self.attempt_seconds: dict[str, list[float]] = {}  # per clip: its queue jobs' leased -> completed
 
     def emit(self, record: dict[str, Any]) -> None:
-        record = {**record, "blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny, "date": time.strftime("%Y-%m-%d %H:%M")}
+        record |= {"blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny}
+        record["date"] = time.strftime("%Y-%m-%d %H:%M")
         line = json.dumps(record)
         print(line, flush=True)
         with self.out.open("a") as file:
@@ -379,7 +403,8 @@ class Bench:
 
     def ensure_worker(self) -> None:
         if self.service.worker is None:
-            self.emit({"phase": "worker_start", "cache": "as found", **self.service.start_worker(self.args.start_timeout_s)})
+            started = self.service.start_worker(self.args.start_timeout_s)
+            self.emit({"phase": "worker_start", "cache": "as found", **started})
 
     def start(self) -> None:
         shutil.rmtree(self.service.cache, ignore_errors=True)
@@ -428,7 +453,8 @@ class Bench:
             after.append(self.service.metrics())
             line = jobs.timeline(job_id)
             record = {"phase": "queue_job", **job_record(name, job_id, posted, seen, line)}
-            record |= jobs.check_output(job, name, self.root) if job["status"] == "completed" else {"status": job["status"]}
+            completed = job["status"] == "completed"
+            record |= jobs.check_output(job, name, self.root) if completed else {"status": job["status"]}
             record |= {"memory": gauges(after[-1])}
             self.emit(record)
             self.queue_jobs.append(name)
@@ -493,7 +519,8 @@ class Bench:
             if not seconds:  # the first call of the process pays the libraries' start-up: not the clip's
                 pipe(video=video[:, :5], resolution_scale=2, num_inference_steps=2, output_type="pt")
             started = time.perf_counter()
-            pipe(video=video, resolution_scale=2, num_inference_steps=2, generator=torch.Generator().manual_seed(SEED), output_type="pt")
+            generator = torch.Generator().manual_seed(SEED)
+            pipe(video=video, resolution_scale=2, num_inference_steps=2, generator=generator, output_type="pt")
             synchronize(device)
             seconds[name] = time.perf_counter() - started
             self.emit({"phase": "reference_clip", "job": name, "seconds": round(seconds[name], 3)})
@@ -518,8 +545,12 @@ class Bench:
 
 def gauges(values: dict[str, float]) -> dict[str, float]:
     """The worker's memory, threads and graphs after a job, from its /metrics."""
-    picked = {"rss_gib": values.get("process_resident_memory_bytes", 0) / 2**30, "threads": values.get("vsrq_worker_threads"),
-              "compiled_graphs": values.get("vsrq_worker_compiled_graphs"), "pinned_host_gib": values.get("vsrq_pinned_host_bytes", 0) / 2**30}  # fmt: skip
+    picked = {
+        "rss_gib": values.get("process_resident_memory_bytes", 0) / 2**30,
+        "threads": values.get("vsrq_worker_threads"),
+        "compiled_graphs": values.get("vsrq_worker_compiled_graphs"),
+        "pinned_host_gib": values.get("vsrq_pinned_host_bytes", 0) / 2**30,
+    }
     for key, value in values.items():
         if key.startswith(("vsrq_gpu_memory_reserved_bytes", "vsrq_gpu_memory_peak_bytes")):
             picked[key.replace("vsrq_gpu_memory_", "gpu_").replace("_bytes", "_gib")] = value / 2**30
@@ -567,17 +598,17 @@ def write_full_checkpoint(directory: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phases", default="start,solo,queue,reference")
-    parser.add_argument("--tiny", action="store_true", help="CPU, tiny checkpoint and clips: checks the bench, measures nothing")
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny checkpoint and clips: checks, measures nothing")
     parser.add_argument("--checkpoint", type=Path, help="the worker's checkpoint directory (--tiny writes a tiny one)")
-    parser.add_argument("--write-full-checkpoint", type=Path, metavar="DIR", help="write a full-size random checkpoint and exit")
+    parser.add_argument("--write-full-checkpoint", type=Path, metavar="DIR", help="write a random full-size one, exit")
     parser.add_argument("--devices", default="cuda:0")
     parser.add_argument("--blobs", choices=("local", "s3"), default="local")
     parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
-    parser.add_argument("--compile-cache", type=Path, help="the worker's compile cache (default DIR/compile-cache); start empties it")
+    parser.add_argument("--compile-cache", type=Path, help="worker's (default DIR/compile-cache); `start` empties it")
     parser.add_argument("--dir", type=Path, help="where the stack, logs and clips go (default var/service-bench-PID)")
     parser.add_argument("--out", type=Path, default=Path("service-bench.jsonl"))
     parser.add_argument("--budget-s", type=float, default=3600, help="the reference drops its dearest clips past this")
-    parser.add_argument("--reference-reserve-s", type=float, default=0, help="a reference clip starts only with this much budget left")
+    parser.add_argument("--reference-reserve-s", type=float, default=0, help="a reference clip needs this much budget")
     parser.add_argument("--start-timeout-s", type=float, default=600)
     parser.add_argument("--job-timeout-s", type=float, default=900)
     parser.add_argument("--lease-s", type=int, default=120)

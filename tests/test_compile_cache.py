@@ -41,12 +41,14 @@ print(json.dumps(compile_cache.stats()))
 
 
 def start(cache) -> dict[str, int]:
-    done = subprocess.run([sys.executable, "-c", START, str(cache)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", START, str(cache)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor's CPU code needs a C++ compiler")
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
 def test_a_restart_loads_the_compiled_graphs_from_the_cache_directory(tmp_path):
     cache = tmp_path / "compile-cache"
     cold = start(cache)

@@ -40,7 +40,8 @@ def test_the_service_bench_reports_every_figure(tmp_path):
     assert queue["jobs"] == {"W2": 1, "portrait": 1, "square": 1}
     assert 0 < queue["engine_busy_fraction"] <= 1 and queue["engine_s"] < queue["wall_s"] <= queue["client_wall_s"]
     assert queue["gpu_sampled"] is None  # no nvidia-smi here
-    assert set(queue["idle_s_by_cause"]) == {"lease", "download", "upscale_not_engine", "upload_complete", "between_jobs"}
+    causes = {"lease", "download", "upscale_not_engine", "upload_complete", "between_jobs"}
+    assert set(queue["idle_s_by_cause"]) == causes
     assert queue["megapixel_frames_per_gpu_hour"] > 0
     stability = queue["stability"]
     assert stability["graphs_rebuilt_for_a_seen_shape"] == [] and stability["jobs"] == 3

@@ -70,7 +70,8 @@ COMPILED_GRAPHS = Gauge(
     "rebuild, one after a new shape is its first job's compile.",
 )
 PINNED_HOST = Gauge(
-    "vsrq_pinned_host_bytes", "Pinned host memory PyTorch's host allocator owns (in use and cached) after the last job (GPU workers)."
+    "vsrq_pinned_host_bytes",
+    "Pinned host memory PyTorch's host allocator owns (in use and cached) after the last job (GPU workers).",
 )
 THREADS = Gauge("vsrq_worker_threads", "Python threads alive in the worker process after the last job.")
 WEBHOOK_DELIVERIES = Counter("vsrq_webhook_deliveries_total", "Webhook deliveries attempted (each retry counts).")

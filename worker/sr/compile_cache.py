@@ -39,5 +39,6 @@ def stats() -> dict[str, int]:
     """This process's FX graph cache hits, misses and bypasses, and AOTAutograd's hits and misses so far."""
     counters = torch._dynamo.utils.counters
     found = {name: int(counters["inductor"][name]) for name in COUNTERS}
-    found |= {f"autograd_cache_{name}": int(counters["aot_autograd"][f"autograd_cache_{name}"]) for name in ("hit", "miss")}
+    for name in ("autograd_cache_hit", "autograd_cache_miss"):
+        found[name] = int(counters["aot_autograd"][name])
     return found
