@@ -34,8 +34,8 @@ class WorkerSettings(BaseSettings):
     # either; "landscape": a faster start (a tile size's graphs took 77 s of a one-tile first call on an H200)
     warmup_tiles: Literal["all", "landscape"] = "all"
     # Compiled graphs persist here between worker processes (a volume in compose/k8s): a restart loads the warmup's
-    # graphs instead of compiling them (worker.sr.compile_cache). Unset: Inductor's default, /tmp/torchinductor_<user>,
-    # which a container loses with its restart.
+    # graphs instead of compiling them (worker.sr.compile_cache). Unset: TORCHINDUCTOR_CACHE_DIR (the worker image's
+    # /cache volume), else Inductor's /tmp/torchinductor_<user>, which a container loses with its restart.
     compile_cache_dir: Path | None = None
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
     # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)
