@@ -1,0 +1,331 @@
+"""Weights that wait in pinned host memory and visit the GPU only while their component runs (the offloaded
+performance modes), so a 12 or 16 GB card runs what needs ~10 GiB of resident weights elsewhere.
+
+A replica's weights fall into units, each brought to the GPU for one stretch of an engine call and let go after:
+- `encoder` (the whole-video encode) and `latent_upscaler` (each tile's latent upscale): once per call (window);
+- `transformer`: while the device denoises its tiles; with `Offload.layers` only its embeddings, output layer and
+  first `resident_blocks` blocks, the other blocks streamed one after another through a ring of `prefetch` + 1
+  device slots, each copied in `prefetch` blocks ahead of the one that runs;
+- `decoder`: while the device decodes its tiles (all its blocks resident meanwhile), then let go.
+The engine asks for the next unit (`prefetch`) before it queues the current one's work, so the copy, on a side
+stream of its own, runs beside that work.
+
+Each unit's home is one pinned buffer (PyTorch's pinned allocator rounds every allocation up to a power of two:
+one buffer per unit instead of one per tensor), and on the device one buffer of the same layout: one copy per unit
+or block. A weight is the same `nn.Parameter` (or buffer) object throughout; only its `.data` points at the home
+view or at the device view. Compiled blocks guard on a parameter's shape, strides, dtype and device, never on its
+address, so a streamed block runs the graphs a resident one built (CPU test on Dynamo's counters). The copies are
+exact and every view keeps its tensor's strides at a 512-byte alignment (the CUDA allocator's): where weights live
+never changes a bit of the output.
+
+On a CPU "device" home and device are both host memory: the same code runs, with synchronous copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_ALIGN = 512  # bytes: where the CUDA allocator starts its blocks, so kernels see the alignment they would resident
+
+
+@dataclass(frozen=True)
+class Offload:
+    """How a replica's weights are placed: units on demand, and with `layers` the transformer's blocks past the
+    first `resident_blocks` streamed with `prefetch` blocks in flight (a setting to sweep: bench/bench.py)."""
+
+    layers: bool = False
+    resident_blocks: int = 4
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        if self.resident_blocks < 0 or self.prefetch < 1:
+            raise ValueError("offload needs resident_blocks >= 0 and prefetch >= 1")
+
+
+class _Layout:
+    """Where each tensor of a group sits in one flat byte buffer, strides kept."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.places, size = [], 0
+        for tensor in tensors:
+            stride = torch.empty_like(tensor, device="meta").stride()  # no gaps: what a resident copy would have
+            self.places.append((size, tensor.shape, stride, tensor.dtype, tensor.nbytes))
+            size += -(-tensor.nbytes // _ALIGN) * _ALIGN
+        self.size = size
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        views = []
+        for offset, shape, stride, dtype, nbytes in self.places:
+            flat = buffer[offset : offset + nbytes].view(dtype)
+            views.append(flat.as_strided(shape, stride, flat.storage_offset()))
+        return views
+
+    def matches(self, other: _Layout) -> bool:
+        return self.size == other.size and self.places == other.places
+
+
+def _weights(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> list[torch.Tensor]:
+    """The parameters and buffers of `module` outside the modules in `skip`, each once."""
+    skipped = {id(tensor) for part in skip for tensor in (*part.parameters(), *part.buffers())}
+    seen: dict[int, torch.Tensor] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in skipped:
+            seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def _point(tensors: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+    for tensor, view in zip(tensors, views, strict=True):
+        tensor.data = view
+
+
+class _Unit:
+    """A group of weights with its pinned home copy; `.data` of each points home unless the unit is on the device."""
+
+    def __init__(self, tensors: list[torch.Tensor], pin: bool) -> None:
+        self.tensors = tensors
+        self.layout = _Layout(tensors)
+        self.home = torch.empty(self.layout.size, dtype=torch.uint8, pin_memory=pin)
+        self.home_views = self.layout.views(self.home)
+        for view, tensor in zip(self.home_views, tensors):
+            view.copy_(tensor.detach())
+        self.go_home()  # the device copies they had are freed once nothing else holds them
+        self.buffer: torch.Tensor | None = None  # on the device, while brought in
+        self.ready: torch.cuda.Event | None = None
+        self.users = 0
+
+    def go_home(self) -> None:
+        _point(self.tensors, self.home_views)
+
+
+class Placement:
+    """One replica's offloaded weights: `prefetch(unit)` starts bringing a unit in, `using(unit)` holds it on the
+    device (and waits, on the current stream, for its copy), the last user lets it go. Replicas shared by several
+    CPU "devices" count their users."""
+
+    def __init__(self, replica, offload: Offload) -> None:
+        self.offload = offload
+        self.device = replica.device
+        on_gpu = self.device.type == "cuda"
+        self.copies = 0  # units and blocks copied in so far, and their bytes: what tests and the bench count
+        self.bytes_copied = 0
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(self.device) if on_gpu else None
+        transformer, vae = replica.transformer, replica.vae
+        blocks = transformer.visual_transformer_blocks
+        streamed = list(blocks)[offload.resident_blocks :] if offload.layers else []
+        self.units: dict[str, _Unit] = {
+            "encoder": _Unit(_weights(vae.encoder), on_gpu),
+            "transformer": _Unit(_weights(transformer, skip=tuple(streamed)), on_gpu),
+            "decoder": _Unit(_weights(vae.decoder), on_gpu),
+        }
+        if replica.latent_upscaler is not None:
+            self.units["latent_upscaler"] = _Unit(_weights(replica.latent_upscaler), on_gpu)
+        self.blocks = _BlockStream(self, [_Unit(_weights(block), on_gpu) for block in streamed]) if streamed else None
+        if self.blocks is not None:
+            self.blocks.owner = blocks
+            blocks.__class__ = StreamedBlocks
+            blocks.vsrq_stream = self.blocks
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes the homes take (pinned on GPUs)."""
+        return sum(unit.home.numel() for unit in self._all_units())
+
+    def resident_bytes(self, *names: str) -> int:
+        """Device bytes units `names` take while brought in (the transformer's with its block slots)."""
+        size = sum(self.units[name].layout.size for name in names if name in self.units)
+        if "transformer" in names and self.blocks is not None:
+            size += self.blocks.slot_bytes
+        return size
+
+    def prefetch(self, name: str) -> None:
+        """Starts copying unit `name` to the device (nothing if it is there or on its way, or not offloaded)."""
+        with self._lock:
+            unit = self.units.get(name)
+            if unit is None or unit.buffer is not None:
+                return
+            unit.buffer, unit.ready = self._bring(unit.home, unit.layout.size)
+            _point(unit.tensors, unit.layout.views(unit.buffer))
+
+    @contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        """Unit `name` on the device for the block's work, queued on the current stream behind its copy."""
+        self._acquire(name)
+        try:
+            yield
+        finally:
+            self._release(name)
+
+    def restore(self) -> None:
+        """Every weight back on the device for good, as a resident replica has it (another mode takes over)."""
+        with self._lock:
+            for unit in self._all_units():
+                _point(unit.tensors, [view.to(self.device, copy=True) for view in unit.home_views])
+            if self.blocks is not None:
+                self.blocks.owner.__class__ = nn.ModuleList
+                del self.blocks.owner.vsrq_stream
+
+    def _all_units(self) -> list[_Unit]:
+        return [*self.units.values(), *(self.blocks.units if self.blocks is not None else ())]
+
+    def _acquire(self, name: str) -> None:
+        self.prefetch(name)
+        with self._lock:
+            unit = self.units.get(name)
+            if unit is None:
+                return
+            if unit.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(unit.ready)
+            unit.users += 1
+            if name == "transformer" and self.blocks is not None and unit.users == 1:
+                self.blocks.open()
+
+    def _release(self, name: str) -> None:
+        with self._lock:
+            unit = self.units.get(name)
+            if unit is None:
+                return
+            unit.users -= 1
+            if unit.users:
+                return
+            # The device buffer goes back to the current stream's pool, behind the work queued on it.
+            unit.go_home()
+            unit.buffer = unit.ready = None
+            if name == "transformer" and self.blocks is not None:
+                self.blocks.close()
+
+    def _bring(self, home: torch.Tensor, size: int, into: torch.Tensor | None = None, after: torch.cuda.Event | None = None):
+        """Copies `home` into `into` (a new device buffer, from the current stream's pool, if None) on the side
+        stream; returns (buffer, the event that ends the copy; None on a CPU)."""
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device) if into is None else into
+        self.copies += 1
+        self.bytes_copied += size
+        if self._stream is None:
+            buffer.copy_(home)
+            return buffer, None
+        # The memory may have held tensors the current stream still reads (freed by work queued before now): the
+        # copy starts once that work is done, and runs beside whatever is queued after it.
+        issued = torch.cuda.current_stream(self.device).record_event() if after is None else after
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(issued)
+            buffer.copy_(home, non_blocking=True)
+            ready = self._stream.record_event()
+        if into is None:
+            buffer.record_stream(self._stream)  # freed early (a call that stops), it must outwait the copy
+        return buffer, ready
+
+
+class _BlockStream:
+    """The transformer's streamed blocks: while the transformer is in use, a ring of `prefetch + 1` device slots of
+    one block's layout; block j runs from slot j mod ring, copied in while the `prefetch` blocks before it run."""
+
+    def __init__(self, placement: Placement, units: list[_Unit]) -> None:
+        self.placement, self.units = placement, units
+        self.layout = units[0].layout
+        if not all(unit.layout.matches(self.layout) for unit in units):
+            raise ValueError("streamed transformer blocks must share one layout")
+        self.depth = placement.offload.prefetch
+        self.ring = min(self.depth + 1, len(units))
+        self.slot_bytes = self.ring * self.layout.size
+        self.slots: list[torch.Tensor] = []
+        self.owner: nn.ModuleList | None = None
+        self._one_forward = threading.Lock()  # replicas shared by CPU "devices": one stream of blocks at a time
+
+    def open(self) -> None:
+        device = self.placement.device
+        self.slots = [torch.empty(self.layout.size, dtype=torch.uint8, device=device) for _ in range(self.ring)]
+        self._slot_views = [self.layout.views(slot) for slot in self.slots]
+
+    def close(self) -> None:
+        self.slots, self._slot_views = [], []
+
+    def run(self, blocks: list[nn.Module]) -> Iterator[nn.Module]:
+        """The transformer's blocks in order, each streamed one on the device while (and only while) it is queued."""
+        streamed = len(blocks) - len(self.units)
+        if not self.slots:  # not inside the transformer's use (a module walk): the blocks as they are
+            yield from blocks
+            return
+        yield from blocks[:streamed]
+        device = self.placement.device
+        on_gpu = device.type == "cuda"
+        done: list[torch.cuda.Event | None] = [None] * self.ring  # the last block run from each slot
+        ready: dict[int, torch.cuda.Event | None] = {}
+        count = len(self.units)
+
+        def issue(j: int) -> None:
+            slot = j % self.ring
+            _, ready[j] = self.placement._bring(self.units[j].home, self.layout.size, into=self.slots[slot], after=done[slot])
+
+        with self._one_forward:
+            try:
+                for j in range(min(self.depth, count)):
+                    issue(j)
+                for j in range(count):
+                    if j + self.depth < count:
+                        issue(j + self.depth)  # into the slot of block j - 1, once it has run
+                    unit = self.units[j]
+                    if on_gpu:
+                        torch.cuda.current_stream(device).wait_event(ready.pop(j))
+                    _point(unit.tensors, self._slot_views[j % self.ring])
+                    yield blocks[streamed + j]
+                    # Block j is queued (run, on a CPU): its slot is free once the device gets past this point.
+                    done[j % self.ring] = torch.cuda.current_stream(device).record_event() if on_gpu else None
+                    unit.go_home()
+            finally:
+                for unit in self.units:
+                    unit.go_home()
+
+
+class StreamedBlocks(nn.ModuleList):
+    """The transformer's block list while its blocks are streamed: iterating it (the transformer's forward does,
+    once per call) brings each block in ahead of its turn."""
+
+    vsrq_stream: _BlockStream
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return self.vsrq_stream.run(list(self._modules.values()))
+
+
+def place(replica, offload: Offload | None) -> Placement | None:
+    """Puts `replica`'s weights where `offload` wants them (None: all resident on its device), undoing another
+    placement first; nothing to do where they already are so."""
+    current = replica.placement
+    if current is not None and current.offload == offload:
+        return current
+    if current is not None:
+        current.restore()
+        replica.placement = None
+    if offload is None:
+        for module in replica.modules().values():
+            module.to(replica.device)
+        return None
+    replica.placement = Placement(replica, offload)
+    return replica.placement
+
+
+class _Resident:
+    """The placement of resident weights: nothing to bring in or let go."""
+
+    offload = None
+    pinned_bytes = 0
+
+    def prefetch(self, name: str) -> None:
+        pass
+
+    @contextmanager
+    def using(self, name: str) -> Iterator[None]:
+        yield
+
+
+RESIDENT = _Resident()
+
+
+def placement_of(replica) -> Placement | _Resident:
+    return replica.placement if replica.placement is not None else RESIDENT
