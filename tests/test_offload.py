@@ -165,3 +165,36 @@ def test_streamed_blocks_run_the_graphs_resident_blocks_built():
 def test_offload_settings_are_checked():
     with pytest.raises(ValueError):
         Offload(prefetch=0)
+
+
+@pytest.mark.parametrize(
+    ("free_gib", "mode"),
+    [(139, "speed"), (39.5, "speed"), (23.6, "memory"), (22.5, "memory"), (15, "offload"), (11.5, "offload_layers"), (6, "offload_layers")],
+)
+def test_auto_picks_the_fastest_mode_that_fits_the_free_memory(free_gib, mode):
+    """The full-size model's weights (bf16, pruned upscaler: 10.4 GiB) plus a W1 tile's decode working set: a 24 GB
+    card decodes tile by tile with resident weights (W1 measured 20.0 GiB there), a 16 GB card offloads the
+    components, a 12 GB one streams the transformer's blocks too; the meta device gives sizes without memory."""
+    import diffusers
+
+    from worker.sr.backends import PERFORMANCE_MODES, choose_mode, needed_bytes
+    from worker.sr.checkpoint import Components, prune_upscaler
+
+    with torch.device("meta"):
+        parts = [diffusers.Kandinsky6SRTransformer3DModel(), diffusers.Kandinsky6SRVAE(), diffusers.Kandinsky6SRLatentUpscalerBank()]
+    transformer, vae, upscaler = (torch.nn.Module.to(part, torch.bfloat16) for part in parts)
+    replica = Components(torch.device("cuda:0"), transformer, vae, None, prune_upscaler(upscaler))
+    needs = [needed_bytes(name, replica) for name in PERFORMANCE_MODES]
+    assert needs == sorted(needs, reverse=True)  # the table runs from the fastest to the smallest
+    assert choose_mode(replica, int(free_gib * 2**30)) == mode
+
+
+@pytest.mark.parametrize("mode", ["offload", "offload_layers"])
+def test_open_upscaler_runs_the_offloaded_modes_and_auto_is_speed_on_a_cpu(tiny_piflow, resident, mode):
+    from worker.sr.backends import PERFORMANCE_MODES, open_upscaler
+
+    engine = open_upscaler(str(tiny_piflow), ["cpu"], mode, offload_prefetch=3)
+    assert engine.replicas[0].placement.offload.prefetch == 3
+    assert engine.replicas[0].placement.offload.layers == PERFORMANCE_MODES[mode]["offload"].layers
+    assert torch.equal(run(engine, clip(2, frames=13), SRRequest(scale=2, seed=3)), resident)
+    assert open_upscaler(str(tiny_piflow), ["cpu"]).performance_mode == "speed"
