@@ -10,9 +10,9 @@ A replica's weights fall into units, each brought to the GPU for one stretch of 
 The engine asks for the next unit (`prefetch`) before it queues the current one's work, so the copy, on a side
 stream of its own, runs beside that work.
 
-Each unit's home is one pinned buffer (PyTorch's pinned allocator rounds every allocation up to a power of two:
-one buffer per unit instead of one per tensor), and on the device one buffer of the same layout: one copy per unit
-or block. A weight is the same `nn.Parameter` (or buffer) object throughout; only its `.data` points at the home
+Each unit's home is one host buffer, page-locked where it is (`cudaHostRegister`; PyTorch's pinned allocator rounds
+every allocation up to a power of two: the 4.4 GB latent upscaler would take 8 GB, all units 17 GB instead of 10.7),
+and on the device one buffer of the same layout: one copy per unit or block. A weight is the same `nn.Parameter` (or buffer) object throughout; only its `.data` points at the home
 view or at the device view. Compiled blocks guard on a parameter's shape, strides, dtype and device, never on its
 address, so a streamed block runs the graphs a resident one built (CPU test on Dynamo's counters). The copies are
 exact and every view keeps its tensor's strides at a 512-byte alignment (the CUDA allocator's): where weights live
@@ -23,6 +23,7 @@ On a CPU "device" home and device are both host memory: the same code runs, with
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,37 @@ import torch
 from torch import nn
 
 _ALIGN = 512  # bytes: where the CUDA allocator starts its blocks, so kernels see the alignment they would resident
+log = logging.getLogger("vsrq.engine")
+
+
+class _Registration:
+    """Host memory page-locked in place; unlocked before the memory can be freed (it holds the buffer)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.locked = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) == 0
+
+    def __del__(self) -> None:
+        if self.locked:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            except (AttributeError, RuntimeError):  # interpreter shutdown; the process's exit unlocks it anyway
+                pass
+
+
+def _host_buffer(size: int, pin: bool) -> tuple[torch.Tensor, _Registration | None]:
+    """`size` bytes of host memory, page-locked if `pin` (in place; from PyTorch's pinned allocator where the
+    driver refuses that)."""
+    buffer = torch.empty(size, dtype=torch.uint8)
+    if not pin:
+        return buffer, None
+    try:
+        registration = _Registration(buffer)
+        if registration.locked and buffer.is_pinned():
+            return buffer, registration
+    except (AttributeError, RuntimeError, TypeError) as error:  # a torch without (this form of) the binding
+        log.info("page-locking in place failed (%s): pinned allocations instead", error)
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True), None
 
 
 @dataclass(frozen=True)
@@ -91,7 +123,7 @@ class _Unit:
     def __init__(self, tensors: list[torch.Tensor], pin: bool) -> None:
         self.tensors = tensors
         self.layout = _Layout(tensors)
-        self.home = torch.empty(self.layout.size, dtype=torch.uint8, pin_memory=pin)
+        self.home, self._registration = _host_buffer(self.layout.size, pin)
         self.home_views = self.layout.views(self.home)
         for view, tensor in zip(self.home_views, tensors):
             view.copy_(tensor.detach())
