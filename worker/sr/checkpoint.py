@@ -129,7 +129,7 @@ def load(
         for name, module in replica.modules().items():
             target = torch.device("cpu") if on_host else device
             module.requires_grad_(False).eval().to(target)
-            if target.type == "cpu":
+            if device.type == "cpu":  # (a GPU's offloaded weights get a home of their own: `offload`)
                 _own_memory(module)
             report.rows.append((name, str(device), module_bytes(module)))
         replicas[device] = replica

@@ -128,51 +128,71 @@ class _Unit:
         for view, tensor in zip(self.home_views, tensors):
             view.copy_(tensor.detach())
         self.go_home()  # the device copies they had are freed once nothing else holds them
-        self.buffer: torch.Tensor | None = None  # on the device, while brought in
-        self.ready: torch.cuda.Event | None = None
-        self.users = 0
 
     def go_home(self) -> None:
         _point(self.tensors, self.home_views)
 
 
+class _Group:
+    """Units brought in and let go together, into one device buffer: a component (the transformer: its embeddings
+    and output layer, and the blocks not streamed)."""
+
+    def __init__(self, members: list[_Unit]) -> None:
+        self.members = members
+        self.size = sum(member.layout.size for member in members)
+        self.buffer: torch.Tensor | None = None  # on the device, while brought in
+        self.ready: torch.cuda.Event | None = None
+        self.users = 0
+
+
 class Placement:
     """One replica's offloaded weights: `prefetch(unit)` starts bringing a unit in, `using(unit)` holds it on the
     device (and waits, on the current stream, for its copy), the last user lets it go. Replicas shared by several
-    CPU "devices" count their users."""
+    CPU "devices" count their users. The homes are made once; another `Offload` only regroups them (`configure`)."""
 
     def __init__(self, replica, offload: Offload) -> None:
-        self.offload = offload
         self.device = replica.device
         on_gpu = self.device.type == "cuda"
-        self.copies = 0  # units and blocks copied in so far, and their bytes: what tests and the bench count
+        self.copies = 0  # copies queued so far (a unit, or a block), and their bytes: what tests and the bench count
         self.bytes_copied = 0
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if on_gpu else None
         transformer, vae = replica.transformer, replica.vae
-        blocks = transformer.visual_transformer_blocks
-        streamed = list(blocks)[offload.resident_blocks :] if offload.layers else []
-        self.units: dict[str, _Unit] = {
-            "encoder": _Unit(_weights(vae.encoder), on_gpu),
-            "transformer": _Unit(_weights(transformer, skip=tuple(streamed)), on_gpu),
-            "decoder": _Unit(_weights(vae.decoder), on_gpu),
+        self._owner = transformer.visual_transformer_blocks
+        blocks = list(self._owner._modules.values())
+        self._core = _Unit(_weights(transformer, skip=tuple(blocks)), on_gpu)  # embeddings, output layer
+        self._blocks = [_Unit(_weights(block), on_gpu) for block in blocks]
+        self.units: dict[str, _Group] = {
+            "encoder": _Group([_Unit(_weights(vae.encoder), on_gpu)]),
+            "decoder": _Group([_Unit(_weights(vae.decoder), on_gpu)]),
         }
         if replica.latent_upscaler is not None:
-            self.units["latent_upscaler"] = _Unit(_weights(replica.latent_upscaler), on_gpu)
-        self.blocks = _BlockStream(self, [_Unit(_weights(block), on_gpu) for block in streamed]) if streamed else None
+            self.units["latent_upscaler"] = _Group([_Unit(_weights(replica.latent_upscaler), on_gpu)])
+        self.blocks: _BlockStream | None = None
+        self.configure(offload)
+
+    def configure(self, offload: Offload) -> None:
+        """Which blocks come with the transformer and which stream (between calls; no copies)."""
+        self.offload = offload
+        resident = min(offload.resident_blocks, len(self._blocks)) if offload.layers else len(self._blocks)
+        self.units["transformer"] = _Group([self._core, *self._blocks[:resident]])
+        streamed = self._blocks[resident:]
+        self.blocks = _BlockStream(self, streamed) if streamed else None
         if self.blocks is not None:
-            self.blocks.owner = blocks
-            blocks.__class__ = StreamedBlocks
-            blocks.vsrq_stream = self.blocks
+            self._owner.__class__ = StreamedBlocks
+            self._owner.vsrq_stream = self.blocks
+        elif isinstance(self._owner, StreamedBlocks):
+            self._owner.__class__ = nn.ModuleList
+            del self._owner.vsrq_stream
 
     @property
     def pinned_bytes(self) -> int:
-        """Host bytes the homes take (pinned on GPUs)."""
+        """Host bytes the homes take (page-locked on GPUs)."""
         return sum(unit.home.numel() for unit in self._all_units())
 
     def resident_bytes(self, *names: str) -> int:
         """Device bytes units `names` take while brought in (the transformer's with its block slots)."""
-        size = sum(self.units[name].layout.size for name in names if name in self.units)
+        size = sum(self.units[name].size for name in names if name in self.units)
         if "transformer" in names and self.blocks is not None:
             size += self.blocks.slot_bytes
         return size
@@ -180,11 +200,20 @@ class Placement:
     def prefetch(self, name: str) -> None:
         """Starts copying unit `name` to the device (nothing if it is there or on its way, or not offloaded)."""
         with self._lock:
-            unit = self.units.get(name)
-            if unit is None or unit.buffer is not None:
+            group = self.units.get(name)
+            if group is None or group.buffer is not None:
                 return
-            unit.buffer, unit.ready = self._bring(unit.home, unit.layout.size)
-            _point(unit.tensors, unit.layout.views(unit.buffer))
+            # From the current stream's pool: one pool for weights and activations, each reusing the other's memory.
+            group.buffer = buffer = torch.empty(group.size, dtype=torch.uint8, device=self.device)
+            if self._stream is not None:
+                buffer.record_stream(self._stream)  # freed early (a call that stops), it must outwait the copy
+            pairs, offset = [], 0
+            for member in group.members:
+                place = buffer[offset : offset + member.layout.size]
+                pairs.append((member.home, place))
+                _point(member.tensors, member.layout.views(place))
+                offset += member.layout.size
+            group.ready = self._copy(pairs)
 
     @contextmanager
     def using(self, name: str) -> Iterator[None]:
@@ -196,62 +225,61 @@ class Placement:
             self._release(name)
 
     def restore(self) -> None:
-        """Every weight back on the device for good, as a resident replica has it (another mode takes over)."""
+        """Every weight back on the device for good, as a resident replica has it (a resident mode takes over)."""
         with self._lock:
             for unit in self._all_units():
                 _point(unit.tensors, [view.to(self.device, copy=True) for view in unit.home_views])
-            if self.blocks is not None:
-                self.blocks.owner.__class__ = nn.ModuleList
-                del self.blocks.owner.vsrq_stream
+            if isinstance(self._owner, StreamedBlocks):
+                self._owner.__class__ = nn.ModuleList
+                del self._owner.vsrq_stream
 
     def _all_units(self) -> list[_Unit]:
-        return [*self.units.values(), *(self.blocks.units if self.blocks is not None else ())]
+        return [self._core, *self._blocks, *(m for name, g in self.units.items() if name != "transformer" for m in g.members)]
 
     def _acquire(self, name: str) -> None:
         self.prefetch(name)
         with self._lock:
-            unit = self.units.get(name)
-            if unit is None:
+            group = self.units.get(name)
+            if group is None:
                 return
-            if unit.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(unit.ready)
-            unit.users += 1
-            if name == "transformer" and self.blocks is not None and unit.users == 1:
+            if group.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(group.ready)
+            group.users += 1
+            if name == "transformer" and self.blocks is not None and group.users == 1:
                 self.blocks.open()
 
     def _release(self, name: str) -> None:
         with self._lock:
-            unit = self.units.get(name)
-            if unit is None:
+            group = self.units.get(name)
+            if group is None:
                 return
-            unit.users -= 1
-            if unit.users:
+            group.users -= 1
+            if group.users:
                 return
             # The device buffer goes back to the current stream's pool, behind the work queued on it.
-            unit.go_home()
-            unit.buffer = unit.ready = None
+            for member in group.members:
+                member.go_home()
+            group.buffer = group.ready = None
             if name == "transformer" and self.blocks is not None:
                 self.blocks.close()
 
-    def _bring(self, home: torch.Tensor, size: int, into: torch.Tensor | None = None, after: torch.cuda.Event | None = None):
-        """Copies `home` into `into` (a new device buffer, from the current stream's pool, if None) on the side
-        stream; returns (buffer, the event that ends the copy; None on a CPU)."""
-        buffer = torch.empty(size, dtype=torch.uint8, device=self.device) if into is None else into
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+        """Copies each home into its device place on the side stream, once `after` (default: the work queued on
+        the current stream so far) is done; returns the event that ends the copies (None on a CPU)."""
         self.copies += 1
-        self.bytes_copied += size
+        self.bytes_copied += sum(home.numel() for home, _ in pairs)
         if self._stream is None:
-            buffer.copy_(home)
-            return buffer, None
+            for home, place in pairs:
+                place.copy_(home)
+            return None
         # The memory may have held tensors the current stream still reads (freed by work queued before now): the
         # copy starts once that work is done, and runs beside whatever is queued after it.
         issued = torch.cuda.current_stream(self.device).record_event() if after is None else after
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(issued)
-            buffer.copy_(home, non_blocking=True)
-            ready = self._stream.record_event()
-        if into is None:
-            buffer.record_stream(self._stream)  # freed early (a call that stops), it must outwait the copy
-        return buffer, ready
+            for home, place in pairs:
+                place.copy_(home, non_blocking=True)
+            return self._stream.record_event()
 
 
 class _BlockStream:
@@ -267,12 +295,14 @@ class _BlockStream:
         self.ring = min(self.depth + 1, len(units))
         self.slot_bytes = self.ring * self.layout.size
         self.slots: list[torch.Tensor] = []
-        self.owner: nn.ModuleList | None = None
         self._one_forward = threading.Lock()  # replicas shared by CPU "devices": one stream of blocks at a time
 
     def open(self) -> None:
         device = self.placement.device
         self.slots = [torch.empty(self.layout.size, dtype=torch.uint8, device=device) for _ in range(self.ring)]
+        if self.placement._stream is not None:
+            for slot in self.slots:  # freed by a call that stopped part-way, a slot must outwait its copy
+                slot.record_stream(self.placement._stream)
         self._slot_views = [self.layout.views(slot) for slot in self.slots]
 
     def close(self) -> None:
@@ -293,7 +323,7 @@ class _BlockStream:
 
         def issue(j: int) -> None:
             slot = j % self.ring
-            _, ready[j] = self.placement._bring(self.units[j].home, self.layout.size, into=self.slots[slot], after=done[slot])
+            ready[j] = self.placement._copy([(self.units[j].home, self.slots[slot])], after=done[slot])
 
         with self._one_forward:
             try:
@@ -330,6 +360,9 @@ def place(replica, offload: Offload | None) -> Placement | None:
     placement first; nothing to do where they already are so."""
     current = replica.placement
     if current is not None and current.offload == offload:
+        return current
+    if current is not None and offload is not None:
+        current.configure(offload)  # the homes stay: nothing moves to the device and back
         return current
     if current is not None:
         current.restore()
