@@ -288,7 +288,10 @@ class Bench:
                 gc.collect()
                 torch.cuda.empty_cache()
                 resident = sum(module_bytes(m) for m in replica.modules().values()) if replica.placement is None else 0
-                free = free_gpu_bytes(self.home) + resident
+                free = free_gpu_bytes(self.home)
+                if self.cap_gib:  # (a torch without `get_per_process_memory_fraction` would not see the cap)
+                    free = min(free, int(self.cap_gib * 2**30) - torch.cuda.memory_reserved(self.home))
+                free += resident
             name = "speed" if free is None else choose_mode(replica, free)
         options = dict(PERFORMANCE_MODES[name])
         if prefetch is not None and options["offload"] is not None:
