@@ -61,11 +61,13 @@ def needed_bytes(mode: PerformanceMode, replica: Components) -> int:
     cache = tile_cache_bytes(vae, *(size // vae.spatial_compression_ratio for size in largest))
     working = cache * (_DECODE_WORKING_SET[settings["decode_segment"]] + _CACHES_HELD[settings["decode_order"]] - 1)
     encoder, decoder = module_bytes(vae.encoder), module_bytes(vae.decoder)
-    upscaler = module_bytes(replica.latent_upscaler) if replica.latent_upscaler is not None else 0
+    bank = replica.latent_upscaler
+    upscaler = module_bytes(bank) if bank is not None else 0
     transformer = module_bytes(replica.transformer)
     offload: Offload | None = settings["offload"]
     if offload is None:
         return int(_SLACK * (encoder + decoder + upscaler + transformer + working))
+    upscaler = max((module_bytes(model) for model in bank._models), default=0) if bank is not None else 0  # one scale
     if offload.layers:
         blocks = list(replica.transformer.visual_transformer_blocks._modules.values())
         streamed = max(len(blocks) - offload.resident_blocks, 0)

@@ -40,7 +40,7 @@ from worker.sr.devices import Pipeline, Schedule, to_host
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
 from worker.sr.noise import tile_noise
-from worker.sr.offload import Offload, place, placement_of
+from worker.sr.offload import Offload, place, placement_of, upscaler_unit
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.tiling import Tile, TilePlan
 
@@ -351,12 +351,12 @@ class SREngine:
             # Encode the whole video once, crop each tile's latents and upscale them in latent space. Offloaded, each
             # component asks for the next one before queueing its work: the copy runs beside that work.
             with placement_of(home).using("encoder"):
-                placement_of(home).prefetch("latent_upscaler")
+                placement_of(home).prefetch(upscaler_unit(plan.tiling_scale))
                 whole = self._encode(home, video)
 
             def upscale(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
                 placement = placement_of(replica)
-                with placement.using("latent_upscaler"):
+                with placement.using(upscaler_unit(plan.tiling_scale)):
                     placement.prefetch("transformer")
                     return {
                         tile.index: replica.latent_upscaler(

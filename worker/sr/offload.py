@@ -2,7 +2,8 @@
 performance modes), so a 12 or 16 GB card runs what needs ~10 GiB of resident weights elsewhere.
 
 A replica's weights fall into units, each brought to the GPU for one stretch of an engine call and let go after:
-- `encoder` (the whole-video encode) and `latent_upscaler` (each tile's latent upscale): once per call (window);
+- `encoder` (the whole-video encode) and the latent upscaler of the call's scale (each tile's latent upscale): once
+  per call (window);
 - `transformer`: while the device denoises its tiles; with `Offload.layers` only its embeddings, output layer and
   first `resident_blocks` blocks, the other blocks streamed one after another through a ring of `prefetch` + 1
   device slots, each copied in `prefetch` blocks ahead of the one that runs;
@@ -166,8 +167,12 @@ class Placement:
             "encoder": _Group([_Unit(_weights(vae.encoder), on_gpu)]),
             "decoder": _Group([_Unit(_weights(vae.decoder), on_gpu)]),
         }
-        if replica.latent_upscaler is not None:
-            self.units["latent_upscaler"] = _Group([_Unit(_weights(replica.latent_upscaler), on_gpu)])
+        bank = replica.latent_upscaler
+        if bank is not None:  # one unit per scale: a call runs one of them (x2's 1.4 GiB, x4's 2.7 GiB)
+            for scale, model in zip(bank.config.scales, bank._models):
+                self.units[upscaler_unit(scale)] = _Group([_Unit(_weights(model), on_gpu)])
+            for tensor in _weights(bank, skip=tuple(bank._models)):  # none in diffusers 0.42.1: resident if any
+                tensor.data = tensor.data.to(self.device)
         self.blocks: _BlockStream | None = None
         self.configure(offload)
 
@@ -373,6 +378,11 @@ def place(replica, offload: Offload | None) -> Placement | None:
         return None
     replica.placement = Placement(replica, offload)
     return replica.placement
+
+
+def upscaler_unit(scale: int) -> str:
+    """The unit of the latent upscaler bank's model for `scale`."""
+    return f"latent_upscaler_x{scale}"
 
 
 class _Resident:
