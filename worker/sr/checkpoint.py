@@ -127,22 +127,11 @@ def load(
             latent_upscaler=upscaler,
         )
         for name, module in replica.modules().items():
-            target = torch.device("cpu") if on_host else device
-            module.requires_grad_(False).eval().to(target)
-            if device.type == "cpu":  # (a GPU's offloaded weights get a home of their own: `offload`)
-                _own_memory(module)
+            module.requires_grad_(False).eval().to("cpu" if on_host else device)
             report.rows.append((name, str(device), module_bytes(module)))
         replicas[device] = replica
     logger.info("%s", report)
     return [replicas[device] for device in devices], report
-
-
-def _own_memory(module: nn.Module) -> None:
-    """Weights in memory of their own instead of the checkpoint file's mapping, where each tensor sits at its byte
-    offset in the file: CPU kernels round differently on unaligned operands (the tiny model's output moved by 4e-7),
-    so with aligned weights the output no longer depends on where they live (`offload`)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        tensor.data = tensor.data.clone()
 
 
 def _load_scheduler(path: Path):

@@ -40,7 +40,7 @@ from worker.sr.devices import Pipeline, Schedule, to_host
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
 from worker.sr.noise import tile_noise
-from worker.sr.offload import Offload, place, placement_of, upscaler_unit
+from worker.sr.offload import Offload, align_on_cpu, place, placement_of, upscaler_unit
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.tiling import Tile, TilePlan
 
@@ -162,6 +162,8 @@ class SREngine:
             elif self.offload is None:
                 for module in replica.modules().values():  # loaded on the host (`checkpoint.load(on_host=True)`)
                     module.to(replica.device)
+            if self.offload is None and replica.device.type == "cpu":
+                align_on_cpu(replica)
 
     def pinned_bytes(self) -> int:
         """Pinned host memory the offloaded weights take (0 when resident)."""
@@ -355,9 +357,9 @@ class SREngine:
                 whole = self._encode(home, video)
 
             def upscale(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
-                placement = placement_of(replica)
-                with placement.using(upscaler_unit(plan.tiling_scale)):
-                    placement.prefetch("transformer")
+                weights = placement_of(replica)
+                with weights.using(upscaler_unit(plan.tiling_scale)):
+                    weights.prefetch("transformer")
                     return {
                         tile.index: replica.latent_upscaler(
                             whole[(..., *plan.latent_box(tile))].to(replica.device), scale=plan.tiling_scale, return_dict=False
@@ -369,9 +371,9 @@ class SREngine:
 
         def encode(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
             encoded = {}
-            placement = placement_of(replica)
-            with placement.using("encoder"):
-                placement.prefetch("transformer")
+            weights = placement_of(replica)
+            with weights.using("encoder"):
+                weights.prefetch("transformer")
                 for tile in tiles:
                     pixels = video[(..., *plan.input_box(tile))].to(replica.device)[0].transpose(0, 1)
                     pixels = F.interpolate(pixels, size=(plan.base_height, plan.base_width), mode="bilinear", align_corners=False)

@@ -380,6 +380,16 @@ def place(replica, offload: Offload | None) -> Placement | None:
     return replica.placement
 
 
+def align_on_cpu(replica) -> None:
+    """A CPU replica's weights that sit unaligned (a checkpoint file's mapping keeps each tensor at its byte offset
+    in the file) get memory of their own: CPU kernels round differently on unaligned operands (the tiny model's
+    output moved by 4e-7), and offloaded homes are aligned, so resident weights must be too."""
+    for module in replica.modules().values():
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.device.type == "cpu" and tensor.data_ptr() % 64:
+                tensor.data = tensor.data.clone()  # the CPU allocator aligns to 64 bytes
+
+
 def upscaler_unit(scale: int) -> str:
     """The unit of the latent upscaler bank's model for `scale`."""
     return f"latent_upscaler_x{scale}"
