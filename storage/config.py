@@ -9,6 +9,8 @@ Nested values are JSON, e.g.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import secrets
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -20,6 +22,27 @@ from storage.signatures import InvalidSecret, secret_key
 
 K6_VSR = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 MiB = 1024 * 1024
+
+
+def served_name(model: str) -> str:
+    """The name a worker's model is served and reported under: `lanczos`, a hub id as given, a checkpoint directory
+    by its own name."""
+    path = Path(model)
+    return path.resolve().name if model != "lanczos" and path.is_dir() else model
+
+
+def loopback(bind: str) -> bool:
+    """Whether a gunicorn bind (`host:port`, `[v6]:port`, `unix:path`) listens on this machine only."""
+    if bind.startswith("unix:"):
+        return True
+    host = bind.rsplit(":", 1)[0] if bind.count(":") == 1 or bind.startswith("[") else bind
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ApiKey(BaseModel):
@@ -79,6 +102,13 @@ class Settings(BaseSettings):
     presign_ttl_s: int = Field(3600, ge=1, le=7 * 24 * 3600)
 
     api_keys: list[ApiKey] = []
+    # "none" serves requests without a known key as one local owner (the first key's id, else "local"): the embedded
+    # stack on loopback, so SGLang's request works without a header. Refused on a non-loopback `bind` unless
+    # `auth_none_public` says the operator means it (a private network behind its own gate).
+    auth: Literal["keys", "none"] = "keys"
+    auth_none_public: bool = False
+    bind: str = "127.0.0.1:8000"  # where gunicorn listens (infra/gunicorn.conf.py reads VSRQ_BIND too)
+    poll_after_ms: int = Field(1000, ge=0)  # `openai-poll-after-ms` on a running job: how soon to look again
     webhook_allow_loopback: bool = False  # development only: lets webhooks reach a receiver on this machine
     # Webhook deliveries (worker/webhooks.py): a failed attempt is retried after about base x 2^n (with jitter, at
     # most retry_max_s), webhook_max_attempts in all; the defaults spread 8 attempts over 2-4 hours.
@@ -153,9 +183,23 @@ class Settings(BaseSettings):
             raise ValueError("api_keys: every key needs its own id and token")
         if self.blob_backend == "s3" and not (self.s3_access_key and self.s3_secret_key):
             raise ValueError("the s3 blob backend needs s3_access_key and s3_secret_key")
+        if self.auth == "none" and not self.auth_none_public and not loopback(self.bind):
+            raise ValueError(
+                f"auth=none would serve anyone who reaches {self.bind}: bind to loopback, configure VSRQ_API_KEYS, "
+                "or set VSRQ_AUTH_NONE_PUBLIC=true if a gate in front of it does the authentication"
+            )
         if self.webhook_claim_s <= self.webhook_timeout_s:
             raise ValueError("webhook_claim_s must exceed webhook_timeout_s: an attempt in flight would be handed out")
         return self
+
+    @cached_property
+    def anonymous_key(self) -> ApiKey | None:
+        """Who a request without a known key acts as when auth is off: the first key's owner, else "local"."""
+        if self.auth != "none":
+            return None
+        if self.api_keys:
+            return self.api_keys[0]
+        return ApiKey(id="local", token=SecretStr(secrets.token_urlsafe(32)))
 
     @property
     def default_model(self) -> str:

@@ -142,11 +142,26 @@ class InputInfo(BaseModel):
     media: MediaInfo | None = None
 
 
+class PreviewInfo(BaseModel):
+    """A JPEG the worker made from the output (storage.blobs.preview_key: beside it, deleted with it)."""
+
+    key: str
+    bytes: int
+    sha256: str
+
+
 class OutputInfo(BaseModel):
     key: str  # blob key of the promoted output
     bytes: int
     sha256: str
     media: MediaInfo | None = None
+    previews: dict[str, PreviewInfo] = {}  # "thumbnail", "spritesheet"
+    model: str | None = None  # what the worker ran: "lanczos", or the checkpoint's name
+    num_inference_steps: int | None = None  # denoising steps each tile ran; None for a model without steps
+
+    def keys(self) -> set[str]:
+        """Every blob of this output: the video and its previews."""
+        return {self.key, *(preview.key for preview in self.previews.values())}
 
 
 class JobErrorInfo(BaseModel):
@@ -204,6 +219,9 @@ class VideoOutput(BaseModel):
     bytes: int
     sha256: str
     media: MediaInfo | None
+    model: str | None = Field(description="what the worker ran: `lanczos`, or the checkpoint's name")
+    num_inference_steps: int | None = Field(description="denoising steps each tile ran (null: a model without steps)")
+    variants: list[str] = Field(description="what GET .../content?variant= serves: video, thumbnail, spritesheet")
 
 
 class Video(BaseModel):
@@ -252,7 +270,12 @@ class Video(BaseModel):
             seconds=f"{media.duration:g}" if media else None,
             params=job.params,
             input=VideoInput(**job.input.model_dump(include=set(VideoInput.model_fields))),
-            output=VideoOutput(**job.output.model_dump(include=set(VideoOutput.model_fields))) if job.output else None,
+            output=VideoOutput(
+                **job.output.model_dump(include=set(VideoOutput.model_fields)),
+                variants=["video", *job.output.previews],
+            )
+            if job.output
+            else None,
             metadata=job.metadata,
             webhook_url=job.webhook_url,
         )

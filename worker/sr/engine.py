@@ -170,6 +170,12 @@ class SREngine:
         return sum(placement_of(r).pinned_bytes for r in {id(r): r for r in self.replicas}.values())
 
     @property
+    def default_steps(self) -> int:
+        """Denoising steps per tile when a request names none: what the checkpoint's scheduler was made for (the
+        distilled pi-Flow checkpoint: 2 model calls; flow matching: 4, as SGLang's presets)."""
+        return 2 if type(self.replicas[0].scheduler).__name__ == "PiflowScheduler" else 4
+
+    @property
     def devices(self) -> list[torch.device]:
         return [replica.device for replica in self.replicas]
 
