@@ -5,9 +5,11 @@ Nothing here imports torch or the engine: jobs are handed to the GPU workers as 
 
 from __future__ import annotations
 
+import logging
+
 from flask import Flask, g, request
 
-from api import errors, health, metrics, openapi, uploads, videos, web
+from api import errors, health, metrics, models, openapi, uploads, videos, web
 from api.idempotency import Idempotency
 from api.ratelimit import RateLimiter
 from api.services import Services
@@ -17,11 +19,19 @@ from storage.jobs import JobStore, open_redis
 from storage.logs import current_job
 from storage.queue import make_celery
 
+log = logging.getLogger("vsrq.api")
+
 
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings()
-    if not settings.api_keys:
+    if not settings.api_keys and settings.auth != "none":
         raise RuntimeError("no API keys configured: set VSRQ_API_KEYS (see storage/config.py)")
+    if settings.anonymous_key is not None:
+        log.warning(
+            "AUTHENTICATION IS OFF (VSRQ_AUTH=none): every request to %s without a known key acts as %r",
+            settings.bind,
+            settings.anonymous_key.id,
+        )
     redis = open_redis(settings)
     app = Flask("vsrq", static_folder=None)
     app.json.sort_keys = False  # objects keep their documented field order
@@ -38,7 +48,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     metrics.instrument(app)
     app.before_request(_log_job_id)
     app.teardown_request(_forget_job_id)
-    for module in (videos, uploads, health, web, metrics):
+    for module in (videos, uploads, models, health, web, metrics):
         app.register_blueprint(module.blueprint)
     openapi.register(app)
     return app

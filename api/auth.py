@@ -1,4 +1,8 @@
-"""Bearer API keys from the settings. A key sees only its own jobs and uploads: the key's id owns what it creates."""
+"""Bearer API keys from the settings. A key sees only its own jobs and uploads: the key's id owns what it creates.
+
+With `VSRQ_AUTH=none` (the local dev stack) a request without a known key, or with any other bearer token (SGLang's
+and OpenAI's clients send `EMPTY` or a placeholder), acts as the one anonymous owner (`Settings.anonymous_key`).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ def authenticate(settings: Settings) -> ApiKey:
         if scheme.lower() == "bearer"
         else None
     )
+    if key is None:
+        key = settings.anonymous_key
     if key is None:
         raise ApiError(
             401,

@@ -70,7 +70,8 @@ def metrics() -> Response:
         registry = REGISTRY
     state = CollectorRegistry()
     state.register(ServiceCollector(services()))
-    return Response(generate_latest(registry) + generate_latest(state), mimetype=CONTENT_TYPE_LATEST)
+    # content_type, not mimetype: CONTENT_TYPE_LATEST carries its charset already, and Flask would add a second one
+    return Response(generate_latest(registry) + generate_latest(state), content_type=CONTENT_TYPE_LATEST)
 
 
 def instrument(app: Flask) -> None:

@@ -44,6 +44,20 @@ class VideoList(BaseModel):
     has_more: bool = Field(description="pass `last_id` as `after` for the next page")
 
 
+class Model(BaseModel):
+    id: str = Field(description="what to put in `model` on create")
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    queue: str = Field(description="the Celery queue (pipeline group) whose workers serve it")
+    default: bool = Field(description="the model a create without `model` gets")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
 class VideoDeleted(BaseModel):
     id: str
     object: Literal["video.deleted"]
@@ -118,13 +132,19 @@ _JOB_LINKS = {
 }
 
 
-def _job_operation(summary: str, headers: tuple[tuple[str, str], ...] = (), **extra: Any) -> dict[str, Any]:
+def _job_operation(
+    summary: str,
+    headers: tuple[tuple[str, str], ...] = (),
+    extra_parameters: list[dict[str, Any]] = (),
+    **extra: Any,
+) -> dict[str, Any]:
     job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}, "example": "video_..."}
     header_parameters = [
         {"name": name, "in": "header", "required": False, "description": description, "schema": {"type": "string"}}
         for name, description in headers
     ]
-    return {"summary": summary, "tags": ["videos"], "parameters": [job_id, *header_parameters], **extra}
+    parameters = [job_id, *header_parameters, *extra_parameters]
+    return {"summary": summary, "tags": ["videos"], "parameters": parameters, **extra}
 
 
 def _header(description: str) -> dict[str, Any]:
@@ -143,7 +163,10 @@ def _page(operation_id: str, summary: str) -> dict[str, Any]:
 
 
 def document(settings: Settings) -> dict[str, Any]:
-    models = [Video, VideoList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm, UploadForm]
+    models = [
+        Video, VideoList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm, UploadForm,
+        Model, ModelList,
+    ]  # fmt: skip
     _, definitions = models_json_schema(
         [(model, "validation" if model.__name__.endswith(("Json", "Form")) else "serialization") for model in models],
         ref_template=_REF,
@@ -222,32 +245,66 @@ def document(settings: Settings) -> dict[str, Any]:
         },
         "/v1/videos/{job_id}/content": {
             "get": _job_operation(
-                "Download the upscaled MP4 of a completed job (one byte range at a time, for players that seek)",
+                "Download the upscaled MP4 of a completed job (one byte range at a time, for players that seek), or "
+                "its poster frame or sprite sheet",
                 operationId="getVideoContent",
                 headers=(
                     ("Range", "one range: `bytes=first-last`, `bytes=first-` or `bytes=-suffix`"),
                     ("If-Range", "the ETag the range belongs to: another one gets the whole video"),
                     ("If-None-Match", "the ETag you have: 304 while it is still this video"),
                 ),
+                extra_parameters=[
+                    {
+                        "name": "variant",
+                        "in": "query",
+                        "required": False,
+                        "description": "video (the MP4, default), thumbnail (a JPEG of the middle frame) or "
+                        "spritesheet (a JPEG grid of up to 25 frames across the video, 5 to a row)",
+                        "schema": {"type": "string", "enum": ["video", "thumbnail", "spritesheet"]},
+                    }
+                ],
                 responses={
                     "200": {
-                        "description": "the MP4",
-                        "headers": {"ETag": _header("the video's SHA-256"), "Accept-Ranges": _header("bytes")},
-                        "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
+                        "description": "the MP4, or the JPEG the variant names",
+                        "headers": {"ETag": _header("the file's SHA-256"), "Accept-Ranges": _header("bytes")},
+                        "content": {
+                            "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+                        },
                     },
                     "206": {
                         "description": "the one byte range a `Range` header asked for",
                         "headers": {"Content-Range": _header("bytes first-last/length")},
-                        "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
+                        "content": {
+                            "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+                        },
                     },
                     "302": {
                         "description": "a presigned URL to fetch it from (when the service delivers by redirect)",
                         "headers": {"Location": _header("the presigned URL")},
                     },
                     "304": {"description": "`If-None-Match` names the ETag (the output's SHA-256): not modified"},
-                    **_problems(401, 404, 409, 416),
+                    **_problems(401, 404, 409, 416, 422),
                 },
             )
+        },
+        "/v1/models": {
+            "get": {
+                "operationId": "listModels",
+                "summary": "The models this deployment serves (OpenAI's list shape)",
+                "tags": ["models"],
+                "responses": {"200": _json("ModelList", "the served models"), **_problems(401)},
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "operationId": "getModel",
+                "summary": "One served model",
+                "tags": ["models"],
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json("Model", "the model"), **_problems(401, 404)},
+            }
         },
         "/v1/uploads": {
             "post": {
@@ -305,6 +362,7 @@ def document(settings: Settings) -> dict[str, Any]:
         "tags": [
             {"name": "videos", "description": "super-resolution jobs"},
             {"name": "uploads", "description": "videos stored for later jobs"},
+            {"name": "models", "description": "the models served"},
             {"name": "service", "description": "health, metrics and this document"},
         ],
         "security": [{"bearer": []}],
