@@ -3,6 +3,11 @@ gunicorn, one CPU worker, the reaper, the webhook worker — on loopback, each l
 PID; each also ends when this process does, however it ends (infra/children.py).
 
 `vsrq dev` keeps it up until Ctrl-C; `vsrq demo` runs the main job through it, as a user would over HTTP.
+
+The stack serves its worker's model under the name jobs then report (`lanczos`, or the checkpoint's name), and
+serves anonymous requests as its one local owner (`VSRQ_AUTH=none`, loopback only): SGLang's request works without a
+header, and the key it prints (for `vsrq bulk`, OpenAI's SDK) sees the same jobs. It writes its address and key to
+a state file (client.devstate) that `vsrq status` and `vsrq bulk` read.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from pathlib import Path
 
 import requests
 
+from client import devstate
 from infra.children import ending_with_this_process
 from infra.stack import Stack, free_ports, stop_processes
+from storage.config import served_name
 from storage.signatures import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,15 +40,18 @@ class DevStack:
         self.url = f"http://127.0.0.1:{port or free_ports(1)[0]}"
         self.token = f"sk-dev-{secrets.token_hex(16)}"  # this run's only API key
         self.secret = new_secret()  # and the secret its webhooks are signed with
+        self.served = served_name(model)  # what jobs ask for and report: what the worker runs
         self.stack = Stack(self.root / "stack")
         self._processes: dict[str, subprocess.Popen] = {}
+        self._state_files: list[Path] = []
 
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
             **self.stack.env(),
             "VSRQ_API_KEYS": json.dumps([{"id": "dev", "token": self.token, "webhook_secret": self.secret}]),
-            "VSRQ_MODELS": json.dumps({"k6-vsr": QUEUE}),
+            "VSRQ_MODELS": json.dumps({self.served: QUEUE}),
+            "VSRQ_AUTH": "none",  # loopback only (storage/config.py refuses it elsewhere): anonymous is the dev key
             "VSRQ_BIND": self.url.removeprefix("http://"),
             "VSRQ_WORKER_MODEL": self.model,
             "VSRQ_WORKER_DEVICES": self.devices,
@@ -63,6 +73,7 @@ class DevStack:
             self._spawn("webhooks", [*python, "celery", "-A", "worker.webhooks", "worker", "--pool", "threads",
                                      "--concurrency", "4", "-Q", "vsrq.webhooks",
                                      "-n", f"hooks-{os.getpid()}@localhost"])  # fmt: skip
+            self._state_files = devstate.write(self.root, self.state())
         except BaseException:
             self.stop()
             raise
@@ -94,7 +105,22 @@ class DevStack:
                 raise RuntimeError(f"the stack did not come up in time; logs in {self.root}")
             time.sleep(0.5)
 
+    def state(self) -> dict:
+        """What the client side needs to reach this stack (client.devstate): the API, its key, the Redis and storage
+        `vsrq status` reads."""
+        exports = {
+            "VSRQ_API_URL": self.url,
+            "VSRQ_TOKEN": self.token,
+            "OPENAI_BASE_URL": f"{self.url}/v1",
+            "OPENAI_API_KEY": self.token,
+            **{name: value for name, value in self.stack.env().items() if name.startswith("VSRQ_")},
+            "VSRQ_MODELS": json.dumps({self.served: QUEUE}),
+        }
+        return {"pid": os.getpid(), "url": self.url, "token": self.token, "model": self.served, "dir": str(self.root),
+                "env": exports}  # fmt: skip
+
     def stop(self, timeout_s: float = 30) -> None:
+        devstate.remove(self._state_files, os.getpid())
         stop_processes(self._processes, timeout_s)
         self.stack.stop()
 
