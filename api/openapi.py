@@ -259,8 +259,9 @@ def document(settings: Settings) -> dict[str, Any]:
                         "in": "query",
                         "required": False,
                         "description": "video (the MP4, default), thumbnail (a JPEG of the middle frame) or "
-                        "spritesheet (a JPEG grid of up to 25 frames across the video, 5 to a row)",
-                        "schema": {"type": "string", "enum": ["video", "thumbnail", "spritesheet"]},
+                        "spritesheet (a JPEG grid of up to 25 frames across the video, 5 to a row); `0` is the "
+                        "video, as SGLang numbers its outputs",
+                        "schema": {"type": "string", "enum": ["video", "thumbnail", "spritesheet", "0"]},
                     }
                 ],
                 responses={

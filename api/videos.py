@@ -284,6 +284,8 @@ def video_content(job_id: str) -> Response:
     settings, blobs = services().settings, services().blobs
     job = services().jobs.require(job_id, owner())
     variant = request.args.get("variant") or "video"
+    if variant == "0":  # SGLang numbers a job's outputs: a job here has one, the video
+        variant = "video"
     if variant not in VARIANTS:
         raise ApiError(
             422,
