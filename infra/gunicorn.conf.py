@@ -1,8 +1,10 @@
 """gunicorn settings for the API (`web` in the Procfile). Threads, not more processes: requests mostly wait on
 Redis, S3 and the network, and an upload holds its thread for as long as the client takes to send the file."""
 
+import ipaddress
 import os
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -26,6 +28,26 @@ logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings
 # files of a previous run would be summed in.
 if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vsrq-metrics-")
+
+
+def when_ready(server) -> None:
+    """Auth off (VSRQ_AUTH=none) serves loopback only: checked again on the sockets gunicorn actually bound, since a
+    `--bind` on the command line overrides VSRQ_BIND, which storage/config.py checked."""
+    if _settings.auth != "none" or _settings.auth_none_public:
+        return
+    exposed = [
+        host
+        for listener in server.LISTENERS
+        if listener.sock.family != socket.AF_UNIX
+        and not ipaddress.ip_address((host := listener.sock.getsockname()[0]).split("%")[0]).is_loopback
+    ]
+    if exposed:
+        server.log.error(
+            "VSRQ_AUTH=none refused on %s: bind to loopback, configure VSRQ_API_KEYS, or set "
+            "VSRQ_AUTH_NONE_PUBLIC=true if a gate in front of the API authenticates",
+            ", ".join(exposed),
+        )
+        server.halt("auth off on a public address", exit_status=1)
 
 
 def on_starting(server) -> None:

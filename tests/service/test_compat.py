@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,9 @@ import pytest
 import requests
 from PIL import Image
 
-from .conftest import serve_api
+from infra.stack import free_ports
+
+from .conftest import ROOT, serve_api
 from .test_worker import TERMINAL, celery_worker
 
 COMPAT_KEY = f"sk-test-compat-{'0' * 16}"
@@ -115,6 +119,14 @@ def test_auth_off_is_refused_on_a_public_bind(service_env):
     with pytest.raises(ValidationError, match="VSRQ_AUTH_NONE_PUBLIC"):
         Settings(_env_file=None, auth="none", bind="0.0.0.0:8000")
     assert Settings(_env_file=None, auth="none", bind="0.0.0.0:8000", auth_none_public=True).anonymous_key.id == "local"
+    # a --bind on gunicorn's command line bypasses VSRQ_BIND: the sockets it bound are checked too
+    env = {**os.environ, **service_env, "VSRQ_AUTH": "none", "VSRQ_WEB_WORKERS": "1"}
+    server = subprocess.run(
+        [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "--bind", f"0.0.0.0:{free_ports(1)[0]}",
+         "api.app:create_app()"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert server.returncode == 1 and "VSRQ_AUTH=none refused on 0.0.0.0" in server.stdout + server.stderr
 
 
 def test_sgl_fields_are_honoured_or_refused_by_name(anonymous_api, in_mp4):
