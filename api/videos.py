@@ -144,7 +144,8 @@ def _json_body() -> dict[str, Any]:
 
 
 def _referenced_input(create: CreateRequest) -> InputInfo:
-    """The input a JSON create names: one of the caller's uploads, by id or by key, or an https URL."""
+    """The input a JSON create (or a form without a file) names: one of the caller's uploads, by id or by key, or an
+    https URL."""
     if sum(getattr(create, name) is not None for name in REFERENCES) != 1:
         raise ApiError(
             422,
