@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flask import Flask, g, request
 
-from api import errors, health, metrics, openapi, uploads, videos, web
+from api import body, errors, health, metrics, openapi, uploads, videos, web
 from api.idempotency import Idempotency
 from api.ratelimit import RateLimiter
 from api.services import Services
@@ -35,11 +35,13 @@ def create_app(settings: Settings | None = None) -> Flask:
         limiter=RateLimiter(redis),
     )
     errors.register(app)
+    body.register(app)
     metrics.instrument(app)
     app.before_request(_log_job_id)
     app.teardown_request(_forget_job_id)
     for module in (videos, uploads, health, web, metrics):
         app.register_blueprint(module.blueprint)
+    app.register_blueprint(health.detail)
     openapi.register(app)
     return app
 

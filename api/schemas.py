@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from api.body import parse_json
 from api.errors import ApiError, field_errors
 
 SCALES = (2.0, 2.25, 4.0)
@@ -91,7 +92,7 @@ class JobOptions(BaseModel):
     def _metadata_json(cls, value: Any) -> Any:
         if isinstance(value, str):  # a multipart form carries it as JSON text
             try:
-                return json.loads(value) if value.strip() else {}
+                return parse_json(value, "`metadata`") if value.strip() else {}
             except json.JSONDecodeError:
                 raise ValueError("must be a JSON object of strings") from None
         return value
@@ -147,7 +148,7 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
         extra = fields.pop(nested, None)
         if isinstance(extra, str):
             try:
-                extra = json.loads(extra)
+                extra = parse_json(extra, f"`{nested}`")
             except json.JSONDecodeError:
                 raise ApiError(400, "malformed_extra_body", f"`{nested}` is not valid JSON.") from None
         if extra is not None and not isinstance(extra, dict):

@@ -56,7 +56,8 @@ class DevStack:
             python = [sys.executable, "-m"]
             self._spawn("web", [*python, "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"])
             self._spawn("worker", [*python, "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
-                                   "--concurrency", "1", "-Q", QUEUE, "-n", f"dev-{os.getpid()}@localhost"])  # fmt: skip
+                                   "--concurrency", "1", "-Q", QUEUE, "-n", f"dev-{os.getpid()}@localhost",
+                                   "--loglevel", "INFO"])  # fmt: skip
             self._spawn("reaper", [*python, "worker.reaper"])
             self._wait_for_worker(time.monotonic() + timeout_s)
             # after the wait, which counts workers: the one it waits for is the model's
@@ -73,7 +74,7 @@ class DevStack:
         # the reaper keep nothing that is not in Redis (a job in hand is requeued when its lease runs out), and a
         # warm shutdown would wait for that job, so they are killed.
         death = signal.SIGTERM if name == "web" else signal.SIGKILL
-        with open(self.root / f"{name}.log", "wb") as log:
+        with open(self.root / f"{name}.log", "ab") as log:  # appended: a restart keeps what came before
             self._processes[name] = subprocess.Popen(
                 command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=ending_with_this_process(death),
@@ -86,7 +87,7 @@ class DevStack:
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}; see {self.root / name}.log")
             try:
-                if requests.get(f"{self.url}/healthz", timeout=5).json()["checks"]["workers"]["seen"]:
+                if requests.get(f"{self.url}/healthz", timeout=5).json()["checks"]["workers"]["queues"][QUEUE]:
                     return
             except (requests.ConnectionError, requests.Timeout, ValueError, KeyError):  # not up yet, or a busy machine
                 pass

@@ -58,7 +58,7 @@ def test_requests_are_described_by_the_models_the_api_validates_with(document, s
     # every operation but the public pages needs the bearer key
     assert document["security"] == [{"bearer": []}]
     public = {path for path, item in document["paths"].items() for op in item.values() if op.get("security") == []}
-    assert public == {"/", "/docs/", "/openapi.json", "/healthz", "/metrics"}
+    assert public == {"/", "/docs/", "/openapi.json", "/healthz", "/livez", "/metrics"}
 
 
 def test_the_docs_page_is_served_from_this_api_alone(api):
