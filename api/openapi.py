@@ -306,6 +306,15 @@ def document(settings: Settings) -> dict[str, Any]:
         },
         "/": {"get": _page("webApp", "The web app: upload, watch, compare, download")},
         f"{DOCS_PATH}/": {"get": _page("docs", "This document, in Swagger UI")},
+        DOCS_PATH: {
+            "get": {
+                "operationId": "docsRedirect",
+                "summary": f"Redirects to {DOCS_PATH}/ (a relative Location)",
+                "tags": ["service"],
+                "security": [],
+                "responses": {"308": {"description": f"to {DOCS_PATH}/"}},
+            }
+        },
         SPEC_PATH: {
             "get": {
                 "operationId": "openapi",
@@ -368,9 +377,9 @@ def docs_page() -> Response:
     return send_from_directory(_STATIC, "docs.html")
 
 
-@docs.get(f"{DOCS_PATH}/<path:name>")
-def docs_asset(name: str) -> Response:
-    return send_from_directory(_SWAGGER_DIST, name)
+@docs.get(f"{DOCS_PATH}/<path:filename>")
+def docs_asset(filename: str) -> Response:
+    return send_from_directory(_SWAGGER_DIST, filename)
 
 
 @docs.after_request

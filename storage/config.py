@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     body_idle_timeout_s: float = Field(30, gt=0)
     body_grace_s: float = Field(30, gt=0)
     body_min_bytes_per_s: int = Field(8 * 1024, ge=0)  # 64 kbit/s
-    max_concurrent_bodies_per_key: int | None = Field(4, ge=1)
+    max_concurrent_bodies_per_key: int | None = Field(8, ge=1)  # half of gunicorn's default 2 x 8 threads
     # Compute per job, checked at probe time before any work (worker/media/limits.py): output pixels per frame (8K,
     # what a worker's memory holds per tile plan and encoder), output megapixel-frames per job (10 min of 4K at
     # 30 fps); and output megapixel-frames per key per hour (storage/budget.py; None: unlimited).
