@@ -1,16 +1,21 @@
 """Processes of the service dying and coming back (issue 27): a gunicorn master killed with SIGKILL mid-upload must
-leave no worker holding its listening socket, so its replacement serves at once."""
+leave no worker holding its listening socket, so its replacement serves at once; a dead reaper and a job past its
+lease show in /healthz and `vsrq status`; a Redis outage costs the reaper's log two lines, not a traceback a pass."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import psutil
+import requests
 
 from infra.stack import free_ports
+from storage.jobs import InputInfo
 
 from . import processes
 from .conftest import TOKENS
@@ -44,3 +49,76 @@ def test_a_killed_gunicorn_master_leaves_no_worker_holding_the_socket(rel_env, t
         for worker in workers:
             if worker.is_running():
                 worker.kill()
+
+
+def test_health_tells_a_dead_reaper_and_a_job_past_its_lease(rel_env, jobs, tmp_path):
+    """A reaper passing every 0.2 s, then SIGKILLed, and a job whose worker vanished: /healthz goes from counting a
+    live reaper to "degraded", naming the reaper and the job past its lease; `vsrq status` says the same."""
+    env = {**rel_env, "VSRQ_REAP_INTERVAL_S": "0.2", "VSRQ_REAPER_STALE_S": "2"}
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    reaper = processes.reaper(env, tmp_path).start()
+    job = None
+    try:
+
+        def reaper_check() -> dict:
+            time.sleep(1.1)  # /healthz is kept for a second
+            return requests.get(f"{url}/healthz", timeout=10).json()
+
+        deadline = time.monotonic() + 60
+        while not (health := reaper_check())["checks"]["reaper"]["ok"]:
+            assert time.monotonic() < deadline, health
+        reaper.kill()
+        killed = time.monotonic()
+        job = jobs.create(owner="dave", model="lanczos", queue="vsrq.health-probe", params={}, input=InputInfo(key="x"))
+        jobs.lease(job.id, "a-worker-that-dies", lease_s=1)
+        while health["checks"]["reaper"]["ok"] or not health["checks"]["leases"]["overdue"]:
+            assert time.monotonic() - killed < 30, health
+            health = reaper_check()
+        status = subprocess.run(
+            [sys.executable, "-m", "client.cli", "status"], env={**os.environ, **env}, capture_output=True, text=True
+        )
+        print(f"FIGURE dead reaper: /healthz {health['status']} {time.monotonic() - killed:.1f} s after the kill: "
+              f"{health['problems']}")
+        assert health["status"] == "degraded"
+        assert any("reaper has not passed" in problem for problem in health["problems"])
+        assert any("past their lease" in problem for problem in health["problems"])
+        assert "reaper has not passed" in status.stdout and "past their lease" in status.stdout, status.stdout
+    finally:
+        reaper.stop()
+        api.stop()
+        if job is not None:  # requeued (its queue has no worker) and cancelled: nothing left past a lease
+            jobs.reap()
+            jobs.cancel(job.id)
+
+
+def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
+    """Redis down for 3 s under a reaper passing every 0.2 s (15 passes): one line when each step starts failing and
+    one when it recovers, no traceback."""
+    port = free_ports(1)[0]
+    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{port}/0", "VSRQ_REAP_INTERVAL_S": "0.2",
+           "VSRQ_REDIS_TIMEOUT_S": "1", "VSRQ_LOG_FORMAT": "text"}  # fmt: skip
+    reaper = processes.reaper(env, tmp_path).start()
+    redis_server = None
+    try:
+        time.sleep(3)
+        redis_server = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while "reap recovered" not in reaper.text():
+            assert time.monotonic() < deadline and reaper.alive, reaper.text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(0.5)
+        log = reaper.text()
+        failing = [line for line in log.splitlines() if " failing: " in line]
+        print(f"FIGURE reaper during a 3 s Redis outage: {len(log.splitlines())} log lines, {len(failing)} 'failing', "
+              f"{log.count('recovered')} 'recovered', {log.count('Traceback')} tracebacks")
+        assert "Traceback" not in log and 1 <= len(failing) <= 3 and "reap failing" in log, log[-3000:]
+    finally:
+        reaper.stop()
+        if redis_server is not None:
+            redis_server.terminate()
+            redis_server.wait(10)
