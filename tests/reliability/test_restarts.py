@@ -12,6 +12,7 @@ import sys
 import time
 
 import psutil
+import redis
 import requests
 
 from infra.stack import free_ports
@@ -122,3 +123,63 @@ def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
         if redis_server is not None:
             redis_server.terminate()
             redis_server.wait(10)
+
+
+def test_vsrq_dev_restarts_a_killed_process(tmp_path):
+    """`vsrq dev`'s stack on the lanczos model: its worker, web server and reaper each SIGKILLed in turn (with their
+    children): each started again within 2 s (the first backoff step, 0.5 s) and serving again once it has booted
+    (imports dominate: about 5 s of CPU for the worker), then a job goes through."""
+    from infra.dev import QUEUE, DevStack
+    from storage.workers import WorkerRegistry
+    from worker.media.synthetic import write_clip
+
+    with DevStack(tmp_path / "dev", "lanczos") as dev:
+        redis_client = redis.Redis.from_url(dev.stack.redis_url)
+        registry = WorkerRegistry(redis_client)
+
+        def serving(name: str, old_pid: int, since: float) -> bool:
+            current = dev.processes.get(name)
+            if current is None or current.pid == old_pid:
+                return False
+            if name == "web":
+                try:
+                    return requests.get(f"{dev.url}/livez", timeout=1).status_code == 200
+                except requests.RequestException:
+                    return False
+            if name == "worker":
+                return any(w.pid == current.pid and QUEUE in w.queues for w in registry.list())
+            last = redis_client.get("vsrq:reaper:last_pass")
+            return last is not None and float(last) > since
+
+        relaunched: dict[str, float] = {}
+        back: dict[str, float] = {}
+        for name in ("worker", "web", "reaper"):
+            old = dev.processes[name]
+            since = registry.now()
+            os.killpg(old.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while not serving(name, old.pid, since):
+                if name not in relaunched and dev.processes[name].pid != old.pid:
+                    relaunched[name] = time.monotonic() - killed
+                assert time.monotonic() - killed < 60, (tmp_path / "dev" / f"{name}.log").read_text()[-3000:]
+                time.sleep(0.05)
+            back[name] = time.monotonic() - killed
+        clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
+        headers = {"Authorization": f"Bearer {dev.token}"}
+        job = requests.post(
+            f"{dev.url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+            data={"sr_resolution_scale": "2"}, headers=headers, timeout=30,
+        ).json()  # fmt: skip
+        deadline = time.monotonic() + 60
+        while (job := requests.get(f"{dev.url}/v1/videos/{job['id']}", headers=headers, timeout=10).json())[
+            "status"
+        ] not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+        log = (tmp_path / "dev" / "worker.log").read_text()
+        print("FIGURE vsrq dev, SIGKILL: started again after "
+              + ", ".join(f"{n} {s:.1f} s" for n, s in relaunched.items()) + "; serving again after "
+              + ", ".join(f"{n} {s:.1f} s" for n, s in back.items())
+              + f"; the next job {job['status']}; the worker's log kept both runs: {log.count(' ready.')} 'ready'")
+        assert job["status"] == "completed" and max(relaunched.values()) < 2, (relaunched, back)
+        assert log.count(" ready.") >= 2 and f"{job['id']}" in log  # appended, and a line per job (--loglevel INFO)
