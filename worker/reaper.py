@@ -35,7 +35,7 @@ def reap_once(jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = No
     for job_id, status in outcome.items():
         job = jobs.get(job_id)
         if status == Status.QUEUED and job is not None:
-            send_upscale(celery, jobs, job)
+            send_upscale(celery, jobs, job, first=True)  # it waited its turn already: first among the queued
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
     grace = service.settings().enqueue_grace_s if enqueue_grace_s is None else enqueue_grace_s
     for job in jobs.unsent(grace):

@@ -4,6 +4,7 @@ lease show in /healthz and `vsrq status`; a Redis outage costs the reaper's log 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ from infra.stack import free_ports
 from storage.jobs import InputInfo
 
 from . import processes
-from .conftest import TOKENS
+from .conftest import TOKENS, auth
 
 
 def test_a_killed_gunicorn_master_leaves_no_worker_holding_the_socket(rel_env, tmp_path):
@@ -183,3 +184,51 @@ def test_vsrq_dev_restarts_a_killed_process(tmp_path):
               + f"; the next job {job['status']}; the worker's log kept both runs: {log.count(' ready.')} 'ready'")
         assert job["status"] == "completed" and max(relaunched.values()) < 2, (relaunched, back)
         assert log.count(" ready.") >= 2 and f"{job['id']}" in log  # appended, and a line per job (--loglevel INFO)
+
+
+def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
+    """Job A's worker is SIGKILLed mid-job; B, C, D are queued behind it meanwhile; the reaper requeues A when its
+    lease runs out (4 s). The next worker runs A before B, C and D: it waited its turn once already."""
+    from worker.media.synthetic import write_clip
+
+    env = {**rel_env, "VSRQ_MODELS": json.dumps({"lanczos": "vsrq.requeue-probe"}), "VSRQ_LEASE_S": "4",
+           "VSRQ_REAP_INTERVAL_S": "0.2"}  # fmt: skip
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    reaper = processes.reaper(env, tmp_path).start()
+    first = processes.started(processes.worker(env, "vsrq.requeue-probe", tmp_path).start())
+    second = processes.worker(env, "vsrq.requeue-probe", tmp_path)
+    long_clip = write_clip(tmp_path / "long.mp4", 240, (128, 192)).read_bytes()
+    short_clip = write_clip(tmp_path / "short.mp4", 9, (32, 48)).read_bytes()
+
+    def create(clip: bytes) -> str:
+        response = requests.post(
+            f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+            data={"model": "lanczos", "sr_resolution_scale": "2"}, headers=auth("dave"), timeout=30,
+        )  # fmt: skip
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    try:
+        a = create(long_clip)
+        deadline = time.monotonic() + 60
+        while jobs.require(a).status != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        first.kill()
+        behind = [create(short_clip) for _ in range(3)]
+        second.start()
+        deadline = time.monotonic() + 180
+        while not all(jobs.require(job_id).status == "completed" for job_id in [a, *behind]):
+            assert time.monotonic() < deadline, [jobs.require(job_id).status for job_id in [a, *behind]]
+            time.sleep(0.2)
+        requeued = next(event.at for event in jobs.events(a) if event.type == "requeued")
+        assert requeued > max(jobs.require(job_id).created_at for job_id in behind)  # queued before A came back
+        order = sorted([a, *behind], key=lambda job_id: [e.at for e in jobs.events(job_id) if e.type == "leased"][-1])
+        print(f"FIGURE requeued job: A (worker killed) and B, C, D queued behind it run in the order "
+              f"{[('A', 'B', 'C', 'D')[[a, *behind].index(job_id)] for job_id in order]}")
+        assert order[0] == a, order
+    finally:
+        for process in (first, second, reaper, api):
+            process.stop()
