@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from time import perf_counter
 
@@ -36,8 +36,9 @@ class UpscaleOptions:
     crf: int = 18
     preset: str = "medium"
     limits: Limits = Limits()
-    # Called with the job's output megapixel-frames once the limits passed, before any work (a budget to charge)
-    admit: Callable[[float], None] | None = None
+    # Called with the job's output megapixel-frames once the limits passed, before any work (a budget to charge);
+    # not part of the options' repr, which names what kept windows were computed from (worker/kept_windows.py)
+    admit: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
