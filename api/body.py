@@ -72,7 +72,7 @@ class TimedInput:
             raise ApiError(
                 408,
                 "request_timeout",
-                f"The request body arrived too slowly ({error}); send it again, at a steady pace.",
+                f"The request body arrived too slowly ({error.strerror or error}); send it again, at a steady pace.",
             ) from None
 
     def read(self, *args: Any) -> bytes:

@@ -106,7 +106,10 @@ class PacedSocket:
         try:
             data = self._sock.recv(size)
         except TimeoutError:
-            raise TimeoutError("the client sends too slowly" if wait < self._idle_s else "the client stopped sending") from None
+            # ECONNRESET: gunicorn drops such a connection quietly when it happens in the headers (a traceback per
+            # slow client otherwise); in the body, api/body.py answers 408
+            reason = "the client sends too slowly" if wait < self._idle_s else "the client stopped sending"
+            raise TimeoutError(errno.ECONNRESET, reason) from None
         finally:
             self._sock.settimeout(None)  # writes are not paced: a response may take a slow reader long
         self._received += len(data)

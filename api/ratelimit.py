@@ -93,15 +93,14 @@ class RateLimiter:
         if per_hour is None:
             return
         used, wait_s = self._budget.used(key.id)
-        if full_s := self._budget.full_for(key.id):  # a job of the key did not fit: until it would have
-            used, wait_s = max(used, per_hour), full_s
-        if used >= per_hour:
+        full_s = self._budget.full_for(key.id)  # a job of the key did not fit: refused until it would have
+        if used >= per_hour or full_s:
             raise ApiError(
                 429,
                 "compute_budget_exceeded",
-                f"This key's jobs of the last hour produced {used:,.0f} output megapixel-frames, its budget is "
-                f"{per_hour:,.0f} per hour; retry after the pause.",
-                headers={"Retry-After": str(wait_s)},
+                f"This key's jobs of the last hour spent its budget of {per_hour:,g} output megapixel-frames per "
+                "hour (megapixel_frames_per_hour); retry after the pause.",
+                headers={"Retry-After": str(full_s or wait_s)},
             )
 
     def admit(self, key: ApiKey, settings: Settings) -> None:
