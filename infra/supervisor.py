@@ -31,8 +31,14 @@ class Supervised:
 
 
 class Supervisor:
-    def __init__(self, max_restarts: int = 5, window_s: float = 60.0, every_s: float = 0.2) -> None:
-        self.max_restarts, self.window_s, self.every_s = max_restarts, window_s, every_s
+    def __init__(
+        self,
+        max_restarts: int = 5,
+        window_s: float = 60.0,
+        every_s: float = 0.2,
+        backoff_s: tuple[float, ...] = BACKOFF_S,
+    ) -> None:
+        self.max_restarts, self.window_s, self.every_s, self.backoff_s = max_restarts, window_s, every_s, backoff_s
         self.gave_up: list[str] = []
         self._children: dict[str, Supervised] = {}
         self._lock = threading.Lock()
@@ -93,6 +99,6 @@ class Supervisor:
                 flush=True,
             )
             return
-        delay = BACKOFF_S[min(child.failures, len(BACKOFF_S)) - 1]
+        delay = self.backoff_s[min(child.failures, len(self.backoff_s)) - 1]
         print(f"vsrq dev: {child.name} exited ({code}); restarting in {delay:g} s", file=sys.stderr, flush=True)
         child.due_at = now + delay
