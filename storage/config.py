@@ -123,9 +123,10 @@ class Settings(BaseSettings):
     body_grace_s: float = Field(30, gt=0)
     body_min_bytes_per_s: int = Field(8 * 1024, ge=0)  # 64 kbit/s
     max_concurrent_bodies_per_key: int | None = Field(8, ge=1)  # half of gunicorn's default 2 x 8 threads
-    # Compute per job, checked at probe time before any work (worker/media/limits.py): output pixels per frame (8K,
-    # what a worker's memory holds per tile plan and encoder), output megapixel-frames per job (10 min of 4K at
-    # 30 fps); and output megapixel-frames per key per hour (storage/budget.py; None: unlimited).
+    # Compute per job, checked at probe time before any work (worker/media/limits.py): output pixels per frame (8K: the
+    # largest input, 4K, at x2; a 15360x8640 output took 8.36 GB of worker RSS for 4 frames, a quarter of that per
+    # frame fits a worker host), output megapixel-frames per job (10 min of 4K at 30 fps); and output megapixel-frames
+    # per key per hour (storage/budget.py; None: unlimited).
     max_output_pixels: int | None = Field(7680 * 4320, ge=1)
     max_output_megapixel_frames: float | None = Field(150_000, gt=0)
     megapixel_frames_per_hour: float | None = Field(1_000_000, gt=0)
