@@ -6,6 +6,7 @@ Nothing here imports torch or the engine: jobs are handed to the GPU workers as 
 from __future__ import annotations
 
 from flask import Flask, g, request
+from werkzeug.middleware.proxy_fix import ProxyFix
 
 from api import body, errors, health, metrics, openapi, uploads, videos, web
 from api.idempotency import Idempotency
@@ -36,6 +37,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     )
     errors.register(app)
     body.register(app)
+    if settings.trusted_proxies:  # the client's address, as the proxies in front saw it (api/auth.py throttles by it)
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.trusted_proxies)
     metrics.instrument(app)
     app.before_request(_log_job_id)
     app.teardown_request(_forget_job_id)

@@ -115,6 +115,9 @@ class Settings(BaseSettings):
     # that address answers 429 until the window has passed, so guessing is throttled and learns nothing meanwhile.
     auth_failures_per_window: int | None = Field(60, ge=1)
     auth_failure_window_s: int = Field(60, ge=1)
+    # Reverse proxies in front of the API (infra/nginx.conf: 1) whose X-Forwarded-For names the client: without it
+    # every client behind a proxy would share the proxy's address, and its failed-authentication budget.
+    trusted_proxies: int = Field(0, ge=0)
     # Request bodies (api/body.py): a client silent for body_idle_timeout_s mid-request, or sending slower than
     # body_min_bytes_per_s on average once body_grace_s has passed, is answered 408; a key sends at most
     # max_concurrent_bodies_per_key bodies at once (more: 429 before a byte is read), so slow clients of one key

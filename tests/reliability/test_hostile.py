@@ -47,6 +47,7 @@ def hostile_api(rel_env, tmp_path_factory) -> Iterator[processes.Process]:
         "VSRQ_WEB_THREADS": "8",
         "VSRQ_AUTH_FAILURES_PER_WINDOW": "20",  # and a window short enough that loopback is not locked out for long
         "VSRQ_AUTH_FAILURE_WINDOW_S": "2",
+        "VSRQ_TRUSTED_PROXIES": "1",  # as behind infra/nginx.conf: X-Forwarded-For names the client
     }
     api = processes.api(env, port, tmp_path_factory.mktemp("hostile"))
     api.url = f"http://127.0.0.1:{port}"
@@ -389,12 +390,18 @@ def test_the_defaults_are_limits_a_single_user_never_hits():
 
 
 def test_failed_authentication_is_rate_limited(hostile_api):
-    """Guessing tokens from one address: refused with 429 (and no check of the guess) once past the rate."""
-    url = hostile_api.url
+    """Guessing tokens from one client (behind the proxy: X-Forwarded-For): refused with 429 once past the rate, and
+    the guess is not even checked (the right key answers 429 too); another client behind the same proxy is served."""
+    url, guesser, neighbour = hostile_api.url, {"X-Forwarded-For": "203.0.113.7"}, {"X-Forwarded-For": "203.0.113.8"}
     statuses = [
-        requests.get(f"{url}/v1/videos", headers={"Authorization": f"Bearer sk-guess-{i:016d}"}, timeout=10).status_code
+        requests.get(
+            f"{url}/v1/videos", headers={**guesser, "Authorization": f"Bearer sk-guess-{i:016d}"}, timeout=10
+        ).status_code
         for i in range(80)
     ]
-    limited = requests.get(f"{url}/v1/videos", headers={"Authorization": "Bearer sk-guess-last-0000000"}, timeout=10)
-    print(f"FIGURE failed auth: 80 guesses -> {statuses.count(401)} x 401, {statuses.count(429)} x 429")
-    assert statuses.count(429) >= 1 and limited.status_code == 429 and "Retry-After" in limited.headers
+    right_key = requests.get(f"{url}/v1/videos", headers={**guesser, **auth("bob")}, timeout=10)
+    other = requests.get(f"{url}/v1/videos", headers={**neighbour, **auth("bob")}, timeout=10)
+    print(f"FIGURE failed auth: 80 guesses -> {statuses.count(401)} x 401, {statuses.count(429)} x 429; then the "
+          f"right key from that client {right_key.status_code}, from another client {other.status_code}")
+    assert statuses.count(429) >= 1 and right_key.status_code == 429 and "Retry-After" in right_key.headers
+    assert other.status_code == 200
