@@ -69,7 +69,7 @@ def _checks(*, detailed: bool) -> tuple[dict[str, Any], int]:
         now = health(svc.jobs, registered, list(svc.settings.models.values()), svc.settings.reaper_stale_s)
         problems = now.problems
         checks["workers"] = {"ok": all(now.workers.values()), "seen": sum(now.workers.values()), "queues": now.workers}
-        checks["reaper"] = {"ok": not any("reaper" in p for p in problems), "last_pass_s": now.reaper_last_pass_s}
+        checks["reaper"] = {"ok": now.reaper_ok, "last_pass_s": now.reaper_last_pass_s}
         checks["leases"] = {"ok": not now.overdue_jobs, "overdue": now.overdue_jobs}
         if detailed:
             checks["workers"]["registered"] = [

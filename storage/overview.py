@@ -18,6 +18,7 @@ from storage.workers import WorkerInfo, WorkerRegistry
 class Health(BaseModel):
     workers: dict[str, int]  # served queue -> live model workers taking jobs from it
     reaper_last_pass_s: float | None  # seconds since the reaper last finished a pass; None: no pass on record
+    reaper_ok: bool  # it passed within the staleness bound
     overdue_jobs: int  # in progress past their lease: the reaper requeues them on its next pass
     problems: list[str]  # what makes the service degraded, for a person; empty: healthy
 
@@ -51,11 +52,14 @@ def health(jobs: JobStore, workers: list[WorkerInfo], queues: list[str], reaper_
     since = now - float(last) if last is not None else None
     overdue = jobs.redis.zcount(f"{jobs.prefix}:leases", "-inf", now)
     problems = [f"no worker takes jobs from {queue}" for queue, count in served.items() if not count]
-    if since is None or since > reaper_stale_s:
+    reaper_ok = since is not None and since <= reaper_stale_s
+    if not reaper_ok:
         problems.append("the reaper has not passed " + (f"for {since:.0f} s" if since is not None else "yet"))
     if overdue:
         problems.append(f"{overdue} job(s) in progress past their lease")
-    return Health(workers=served, reaper_last_pass_s=since, overdue_jobs=overdue, problems=problems)
+    return Health(
+        workers=served, reaper_last_pass_s=since, reaper_ok=reaper_ok, overdue_jobs=overdue, problems=problems
+    )
 
 
 def job_counts(jobs: JobStore) -> dict[Status, int]:
