@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 
 from flask import Flask, g, request
+from werkzeug.middleware.proxy_fix import ProxyFix
 
-from api import errors, health, metrics, models, openapi, uploads, videos, web
+from api import body, errors, health, metrics, models, openapi, uploads, videos, web
 from api.idempotency import Idempotency
 from api.ratelimit import RateLimiter
 from api.services import Services
@@ -45,11 +46,15 @@ def create_app(settings: Settings | None = None) -> Flask:
         limiter=RateLimiter(redis),
     )
     errors.register(app)
+    body.register(app)
+    if settings.trusted_proxies:  # the client's address, as the proxies in front saw it (api/auth.py throttles by it)
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.trusted_proxies)
     metrics.instrument(app)
     app.before_request(_log_job_id)
     app.teardown_request(_forget_job_id)
     for module in (videos, uploads, models, health, web, metrics):
         app.register_blueprint(module.blueprint)
+    app.register_blueprint(health.detail)
     openapi.register(app)
     return app
 

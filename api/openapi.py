@@ -7,7 +7,9 @@ response of the live API against them (tests/service/test_openapi.py). Served mo
 settings, so the document says what this deployment accepts.
 
 Swagger UI's assets come from the `flask-swagger-ui` package and are served by this API: the page needs nothing from
-another host at run time.
+another host at run time. The page is ours (api/static/docs.html, docs.js): no inline script, so a strict CSP holds,
+nothing from the request (its Host header) in the page or in the /docs redirect, and no API key kept in
+localStorage.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 from importlib.metadata import version
 from typing import Any, Literal
 
-from flask import Blueprint, Flask, Response, current_app, jsonify
-from flask_swagger_ui import get_swaggerui_blueprint
+from pathlib import Path
+
+import flask_swagger_ui
+from flask import Blueprint, Flask, Response, current_app, jsonify, send_from_directory
 from pydantic import BaseModel, Field, create_model
 from pydantic.json_schema import models_json_schema
 
@@ -76,9 +80,11 @@ class Upload(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok", "degraded", "unavailable"] = Field(
-        description="ok: Redis, storage and at least one worker answer; degraded: no worker (jobs wait); "
+        description="ok: Redis and storage answer and jobs make progress; degraded: a served queue has no model "
+        "worker, the reaper has not passed lately, or a job is past its lease (`problems` says which); "
         "unavailable: Redis or storage is down (503)"
     )
+    problems: list[str]
     checks: dict[str, Any]
 
 
@@ -319,13 +325,30 @@ def document(settings: Settings) -> dict[str, Any]:
                 "responses": {"201": _json("Upload", "stored"), **_problems(400, 401, 413, 415, 422, 429)},
             }
         },
+        "/livez": {
+            "get": {
+                "operationId": "live",
+                "summary": "Does this API process answer? (a liveness probe: asks nothing else)",
+                "tags": ["service"],
+                **public,
+                "responses": {"200": {"description": "alive", "content": {"application/json": {"schema": {}}}}},
+            }
+        },
         "/healthz": {
             "get": {
                 "operationId": "health",
-                "summary": "Can this API do its job?",
+                "summary": "Can the service do its job? Counts only; kept for a second",
                 "tags": ["service"],
                 **public,
                 "responses": {"200": _json("Health", "healthy"), "503": _json("Health", "Redis or storage is down")},
+            }
+        },
+        "/v1/health": {
+            "get": {
+                "operationId": "healthDetail",
+                "summary": "The same, with each registered worker, who answers Celery's ping and queue depths",
+                "tags": ["service"],
+                "responses": {"200": _json("Health", "healthy"), **_problems(401, 429), "503": _json("Health", "down")},
             }
         },
         "/metrics": {
@@ -341,6 +364,15 @@ def document(settings: Settings) -> dict[str, Any]:
         },
         "/": {"get": _page("webApp", "The web app: upload, watch, compare, download")},
         f"{DOCS_PATH}/": {"get": _page("docs", "This document, in Swagger UI")},
+        DOCS_PATH: {
+            "get": {
+                "operationId": "docsRedirect",
+                "summary": f"Redirects to {DOCS_PATH}/ (a relative Location)",
+                "tags": ["service"],
+                "security": [],
+                "responses": {"308": {"description": f"to {DOCS_PATH}/"}},
+            }
+        },
         SPEC_PATH: {
             "get": {
                 "operationId": "openapi",
@@ -383,13 +415,40 @@ def openapi_json() -> Response:
     return jsonify(cached["document"])
 
 
+_SWAGGER_DIST = Path(flask_swagger_ui.__file__).parent / "dist"
+_STATIC = Path(__file__).parent / "static"
+# Swagger UI sets style attributes from its scripts, hence 'unsafe-inline' for styles (never for scripts).
+DOCS_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+docs = Blueprint("docs", __name__)
+
+
+@docs.get(DOCS_PATH)
+def docs_redirect() -> Response:
+    # relative: an absolute URL would be built from the request's Host header
+    return Response(status=308, headers={"Location": f"{DOCS_PATH}/"})
+
+
+@docs.get(f"{DOCS_PATH}/")
+def docs_page() -> Response:
+    return send_from_directory(_STATIC, "docs.html")
+
+
+@docs.get(f"{DOCS_PATH}/<path:filename>")
+def docs_asset(filename: str) -> Response:
+    return send_from_directory(_SWAGGER_DIST, filename)
+
+
+@docs.after_request
+def _docs_headers(response: Response) -> Response:
+    response.headers.update(
+        {"Content-Security-Policy": DOCS_CSP, "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+    )
+    return response
+
+
 def register(app: Flask) -> None:
     app.register_blueprint(blueprint)
-    app.register_blueprint(
-        get_swaggerui_blueprint(
-            DOCS_PATH,
-            SPEC_PATH,
-            config={"app_name": "vsrq API", "persistAuthorization": True, "tryItOutEnabled": True},
-            blueprint_name="docs",
-        )
-    )
+    app.register_blueprint(docs)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from api.body import parse_json
 from api.errors import ApiError, field_errors
 
 SCALES = (2.0, 2.25, 4.0)
@@ -170,7 +171,7 @@ class JobOptions(BaseModel):
     def _metadata_json(cls, value: Any) -> Any:
         if isinstance(value, str):  # a multipart form carries it as JSON text
             try:
-                return json.loads(value) if value.strip() else {}
+                return parse_json(value, "`metadata`") if value.strip() else {}
             except json.JSONDecodeError:
                 raise ValueError("must be a JSON object of strings") from None
         return value
@@ -305,8 +306,8 @@ def _merge_nested(fields: dict[str, Any]) -> dict[str, Any]:
         extra = fields.pop(nested, None)
         if isinstance(extra, str):
             try:
-                extra = json.loads(extra) if extra.strip() else None
-            except (json.JSONDecodeError, RecursionError):
+                extra = parse_json(extra, f"`{nested}`") if extra.strip() else None
+            except json.JSONDecodeError:
                 raise ApiError(400, "malformed_extra_body", f"`{nested}` is not valid JSON.") from None
         if extra is not None and not isinstance(extra, dict):
             raise ApiError(400, "malformed_extra_body", f"`{nested}` must be a JSON object.")

@@ -15,7 +15,6 @@ A caller sees only its own jobs: another key's job answers 404, exactly as a mis
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ from pydantic import ValidationError
 
 from api import idempotency
 from api.auth import admit_caller, owner
+from api.body import hold_body_slot, parse_json
 from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
@@ -42,6 +42,7 @@ MAX_JSON_BYTES = 1024 * 1024
 
 
 blueprint.before_request(admit_caller)
+blueprint.before_request(hold_body_slot)
 
 
 @blueprint.errorhandler(JobNotFound)
@@ -86,6 +87,7 @@ def _create() -> tuple[int, dict[str, Any], str]:
     """Creates the job from this request; returns (status, body, the request's fingerprint). The key's job slot is
     taken before the upload streams, so a key at its limit sends no video for nothing."""
     svc = services()
+    svc.limiter.check_budget(g.api_key, svc.settings)
     with svc.limiter.job_slot(g.api_key, svc.settings, svc.jobs.active_keys(owner())):
         return _create_from_request()
 
@@ -135,7 +137,7 @@ def _json_body() -> dict[str, Any]:
             413, "body_too_large", f"A JSON body is limited to {MAX_JSON_BYTES} bytes; send videos as multipart."
         )
     try:
-        body = json.loads(raw)
+        body = parse_json(raw)
     except ValueError:
         raise ApiError(400, "malformed_json", "The body is not valid JSON.") from None
     if not isinstance(body, dict):

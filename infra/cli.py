@@ -55,7 +55,12 @@ def status(args: argparse.Namespace) -> int:
     redis = open_redis(settings)
     jobs = JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
     try:
-        now = overview(jobs, WorkerRegistry(redis, ttl_s=settings.worker_ttl_s), list(settings.models.values()))
+        now = overview(
+            jobs,
+            WorkerRegistry(redis, ttl_s=settings.worker_ttl_s),
+            list(settings.models.values()),
+            settings.reaper_stale_s,
+        )
     except (RedisConnectionError, RedisTimeoutError) as error:
         print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
         return 1
@@ -63,6 +68,10 @@ def status(args: argparse.Namespace) -> int:
         print(now.model_dump_json(indent=2))
         return 0
     seconds = WorkerRegistry(redis).now()
+    health = now.health
+    reaper = f"{health.reaper_last_pass_s:.0f}s ago" if health.reaper_last_pass_s is not None else "never"
+    print(f"health   {'ok' if health.ok else 'degraded: ' + '; '.join(health.problems)}")
+    print(f"reaper   last pass {reaper}  jobs past their lease {health.overdue_jobs}")
     print("queues   " + "  ".join(f"{queue} {depth}" for queue, depth in now.queues.items()))
     print("jobs     " + "  ".join(f"{status} {count}" for status, count in now.jobs.items()))
     print(f"workers  {len(now.workers)}")

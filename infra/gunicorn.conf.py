@@ -19,6 +19,10 @@ worker_class = "api.gunicorn_worker.ProblemWorker"  # gthread, answering its own
 threads = _settings.web_threads
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60
+# A master killed with SIGKILL cannot stop its workers, which would keep the listening socket (and answer nothing
+# new once their requests end): each worker dies with its master (post_fork), and the socket is opened with
+# SO_REUSEPORT, so a new master binds at once even while an old worker is still finishing.
+reuse_port = True
 accesslog = "-"
 errorlog = "-"
 logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings_secrets(_settings))
@@ -58,5 +62,7 @@ def on_starting(server) -> None:
 
 
 def post_fork(server, worker) -> None:
-    # a master killed hard (its own parent-death signal, an OOM kill) takes its workers with it
-    die_with_parent(signal.SIGTERM, server.pid)
+    # A master killed hard (its own parent-death signal, an OOM kill) takes its workers with it. SIGKILL, not a
+    # graceful SIGTERM: a stopping worker keeps its SO_REUSEPORT socket open while it finishes (up to
+    # graceful_timeout), and the kernel would still hand it new connections that it no longer accepts.
+    die_with_parent(signal.SIGKILL, server.pid)

@@ -58,6 +58,11 @@ class ApiKey(BaseModel):
     rate_limit_window_s: int | None = Field(None, ge=1)
     max_active_jobs: int | None = Field(None, ge=1)
     max_upload_bytes: int | None = Field(None, ge=1)
+    max_concurrent_bodies: int | None = Field(None, ge=1)
+    # Compute (worker/media/limits.py, storage/budget.py): output size per frame and per job, output per hour
+    max_output_pixels: int | None = Field(None, ge=1)
+    max_output_megapixel_frames: float | None = Field(None, gt=0)
+    megapixel_frames_per_hour: float | None = Field(None, gt=0)
 
     @field_validator("webhook_secret")
     @classmethod
@@ -129,13 +134,35 @@ class Settings(BaseSettings):
     # Served models and the Celery queue (pipeline group) of each; the first is the default.
     models: dict[str, str] = {K6_VSR: "vsrq.k6"}
 
-    # Limits and retention
-    max_upload_bytes: int = Field(4 * 1024 * MiB, ge=1)
+    # Limits and retention. Per-key defaults (a key's own values win; README: "Limits" says how to raise them), sized
+    # so that one person, the web app or `vsrq bulk` at its default concurrency never meets them; None: unlimited.
+    max_upload_bytes: int = Field(2 * 1024 * MiB, ge=1)
     max_form_field_bytes: int = Field(64 * 1024, ge=1024)  # one non-file multipart field
-    # Per-key defaults (a key's own values win); None: unlimited. Requests per window; jobs queued or running.
-    rate_limit_requests: int | None = Field(None, ge=1)
+    rate_limit_requests: int | None = Field(1200, ge=1)  # per window: 20/s sustained, a 1200-request burst
     rate_limit_window_s: int = Field(60, ge=1)
-    max_active_jobs_per_key: int | None = Field(None, ge=1)
+    max_active_jobs_per_key: int | None = Field(1000, ge=1)  # queued + running
+    # Failed authentications per client address (a bad token): past this, every request that carries a token from
+    # that address answers 429 until the window has passed, so guessing is throttled and learns nothing meanwhile.
+    auth_failures_per_window: int | None = Field(60, ge=1)
+    auth_failure_window_s: int = Field(60, ge=1)
+    # Reverse proxies in front of the API (infra/nginx.conf: 1) whose X-Forwarded-For names the client: without it
+    # every client behind a proxy would share the proxy's address, and its failed-authentication budget.
+    trusted_proxies: int = Field(0, ge=0)
+    # Request bodies (api/body.py): a client silent for body_idle_timeout_s mid-request, or sending slower than
+    # body_min_bytes_per_s on average once body_grace_s has passed, is answered 408; a key sends at most
+    # max_concurrent_bodies_per_key bodies at once (more: 429 before a byte is read), so slow clients of one key
+    # hold at most that many of the API's threads.
+    body_idle_timeout_s: float = Field(30, gt=0)
+    body_grace_s: float = Field(30, gt=0)
+    body_min_bytes_per_s: int = Field(8 * 1024, ge=0)  # 64 kbit/s
+    max_concurrent_bodies_per_key: int | None = Field(8, ge=1)  # half of gunicorn's default 2 x 8 threads
+    # Compute per job, checked at probe time before any work (worker/media/limits.py): output pixels per frame (8K: the
+    # largest input, 4K, at x2; a 15360x8640 output took 8.36 GB of worker RSS for 4 frames, a quarter of that per
+    # frame fits a worker host), output megapixel-frames per job (10 min of 4K at 30 fps); and output megapixel-frames
+    # per key per hour (storage/budget.py; None: unlimited).
+    max_output_pixels: int | None = Field(7680 * 4320, ge=1)
+    max_output_megapixel_frames: float | None = Field(150_000, gt=0)
+    megapixel_frames_per_hour: float | None = Field(1_000_000, gt=0)
     result_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # finished jobs keep their output this long (expires_at)
     # The reaper's storage sweep (storage.lifecycle): uploads no job claims, writes never finished
     upload_ttl_s: int = Field(24 * 3600, ge=1)  # an upload (POST /v1/uploads) no live job names is deleted after this
@@ -155,7 +182,9 @@ class Settings(BaseSettings):
     # "unacked_restore_throttle": 1} to see an unacknowledged message redelivered in seconds.
     broker_transport_options: dict[str, int | float | str] = {}
     health_ping_timeout_s: float = Field(0.5, gt=0)
+    health_ping_cache_s: float = Field(10, gt=0)  # one Celery ping per API process this often, whoever asks
     reap_interval_s: float = Field(10, gt=0)  # between the reaper's passes (worker/reaper.py)
+    reaper_stale_s: float = Field(60, gt=0)  # a reaper whose last pass is older than this is reported dead
 
     # The API's server (infra/gunicorn.conf.py): threads, not more processes (requests mostly wait on I/O)
     bind: str = "127.0.0.1:8000"
@@ -200,6 +229,16 @@ class Settings(BaseSettings):
         if self.api_keys:
             return self.api_keys[0]
         return ApiKey(id="local", token=SecretStr(secrets.token_urlsafe(32)))
+
+    def compute_limits(self, key_id: str) -> tuple[int | None, float | None, float | None]:
+        """(output pixels per frame, output megapixel-frames per job, per hour) for a key: its own, else the
+        service-wide ones."""
+        key = next((key for key in self.api_keys if key.id == key_id), None)
+        return (
+            (key and key.max_output_pixels) or self.max_output_pixels,
+            (key and key.max_output_megapixel_frames) or self.max_output_megapixel_frames,
+            (key and key.megapixel_frames_per_hour) or self.megapixel_frames_per_hour,
+        )
 
     @property
     def default_model(self) -> str:

@@ -549,6 +549,10 @@ def open_redis(settings: Settings) -> Redis:
     )
 
 
+# Job ids become parts of Redis key names: an id of another shape (`<real id>:events`) never reaches one.
+JOB_ID = re.compile(r"video_[0-9a-f]{24}")
+
+
 def new_job_id() -> str:
     return "video_" + secrets.token_hex(12)
 
@@ -677,7 +681,7 @@ class JobStore:
 
     def require(self, job_id: str, owner: str | None = None) -> JobRecord:
         """The job, if it exists and (given an owner) belongs to that owner: another owner's job does not exist."""
-        job = self.get(job_id)
+        job = self.get(job_id) if JOB_ID.fullmatch(job_id) else None
         if job is None or (owner is not None and job.owner != owner):
             raise JobNotFound(f"no job {job_id}")
         return job
@@ -713,6 +717,8 @@ class JobStore:
         key = self._owner_key(owner, status or "all")
         if after is None:
             low, high = "-inf", "+inf"
+        elif not JOB_ID.fullmatch(after):
+            raise InvalidCursor(f"no job {after} to continue after")
         else:
             cursor = self.redis.hmget(self._job_key(after), "owner", "seq")
             if cursor[0] is None or cursor[0].decode() != owner:

@@ -71,7 +71,7 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None
         elif outcome == "failed":
             lease.fail(code, message)
         elif lease.retry(code, message) == Status.QUEUED:
-            send_upscale(app, service.jobs(), job)
+            send_upscale(app, service.jobs(), job, first=True)
             return  # the next attempt replays the kept windows
         forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:

@@ -45,6 +45,7 @@ from storage.queue import UPSCALE_TASK
 from worker import metrics, service, signals  # signals: importing it connects the process's handlers
 from worker.attempt import discard, discard_attempt, end, forget_windows
 from worker.celery_app import app
+from worker.costs import charge, job_limits
 from worker.fetch import fetch
 from worker.heartbeat import UPLOADING, Heartbeat
 from worker.kept_windows import BlobWindowStore, windows_key
@@ -106,7 +107,9 @@ def upscale(self, job_id: str) -> None:
 def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
     config = service.worker_settings()
     default_steps = service.upscaler().default_steps
-    options = replace(job_options(job.params, default_steps), **config.window_options)
+    options = replace(
+        job_options(job.params, default_steps), limits=job_limits(job), admit=charge(job), **config.window_options
+    )
     beat = Heartbeat(lease, config.heartbeat_s)
     with TemporaryDirectory(prefix="vsrq-") as scratch:
         source, output = Path(scratch, "input"), Path(scratch, "output.mp4")
