@@ -38,7 +38,7 @@ RANGES = {0: "unspecified", 1: "limited", 2: "full"}
 class VideoInfo:
     index: int
     codec: str
-    width: int  # as displayed, i.e. after rotation
+    width: int  # the picture the stream declares (decoder padding cropped off), after rotation
     height: int
     rotation: int  # degrees counter-clockwise the stored frames are turned for display: 0, 90, 180 or 270
     pix_fmt: str
@@ -54,12 +54,19 @@ class VideoInfo:
     duration: float  # seconds: from the first frame to the end of the last
     time_base: Fraction
     language: str | None
+    # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
+    sar: Fraction = Fraction(1)
+    interlaced: bool = False  # the first frame is coded as two fields
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def end(self) -> float:
         return self.start + self.duration
+
+    @property
+    def display_aspect(self) -> Fraction:
+        return self.width * self.sar / self.height
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class MediaInfo:
         info = asdict(self)
         info["path"] = str(self.path)
         del info["video"]["timestamps"]
-        info["video"].update(fps=str(self.video.fps), time_base=str(self.video.time_base))
+        info["video"].update(fps=str(self.video.fps), time_base=str(self.video.time_base), sar=str(self.video.sar))
         return info
 
     def describe(self) -> list[str]:
@@ -110,6 +117,7 @@ class MediaInfo:
             f"video #{video.index}: {video.codec} {video.width}x{video.height} {video.pix_fmt} {video.bit_depth}-bit "
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
+            + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
             + (f", rotated {video.rotation} degrees for display" if video.rotation else ""),
         ]
         lines += [
@@ -197,6 +205,7 @@ class _Scan:
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
     scan = _Scan()
     stream.thread_type = "AUTO"
+    decode_declared_picture(stream)
     try:
         for packet in container.demux():
             if packet.size == 0:
@@ -238,6 +247,20 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     return scan
 
 
+def decode_declared_picture(stream: av.VideoStream) -> None:
+    """Make the decoder hand over exactly the picture the stream declares. Codecs that crop their coded frame
+    (Theora's picture offset, H.264's left crop) otherwise crop the left edge only to a 32-byte boundary: a 214 px
+    Theora picture comes out 218 px wide, its left columns black."""
+    stream.codec_context.flags |= av.codec.context.Flags.unaligned
+
+
+def _sample_aspect(stream: av.VideoStream, rotation: int) -> Fraction:
+    """The pixel aspect ratio as ffprobe reads it (the container's, else the codec's), turned with the picture."""
+    sar = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
+    sar = Fraction(sar) if sar and sar > 0 else Fraction(1)
+    return 1 / sar if rotation in (90, 270) else sar
+
+
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
     frame = scan.first_frame
     rotation = round(frame.rotation / 90) * 90 % 360
@@ -276,6 +299,8 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         duration=float(duration),
         time_base=time_base,
         language=stream.language,
+        sar=_sample_aspect(stream, rotation),
+        interlaced=bool(frame.interlaced_frame),
         timestamps=() if cfr else tuple(t - first for t in timestamps),
     )
 

@@ -14,7 +14,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
 from worker.media.errors import InputCorrupt
-from worker.media.probe import AVError, VideoInfo
+from worker.media.probe import AVError, VideoInfo, decode_declared_picture
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
@@ -32,6 +32,7 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
         with av.open(str(path)) as container:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
+            decode_declared_picture(stream)
             for frame in container.decode(stream):
                 pixels = frame.to_ndarray(format=pixel_format, width=width, height=height, **_source_colour(frame))
                 count += 1
