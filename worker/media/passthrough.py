@@ -193,8 +193,12 @@ class _ToAac(_Handler):
         return stream
 
     def take(self, packet: av.Packet) -> None:
+        if not packet.size:
+            return  # sent, it would end the decoder's stream (Ogg files hold thousands); finish() flushes it
         with self.passthrough.reading():
-            frames = packet.decode()  # an empty packet flushes the decoder
+            self._decoded(packet.decode())
+
+    def _decoded(self, frames: list[av.AudioFrame]) -> None:
         for frame in frames:
             at = None
             if frame.pts is not None:
@@ -228,6 +232,8 @@ class _ToAac(_Handler):
         self.output.container.mux(self.output.encode(frame))
 
     def finish(self) -> None:
+        with self.passthrough.reading():
+            self._decoded(self.source.codec_context.decode(None))
         self._place(self.resampler.resample(None), None)
         if self.buffer.shape[1]:
             self._encode(self.buffer.shape[1])

@@ -172,7 +172,7 @@ def _video_stream(container: av.container.InputContainer, path: Path) -> av.Vide
     # Cover art in music files is a video stream of one picture: not a video.
     streams = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
     if not streams:
-        kinds = sorted({s.type for s in container.streams}) or ["no streams"]
+        kinds = sorted({"cover art" if s.type == "video" else s.type for s in container.streams}) or ["no streams"]
         raise InputNoVideo(f"{path.name} has no video stream ({', '.join(kinds)})")
     stream = streams[0]
     if stream.codec_context is None:
@@ -328,6 +328,10 @@ def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) 
 def _audio_info(stream: av.AudioStream, extent: tuple[float, float, float] | None) -> AudioInfo:
     context = stream.codec_context
     start, end, longest = extent or (0.0, 0.0, 0.0)
+    if stream.start_time is not None and stream.time_base is not None:
+        # Where the demuxer says the stream starts (ffprobe's start_time), where packets claim earlier: Ogg works
+        # packet times back from its pages' end, and can put a stream's first packets seconds before 0.
+        start = min(max(start, float(stream.start_time * stream.time_base)), end)
     return AudioInfo(
         index=stream.index,
         codec=_codec(stream),

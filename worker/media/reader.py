@@ -33,7 +33,7 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
-            for frame in container.decode(stream):
+            for frame in _decode(container, stream):
                 pixels = frame.to_ndarray(format=pixel_format, width=width, height=height, **_source_colour(frame))
                 count += 1
                 if count > video.frames:
@@ -43,6 +43,16 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
         raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
     if count != video.frames:
         raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
+
+
+def _decode(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
+    """Every frame of `stream`. Empty packets are skipped, not sent: Ogg stores a Theora frame that repeats the one
+    before as a 0-byte packet, which the decoder takes for the end of the stream (every later packet: EINVAL).
+    The probe counts frames the same way, as ffprobe does."""
+    for packet in container.demux(stream):
+        if packet.size:
+            yield from packet.decode()
+    yield from stream.decode(None)
 
 
 def _source_colour(frame: av.VideoFrame) -> dict:

@@ -170,6 +170,7 @@ class Mp4Writer:
         self._close_passthrough()
 
     def _encode_loop(self) -> None:
+        drained = False  # the producer's _DONE was taken: nothing more will come to unblock
         try:
             index = 0
             while (pixels := self._queue.get()) is not _DONE:
@@ -182,13 +183,14 @@ class Mp4Writer:
                     if self.passthrough is not None:
                         self.passthrough.mux_until(float(frame.pts * self.time_base))
                 self.encode_seconds += perf_counter() - started
+            drained = True
             self._mux_video(self.stream.encode())
             self._release_held()
             if self.passthrough is not None:
                 self.passthrough.mux_until(None)
         except BaseException as error:  # handed to the producer thread
             self._error = error
-            while self._queue.get() is not _DONE:  # unblock a producer waiting on a full queue
+            while not drained and self._queue.get() is not _DONE:  # unblock a producer waiting on a full queue
                 pass
 
     def _mux_video(self, packets: list[av.Packet]) -> None:
