@@ -13,7 +13,7 @@ import pytest
 
 from tests.corpus.check import corpus, run
 from tests.corpus.fetch import load_manifest
-from worker.sr.errors import SRError
+from worker.errors import CodedError
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {entry["name"]: entry for entry in load_manifest()["file"]}
@@ -35,12 +35,12 @@ def test_every_corpus_file_comes_back_whole_or_is_refused_with_its_code(cache, n
     assert outcome.status in ("pass", "refused"), f"{name} ({FILES[name]['about']}): {outcome.detail}"
 
 
-class CliError(SRError):
+class CliError(CodedError):
     pass
 
 
 def through_cli(source: Path, output: Path) -> None:
-    command = [sys.executable, "-m", "worker.cli", "upscale", str(source), "-o", str(output), "--model", "lanczos",
+    command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(output), "--model", "lanczos",
                "--scale", "2", "--preset", "veryfast"]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if result.returncode:

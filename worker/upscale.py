@@ -180,6 +180,10 @@ def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, s
             )
     if video.rotation:
         notes.append(f"the source is displayed rotated {video.rotation} degrees: frames were turned upright, the flag cleared")
+    others = [s.index for s in info.other_video]
+    if others:
+        notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "
+                     f"{', '.join(f'#{i}' for i in others)} left out")
     if video.interlaced:
         notes.append("the source is interlaced: its frames were upscaled as they are stored, both fields woven together "
                      "(not deinterlaced), so motion shows combing as in the source")

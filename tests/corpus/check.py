@@ -12,9 +12,9 @@ from pathlib import Path
 import av
 
 from tests.corpus.fetch import cache_dir, load_manifest, missing
-from worker.sr.engine import SRRequest
-from worker.sr.errors import SRError
+from worker.errors import CodedError
 from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.request import SRRequest
 from worker.upscale import UpscaleOptions, upscale_file
 
 SCALE = 2
@@ -71,7 +71,8 @@ class Declared:
 def declared(path: Path) -> Declared:
     with av.open(str(path), metadata_errors="replace") as container:
         videos = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
-        video = next((s for s in videos if s.disposition & av.stream.Disposition.default), videos[0])
+        best = container.streams.best("video")  # what ffmpeg and players pick
+        video = best if best in videos else next((s for s in videos if s.disposition & av.stream.Disposition.default), videos[0])
         context = video.codec_context
         width, height = context.width, context.height  # ffprobe's width/height: the declared picture
         sar = video.sample_aspect_ratio or context.sample_aspect_ratio
@@ -86,12 +87,13 @@ def declared(path: Path) -> Declared:
             times.append(float(frame.time) if frame.time is not None else len(times) / float(video.guessed_rate))
     tracks = []
     with av.open(str(path), metadata_errors="replace") as container:
-        for stream in container.streams.audio:
-            if stream.codec_context is None or not stream.codec_context.channels:
-                continue
+        indices = [s.index for s in container.streams.audio if s.codec_context is not None and s.codec_context.channels]
+    for index in indices:
+        with av.open(str(path), metadata_errors="replace") as container:  # one pass per stream: no seeking back
+            stream = container.streams[index]
             samples, start, frame = 0, None, 0.0
             try:
-                for decoded in container.decode(stream):
+                for decoded in _frames(container, stream):
                     if start is None and decoded.time is not None:
                         start, frame = float(decoded.time), decoded.samples / decoded.sample_rate
                     samples += decoded.samples
@@ -100,18 +102,17 @@ def declared(path: Path) -> Declared:
             if samples:
                 tracks.append(Track(stream.codec_context.channels, stream.codec_context.sample_rate, stream.language,
                                     start or 0.0, samples / stream.codec_context.sample_rate, frame))  # fmt: skip
-            container.seek(0)
     if rotation in (90, 270):
         width, height, sar = height, width, 1 / sar
     return Declared(width, height, sar, rotation, sorted(times), rate, tracks, subtitles, title)
 
 
-def _frames(container: av.container.InputContainer, video: av.VideoStream):
+def _frames(container: av.container.InputContainer, stream: av.stream.Stream):
     """As ffprobe -count_frames decodes: empty packets (Ogg's repeated Theora frames) are skipped, not sent."""
-    for packet in container.demux(video):
+    for packet in container.demux(stream):
         if packet.size:
             yield from packet.decode()
-    yield from video.decode(None)
+    yield from stream.decode(None)
 
 
 @dataclass
@@ -131,7 +132,7 @@ def run(entry: dict, cache: Path, out_dir: Path, upscale=None) -> Outcome:
     expected = entry.get("refuse")
     try:
         (upscale or _in_process)(source, output)
-    except SRError as error:
+    except CodedError as error:
         seconds = time.monotonic() - started
         left = sorted(p.name for p in out_dir.iterdir())
         if left:

@@ -92,6 +92,12 @@ class SubtitleInfo:
 
 
 @dataclass(frozen=True)
+class OtherVideo:
+    index: int
+    codec: str
+
+
+@dataclass(frozen=True)
 class MediaInfo:
     path: Path
     format: str
@@ -100,6 +106,7 @@ class MediaInfo:
     audio: tuple[AudioInfo, ...]
     subtitles: tuple[SubtitleInfo, ...]
     metadata: dict[str, str]
+    other_video: tuple[OtherVideo, ...] = ()  # video streams besides the one upscaled (cover art aside)
 
     def to_dict(self) -> dict:
         """JSON-ready (timestamps left out)."""
@@ -153,7 +160,12 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
             SubtitleInfo(s.index, _codec(s), s.language, s.metadata.get("title"))
             for s in container.streams.subtitles
         )
-        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata))
+        other_video = tuple(
+            OtherVideo(s.index, _codec(s))
+            for s in container.streams.video
+            if s.index != stream.index and not s.disposition & av.stream.Disposition.attached_pic
+        )
+        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video)
 
 
 def _codec(stream: av.stream.Stream) -> str:
@@ -174,7 +186,10 @@ def _video_stream(container: av.container.InputContainer, path: Path) -> av.Vide
     if not streams:
         kinds = sorted({"cover art" if s.type == "video" else s.type for s in container.streams}) or ["no streams"]
         raise InputNoVideo(f"{path.name} has no video stream ({', '.join(kinds)})")
-    stream = streams[0]
+    # Of several, the one FFmpeg picks (av_find_best_stream: the default, else the one with the most data), as
+    # ffmpeg and players do: a cut ASF declares three, two of them empty.
+    best = container.streams.best("video")
+    stream = best if best in streams else next((s for s in streams if s.disposition & av.stream.Disposition.default), streams[0])
     if stream.codec_context is None:
         raise InputUnsupportedCodec(f"{path.name}: FFmpeg has no decoder for its video codec")
     return stream
