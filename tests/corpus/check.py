@@ -95,10 +95,14 @@ def declared(path: Path) -> Declared:
             try:
                 for decoded in _frames(container, stream):
                     if start is None and decoded.time is not None:
-                        start, frame = float(decoded.time), decoded.samples / decoded.sample_rate
+                        start = float(decoded.time)
+                    frame = max(frame, decoded.samples / decoded.sample_rate)  # Vorbis frames vary: the longest
                     samples += decoded.samples
             except av.error.FFmpegError:
                 pass  # a cut file: what decodes is what there is
+            if stream.start_time is not None and start is not None:
+                # ffprobe's start_time where decoded times claim earlier (Ogg counts back from its pages' end)
+                start = max(start, float(stream.start_time * stream.time_base))
             if samples:
                 tracks.append(Track(stream.codec_context.channels, stream.codec_context.sample_rate, stream.language,
                                     start or 0.0, samples / stream.codec_context.sample_rate, frame))  # fmt: skip

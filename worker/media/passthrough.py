@@ -172,8 +172,8 @@ class _Copy(_Handler):
 
 
 class _ToAac(_Handler):
-    """Decode, place every sample on the output clock (silence before a late start, nothing before the clock's
-    start or after `end` where one is set), encode AAC in 1024-sample frames at the source's rate and layout."""
+    """Decode, place every sample on the output clock (a late start starts the track as late, gaps become
+    silence, nothing before the clock's start or after `end` where one is set), encode AAC in 1024-sample frames at the source's rate and layout."""
 
     FRAME = 1024
     # Decoded timestamps jitter (Matroska rounds them to milliseconds): only gaps beyond this are real.
@@ -199,16 +199,23 @@ class _ToAac(_Handler):
             self._decoded(packet.decode())
 
     def _decoded(self, frames: list[av.AudioFrame]) -> None:
+        source = self.source
+        first = float(source.start_time * source.time_base) if source.start_time is not None else None
         for frame in frames:
-            at = None
-            if frame.pts is not None:
-                at = round((float(frame.pts * frame.time_base) - self.passthrough.offset) * self.rate)
+            time = float(frame.pts * frame.time_base) if frame.pts is not None else None
+            if time is not None and first is not None and time < first - self.SLACK_SECONDS:
+                time = None  # before where the stream starts: times Ogg made up counting back from a page's end
+            if time is None and self.position is None:
+                time = first
+            at = None if time is None else round((time - self.passthrough.offset) * self.rate)
             self._place(self.resampler.resample(frame), at)
 
     def _place(self, frames: list[av.AudioFrame], at: int | None) -> None:
         """Append decoded samples that start at output sample `at` (None: right after the previous ones)."""
         samples = np.concatenate([self.buffer[:, :0], *(frame.to_ndarray() for frame in frames)], axis=1)
         if at is not None and (self.position is None or abs(at - self.position) > self.SLACK_SECONDS * self.rate):
+            if self.position is None and at > 0:  # a late start: the track starts there, as the source's, no silence
+                self.position = self.encoded = at
             position = self.position or 0
             if at > position:  # a gap, or a late start: silence until the samples are due
                 samples = np.concatenate([np.zeros((len(samples), at - position), np.float32), samples], axis=1)

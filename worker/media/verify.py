@@ -47,8 +47,7 @@ class Promise:
             action = next(c.action for c in carried if c.index == stream.index)
             if action != "drop":
                 start, end = stream.start - clock, stream.start + stream.duration - clock
-                # Re-encoded audio that starts late is preceded by silence from 0; copied audio keeps its start.
-                first = 0.0 if action == "aac" else max(start, 0.0)
+                first = max(start, 0.0)  # copied or re-encoded, a stream starts where it did against the video
                 slack = stream.packet_seconds / 2 if action == "copy" else 0.0
                 audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
