@@ -5,9 +5,12 @@ Nothing here imports torch or the engine: jobs are handed to the GPU workers as 
 
 from __future__ import annotations
 
-from flask import Flask, g, request
+import logging
 
-from api import errors, health, metrics, openapi, uploads, videos, web
+from flask import Flask, g, request
+from werkzeug.middleware.proxy_fix import ProxyFix
+
+from api import body, errors, health, metrics, models, openapi, uploads, videos, web
 from api.idempotency import Idempotency
 from api.ratelimit import RateLimiter
 from api.services import Services
@@ -17,11 +20,19 @@ from storage.jobs import JobStore, open_redis
 from storage.logs import current_job
 from storage.queue import make_celery
 
+log = logging.getLogger("vsrq.api")
+
 
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings()
-    if not settings.api_keys:
+    if not settings.api_keys and settings.auth != "none":
         raise RuntimeError("no API keys configured: set VSRQ_API_KEYS (see storage/config.py)")
+    if settings.anonymous_key is not None:
+        log.warning(
+            "AUTHENTICATION IS OFF (VSRQ_AUTH=none): every request to %s without a known key acts as %r",
+            settings.bind,
+            settings.anonymous_key.id,
+        )
     redis = open_redis(settings)
     app = Flask("vsrq", static_folder=None)
     app.json.sort_keys = False  # objects keep their documented field order
@@ -35,11 +46,15 @@ def create_app(settings: Settings | None = None) -> Flask:
         limiter=RateLimiter(redis),
     )
     errors.register(app)
+    body.register(app)
+    if settings.trusted_proxies:  # the client's address, as the proxies in front saw it (api/auth.py throttles by it)
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.trusted_proxies)
     metrics.instrument(app)
     app.before_request(_log_job_id)
     app.teardown_request(_forget_job_id)
-    for module in (videos, uploads, health, web, metrics):
+    for module in (videos, uploads, models, health, web, metrics):
         app.register_blueprint(module.blueprint)
+    app.register_blueprint(health.detail)
     openapi.register(app)
     return app
 

@@ -1,4 +1,8 @@
-"""Bearer API keys from the settings. A key sees only its own jobs and uploads: the key's id owns what it creates."""
+"""Bearer API keys from the settings. A key sees only its own jobs and uploads: the key's id owns what it creates.
+
+With `VSRQ_AUTH=none` (the local dev stack) a request without a known key, or with any other bearer token (SGLang's
+and OpenAI's clients send `EMPTY` or a placeholder), acts as the one anonymous owner (`Settings.anonymous_key`).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +18,19 @@ from storage.config import ApiKey, Settings
 def authenticate(settings: Settings) -> ApiKey:
     """The caller's key, also kept as `g.api_key`; 401 without a known bearer token."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    limiter, address = services().limiter, request.remote_addr or "unknown"
+    if token and (wait_s := limiter.guessing(address, settings)):  # a guess is not even checked while throttled
+        raise _guessing(wait_s)
     key = (
         settings.keys_by_token_hash.get(hashlib.sha256(token.strip().encode()).digest())
         if scheme.lower() == "bearer"
         else None
     )
     if key is None:
+        key = settings.anonymous_key
+    if key is None:
+        if token and (wait_s := limiter.failed(address, settings)):
+            raise _guessing(wait_s)
         raise ApiError(
             401,
             "unauthorized",
@@ -28,6 +39,15 @@ def authenticate(settings: Settings) -> ApiKey:
         )
     g.api_key = key
     return key
+
+
+def _guessing(wait_s: int) -> ApiError:
+    return ApiError(
+        429,
+        "too_many_failed_authentications",
+        "Too many requests with an invalid API key from this address; retry after the pause.",
+        headers={"Retry-After": str(wait_s)},
+    )
 
 
 def owner() -> str:

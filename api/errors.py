@@ -1,7 +1,9 @@
 """Errors as RFC 9457 problem+json, each with a stable `code` a client can switch on and a `detail` a person can read.
 
 4xx is the caller's mistake and says what to fix; 5xx says only that it is ours (the traceback goes to the log,
-never to the caller).
+never to the caller). The same body also carries OpenAI's `error {message, type, code, param}`, so that OpenAI's SDK
+(and clients written for it) show our message instead of the whole body; a 409 that retrying cannot fix says
+`x-should-retry: false`, which the SDK obeys instead of retrying every 409 twice.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import botocore.exceptions
 import redis.exceptions
 from flask import Flask, Response, request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger("vsrq.api")
@@ -41,6 +43,29 @@ class FieldError(BaseModel):
     message: str
 
 
+# OpenAI's error `type` for each status (its SDK maps statuses to exception classes; the type is for people and logs)
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    416: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+RETRY_FIXES = frozenset({"idempotency_in_flight"})  # the 409s that a later try can succeed
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    code: str
+    param: str | None = Field(None, description="the first field at fault, when there is one")
+
+
 class Problem(BaseModel):
     """An RFC 9457 problem: the body of every error (the OpenAPI document is generated from this model)."""
 
@@ -51,6 +76,18 @@ class Problem(BaseModel):
     detail: str = Field(description="for a person: what went wrong and what to do")
     instance: str = Field(description="the request path")
     errors: list[FieldError] | None = Field(None, description="per-field problems, when there are some")
+    error: OpenAIError | None = Field(None, description="the same, as OpenAI's SDK reads an error")
+
+    @model_validator(mode="after")
+    def _openai_error(self) -> Problem:
+        if self.error is None:
+            self.error = OpenAIError(
+                message=self.detail,
+                type=_OPENAI_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error"),
+                code=self.code,
+                param=self.errors[0].field if self.errors else None,
+            )
+        return self
 
 
 class ApiError(Exception):
@@ -87,6 +124,8 @@ def problem(
     response = Response(
         body.model_dump_json(exclude=None if errors else {"errors"}), status=status, mimetype="application/problem+json"
     )
+    if status == 409 and code not in RETRY_FIXES:
+        response.headers["x-should-retry"] = "false"
     response.headers.update(headers or {})
     return response
 

@@ -1,5 +1,13 @@
 """The gunicorn worker the API runs under (`worker_class` in infra/gunicorn.conf.py): gunicorn's threaded worker, whose
-own error answers are problem+json with a stable `code`, like every other error of the API.
+own error answers are problem+json with a stable `code`, like every other error of the API, and whose reads from a
+client are paced, so a slow or stalled client cannot hold a request thread for long.
+
+Pacing: every read of a request (headers and body) waits at most `body_idle_timeout_s` for bytes, and once
+`body_grace_s` has passed the request must have arrived at `body_min_bytes_per_s` on average; otherwise the read raises
+`TimeoutError` (api/body.py answers 408 when that happens in the body). It must sit at the socket: gunicorn's body
+reader loops on recv() until it has the size asked for, so a check between the application's reads would never run
+while a client trickles a byte at a time. A connection that ends unread is closed after a short drain, its lingering
+close (gunicorn's, up to 2 s) off the event loop.
 
 gunicorn answers some requests before Flask ever sees them (a control byte in a header, a malformed request line,
 headers too large) with an HTML page. It has no hook for those pages: `Worker.handle_error` picks the status, logs
@@ -9,18 +17,106 @@ in the worker process, so gunicorn keeps choosing the status and only the body c
 
 from __future__ import annotations
 
+import errno
 import socket
+import threading
+import time
+from typing import Any
 
 from gunicorn import util
-from gunicorn.workers.gthread import ThreadWorker
+from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from api.errors import Problem
+from storage.config import Settings
+
+# How long a connection whose request was answered before its body was read (401, 413, 429, 408) may take to send
+# the rest before it is closed instead of kept alive: a client still sending has it in flight already.
+_DRAIN_S = 0.1
 
 
 class ProblemWorker(ThreadWorker):
     def init_process(self) -> None:
         util.write_error = write_problem
+        settings = Settings()
+        self.pacing = (settings.body_idle_timeout_s, settings.body_grace_s, settings.body_min_bytes_per_s)
         super().init_process()  # runs the worker loop: never returns
+
+    def accept(self, listener: socket.socket) -> None:
+        """gthread's accept, with a paced connection."""
+        try:
+            client, address = listener.accept()
+            self.nr_conns += 1
+            client.setblocking(True)
+            self.enqueue_req(PacedConn(self.cfg, client, address, listener.getsockname(), self.pacing))
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+
+    def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
+        # gthread drains an unread body for up to 5 s in a request thread: a stalled client would hold it that long
+        return bool(keepalive and conn.parser.finish_body(deadline=time.monotonic() + _DRAIN_S))
+
+
+class PacedConn(TConn):
+    def __init__(self, cfg: Any, sock: socket.socket, client: Any, server: Any, pacing: tuple[float, float, int]):
+        super().__init__(cfg, sock, client, server)
+        self.pacing = pacing
+
+    def init(self) -> None:
+        """Called by the request thread before each request on the connection: its pace is counted from here."""
+        super().init()
+        unreader = getattr(self.parser, "unreader", None)  # HTTP/1 (HTTP/2 reads through its own connection)
+        if unreader is not None:
+            if not isinstance(unreader.sock, PacedSocket):
+                unreader.sock = PacedSocket(unreader.sock, *self.pacing)
+            unreader.sock.restart()
+
+    def close(self, graceful: bool = False) -> None:
+        if graceful:  # gunicorn lingers up to 2 s for the client's FIN, on the worker's event loop: not there
+            threading.Thread(target=TConn.close, args=(self, True), daemon=True).start()
+        else:
+            super().close()
+
+
+class PacedSocket:
+    """The client socket as gunicorn's request parser reads it: each recv() bounded by the idle timeout and the
+    minimum average rate (see the module's docstring). Everything else goes to the socket itself."""
+
+    def __init__(self, sock: socket.socket, idle_s: float, grace_s: float, min_bytes_per_s: int) -> None:
+        self._sock, self._idle_s, self._grace_s, self._min_rate = sock, idle_s, grace_s, min_bytes_per_s
+        self._bound: float | None = None  # a deadline gunicorn sets itself (its drain), through settimeout
+        self.restart()
+
+    def restart(self) -> None:
+        self._started, self._received = time.monotonic(), 0
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._bound = timeout
+
+    def gettimeout(self) -> float | None:
+        return self._bound
+
+    def recv(self, size: int) -> bytes:
+        elapsed = time.monotonic() - self._started
+        wait = self._idle_s if self._bound is None else min(self._idle_s, self._bound)
+        if self._min_rate:  # no longer than until the average would fall below the minimum
+            wait = min(wait, max(self._grace_s, (self._received + 1) / self._min_rate) - elapsed)
+        # past that point, only what has arrived already (the application may have been busy, not the client)
+        self._sock.settimeout(max(wait, 0.001))
+        try:
+            data = self._sock.recv(size)
+        except TimeoutError:
+            # ECONNRESET: gunicorn drops such a connection quietly when it happens in the headers (a traceback per
+            # slow client otherwise); in the body, api/body.py answers 408
+            reason = "the client sends too slowly" if wait < self._idle_s else "the client stopped sending"
+            raise TimeoutError(errno.ECONNRESET, reason) from None
+        finally:
+            self._sock.settimeout(None)  # writes are not paced: a response may take a slow reader long
+        self._received += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
 
 
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:

@@ -44,7 +44,10 @@ class ServiceCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         svc = self.svc
         now = overview(
-            svc.jobs, WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s), list(svc.settings.models.values())
+            svc.jobs,
+            WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s),
+            list(svc.settings.models.values()),
+            svc.settings.reaper_stale_s,
         )
         depth = GaugeMetricFamily("vsrq_queue_depth", "Jobs queued, per queue (pipeline group).", labels=["queue"])
         for queue, size in now.queues.items():
@@ -58,7 +61,15 @@ class ServiceCollector(Collector):
             serving = [worker for worker in now.workers if queue in worker.queues]
             workers.add_metric([queue], len(serving))
             busy.add_metric([queue], sum(worker.job is not None for worker in serving))
-        yield from (depth, jobs, workers, busy)
+        overdue = GaugeMetricFamily("vsrq_jobs_past_lease", "Jobs in progress past their lease (the reaper is behind).")
+        overdue.add_metric([], now.health.overdue_jobs)
+        yield from (depth, jobs, workers, busy, overdue)
+        if now.health.reaper_last_pass_s is not None:
+            yield GaugeMetricFamily(
+                "vsrq_reaper_last_pass_age_seconds",
+                "Seconds since the reaper last finished a pass.",
+                value=now.health.reaper_last_pass_s,
+            )
 
 
 @blueprint.get("/metrics")
@@ -70,7 +81,8 @@ def metrics() -> Response:
         registry = REGISTRY
     state = CollectorRegistry()
     state.register(ServiceCollector(services()))
-    return Response(generate_latest(registry) + generate_latest(state), mimetype=CONTENT_TYPE_LATEST)
+    # content_type, not mimetype: CONTENT_TYPE_LATEST carries its charset already, and Flask would add a second one
+    return Response(generate_latest(registry) + generate_latest(state), content_type=CONTENT_TYPE_LATEST)
 
 
 def instrument(app: Flask) -> None:

@@ -17,6 +17,9 @@ from api.errors import ApiError
 
 CHUNK = 256 * 1024
 MAX_PARTS = 64
+# What the decoder may hold while it looks for the next boundary or the end of a part's headers (a file's data
+# streams through it a chunk at a time): a preamble or a header block past this is refused, not buffered.
+MAX_BUFFERED = 1024 * 1024
 
 
 @dataclass
@@ -51,7 +54,14 @@ class FormReader:
             try:
                 event = self._decoder.next_event()
                 if event is NEED_DATA:
-                    self._decoder.receive_data(self._stream.read(CHUNK) or None)  # None: the body ended
+                    data = self._stream.read(CHUNK)
+                    if len(self._decoder.buffer) + len(data) > MAX_BUFFERED:
+                        raise ApiError(
+                            413,
+                            "form_part_too_large",
+                            f"A multipart preamble or part header block is larger than {MAX_BUFFERED} bytes.",
+                        )
+                    self._decoder.receive_data(data or None)  # None: the body ended
                     continue
             except RequestEntityTooLarge:
                 raise ApiError(413, "too_many_parts", f"A form may have at most {MAX_PARTS} parts.") from None

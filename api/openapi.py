@@ -7,7 +7,9 @@ response of the live API against them (tests/service/test_openapi.py). Served mo
 settings, so the document says what this deployment accepts.
 
 Swagger UI's assets come from the `flask-swagger-ui` package and are served by this API: the page needs nothing from
-another host at run time.
+another host at run time. The page is ours (api/static/docs.html, docs.js): no inline script, so a strict CSP holds,
+nothing from the request (its Host header) in the page or in the /docs redirect, and no API key kept in
+localStorage.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 from importlib.metadata import version
 from typing import Any, Literal
 
-from flask import Blueprint, Flask, Response, current_app, jsonify
-from flask_swagger_ui import get_swaggerui_blueprint
+from pathlib import Path
+
+import flask_swagger_ui
+from flask import Blueprint, Flask, Response, current_app, jsonify, send_from_directory
 from pydantic import BaseModel, Field, create_model
 from pydantic.json_schema import models_json_schema
 
@@ -44,6 +48,20 @@ class VideoList(BaseModel):
     has_more: bool = Field(description="pass `last_id` as `after` for the next page")
 
 
+class Model(BaseModel):
+    id: str = Field(description="what to put in `model` on create")
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    queue: str = Field(description="the Celery queue (pipeline group) whose workers serve it")
+    default: bool = Field(description="the model a create without `model` gets")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
 class VideoDeleted(BaseModel):
     id: str
     object: Literal["video.deleted"]
@@ -62,9 +80,11 @@ class Upload(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok", "degraded", "unavailable"] = Field(
-        description="ok: Redis, storage and at least one worker answer; degraded: no worker (jobs wait); "
+        description="ok: Redis and storage answer and jobs make progress; degraded: a served queue has no model "
+        "worker, the reaper has not passed lately, or a job is past its lease (`problems` says which); "
         "unavailable: Redis or storage is down (503)"
     )
+    problems: list[str]
     checks: dict[str, Any]
 
 
@@ -118,13 +138,19 @@ _JOB_LINKS = {
 }
 
 
-def _job_operation(summary: str, headers: tuple[tuple[str, str], ...] = (), **extra: Any) -> dict[str, Any]:
+def _job_operation(
+    summary: str,
+    headers: tuple[tuple[str, str], ...] = (),
+    extra_parameters: list[dict[str, Any]] = (),
+    **extra: Any,
+) -> dict[str, Any]:
     job_id = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}, "example": "video_..."}
     header_parameters = [
         {"name": name, "in": "header", "required": False, "description": description, "schema": {"type": "string"}}
         for name, description in headers
     ]
-    return {"summary": summary, "tags": ["videos"], "parameters": [job_id, *header_parameters], **extra}
+    parameters = [job_id, *header_parameters, *extra_parameters]
+    return {"summary": summary, "tags": ["videos"], "parameters": parameters, **extra}
 
 
 def _header(description: str) -> dict[str, Any]:
@@ -143,7 +169,10 @@ def _page(operation_id: str, summary: str) -> dict[str, Any]:
 
 
 def document(settings: Settings) -> dict[str, Any]:
-    models = [Video, VideoList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm, UploadForm]
+    models = [
+        Video, VideoList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm, UploadForm,
+        Model, ModelList,
+    ]  # fmt: skip
     _, definitions = models_json_schema(
         [(model, "validation" if model.__name__.endswith(("Json", "Form")) else "serialization") for model in models],
         ref_template=_REF,
@@ -222,32 +251,67 @@ def document(settings: Settings) -> dict[str, Any]:
         },
         "/v1/videos/{job_id}/content": {
             "get": _job_operation(
-                "Download the upscaled MP4 of a completed job (one byte range at a time, for players that seek)",
+                "Download the upscaled MP4 of a completed job (one byte range at a time, for players that seek), or "
+                "its poster frame or sprite sheet",
                 operationId="getVideoContent",
                 headers=(
                     ("Range", "one range: `bytes=first-last`, `bytes=first-` or `bytes=-suffix`"),
                     ("If-Range", "the ETag the range belongs to: another one gets the whole video"),
                     ("If-None-Match", "the ETag you have: 304 while it is still this video"),
                 ),
+                extra_parameters=[
+                    {
+                        "name": "variant",
+                        "in": "query",
+                        "required": False,
+                        "description": "video (the MP4, default), thumbnail (a JPEG of the middle frame) or "
+                        "spritesheet (a JPEG grid of up to 25 frames across the video, 5 to a row); `0` is the "
+                        "video, as SGLang numbers its outputs",
+                        "schema": {"type": "string", "enum": ["video", "thumbnail", "spritesheet", "0"]},
+                    }
+                ],
                 responses={
                     "200": {
-                        "description": "the MP4",
-                        "headers": {"ETag": _header("the video's SHA-256"), "Accept-Ranges": _header("bytes")},
-                        "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
+                        "description": "the MP4, or the JPEG the variant names",
+                        "headers": {"ETag": _header("the file's SHA-256"), "Accept-Ranges": _header("bytes")},
+                        "content": {
+                            "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+                        },
                     },
                     "206": {
                         "description": "the one byte range a `Range` header asked for",
                         "headers": {"Content-Range": _header("bytes first-last/length")},
-                        "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}},
+                        "content": {
+                            "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+                        },
                     },
                     "302": {
                         "description": "a presigned URL to fetch it from (when the service delivers by redirect)",
                         "headers": {"Location": _header("the presigned URL")},
                     },
                     "304": {"description": "`If-None-Match` names the ETag (the output's SHA-256): not modified"},
-                    **_problems(401, 404, 409, 416),
+                    **_problems(401, 404, 409, 416, 422),
                 },
             )
+        },
+        "/v1/models": {
+            "get": {
+                "operationId": "listModels",
+                "summary": "The models this deployment serves (OpenAI's list shape)",
+                "tags": ["models"],
+                "responses": {"200": _json("ModelList", "the served models"), **_problems(401)},
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "operationId": "getModel",
+                "summary": "One served model",
+                "tags": ["models"],
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json("Model", "the model"), **_problems(401, 404)},
+            }
         },
         "/v1/uploads": {
             "post": {
@@ -261,13 +325,30 @@ def document(settings: Settings) -> dict[str, Any]:
                 "responses": {"201": _json("Upload", "stored"), **_problems(400, 401, 413, 415, 422, 429)},
             }
         },
+        "/livez": {
+            "get": {
+                "operationId": "live",
+                "summary": "Does this API process answer? (a liveness probe: asks nothing else)",
+                "tags": ["service"],
+                **public,
+                "responses": {"200": {"description": "alive", "content": {"application/json": {"schema": {}}}}},
+            }
+        },
         "/healthz": {
             "get": {
                 "operationId": "health",
-                "summary": "Can this API do its job?",
+                "summary": "Can the service do its job? Counts only; kept for a second",
                 "tags": ["service"],
                 **public,
                 "responses": {"200": _json("Health", "healthy"), "503": _json("Health", "Redis or storage is down")},
+            }
+        },
+        "/v1/health": {
+            "get": {
+                "operationId": "healthDetail",
+                "summary": "The same, with each registered worker, who answers Celery's ping and queue depths",
+                "tags": ["service"],
+                "responses": {"200": _json("Health", "healthy"), **_problems(401, 429), "503": _json("Health", "down")},
             }
         },
         "/metrics": {
@@ -283,6 +364,15 @@ def document(settings: Settings) -> dict[str, Any]:
         },
         "/": {"get": _page("webApp", "The web app: upload, watch, compare, download")},
         f"{DOCS_PATH}/": {"get": _page("docs", "This document, in Swagger UI")},
+        DOCS_PATH: {
+            "get": {
+                "operationId": "docsRedirect",
+                "summary": f"Redirects to {DOCS_PATH}/ (a relative Location)",
+                "tags": ["service"],
+                "security": [],
+                "responses": {"308": {"description": f"to {DOCS_PATH}/"}},
+            }
+        },
         SPEC_PATH: {
             "get": {
                 "operationId": "openapi",
@@ -305,6 +395,7 @@ def document(settings: Settings) -> dict[str, Any]:
         "tags": [
             {"name": "videos", "description": "super-resolution jobs"},
             {"name": "uploads", "description": "videos stored for later jobs"},
+            {"name": "models", "description": "the models served"},
             {"name": "service", "description": "health, metrics and this document"},
         ],
         "security": [{"bearer": []}],
@@ -324,13 +415,40 @@ def openapi_json() -> Response:
     return jsonify(cached["document"])
 
 
+_SWAGGER_DIST = Path(flask_swagger_ui.__file__).parent / "dist"
+_STATIC = Path(__file__).parent / "static"
+# Swagger UI sets style attributes from its scripts, hence 'unsafe-inline' for styles (never for scripts).
+DOCS_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+docs = Blueprint("docs", __name__)
+
+
+@docs.get(DOCS_PATH)
+def docs_redirect() -> Response:
+    # relative: an absolute URL would be built from the request's Host header
+    return Response(status=308, headers={"Location": f"{DOCS_PATH}/"})
+
+
+@docs.get(f"{DOCS_PATH}/")
+def docs_page() -> Response:
+    return send_from_directory(_STATIC, "docs.html")
+
+
+@docs.get(f"{DOCS_PATH}/<path:filename>")
+def docs_asset(filename: str) -> Response:
+    return send_from_directory(_SWAGGER_DIST, filename)
+
+
+@docs.after_request
+def _docs_headers(response: Response) -> Response:
+    response.headers.update(
+        {"Content-Security-Policy": DOCS_CSP, "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+    )
+    return response
+
+
 def register(app: Flask) -> None:
     app.register_blueprint(blueprint)
-    app.register_blueprint(
-        get_swaggerui_blueprint(
-            DOCS_PATH,
-            SPEC_PATH,
-            config={"app_name": "vsrq API", "persistAuthorization": True, "tryItOutEnabled": True},
-            blueprint_name="docs",
-        )
-    )
+    app.register_blueprint(docs)

@@ -1,35 +1,106 @@
 """What a create request may say, validated with pydantic.
 
-SGLang's K6 SR server takes the same SR fields under the same names and defaults, so its requests work unchanged: the
-generic generation fields it also accepts (a prompt, frame counts...) mean nothing to super-resolution and are
-ignored, as SGLang ignores them for this model. What we never do is read a path on the server's disk.
+SGLang's K6 SR server takes the same SR fields under the same names and defaults, so its requests work unchanged.
+Every other field SGLang's `/v1/videos` accepts is either honoured (an alias, a value that changes nothing) or refused
+with a 422 that names it and says why: a generation-only knob silently dropped would let a user believe it ran. The
+one exception is `prompt`, which OpenAI's SDK requires and SGLang's SR model ignores too. What we never do is read a
+path on the server's disk. README's compatibility table lists every field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from api.body import parse_json
 from api.errors import ApiError, field_errors
 
 SCALES = (2.0, 2.25, 4.0)
 _TARGET = re.compile(r"(hd|fullhd|2k|(\d+)x(\d+))")
+RANDOM_SEED = -1  # SGLang's "draw one": the drawn seed is what the job records and reports
 
-# Accepted by SGLang's /v1/videos for every model, meaningless for SR.
-SGLANG_IGNORED = frozenset(
-    {
-        "prompt", "negative_prompt", "n", "num_outputs_per_prompt", "seconds", "size", "fps", "num_frames",
-        "generator_device", "guidance_scale", "guidance_scale_2", "true_cfg_scale", "max_sequence_length",
-        "flow_shift", "enable_teacache", "quality", "output_quality", "output_compression",
-    }
-)  # fmt: skip
+# Accepted and ignored: OpenAI's SDK requires a prompt, and super-resolution is not conditioned on text (SGLang's K6
+# SR ignores it as well).
+SGLANG_IGNORED = frozenset({"prompt"})
+# SGLang fields that mean nothing to super-resolution, and why: refused (422) unless the value asks for nothing.
+_NOT_TEXT = "super-resolution is not conditioned on text"
+_KEEPS_INPUT = "the output keeps the input's frames, frame rate and duration"
+_NO_CFG = "the SR model runs without classifier-free guidance"
+_NOT_OFFERED = "a generation-time option this service does not offer"
+GENERATION_ONLY: dict[str, str] = {
+    "negative_prompt": _NOT_TEXT,
+    "max_sequence_length": _NOT_TEXT,
+    "use_duration_template": _NOT_TEXT,
+    "use_resolution_template": _NOT_TEXT,
+    "use_system_prompt": _NOT_TEXT,
+    "use_guardrails": _NOT_TEXT,
+    "guardrails": _NOT_TEXT,
+    "seconds": _KEEPS_INPUT,
+    "fps": _KEEPS_INPUT,
+    "num_frames": _KEEPS_INPUT,
+    "size": "the output is the input's size times sr_resolution_scale; bound it with sr_target_resolution",
+    "width": "the output is the input's size times sr_resolution_scale; bound it with sr_target_resolution",
+    "height": "the output is the input's size times sr_resolution_scale; bound it with sr_target_resolution",
+    "guidance_scale": _NO_CFG,
+    "guidance_scale_2": _NO_CFG,
+    "true_cfg_scale": _NO_CFG,
+    "flow_shift": "the checkpoint's scheduler shift is part of its (distilled) schedule",
+    "enable_teacache": "every denoising step runs (no TeaCache step skipping)",
+    "n": "one output per job: send one job per seed",
+    "num_outputs_per_prompt": "one output per job: send one job per seed",
+    "enable_frame_interpolation": "frame interpolation is not offered: " + _KEEPS_INPUT,
+    "frame_interpolation_exp": "frame interpolation is not offered: " + _KEEPS_INPUT,
+    "frame_interpolation_scale": "frame interpolation is not offered: " + _KEEPS_INPUT,
+    "enable_upscaling": "this service always upscales (SGLang's post-generation upscaler is its whole job)",
+    "quality": "set the encoder's quality with output_crf (and output_codec)",
+    "output_quality": "set the encoder's quality with output_crf (and output_codec)",
+    "output_compression": "set the encoder's quality with output_crf (and output_codec)",
+    "diffusers_kwargs": "the engine drives diffusers' model classes itself, not a pipeline call: name the SR fields",
+    "generator_device": "the noise is drawn on the CPU from the seed, so a seed gives the same video on any device",
+    "profile": "profiling is an operator's tool (bench/), not a request field",
+    "num_profiled_timesteps": "profiling is an operator's tool (bench/), not a request field",
+    "profile_all_stages": "profiling is an operator's tool (bench/), not a request field",
+    "generate_sound": "the input's own audio is carried over unchanged",
+    "sound_duration": "the input's own audio is carried over unchanged",
+    "task": _NOT_OFFERED,
+    "conditions": _NOT_OFFERED,
+    "target": _NOT_OFFERED,
+    "audio_flow_shift": _NOT_OFFERED,
+    "condition_frame_indexes": _NOT_OFFERED,
+    "condition_frame_indexes_vision": _NOT_OFFERED,
+    "condition_video_keep": _NOT_OFFERED,
+    "action_mode": _NOT_OFFERED,
+    "domain_id": _NOT_OFFERED,
+    "domain_name": _NOT_OFFERED,
+    "raw_action_dim": _NOT_OFFERED,
+    "action_fps": _NOT_OFFERED,
+    "action": _NOT_OFFERED,
+    "action_view_point": _NOT_OFFERED,
+    "action_normalization": _NOT_OFFERED,
+}
+# Values of those fields that ask for nothing this service does not already do: accepted.
+_NOOP = {
+    "n": {"1"},
+    "num_outputs_per_prompt": {"1"},
+    "enable_teacache": {"false", "0"},
+    "enable_frame_interpolation": {"false", "0"},
+    "enable_upscaling": {"true", "1"},
+    "generator_device": {"cpu", "cuda"},
+    "profile": {"false", "0"},
+    "profile_all_stages": {"false", "0"},
+}
 # Paths on the server's disk, which SGLang reads or writes: refused.
 SERVER_PATHS = frozenset(
     {"video_path", "output_path", "perf_dump_path", "upscaling_model_path", "frame_interpolation_model_path"}
 )
+# Names an input URL may come under: ours, SGLang's, and OpenAI's `input_reference` given as text.
+URL_FIELDS = ("video_url", "reference_url", "input_reference", "video_path")
+NESTED = ("extra_body", "extra_json", "extra_params")  # objects whose fields are merged into the request
 REFERENCES = ("upload_id", "input_key", "video_url")  # a JSON create names its input with exactly one
 
 
@@ -54,8 +125,10 @@ class UpscaleParams(BaseModel):
         None, description="hd, fullhd, 2k or WxH (e.g. 1280x720): downscale after SR, never up"
     )
     sr_target_resize_mode: Literal["fit", "exact"] = "fit"
-    num_inference_steps: int | None = Field(None, ge=1, le=64)  # None: the model's own (2 for the distilled one)
-    seed: int = Field(42, ge=0, lt=2**63)
+    # None: the checkpoint's own (2 for the distilled pi-Flow one, 4 for flow matching; none for lanczos); the job's
+    # output reports the steps that ran
+    num_inference_steps: int | None = Field(None, ge=1, le=64)
+    seed: int = Field(42, ge=RANDOM_SEED, lt=2**63, description="-1 draws a random seed, which the job then reports")
     output_codec: Literal["h264", "hevc", "av1"] = "h264"
     output_crf: int = Field(18, ge=0, le=63)
 
@@ -66,10 +139,17 @@ class UpscaleParams(BaseModel):
             raise ValueError(f"must be one of 2, 2.25 or 4, got {scale:g}")
         return scale
 
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _random_seed(cls, seed: Any) -> Any:
+        if seed == RANDOM_SEED or (isinstance(seed, str) and seed.strip() == str(RANDOM_SEED)):
+            return secrets.randbelow(2**31)  # SGLang's range of drawn seeds
+        return seed
+
     @field_validator("sr_target_resolution")
     @classmethod
     def _target(cls, target: str | None) -> str | None:
-        if target is None or not target.strip():
+        if target is None or not target.strip() or target.strip().lower() in ("none", "null"):
             return None
         match = _TARGET.fullmatch(target.strip().lower())
         if not match or (match[2] and min(int(match[2]), int(match[3])) < 2):
@@ -91,7 +171,7 @@ class JobOptions(BaseModel):
     def _metadata_json(cls, value: Any) -> Any:
         if isinstance(value, str):  # a multipart form carries it as JSON text
             try:
-                return json.loads(value) if value.strip() else {}
+                return parse_json(value, "`metadata`") if value.strip() else {}
             except json.JSONDecodeError:
                 raise ValueError("must be a JSON object of strings") from None
         return value
@@ -138,44 +218,37 @@ class ListQuery(BaseModel):
 
 
 def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest:
-    """Sorts a flat SGLang-style body into SR params, our options and (JSON only) the input reference.
+    """Sorts a flat SGLang-style body into SR params, our options and the input reference (`references`: the
+    request names its input instead of carrying the file).
 
-    SGLang clients may nest fields in `extra_body` (a JSON object, or JSON text in a form); it is flattened first.
+    Objects nested in `extra_body`, `extra_json` or `extra_params` (JSON objects, or JSON text in a form) are merged
+    in first, the top-level fields winning as in SGLang; so are form fields named `name[key]`, the way OpenAI's SDK
+    flattens a nested object into a multipart form.
     """
-    fields = dict(fields)
-    for nested in ("extra_body", "extra_json"):
-        extra = fields.pop(nested, None)
-        if isinstance(extra, str):
-            try:
-                extra = json.loads(extra)
-            except json.JSONDecodeError:
-                raise ApiError(400, "malformed_extra_body", f"`{nested}` is not valid JSON.") from None
-        if extra is not None and not isinstance(extra, dict):
-            raise ApiError(400, "malformed_extra_body", f"`{nested}` must be a JSON object.")
-        fields = {**(extra or {}), **fields}
-
-    url_field, reference = "video_url", fields.get("input_reference")
-    if references and isinstance(reference, str) and "://" in reference:  # SGLang clients may name a URL there
-        if "video_url" in fields:
-            raise ApiError(422, "missing_video", "Name the input URL in one of `video_url` or `input_reference`.")
-        fields["video_url"], url_field = fields.pop("input_reference"), "input_reference"
+    fields = _merge_nested(_unflatten_form(fields))
+    url_field = _url_input(fields, references)
     paths = sorted(SERVER_PATHS & fields.keys())
     if paths or isinstance(fields.get("input_reference"), str):
         raise ApiError(
             422,
             "server_path_refused",
             "Inputs are never read from (nor outputs written to) paths on the server: upload the video "
-            "(multipart `video_reference`, or POST /v1/uploads and then `upload_id`).",
+            "(multipart `video_reference`, or POST /v1/uploads and then `upload_id`), or name an https URL.",
             errors=[
                 {"field": name, "code": "server_path_refused", "message": "not accepted"}
                 for name in paths or ["input_reference"]
             ],
         )
+    if not references and any(fields.get(name) not in (None, "") for name in REFERENCES):
+        raise ApiError(422, "two_videos", "Send the video once: as the multipart file, or by reference, not both.")
+    _upscaling_scale(fields)
+    _refuse_generation_only(fields)
 
     params = {name: value for name, value in fields.items() if name in UpscaleParams.model_fields}
     options = {name: value for name, value in fields.items() if name in JobOptions.model_fields}
     references_given = {name: value for name, value in fields.items() if references and name in REFERENCES}
-    unknown = sorted(fields.keys() - params.keys() - options.keys() - references_given.keys() - SGLANG_IGNORED)
+    known = params.keys() | options.keys() | references_given.keys() | SGLANG_IGNORED | GENERATION_ONLY.keys()
+    unknown = sorted(fields.keys() - known)
     if unknown:
         raise ApiError(
             422,
@@ -186,6 +259,7 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     # Optional fields that forms send empty mean "not given".
     params = {name: value for name, value in params.items() if value not in ("", None)}
     options = {name: value for name, value in options.items() if value not in ("", None)}
+    references_given = {name: value for name, value in references_given.items() if value not in ("", None)}
     try:
         create = CreateRequest.model_validate({"params": params, "options": options, **references_given})
     except ValidationError as error:
@@ -197,3 +271,119 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
         raise ApiError(422, "invalid_request", "The request has invalid fields: see `errors`.", errors=errors) from None
     create._video_url_field = url_field
     return create
+
+
+_BRACKETS = re.compile(r"([^\[\]]+)((?:\[[^\[\]]*\])+)")
+
+
+def _unflatten_form(fields: dict[str, Any]) -> dict[str, Any]:
+    """`metadata[ref]=a` as {"metadata": {"ref": "a"}}: OpenAI's SDK sends nested objects in a form that way."""
+    out: dict[str, Any] = {}
+    for name, value in fields.items():
+        match = _BRACKETS.fullmatch(name) if isinstance(name, str) else None
+        if match is None:
+            if isinstance(out.get(name), dict):
+                raise ApiError(400, "malformed_form", f"`{name}` is sent both whole and as `{name}[...]` fields.")
+            out[name] = value
+            continue
+        keys = [match[1], *re.findall(r"\[([^\[\]]*)\]", match[2])]
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ApiError(400, "malformed_form", f"`{name}` nests under a field that is not an object.")
+        if keys[-1] == "":  # `name[]`: a list, as the SDK sends arrays
+            raise ApiError(422, "unknown_field", f"`{name}`: no field of this API takes a list.")
+        if keys[-1] in node:
+            raise ApiError(400, "malformed_form", f"`{name}` is given twice.")
+        node[keys[-1]] = value
+    return out
+
+
+def _merge_nested(fields: dict[str, Any]) -> dict[str, Any]:
+    fields = dict(fields)
+    for nested in NESTED:
+        extra = fields.pop(nested, None)
+        if isinstance(extra, str):
+            try:
+                extra = parse_json(extra, f"`{nested}`") if extra.strip() else None
+            except json.JSONDecodeError:
+                raise ApiError(400, "malformed_extra_body", f"`{nested}` is not valid JSON.") from None
+        if extra is not None and not isinstance(extra, dict):
+            raise ApiError(400, "malformed_extra_body", f"`{nested}` must be a JSON object.")
+        fields = {**(extra or {}), **fields}
+    if any(name in fields for name in NESTED):  # nested twice over: one level is what SGLang merges
+        raise ApiError(400, "malformed_extra_body", f"`{'`, `'.join(NESTED)}` may not nest in each other.")
+    return fields
+
+
+def _url_input(fields: dict[str, Any], references: bool) -> str:
+    """Moves an input URL given under SGLang's or OpenAI's names to `video_url`; returns the name it came under."""
+    given = [
+        name
+        for name in URL_FIELDS
+        if isinstance(fields.get(name), str)
+        and fields[name].strip()
+        and (name == "video_url" or "://" in fields[name])  # a URL, maybe of a refused scheme: then said so
+    ]
+    if len(given) > 1:
+        raise ApiError(
+            422, "missing_video", f"Name the input URL in one field, not in `{'` and `'.join(given)}`."
+        )
+    if not given:
+        return "video_url"
+    name = given[0]
+    if not references:
+        raise ApiError(422, "two_videos", f"Send the video once: as the multipart file, or in `{name}`, not both.")
+    fields["video_url"] = fields.pop(name)
+    return name
+
+
+def _upscaling_scale(fields: dict[str, Any]) -> None:
+    """SGLang's `upscaling_scale` (its post-generation upscaler's factor) as `sr_resolution_scale`."""
+    scale = fields.pop("upscaling_scale", None)
+    if scale in (None, ""):
+        return
+    if fields.get("sr_resolution_scale") not in (None, "") and str(fields["sr_resolution_scale"]) != str(scale):
+        raise ApiError(
+            422,
+            "invalid_request",
+            "`upscaling_scale` and `sr_resolution_scale` disagree: send one.",
+            errors=[{"field": "upscaling_scale", "code": "conflict", "message": "disagrees with sr_resolution_scale"}],
+        )
+    fields["sr_resolution_scale"] = scale
+
+
+def _refuse_generation_only(fields: dict[str, Any]) -> None:
+    refused = [
+        name
+        for name in sorted(GENERATION_ONLY.keys() & fields.keys())
+        if fields[name] not in (None, "") and _plain(fields[name]) not in _NOOP.get(name, set())
+    ]
+    if refused:
+        raise ApiError(
+            422,
+            "generation_only_field",
+            f"Field(s) for video generation, not super-resolution: {', '.join(refused)}. See `errors` for why.",
+            errors=[
+                {"field": name, "code": "generation_only_field", "message": GENERATION_ONLY[name]} for name in refused
+            ],
+        )
+
+
+def _plain(value: Any) -> str | None:
+    """A scalar as a form would spell it, to compare with the values that ask for nothing."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}" if math.isfinite(value) else None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        return f"{number:g}" if math.isfinite(number) and number == int(number) else text
+    return None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from flask import Blueprint, Response, g, jsonify, request
 
 from api.auth import admit_caller, owner
+from api.body import Capped, hold_body_slot
 from api.errors import ApiError
 from api.multipart import FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
@@ -21,6 +22,7 @@ blueprint = Blueprint("uploads", __name__)
 
 
 blueprint.before_request(admit_caller)
+blueprint.before_request(hold_body_slot)
 
 
 # Form overhead on top of the file: boundaries, part headers, the non-file fields.
@@ -50,13 +52,19 @@ def _upload_limit() -> int:
     return limit
 
 
+def _form(limit: int) -> FormReader:
+    """The request's form, its bytes counted as they stream (a chunked body declares no length to check first)."""
+    body = Capped(request.stream, limit + _FORM_SLACK, f"Uploads are limited to {limit} bytes.")
+    return FormReader(body, boundary_of(request.content_type), services().settings.max_form_field_bytes)
+
+
 def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
     """Reads the request's form, streaming its one file (in one of `file_fields`) to uploads/{owner}/{upload_id}.
 
     Whatever goes wrong after the file was stored (a second file, a bad field) deletes it again."""
     limit = _upload_limit()
-    blobs, settings = services().blobs, services().settings
-    reader = FormReader(request.stream, boundary_of(request.content_type), settings.max_form_field_bytes)
+    blobs = services().blobs
+    reader = _form(limit)
     fields: dict[str, str] = {}
     stored: StoredFile | None = None
     try:
@@ -88,7 +96,7 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
 def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str], str | None]:
     """The form's fields and its file's SHA-256, stored nowhere: enough to fingerprint a repeated request."""
     limit = _upload_limit()
-    reader = FormReader(request.stream, boundary_of(request.content_type), services().settings.max_form_field_bytes)
+    reader = _form(limit)
     fields: dict[str, str] = {}
     digest: str | None = None
     for part in reader.parts():

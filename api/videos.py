@@ -7,14 +7,14 @@
     POST   /v1/videos/{id}/cancel     cancel (a running job stops at its next tile)
     DELETE /v1/videos/{id}            delete the job and its files
     GET    /v1/videos/{id}/content    the MP4: streamed (one `Range` honoured, for players that seek), or a redirect to
-                                      a presigned URL
+                                      a presigned URL; `?variant=thumbnail` a JPEG poster frame, `spritesheet` a JPEG
+                                      grid of frames across the video (OpenAI's variants, made by the worker)
 
 A caller sees only its own jobs: another key's job answers 404, exactly as a missing one.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from api import idempotency
 from api.auth import admit_caller, owner
+from api.body import hold_body_slot, parse_json
 from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
@@ -41,6 +42,7 @@ MAX_JSON_BYTES = 1024 * 1024
 
 
 blueprint.before_request(admit_caller)
+blueprint.before_request(hold_body_slot)
 
 
 @blueprint.errorhandler(JobNotFound)
@@ -56,7 +58,7 @@ def create_video() -> tuple[Response, int]:
     key = idempotency.key_from(request.headers)
     if key is None:
         status, body, _ = _create()
-        return jsonify(body), status
+        return _job_response(body), status
     store, caller = services().idempotency, owner()
     remembered = store.claim(caller, key)
     if remembered is not None:
@@ -70,13 +72,22 @@ def create_video() -> tuple[Response, int]:
         store.release(caller, key)  # a failed request is not remembered: the caller may fix it and retry
         raise
     store.finish(caller, key, fingerprint, status, body)
-    return jsonify(body), status
+    return _job_response(body), status
+
+
+def _job_response(body: dict[str, Any]) -> Response:
+    """A job as JSON; while it runs, `openai-poll-after-ms` says when to look again (OpenAI's SDK `poll` obeys it)."""
+    response = jsonify(body)
+    if body["status"] in (Status.QUEUED, Status.IN_PROGRESS):
+        response.headers["openai-poll-after-ms"] = str(services().settings.poll_after_ms)
+    return response
 
 
 def _create() -> tuple[int, dict[str, Any], str]:
     """Creates the job from this request; returns (status, body, the request's fingerprint). The key's job slot is
     taken before the upload streams, so a key at its limit sends no video for nothing."""
     svc = services()
+    svc.limiter.check_budget(g.api_key, svc.settings)
     with svc.limiter.job_slot(g.api_key, svc.settings, svc.jobs.active_keys(owner())):
         return _create_from_request()
 
@@ -88,9 +99,11 @@ def _create_from_request() -> tuple[int, dict[str, Any], str]:
         return 200, _create_job(create, _referenced_input(create)), idempotency.fingerprint("json", fields)
 
     form = receive_form(VIDEO_FILES)
+    if form.file is None:  # a form may name its input instead, as SGLang's does with `video_url` / `reference_url`
+        create = create_request(form.fields, references=True)
+        body = _create_job(create, _referenced_input(create))
+        return 200, body, idempotency.fingerprint("multipart", {"fields": form.fields, "file": None})
     try:
-        if form.file is None:
-            raise ApiError(422, "missing_video", "Send the video as the multipart file `video_reference`.")
         create = create_request(form.fields, references=False)
         stored = form.file
         source = InputInfo(
@@ -124,7 +137,7 @@ def _json_body() -> dict[str, Any]:
             413, "body_too_large", f"A JSON body is limited to {MAX_JSON_BYTES} bytes; send videos as multipart."
         )
     try:
-        body = json.loads(raw)
+        body = parse_json(raw)
     except ValueError:
         raise ApiError(400, "malformed_json", "The body is not valid JSON.") from None
     if not isinstance(body, dict):
@@ -133,10 +146,14 @@ def _json_body() -> dict[str, Any]:
 
 
 def _referenced_input(create: CreateRequest) -> InputInfo:
-    """The input a JSON create names: one of the caller's uploads, by id or by key, or an https URL."""
+    """The input a JSON create (or a form without a file) names: one of the caller's uploads, by id or by key, or an
+    https URL."""
     if sum(getattr(create, name) is not None for name in REFERENCES) != 1:
         raise ApiError(
-            422, "missing_video", "Name the input video with exactly one of `upload_id`, `input_key` or `video_url`."
+            422,
+            "missing_video",
+            "Send the video as the multipart file `video_reference`, or name it with exactly one of `upload_id`, "
+            "`input_key` or `video_url`.",
         )
     if create.video_url is not None:  # checked again by the worker right before each connection
         _check_url(create.video_url_field, create.video_url, services().settings.fetch_allow_loopback)
@@ -204,7 +221,7 @@ def _body(job: JobRecord) -> dict[str, Any]:
 
 @blueprint.get("/v1/videos/<job_id>")
 def get_video(job_id: str) -> Response:
-    return jsonify(_body(services().jobs.require(job_id, owner())))
+    return _job_response(_body(services().jobs.require(job_id, owner())))
 
 
 @blueprint.get("/v1/videos")
@@ -262,26 +279,48 @@ def delete_video(job_id: str) -> Response:
     return jsonify(id=job_id, object="video.deleted", deleted=True)
 
 
+VARIANTS = {"video": "video/mp4", "thumbnail": "image/jpeg", "spritesheet": "image/jpeg"}
+
+
 @blueprint.get("/v1/videos/<job_id>/content")
 def video_content(job_id: str) -> Response:
     settings, blobs = services().settings, services().blobs
     job = services().jobs.require(job_id, owner())
+    variant = request.args.get("variant") or "video"
+    if variant == "0":  # SGLang numbers a job's outputs: a job here has one, the video
+        variant = "video"
+    if variant not in VARIANTS:
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"`variant` is one of {', '.join(VARIANTS)}.",
+            errors=[{"field": "variant", "code": "enum", "message": f"one of {', '.join(VARIANTS)}"}],
+        )
+    # 409, not SGLang's 404 "still in progress": the job exists, and a client that reads 404 as "gone" would stop
     if job.status != Status.COMPLETED or job.output is None:
         raise ApiError(409, "job_not_completed", f"The job is {job.status}; its video exists once it is completed.")
+    output = job.output
+    if variant == "video":
+        key, size, digest, filename = output.key, output.bytes, output.sha256, f"{job_id}.mp4"
+    else:
+        preview = output.previews.get(variant)
+        if preview is None:  # made by a worker of an earlier version, or the output had no frame to show
+            raise ApiError(404, "variant_not_found", f"This job's output has no {variant}.")
+        key, size, digest, filename = preview.key, preview.bytes, preview.sha256, f"{job_id}.{variant}.jpg"
     if settings.content_delivery == "redirect":
-        url = blobs.presigned_url(job.output.key, settings.presign_ttl_s)
+        url = blobs.presigned_url(key, settings.presign_ttl_s)
         if url is not None:
             return redirect(url, 302)
-    output = job.output
+    mimetype = VARIANTS[variant]
     headers = {
-        "ETag": f'"{output.sha256}"',  # the content's own hash: the same bytes are the same tag, whatever the job
+        "ETag": f'"{digest}"',  # the content's own hash: the same bytes are the same tag, whatever the job
         "Accept-Ranges": "bytes",
-        "Content-Disposition": f'attachment; filename="{job_id}.mp4"',
+        "Content-Disposition": f'attachment; filename="{filename}"',
     }
-    if request.if_none_match.contains_weak(output.sha256):
+    if request.if_none_match.contains_weak(digest):
         return Response(status=304, headers=headers)
-    byte_range = _byte_range(output.bytes, output.sha256)
-    stream = blobs.open(output.key, byte_range)  # a ranged GET on S3: a player seeking reads only what it shows
+    byte_range = _byte_range(size, digest)
+    stream = blobs.open(key, byte_range)  # a ranged GET on S3: a player seeking reads only what it shows
 
     def chunks() -> Iterator[bytes]:
         try:
@@ -291,10 +330,10 @@ def video_content(job_id: str) -> Response:
             stream.close()
 
     if byte_range is None:
-        return Response(chunks(), mimetype="video/mp4", headers={**headers, "Content-Length": str(output.bytes)})
+        return Response(chunks(), mimetype=mimetype, headers={**headers, "Content-Length": str(size)})
     first, last = byte_range
-    headers |= {"Content-Length": str(last - first + 1), "Content-Range": f"bytes {first}-{last}/{output.bytes}"}
-    return Response(chunks(), status=206, mimetype="video/mp4", headers=headers)
+    headers |= {"Content-Length": str(last - first + 1), "Content-Range": f"bytes {first}-{last}/{size}"}
+    return Response(chunks(), status=206, mimetype=mimetype, headers=headers)
 
 
 def _byte_range(length: int, etag: str) -> tuple[int, int] | None:

@@ -7,12 +7,18 @@ JSON line to --out as soon as it is measured, so a run cut short still reports w
 
 Phases:
   ref:WL              the reference pipeline: one cold run, --hot hot runs (every ref: phase must come first)
-  ours:WL:DEVICES[@ORDER[/SEGMENT]]
+  ours:WL:DEVICES[@ORDER[/SEGMENT]]  or  ours:WL:DEVICES@MODE[/PREFETCH]
                       the engine + MP4 encoding, cold + hot; then (unless --no-check), if ref:WL or another
                       ours:WL phase runs, one run in reference noise mode compared with the reference output and
-                      for bit-identity against the first ours:WL phase. ORDER is lockstep (default),
-                      parked or tile_major, SEGMENT the decode segment (4).
+                      for bit-identity against the first ours:WL phase, and the first of the same decode order and
+                      segment (where the weights live must not change a bit). ORDER is lockstep (default), parked or tile_major,
+                      SEGMENT the decode segment (4); MODE a worker performance mode (speed, balanced, memory,
+                      offload, offload_layers) or auto (chosen from the free memory under the cap), PREFETCH the
+                      transformer blocks in flight (offload_layers). A phase that runs out of GPU memory is
+                      recorded as not completing, and the run goes on.
                       Clips longer than one window (W3) run in temporal windows, as the worker runs them
+  cap:GIB             the process may use at most GIB of the first GPU from here on
+                      (`torch.cuda.set_per_process_memory_fraction`, as a smaller card would have; cap:0 lifts it)
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
   threads:N           host threads (`torch.set_num_threads`) for the phases after it: the calling thread's blending
                       and quantising share the cores with x264's threads
@@ -25,7 +31,9 @@ what. `--tiny` runs the same phases on the CPU with the tiny configuration, so C
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -35,6 +43,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,9 +55,11 @@ from worker.media.synthetic import pattern  # noqa: E402
 from worker.media.writer import Mp4Writer  # noqa: E402
 from worker.sr import tiling  # noqa: E402
 from worker.sr.attention import DenseSDPAProcessor  # noqa: E402
+from worker.sr.backends import PERFORMANCE_MODES, choose_mode, free_gpu_bytes  # noqa: E402
 from worker.sr.checkpoint import Components, module_bytes, prune_upscaler, tiny_components  # noqa: E402
 from worker.sr.engine import SREngine  # noqa: E402
 from worker.sr.noise import NoiseMode  # noqa: E402
+from worker.sr.offload import Offload  # noqa: E402
 from worker.sr.request import SRRequest  # noqa: E402
 from worker.sr.windows import DEFAULT_WINDOW, plan_windows, upscale_windows  # noqa: E402
 
@@ -186,7 +197,9 @@ class Bench:
         self.replicas: dict[torch.device, Components] = {}
         self.engines: dict[tuple[torch.device, ...], SREngine] = {}
         self.reference_frames: dict[str, torch.Tensor] = {}
-        self.first_ours: dict[str, torch.Tensor] = {}
+        self.first_ours: dict[tuple, torch.Tensor] = {}  # (workload, decode order, segment); (workload, None, None)
+        self.cap_gib: float | None = None  # `cap:` phases
+        self.speed_hot: dict[str, float] = {}  # hot median of each workload's uncapped speed phase: the ratios' base
         self.compared: set[str] = set()  # workloads with a reference or another ours phase: worth the check run
         self.frames_written = self.mp4_bytes = 0  # by the latest run_ours
         self._attach(self.parts, self.home)
@@ -258,7 +271,34 @@ class Bench:
         del output
         self.emit(self.summary("diffusers-reference", name, runs, stages, self.peaks([self.home]), [self.home]))
 
-    def engine(self, devices: list[torch.device], order: str = "lockstep", segment: int = 4) -> SREngine:
+    def cap(self, gib: float) -> None:
+        """Caps what the process may take of the first GPU (0: no cap): a smaller card, on this one."""
+        self.cap_gib = gib or None
+        if self.home.type == "cuda":
+            total = torch.cuda.get_device_properties(self.home).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total) if gib else 1.0, self.home)
+
+    def mode(self, name: str, devices: list[torch.device], prefetch: int | None) -> tuple[str, dict]:
+        """A performance mode's engine options; `auto` chooses as the worker does, from the free memory (the weights
+        of an earlier resident phase counted as free: they leave the GPU once the chosen mode offloads)."""
+        if name == "auto":
+            replica = self.replicas.get(self.home) or self.engine(devices).replicas[0]
+            free = None
+            if self.home.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+                resident = sum(module_bytes(m) for m in replica.modules().values()) if replica.placement is None else 0
+                free = free_gpu_bytes(self.home)
+                if self.cap_gib:  # (a torch without `get_per_process_memory_fraction` would not see the cap)
+                    free = min(free, int(self.cap_gib * 2**30) - torch.cuda.memory_reserved(self.home))
+                free += resident
+            name = "speed" if free is None else choose_mode(replica, free)
+        options = dict(PERFORMANCE_MODES[name])
+        if prefetch is not None and options["offload"] is not None:
+            options["offload"] = Offload(options["offload"].layers, options["offload"].resident_blocks, prefetch)
+        return name, options
+
+    def engine(self, devices: list[torch.device], order: str = "lockstep", segment: int = 4, offload: Offload | None = None) -> SREngine:
         if not self.replicas:
             prune_upscaler(self.parts["latent_upscaler"])
             if self.home.type == "cuda":
@@ -274,11 +314,13 @@ class Bench:
                     parts[key].load_state_dict(self.parts[key].state_dict())
                 self._attach(parts, device)
             self.replicas[device] = Components(device, parts["transformer"], parts["vae"], parts["scheduler"], parts["latent_upscaler"])
-        key = (*devices, order, segment)
+        key = (*devices, order, segment, offload)
         if key not in self.engines:
             # None: the engine's default (compiled on GPUs); False: eager, to tell compiled code's effects apart
             transformer, decoder = (None if self.compiled in (part, "both") else False for part in ("transformer", "decoder"))
-            self.engines[key] = SREngine([self.replicas[d] for d in devices], segment, order, compile_transformer=transformer, compile_decoder=decoder)
+            self.engines[key] = SREngine(
+                [self.replicas[d] for d in devices], segment, order, compile_transformer=transformer, compile_decoder=decoder, offload=offload
+            )
         return self.engines[key]
 
     def run_ours(self, engine: SREngine, name: str, request: SRRequest, collect: bool) -> tuple[float, dict, torch.Tensor | None]:
@@ -314,17 +356,37 @@ class Bench:
         self.frames_written = writer.frames
         return elapsed, stages, torch.cat(collected) if collect else None
 
-    def ours(self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4, hot: int | None = None) -> None:
-        engine = self.engine(devices, order, segment)
+    def ours(
+        self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4, hot: int | None = None,
+        mode: str | None = None, offload: Offload | None = None,
+    ) -> None:
         scale = self.workload(name)[3]
         runs, stages, graphs = [], [], []
-        for _ in range(1 + (self.hot if hot is None else hot)):
-            before = compiled_graphs()
-            elapsed, stage, _ = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED), collect=False)
-            runs.append(elapsed)
-            stages.append(stage)
-            graphs.append(compiled_graphs() - before)
+        try:
+            engine = self.engine(devices, order, segment, offload)
+            for _ in range(1 + (self.hot if hot is None else hot)):
+                before = compiled_graphs()
+                elapsed, stage, _ = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED), collect=False)
+                runs.append(elapsed)
+                stages.append(stage)
+                graphs.append(compiled_graphs() - before)
+        except torch.cuda.OutOfMemoryError as error:  # the finding under a cap: this mode does not fit
+            peaks = self.peaks(devices)
+            gc.collect()
+            if self.home.type == "cuda":
+                torch.cuda.empty_cache()
+            self.emit(self.placement_record(name, devices, mode, order, segment, offload) | {
+                "impl": "vsrq", "completes": False, "error": str(error).splitlines()[0][:300], "runs_completed": len(runs),
+                "peak_reserved_gib": peaks,
+            })
+            return
         record = self.summary("vsrq", name, runs, stages, self.peaks(engine.devices), devices)
+        record |= self.placement_record(name, devices, mode, order, segment, offload, engine)
+        if mode == "speed" or (mode is None and (order, segment) == ("lockstep", 4)):
+            if self.cap_gib is None:
+                self.speed_hot[name] = record["hot_median_s"]
+        if name in self.speed_hot:
+            record["ratio_to_speed"] = round(record["hot_median_s"] / self.speed_hot[name], 3)
         record |= {
             # Graphs Dynamo built per run: a hot run that builds any ran compilation beside other devices' calls
             # (what the compile gate must prevent) or met a shape its first run did not.
@@ -345,9 +407,13 @@ class Bench:
         mode = NoiseMode.REFERENCE if name in self.reference_frames else NoiseMode.PER_TILE
         _, _, output = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, noise_mode=mode), collect=True)
         self.timer.take()
-        first = self.first_ours.setdefault(name, output)
+        first = self.first_ours.setdefault((name, None, None), output)
         record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
         record["max_abs_delta_to_first_vsrq_phase"] = (output - first).abs().max().item()
+        # Against the first phase that decoded the same way (on GPUs another segment length moves some pixels by
+        # up to 2/255): where the weights live must not change a bit.
+        same = self.first_ours.setdefault((name, order, segment), output)
+        record["bit_identical_to_first_phase_of_its_decode"] = bool(torch.equal(same, output))
         if name in self.reference_frames:
             expected = self.reference_frames[name]
             record["vs_reference"] = {
@@ -356,6 +422,28 @@ class Bench:
                 "psnr_db": psnr(output, expected),
             }
         self.emit(record)
+
+    def placement_record(self, name, devices, mode, order, segment, offload, engine: SREngine | None = None) -> dict:
+        """Where the weights were and what the host held: the cap, the mode, host RSS now and at its peak, pinned
+        bytes (the offloaded weights', and PyTorch's pinned allocator's)."""
+        record = {
+            "workload": name,
+            "devices": [str(d) for d in devices],
+            "completes": True,
+            "cap_gib": self.cap_gib,
+            "mode": mode,
+            "offload": None if offload is None else {"layers": offload.layers, "resident_blocks": offload.resident_blocks, "prefetch": offload.prefetch},
+            "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
+            "host_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "offloaded_weights_pinned_gib": round(engine.pinned_bytes() / 2**30, 2) if engine is not None else None,
+        }
+        if self.home.type == "cuda" and hasattr(torch.cuda, "host_memory_stats"):
+            stats = torch.cuda.host_memory_stats()
+            record["pinned_allocator_gib"] = {key: round(value / 2**30, 2) for key, value in stats.items() if "bytes" in key and isinstance(value, int)}
+        if engine is not None and engine.replicas[0].placement is not None:
+            placement = engine.replicas[0].placement
+            record["offload_copies"], record["offload_copied_gib"] = placement.copies, round(placement.bytes_copied / 2**30, 2)
+        return record
 
     def batch(self, name: str, size: int) -> None:
         engine = self.engine([self.home])
@@ -415,8 +503,16 @@ def main(argv: list[str] | None = None) -> None:
             bench.reference(name, int(hot) if hot else None)
         elif kind == "ours":
             devices, _, layout = (rest[0] if rest else str(bench.home)).partition("@")
+            devices = [torch.device(d) for d in devices.split("+")]
             order, _, segment = (layout or "lockstep").partition("/")
-            bench.ours(name, [torch.device(d) for d in devices.split("+")], order, int(segment or 4), int(hot) if hot else None)
+            if order in PERFORMANCE_MODES or order == "auto":
+                mode, options = bench.mode(order, devices, int(segment) if segment else None)
+                order, segment = options["decode_order"], options["decode_segment"]
+                bench.ours(name, devices, order, segment, int(hot) if hot else None, mode, options["offload"])
+            else:
+                bench.ours(name, devices, order, int(segment or 4), int(hot) if hot else None)
+        elif kind == "cap":
+            bench.cap(float(name))
         elif kind == "batch":
             bench.batch(name, int(rest[0]))
         elif kind == "threads":

@@ -1,21 +1,31 @@
 """The client's settings, from its environment: a plain module, since the client installs without pydantic-settings
-(the service's settings are storage/config.py's). A command-line option overrides each."""
+(the service's settings are storage/config.py's). A command-line option overrides each; with neither, the running
+`vsrq dev` stack's (client.devstate)."""
 
 from __future__ import annotations
 
 import os
+
+from client import devstate
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 
 
 def api_url() -> str:
     """VSRQ_API_URL: the API's base URL."""
-    return os.environ.get("VSRQ_API_URL") or DEFAULT_API_URL
+    return os.environ.get("VSRQ_API_URL") or _dev_stack().get("url") or DEFAULT_API_URL
 
 
 def token() -> str | None:
-    """VSRQ_TOKEN: the API key the client sends as its bearer token."""
-    return os.environ.get("VSRQ_TOKEN") or None
+    """VSRQ_TOKEN: the API key the client sends as its bearer token (the dev stack's only when the URL is its own)."""
+    if os.environ.get("VSRQ_TOKEN"):
+        return os.environ["VSRQ_TOKEN"]
+    stack = _dev_stack()
+    return stack.get("token") if stack and api_url() == stack.get("url") else None
+
+
+def _dev_stack() -> dict:
+    return devstate.read() or {}
 
 
 def service_bucket() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -39,7 +40,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    """Read from the Redis that VSRQ_REDIS_URL names, as the API reads it (storage.overview)."""
+    """Read from the Redis that VSRQ_REDIS_URL names (unset: the running `vsrq dev` stack's), as the API reads it
+    (storage.overview)."""
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -48,11 +50,17 @@ def status(args: argparse.Namespace) -> int:
     from storage.overview import overview
     from storage.workers import WorkerRegistry
 
+    _dev_stack_env()
     settings = Settings()
     redis = open_redis(settings)
     jobs = JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
     try:
-        now = overview(jobs, WorkerRegistry(redis, ttl_s=settings.worker_ttl_s), list(settings.models.values()))
+        now = overview(
+            jobs,
+            WorkerRegistry(redis, ttl_s=settings.worker_ttl_s),
+            list(settings.models.values()),
+            settings.reaper_stale_s,
+        )
     except (RedisConnectionError, RedisTimeoutError) as error:
         print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
         return 1
@@ -60,6 +68,10 @@ def status(args: argparse.Namespace) -> int:
         print(now.model_dump_json(indent=2))
         return 0
     seconds = WorkerRegistry(redis).now()
+    health = now.health
+    reaper = f"{health.reaper_last_pass_s:.0f}s ago" if health.reaper_last_pass_s is not None else "never"
+    print(f"health   {'ok' if health.ok else 'degraded: ' + '; '.join(health.problems)}")
+    print(f"reaper   last pass {reaper}  jobs past their lease {health.overdue_jobs}")
     print("queues   " + "  ".join(f"{queue} {depth}" for queue, depth in now.queues.items()))
     print("jobs     " + "  ".join(f"{status} {count}" for status, count in now.jobs.items()))
     print(f"workers  {len(now.workers)}")
@@ -74,16 +86,21 @@ def status(args: argparse.Namespace) -> int:
 def dev(args: argparse.Namespace) -> int:
     import signal
 
+    from client import devstate
     from infra.dev import DevStack
 
     # SIGTERM (a supervisor stopping us) ends the stack as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with DevStack(args.dir, args.model, args.devices, args.port) as stack:
         print(
-            f"vsrq dev: API {stack.url}, worker model {args.model} on {args.devices}, logs in {stack.root}\n"
+            f"vsrq dev: API {stack.url}, serving {stack.served} (worker: {args.model} on {args.devices}), logs in "
+            f"{stack.root}\n"
             f"  export VSRQ_TOKEN={stack.token}\n"
-            f'  curl -H "Authorization: Bearer $VSRQ_TOKEN" -F video_reference=@IN.mp4 -F sr_resolution_scale=2 '
-            f"{stack.url}/v1/videos\n"
+            f"  export VSRQ_API_URL={stack.url} OPENAI_BASE_URL={stack.url}/v1 OPENAI_API_KEY=$VSRQ_TOKEN\n"
+            "No key is needed from this machine (auth is off on loopback): SGLang's request works as is,\n"
+            f'  curl -sS --fail-with-body {stack.url}/v1/videos -F "video_reference=@IN.mp4;type=video/mp4" '
+            "-F sr_resolution_scale=2\n"
+            f"`vsrq status` and `vsrq bulk` find this stack by itself ({devstate.user_path()}).\n"
             "Ctrl-C stops everything.",
             flush=True,
         )
@@ -92,3 +109,15 @@ def dev(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("vsrq dev: stopping", flush=True)
     return 0
+
+
+def _dev_stack_env() -> None:
+    """With no VSRQ_REDIS_URL, the running `vsrq dev` stack's settings (client.devstate); what is set wins."""
+    from client import devstate
+
+    if os.environ.get("VSRQ_REDIS_URL"):
+        return
+    state = devstate.read()
+    if state is not None:
+        for name, value in state["env"].items():
+            os.environ.setdefault(name, value)

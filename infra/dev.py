@@ -1,8 +1,14 @@
 """The embedded local stack: Redis and SeaweedFS (infra.stack), then the Procfile's processes — the API under
-gunicorn, one CPU worker, the reaper, the webhook worker — on loopback, each logging into one directory, stopped by
-PID; each also ends when this process does, however it ends (infra/children.py).
+gunicorn, one CPU worker, the reaper, the webhook worker — on loopback, each logging into one directory (appended
+across restarts), kept running by infra.supervisor (restarted with backoff when one dies), stopped by PID; each also
+ends when this process does, however it ends (infra/children.py).
 
 `vsrq dev` keeps it up until Ctrl-C; `vsrq demo` runs the main job through it, as a user would over HTTP.
+
+The stack serves its worker's model under the name jobs then report (`lanczos`, or the checkpoint's name), and
+serves anonymous requests as its one local owner (`VSRQ_AUTH=none`, loopback only): SGLang's request works without a
+header, and the key it prints (for `vsrq bulk`, OpenAI's SDK) sees the same jobs. It writes its address and key to
+a state file (client.devstate) that `vsrq status` and `vsrq bulk` read.
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ from pathlib import Path
 
 import requests
 
+from client import devstate
 from infra.children import ending_with_this_process
 from infra.stack import Stack, free_ports, stop_processes
+from infra.supervisor import Supervisor
+from storage.config import served_name
 from storage.signatures import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,15 +42,18 @@ class DevStack:
         self.url = f"http://127.0.0.1:{port or free_ports(1)[0]}"
         self.token = f"sk-dev-{secrets.token_hex(16)}"  # this run's only API key
         self.secret = new_secret()  # and the secret its webhooks are signed with
+        self.served = served_name(model)  # what jobs ask for and report: what the worker runs
         self.stack = Stack(self.root / "stack")
-        self._processes: dict[str, subprocess.Popen] = {}
+        self.supervisor = Supervisor()
+        self._state_files: list[Path] = []
 
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
             **self.stack.env(),
             "VSRQ_API_KEYS": json.dumps([{"id": "dev", "token": self.token, "webhook_secret": self.secret}]),
-            "VSRQ_MODELS": json.dumps({"k6-vsr": QUEUE}),
+            "VSRQ_MODELS": json.dumps({self.served: QUEUE}),
+            "VSRQ_AUTH": "none",  # loopback only (storage/config.py refuses it elsewhere): anonymous is the dev key
             "VSRQ_BIND": self.url.removeprefix("http://"),
             "VSRQ_WORKER_MODEL": self.model,
             "VSRQ_WORKER_DEVICES": self.devices,
@@ -56,37 +68,47 @@ class DevStack:
             python = [sys.executable, "-m"]
             self._spawn("web", [*python, "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"])
             self._spawn("worker", [*python, "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
-                                   "--concurrency", "1", "-Q", QUEUE, "-n", f"dev-{os.getpid()}@localhost"])  # fmt: skip
+                                   "--concurrency", "1", "-Q", QUEUE, "-n", f"dev-{os.getpid()}@localhost",
+                                   "--loglevel", "INFO", "--without-gossip", "--without-mingle"])  # fmt: skip
             self._spawn("reaper", [*python, "worker.reaper"])
             self._wait_for_worker(time.monotonic() + timeout_s)
             # after the wait, which counts workers: the one it waits for is the model's
             self._spawn("webhooks", [*python, "celery", "-A", "worker.webhooks", "worker", "--pool", "threads",
                                      "--concurrency", "4", "-Q", "vsrq.webhooks",
                                      "-n", f"hooks-{os.getpid()}@localhost"])  # fmt: skip
+            self._state_files = devstate.write(self.root, self.state())
         except BaseException:
             self.stop()
             raise
         return self
 
     def _spawn(self, name: str, command: list[str]) -> None:
+        self.supervisor.add(name, lambda: self._popen(name, command))
+
+    def _popen(self, name: str, command: list[str]) -> subprocess.Popen:
         # If this process dies without stop(): gunicorn's master stops its workers on SIGTERM; the Celery workers and
         # the reaper keep nothing that is not in Redis (a job in hand is requeued when its lease runs out), and a
         # warm shutdown would wait for that job, so they are killed.
         death = signal.SIGTERM if name == "web" else signal.SIGKILL
-        with open(self.root / f"{name}.log", "wb") as log:
-            self._processes[name] = subprocess.Popen(
+        with open(self.root / f"{name}.log", "ab") as log:  # appended: a restart keeps what came before
+            return subprocess.Popen(
                 command, cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                # restarts fork from the supervisor's thread, which lives as long as the stack
                 preexec_fn=ending_with_this_process(death),
             )  # fmt: skip
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        return self.supervisor.processes
 
     def _wait_for_worker(self, deadline: float) -> None:
         """Until /healthz answers and counts a worker (which loads its model first)."""
         while True:
-            for name, process in self._processes.items():
-                if process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {process.returncode}; see {self.root / name}.log")
+            if self.supervisor.gave_up:
+                name = self.supervisor.gave_up[0]
+                raise RuntimeError(f"{name} keeps exiting; see {self.root / name}.log")
             try:
-                if requests.get(f"{self.url}/healthz", timeout=5).json()["checks"]["workers"]["seen"]:
+                if requests.get(f"{self.url}/healthz", timeout=5).json()["checks"]["workers"]["queues"][QUEUE]:
                     return
             except (requests.ConnectionError, requests.Timeout, ValueError, KeyError):  # not up yet, or a busy machine
                 pass
@@ -94,8 +116,23 @@ class DevStack:
                 raise RuntimeError(f"the stack did not come up in time; logs in {self.root}")
             time.sleep(0.5)
 
+    def state(self) -> dict:
+        """What the client side needs to reach this stack (client.devstate): the API, its key, the Redis and storage
+        `vsrq status` reads."""
+        exports = {
+            "VSRQ_API_URL": self.url,
+            "VSRQ_TOKEN": self.token,
+            "OPENAI_BASE_URL": f"{self.url}/v1",
+            "OPENAI_API_KEY": self.token,
+            **{name: value for name, value in self.stack.env().items() if name.startswith("VSRQ_")},
+            "VSRQ_MODELS": json.dumps({self.served: QUEUE}),
+        }
+        return {"pid": os.getpid(), "url": self.url, "token": self.token, "model": self.served, "dir": str(self.root),
+                "env": exports}  # fmt: skip
+
     def stop(self, timeout_s: float = 30) -> None:
-        stop_processes(self._processes, timeout_s)
+        devstate.remove(self._state_files, os.getpid())
+        stop_processes(self.supervisor.stop(), timeout_s)
         self.stack.stop()
 
     def __enter__(self) -> DevStack:

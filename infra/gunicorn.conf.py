@@ -1,8 +1,10 @@
 """gunicorn settings for the API (`web` in the Procfile). Threads, not more processes: requests mostly wait on
 Redis, S3 and the network, and an upload holds its thread for as long as the client takes to send the file."""
 
+import ipaddress
 import os
 import signal
+import socket
 import tempfile
 from pathlib import Path
 
@@ -17,6 +19,10 @@ worker_class = "api.gunicorn_worker.ProblemWorker"  # gthread, answering its own
 threads = _settings.web_threads
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60
+# A master killed with SIGKILL cannot stop its workers, which would keep the listening socket (and answer nothing
+# new once their requests end): each worker dies with its master (post_fork), and the socket is opened with
+# SO_REUSEPORT, so a new master binds at once even while an old worker is still finishing.
+reuse_port = True
 accesslog = "-"
 errorlog = "-"
 logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings_secrets(_settings))
@@ -28,6 +34,26 @@ if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vsrq-metrics-")
 
 
+def when_ready(server) -> None:
+    """Auth off (VSRQ_AUTH=none) serves loopback only: checked again on the sockets gunicorn actually bound, since a
+    `--bind` on the command line overrides VSRQ_BIND, which storage/config.py checked."""
+    if _settings.auth != "none" or _settings.auth_none_public:
+        return
+    exposed = [
+        host
+        for listener in server.LISTENERS
+        if listener.sock.family != socket.AF_UNIX
+        and not ipaddress.ip_address((host := listener.sock.getsockname()[0]).split("%")[0]).is_loopback
+    ]
+    if exposed:
+        server.log.error(
+            "VSRQ_AUTH=none refused on %s: bind to loopback, configure VSRQ_API_KEYS, or set "
+            "VSRQ_AUTH_NONE_PUBLIC=true if a gate in front of the API authenticates",
+            ", ".join(exposed),
+        )
+        server.halt("auth off on a public address", exit_status=1)
+
+
 def on_starting(server) -> None:
     metrics_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     metrics_dir.mkdir(parents=True, exist_ok=True)
@@ -36,5 +62,7 @@ def on_starting(server) -> None:
 
 
 def post_fork(server, worker) -> None:
-    # a master killed hard (its own parent-death signal, an OOM kill) takes its workers with it
-    die_with_parent(signal.SIGTERM, server.pid)
+    # A master killed hard (its own parent-death signal, an OOM kill) takes its workers with it. SIGKILL, not a
+    # graceful SIGTERM: a stopping worker keeps its SO_REUSEPORT socket open while it finishes (up to
+    # graceful_timeout), and the kernel would still hand it new connections that it no longer accepts.
+    die_with_parent(signal.SIGKILL, server.pid)

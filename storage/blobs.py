@@ -51,6 +51,14 @@ def attempt_output_key(job_id: str, attempt: int, token: str) -> str:
     return f"{output_prefix(job_id)}attempt-{attempt}-{token}.mp4"
 
 
+PREVIEWS = ("thumbnail", "spritesheet")  # what the worker makes of an output (worker.media.previews)
+
+
+def preview_key(output_key: str, variant: str) -> str:
+    """A JPEG made from an output (its thumbnail, its sprite sheet), beside it: deleted with the job's outputs."""
+    return f"{output_key.removesuffix('.mp4')}.{variant}.jpg"
+
+
 def work_prefix(job_id: str) -> str:
     return f"work/{job_id}/"
 

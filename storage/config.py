@@ -9,6 +9,8 @@ Nested values are JSON, e.g.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import secrets
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -20,6 +22,27 @@ from storage.signatures import InvalidSecret, secret_key
 
 K6_VSR = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 MiB = 1024 * 1024
+
+
+def served_name(model: str) -> str:
+    """The name a worker's model is served and reported under: `lanczos`, a hub id as given, a checkpoint directory
+    by its own name."""
+    path = Path(model)
+    return path.resolve().name if model != "lanczos" and path.is_dir() else model
+
+
+def loopback(bind: str) -> bool:
+    """Whether a gunicorn bind (`host:port`, `[v6]:port`, `unix:path`) listens on this machine only."""
+    if bind.startswith("unix:"):
+        return True
+    host = bind.rsplit(":", 1)[0] if bind.count(":") == 1 or bind.startswith("[") else bind
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ApiKey(BaseModel):
@@ -35,6 +58,11 @@ class ApiKey(BaseModel):
     rate_limit_window_s: int | None = Field(None, ge=1)
     max_active_jobs: int | None = Field(None, ge=1)
     max_upload_bytes: int | None = Field(None, ge=1)
+    max_concurrent_bodies: int | None = Field(None, ge=1)
+    # Compute (worker/media/limits.py, storage/budget.py): output size per frame and per job, output per hour
+    max_output_pixels: int | None = Field(None, ge=1)
+    max_output_megapixel_frames: float | None = Field(None, gt=0)
+    megapixel_frames_per_hour: float | None = Field(None, gt=0)
 
     @field_validator("webhook_secret")
     @classmethod
@@ -79,6 +107,13 @@ class Settings(BaseSettings):
     presign_ttl_s: int = Field(3600, ge=1, le=7 * 24 * 3600)
 
     api_keys: list[ApiKey] = []
+    # "none" serves requests without a known key as one local owner (the first key's id, else "local"): the embedded
+    # stack on loopback, so SGLang's request works without a header. Refused on a non-loopback `bind` unless
+    # `auth_none_public` says the operator means it (a private network behind its own gate).
+    auth: Literal["keys", "none"] = "keys"
+    auth_none_public: bool = False
+    bind: str = "127.0.0.1:8000"  # where gunicorn listens (infra/gunicorn.conf.py reads VSRQ_BIND too)
+    poll_after_ms: int = Field(1000, ge=0)  # `openai-poll-after-ms` on a running job: how soon to look again
     webhook_allow_loopback: bool = False  # development only: lets webhooks reach a receiver on this machine
     # Webhook deliveries (worker/webhooks.py): a failed attempt is retried after about base x 2^n (with jitter, at
     # most retry_max_s), webhook_max_attempts in all; the defaults spread 8 attempts over 2-4 hours.
@@ -99,13 +134,35 @@ class Settings(BaseSettings):
     # Served models and the Celery queue (pipeline group) of each; the first is the default.
     models: dict[str, str] = {K6_VSR: "vsrq.k6"}
 
-    # Limits and retention
-    max_upload_bytes: int = Field(4 * 1024 * MiB, ge=1)
+    # Limits and retention. Per-key defaults (a key's own values win; README: "Limits" says how to raise them), sized
+    # so that one person, the web app or `vsrq bulk` at its default concurrency never meets them; None: unlimited.
+    max_upload_bytes: int = Field(2 * 1024 * MiB, ge=1)
     max_form_field_bytes: int = Field(64 * 1024, ge=1024)  # one non-file multipart field
-    # Per-key defaults (a key's own values win); None: unlimited. Requests per window; jobs queued or running.
-    rate_limit_requests: int | None = Field(None, ge=1)
+    rate_limit_requests: int | None = Field(1200, ge=1)  # per window: 20/s sustained, a 1200-request burst
     rate_limit_window_s: int = Field(60, ge=1)
-    max_active_jobs_per_key: int | None = Field(None, ge=1)
+    max_active_jobs_per_key: int | None = Field(1000, ge=1)  # queued + running
+    # Failed authentications per client address (a bad token): past this, every request that carries a token from
+    # that address answers 429 until the window has passed, so guessing is throttled and learns nothing meanwhile.
+    auth_failures_per_window: int | None = Field(60, ge=1)
+    auth_failure_window_s: int = Field(60, ge=1)
+    # Reverse proxies in front of the API (infra/nginx.conf: 1) whose X-Forwarded-For names the client: without it
+    # every client behind a proxy would share the proxy's address, and its failed-authentication budget.
+    trusted_proxies: int = Field(0, ge=0)
+    # Request bodies (api/body.py): a client silent for body_idle_timeout_s mid-request, or sending slower than
+    # body_min_bytes_per_s on average once body_grace_s has passed, is answered 408; a key sends at most
+    # max_concurrent_bodies_per_key bodies at once (more: 429 before a byte is read), so slow clients of one key
+    # hold at most that many of the API's threads.
+    body_idle_timeout_s: float = Field(30, gt=0)
+    body_grace_s: float = Field(30, gt=0)
+    body_min_bytes_per_s: int = Field(8 * 1024, ge=0)  # 64 kbit/s
+    max_concurrent_bodies_per_key: int | None = Field(8, ge=1)  # half of gunicorn's default 2 x 8 threads
+    # Compute per job, checked at probe time before any work (worker/media/limits.py): output pixels per frame (8K: the
+    # largest input, 4K, at x2; a 15360x8640 output took 8.36 GB of worker RSS for 4 frames, a quarter of that per
+    # frame fits a worker host), output megapixel-frames per job (10 min of 4K at 30 fps); and output megapixel-frames
+    # per key per hour (storage/budget.py; None: unlimited).
+    max_output_pixels: int | None = Field(7680 * 4320, ge=1)
+    max_output_megapixel_frames: float | None = Field(150_000, gt=0)
+    megapixel_frames_per_hour: float | None = Field(1_000_000, gt=0)
     result_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # finished jobs keep their output this long (expires_at)
     # The reaper's storage sweep (storage.lifecycle): uploads no job claims, writes never finished
     upload_ttl_s: int = Field(24 * 3600, ge=1)  # an upload (POST /v1/uploads) no live job names is deleted after this
@@ -125,7 +182,9 @@ class Settings(BaseSettings):
     # "unacked_restore_throttle": 1} to see an unacknowledged message redelivered in seconds.
     broker_transport_options: dict[str, int | float | str] = {}
     health_ping_timeout_s: float = Field(0.5, gt=0)
+    health_ping_cache_s: float = Field(10, gt=0)  # one Celery ping per API process this often, whoever asks
     reap_interval_s: float = Field(10, gt=0)  # between the reaper's passes (worker/reaper.py)
+    reaper_stale_s: float = Field(60, gt=0)  # a reaper whose last pass is older than this is reported dead
 
     # The API's server (infra/gunicorn.conf.py): threads, not more processes (requests mostly wait on I/O)
     bind: str = "127.0.0.1:8000"
@@ -153,9 +212,33 @@ class Settings(BaseSettings):
             raise ValueError("api_keys: every key needs its own id and token")
         if self.blob_backend == "s3" and not (self.s3_access_key and self.s3_secret_key):
             raise ValueError("the s3 blob backend needs s3_access_key and s3_secret_key")
+        if self.auth == "none" and not self.auth_none_public and not loopback(self.bind):
+            raise ValueError(
+                f"auth=none would serve anyone who reaches {self.bind}: bind to loopback, configure VSRQ_API_KEYS, "
+                "or set VSRQ_AUTH_NONE_PUBLIC=true if a gate in front of it does the authentication"
+            )
         if self.webhook_claim_s <= self.webhook_timeout_s:
             raise ValueError("webhook_claim_s must exceed webhook_timeout_s: an attempt in flight would be handed out")
         return self
+
+    @cached_property
+    def anonymous_key(self) -> ApiKey | None:
+        """Who a request without a known key acts as when auth is off: the first key's owner, else "local"."""
+        if self.auth != "none":
+            return None
+        if self.api_keys:
+            return self.api_keys[0]
+        return ApiKey(id="local", token=SecretStr(secrets.token_urlsafe(32)))
+
+    def compute_limits(self, key_id: str) -> tuple[int | None, float | None, float | None]:
+        """(output pixels per frame, output megapixel-frames per job, per hour) for a key: its own, else the
+        service-wide ones."""
+        key = next((key for key in self.api_keys if key.id == key_id), None)
+        return (
+            (key and key.max_output_pixels) or self.max_output_pixels,
+            (key and key.max_output_megapixel_frames) or self.max_output_megapixel_frames,
+            (key and key.megapixel_frames_per_hour) or self.megapixel_frames_per_hour,
+        )
 
     @property
     def default_model(self) -> str:

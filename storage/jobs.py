@@ -142,11 +142,26 @@ class InputInfo(BaseModel):
     media: MediaInfo | None = None
 
 
+class PreviewInfo(BaseModel):
+    """A JPEG the worker made from the output (storage.blobs.preview_key: beside it, deleted with it)."""
+
+    key: str
+    bytes: int
+    sha256: str
+
+
 class OutputInfo(BaseModel):
     key: str  # blob key of the promoted output
     bytes: int
     sha256: str
     media: MediaInfo | None = None
+    previews: dict[str, PreviewInfo] = {}  # "thumbnail", "spritesheet"
+    model: str | None = None  # what the worker ran: "lanczos", or the checkpoint's name
+    num_inference_steps: int | None = None  # denoising steps each tile ran; None for a model without steps
+
+    def keys(self) -> set[str]:
+        """Every blob of this output: the video and its previews."""
+        return {self.key, *(preview.key for preview in self.previews.values())}
 
 
 class JobErrorInfo(BaseModel):
@@ -204,6 +219,9 @@ class VideoOutput(BaseModel):
     bytes: int
     sha256: str
     media: MediaInfo | None
+    model: str | None = Field(description="what the worker ran: `lanczos`, or the checkpoint's name")
+    num_inference_steps: int | None = Field(description="denoising steps each tile ran (null: a model without steps)")
+    variants: list[str] = Field(description="what GET .../content?variant= serves: video, thumbnail, spritesheet")
 
 
 class Video(BaseModel):
@@ -252,7 +270,12 @@ class Video(BaseModel):
             seconds=f"{media.duration:g}" if media else None,
             params=job.params,
             input=VideoInput(**job.input.model_dump(include=set(VideoInput.model_fields))),
-            output=VideoOutput(**job.output.model_dump(include=set(VideoOutput.model_fields))) if job.output else None,
+            output=VideoOutput(
+                **job.output.model_dump(include=set(VideoOutput.model_fields)),
+                variants=["video", *job.output.previews],
+            )
+            if job.output
+            else None,
             metadata=job.metadata,
             webhook_url=job.webhook_url,
         )
@@ -526,6 +549,10 @@ def open_redis(settings: Settings) -> Redis:
     )
 
 
+# Job ids become parts of Redis key names: an id of another shape (`<real id>:events`) never reaches one.
+JOB_ID = re.compile(r"video_[0-9a-f]{24}")
+
+
 def new_job_id() -> str:
     return "video_" + secrets.token_hex(12)
 
@@ -654,7 +681,7 @@ class JobStore:
 
     def require(self, job_id: str, owner: str | None = None) -> JobRecord:
         """The job, if it exists and (given an owner) belongs to that owner: another owner's job does not exist."""
-        job = self.get(job_id)
+        job = self.get(job_id) if JOB_ID.fullmatch(job_id) else None
         if job is None or (owner is not None and job.owner != owner):
             raise JobNotFound(f"no job {job_id}")
         return job
@@ -690,6 +717,8 @@ class JobStore:
         key = self._owner_key(owner, status or "all")
         if after is None:
             low, high = "-inf", "+inf"
+        elif not JOB_ID.fullmatch(after):
+            raise InvalidCursor(f"no job {after} to continue after")
         else:
             cursor = self.redis.hmget(self._job_key(after), "owner", "seq")
             if cursor[0] is None or cursor[0].decode() != owner:

@@ -90,8 +90,8 @@ def _expire(jobs: JobStore, blobs: BlobStore, job: JobRecord) -> bool:
 
 
 def promoted(job: JobRecord | None, key: str) -> bool:
-    """Whether `key` is the job's output (the attempt that wrote it completed the job)."""
-    return job is not None and job.output is not None and job.output.key == key
+    """Whether `key` is the job's output or one of its previews (the attempt that wrote it completed the job)."""
+    return job is not None and job.output is not None and key in job.output.keys()
 
 
 def _delete_grouped(

@@ -1,6 +1,10 @@
 """What the service is doing now, read from Redis at the moment it is asked: jobs waiting per queue, jobs by status,
-the live workers. `vsrq status` prints it; the API's /metrics exports it (api/metrics.py), so the figures are
-the records' own and cannot drift the way counters kept in a process do.
+the live workers, and whether the service can make progress (`health`: model workers per served queue, the reaper's
+last pass, jobs past their lease). `vsrq status` prints it; the API's /metrics exports it (api/metrics.py) and
+/healthz answers with `health`, so the figures are the records' own and cannot drift the way counters kept in a
+process do.
+
+    vsrq:reaper:last_pass    the Redis time the reaper last finished a pass (written by `reaper_passed`)
 """
 
 from __future__ import annotations
@@ -11,10 +15,51 @@ from storage.jobs import JobStore, Status
 from storage.workers import WorkerInfo, WorkerRegistry
 
 
+class Health(BaseModel):
+    workers: dict[str, int]  # served queue -> live model workers taking jobs from it
+    reaper_last_pass_s: float | None  # seconds since the reaper last finished a pass; None: no pass on record
+    reaper_ok: bool  # it passed within the staleness bound
+    overdue_jobs: int  # in progress past their lease: the reaper requeues them on its next pass
+    problems: list[str]  # what makes the service degraded, for a person; empty: healthy
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
 class Overview(BaseModel):
     queues: dict[str, int]  # queue -> jobs queued on it
     jobs: dict[Status, int]  # status -> jobs (records still kept)
     workers: list[WorkerInfo]
+    health: Health | None = None
+
+
+def _reaper_key(jobs: JobStore) -> str:
+    return f"{jobs.prefix}:reaper:last_pass"
+
+
+def reaper_passed(jobs: JobStore) -> None:
+    """The reaper's heartbeat, after each pass."""
+    jobs.redis.set(_reaper_key(jobs), repr(jobs.now()), ex=24 * 3600)
+
+
+def health(jobs: JobStore, workers: list[WorkerInfo], queues: list[str], reaper_stale_s: float) -> Health:
+    """Whether jobs on the served `queues` make progress: a model worker on each, a reaper that passed within
+    `reaper_stale_s`, no job left past its lease (a dead reaper, or one that cannot requeue)."""
+    now = jobs.now()
+    served = {queue: sum(queue in w.queues for w in workers if w.model) for queue in sorted(set(queues))}
+    last = jobs.redis.get(_reaper_key(jobs))
+    since = now - float(last) if last is not None else None
+    overdue = jobs.redis.zcount(f"{jobs.prefix}:leases", "-inf", now)
+    problems = [f"no worker takes jobs from {queue}" for queue, count in served.items() if not count]
+    reaper_ok = since is not None and since <= reaper_stale_s
+    if not reaper_ok:
+        problems.append("the reaper has not passed " + (f"for {since:.0f} s" if since is not None else "yet"))
+    if overdue:
+        problems.append(f"{overdue} job(s) in progress past their lease")
+    return Health(
+        workers=served, reaper_last_pass_s=since, reaper_ok=reaper_ok, overdue_jobs=overdue, problems=problems
+    )
 
 
 def job_counts(jobs: JobStore) -> dict[Status, int]:
@@ -34,8 +79,13 @@ def job_counts(jobs: JobStore) -> dict[Status, int]:
     return counts
 
 
-def overview(jobs: JobStore, registry: WorkerRegistry, queues: list[str]) -> Overview:
+def overview(jobs: JobStore, registry: WorkerRegistry, queues: list[str], reaper_stale_s: float = 60) -> Overview:
     """`queues`: those the settings serve; one that a live model worker takes from is shown too (a misrouted worker)."""
     workers = registry.list()
     names = sorted(set(queues).union(*(worker.queues for worker in workers if worker.model)))
-    return Overview(queues={queue: jobs.queue_depth(queue) for queue in names}, jobs=job_counts(jobs), workers=workers)
+    return Overview(
+        queues={queue: jobs.queue_depth(queue) for queue in names},
+        jobs=job_counts(jobs),
+        workers=workers,
+        health=health(jobs, workers, queues, reaper_stale_s),
+    )

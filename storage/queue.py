@@ -44,9 +44,29 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_upscale(app: Celery, jobs: JobStore, job: JobRecord) -> None:
+# kombu's Redis transport LPUSHes a message and workers BRPOP it: the list's tail is its front. KEYS[1]: the queue's
+# list; ARGV[1]: the message's task id. Moves that message (among the newest, where it was just pushed) to the front;
+# 0 when a worker took it already.
+_TO_FRONT = """
+local items = redis.call('LRANGE', KEYS[1], 0, 99)
+for _, item in ipairs(items) do
+  if string.find(item, ARGV[1], 1, true) then
+    redis.call('LREM', KEYS[1], 1, item)
+    redis.call('RPUSH', KEYS[1], item)
+    return 1
+  end
+end
+return 0
+"""
+
+
+def send_upscale(app: Celery, jobs: JobStore, job: JobRecord, *, first: bool = False) -> None:
     """Puts one `vsrq.upscale` message for `job` on its queue (the pipeline group serving its model), then confirms
-    it on the record: a job left unconfirmed (its sender died in between) gets one from the reaper."""
-    app.send_task(UPSCALE_TASK, args=[job.id], queue=job.queue)
+    it on the record: a job left unconfirmed (its sender died in between) gets one from the reaper. `first`: at the
+    front of the queue, for an attempt requeued after a failure or a lost worker (it waited its turn already)."""
+    message = app.send_task(UPSCALE_TASK, args=[job.id], queue=job.queue)
+    if first:
+        with app.connection_for_write() as connection:
+            connection.default_channel.client.eval(_TO_FRONT, 1, job.queue, message.id)
     jobs.sent(job.id)
 

@@ -1,10 +1,16 @@
-"""The SSRF guard for URLs users give us (webhook receivers now; fetched inputs later): the host must resolve only
-to public addresses. Loopback, private (RFC 1918), link-local (incl. cloud metadata at 169.254.169.254), CGNAT,
-multicast, unspecified, documentation/benchmark ranges, IPv6 ULA and link-local, and IPv4 addresses hidden inside
-IPv6 ones (mapped, NAT64, 6to4, Teredo) are all refused.
+"""The SSRF guard for URLs users give us (webhook receivers, fetched inputs): the host must resolve only to public
+addresses. By rule rather than by a list of bad ranges:
+
+- IPv4: what Python calls global (not loopback, private, link-local incl. cloud metadata at 169.254.169.254, CGNAT,
+  unspecified, documentation, benchmarking, reserved...), and not multicast;
+- IPv6: inside 2000::/3, the only space routed as global unicast (so never ::/96 IPv4-compatible, ::ffff:0:0/96
+  mapped, 64:ff9b::/96 and 64:ff9b:1::/48 NAT64, 100::/64, ULA, link-local, multicast), global by Python's table,
+  and not one of the tunnels that carry an IPv4 address inside (6to4 2002::/16, Teredo 2001::/32), which would
+  reach whatever that IPv4 address is.
 
 Check at registration and again right before each connection, and connect to the address that was checked (DNS
-can answer differently the second time).
+can answer differently the second time). The error says which host was refused, never what it resolved to: that
+would make the guard an oracle for internal DNS.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import certifi
 import urllib3
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_GLOBAL_UNICAST = ipaddress.ip_network("2000::/3")
+_TUNNELS = (ipaddress.ip_network("2002::/16"), ipaddress.ip_network("2001::/32"))  # 6to4, Teredo
 
 
 class UnsafeUrl(ValueError):
@@ -41,27 +48,22 @@ def public_addresses(url: str, *, allow_loopback: bool = False) -> list[IPAddres
         raise UnsafeUrl(f"host {parts.hostname!r} cannot be resolved") from error
     addresses = sorted({ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}, key=str)
     for address in addresses:
-        for candidate in _unwrapped(address):
-            if allow_loopback and candidate.is_loopback:
-                continue
-            if not candidate.is_global or candidate.is_multicast:
-                raise UnsafeUrl(f"host {parts.hostname!r} resolves to a non-public address ({address})")
+        if allow_loopback and address.is_loopback:
+            continue
+        if not is_public(address):
+            raise UnsafeUrl(f"host {parts.hostname!r} resolves to a non-public address")
     return addresses
 
 
-def _unwrapped(address: IPAddress) -> list[IPAddress]:
-    """The address and every IPv4 address embedded in it."""
-    found: list[IPAddress] = [address]
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped:
-            found.append(address.ipv4_mapped)
-        if address.sixtofour:
-            found.append(address.sixtofour)
-        if address.teredo:
-            found.extend(address.teredo)
-        if address in _NAT64:
-            found.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
-    return found
+def is_public(address: IPAddress) -> bool:
+    """Whether `address` is one a user's URL may reach (the module's rule)."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return address.is_global and not address.is_multicast
+    return (
+        address in _GLOBAL_UNICAST
+        and address.is_global
+        and not any(address in tunnel for tunnel in _TUNNELS)
+    )
 
 
 def pinned_pool(

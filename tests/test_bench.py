@@ -79,3 +79,22 @@ def test_the_threading_lever_times_the_products_writer_with_each_threading(threa
     record = mp4_tail(16, frames=20, every_s=0.0, content="noise", size=(128, 192), thread_type=thread_type)
     assert record["thread_type"] == thread_type and record["size"] == "192x128"
     assert 0 <= record["tail_s"] <= record["wall_s"] and record["bytes"] > 20 * 1000  # noise: ~13 KB a frame
+
+
+def test_offloaded_modes_run_under_a_cap_phase_with_their_bits_checked_against_resident(tmp_path):
+    """Mode phases (auto, offload_layers with a prefetch depth) beside the resident phase of the same decode order
+    and segment: their bits are compared with it, their pinned bytes and ratio to speed recorded (the cap itself
+    only bites on a GPU)."""
+    out = tmp_path / "results.jsonl"
+    phases = "ours:W2:cpu*0,ours:W2:cpu@tile_major/1*0,cap:11.5,ours:W2:cpu@offload_layers/3*0,ours:W2:cpu@auto*0"
+    main(["--tiny", "--out", str(out), "--phases", phases])
+    records = [record for record in map(json.loads, out.read_text().splitlines()) if record.get("impl") == "vsrq"]
+    speed, resident, layers, auto = records
+    assert layers["mode"] == "offload_layers" and layers["offload"] == {"layers": True, "resident_blocks": 4, "prefetch": 3}
+    assert layers["cap_gib"] == 11.5 and speed["cap_gib"] is None
+    assert layers["completes"] and layers["bit_identical_to_first_phase_of_its_decode"]  # tile_major/1, resident
+    assert "bit_identical_to_first_phase_of_its_decode" in resident
+    assert layers["offloaded_weights_pinned_gib"] is not None and layers["offload_copies"] > 0
+    assert resident["offloaded_weights_pinned_gib"] == 0 and "offload_copies" not in resident
+    assert "ratio_to_speed" in layers and layers["host_rss_gib"] > 0
+    assert auto["mode"] == "speed" and auto["bit_identical_to_first_vsrq_phase"]  # a CPU: speed, the first phase's bits

@@ -37,6 +37,15 @@ def test_checkpoint_layout_is_diffusers(tiny_checkpoints):
     assert json.loads((tiny_checkpoints[("flowmatch", False)] / "model_index.json").read_text())["latent_upscaler"] == [None, None]
 
 
+def test_a_request_without_steps_gets_the_checkpoints_own(tiny_checkpoints):
+    # what SGLang's presets give each scheduler: the distilled pi-Flow checkpoint 2 model calls, flow matching 4
+    steps = {
+        variant: SREngine.from_pretrained(str(tiny_checkpoints[(variant, True)])).default_steps
+        for variant in ("piflow", "flowmatch")
+    }
+    assert steps == {"piflow": 2, "flowmatch": 4}
+
+
 def test_unused_upscaler_weights_are_not_loaded(tiny_piflow):
     replicas, report = load(str(tiny_piflow), [torch.device("cpu")])
     bank = replicas[0].latent_upscaler

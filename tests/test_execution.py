@@ -188,7 +188,8 @@ def test_performance_modes_give_the_same_bits(tiny_piflow, baseline, mode):
     from worker.sr.backends import PERFORMANCE_MODES, open_upscaler
 
     engine = open_upscaler(str(tiny_piflow), ["cpu"], mode)
-    assert (engine.decode_order, engine.decode_segment) == tuple(PERFORMANCE_MODES[mode].values())
+    settings = PERFORMANCE_MODES[mode]
+    assert (engine.decode_order, engine.decode_segment, engine.offload) == (settings["decode_order"], settings["decode_segment"], None)
     assert torch.equal(run(engine, clip(2), SRRequest(scale=2, seed=3)), baseline)
 
 

@@ -8,8 +8,10 @@ import torch
 
 from tests.conftest import VARIANTS, clip, run
 from worker.sr.attention import DenseSDPAProcessor, NablaFlexProcessor, nabla_density, qkv
+from worker.sr.checkpoint import Components
 from worker.sr.engine import SREngine
 from worker.sr.noise import NoiseMode
+from worker.sr.offload import align_on_cpu
 from worker.sr.request import SRRequest
 
 SEED = 7
@@ -20,6 +22,8 @@ def reference(checkpoint, video, scale, tiles_batch_size=1) -> torch.Tensor:
     pipe.set_progress_bar_config(disable=True)
     # Eager flex attention computes the same dense attention (see test_sdpa_matches_stock_flex_attention).
     pipe.transformer.set_attn_processor(DenseSDPAProcessor())
+    # Aligned weights, as the engine computes with (CPU kernels round unaligned operands differently)
+    align_on_cpu(Components(torch.device("cpu"), pipe.transformer, pipe.vae, pipe.scheduler, pipe.latent_upscaler))
     return pipe(
         video=video[None],
         resolution_scale=scale,

@@ -11,7 +11,7 @@ import redis.exceptions
 import torch
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 
-from storage.blobs import BlobNotFound, work_prefix
+from storage.blobs import PREVIEWS, BlobNotFound, preview_key, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
 from storage.queue import send_upscale
@@ -71,7 +71,7 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None
         elif outcome == "failed":
             lease.fail(code, message)
         elif lease.retry(code, message) == Status.QUEUED:
-            send_upscale(app, service.jobs(), job)
+            send_upscale(app, service.jobs(), job, first=True)
             return  # the next attempt replays the kept windows
         forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:
@@ -84,7 +84,7 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None
         # An output that will not be promoted (e.g. cancelled during the upload), deleted once the lease has ended:
         # storage may be what failed, and a lease left to expire meanwhile would turn the ending into a requeue.
         if not kept:
-            discard(output_key)
+            discard_attempt(output_key)
 
 
 def kept_output(job_id: str, output_key: str) -> bool:
@@ -101,6 +101,12 @@ def forget_windows(job_id: str) -> None:
         service.blobs().delete_prefix(work_prefix(job_id))
     except Exception:  # storage down: the reaper's sweep deletes the work prefixes of ended jobs
         log.warning("could not delete the kept windows of %s", job_id, exc_info=True)
+
+
+def discard_attempt(output_key: str) -> None:
+    """An attempt's output that will not be promoted: the video and the previews made of it."""
+    for key in (output_key, *(preview_key(output_key, variant) for variant in PREVIEWS)):
+        discard(key)
 
 
 def discard(key: str) -> None:

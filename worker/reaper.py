@@ -19,6 +19,7 @@ from celery import Celery
 from storage.jobs import JobStore, Status
 from storage.lifecycle import sweep
 from storage.logs import configure, settings_secrets
+from storage.overview import reaper_passed
 from storage.queue import send_upscale
 from worker import service
 from worker.celery_app import app
@@ -34,13 +35,31 @@ def reap_once(jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = No
     for job_id, status in outcome.items():
         job = jobs.get(job_id)
         if status == Status.QUEUED and job is not None:
-            send_upscale(celery, jobs, job)
+            send_upscale(celery, jobs, job, first=True)  # it waited its turn already: first among the queued
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
     grace = service.settings().enqueue_grace_s if enqueue_grace_s is None else enqueue_grace_s
     for job in jobs.unsent(grace):
         send_upscale(celery, jobs, job)
         log.warning("%s: queued without a message (its sender died): sent one", job.id, extra={"job_id": job.id})
     return outcome
+
+
+class Outage:
+    """One log line when a step starts failing (with its error, no traceback: it is a dependency, not a bug) and one
+    when it works again, instead of a traceback on every pass while Redis or storage is down."""
+
+    def __init__(self, step: str) -> None:
+        self.step, self.since = step, None
+
+    def failed(self, error: Exception) -> None:
+        if self.since is None:
+            self.since = monotonic()
+            log.error("%s failing: %s: %s (logged again when it recovers)", self.step, type(error).__name__, error)
+
+    def passed(self) -> None:
+        if self.since is not None:
+            log.warning("%s recovered after %.0f s", self.step, monotonic() - self.since)
+            self.since = None
 
 
 def main() -> None:
@@ -52,21 +71,26 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     log.info("reaping every %g s, sweeping storage every %g s", interval, settings.sweep_interval_s)
     next_sweep = monotonic()
+    reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
         try:
             reap_once(service.jobs(), app)
-        except Exception:  # Redis restarting: try again next time rather than exit
-            log.exception("reap failed")
+            reaper_passed(service.jobs())  # /healthz and `vsrq status` tell a dead reaper by this
+            reaping.passed()
+        except Exception as error:  # Redis restarting: try again next time rather than exit
+            reaping.failed(error)
         try:
             relay_once(outbox(), app, settings.webhook_claim_s)
-        except Exception:  # Redis or the broker down: the events wait in the outbox for the next pass
-            log.exception("webhook relay failed")
+            relaying.passed()
+        except Exception as error:  # Redis or the broker down: the events wait in the outbox for the next pass
+            relaying.failed(error)
         if monotonic() >= next_sweep:
             next_sweep = monotonic() + settings.sweep_interval_s
             try:
                 sweep(service.jobs(), service.blobs(), settings)
-            except Exception:  # storage or Redis down: the next sweep catches up
-                log.exception("storage sweep failed")
+                sweeping.passed()
+            except Exception as error:  # storage or Redis down: the next sweep catches up
+                sweeping.failed(error)
         stop.wait(interval)
 
 

@@ -27,8 +27,11 @@ class WorkerSettings(BaseSettings):
     heartbeat_s: float = 0.5  # progress heartbeats at most this often (and at the end of every window)
     # "speed": every tile's decoder cache resident; "balanced": parked in host memory between segments; "memory":
     # one tile at a time per GPU. The same output, up to 2/255 on GPUs (segment 2 against speed's 4); W1 on one
-    # H200: 40.7 / 27.5 / 22.0 GiB peak for 1 / 1.12 / ~1.2x the time (bench/RESULTS.md)
-    performance_mode: Literal["speed", "balanced", "memory"] = "speed"
+    # H200: 40.7 / 27.5 / 22.0 GiB peak for 1 / 1.12 / ~1.2x the time (bench/RESULTS.md). "offload": memory's
+    # decoding with the weights in pinned host memory, each component on the GPU while it runs (16 GB cards);
+    # "offload_layers": the transformer's blocks streamed too (12 GB). "auto": the fastest that fits the free memory
+    performance_mode: Literal["auto", "speed", "balanced", "memory", "offload", "offload_layers"] = "auto"
+    offload_prefetch: int | None = None  # transformer blocks in flight in offload_layers (unset: the mode's 2)
     warmup: bool = True  # compile for one window at start (GPUs), so the first job is not the cold one
     # "all": portrait and square tiles too (a short clip each), so their first job does not compile the decoder
     # either; "landscape": a faster start (a tile size's graphs took 77 s of a one-tile first call on an H200)
@@ -88,4 +91,5 @@ def upscaler():
         window if config.warmup else None,
         warmup_every_tile_size=config.warmup_tiles == "all",
         compile_cache_dir=config.compile_cache_dir,
+        offload_prefetch=config.offload_prefetch,
     )

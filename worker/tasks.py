@@ -27,7 +27,8 @@ import redis.exceptions
 import torch
 from celery.signals import worker_init
 
-from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix
+from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, preview_key
+from storage.config import served_name
 from storage.jobs import (
     FileDigest,
     InvalidTransition,
@@ -36,17 +37,20 @@ from storage.jobs import (
     Lease,
     MediaInfo,
     OutputInfo,
+    PreviewInfo,
     StaleAttempt,
     new_lease_token,
 )
 from storage.queue import UPSCALE_TASK
 from worker import metrics, service, signals  # signals: importing it connects the process's handlers
-from worker.attempt import discard, end, forget_windows
+from worker.attempt import discard, discard_attempt, end, forget_windows
 from worker.celery_app import app
+from worker.costs import charge, job_limits
 from worker.fetch import fetch
 from worker.heartbeat import UPLOADING, Heartbeat
 from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.errors import InputNotFound
+from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
 from worker.sr.request import SRRequest
@@ -95,14 +99,17 @@ def upscale(self, job_id: str) -> None:
         _run(job, lease, output_key)
     except StaleAttempt as error:  # reaped or ended elsewhere: another attempt owns the job now
         log.warning("%s attempt %d lost the job: %s", job.id, lease.attempt, error.message)
-        discard(output_key)  # uploaded before it found out: never promoted, so never kept
+        discard_attempt(output_key)  # uploaded before it found out: never promoted, so never kept
     except Exception as error:
         end(job, lease, output_key, error)
 
 
 def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
     config = service.worker_settings()
-    options = replace(job_options(job.params), **config.window_options)
+    default_steps = service.upscaler().default_steps
+    options = replace(
+        job_options(job.params, default_steps), limits=job_limits(job), admit=charge(job), **config.window_options
+    )
     beat = Heartbeat(lease, config.heartbeat_s)
     with TemporaryDirectory(prefix="vsrq-") as scratch:
         source, output = Path(scratch, "input"), Path(scratch, "output.mp4")
@@ -137,23 +144,37 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         graphs = _graphs_built() - graphs
         metrics.record_upscale(result)
 
-        # 4. Upload to this attempt's key: a stale attempt may upload, but only the fenced `complete` promotes
+        # 4. The poster frame and sprite sheet, then the uploads to this attempt's keys: a stale attempt may upload,
+        #    but only the fenced `complete` promotes
         beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True)
+        with beat.kept_alive():  # a long 4K output takes a while to decode
+            made = _previews(job.id, output, result.written.video.frames, Path(scratch))
         stored = beat.storage(lambda: _upload(output, output_key, beat.transfer))
+        previews = {
+            variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
+            for variant, path in made.items()
+        }
         beat.settle()  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
     _note_run(lease, result, graphs)
-    lease.complete(
-        OutputInfo(key=output_key, bytes=stored.size, sha256=stored.sha256, media=media_info(result.written))
+    promoted_output = OutputInfo(
+        key=output_key,
+        bytes=stored.size,
+        sha256=stored.sha256,
+        media=media_info(result.written),
+        previews={v: PreviewInfo(key=blob.key, bytes=blob.size, sha256=blob.sha256) for v, blob in previews.items()},
+        model=served_name(config.model),
+        num_inference_steps=None if default_steps is None else options.request.num_inference_steps,
     )
+    lease.complete(promoted_output)
     log.info(
         "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
         job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,
     )  # fmt: skip
     try:  # housekeeping: an error here must not reach `end`, which would discard the promoted output
         for key in service.blobs().keys(output_prefix(job.id)):
-            if key != output_key:
+            if key not in promoted_output.keys():
                 discard(key)
         forget_windows(job.id)
         _report_memory_once()
@@ -185,18 +206,30 @@ def _note_run(lease: Lease, result: UpscaleResult, graphs: int) -> None:
         log.warning("%s: could not record the run's timings: %s", lease.job_id, error)
 
 
-def _upload(path: Path, key: str, progress: Callable[[int], None]) -> BlobInfo:
+def _upload(path: Path, key: str, progress: Callable[[int], None], content_type: str = "video/mp4") -> BlobInfo:
     with open(path, "rb") as file:
-        return service.blobs().put(key, file, content_type="video/mp4", progress=progress)
+        return service.blobs().put(key, file, content_type=content_type, progress=progress)
 
 
-def job_options(params: dict[str, Any]) -> UpscaleOptions:
-    """The job's SGLang-named parameters (as the API validated them) as the engine's options."""
+def _previews(job_id: str, video: Path, frames: int, directory: Path) -> dict[str, Path]:
+    """The output's thumbnail and sprite sheet (worker.media.previews); none if they cannot be made: a job is not
+    failed for its pictures (GET .../content?variant= then answers 404)."""
+    try:
+        made = make_previews(video, frames, directory)
+    except Exception:
+        log.warning("%s: no thumbnail or sprite sheet", job_id, exc_info=True)
+        return {}
+    return {"thumbnail": made.thumbnail, "spritesheet": made.spritesheet}
+
+
+def job_options(params: dict[str, Any], default_steps: int | None = SRRequest.num_inference_steps) -> UpscaleOptions:
+    """The job's SGLang-named parameters (as the API validated them) as the engine's options; `default_steps`: the
+    upscaler's own when the job names none."""
     target = params.get("sr_target_resolution")
     return UpscaleOptions(
         request=SRRequest(
             scale=params["sr_resolution_scale"],
-            num_inference_steps=params.get("num_inference_steps") or SRRequest.num_inference_steps,
+            num_inference_steps=params.get("num_inference_steps") or default_steps or SRRequest.num_inference_steps,
             seed=params["seed"],
             min_overlap=params["sr_tile_min_overlap"],
             tiles_batch_size=params["sr_tiles_batch_size"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from time import perf_counter
@@ -37,6 +37,9 @@ class UpscaleOptions:
     crf: int = 18
     preset: str = "medium"
     limits: Limits = Limits()
+    # Called with the job's output megapixel-frames once the limits passed, before any work (a budget to charge);
+    # not part of the options' repr, which names what kept windows were computed from (worker/kept_windows.py)
+    admit: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ def upscale_file(
 
     # 3. Plan: output size, temporal windows, the streams carried over, and what the output must be
     snap = getattr(upscaler, "snap", 1)  # the model's alignment, to tell tile padding from alignment padding
+    # what the model computes, before any downscale to a target: checked before a frame is upscaled
+    cost = options.limits.check_output(*upscaler.output_size(video.height, video.width, options.request.scale), video.frames)
+    if options.admit is not None:
+        options.admit(cost)
     if options.target is not None:
         upscaler = Resized(upscaler, options.target)
     size = upscaler.output_size(video.height, video.width, options.request.scale)

@@ -40,6 +40,9 @@ LIMITED = {
     "ratelimited": {"rate_limit_requests": 5, "rate_limit_window_s": 10},
     "twoslots": {"max_active_jobs": 2},
     "smalluploads": {"max_upload_bytes": 64 * 1024},
+    # the clip (48x32, 9 frames) at x2 is 96x64: 6144 pixels a frame, 0.055 megapixel-frames
+    "bomber": {"max_output_pixels": 5000},
+    "budgeted": {"megapixel_frames_per_hour": 0.06},
 }
 TOKENS = {**KEYS, **{name: f"sk-test-{name}-{'1' * 16}" for name in LIMITED}}
 

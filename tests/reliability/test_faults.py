@@ -191,9 +191,12 @@ def requeues(jobs: JobStore, job_id: str) -> list[dict]:
 
 
 def outputs(blobs: S3BlobStore, job_id: str, settle_s: float = 10) -> list[str]:
-    """The job's output objects, once the completing attempt's cleanup (just after its promotion) had its chance."""
+    """The job's output videos (each attempt's previews go with its video), once the completing attempt's cleanup (just
+    after its promotion) had its chance."""
     deadline = time.monotonic() + settle_s
-    while len(found := list(blobs.keys(output_prefix(job_id)))) > 1 and time.monotonic() < deadline:
+    while len(found := [k for k in blobs.keys(output_prefix(job_id)) if k.endswith(".mp4")]) > 1:
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.1)
     return found
 

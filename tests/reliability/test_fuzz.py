@@ -15,7 +15,16 @@ from pydantic import ValidationError
 
 from api.errors import ApiError
 from api.multipart import FormFile, FormReader, boundary_of
-from api.schemas import SGLANG_IGNORED, CreateRequest, JobOptions, ListQuery, UpscaleParams, create_request
+from api.schemas import (
+    GENERATION_ONLY,
+    SGLANG_IGNORED,
+    URL_FIELDS,
+    CreateRequest,
+    JobOptions,
+    ListQuery,
+    UpscaleParams,
+    create_request,
+)
 from worker.errors import PermanentError
 from worker.media.errors import BAD_INPUT_CODES
 from worker.media.probe import probe
@@ -41,8 +50,8 @@ def figure(test: str, started: float) -> None:
 # -- request fields ------------------------------------------------------------------------------------------------
 
 NAMES = sorted(
-    {*UpscaleParams.model_fields, *JobOptions.model_fields, *SGLANG_IGNORED}
-    | {"upload_id", "input_key", "video_url", "input_reference", "extra_body", "extra_json", "video_path"}
+    {*UpscaleParams.model_fields, *JobOptions.model_fields, *SGLANG_IGNORED, *GENERATION_ONLY, *URL_FIELDS}
+    | {"upload_id", "input_key", "extra_body", "extra_json", "extra_params", "upscaling_scale", "metadata[a]"}
 )
 scalars = st.one_of(
     st.none(),

@@ -23,6 +23,7 @@ Samples = dict[tuple[str, frozenset], float]
 def scrape(url: str) -> Samples:
     response = requests.get(f"{url}/metrics", timeout=10)
     assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+    assert response.headers["Content-Type"].count("charset") == 1, response.headers["Content-Type"]
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
         for family in text_string_to_metric_families(response.text)

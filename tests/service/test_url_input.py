@@ -201,7 +201,7 @@ def test_an_origin_404_fails_the_job(api, origin, url_worker):
 def test_a_redirect_to_a_private_address_is_refused(api, origin, url_worker):
     job = run(api, url_worker, video_url=f"{origin.base}/private")
     assert (job["status"], job["error"]["code"], job["attempt"]) == ("failed", "input_fetch_failed", 1), job
-    assert "non-public address (10.20.30.40)" in job["error"]["message"]
+    assert "'10.20.30.40' resolves to a non-public address" in job["error"]["message"]
 
 
 def test_too_large_is_refused_while_streaming(api, origin, url_worker):

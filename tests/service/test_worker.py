@@ -136,6 +136,8 @@ def test_the_checkpoint_worker_runs_its_model(api, k6_worker, tmp_path):
     job = wait_for(api, create(api, clip, model="k6-vsr")["id"], k6_worker, limit_s=120)
     assert (job["status"], job["progress"], job["size"]) == ("completed", 100, "96x64"), job
     assert job["output"]["media"]["frames"] == 9 and job["output"]["media"]["audio"]
+    # what ran, as the job reports it: the checkpoint by its name, and the pi-Flow checkpoint's own 2 steps per tile
+    assert job["output"]["model"].startswith("tiny-k6") and job["output"]["num_inference_steps"] == 2, job["output"]
     # the checkpoint was loaded once, when the worker started, not per job
     assert len(re.findall(r"loading \S*tiny-k6\S* on cpu", k6_worker.read_text())) == 1
 
@@ -180,7 +182,7 @@ def test_a_duplicate_delivery_runs_once(api, worker, settings, jobs, s3, stereo_
     done = jobs.require(job.id)
     assert (done.status, done.attempt) == ("completed", 1)
     assert [event.type for event in jobs.events(job.id)].count("leased") == 1
-    assert list(s3.keys(output_prefix(job.id))) == [done.output.key]
+    assert sorted(s3.keys(output_prefix(job.id))) == sorted(done.output.keys())  # the video and its two JPEGs
     assert "dropped a message for " + job.id in worker.read_text()
 
 

@@ -42,6 +42,18 @@ class InputTooLarge(PermanentError):
     code = "input_too_large"
 
 
+class OutputTooLarge(PermanentError):
+    """The output a job asks for costs more than a limit allows (pixels per frame, megapixel-frames per job)."""
+
+    code = "output_too_large"
+
+
+class BudgetExceeded(PermanentError):
+    """The key's output per hour (megapixel-frames) would pass its budget with this job."""
+
+    code = "compute_budget_exceeded"
+
+
 class InputTooShort(PermanentError):
     code = "input_too_short"
 
@@ -67,6 +79,8 @@ BAD_INPUT_CODES = frozenset(
         InputCorrupt,
         InputTooLarge,
         InputTooShort,
+        OutputTooLarge,
+        BudgetExceeded,
         OutputUnwritable,
     )
 )

@@ -13,6 +13,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ class Components:
     vae: nn.Module
     scheduler: object
     latent_upscaler: nn.Module | None
+    placement: Any = None  # `offload.Placement` while its weights are offloaded; None: resident on `device`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -97,8 +99,12 @@ def resolve(source: str) -> Path:
         ) from None
 
 
-def load(source: str, devices: list[torch.device], dtype: torch.dtype | None = None) -> tuple[list[Components], LoadReport]:
-    """Load one replica per distinct device (CPU 'devices' share one), in eval mode with the dense SDPA processor."""
+def load(
+    source: str, devices: list[torch.device], dtype: torch.dtype | None = None, on_host: bool = False
+) -> tuple[list[Components], LoadReport]:
+    """Load one replica per distinct device (CPU 'devices' share one), in eval mode with the dense SDPA processor.
+    `on_host`: the weights stay in host memory (for an engine that offloads them, or places them once it has chosen
+    its mode), in the device's dtype."""
     import diffusers
 
     path = resolve(source)
@@ -121,7 +127,7 @@ def load(source: str, devices: list[torch.device], dtype: torch.dtype | None = N
             latent_upscaler=upscaler,
         )
         for name, module in replica.modules().items():
-            module.requires_grad_(False).eval().to(device)
+            module.requires_grad_(False).eval().to("cpu" if on_host else device)
             report.rows.append((name, str(device), module_bytes(module)))
         replicas[device] = replica
     logger.info("%s", report)

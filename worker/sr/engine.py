@@ -40,6 +40,7 @@ from worker.sr.devices import Pipeline, Schedule, to_host
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
 from worker.sr.noise import tile_noise
+from worker.sr.offload import Offload, align_on_cpu, place, placement_of, upscaler_unit
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.tiling import Tile, TilePlan
 
@@ -81,6 +82,7 @@ class SREngine:
         compile_transformer: bool | None = None,
         compile_decoder: bool | None = None,
         attention: str = "sdpa",
+        offload: Offload | None = None,
     ) -> None:
         """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
         its device; "parked" streams the same way with the caches in pinned host memory between segments (two per
@@ -92,7 +94,10 @@ class SREngine:
         upsamplings for `fast_vae`'s (same maths: half the norms' memory traffic, 12 % less arithmetic);
         `compile_transformer` compiles its repeated blocks and `compile_decoder` the decoder's resnet blocks
         (default: on GPUs; `warmup` pays for the compilation before the first job); `attention` is "sdpa" (dense,
-        exact) or "nabla" (the trained sparse pattern; needs the compiled transformer at full size)."""
+        exact) or "nabla" (the trained sparse pattern; needs the compiled transformer at full size); `offload` keeps
+        the weights in pinned host memory and brings each component to its device only while it runs (`offload`;
+        None: all resident). The replicas' weights move where `offload` wants them, here and again at a call if
+        another engine has placed them otherwise since."""
         if attention not in PROCESSORS:
             raise ValueError(f"attention must be one of {tuple(PROCESSORS)}, got {attention!r}")
         if attention == "nabla" and compile_transformer is False and any(r.device.type == "cuda" for r in replicas):
@@ -116,6 +121,10 @@ class SREngine:
                 continue
             prepared.add(id(replica))
             if fast_decode:
+                if replica.placement is None:
+                    # The sub-pixel upsampling derives its kernels from the weights where they run: the same bits
+                    # as a resident decoder's, wherever the weights live later.
+                    replica.vae.decoder.to(replica.device)
                 speed_up_decoder(replica.vae)
             _use_attention(replica.transformer, PROCESSORS[attention])
             on_gpu = replica.device.type == "cuda"
@@ -125,6 +134,8 @@ class SREngine:
                 replica.transformer.compile_repeated_blocks(**COMPILE)
             if compiles_decoder:
                 compile_decoder_blocks(replica.vae)
+        self.offload = offload
+        self._place()
         first = self.replicas[0]
         self.snap = first.vae.spatial_compression_ratio
         self.frame_stride = first.vae.temporal_compression_ratio
@@ -142,6 +153,27 @@ class SREngine:
     def from_pretrained(cls, source: str, devices: Sequence[str | torch.device] = ("cpu",), **kwargs) -> SREngine:
         replicas, _ = checkpoint.load(source, [torch.device(d) for d in devices], kwargs.pop("dtype", None))
         return cls(replicas, **kwargs)
+
+    def _place(self) -> None:
+        """The replicas' weights where this engine's `offload` wants them (another engine may have moved them)."""
+        for replica in {id(r): r for r in self.replicas}.values():
+            if placement_of(replica).offload != self.offload:
+                place(replica, self.offload)
+            elif self.offload is None:
+                for module in replica.modules().values():  # loaded on the host (`checkpoint.load(on_host=True)`)
+                    module.to(replica.device)
+            if self.offload is None and replica.device.type == "cpu":
+                align_on_cpu(replica)
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory the offloaded weights take (0 when resident)."""
+        return sum(placement_of(r).pinned_bytes for r in {id(r): r for r in self.replicas}.values())
+
+    @property
+    def default_steps(self) -> int:
+        """Denoising steps per tile when a request names none: what the checkpoint's scheduler was made for (the
+        distilled pi-Flow checkpoint: 2 model calls; flow matching: 4, as SGLang's presets)."""
+        return 2 if type(self.replicas[0].scheduler).__name__ == "PiflowScheduler" else 4
 
     @property
     def devices(self) -> list[torch.device]:
@@ -197,12 +229,16 @@ class SREngine:
             total = torch.cuda.get_device_properties(replica.device).total_memory
             peak = torch.cuda.max_memory_reserved(replica.device)
             weights = _weight_bytes(replica)
-            verdict = (
-                "everything stays resident"
-                if peak < 0.9 * total
-                else "close to the limit: performance_mode=balanced parks the decoder caches in host memory (W1: "
-                "27.5 GiB instead of 40.7, 1.12x the time), memory decodes one tile at a time (22 GiB, ~1.2x)"
-            )
+            if replica.placement is not None:
+                verdict = f"weights offloaded to {replica.placement.pinned_bytes / 2**30:.1f} GiB of pinned host memory"
+            elif peak < 0.9 * total:
+                verdict = "everything stays resident"
+            else:
+                verdict = (
+                    "close to the limit: performance_mode=balanced parks the decoder caches in host memory (W1: "
+                    "27.5 GiB instead of 40.7, 1.12x the time), memory decodes one tile at a time (22 GiB, ~1.2x), "
+                    "offload and offload_layers keep the weights in host memory (auto picks from the free memory)"
+                )
             lines.append(
                 f"{replica.device}: weights {weights / 2**30:.1f} GiB, peak reserved {peak / 2**30:.1f} GiB of "
                 f"{total / 2**30:.0f} GiB ({self.last_decode_order} decode): {verdict}"
@@ -222,6 +258,8 @@ class SREngine:
         request.validate()
         if video.ndim != 4 or video.shape[1] != 3:
             raise InvalidRequest(f"video must be (frames, 3, height, width), got {tuple(video.shape)}")
+        if any(placement_of(r).offload != self.offload for r in self.replicas):
+            self._place()
         clock = _Clock(self.devices)
         started = perf_counter()
         num_frames, _, height, width = video.shape
@@ -318,25 +356,34 @@ class SREngine:
         home = self.replicas[0]
         upscaler = home.latent_upscaler
         if upscaler is not None and plan.tiling_scale in upscaler.config.scales:
-            # Encode the whole video once, crop each tile's latents and upscale them in latent space.
-            whole = self._encode(home, video)
+            # Encode the whole video once, crop each tile's latents and upscale them in latent space. Offloaded, each
+            # component asks for the next one before queueing its work: the copy runs beside that work.
+            with placement_of(home).using("encoder"):
+                placement_of(home).prefetch(upscaler_unit(plan.tiling_scale))
+                whole = self._encode(home, video)
 
             def upscale(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
-                return {
-                    tile.index: replica.latent_upscaler(
-                        whole[(..., *plan.latent_box(tile))].to(replica.device), scale=plan.tiling_scale, return_dict=False
-                    )[0].to(replica.dtype)
-                    for tile in tiles
-                }
+                weights = placement_of(replica)
+                with weights.using(upscaler_unit(plan.tiling_scale)):
+                    weights.prefetch("transformer")
+                    return {
+                        tile.index: replica.latent_upscaler(
+                            whole[(..., *plan.latent_box(tile))].to(replica.device), scale=plan.tiling_scale, return_dict=False
+                        )[0].to(replica.dtype)
+                        for tile in tiles
+                    }
 
             return self._on_devices(placement, upscale)
 
         def encode(replica: Components, tiles: list[Tile]) -> dict[int, torch.Tensor]:
             encoded = {}
-            for tile in tiles:
-                pixels = video[(..., *plan.input_box(tile))].to(replica.device)[0].transpose(0, 1)
-                pixels = F.interpolate(pixels, size=(plan.base_height, plan.base_width), mode="bilinear", align_corners=False)
-                encoded[tile.index] = self._encode(replica, pixels.transpose(0, 1).unsqueeze(0)).to(replica.dtype)
+            weights = placement_of(replica)
+            with weights.using("encoder"):
+                weights.prefetch("transformer")
+                for tile in tiles:
+                    pixels = video[(..., *plan.input_box(tile))].to(replica.device)[0].transpose(0, 1)
+                    pixels = F.interpolate(pixels, size=(plan.base_height, plan.base_width), mode="bilinear", align_corners=False)
+                    encoded[tile.index] = self._encode(replica, pixels.transpose(0, 1).unsqueeze(0)).to(replica.dtype)
             return encoded
 
         return self._on_devices(placement, encode)
@@ -391,18 +438,20 @@ class SREngine:
             else:
                 order = [(number, tile) for tile in tiles for number in range(len(segments))]
             caches = DecoderCaches(decoder.make_cache, replica.device, park=decode_order == "parked")
-            for step, (number, tile) in enumerate(order):
-                cache = caches.take(tile.index)
-                latent = z[tile.index][:, :, segments[number]].to(replica.vae.dtype) / self.scaling_factor
-                with pipeline.turn():
-                    tracker.check()
-                    frames = decoder(latent, cache)
-                if step + 1 < len(order):
-                    caches.prefetch(order[step + 1][1].index)  # arrives while this segment decodes
-                caches.give_back(tile.index, cache, last=number == len(segments) - 1)
-                frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
-                pipeline.put(number, tile.index, *to_host(frames[0] * window))
-                tracker.advance(1, "decode")
+            # Offloaded: the decoder on the device for all its tiles (on its way since the last denoising step)
+            with placement_of(replica).using("decoder") if tiles else nullcontext():
+                for step, (number, tile) in enumerate(order):
+                    cache = caches.take(tile.index)
+                    latent = z[tile.index][:, :, segments[number]].to(replica.vae.dtype) / self.scaling_factor
+                    with pipeline.turn():
+                        tracker.check()
+                        frames = decoder(latent, cache)
+                    if step + 1 < len(order):
+                        caches.prefetch(order[step + 1][1].index)  # arrives while this segment decodes
+                    caches.give_back(tile.index, cache, last=number == len(segments) - 1)
+                    frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
+                    pipeline.put(number, tile.index, *to_host(frames[0] * window))
+                    tracker.advance(1, "decode")
 
         # The weights as the first device computes them (its cos may differ from the CPU's in the last bit).
         weights = plan.weight_map(self.replicas[0].device).cpu()
@@ -427,7 +476,7 @@ class SREngine:
     def _decode_order(self, plan: TilePlan, schedule: Schedule) -> str:
         """The decode order of this call (`decode_order_for`), from the GPUs' sizes and the host memory free now."""
         gpus = [
-            (len(tiles), torch.cuda.get_device_properties(replica.device).total_memory, _weight_bytes(replica))
+            (len(tiles), torch.cuda.get_device_properties(replica.device).total_memory, _decoding_weight_bytes(replica))
             for slot, tiles in schedule.decode.items()
             if (replica := self.replicas[slot]).device.type == "cuda" and tiles
         ]
@@ -456,27 +505,33 @@ class SREngine:
         turn: Callable[[], AbstractContextManager],
     ) -> Iterator[dict[int, torch.Tensor]]:
         """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time."""
+        if not tiles:
+            return
         device, dtype = replica.device, replica.dtype
         scheduler = replica.scheduler.__class__.from_config(replica.scheduler.config)  # step state is per thread
-        for start in range(0, len(tiles), request.tiles_batch_size):
-            chunk = tiles[start : start + request.tiles_batch_size]
-            # The transformer works on (batch, frames, height, width, channels).
-            lq = torch.cat([lq_latents[tile.index] for tile in chunk]).permute(0, 2, 3, 4, 1)
-            eps = torch.cat([noise[tile.index] for tile in chunk]).to(device)
-            latents = math.sqrt(1 - request.lq_noise_scale**2) * lq + request.lq_noise_scale * eps
-            scheduler.set_timesteps(request.num_inference_steps, device=device)
-            # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
-            anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
-            for t in scheduler.timesteps:
-                with turn():
-                    tracker.check()  # between steps: a full-size step takes seconds
-                    # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path in
-                    # the timestep MLP and change the low bits with the batch size.
-                    model_input = torch.cat([latents, anchor], dim=-1)
-                    prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
-                latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-                tracker.advance(len(chunk), "denoise")
-            yield {tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)}
+        placement = placement_of(replica)
+        with placement.using("transformer"):  # offloaded: on the device for all of this device's steps
+            for start in range(0, len(tiles), request.tiles_batch_size):
+                chunk = tiles[start : start + request.tiles_batch_size]
+                # The transformer works on (batch, frames, height, width, channels).
+                lq = torch.cat([lq_latents[tile.index] for tile in chunk]).permute(0, 2, 3, 4, 1)
+                eps = torch.cat([noise[tile.index] for tile in chunk]).to(device)
+                latents = math.sqrt(1 - request.lq_noise_scale**2) * lq + request.lq_noise_scale * eps
+                scheduler.set_timesteps(request.num_inference_steps, device=device)
+                # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
+                anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
+                for number, t in enumerate(scheduler.timesteps):
+                    if start + len(chunk) == len(tiles) and number == len(scheduler.timesteps) - 1:
+                        placement.prefetch("decoder")  # copied in beside the last step
+                    with turn():
+                        tracker.check()  # between steps: a full-size step takes seconds
+                        # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path
+                        # in the timestep MLP and change the low bits with the batch size.
+                        model_input = torch.cat([latents, anchor], dim=-1)
+                        prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
+                    latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
+                    tracker.advance(len(chunk), "denoise")
+                yield {tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)}
 
     def _latent_frames(self, frames: int) -> int:
         """Latent frames of a clip of `frames` once `_pad` has made it 1 + 4k frames long."""
@@ -517,6 +572,11 @@ class SREngine:
 
 def _weight_bytes(replica: Components) -> int:
     return sum(checkpoint.module_bytes(m) for m in (replica.transformer, replica.vae, replica.latent_upscaler) if m is not None)
+
+
+def _decoding_weight_bytes(replica: Components) -> int:
+    """Weights on the device while it decodes: all of them, or offloaded the decoder's."""
+    return replica.placement.resident_bytes("decoder") if replica.placement is not None else _weight_bytes(replica)
 
 
 def _use_attention(transformer: torch.nn.Module, processor: type) -> None:

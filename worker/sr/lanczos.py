@@ -19,6 +19,7 @@ from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 
 class LanczosUpscaler:
     devices = [torch.device("cpu")]
+    default_steps = None  # a resampling filter: no denoising steps
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
         return tiling.output_size(height, width, scale)

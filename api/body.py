@@ -1,0 +1,127 @@
+"""Request bodies, bounded: in time (the worker paces every read: api/gunicorn_worker.py), in how many one key sends
+at once (a slot per body, taken before a byte of it is read), in size as they stream (`capped`) and in JSON depth
+(`parse_json`, before parsing).
+
+A client too slow or stalled mid-body gets 408 `request_timeout`; a key with all its body slots taken gets 429
+`too_many_uploads`; a JSON document nested deeper than `MAX_JSON_DEPTH` gets 400 `json_too_deep`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, BinaryIO
+
+from flask import Flask, g, request
+
+from api.errors import ApiError
+from api.services import services
+
+# Nothing this API accepts nests deeper than 3 (a create's `extra_body` holding `metadata`); Python's parser recurses
+# once per level, and a document 100k levels deep would exhaust its stack.
+MAX_JSON_DEPTH = 32
+_TOKEN = re.compile(rb'[\[\]{}"\\]')
+_QUOTE, _BACKSLASH, _OPEN = ord('"'), ord("\\"), (ord("["), ord("{"))
+
+
+def too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `raw` nests arrays and objects more than `limit` deep (brackets inside strings do not count); invalid
+    JSON gives some answer, and the parser then refuses it. Linear, and stops at the first level too deep."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    depth, in_string, skip = 0, False, -1
+    for match in _TOKEN.finditer(data):
+        at = match.start()
+        char = data[at]
+        if at == skip:
+            continue
+        if in_string:
+            if char == _BACKSLASH:
+                skip = at + 1  # the escaped character, whatever it is
+            elif char == _QUOTE:
+                in_string = False
+        elif char == _QUOTE:
+            in_string = True
+        elif char in _OPEN:
+            depth += 1
+            if depth > limit:
+                return True
+        elif char != _BACKSLASH:
+            depth -= 1
+    return False
+
+
+def parse_json(raw: bytes | str, what: str = "The body") -> Any:
+    """`json.loads` once the depth is known to be sane; raises ValueError when `raw` is not JSON."""
+    if too_deep(raw):
+        raise ApiError(400, "json_too_deep", f"{what} nests more than {MAX_JSON_DEPTH} levels deep.")
+    return json.loads(raw)
+
+
+class TimedInput:
+    """`wsgi.input` whose reads that time out (the worker's pacing) answer 408 rather than look like a disconnect."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._stream, method)(*args)
+        except TimeoutError as error:
+            raise ApiError(
+                408,
+                "request_timeout",
+                f"The request body arrived too slowly ({error.strerror or error}); send it again, at a steady pace.",
+            ) from None
+
+    def read(self, *args: Any) -> bytes:
+        return self._call("read", *args)
+
+    def readline(self, *args: Any) -> bytes:
+        return self._call("readline", *args)
+
+    def readlines(self, *args: Any) -> list[bytes]:
+        return self._call("readlines", *args)
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+
+class Capped:
+    """A body stream that answers 413 once more than `limit` bytes came through it: a chunked body declares no
+    length to refuse up front, so its bytes count as they arrive."""
+
+    def __init__(self, stream: BinaryIO, limit: int, detail: str) -> None:
+        self._stream, self._left, self._detail = stream, limit, detail
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._left -= len(data)
+        if self._left < 0:
+            raise ApiError(413, "upload_too_large", self._detail)
+        return data
+
+
+def hold_body_slot() -> None:
+    """A blueprint's `before_request`, after authentication: a request with a body takes one of the key's body
+    slots until it ends (`register` releases it)."""
+    if request.content_length or request.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        svc = services()
+        g.body_slot = svc.limiter.body_slot(g.api_key, svc.settings)
+
+
+def _release_body_slot(_: BaseException | None) -> None:
+    if (token := g.pop("body_slot", None)) is not None:
+        services().limiter.release_body(g.api_key, token)
+
+
+def register(app: Flask) -> None:
+    inner = app.wsgi_app
+
+    def timed(environ: dict, start_response: Any) -> Any:
+        environ["wsgi.input"] = TimedInput(environ["wsgi.input"])
+        return inner(environ, start_response)
+
+    app.wsgi_app = timed
+    app.teardown_request(_release_body_slot)

@@ -1,0 +1,71 @@
+"""Each key's compute per hour, in output megapixel-frames (a frame's output pixels / 1e6, summed over frames): the
+worker charges a job once its probe knows the cost, before any work, and fails it when the last hour's charges leave
+no room; from then until there is room, or while the charges fill the budget, the API refuses new jobs of the key
+(429 with `Retry-After`).
+
+    vsrq:budget:{owner}         zset: '{job id}:{megapixel-frames}' by the Redis time it was charged
+    vsrq:budget:{owner}:full    set when a job did not fit, expiring when it would have
+
+A job charged again (another attempt) keeps one entry: its member is the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+from redis import Redis
+
+HOUR_S = 3600
+
+# KEYS: the owner's charges, its "full" marker. ARGV: member, cost, budget. Returns 0 when charged (or already), else the seconds
+# until the charges of the last hour leave room for it.
+_CHARGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 3600)
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local used, cost, budget = 0, tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 1, #entries, 2 do used = used + tonumber(string.match(entries[i], ':([^:]+)$')) end
+if used + cost > budget then
+  -- the oldest charges leave first: wait until enough of them have
+  local need, wait = used + cost - budget, 3600
+  for i = 1, #entries, 2 do
+    need = need - tonumber(string.match(entries[i], ':([^:]+)$'))
+    wait = math.max(1, math.ceil(tonumber(entries[i + 1]) + 3600 - now))
+    if need <= 0 then break end
+  end
+  redis.call('SET', KEYS[2], '1', 'EX', wait)
+  return wait
+end
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('EXPIRE', KEYS[1], 3600)
+return 0
+"""
+
+
+class Budget:
+    def __init__(self, redis: Redis, prefix: str = "vsrq") -> None:
+        self.redis, self.prefix = redis, prefix
+        self._charge = redis.register_script(_CHARGE)
+
+    def _key(self, owner: str) -> str:
+        return f"{self.prefix}:budget:{owner}"
+
+    def charge(self, owner: str, job_id: str, megapixel_frames: float, per_hour: float) -> int:
+        """Charges the job; 0 when done, else the seconds to wait (nothing charged)."""
+        cost = round(megapixel_frames, 3)  # the member's figure is what the sums add up
+        member = f"{job_id}:{cost:.3f}"
+        return int(self._charge(keys=[self._key(owner), f"{self._key(owner)}:full"], args=[member, cost, per_hour]))
+
+    def full_for(self, owner: str) -> int:
+        """Seconds until a job refused for the budget would have fitted; 0 when none was refused since."""
+        return max(0, self.redis.ttl(f"{self._key(owner)}:full"))
+
+    def used(self, owner: str) -> tuple[float, int]:
+        """(megapixel-frames charged in the last hour, seconds until the oldest of them leaves it: 0 when none)."""
+        seconds, micros = self.redis.time()
+        now = seconds + micros / 1e6
+        entries = self.redis.zrangebyscore(self._key(owner), now - HOUR_S, "+inf", withscores=True)
+        used = sum(float(member.decode().rsplit(":", 1)[1]) for member, _ in entries)
+        return used, (max(1, math.ceil(entries[0][1] + HOUR_S - now)) if entries else 0)

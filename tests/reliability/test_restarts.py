@@ -1,0 +1,234 @@
+"""Processes of the service dying and coming back (issue 27): a gunicorn master killed with SIGKILL mid-upload must
+leave no worker holding its listening socket, so its replacement serves at once; a dead reaper and a job past its
+lease show in /healthz and `vsrq status`; a Redis outage costs the reaper's log two lines, not a traceback a pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import redis
+import requests
+
+from infra.stack import free_ports
+from storage.jobs import InputInfo
+
+from . import processes
+from .conftest import TOKENS, auth
+
+
+def test_a_killed_gunicorn_master_leaves_no_worker_holding_the_socket(rel_env, tmp_path):
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    first = processes.serving(processes.api(rel_env, port, tmp_path).start(), url)
+    workers = psutil.Process(first.pid).children()
+    upload = socket.create_connection(("127.0.0.1", port), timeout=30)  # a long upload, in flight when it dies
+    upload.sendall(
+        f"POST /v1/uploads HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['alice']}\r\n"
+        f"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 5000000\r\n\r\n--b\r\n".encode()
+    )
+    time.sleep(0.5)
+    killed = time.monotonic()
+    os.kill(first.pid, signal.SIGKILL)  # the master alone, as the OOM killer would pick it
+    second = processes.api(rel_env, port, tmp_path)
+    try:
+        _, alive = psutil.wait_procs(workers, timeout=5)
+        workers_gone = time.monotonic() - killed
+        processes.serving(second.start(), url, timeout_s=30)
+        serving = time.monotonic() - killed
+        print(f"FIGURE gunicorn master SIGKILLed mid-upload: its workers gone after {workers_gone:.2f} s "
+              f"({len(alive)} left), the replacement serving {serving:.1f} s after the kill")
+        assert not alive and serving < 10
+    finally:
+        upload.close()
+        second.stop()
+        for worker in workers:
+            if worker.is_running():
+                worker.kill()
+
+
+def test_health_tells_a_dead_reaper_and_a_job_past_its_lease(rel_env, jobs, tmp_path):
+    """A reaper passing every 0.2 s, then SIGKILLed, and a job whose worker vanished: /healthz goes from counting a
+    live reaper to "degraded", naming the reaper and the job past its lease; `vsrq status` says the same."""
+    env = {**rel_env, "VSRQ_REAP_INTERVAL_S": "0.2", "VSRQ_REAPER_STALE_S": "2"}
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    reaper = processes.reaper(env, tmp_path).start()
+    job = None
+    try:
+
+        def reaper_check() -> dict:
+            time.sleep(1.1)  # /healthz is kept for a second
+            return requests.get(f"{url}/healthz", timeout=10).json()
+
+        deadline = time.monotonic() + 60
+        while not (health := reaper_check())["checks"]["reaper"]["ok"]:
+            assert time.monotonic() < deadline, health
+        reaper.kill()
+        killed = time.monotonic()
+        job = jobs.create(owner="dave", model="lanczos", queue="vsrq.health-probe", params={}, input=InputInfo(key="x"))
+        jobs.lease(job.id, "a-worker-that-dies", lease_s=1)
+        while health["checks"]["reaper"]["ok"] or not health["checks"]["leases"]["overdue"]:
+            assert time.monotonic() - killed < 30, health
+            health = reaper_check()
+        status = subprocess.run(
+            [sys.executable, "-m", "client.cli", "status"], env={**os.environ, **env}, capture_output=True, text=True
+        )
+        print(f"FIGURE dead reaper: /healthz {health['status']} {time.monotonic() - killed:.1f} s after the kill: "
+              f"{health['problems']}")
+        assert health["status"] == "degraded"
+        assert any("reaper has not passed" in problem for problem in health["problems"])
+        assert any("past their lease" in problem for problem in health["problems"])
+        assert "reaper has not passed" in status.stdout and "past their lease" in status.stdout, status.stdout
+    finally:
+        reaper.stop()
+        api.stop()
+        if job is not None:  # requeued (its queue has no worker) and cancelled: nothing left past a lease
+            jobs.reap()
+            jobs.cancel(job.id)
+
+
+def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
+    """Redis down for 3 s under a reaper passing every 0.2 s (15 passes): one line when each step starts failing and
+    one when it recovers, no traceback."""
+    port = free_ports(1)[0]
+    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{port}/0", "VSRQ_REAP_INTERVAL_S": "0.2",
+           "VSRQ_REDIS_TIMEOUT_S": "1", "VSRQ_LOG_FORMAT": "text"}  # fmt: skip
+    reaper = processes.reaper(env, tmp_path).start()
+    redis_server = None
+    try:
+        time.sleep(3)
+        redis_server = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while "reap recovered" not in reaper.text():
+            assert time.monotonic() < deadline and reaper.alive, reaper.text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(0.5)
+        log = reaper.text()
+        failing = [line for line in log.splitlines() if " failing: " in line]
+        print(f"FIGURE reaper during a 3 s Redis outage: {len(log.splitlines())} log lines, {len(failing)} 'failing', "
+              f"{log.count('recovered')} 'recovered', {log.count('Traceback')} tracebacks")
+        assert "Traceback" not in log and 1 <= len(failing) <= 3 and "reap failing" in log, log[-3000:]
+    finally:
+        reaper.stop()
+        if redis_server is not None:
+            redis_server.terminate()
+            redis_server.wait(10)
+
+
+def test_vsrq_dev_restarts_a_killed_process(tmp_path):
+    """`vsrq dev`'s stack on the lanczos model: its worker, web server and reaper each SIGKILLed in turn (with their
+    children): each started again within 2 s (the first backoff step, 0.5 s) and serving again once it has booted
+    (imports dominate: about 5 s of CPU for the worker), then a job goes through."""
+    from infra.dev import QUEUE, DevStack
+    from storage.workers import WorkerRegistry
+    from worker.media.synthetic import write_clip
+
+    with DevStack(tmp_path / "dev", "lanczos") as dev:
+        redis_client = redis.Redis.from_url(dev.stack.redis_url)
+        registry = WorkerRegistry(redis_client)
+
+        def serving(name: str, old_pid: int, since: float) -> bool:
+            current = dev.processes.get(name)
+            if current is None or current.pid == old_pid:
+                return False
+            if name == "web":
+                try:
+                    return requests.get(f"{dev.url}/livez", timeout=1).status_code == 200
+                except requests.RequestException:
+                    return False
+            if name == "worker":
+                return any(w.pid == current.pid and QUEUE in w.queues for w in registry.list())
+            last = redis_client.get("vsrq:reaper:last_pass")
+            return last is not None and float(last) > since
+
+        relaunched: dict[str, float] = {}
+        back: dict[str, float] = {}
+        for name in ("worker", "web", "reaper"):
+            old = dev.processes[name]
+            since = registry.now()
+            os.killpg(old.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while not serving(name, old.pid, since):
+                if name not in relaunched and dev.processes[name].pid != old.pid:
+                    relaunched[name] = time.monotonic() - killed
+                assert time.monotonic() - killed < 60, (tmp_path / "dev" / f"{name}.log").read_text()[-3000:]
+                time.sleep(0.05)
+            back[name] = time.monotonic() - killed
+        clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
+        headers = {"Authorization": f"Bearer {dev.token}"}
+        job = requests.post(
+            f"{dev.url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+            data={"sr_resolution_scale": "2"}, headers=headers, timeout=30,
+        ).json()  # fmt: skip
+        deadline = time.monotonic() + 60
+        while (job := requests.get(f"{dev.url}/v1/videos/{job['id']}", headers=headers, timeout=10).json())[
+            "status"
+        ] not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+        log = (tmp_path / "dev" / "worker.log").read_text()
+        print("FIGURE vsrq dev, SIGKILL: started again after "
+              + ", ".join(f"{n} {s:.1f} s" for n, s in relaunched.items()) + "; serving again after "
+              + ", ".join(f"{n} {s:.1f} s" for n, s in back.items())
+              + f"; the next job {job['status']}; the worker's log kept both runs: {log.count(' ready.')} 'ready'")
+        assert job["status"] == "completed" and max(relaunched.values()) < 2, (relaunched, back)
+        assert log.count(" ready.") >= 2 and f"{job['id']}" in log  # appended, and a line per job (--loglevel INFO)
+
+
+def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
+    """Job A's worker is SIGKILLed mid-job; B, C, D are queued behind it meanwhile; the reaper requeues A when its
+    lease runs out (4 s). The next worker runs A before B, C and D: it waited its turn once already."""
+    from worker.media.synthetic import write_clip
+
+    env = {**rel_env, "VSRQ_MODELS": json.dumps({"lanczos": "vsrq.requeue-probe"}), "VSRQ_LEASE_S": "4",
+           "VSRQ_REAP_INTERVAL_S": "0.2"}  # fmt: skip
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    reaper = processes.reaper(env, tmp_path).start()
+    first = processes.started(processes.worker(env, "vsrq.requeue-probe", tmp_path).start())
+    second = processes.worker(env, "vsrq.requeue-probe", tmp_path)
+    long_clip = write_clip(tmp_path / "long.mp4", 240, (128, 192)).read_bytes()
+    short_clip = write_clip(tmp_path / "short.mp4", 9, (32, 48)).read_bytes()
+
+    def create(clip: bytes) -> str:
+        response = requests.post(
+            f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+            data={"model": "lanczos", "sr_resolution_scale": "2"}, headers=auth("dave"), timeout=30,
+        )  # fmt: skip
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    try:
+        a = create(long_clip)
+        deadline = time.monotonic() + 60
+        while jobs.require(a).status != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        first.kill()
+        behind = [create(short_clip) for _ in range(3)]
+        second.start()
+        deadline = time.monotonic() + 180
+        while not all(jobs.require(job_id).status == "completed" for job_id in [a, *behind]):
+            assert time.monotonic() < deadline, [jobs.require(job_id).status for job_id in [a, *behind]]
+            time.sleep(0.2)
+        requeued = next(event.at for event in jobs.events(a) if event.type == "requeued")
+        assert requeued > max(jobs.require(job_id).created_at for job_id in behind)  # queued before A came back
+        order = sorted([a, *behind], key=lambda job_id: [e.at for e in jobs.events(job_id) if e.type == "leased"][-1])
+        print(f"FIGURE requeued job: A (worker killed) and B, C, D queued behind it run in the order "
+              f"{[('A', 'B', 'C', 'D')[[a, *behind].index(job_id)] for job_id in order]}")
+        assert order[0] == a, order
+    finally:
+        for process in (first, second, reaper, api):
+            process.stop()

@@ -1,0 +1,253 @@
+"""The clients people already have, against the live stack: SGLang's cookbook request run by the real `curl` with no
+header, and OpenAI's Python SDK (`openai`) driving every `videos` method. The API is gunicorn with auth off on
+loopback, as `vsrq dev` runs it; a real Celery worker runs lanczos; Redis and SeaweedFS are the session's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import av
+import openai
+import pytest
+import requests
+from PIL import Image
+
+from infra.stack import free_ports
+
+from .conftest import ROOT, serve_api
+from .test_worker import TERMINAL, celery_worker
+
+COMPAT_KEY = f"sk-test-compat-{'0' * 16}"
+QUEUE, IDLE_QUEUE = "vsrq.compat", "vsrq.compat-idle"  # IDLE_QUEUE has no worker: its jobs stay queued
+POLL_AFTER_MS = 200
+
+
+@pytest.fixture(scope="module")
+def anonymous_api(service_env, tmp_path_factory) -> Iterator[str]:
+    env = {
+        **service_env,
+        "VSRQ_AUTH": "none",
+        "VSRQ_API_KEYS": json.dumps([{"id": "compat", "token": COMPAT_KEY}]),
+        "VSRQ_MODELS": json.dumps({"lanczos": QUEUE, "k6-vsr": IDLE_QUEUE}),  # lanczos first: the default
+        "VSRQ_POLL_AFTER_MS": str(POLL_AFTER_MS),
+    }
+    with serve_api(env, tmp_path_factory.mktemp("compat") / "gunicorn.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def lanczos_worker(service_env, redis_client, tmp_path_factory) -> Iterator[Path]:
+    redis_client.delete(QUEUE)
+    with celery_worker(service_env, "lanczos", QUEUE, tmp_path_factory.mktemp("compat-worker") / "cpu.log") as log:
+        yield log
+
+
+@pytest.fixture(scope="module")
+def sdk(anonymous_api) -> Iterator[openai.OpenAI]:
+    # "EMPTY": what SGLang's examples pass; with auth off any unknown token acts as the local owner
+    with openai.OpenAI(base_url=f"{anonymous_api}/v1", api_key="EMPTY", max_retries=2) as client:
+        yield client  # its kept-alive connections closed after, or gunicorn's shutdown waits for them
+
+
+@pytest.fixture(scope="module")
+def in_mp4(tmp_path_factory) -> Path:
+    from worker.media.synthetic import write_clip
+
+    return write_clip(tmp_path_factory.mktemp("in") / "in.mp4", 9, (32, 48), audio_codec="aac")
+
+
+def curl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["curl", *args], cwd=cwd, capture_output=True, timeout=60)
+
+
+def test_sglang_cookbook_request_works_byte_for_byte_without_a_header(anonymous_api, lanczos_worker, in_mp4):
+    api = anonymous_api
+    # SGLang's cookbook request, exactly (only the host and port differ)
+    created = curl(
+        "-sS", "--fail-with-body", f"{api}/v1/videos",
+        "-F", "video_reference=@in.mp4;type=video/mp4",
+        "-F", "sr_resolution_scale=2", "-F", "sr_tiles_batch_size=1", "-F", "num_inference_steps=2", "-F", "seed=42",
+        cwd=in_mp4.parent,
+    )  # fmt: skip
+    assert created.returncode == 0, created.stdout + created.stderr
+    job = json.loads(created.stdout)
+    assert (job["status"], job["model"], job["params"]["seed"]) == ("queued", "lanczos", 42)
+
+    deadline = time.monotonic() + 60
+    while job["status"] not in TERMINAL:
+        assert time.monotonic() < deadline, f"{job}\n{lanczos_worker.read_text()[-3000:]}"
+        time.sleep(0.2)
+        polled = curl("-sS", "--fail-with-body", f"{api}/v1/videos/{job['id']}", cwd=in_mp4.parent)
+        assert polled.returncode == 0, polled.stdout
+        job = json.loads(polled.stdout)
+    assert job["status"] == "completed", job
+    # what ran is what the job says: lanczos has no denoising steps to report
+    assert (job["output"]["model"], job["output"]["num_inference_steps"]) == ("lanczos", None)
+
+    content = curl(
+        "-sS", "--fail-with-body", "-o", "out.mp4", f"{api}/v1/videos/{job['id']}/content", cwd=in_mp4.parent
+    )  # fmt: skip
+    assert content.returncode == 0, content.stdout + content.stderr
+    output = in_mp4.parent / "out.mp4"
+    assert hashlib.sha256(output.read_bytes()).hexdigest() == job["output"]["sha256"]
+    with av.open(str(output)) as container:
+        assert (container.streams.video[0].width, container.streams.video[0].height) == (96, 64)
+        assert container.streams.audio  # the input's audio, carried over
+
+
+def test_a_deployment_with_keys_still_refuses_anonymous_requests(api, in_mp4):
+    with open(in_mp4, "rb") as video:
+        response = requests.post(f"{api}/v1/videos", files={"video_reference": video}, timeout=30)
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+
+
+def test_auth_off_is_refused_on_a_public_bind(service_env):
+    from pydantic import ValidationError
+
+    from storage.config import Settings
+
+    with pytest.raises(ValidationError, match="VSRQ_AUTH_NONE_PUBLIC"):
+        Settings(_env_file=None, auth="none", bind="0.0.0.0:8000")
+    assert Settings(_env_file=None, auth="none", bind="0.0.0.0:8000", auth_none_public=True).anonymous_key.id == "local"
+    # a --bind on gunicorn's command line bypasses VSRQ_BIND: the sockets it bound are checked too
+    env = {**os.environ, **service_env, "VSRQ_AUTH": "none", "VSRQ_WEB_WORKERS": "1"}
+    server = subprocess.run(
+        [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "--bind", f"0.0.0.0:{free_ports(1)[0]}",
+         "api.app:create_app()"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert server.returncode == 1 and "VSRQ_AUTH=none refused on 0.0.0.0" in server.stdout + server.stderr
+
+
+def test_sgl_fields_are_honoured_or_refused_by_name(anonymous_api, in_mp4):
+    def create(**fields) -> requests.Response:
+        with open(in_mp4, "rb") as video:
+            files = {"video_reference": ("in.mp4", video, "video/mp4")}
+            return requests.post(f"{anonymous_api}/v1/videos", data=fields, files=files, timeout=30)
+
+    honoured = create(
+        model="k6-vsr", prompt="ignored", seed="-1", sr_target_resolution="none", upscaling_scale="4",
+        enable_upscaling="true", n="1", enable_frame_interpolation="false",
+        extra_params=json.dumps({"sr_tiles_batch_size": 2}),
+    ).json()  # fmt: skip
+    params = honoured["params"]
+    assert (params["sr_resolution_scale"], params["sr_target_resolution"]) == (4, None)
+    assert params["sr_tiles_batch_size"] == 2
+    assert 0 <= params["seed"] < 2**31  # drawn, and reported
+    refusals = (
+        ("seconds", "4"), ("enable_frame_interpolation", "true"), ("frame_interpolation_exp", "1"),
+        ("diffusers_kwargs", "{}"), ("enable_upscaling", "false"), ("guidance_scale", "5"),
+    )  # fmt: skip
+    for field, value in refusals:
+        refused = create(model="k6-vsr", **{field: value})
+        body = refused.json()
+        assert (refused.status_code, body["code"], body["errors"][0]["field"]) == (422, "generation_only_field", field)
+        assert body["errors"][0]["message"] and body["error"]["param"] == field
+    # an input named by URL in a form without a file (SGLang's `reference_url` / `video_url`), checked as JSON's are
+    def by_url(url: str) -> requests.Response:
+        form = {"reference_url": (None, url), "model": (None, "k6-vsr")}
+        return requests.post(f"{anonymous_api}/v1/videos", files=form, timeout=30)
+
+    response = by_url("http://example.com/in.mp4")
+    assert (response.status_code, response.json()["errors"][0]["field"]) == (422, "reference_url")
+    queued = by_url("https://93.184.215.14/in.mp4").json()  # public: fetched only once a worker runs it
+    assert queued["status"] == "queued" and queued["input"]["upload_id"] is None
+    for job in (honoured, queued):  # nobody runs the idle queue: leave nothing in it
+        requests.post(f"{anonymous_api}/v1/videos/{job['id']}/cancel", timeout=10)
+
+
+def test_openai_sdk_drives_every_videos_method(anonymous_api, lanczos_worker, in_mp4, sdk, s3):
+    clip = in_mp4.read_bytes()
+    video = sdk.videos.create(
+        prompt="upscale",  # the SDK requires one; super-resolution ignores it
+        input_reference=("in.mp4", clip, "video/mp4"),
+        model="lanczos",
+        extra_body={"sr_resolution_scale": 2, "seed": -1, "metadata": {"ref": "sdk-1"}},  # sent as form fields
+    )
+    assert video.status == "queued" and video.model == "lanczos"
+    extra = video.model_extra
+    assert extra["metadata"] == {"ref": "sdk-1"} and extra["params"]["seed"] >= 0
+
+    done = sdk.videos.poll(video.id)
+    assert done.status == "completed", done
+    retrieved = sdk.videos.retrieve(video.id)
+    assert retrieved.size == "96x64" and retrieved.model_extra["output"]["variants"] == [
+        "video", "thumbnail", "spritesheet"
+    ]  # fmt: skip
+    output = retrieved.model_extra["output"]
+
+    mp4 = sdk.videos.download_content(video.id)
+    assert mp4.response.headers["content-type"] == "video/mp4"
+    assert hashlib.sha256(mp4.content).hexdigest() == output["sha256"]
+    thumbnail = sdk.videos.download_content(video.id, variant="thumbnail")
+    assert thumbnail.response.headers["content-type"] == "image/jpeg"
+    poster = Image.open(io.BytesIO(thumbnail.content))
+    assert (poster.format, poster.size) == ("JPEG", (96, 64))
+    sheet = sdk.videos.download_content(video.id, variant="spritesheet")
+    assert sheet.response.headers["content-type"] == "image/jpeg"
+    grid = Image.open(io.BytesIO(sheet.content))
+    assert (grid.format, grid.size) == ("JPEG", (5 * 96, 2 * 64))  # the 9 frames, 5 to a row
+
+    second = sdk.videos.create_and_poll(prompt="x", input_reference=("in.mp4", clip, "video/mp4"), model="lanczos")
+    assert second.status == "completed"
+    # paging one job at a time, newest first, as the SDK follows `last_id`
+    ids = [item.id for item in sdk.videos.list(limit=1)]
+    assert ids[:2] == [second.id, video.id]
+
+    deleted = sdk.videos.delete(video.id)
+    assert (deleted.id, deleted.deleted, deleted.object) == (video.id, True, "video.deleted")
+    with pytest.raises(openai.NotFoundError):
+        sdk.videos.retrieve(video.id)
+    assert list(s3.keys(f"outputs/{video.id}/")) == []  # the MP4 and its two JPEGs went with it
+
+
+def test_openai_sdk_errors_read_well_and_are_not_retried_in_vain(anonymous_api, sdk, in_mp4):
+    clip = in_mp4.read_bytes()
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(prompt="x", input_reference=("in.mp4", clip, "video/mp4"), seconds="8")
+    error = refused.value
+    assert (error.code, error.param, error.type) == ("generation_only_field", "seconds", "invalid_request_error")
+    assert "not super-resolution" in error.message
+
+    # a job nobody runs yet: the poll hint, then a 409 the SDK is told not to retry
+    queued = sdk.videos.with_raw_response.create(
+        prompt="x", input_reference=("in.mp4", clip, "video/mp4"), model="k6-vsr"
+    )
+    assert queued.headers["openai-poll-after-ms"] == str(POLL_AFTER_MS)
+    job_id = queued.parse().id
+    started = time.monotonic()
+    with pytest.raises(openai.ConflictError) as conflict:
+        sdk.videos.download_content(job_id)
+    assert conflict.value.response.headers["x-should-retry"] == "false" and conflict.value.code == "job_not_completed"
+    assert time.monotonic() - started < 0.5  # answered once: retried twice, the SDK would back off for ~1 s
+
+    # a create retried with the same Idempotency-Key makes one job (what README tells SDK users to send)
+    key = {"Idempotency-Key": secrets.token_hex(8)}
+    first, again = (
+        sdk.videos.create(prompt="x", input_reference=("in.mp4", clip, "video/mp4"), model="k6-vsr", extra_headers=key)
+        for _ in range(2)
+    )
+    assert again.id == first.id
+    for job in (job_id, first.id):
+        requests.post(f"{anonymous_api}/v1/videos/{job}/cancel", timeout=10)
+
+
+def test_served_models_are_listed_the_openai_way(anonymous_api, sdk):
+    models = sdk.models.list()
+    assert [(model.id, model.object, model.owned_by) for model in models] == [
+        ("lanczos", "model", "vsrq"),
+        ("k6-vsr", "model", "vsrq"),
+    ]
+    assert sdk.models.retrieve("lanczos").model_extra["default"] is True
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("sora-2")
