@@ -1,4 +1,4 @@
-# The two commands of README.md: `make demo` (set up + run the main job on the embedded stack) and `make test`.
+# The commands of README.md: `make demo` (set up + run the main job on the embedded stack), `make test`, `make corpus`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 LOCK ?= infra/lock/test.txt
 LOCK_FOR := x86_64 3.11
 
-.PHONY: setup demo test lock
+.PHONY: setup demo test lock corpus
 setup: $(VENV)/.installed
 
 # Checked before anything is installed: the Python, venv/ensurepip, free disk (infra/preflight.py, stdlib only)
@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 
 demo: setup
 	$(VENV)/bin/vsrq demo --dir demo
+
+# The real-world media corpus (tests/corpus/manifest.toml) into $$VSRQ_CORPUS_DIR or ~/.cache/vsrq/corpus: tests/test_corpus.py needs it
+corpus: setup
+	$(PY) tests/corpus/fetch.py
 
 test: setup
 	# two processes, each test file whole in one of them (files share their stack); FIGURE lines: run a file with -s

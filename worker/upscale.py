@@ -6,13 +6,14 @@ import os
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from time import perf_counter
 
 from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
 from worker.media.limits import Limits
-from worker.media.passthrough import Carried, Passthrough, output_metadata, plan_streams
+from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, plan_streams
 from worker.media.probe import MediaInfo, VideoInfo, probe
 from worker.media.reader import prefetch, read_frames
 from worker.media.resize import Target
@@ -94,7 +95,9 @@ def upscale_file(
     size = upscaler.output_size(video.height, video.width, options.request.scale)
     plan = plan_windows(video.frames, options.window, options.window_overlap)
     carried = plan_streams(info)
-    promise = Promise.of(info, size, carried)
+    clock = output_clock(info, carried)
+    timing = _video_timing(video, video.start - clock)
+    promise = Promise.of(info, size, carried, clock)
 
     # 4. Decode ahead (one window), upscale window by window, encode as frames arrive, mux the carried streams;
     #    all into a hidden file next to the output
@@ -107,12 +110,12 @@ def upscale_file(
             options.crf,
             options.preset,
             codec=options.codec,
-            timestamps=None if video.cfr else video.timestamps,
-            time_base=video.time_base,
-            passthrough=Passthrough(info, carried, offset=video.start, end=video.duration),
+            **timing,
+            passthrough=Passthrough(info, carried, offset=clock),
             metadata=output_metadata(info),
             language=video.language,
             colour=(_tag(video.color_primaries), _tag(video.color_trc)),
+            sample_aspect_ratio=video.sar,
         ) as writer, closing(prefetch(read_frames(source, video), plan.length)) as frames:
             run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
 
@@ -147,6 +150,24 @@ def _check_output(source: Path, output: Path) -> None:
         raise OutputUnwritable(f"cannot write into {output.parent}: no such directory, or no permission")
 
 
+HDR_TRANSFERS = {16: "PQ (SMPTE 2084)", 18: "HLG (ARIB STD-B67)"}  # AVCOL_TRC_*
+
+
+def _video_timing(video: VideoInfo, delay: float) -> dict:
+    """The writer's timing: frame i at i / fps from 0 (constant rate), or at the source's own timestamps; where
+    the source's audio starts `delay` seconds before the first frame, the frames start that late, on a time base
+    fine enough to place them to the 90 kHz tick and to keep a constant rate exact."""
+    if not video.cfr:
+        return {"timestamps": video.timestamps, "time_base": video.time_base, "start": round(delay / video.time_base)}
+    if delay <= 0:
+        return {"timestamps": None, "time_base": None}
+    fps = Fraction(video.fps)
+    ticks = max(1, -(-90000 // fps.numerator))  # per 1 / fps.numerator s
+    time_base = Fraction(1, fps.numerator * ticks)
+    step = fps.denominator * ticks  # one frame
+    return {"timestamps": [i * step for i in range(video.frames)], "time_base": time_base, "start": round(delay / time_base)}
+
+
 def _tag(value: int) -> int:
     """A colour tag worth keeping; unspecified (2) or reserved (0) ones become BT.709, what players assume in HD."""
     return value if value not in (0, 2) else BT709
@@ -166,6 +187,16 @@ def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, s
             )
     if video.rotation:
         notes.append(f"the source is displayed rotated {video.rotation} degrees: frames were turned upright, the flag cleared")
+    others = [s.index for s in info.other_video]
+    if others:
+        notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "
+                     f"{', '.join(f'#{i}' for i in others)} left out")
+    if video.interlaced:
+        notes.append("the source is interlaced: its frames were upscaled as they are stored, both fields woven together "
+                     "(not deinterlaced), so motion shows combing as in the source")
+    if video.color_trc in HDR_TRANSFERS:
+        notes.append(f"the source is HDR ({HDR_TRANSFERS[video.color_trc]} transfer): it was upscaled in 8-bit "
+                     "BT.709-matrix video with its transfer tag kept, not tone-mapped")
     if not video.cfr:
         notes.append(f"variable frame rate (average {float(video.fps):.3f} fps): every frame keeps its timestamp")
     notes += [c.describe() for c in carried if c.action == "drop"]

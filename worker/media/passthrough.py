@@ -4,8 +4,9 @@ Audio MP4 holds (AAC, MP3, AC-3, E-AC-3, ALAC, FLAC, Opus) is copied packet for 
 and re-encoded to AAC at its own sample rate and channel layout. Text subtitles become mov_text (the one subtitle
 format MP4 players read); bitmap subtitles cannot live in MP4 and are left out, which the plan says.
 
-Timing: the output's clock starts at the first video frame, so every carried stream is shifted by the video's start
-and cut to the video's span: audio and video start together, and A/V offsets in the source are kept.
+Timing: the output's clock starts at the earliest of the video and the carried audio, so every stream keeps its
+offset from the others, and nothing is cut: audio that starts before the first frame or runs past the last one is
+carried whole (a phone clip's sound outlasts its last frame by up to an audio frame or more).
 The streams are read from a second demuxer over the source and muxed as the video advances (`mux_until`), so the
 output is interleaved and nothing is buffered beyond the muxer's own queue.
 """
@@ -62,16 +63,25 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
     return tuple(carried)
 
 
+def output_clock(info: MediaInfo, carried: tuple[Carried, ...]) -> float:
+    """Where the output's clock starts, in seconds of the source: its first frame, or a carried audio stream that
+    starts over one of its packets earlier. A lead within one packet is a codec's start-up (AAC priming, Opus
+    pre-skip: samples never presented) or within what a copy keeps anyway: the packet that straddles the start."""
+    kept = {c.index for c in carried if c.kind == "audio" and c.action != "drop"}
+    video = info.video.start
+    return min([video, *(a.start for a in info.audio if a.index in kept and a.start < video - a.packet_seconds)])
+
+
 def output_metadata(info: MediaInfo) -> dict[str, str]:
     """Container metadata worth keeping (title, dates, ...), not what described the old file's muxing."""
     return {key: value for key, value in info.metadata.items() if key.lower() not in _TECHNICAL_METADATA}
 
 
 class Passthrough:
-    """Carries the planned streams of `info`'s file into an output container, shifted by `offset` seconds (the video's
-    start) and cut at `end` seconds of output time (the video's duration)."""
+    """Carries the planned streams of `info`'s file into an output container, shifted by `offset` seconds (where the
+    output's clock starts in the source) and, where `end` is given, cut at `end` seconds of output time."""
 
-    def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float) -> None:
+    def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float | None = None) -> None:
         self.path = info.path
         self.offset, self.end = offset, end
         self.container = av.open(str(info.path), metadata_errors="replace")
@@ -150,7 +160,8 @@ class _Copy(_Handler):
         duration = float((packet.duration or 0) * packet.time_base)
         # Keep one packet before the start: codecs like AAC need it to decode the first samples (the MP4 edit list
         # hides it). At the end a copy can only be cut between packets: keep those that are mostly before it.
-        if start + duration <= -duration or start + duration / 2 >= self.passthrough.end:
+        end = self.passthrough.end
+        if start + duration <= -duration or (end is not None and start + duration / 2 >= end):
             return
         shift = round(self.passthrough.offset / packet.time_base)
         packet.pts -= shift
@@ -161,8 +172,8 @@ class _Copy(_Handler):
 
 
 class _ToAac(_Handler):
-    """Decode, place every sample on the output clock (silence before a late start, nothing before the video's
-    start or after its end), encode AAC in 1024-sample frames at the source's rate and layout."""
+    """Decode, place every sample on the output clock (a late start starts the track as late, gaps become
+    silence, nothing before the clock's start or after `end` where one is set), encode AAC in 1024-sample frames at the source's rate and layout."""
 
     FRAME = 1024
     # Decoded timestamps jitter (Matroska rounds them to milliseconds): only gaps beyond this are real.
@@ -178,22 +189,33 @@ class _ToAac(_Handler):
         self.buffer = np.zeros((channels, 0), np.float32)
         self.position = None  # output sample the next decoded sample lands on
         self.encoded = 0
-        self.limit = round(self.passthrough.end * self.rate)
+        self.limit = None if self.passthrough.end is None else round(self.passthrough.end * self.rate)
         return stream
 
     def take(self, packet: av.Packet) -> None:
+        if not packet.size:
+            return  # sent, it would end the decoder's stream (Ogg files hold thousands); finish() flushes it
         with self.passthrough.reading():
-            frames = packet.decode()  # an empty packet flushes the decoder
+            self._decoded(packet.decode())
+
+    def _decoded(self, frames: list[av.AudioFrame]) -> None:
+        source = self.source
+        first = float(source.start_time * source.time_base) if source.start_time is not None else None
         for frame in frames:
-            at = None
-            if frame.pts is not None:
-                at = round((float(frame.pts * frame.time_base) - self.passthrough.offset) * self.rate)
+            time = float(frame.pts * frame.time_base) if frame.pts is not None else None
+            if time is not None and first is not None and time < first - self.SLACK_SECONDS:
+                time = None  # before where the stream starts: times Ogg made up counting back from a page's end
+            if time is None and self.position is None:
+                time = first
+            at = None if time is None else round((time - self.passthrough.offset) * self.rate)
             self._place(self.resampler.resample(frame), at)
 
     def _place(self, frames: list[av.AudioFrame], at: int | None) -> None:
         """Append decoded samples that start at output sample `at` (None: right after the previous ones)."""
         samples = np.concatenate([self.buffer[:, :0], *(frame.to_ndarray() for frame in frames)], axis=1)
         if at is not None and (self.position is None or abs(at - self.position) > self.SLACK_SECONDS * self.rate):
+            if self.position is None and at > 0:  # a late start: the track starts there, as the source's, no silence
+                self.position = self.encoded = at
             position = self.position or 0
             if at > position:  # a gap, or a late start: silence until the samples are due
                 samples = np.concatenate([np.zeros((len(samples), at - position), np.float32), samples], axis=1)
@@ -203,8 +225,9 @@ class _ToAac(_Handler):
                 return  # all before the video's start: the clock starts with the first sample kept
             self.position = position
         self.position = (self.position or 0) + samples.shape[1]
-        room = self.limit - (self.encoded + self.buffer.shape[1])
-        self.buffer = np.concatenate([self.buffer, samples[:, : max(0, room)]], axis=1)
+        if self.limit is not None:
+            samples = samples[:, : max(0, self.limit - (self.encoded + self.buffer.shape[1]))]
+        self.buffer = np.concatenate([self.buffer, samples], axis=1)
         while self.buffer.shape[1] >= self.FRAME:
             self._encode(self.FRAME)
 
@@ -216,6 +239,8 @@ class _ToAac(_Handler):
         self.output.container.mux(self.output.encode(frame))
 
     def finish(self) -> None:
+        with self.passthrough.reading():
+            self._decoded(self.source.codec_context.decode(None))
         self._place(self.resampler.resample(None), None)
         if self.buffer.shape[1]:
             self._encode(self.buffer.shape[1])
@@ -259,7 +284,8 @@ class _ToMovText(_Handler):
         start = self.passthrough.output_time(packet)
         with self.passthrough.reading():
             subtitles = self.source.codec_context.decode2(packet)
-        if not subtitles or start >= self.passthrough.end or start + float((packet.duration or 0) * packet.time_base) <= 0:
+        end = self.passthrough.end
+        if not subtitles or (end is not None and start >= end) or start + float((packet.duration or 0) * packet.time_base) <= 0:
             return
         encoded = self.output.codec_context.encode_subtitle(subtitles)
         encoded.stream, encoded.time_base = self.output, packet.time_base

@@ -38,7 +38,7 @@ RANGES = {0: "unspecified", 1: "limited", 2: "full"}
 class VideoInfo:
     index: int
     codec: str
-    width: int  # as displayed, i.e. after rotation
+    width: int  # the picture the stream declares (decoder padding cropped off), after rotation
     height: int
     rotation: int  # degrees counter-clockwise the stored frames are turned for display: 0, 90, 180 or 270
     pix_fmt: str
@@ -54,12 +54,19 @@ class VideoInfo:
     duration: float  # seconds: from the first frame to the end of the last
     time_base: Fraction
     language: str | None
+    # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
+    sar: Fraction = Fraction(1)
+    interlaced: bool = False  # the first frame is coded as two fields
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def end(self) -> float:
         return self.start + self.duration
+
+    @property
+    def display_aspect(self) -> Fraction:
+        return self.width * self.sar / self.height
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,12 @@ class SubtitleInfo:
 
 
 @dataclass(frozen=True)
+class OtherVideo:
+    index: int
+    codec: str
+
+
+@dataclass(frozen=True)
 class MediaInfo:
     path: Path
     format: str
@@ -93,13 +106,14 @@ class MediaInfo:
     audio: tuple[AudioInfo, ...]
     subtitles: tuple[SubtitleInfo, ...]
     metadata: dict[str, str]
+    other_video: tuple[OtherVideo, ...] = ()  # video streams besides the one upscaled (cover art aside)
 
     def to_dict(self) -> dict:
         """JSON-ready (timestamps left out)."""
         info = asdict(self)
         info["path"] = str(self.path)
         del info["video"]["timestamps"]
-        info["video"].update(fps=str(self.video.fps), time_base=str(self.video.time_base))
+        info["video"].update(fps=str(self.video.fps), time_base=str(self.video.time_base), sar=str(self.video.sar))
         return info
 
     def describe(self) -> list[str]:
@@ -110,6 +124,7 @@ class MediaInfo:
             f"video #{video.index}: {video.codec} {video.width}x{video.height} {video.pix_fmt} {video.bit_depth}-bit "
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
+            + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
             + (f", rotated {video.rotation} degrees for display" if video.rotation else ""),
         ]
         lines += [
@@ -145,7 +160,12 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
             SubtitleInfo(s.index, _codec(s), s.language, s.metadata.get("title"))
             for s in container.streams.subtitles
         )
-        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata))
+        other_video = tuple(
+            OtherVideo(s.index, _codec(s))
+            for s in container.streams.video
+            if s.index != stream.index and not s.disposition & av.stream.Disposition.attached_pic
+        )
+        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video)
 
 
 def _codec(stream: av.stream.Stream) -> str:
@@ -164,9 +184,12 @@ def _video_stream(container: av.container.InputContainer, path: Path) -> av.Vide
     # Cover art in music files is a video stream of one picture: not a video.
     streams = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
     if not streams:
-        kinds = sorted({s.type for s in container.streams}) or ["no streams"]
+        kinds = sorted({"cover art" if s.type == "video" else s.type for s in container.streams}) or ["no streams"]
         raise InputNoVideo(f"{path.name} has no video stream ({', '.join(kinds)})")
-    stream = streams[0]
+    # Of several, the one FFmpeg picks (av_find_best_stream: the default, else the one with the most data), as
+    # ffmpeg and players do: a cut ASF declares three, two of them empty.
+    best = container.streams.best("video")
+    stream = best if best in streams else next((s for s in streams if s.disposition & av.stream.Disposition.default), streams[0])
     if stream.codec_context is None:
         raise InputUnsupportedCodec(f"{path.name}: FFmpeg has no decoder for its video codec")
     return stream
@@ -197,6 +220,7 @@ class _Scan:
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
     scan = _Scan()
     stream.thread_type = "AUTO"
+    decode_declared_picture(stream)
     try:
         for packet in container.demux():
             if packet.size == 0:
@@ -238,6 +262,20 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     return scan
 
 
+def decode_declared_picture(stream: av.VideoStream) -> None:
+    """Make the decoder hand over exactly the picture the stream declares. Codecs that crop their coded frame
+    (Theora's picture offset, H.264's left crop) otherwise crop the left edge only to a 32-byte boundary: a 214 px
+    Theora picture comes out 218 px wide, its left columns black."""
+    stream.codec_context.flags |= av.codec.context.Flags.unaligned
+
+
+def _sample_aspect(stream: av.VideoStream, rotation: int) -> Fraction:
+    """The pixel aspect ratio as ffprobe reads it (the container's, else the codec's), turned with the picture."""
+    sar = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
+    sar = Fraction(sar) if sar and sar > 0 else Fraction(1)
+    return 1 / sar if rotation in (90, 270) else sar
+
+
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
     frame = scan.first_frame
     rotation = round(frame.rotation / 90) * 90 % 360
@@ -276,6 +314,8 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         duration=float(duration),
         time_base=time_base,
         language=stream.language,
+        sar=_sample_aspect(stream, rotation),
+        interlaced=bool(frame.interlaced_frame),
         timestamps=() if cfr else tuple(t - first for t in timestamps),
     )
 
@@ -303,6 +343,10 @@ def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) 
 def _audio_info(stream: av.AudioStream, extent: tuple[float, float, float] | None) -> AudioInfo:
     context = stream.codec_context
     start, end, longest = extent or (0.0, 0.0, 0.0)
+    if stream.start_time is not None and stream.time_base is not None:
+        # Where the demuxer says the stream starts (ffprobe's start_time), where packets claim earlier: Ogg works
+        # packet times back from its pages' end, and can put a stream's first packets seconds before 0.
+        start = min(max(start, float(stream.start_time * stream.time_base)), end)
     return AudioInfo(
         index=stream.index,
         codec=_codec(stream),

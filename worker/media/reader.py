@@ -14,7 +14,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
 from worker.media.errors import InputCorrupt
-from worker.media.probe import AVError, VideoInfo
+from worker.media.probe import AVError, VideoInfo, decode_declared_picture
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
@@ -32,7 +32,8 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
         with av.open(str(path)) as container:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
-            for frame in container.decode(stream):
+            decode_declared_picture(stream)
+            for frame in _decode(container, stream):
                 pixels = frame.to_ndarray(format=pixel_format, width=width, height=height, **_source_colour(frame))
                 count += 1
                 if count > video.frames:
@@ -42,6 +43,16 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
         raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
     if count != video.frames:
         raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
+
+
+def _decode(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
+    """Every frame of `stream`. Empty packets are skipped, not sent: Ogg stores a Theora frame that repeats the one
+    before as a 0-byte packet, which the decoder takes for the end of the stream (every later packet: EINVAL).
+    The probe counts frames the same way, as ffprobe does."""
+    for packet in container.demux(stream):
+        if packet.size:
+            yield from packet.decode()
+    yield from stream.decode(None)
 
 
 def _source_colour(frame: av.VideoFrame) -> dict:

@@ -49,16 +49,22 @@ def write_clip(
     subtitles: str | None = None,
     language: str | None = None,
     metadata: Mapping[str, str] | None = None,
+    video_options: Mapping[str, str] | None = None,
+    sample_aspect_ratio: Fraction | None = None,
+    audio_seconds: float | None = None,
 ) -> Path:
     """Write a clip of the pattern, stored `size` = (height, width) before any display `rotation` (degrees
-    counter-clockwise). `timestamps` (in `time_base`) make it variable-rate; `subtitles` is SRT text."""
+    counter-clockwise). `timestamps` (in `time_base`) make it variable-rate; `subtitles` is SRT text; the tone
+    lasts as long as the video unless `audio_seconds` says otherwise; `video_options` go to the encoder."""
     path = Path(path)
     height, width = size
     options = {"x265-params": "log-level=error"} if video_codec == "libx265" else {}
     with av.open(str(path), "w") as container, tempfile.TemporaryDirectory() as scratch:
         container.metadata.update(metadata or {})
-        video = container.add_stream(video_codec, rate=fps, options={"crf": str(crf), **options})
+        video = container.add_stream(video_codec, rate=fps, options={"crf": str(crf), **options, **(video_options or {})})
         video.width, video.height, video.pix_fmt = width, height, pix_fmt
+        if sample_aspect_ratio is not None:
+            video.codec_context.sample_aspect_ratio = sample_aspect_ratio
         if timestamps is not None:
             video.codec_context.time_base = time_base
         if rotation:
@@ -87,6 +93,7 @@ def write_clip(
 
         if audio is not None:
             seconds = num_frames / fps if timestamps is None else float(timestamps[-1] * time_base) + 1 / float(fps)
+            seconds = seconds if audio_seconds is None else audio_seconds
             _write_audio(container, audio, tone(float(seconds), sample_rate, audio.codec_context.channels), layout)
         if subtitle_source is not None:
             for packet in subtitle_source.demux(subtitle_source.streams.subtitles[0]):

@@ -18,7 +18,8 @@ class AudioPromise:
     codec: str
     sample_rate: int
     channels: int
-    duration: float  # seconds the stream covers of the video's span
+    start: float  # seconds of output time its first sample is presented at
+    duration: float  # seconds the stream covers: all of the source's
     slack: float  # beyond one frame: a copied stream ends on a packet boundary, up to half a packet off
 
 
@@ -32,24 +33,25 @@ class Promise:
     duration: float
     audio: tuple[AudioPromise, ...]
     subtitles: int
+    sar: Fraction = Fraction(1)
+    video_start: float = 0.0  # seconds of output time of the first frame
 
     @classmethod
-    def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...]) -> Promise:
-        """What upscaling `source` to `size` (height, width) with `carried` streams must produce: every frame, the
-        source's timing, each carried audio stream over the part of the video it covered in the source."""
+    def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...], clock: float = 0.0) -> Promise:
+        """What upscaling `source` to `size` (height, width) with `carried` streams must produce on an output clock
+        that starts `clock` seconds into the source: every frame, the source's timing and pixel shape, each carried
+        audio stream whole, at its own offset from the video."""
         video = source.video
         audio = []
         for stream in source.audio:
             action = next(c.action for c in carried if c.index == stream.index)
             if action != "drop":
-                start, end = stream.start - video.start, stream.start + stream.duration - video.start
-                # Re-encoded audio that starts late is preceded by silence from 0; copied audio keeps its start.
-                first = 0.0 if action == "aac" else max(start, 0.0)
-                covered = max(0.0, min(end, video.duration) - first)
+                start, end = stream.start - clock, stream.start + stream.duration - clock
+                first = max(start, 0.0)  # copied or re-encoded, a stream starts where it did against the video
                 slack = stream.packet_seconds / 2 if action == "copy" else 0.0
-                audio.append(AudioPromise(*audio_output(stream, action), covered, slack))
+                audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
-        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles)
+        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar, video.start - clock)
 
 
 def verify(path: str | Path, promise: Promise) -> MediaInfo:
@@ -72,6 +74,8 @@ def verify(path: str | Path, promise: Promise) -> MediaInfo:
     check("constant frame rate", video.cfr, promise.cfr, video.cfr == promise.cfr)
     fps_ok = video.fps == promise.fps if promise.cfr else abs(video.fps / promise.fps - 1) <= 0.01
     check("frame rate", video.fps, promise.fps, fps_ok)
+    check("pixel aspect", video.sar, promise.sar, video.sar == promise.sar)
+    check("video start", f"{video.start:.3f} s", f"{promise.video_start:.3f} s", abs(video.start - promise.video_start) <= frame / 2)
     check("duration", f"{video.duration:.3f} s", f"{promise.duration:.3f} s", abs(video.duration - promise.duration) <= frame)
     check("audio stream count", len(written.audio), len(promise.audio), len(written.audio) == len(promise.audio))
     for number, (got, expected) in enumerate(zip(written.audio, promise.audio)):
@@ -82,6 +86,8 @@ def verify(path: str | Path, promise: Promise) -> MediaInfo:
         covered = got.start + got.duration - max(got.start, 0.0)
         ok = abs(covered - expected.duration) <= frame + expected.slack
         check(f"audio {number} duration", f"{covered:.3f} s", f"{expected.duration:.3f} s", ok)
+        ok = abs(max(got.start, 0.0) - expected.start) <= frame + expected.slack
+        check(f"audio {number} start", f"{max(got.start, 0.0):.3f} s", f"{expected.start:.3f} s", ok)
     check("subtitle stream count", len(written.subtitles), promise.subtitles, len(written.subtitles) == promise.subtitles)
     if problems:
         raise OutputMismatch(f"{Path(path).name} is not what was promised: " + "; ".join(problems))

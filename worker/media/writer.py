@@ -46,6 +46,15 @@ def yuv_frame(pixel: np.ndarray) -> av.VideoFrame:
     )
 
 
+def _durations(timestamps: Sequence[int], start: int) -> dict[int, int]:
+    """Each frame's presentation time (with `start`) -> how long it lasts; the last lasts as long as an average one."""
+    ordered = sorted(timestamps)
+    if len(ordered) < 2:
+        return {}
+    last = max(1, round((ordered[-1] - ordered[0]) / (len(ordered) - 1)))
+    return {start + t: (following - t) for t, following in zip(ordered, ordered[1:])} | {start + ordered[-1]: last}
+
+
 def encoder_for(codec: str) -> str:
     """The FFmpeg encoder this PyAV build has for `codec` ("h264", "hevc", "av1")."""
     if codec not in ENCODERS:
@@ -80,8 +89,11 @@ class Mp4Writer:
     `lookahead` (x264/x265 `rc-lookahead`, frames; None: the preset's, 40 for `medium`) bounds how many frames the
     encoder holds back, i.e. how much encoding is left after the last frame arrives; it never raises a preset's.
 
-    Frames are timed at `fps` or, for variable-rate video, at `timestamps` (in `time_base`, from 0). A `passthrough`
-    muxes the source's audio and subtitles alongside, as the video advances.
+    Frames are timed at `fps` or, for variable-rate video, at `timestamps` (in `time_base`, from 0), the first one
+    `start` ticks of `time_base` into the file (the source's audio started earlier). Every packet carries its frame's
+    duration (the last frame: an average one), so the MP4's track duration and average rate are the source's. A
+    `passthrough` muxes the source's audio and subtitles alongside, as the video advances. `sample_aspect_ratio` is
+    the source's pixel shape, kept so that the picture is displayed as wide as the source's.
 
     `write` only quantises and queues; a background thread encodes and muxes. A failure there surfaces at the next
     `write` or at `close`. Leaving the `with` block through an exception deletes the partial file.
@@ -105,16 +117,24 @@ class Mp4Writer:
         metadata: Mapping[str, str] | None = None,
         language: str | None = None,
         colour: tuple[int, int] = (BT709, BT709),
+        start: int = 0,
+        sample_aspect_ratio: Fraction = Fraction(1),
     ) -> None:
         height, width = size
         encoder = encoder_for(codec)
         self.path = Path(path)
-        self.timestamps, self.passthrough = timestamps, passthrough
+        if start and timestamps is None:
+            raise ValueError("a delayed start needs timestamps (a time base finer than the frame rate)")
+        self.timestamps, self.passthrough, self.start = timestamps, passthrough, start
+        self._durations = _durations(timestamps, start) if timestamps is not None else {}
+        self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
         self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": "+faststart"})
         self.container.metadata.update(metadata or {})
         self.stream = self.container.add_stream(encoder, rate=fps, options=_encoder_options(encoder, crf, preset, lookahead))
         self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, "yuv420p"
         self.stream.codec_context.thread_type = thread_type
+        if sample_aspect_ratio != 1:
+            self.stream.codec_context.sample_aspect_ratio = sample_aspect_ratio
         if codec == "hevc":
             self.stream.codec_tag = "hvc1"  # what Apple's players require of HEVC in MP4
         # Constant rate: frame i at i / fps. Variable: at its own timestamp.
@@ -150,25 +170,55 @@ class Mp4Writer:
         self._close_passthrough()
 
     def _encode_loop(self) -> None:
+        drained = False  # the producer's _DONE was taken: nothing more will come to unblock
         try:
             index = 0
             while (pixels := self._queue.get()) is not _DONE:
                 started = perf_counter()
                 for pixel in pixels:
                     frame = yuv_frame(pixel)
-                    frame.pts = index if self.timestamps is None else self.timestamps[index]
+                    frame.pts = index if self.timestamps is None else self.start + self.timestamps[index]
                     index += 1
-                    self.container.mux(self.stream.encode(frame))
+                    self._mux_video(self.stream.encode(frame))
                     if self.passthrough is not None:
                         self.passthrough.mux_until(float(frame.pts * self.time_base))
                 self.encode_seconds += perf_counter() - started
-            self.container.mux(self.stream.encode())
+            drained = True
+            self._mux_video(self.stream.encode())
+            self._release_held()
             if self.passthrough is not None:
                 self.passthrough.mux_until(None)
         except BaseException as error:  # handed to the producer thread
             self._error = error
-            while self._queue.get() is not _DONE:  # unblock a producer waiting on a full queue
+            while not drained and self._queue.get() is not _DONE:  # unblock a producer waiting on a full queue
                 pass
+
+    def _mux_video(self, packets: list[av.Packet]) -> None:
+        for packet in packets:
+            if self._durations:
+                packet.duration = self._durations.get(packet.pts, packet.duration)
+            if self._held is not None and self.timestamps is not None:
+                if packet.dts is not None and packet.dts < self.start + self.timestamps[0]:
+                    self._held.append(packet)
+                    continue
+                self._release_held()
+            self.container.mux(packet)
+
+    def _release_held(self) -> None:
+        """Mux the packets an encoder decodes before the first frame's time, with decode times that keep the sum
+        of frame durations right. x264 spaces them by the first frames' gaps and every later one by the frames'
+        own, which makes a variable-rate MP4's sample table (and so its average rate, as FFmpeg reads it) longer
+        by the difference: a 1.6 s phone clip whose first frame lasts 0.18 s read back at 24.5 fps instead of 27.
+        Starting them as far before the first frame as the last `held` frames span ends the table at the right time."""
+        held, self._held = self._held or [], None
+        times = self.timestamps or ()
+        if held and len(times) > len(held):
+            span = times[-1] - times[-1 - len(held)]
+            first = self.start + times[0] - span
+            for number, packet in enumerate(held):
+                packet.dts = first + round(number * span / len(held))
+        for packet in held:
+            self.container.mux(packet)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

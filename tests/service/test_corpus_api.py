@@ -1,0 +1,48 @@
+"""A sample of the real-world corpus (tests/corpus/) end to end through the API: uploaded, upscaled by a real
+lanczos Celery worker, downloaded, and checked as tests/test_corpus.py checks the CLI's outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.corpus.check import compare, corpus, declared
+from tests.corpus.fetch import load_manifest
+
+from .conftest import auth
+from .test_worker import get, wait_for, worker  # noqa: F401 (the lanczos worker fixture)
+
+FILES = {entry["name"]: entry for entry in load_manifest()["file"]}
+# Non-square DVD pixels with MP2 sound re-encoded, Theora in Ogg, and cover art without a video (refused).
+SAMPLE = ["devede-base_ntsc_wide.mpg", "mecavideo-Effet_force_magnetique.ogv", "mutagen-covr-with-name.m4a"]
+
+
+@pytest.fixture(scope="module")
+def cache() -> Path:
+    try:
+        return corpus()[0]
+    except AssertionError as error:
+        pytest.fail(str(error))
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_corpus_files_through_the_api(api, worker, cache, name, tmp_path):  # noqa: F811
+    source = cache / name
+    data = {"model": "lanczos", "sr_resolution_scale": "2"}
+    files = {"video_reference": (name, source.read_bytes(), "application/octet-stream")}
+    response = requests.post(f"{api}/v1/videos", data=data, files=files, headers=auth("dave"), timeout=30)
+    assert response.status_code == 200, response.text
+    job = wait_for(api, response.json()["id"], worker, limit_s=120)
+    expected = FILES[name].get("refuse")
+    if expected:
+        assert (job["status"], job["error"]["code"]) == ("failed", expected), job
+        assert job.get("output") is None
+        return
+    assert job["status"] == "completed", job
+    content = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("dave"), timeout=60)
+    assert content.status_code == 200
+    (tmp_path / "out.mp4").write_bytes(content.content)
+    assert compare(declared(source), declared(tmp_path / "out.mp4")) == []
+    assert get(api, job["id"])["output"]["media"]["width"] == 2 * declared(source).width
