@@ -1,4 +1,5 @@
-# The commands of README.md: `make demo` (set up + run the main job on the embedded stack), `make test`, `make corpus`.
+# The two commands of README.md: `make demo` (set up + run the main job on the embedded stack) and `make test`
+# (which fetches the real-world media corpus first: `make corpus`).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -25,7 +26,7 @@ demo: setup
 corpus: setup
 	$(PY) tests/corpus/fetch.py
 
-test: setup
+test: corpus
 	# two processes, each test file whole in one of them (files share their stack); FIGURE lines: run a file with -s
 	$(PY) -m pytest -n 2 --dist loadfile
 
