@@ -44,3 +44,14 @@ def run(engine: SREngine, video: torch.Tensor, request, **kwargs) -> torch.Tenso
     chunks: list[torch.Tensor] = []
     engine.upscale(video, request, chunks.append, **kwargs)
     return torch.cat(chunks)
+
+
+@pytest.fixture(scope="module")
+def corpus_cache() -> Path:
+    """The real-world media corpus (`make corpus`): a file missing from it fails the test, never skips it."""
+    from tests.corpus.check import corpus
+
+    try:
+        return corpus()[0]
+    except AssertionError as error:
+        pytest.fail(str(error))

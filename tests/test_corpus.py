@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.corpus.check import corpus, run
+from tests.corpus.check import run
 from tests.corpus.fetch import load_manifest
 from worker.errors import CodedError
 
@@ -21,17 +21,9 @@ FILES = {entry["name"]: entry for entry in load_manifest()["file"]}
 CLI = ["devede-base_pal_wide.mpg", "mecavideo-Effet_force_magnetique.ogv", "mutagen-covr-with-name.m4a"]
 
 
-@pytest.fixture(scope="module")
-def cache() -> Path:
-    try:
-        return corpus()[0]
-    except AssertionError as error:
-        pytest.fail(str(error))
-
-
 @pytest.mark.parametrize("name", list(FILES))
-def test_every_corpus_file_comes_back_whole_or_is_refused_with_its_code(cache, name, tmp_path):
-    outcome = run(FILES[name], cache, tmp_path)
+def test_every_corpus_file_comes_back_whole_or_is_refused_with_its_code(corpus_cache, name, tmp_path):
+    outcome = run(FILES[name], corpus_cache, tmp_path)
     known = FILES[name].get("known_failure")
     if known and outcome.status == "FAIL":
         pytest.xfail(f"known: {known} ({outcome.detail})")
@@ -55,6 +47,6 @@ def through_cli(source: Path, output: Path) -> None:
 
 
 @pytest.mark.parametrize("name", CLI)
-def test_the_command_line_on_corpus_files(cache, name, tmp_path):
-    outcome = run(FILES[name], cache, tmp_path, upscale=through_cli)
+def test_the_command_line_on_corpus_files(corpus_cache, name, tmp_path):
+    outcome = run(FILES[name], corpus_cache, tmp_path, upscale=through_cli)
     assert outcome.status in ("pass", "refused"), f"{name}: {outcome.detail}"

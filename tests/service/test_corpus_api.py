@@ -3,12 +3,11 @@ lanczos Celery worker, downloaded, and checked as tests/test_corpus.py checks th
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import requests
 
-from tests.corpus.check import compare, corpus, declared
+from tests.corpus.check import compare, declared
 from tests.corpus.fetch import load_manifest
 
 from .conftest import auth
@@ -19,17 +18,9 @@ FILES = {entry["name"]: entry for entry in load_manifest()["file"]}
 SAMPLE = ["devede-base_ntsc_wide.mpg", "mecavideo-Effet_force_magnetique.ogv", "mutagen-covr-with-name.m4a"]
 
 
-@pytest.fixture(scope="module")
-def cache() -> Path:
-    try:
-        return corpus()[0]
-    except AssertionError as error:
-        pytest.fail(str(error))
-
-
 @pytest.mark.parametrize("name", SAMPLE)
-def test_corpus_files_through_the_api(api, worker, cache, name, tmp_path):  # noqa: F811
-    source = cache / name
+def test_corpus_files_through_the_api(api, worker, corpus_cache, name, tmp_path):  # noqa: F811
+    source = corpus_cache / name
     data = {"model": "lanczos", "sr_resolution_scale": "2"}
     files = {"video_reference": (name, source.read_bytes(), "application/octet-stream")}
     response = requests.post(f"{api}/v1/videos", data=data, files=files, headers=auth("dave"), timeout=30)
