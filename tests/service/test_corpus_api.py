@@ -3,7 +3,6 @@ lanczos Celery worker, downloaded, and checked as tests/test_corpus.py checks th
 
 from __future__ import annotations
 
-
 import pytest
 import requests
 
