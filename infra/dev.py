@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,11 +39,13 @@ QUEUE = "vsrq.k6"
 class DevStack:
     def __init__(self, root: str | Path, model: str, devices: str = "cpu", port: int | None = None) -> None:
         self.root = Path(root).resolve()
-        self.model, self.devices = model, devices
+        # the worker runs from the repository root: a checkpoint directory named relative to here is made absolute
+        self.model = str(Path(model).resolve()) if Path(model).is_dir() else model
+        self.devices = devices
         self.url = f"http://127.0.0.1:{port or free_ports(1)[0]}"
         self.token = f"sk-dev-{secrets.token_hex(16)}"  # this run's only API key
         self.secret = new_secret()  # and the secret its webhooks are signed with
-        self.served = served_name(model)  # what jobs ask for and report: what the worker runs
+        self.served = served_name(self.model)  # what jobs ask for and report: what the worker runs
         self.stack = Stack(self.root / "stack")
         self.supervisor = Supervisor()
         self._state_files: list[Path] = []
@@ -63,6 +66,7 @@ class DevStack:
 
     def start(self, timeout_s: float = 120) -> DevStack:
         self.root.mkdir(parents=True, exist_ok=True)
+        self._claim_port()
         try:
             self.stack.start()
             python = [sys.executable, "-m"]
@@ -81,6 +85,17 @@ class DevStack:
             self.stop()
             raise
         return self
+
+    def _claim_port(self) -> None:
+        """gunicorn binds with SO_REUSEPORT (a restarted master serves at once), which would also let a second stack
+        share this port, the kernel splitting connections between two APIs: a plain bind first says who holds it."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no owner
+            try:
+                probe.bind((host, int(port)))
+            except OSError:
+                raise RuntimeError(f"port {port} is in use (another `vsrq dev`?): pass --port") from None
 
     def _spawn(self, name: str, command: list[str]) -> None:
         self.supervisor.add(name, lambda: self._popen(name, command))
@@ -133,6 +148,7 @@ class DevStack:
     def stop(self, timeout_s: float = 30) -> None:
         devstate.remove(self._state_files, os.getpid())
         stop_processes(self.supervisor.stop(), timeout_s)
+        self.supervisor.close()  # after the stop: its thread's end is what restarted children die with
         self.stack.stop()
 
     def __enter__(self) -> DevStack:

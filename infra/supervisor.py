@@ -43,6 +43,7 @@ class Supervisor:
         self._children: dict[str, Supervised] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._thread.start()
 
@@ -61,10 +62,16 @@ class Supervisor:
             return {name: child.process for name, child in self._children.items() if child.process is not None}
 
     def stop(self) -> dict[str, subprocess.Popen]:
-        """Restarts nothing from now on; returns the processes, for the caller to stop."""
+        """Restarts nothing from now on; returns the processes, for the caller to stop before `close`."""
         self._stop.set()
-        self._thread.join()
         return self.processes
+
+    def close(self) -> None:
+        """Ends the watch thread, once its children are stopped: a child started with a parent-death signal
+        (infra.children) gets it when the *thread* that forked it ends, and restarts fork from this one."""
+        self._stop.set()
+        self._closed.set()
+        self._thread.join()
 
     def _launch(self, child: Supervised) -> None:
         child.process, child.started_at, child.due_at = child.start(), time.monotonic(), None
@@ -75,18 +82,27 @@ class Supervisor:
                 children = list(self._children.values())
             for child in children:
                 if self._stop.is_set():
-                    return
+                    break
                 self._check(child)
+        self._closed.wait()  # alive until `close`: the children it restarted die with it
 
     def _check(self, child: Supervised) -> None:
         now = time.monotonic()
         if child.due_at is not None:
             if now >= child.due_at:
-                self._launch(child)
+                try:
+                    self._launch(child)
+                except OSError as error:  # no file descriptor, no memory, a log not writable: counts as an exit
+                    child.due_at = None
+                    self._exited(child, f"could not start ({error})", now)
             return
         if child.process is None or child.process.poll() is None:
             return
-        code = child.process.returncode
+        self._exited(child, f"exited ({child.process.returncode})", now)
+
+    def _exited(self, child: Supervised, what: str, now: float) -> None:
+        """Backoff, or give up after `max_restarts` within `window_s`."""
+        code = what.rsplit("(", 1)[-1].rstrip(")")
         child.failures = 1 if now - child.started_at >= STEADY_S else child.failures + 1
         child.restarts = [at for at in child.restarts if now - at < self.window_s] + [now]
         if len(child.restarts) > self.max_restarts:
@@ -100,5 +116,5 @@ class Supervisor:
             )
             return
         delay = self.backoff_s[min(child.failures, len(self.backoff_s)) - 1]
-        print(f"vsrq dev: {child.name} exited ({code}); restarting in {delay:g} s", file=sys.stderr, flush=True)
+        print(f"vsrq dev: {child.name} {what}; restarting in {delay:g} s", file=sys.stderr, flush=True)
         child.due_at = now + delay

@@ -112,7 +112,6 @@ class Settings(BaseSettings):
     # `auth_none_public` says the operator means it (a private network behind its own gate).
     auth: Literal["keys", "none"] = "keys"
     auth_none_public: bool = False
-    bind: str = "127.0.0.1:8000"  # where gunicorn listens (infra/gunicorn.conf.py reads VSRQ_BIND too)
     poll_after_ms: int = Field(1000, ge=0)  # `openai-poll-after-ms` on a running job: how soon to look again
     webhook_allow_loopback: bool = False  # development only: lets webhooks reach a receiver on this machine
     # Webhook deliveries (worker/webhooks.py): a failed attempt is retried after about base x 2^n (with jitter, at
@@ -187,7 +186,7 @@ class Settings(BaseSettings):
     reaper_stale_s: float = Field(60, gt=0)  # a reaper whose last pass is older than this is reported dead
 
     # The API's server (infra/gunicorn.conf.py): threads, not more processes (requests mostly wait on I/O)
-    bind: str = "127.0.0.1:8000"
+    bind: str = "127.0.0.1:8000"  # where gunicorn listens; `auth` "none" checks it is loopback
     web_workers: int = Field(2, ge=1)
     web_threads: int = Field(8, ge=1)
 

@@ -367,7 +367,10 @@ local function move(to, t)
   end
   -- Queued again: its message is due, in the same write, so a sender that dies before sending leaves it to `unsent`
   if to == 'queued' then
-    redis.call('ZADD', QUEUE, redis.call('INCR', SEQ), id)
+    -- A requeued attempt's message goes to the consuming end (storage.queue.send_upscale first=True): it ranks
+    -- ahead of every fresh job, the latest requeued first, as its message runs
+    local n = redis.call('INCR', SEQ)
+    redis.call('ZADD', QUEUE, from == 'in_progress' and -n or n, id)
     redis.call('ZADD', UNSENT, t, id)
   end
   if from == 'in_progress' then

@@ -34,3 +34,4 @@ def test_a_killed_process_is_started_again_and_one_that_keeps_exiting_is_given_u
         for process in supervisor.stop().values():
             process.kill()
             process.wait()
+        supervisor.close()

@@ -32,7 +32,8 @@ SUFFIXES = ("u8", "tail.npy", "json")
 
 
 def windows_key(job: JobRecord, model: str, options: UpscaleOptions) -> str:
-    """What the kept windows were computed from: a window kept under another model or other options never replays."""
+    """What the kept windows were computed from: a window kept under another model (with its performance mode) or
+    other options never replays."""
     return hashlib.sha256(f"{job.id}\n{model}\n{options!r}".encode()).hexdigest()
 
 

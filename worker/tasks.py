@@ -133,7 +133,10 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
 
         # 3. Probe, upscale window by window, encode, verify: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
-        windows = windows_key(job, config.model, options)
+        #    The key names the performance mode too: modes decode in different segment sizes (other bits on GPUs), and
+        #    `auto` may pick another one on the next worker.
+        mode = getattr(service.upscaler(), "performance_mode", "exact")
+        windows = windows_key(job, f"{config.model} ({mode})", options)
         kept = beat.storage(
             lambda: BlobWindowStore(
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive

@@ -36,7 +36,9 @@ class UpscaleOptions:
     codec: str = "h264"
     crf: int = 18
     preset: str = "medium"
-    limits: Limits = Limits()
+    # Limits only refuse work, they never change a pixel: not part of the repr, so a deploy that raises them keeps
+    # a requeued job's kept windows
+    limits: Limits = field(default=Limits(), repr=False)
     # Called with the job's output megapixel-frames once the limits passed, before any work (a budget to charge);
     # not part of the options' repr, which names what kept windows were computed from (worker/kept_windows.py)
     admit: Callable[[float], None] | None = field(default=None, repr=False, compare=False)

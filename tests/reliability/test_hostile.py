@@ -8,7 +8,6 @@ Timeouts are short here (2 s idle gap, 3 s grace, 4 bodies per key) so that the 
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import select

@@ -126,7 +126,7 @@ def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
             redis_server.wait(10)
 
 
-def test_vsrq_dev_restarts_a_killed_process(tmp_path):
+def test_vsrq_dev_restarts_a_killed_process(tmp_path, monkeypatch):
     """`vsrq dev`'s stack on the lanczos model: its worker, web server and reaper each SIGKILLed in turn (with their
     children): each started again within 2 s (the first backoff step, 0.5 s) and serving again once it has booted
     (imports dominate: about 5 s of CPU for the worker), then a job goes through."""
@@ -134,6 +134,7 @@ def test_vsrq_dev_restarts_a_killed_process(tmp_path):
     from storage.workers import WorkerRegistry
     from worker.media.synthetic import write_clip
 
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # its state file, not the user's
     with DevStack(tmp_path / "dev", "lanczos") as dev:
         redis_client = redis.Redis.from_url(dev.stack.redis_url)
         registry = WorkerRegistry(redis_client)

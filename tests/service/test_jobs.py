@@ -282,8 +282,10 @@ def test_queue_positions_follow_the_queue(jobs: JobStore):
     assert [jobs.view(jobs.require(j.id)).queue_position for j in (first, second, third)] == [0, 1, 2]
     lease = jobs.lease(first.id, "w", 30)
     assert [jobs.queue_position(jobs.require(j.id)) for j in (first, second, third)] == [None, 0, 1]
-    lease.retry("device_lost", "x")  # a retried job queues behind those already waiting
-    assert [jobs.queue_position(jobs.require(j.id)) for j in (first, second, third)] == [2, 0, 1]
+    lease.retry("device_lost", "x")  # a retried job goes first, as its message does (it waited its turn already)
+    assert [jobs.queue_position(jobs.require(j.id)) for j in (first, second, third)] == [0, 1, 2]
+    jobs.lease(second.id, "w", 30).retry("device_lost", "x")  # the latest requeued runs first among them
+    assert [jobs.queue_position(jobs.require(j.id)) for j in (first, second, third)] == [1, 0, 2]
 
 
 def test_pages_by_owner_with_status_filter(jobs: JobStore):
