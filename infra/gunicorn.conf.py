@@ -35,15 +35,15 @@ if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
 
 
 def when_ready(server) -> None:
-    """Auth off (VSRQ_AUTH=none) serves loopback only: checked again on the sockets gunicorn actually bound, since a
-    `--bind` on the command line overrides VSRQ_BIND, which storage/config.py checked."""
+    """Auth off (VSRQ_AUTH=none) serves loopback only: checked again on the addresses gunicorn binds, since a `--bind`
+    on the command line overrides VSRQ_BIND, which storage/config.py checked. The configured addresses, not the
+    master's sockets: with `reuse_port` each worker binds its own."""
     if _settings.auth != "none" or _settings.auth_none_public:
         return
     exposed = [
-        host
-        for listener in server.LISTENERS
-        if listener.sock.family != socket.AF_UNIX
-        and not ipaddress.ip_address((host := listener.sock.getsockname()[0]).split("%")[0]).is_loopback
+        f"{address[0] or '*'}:{address[1]}"
+        for address in server.cfg.address
+        if not isinstance(address, str | bytes) and not _loopback(address[0])  # a str: a unix socket
     ]
     if exposed:
         server.log.error(
@@ -52,6 +52,15 @@ def when_ready(server) -> None:
             ", ".join(exposed),
         )
         server.halt("auth off on a public address", exit_status=1)
+
+
+def _loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one ("" and 0.0.0.0: every interface, so no)."""
+    try:
+        infos = socket.getaddrinfo(host or None, None, proto=socket.IPPROTO_TCP) if host else []
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def on_starting(server) -> None:
