@@ -94,15 +94,15 @@ class Supervisor:
                     self._launch(child)
                 except OSError as error:  # no file descriptor, no memory, a log not writable: counts as an exit
                     child.due_at = None
-                    self._exited(child, f"could not start ({error})", now)
+                    self._exited(child, f"could not start ({error})", str(error), now)
             return
         if child.process is None or child.process.poll() is None:
             return
-        self._exited(child, f"exited ({child.process.returncode})", now)
+        code = child.process.returncode
+        self._exited(child, f"exited ({code})", str(code), now)
 
-    def _exited(self, child: Supervised, what: str, now: float) -> None:
-        """Backoff, or give up after `max_restarts` within `window_s`."""
-        code = what.rsplit("(", 1)[-1].rstrip(")")
+    def _exited(self, child: Supervised, what: str, last: str, now: float) -> None:
+        """Backoff, or give up after `max_restarts` within `window_s`. `what` happened; `last`: its exit code or error."""
         child.failures = 1 if now - child.started_at >= STEADY_S else child.failures + 1
         child.restarts = [at for at in child.restarts if now - at < self.window_s] + [now]
         if len(child.restarts) > self.max_restarts:
@@ -110,7 +110,7 @@ class Supervisor:
             self.gave_up.append(child.name)
             print(
                 f"vsrq dev: {child.name} exited {self.max_restarts + 1} times within {self.window_s:.0f} s "
-                f"(last exit {code}): gave up on it; see its log",
+                f"(last exit {last}): gave up on it; see its log",
                 file=sys.stderr,
                 flush=True,
             )
