@@ -102,7 +102,8 @@ class Supervisor:
         self._exited(child, f"exited ({code})", str(code), now)
 
     def _exited(self, child: Supervised, what: str, last: str, now: float) -> None:
-        """Backoff, or give up after `max_restarts` within `window_s`. `what` happened; `last`: its exit code or error."""
+        """Backoff, or give up after `max_restarts` within `window_s`. `what` happened; `last`: its exit code or
+        error."""
         child.failures = 1 if now - child.started_at >= STEADY_S else child.failures + 1
         child.restarts = [at for at in child.restarts if now - at < self.window_s] + [now]
         if len(child.restarts) > self.max_restarts:
