@@ -1,15 +1,13 @@
 """gunicorn settings for the API (`web` in the Procfile). Threads, not more processes: requests mostly wait on
 Redis, S3 and the network, and an upload holds its thread for as long as the client takes to send the file."""
 
-import ipaddress
 import os
 import signal
-import socket
 import tempfile
 from pathlib import Path
 
 from infra.children import die_with_parent
-from storage.config import Settings
+from storage.config import Settings, loopback_host
 from storage.logs import dict_config, settings_secrets
 
 _settings = Settings()  # VSRQ_BIND, VSRQ_WEB_WORKERS, VSRQ_WEB_THREADS among them
@@ -43,7 +41,7 @@ def when_ready(server) -> None:
     exposed = [
         f"{address[0] or '*'}:{address[1]}"
         for address in server.cfg.address
-        if not isinstance(address, str | bytes) and not _loopback(address[0])  # a str: a unix socket
+        if not isinstance(address, str | bytes) and not loopback_host(address[0])  # a str: a unix socket
     ]
     if exposed:
         server.log.error(
@@ -52,15 +50,6 @@ def when_ready(server) -> None:
             ", ".join(exposed),
         )
         server.halt("auth off on a public address", exit_status=1)
-
-
-def _loopback(host: str) -> bool:
-    """Whether every address `host` names is a loopback one ("" and 0.0.0.0: every interface, so no)."""
-    try:
-        infos = socket.getaddrinfo(host or None, None, proto=socket.IPPROTO_TCP) if host else []
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def on_starting(server) -> None:

@@ -36,11 +36,15 @@ def loopback(bind: str) -> bool:
     if bind.startswith("unix:"):
         return True
     host = bind.rsplit(":", 1)[0] if bind.count(":") == 1 or bind.startswith("[") else bind
-    host = host.strip("[]")
+    return loopback_host(host.strip("[]"))
+
+
+def loopback_host(host: str) -> bool:
+    """Whether `host` (an address, or `localhost`: no other name is looked up) is this machine's loopback."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         return False
 
