@@ -546,7 +546,7 @@ class Bench:
 def gauges(values: dict[str, float]) -> dict[str, float]:
     """The worker's memory, threads and graphs after a job, from its /metrics."""
     picked = {
-        "rss_gib": values.get("process_resident_memory_bytes", 0) / 2**30,
+        "rss_gib": values.get("vsrq_worker_resident_bytes", 0) / 2**30,
         "threads": values.get("vsrq_worker_threads"),
         "compiled_graphs": values.get("vsrq_worker_compiled_graphs"),
         "pinned_host_gib": values.get("vsrq_pinned_host_bytes", 0) / 2**30,

@@ -74,6 +74,11 @@ PINNED_HOST = Gauge(
     "Pinned host memory PyTorch's host allocator owns (in use and cached) after the last job (GPU workers).",
 )
 THREADS = Gauge("vsrq_worker_threads", "Python threads alive in the worker process after the last job.")
+RESIDENT = Gauge(
+    "vsrq_worker_resident_bytes",
+    "Host memory resident in the worker process after the last job. prometheus_client's process_ metrics need "
+    "/proc/stat's boot time, which some sandboxes do not show; this needs only the process's own /proc entry.",
+)
 WEBHOOK_DELIVERIES = Counter("vsrq_webhook_deliveries_total", "Webhook deliveries attempted (each retry counts).")
 WEBHOOK_FAILURES = Counter("vsrq_webhook_delivery_failures_total", "Webhook deliveries that did not get a 2xx.")
 
@@ -89,6 +94,9 @@ def record_upscale(result: Result) -> None:
     FRAMES.inc(result.written.video.frames)
     ENGINE_SECONDS.observe(result.engine_seconds)
     THREADS.set(threading.active_count())
+    import psutil  # the GPU worker's dependency, not the webhook worker's
+
+    RESIDENT.set(psutil.Process().memory_info().rss)
     torch = sys.modules.get("torch")  # loaded by the engine; never imported here
     if torch is not None:
         COMPILED_GRAPHS.set(torch._dynamo.utils.counters["stats"]["unique_graphs"])
