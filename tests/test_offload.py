@@ -111,6 +111,24 @@ def test_engines_of_other_modes_take_the_replica_over_in_turn(tiny_piflow, resid
             assert isinstance(replica.transformer.visual_transformer_blocks, StreamedBlocks)
 
 
+def test_a_resident_mode_frees_the_offloaded_homes_at_once(tiny_piflow):
+    """Offloaded, then resident again (a worker's mode changed, the bench's phases): the host copies go at once, not
+    at some later full garbage collection (the bench's host RSS rose by the weights' size in a later phase)."""
+    import gc
+    import weakref
+
+    offloaded = SREngine.from_pretrained(str(tiny_piflow), offload=LAYERS)
+    replica = offloaded.replicas[0]
+    homes = [weakref.ref(unit.home) for unit in replica.placement._all_units()]
+    speed = SREngine([replica])
+    gc.disable()  # only reference counting frees now
+    try:
+        run(speed, clip(2, frames=13), SRRequest(scale=2, seed=3))
+        assert replica.placement is None and not [home for home in homes if home() is not None]
+    finally:
+        gc.enable()
+
+
 def test_a_failed_call_leaves_every_weight_at_home(tiny_piflow, resident):
     from worker.errors import Cancelled
 

@@ -133,6 +133,12 @@ class _Unit:
     def go_home(self) -> None:
         _point(self.tensors, self.home_views)
 
+    def free_home(self) -> None:
+        """Drops the home copy (unlocked first where it was page-locked in place); the unit is done with."""
+        self.home_views = []
+        self._registration = None  # its __del__ unlocks the pages while it still holds the buffer
+        self.home = torch.empty(0, dtype=torch.uint8)
+
 
 class _Group:
     """Units brought in and let go together, into one device buffer: a component (the transformer: its embeddings
@@ -230,13 +236,17 @@ class Placement:
             self._release(name)
 
     def restore(self) -> None:
-        """Every weight back on the device for good, as a resident replica has it (a resident mode takes over)."""
+        """Every weight back on the device for good, as a resident replica has it (a resident mode takes over), and
+        the homes freed now: the placement and its block stream refer to each other, so waiting for the last
+        reference would keep gigabytes of pinned memory until a full garbage collection."""
         with self._lock:
             for unit in self._all_units():
                 _point(unit.tensors, [view.to(self.device, copy=True) for view in unit.home_views])
+                unit.free_home()
             if isinstance(self._owner, StreamedBlocks):
                 self._owner.__class__ = nn.ModuleList
                 del self._owner.vsrq_stream
+            self.blocks = None
 
     def _all_units(self) -> list[_Unit]:
         return [self._core, *self._blocks, *(m for name, g in self.units.items() if name != "transformer" for m in g.members)]
