@@ -64,17 +64,30 @@ def test_a_split_tile_gives_the_output_of_one_device(engine, engines, devices, v
 
 
 def test_two_groups_split_their_tiles_side_by_side(engine, engines):
-    """Four devices in two groups of two (forced), each denoising two of the four tiles."""
+    """Four devices in two groups of two (forced), each denoising two of the four tiles, also two at a time."""
     expected, _ = upscale(engine, clip(2))
-    output, degree = upscale(engines(4, 2), clip(2))
-    assert degree == 2
+    for request in (REQUEST, SRRequest(scale=2, seed=3, tiles_batch_size=2)):
+        output, degree = upscale(engines(4, 2), clip(2), request)
+        assert degree == 2
+        assert (output - expected).abs().max().item() <= 1e-5 and psnr(output, expected) >= 50
+
+
+def test_a_flow_matching_checkpoint_without_latent_upscaler_splits_alike(tiny_checkpoints):
+    """The other scheduler, and low-resolution latents encoded per tile (by the group's first device only)."""
+    source = str(tiny_checkpoints[("flowmatch", False)])
+    expected, _ = upscale(SREngine.from_pretrained(source), one_tile())
+    output, degree = upscale(SREngine.from_pretrained(source, devices=["cpu"] * 3), one_tile())
+    assert degree == 3
     assert (output - expected).abs().max().item() <= 1e-5 and psnr(output, expected) >= 50
 
 
-def test_a_group_gives_the_same_bytes_every_time(engines):
+def test_a_group_gives_the_same_bytes_every_time_and_counts_each_step_once(engines):
     first, _ = upscale(engines(3), one_tile(1))
-    again, _ = upscale(engines(3), one_tile(1))
-    assert torch.equal(first, again)
+    events: list = []
+    chunks: list[torch.Tensor] = []
+    engines(3).upscale(one_tile(1), REQUEST, chunks.append, progress=events.append)
+    assert torch.equal(first, torch.cat(chunks))
+    assert [event.done for event in events] == list(range(1, events[-1].total + 1))
 
 
 def test_whole_tiles_stay_bit_identical_to_one_device(engine, engines):
