@@ -7,7 +7,7 @@ JSON line to --out as soon as it is measured, so a run cut short still reports w
 
 Phases:
   ref:WL              the reference pipeline: one cold run, --hot hot runs (every ref: phase must come first)
-  ours:WL:DEVICES[@ORDER[/SEGMENT]]  or  ours:WL:DEVICES@MODE[/PREFETCH]
+  ours:WL:DEVICES[~SPLIT][@ORDER[/SEGMENT]]  or  ours:WL:DEVICES[~SPLIT]@MODE[/PREFETCH]
                       the engine + MP4 encoding, cold + hot; then (unless --no-check), if ref:WL or another
                       ours:WL phase runs, one run in reference noise mode compared with the reference output and
                       for bit-identity against the first ours:WL phase, and the first of the same decode order and
@@ -16,7 +16,12 @@ Phases:
                       offload, offload_layers) or auto (chosen from the free memory under the cap), PREFETCH the
                       transformer blocks in flight (offload_layers). A phase that runs out of GPU memory is
                       recorded as not completing, and the run goes on.
-                      Clips longer than one window (W3) run in temporal windows, as the worker runs them
+                      Clips longer than one window (W3) run in temporal windows, as the worker runs them.
+                      SPLIT: whether the devices share a tile's denoising (auto, the default: where there are
+                      fewer tiles than devices; on; off; N devices per tile; `worker/sr/split.py`): e.g.
+                      ours:W1:cuda:0+cuda:1~on. The
+                      record gives the split degree, the scaling efficiency T(1) / (n T(n)) against the last 1-device
+                      phase of the workload, and with the check max |delta| and PSNR to the first ours phase
   cap:GIB             the process may use at most GIB of the first GPU from here on
                       (`torch.cuda.set_per_process_memory_fraction`, as a smaller card would have; cap:0 lifts it)
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
@@ -200,6 +205,8 @@ class Bench:
         self.first_ours: dict[tuple, torch.Tensor] = {}  # (workload, decode order, segment); (workload, None, None)
         self.cap_gib: float | None = None  # `cap:` phases
         self.speed_hot: dict[str, float] = {}  # hot median of each workload's uncapped speed phase: the ratios' base
+        self.single_hot: dict[str, float] = {}  # hot median of the latest 1-device phase of each workload
+        self.split_degree = 1  # devices per tile in the latest run (`SREngine` split)
         self.compared: set[str] = set()  # workloads with a reference or another ours phase: worth the check run
         self.frames_written = self.mp4_bytes = 0  # by the latest run_ours
         self._attach(self.parts, self.home)
@@ -298,7 +305,9 @@ class Bench:
             options["offload"] = Offload(options["offload"].layers, options["offload"].resident_blocks, prefetch)
         return name, options
 
-    def engine(self, devices: list[torch.device], order: str = "lockstep", segment: int = 4, offload: Offload | None = None) -> SREngine:
+    def engine(
+        self, devices: list[torch.device], order: str = "lockstep", segment: int = 4, offload: Offload | None = None, split: str | int = "auto"
+    ) -> SREngine:
         if not self.replicas:
             prune_upscaler(self.parts["latent_upscaler"])
             if self.home.type == "cuda":
@@ -314,12 +323,13 @@ class Bench:
                     parts[key].load_state_dict(self.parts[key].state_dict())
                 self._attach(parts, device)
             self.replicas[device] = Components(device, parts["transformer"], parts["vae"], parts["scheduler"], parts["latent_upscaler"])
-        key = (*devices, order, segment, offload)
+        key = (*devices, order, segment, offload, split)
         if key not in self.engines:
             # None: the engine's default (compiled on GPUs); False: eager, to tell compiled code's effects apart
             transformer, decoder = (None if self.compiled in (part, "both") else False for part in ("transformer", "decoder"))
             self.engines[key] = SREngine(
-                [self.replicas[d] for d in devices], segment, order, compile_transformer=transformer, compile_decoder=decoder, offload=offload
+                [self.replicas[d] for d in devices], segment, order, compile_transformer=transformer, compile_decoder=decoder, offload=offload,
+                split=split,
             )
         return self.engines[key]
 
@@ -344,6 +354,7 @@ class Bench:
             else:
                 runs = (engine.upscale(video, request, sink),)
             engine_done = time.perf_counter()
+            self.split_degree = max(run.split for run in runs)
             writer.close()
             elapsed = time.perf_counter() - started
             # How compressible the output is decides the encoder's share: random weights' output is noise-like.
@@ -358,12 +369,12 @@ class Bench:
 
     def ours(
         self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4, hot: int | None = None,
-        mode: str | None = None, offload: Offload | None = None,
+        mode: str | None = None, offload: Offload | None = None, split: str | int = "auto",
     ) -> None:
         scale = self.workload(name)[3]
         runs, stages, graphs = [], [], []
         try:
-            engine = self.engine(devices, order, segment, offload)
+            engine = self.engine(devices, order, segment, offload, split)
             for _ in range(1 + (self.hot if hot is None else hot)):
                 before = compiled_graphs()
                 elapsed, stage, _ = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED), collect=False)
@@ -387,6 +398,11 @@ class Bench:
                 self.speed_hot[name] = record["hot_median_s"]
         if name in self.speed_hot:
             record["ratio_to_speed"] = round(record["hot_median_s"] / self.speed_hot[name], 3)
+        record["split"], record["split_degree"] = split, self.split_degree
+        if len(devices) == 1:
+            self.single_hot[name] = record["hot_median_s"]
+        elif name in self.single_hot:
+            record["scaling_efficiency"] = round(self.single_hot[name] / (len(devices) * record["hot_median_s"]), 3)
         record |= {
             # Graphs Dynamo built per run: a hot run that builds any ran compilation beside other devices' calls
             # (what the compile gate must prevent) or met a shape its first run did not.
@@ -410,6 +426,7 @@ class Bench:
         first = self.first_ours.setdefault((name, None, None), output)
         record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
         record["max_abs_delta_to_first_vsrq_phase"] = (output - first).abs().max().item()
+        record["psnr_db_to_first_vsrq_phase"] = psnr(output, first)
         # Against the first phase that decoded the same way (on GPUs another segment length moves some pixels by
         # up to 2/255): where the weights live must not change a bit.
         same = self.first_ours.setdefault((name, order, segment), output)
@@ -503,14 +520,15 @@ def main(argv: list[str] | None = None) -> None:
             bench.reference(name, int(hot) if hot else None)
         elif kind == "ours":
             devices, _, layout = (rest[0] if rest else str(bench.home)).partition("@")
-            devices = [torch.device(d) for d in devices.split("+")]
+            devices, _, split = devices.partition("~")
+            devices, split = [torch.device(d) for d in devices.split("+")], int(split) if split.isdigit() else split or "auto"
             order, _, segment = (layout or "lockstep").partition("/")
             if order in PERFORMANCE_MODES or order == "auto":
                 mode, options = bench.mode(order, devices, int(segment) if segment else None)
                 order, segment = options["decode_order"], options["decode_segment"]
-                bench.ours(name, devices, order, segment, int(hot) if hot else None, mode, options["offload"])
+                bench.ours(name, devices, order, segment, int(hot) if hot else None, mode, options["offload"], split)
             else:
-                bench.ours(name, devices, order, int(segment or 4), int(hot) if hot else None)
+                bench.ours(name, devices, order, int(segment or 4), int(hot) if hot else None, split=split)
         elif kind == "cap":
             bench.cap(float(name))
         elif kind == "batch":

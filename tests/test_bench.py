@@ -38,6 +38,7 @@ def test_phases_parse_with_their_hot_run_counts():
     assert parse_phase("ours:W1:cuda:0+cuda:1@tile_major/2*1") == ("ours", "W1", ["cuda:0+cuda:1@tile_major/2"], "1")
     assert parse_phase("ref:W1*0") == ("ref", "W1", [], "0")
     assert parse_phase("ours:W2") == ("ours", "W2", [], "")
+    assert parse_phase("ours:W1:cuda:0+cuda:1~on@lockstep*1") == ("ours", "W1", ["cuda:0+cuda:1~on@lockstep"], "1")
 
 
 def test_a_threads_phase_sets_the_host_threads_of_the_phases_after_it(tmp_path):
@@ -98,3 +99,15 @@ def test_offloaded_modes_run_under_a_cap_phase_with_their_bits_checked_against_r
     assert resident["offloaded_weights_pinned_gib"] == 0 and "offload_copies" not in resident
     assert "ratio_to_speed" in layers and layers["host_rss_gib"] > 0
     assert auto["mode"] == "speed" and auto["bit_identical_to_first_vsrq_phase"]  # a CPU: speed, the first phase's bits
+
+
+def test_a_split_phase_reports_its_degree_efficiency_and_distance(tmp_path):
+    """Tiny W2 is two tiles: three devices split them (auto), and `~off` keeps them whole."""
+    out = tmp_path / "results.jsonl"
+    main(["--tiny", "--hot", "1", "--out", str(out), "--phases", "ours:W2:cpu,ours:W2:cpu+cpu+cpu,ours:W2:cpu+cpu+cpu~off*0"])
+    single, split, whole = [record for record in map(json.loads, out.read_text().splitlines()) if record.get("impl") == "vsrq"]
+    assert (single["split_degree"], split["split_degree"], whole["split_degree"]) == (1, 3, 1)
+    assert (split["split"], whole["split"]) == ("auto", "off")
+    assert split["scaling_efficiency"] == round(single["hot_median_s"] / (3 * split["hot_median_s"]), 3)
+    assert split["max_abs_delta_to_first_vsrq_phase"] <= 1e-5 and split["psnr_db_to_first_vsrq_phase"] >= 50
+    assert whole["bit_identical_to_first_vsrq_phase"]

@@ -19,10 +19,34 @@ from worker.sr.tiling import Tile
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which device denoises and which decodes each tile (slot -> tiles, in tile order)."""
+    """Which device denoises and which decodes each tile (slot -> tiles, in tile order), and the groups of slots that
+    denoise each of their tiles together (`split`)."""
 
     denoise: dict[int, list[Tile]]
     decode: dict[int, list[Tile]]
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def encode(self) -> dict[int, list[Tile]]:
+        """Slot -> the tiles whose low-resolution latents it makes: a split group's first slot makes them for all."""
+        sharing = {slot for group in self.groups for slot in group[1:]}
+        return {slot: [] if slot in sharing else tiles for slot, tiles in self.denoise.items()}
+
+    def hands_over(self, slot: int) -> bool:
+        """Whether `slot` hands its denoised tiles on: all of a split group hold them, its first slot hands them."""
+        return not any(slot in group[1:] for group in self.groups)
+
+    @classmethod
+    def split(cls, tiles: Sequence[Tile], slots: int, degree: int) -> Schedule:
+        """Groups of `degree` consecutive slots, each denoising its tiles together (dealt round-robin over the
+        groups); decoding dealt round-robin over all slots, from the last one: a split group's first slot also
+        hands its tiles over."""
+        if degree == 1:
+            return cls.balanced(tiles, slots)
+        groups = [tuple(range(start, start + degree)) for start in range(0, slots, degree)]
+        denoise = {slot: list(tiles[number :: len(groups)]) for number, group in enumerate(groups) for slot in group}
+        decode = {slot: list(tiles[slots - 1 - slot :: slots]) for slot in range(slots)}
+        return cls(denoise, decode, tuple(groups))
 
     @classmethod
     def balanced(cls, tiles: Sequence[Tile], slots: int) -> Schedule:
@@ -54,7 +78,12 @@ class Pipeline:
         # segments up in pinned memory (the engine's `_Blend` moves those that wait for an earlier tile out of it).
         self._results: queue.Queue = queue.Queue(maxsize=2 * tiles)
         self._model_call: Callable[[], AbstractContextManager] = nullcontext
+        self._on_failure: list[Callable[[], Any]] = []
         self.error: BaseException | None = None
+
+    def on_failure(self, callback: Callable[[], Any]) -> None:
+        """`callback()` once the first failure is recorded (e.g. breaking a barrier the threads may wait at)."""
+        self._on_failure.append(callback)
 
     def start(self, pool: ThreadPoolExecutor, calls: list[Callable[[], Any]], model_call: Callable[[], AbstractContextManager]) -> None:
         """Runs `calls` on `pool`, each model call of theirs inside `model_call()` (the compile gate's context)."""
@@ -128,6 +157,8 @@ class Pipeline:
         with self._handed:
             self.error = self.error or error
             self._handed.notify_all()
+        for callback in self._on_failure:
+            callback()
 
 
 class Stopped(Exception):

@@ -4,7 +4,8 @@
 and a streaming decode that hand finished output frames to a sink. Compared with `Kandinsky6SRPipeline` it
 - spreads whole tiles over a device group (one replica per device, each running its own denoise-then-decode
   pipeline, with the denoising and decoding of a tile balanced separately; the host blends in tile order, so the
-  output is bit-identical whatever the device count),
+  output is bit-identical whatever the device count), or, with fewer tiles than devices, splits each tile's
+  denoising over several devices (`split`: sequence parallel, the same output to float rounding),
 - draws every tile's noise from its own generator (output independent of tile batching and device count),
 - decodes all tiles in lockstep, one temporal segment at a time through each tile's causal cache, blending each
   segment on the host as soon as its tiles are in, so the GPU holds no canvas and memory does not grow with clip
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from worker.errors import Cancelled, InvalidRequest
 from worker.sr import checkpoint, tiling
+from worker.sr import split as _split
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
 from worker.sr.compilation import COMPILE, allow_many_graphs
@@ -83,6 +85,7 @@ class SREngine:
         compile_decoder: bool | None = None,
         attention: str = "sdpa",
         offload: Offload | None = None,
+        split: str | int = "auto",
     ) -> None:
         """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
         its device; "parked" streams the same way with the caches in pinned host memory between segments (two per
@@ -97,7 +100,10 @@ class SREngine:
         exact) or "nabla" (the trained sparse pattern; needs the compiled transformer at full size); `offload` keeps
         the weights in pinned host memory and brings each component to its device only while it runs (`offload`;
         None: all resident). The replicas' weights move where `offload` wants them, here and again at a call if
-        another engine has placed them otherwise since."""
+        another engine has placed them otherwise since. `split`: whether the devices may share a tile's denoising
+        ("auto": where there are fewer tiles than devices; "on": always; "off": never; a number: that many devices
+        per tile; `split.degree`). Dense attention only: a split group runs its blocks uncompiled, and eager NABLA
+        (flex attention) materialises the score matrix."""
         if attention not in PROCESSORS:
             raise ValueError(f"attention must be one of {tuple(PROCESSORS)}, got {attention!r}")
         if attention == "nabla" and compile_transformer is False and any(r.device.type == "cuda" for r in replicas):
@@ -107,11 +113,16 @@ class SREngine:
             raise ValueError(f"decode_order must be one of {DECODE_ORDERS}, got {decode_order!r}")
         if not replicas:
             raise ValueError("an engine needs at least one replica")
+        _split.check(split)
         if decode_segment < 1:
             raise ValueError("decode_segment must be >= 1 latent frame")
         self.replicas = list(replicas)
         self.decode_segment = decode_segment
         self.decode_order = decode_order
+        # Offloaded blocks stream through one replica's slots a forward at a time: CPU "devices", which share one
+        # replica, cannot run a split group's forwards side by side.
+        shared = len({id(r) for r in replicas}) < len(replicas)
+        self.split = "off" if len(replicas) == 1 or (shared and offload is not None) or attention != "sdpa" else split
         self.last_decode_order = decode_order  # what the latest call ran: lockstep may give way (`_decode_order`)
         self.fast_decode = fast_decode
         self._cache_sizes: dict[tuple[int, int], int] = {}
@@ -127,6 +138,8 @@ class SREngine:
                     replica.vae.decoder.to(replica.device)
                 speed_up_decoder(replica.vae)
             _use_attention(replica.transformer, PROCESSORS[attention])
+            if self.split != "off":
+                _split.wrap_attention(replica.transformer)
             on_gpu = replica.device.type == "cuda"
             compiles_transformer = (on_gpu if compile_transformer is None else compile_transformer) and not _is_compiled(replica.transformer)
             compiles_decoder = on_gpu if compile_decoder is None else compile_decoder
@@ -282,9 +295,9 @@ class SREngine:
         video = self._pad(video, base, tiling_scale)
         _, _, padded_frames, padded_height, padded_width = video.shape
 
-        # 4. Plan the tiles and share the work out over the devices
+        # 4. Plan the tiles and share the work out over the devices: whole tiles, or a tile over a group (`split`)
         plan = tiling.plan_tiles(padded_height, padded_width, tiling_scale, self.tile_sizes, self.snap, request.min_overlap, base)
-        schedule = Schedule.balanced(plan.tiles, len(self.replicas))
+        schedule = Schedule.split(plan.tiles, len(self.replicas), _split.degree(len(plan.tiles), len(self.replicas), self.split))
         latent_frames = self._latent_frames(padded_frames)
         tracker.total = len(plan.tiles) * (request.num_inference_steps + len(self._segments(latent_frames)))
 
@@ -301,7 +314,7 @@ class SREngine:
         )
 
         # 6. Low-resolution latent tiles at the trained tile size, on the devices that denoise them
-        lq_latents = self._low_res_latents(video, plan, schedule.denoise)
+        lq_latents = self._low_res_latents(video, plan, schedule.encode)
         started = clock.lap("encode", started)
 
         # 7. Denoise and decode: one pipeline per device, blended here in tile order as segments arrive
@@ -327,6 +340,7 @@ class SREngine:
             padded_input=(padded_frames, padded_height, padded_width),
             tiles=len(plan.tiles),
             devices=[str(device) for device in self.devices],
+            split=max(map(len, schedule.groups), default=1),
             stage_seconds=clock.seconds,
         )
 
@@ -417,11 +431,18 @@ class SREngine:
         through the engine's `CompileGate` when blocks are compiled: one at a time in a call of a new signature."""
         segments = self._segments(noise[0].shape[1])
         pipeline = Pipeline(len(plan.tiles))
+        shards = _split.join(schedule.groups, self.devices)  # the split groups' devices (none for whole tiles)
+        for group in {id(shard.group): shard.group for shard in shards.values()}.values():
+            pipeline.on_failure(group.abort)  # a device waiting for its group stops with the call
 
         def run(slot: int) -> None:
             replica = self.replicas[slot]
+            shard = shards.get(slot)
+            turn = (lambda: shard.turn(pipeline.turn)) if shard is not None else pipeline.turn
             leaving = {tile.index for tile in schedule.denoise[slot]} - {tile.index for tile in schedule.decode[slot]}
-            for latents in self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, tracker, pipeline.turn):
+            for latents in self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, tracker, turn, shard):
+                if not schedule.hands_over(slot):
+                    continue
                 # A tile decoded elsewhere leaves through pinned host memory, its copy queued right behind its last
                 # step: a GPU-to-GPU copy would tie both GPUs' streams, and a copy started by the receiver would
                 # wait behind whatever the sender has queued by then.
@@ -503,8 +524,10 @@ class SREngine:
         request: SRRequest,
         tracker: _Tracker,
         turn: Callable[[], AbstractContextManager],
+        shard: _split.Shard | None = None,
     ) -> Iterator[dict[int, torch.Tensor]]:
-        """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time."""
+        """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time; with a
+        `shard`, this device's part of its group's denoising (every device of the group yields the same latents)."""
         if not tiles:
             return
         device, dtype = replica.device, replica.dtype
@@ -514,7 +537,7 @@ class SREngine:
             for start in range(0, len(tiles), request.tiles_batch_size):
                 chunk = tiles[start : start + request.tiles_batch_size]
                 # The transformer works on (batch, frames, height, width, channels).
-                lq = torch.cat([lq_latents[tile.index] for tile in chunk]).permute(0, 2, 3, 4, 1)
+                lq = torch.cat([lq_latents[tile.index] for tile in chunk]).to(device).permute(0, 2, 3, 4, 1)
                 eps = torch.cat([noise[tile.index] for tile in chunk]).to(device)
                 latents = math.sqrt(1 - request.lq_noise_scale**2) * lq + request.lq_noise_scale * eps
                 scheduler.set_timesteps(request.num_inference_steps, device=device)
@@ -528,9 +551,10 @@ class SREngine:
                         # One timestep row broadcasts over the batch: a batch of rows would take another GEMM path
                         # in the timestep MLP and change the low bits with the batch size.
                         model_input = torch.cat([latents, anchor], dim=-1)
-                        prediction = replica.transformer(hidden_states=model_input, timestep=t.reshape(1), return_dict=False)[0]
+                        prediction = _split.transformer(replica.transformer, model_input, t.reshape(1), shard)
                     latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-                    tracker.advance(len(chunk), "denoise")
+                    if shard is None or shard.rank == 0:  # a split tile's steps count once
+                        tracker.advance(len(chunk), "denoise")
                 yield {tile.index: latents[i : i + 1] for i, tile in enumerate(chunk)}
 
     def _latent_frames(self, frames: int) -> int:
@@ -581,7 +605,7 @@ def _decoding_weight_bytes(replica: Components) -> int:
 
 def _use_attention(transformer: torch.nn.Module, processor: type) -> None:
     """Sets the processor unless it is already in use (a new one would make compiled blocks recompile)."""
-    if not all(isinstance(p, processor) for p in transformer.attn_processors.values()):
+    if not all(isinstance(_split.unwrapped(p), processor) for p in transformer.attn_processors.values()):
         transformer.set_attn_processor(processor())
 
 

@@ -58,6 +58,7 @@ class RunInfo:
     padded_input: tuple[int, int, int]  # (frames, height, width) the model actually ran on
     tiles: int
     devices: list[str]
+    split: int = 1  # devices that denoised each tile together (1: whole tiles)
     # Wall seconds: "encode" and "denoise_decode" (the devices synchronised at each end); and, within the latter,
     # the calling thread's own work: "blend" (adding tiles into canvases, normalising) and "sink" (the caller's sink).
     stage_seconds: dict[str, float] = field(default_factory=dict)
