@@ -206,3 +206,15 @@ def test_a_cancellation_mid_split_stops_the_group(engines, finishes):
     error = finishes(cancel)
     assert isinstance(error, Cancelled)
     assert [event.done for event in events] == [1]
+
+
+def test_a_worker_splits_only_when_its_operator_says_so(tiny_piflow, monkeypatch):
+    """The split is unmeasured on GPUs: a worker keeps whole tiles unless `VSRQ_WORKER_SPLIT` asks for it."""
+    from worker.service import WorkerSettings
+    from worker.sr.backends import open_upscaler
+
+    assert WorkerSettings().split == "off"
+    monkeypatch.setenv("VSRQ_WORKER_SPLIT", "auto")
+    config = WorkerSettings()
+    assert open_upscaler(str(tiny_piflow), ["cpu", "cpu"], split=config.split, warmup_frames=None).split == "auto"
+    assert open_upscaler(str(tiny_piflow), ["cpu", "cpu"], split=WorkerSettings(split="off").split).split == "off"

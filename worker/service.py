@@ -32,6 +32,9 @@ class WorkerSettings(BaseSettings):
     # "offload_layers": the transformer's blocks streamed too (12 GB). "auto": the fastest that fits the free memory
     performance_mode: Literal["auto", "speed", "balanced", "memory", "offload", "offload_layers"] = "auto"
     offload_prefetch: int | None = None  # transformer blocks in flight in offload_layers (unset: the mode's 2)
+    # Devices sharing a tile's denoising where there are fewer tiles than devices ("auto"), never ("off"), or always
+    # ("on"). Off until measured on GPUs: a split group runs its blocks uncompiled (bench/RESULTS.md, issue 24)
+    split: Literal["auto", "on", "off"] = "off"
     warmup: bool = True  # compile for one window at start (GPUs), so the first job is not the cold one
     # "all": portrait and square tiles too (a short clip each), so their first job does not compile the decoder
     # either; "landscape": a faster start (a tile size's graphs took 77 s of a one-tile first call on an H200)
@@ -92,4 +95,5 @@ def upscaler():
         warmup_every_tile_size=config.warmup_tiles == "all",
         compile_cache_dir=config.compile_cache_dir,
         offload_prefetch=config.offload_prefetch,
+        split=config.split,
     )
