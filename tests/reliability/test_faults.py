@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import threading
@@ -947,8 +948,9 @@ def test_a_cancel_during_a_tail_ends_the_job_and_the_next_one_completes(
         partition.heal()
     [done] = wait_all(jobs, [following], limit_s=120)
     print(f"FIGURE cancel_in_a_tail: {cancelled.status} {latency:.2f} s after the request; next job {done.status}")
-    # seen between the upload's tries: a request storage never answers runs to its timeout (1 s, 3 tries) first
-    assert cancelled.status == Status.CANCELLED and cancelled.output is None and latency <= 10
+    # seen between the upload's tries, as in an inline tail: a request storage never answers runs to its timeout
+    # first (1 s, 3 tries, with backoff; 7.3 s on a loaded 2-core machine)
+    assert cancelled.status == Status.CANCELLED and cancelled.output is None and latency <= 15
     assert outputs(blobs, tailing) == []
     assert (done.status, done.attempt) == (Status.COMPLETED, 1)
 
@@ -979,3 +981,23 @@ def test_a_stalled_tail_that_lost_its_lease_promotes_nothing(api, reaper, jobs, 
     assert lost == 2, first.text()[-3000:]
     for job in records:
         assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
+
+
+def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, clips, workers, s3_cut):
+    """SIGTERM (a deploy, a scale-in) with a tail in flight: the worker finishes it, and the job it had started, before
+    it exits; nothing waits out a lease."""
+    partition, s3 = s3_cut
+    worker = started(workers(**s3))
+    try:
+        tailing, following = hold_a_tail(api, jobs, partition, clips, worker)
+        os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+    finally:
+        partition.heal()
+    deadline = time.monotonic() + 60
+    while worker.alive:
+        assert time.monotonic() < deadline, worker.text()[-3000:]
+        time.sleep(0.1)
+    records = [jobs.require(job_id) for job_id in (tailing, following)]
+    print(f"FIGURE warm_shutdown_in_a_tail: {[(job.status.value, job.attempt) for job in records]} when it exited")
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
