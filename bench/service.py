@@ -13,6 +13,10 @@ Phases (each appends JSON lines to --out as soon as it is measured; bench/RESULT
   queue      the mixed queue (W1, W2, portrait, square, 1080p->2160p, a clip longer than one window) submitted at once:
              GPU busy (sampled utilisation; engine seconds over wall time), throughput in output megapixel-frames per
              GPU-hour, where the time between engine calls goes, and memory, threads and graphs job after job
+  overlap    the mixed queue twice, the worker restarted between: each job's tail (encoder flush, check, upload,
+             complete) inline, then overlapped with the next job's head and engine (VSRQ_WORKER_OVERLAP_TAIL, on by
+             default, worker.finisher): GPU idle per job, the gaps between engine calls, engine busy fraction
+             side by side (the later phases' queue figures are the overlapped run's)
   reference  the diffusers `Kandinsky6SRPipeline` run serially on the queue's clips in this process, once the worker
              is stopped (bench.bench's reference configuration): the same throughput, side by side
 Blobs: `--blobs local` (a directory: what the GPU machine runs, SeaweedFS' wheel does not travel there) or `s3`
@@ -107,6 +111,7 @@ class Service:
         self.worker: subprocess.Popen | None = None
         self.worker_name = ""
         self.worker_log: Path | None = None
+        self.worker_env: dict[str, str] = {}  # settings of the next worker started (the overlap phase's)
         self.starts = 0
 
     def env(self) -> dict[str, str]:
@@ -162,7 +167,7 @@ class Service:
             "VSRQ_WORKER_DEVICES": self.devices,
             "VSRQ_WORKER_COMPILE_CACHE_DIR": str(self.cache),
             "VSRQ_METRICS_PORT": str(self.metrics_port),
-        } | (TINY_WINDOW if self.tiny else {})
+        } | (TINY_WINDOW if self.tiny else {}) | self.worker_env
         self.worker_log = self.root / f"worker-{self.starts}.log"
         command = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
                    "--concurrency", "1", "-Q", QUEUE, "-n", self.worker_name, "--without-gossip", "--without-mingle",
@@ -316,6 +321,12 @@ def split(at: dict[str, float], run: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def engine_span(line: dict[str, Any]) -> tuple[float, float]:
+    """When the attempt's engine windows ran, on Redis's clock: the worker reports them from its lease's request."""
+    start, end = line["run"]["engine_span_s"]
+    return line["at"]["leased"] + start, line["at"]["leased"] + end
+
+
 # -- the GPU's utilisation -------------------------------------------------------------------------------------------
 
 
@@ -438,6 +449,33 @@ class Bench:
 
     def queue(self) -> None:
         self.ensure_worker()
+        self.emit(self._queue())
+
+    def overlap(self) -> None:
+        """The queue with tails inline, then overlapped: each on a worker started for it."""
+        runs = {}
+        for label, setting in (("inline", "false"), ("overlapped", "true")):
+            self.service.kill_worker()
+            self.service.worker_env = {"VSRQ_WORKER_OVERLAP_TAIL": setting}
+            self.ensure_worker()
+            runs[label] = self._queue()
+            self.emit(runs[label])
+        self.service.worker_env = {}
+        keys = ("tails", "wall_s", "engine_s", "engine_busy_fraction", "gpu_idle_per_job_s", "engine_gap_per_job_s",
+                "attempt_overhead_per_job_s", "megapixel_frames_per_gpu_hour", "gpu_sampled")  # fmt: skip
+        inline, overlapped = runs["inline"], runs["overlapped"]
+        self.emit({
+            "phase": "overlap",
+            "jobs": inline["jobs"],
+            **{label: {key: run[key] for key in keys} for label, run in runs.items()},
+            "gpu_idle_per_job_saved_s": round(inline["gpu_idle_per_job_s"] - overlapped["gpu_idle_per_job_s"], 3),
+            "throughput_ratio": round(
+                overlapped["megapixel_frames_per_gpu_hour"] / inline["megapixel_frames_per_gpu_hour"], 3
+            ),
+        })  # fmt: skip
+
+    def _queue(self) -> dict[str, Any]:
+        """The mixed queue submitted at once to the running worker: each job's record emitted, the queue's returned."""
         jobs = Jobs(self.service, self.clips, self.tiny)
         sampler = GpuSampler().start()
         mix = (MIX * (self.args.jobs // len(MIX) + 1))[: self.args.jobs]
@@ -446,10 +484,9 @@ class Bench:
         for name in mix:  # all at once: the queue is never empty while they run
             submitted.append((name, *jobs.submit(name)))
         after: list[dict[str, Any]] = []  # the worker's gauges after each job
-        ends = []
+        self.queue_jobs, self.attempt_seconds = [], {}
         for name, job_id, posted in submitted:
             job, seen = jobs.wait(job_id, self.args.job_timeout_s)
-            ends.append(seen)
             after.append(self.service.metrics())
             line = jobs.timeline(job_id)
             record = {"phase": "queue_job", **job_record(name, job_id, posted, seen, line)}
@@ -467,27 +504,41 @@ class Bench:
         busy_wall = last_completed - first_leased  # Redis clock: the queue was never empty in between
         engine = sum(line["run"].get("engine_s", 0.0) for line in lines)
         megapixel_frames = sum(output_megapixel_frames(name, self.tiny) for name in mix)
-        # wall time that is not engine time, summed over jobs by where it went (and between jobs: Celery's next message)
+        # wall time that is not engine time, summed over jobs by where it went in each attempt (and between jobs:
+        # Celery's next message). With tails overlapped the attempts overlap: between_jobs goes below 0 (the next
+        # job leased before this one completed), and the engine gaps are what the GPU waits.
         ordered = sorted(lines, key=lambda line: line["at"]["leased"])
         between = [b["at"]["leased"] - a["at"]["completed"] for a, b in zip(ordered, ordered[1:])]
         idle: Counter[str] = Counter()
         for line in lines:
             idle.update(split(line["at"], line["run"]))
         idle["between_jobs"] = sum(between)
+        spans = sorted(engine_span(line) for line in lines)
+        gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]  # one engine's end to the next one's start
         self.queue_seconds = busy_wall
-        self.emit({
+        return {
             "phase": "queue",
+            "overlap_tail": self.service.worker_env.get("VSRQ_WORKER_OVERLAP_TAIL", "true") == "true",
+            "tails": Counter(line["run"].get("tail") for line in lines),
             "jobs": Counter(mix),
             "wall_s": round(busy_wall, 2),
             "client_wall_s": round(end - begin, 2),
             "engine_s": round(engine, 2),
             "engine_busy_fraction": round(engine / busy_wall, 4),
+            # what each job costs on top of the engine, the queue's way: its share of the time the engine was idle
+            "gpu_idle_per_job_s": round((busy_wall - engine) / len(mix), 3),
+            "engine_gap_per_job_s": round(statistics.fmean(gaps), 3) if gaps else None,
+            "engine_gaps_s": [round(gap, 3) for gap in gaps],
+            "attempt_overhead_per_job_s": round((sum(self.attempt_seconds_flat()) - engine) / len(mix), 3),
             "gpu_sampled": sampler.busy(begin, end),
             "idle_s_by_cause": {cause: round(seconds, 3) for cause, seconds in idle.items()},
             "output_megapixel_frames": round(megapixel_frames, 2),
             "megapixel_frames_per_gpu_hour": round(megapixel_frames / busy_wall * 3600, 1),
             "stability": stability(mix, after, [line["run"].get("graphs_built") for line in lines]),
-        })  # fmt: skip
+        }
+
+    def attempt_seconds_flat(self) -> list[float]:
+        return [seconds for per_clip in self.attempt_seconds.values() for seconds in per_clip]
 
     def reference(self) -> None:
         """diffusers' pipeline on each distinct clip of the queue once, serially, in this process (the worker

@@ -1,6 +1,7 @@
 """bench/service.py on the CPU: the real stack (Redis, SeaweedFS, the API under gunicorn, a Celery worker on the tiny
-checkpoint, started twice with a kill -9 between), jobs through the API, the diffusers reference; every figure the
-GPU run reports comes out, with values that make sense (not the targets: a CPU measures nothing)."""
+checkpoint, started twice with a kill -9 between, then once with each job's tail inline and once overlapped), jobs
+through the API, the diffusers reference; every figure the GPU run reports comes out, with values that make sense
+(not the targets: a CPU measures nothing)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from bench.service import main
 
 def test_the_service_bench_reports_every_figure(tmp_path):
     out = tmp_path / "service.jsonl"
-    main(["--tiny", "--blobs", "s3", "--jobs", "3", "--dir", str(tmp_path / "bench"), "--out", str(out)])
+    phases = "start,solo,overlap,reference"
+    bench = ["--tiny", "--blobs", "s3", "--jobs", "3", "--phases", phases, "--dir", str(tmp_path / "bench")]
+    main([*bench, "--out", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     by_phase: dict[str, list[dict]] = {}
     for record in records:
         by_phase.setdefault(record["phase"], []).append(record)
 
-    cold, warm = by_phase["worker_start"]
+    cold, warm = by_phase["worker_start"][:2]  # then the overlap phase's two
     assert (cold["cache"], warm["cache"]) == ("cold", "warm (after kill -9)")
     assert 0 < cold["ready_s"] < 300 and 0 < warm["ready_s"] < 300 and warm["cold_ready_s"] == cold["ready_s"]
 
@@ -36,17 +39,29 @@ def test_the_service_bench_reports_every_figure(tmp_path):
     [new_size] = by_phase["first_job_of_a_new_size"]
     assert new_size["job"] == "W2" and new_size["ratio"] == round(new_size["first_s"] / new_size["hot_s"], 3)
 
-    [queue] = by_phase["queue"]
-    assert queue["jobs"] == {"W2": 1, "portrait": 1, "square": 1}
-    assert 0 < queue["engine_busy_fraction"] <= 1 and queue["engine_s"] < queue["wall_s"] <= queue["client_wall_s"]
-    assert queue["gpu_sampled"] is None  # no nvidia-smi here
-    causes = {"lease", "download", "upscale_not_engine", "upload_complete", "between_jobs"}
-    assert set(queue["idle_s_by_cause"]) == causes
-    assert queue["megapixel_frames_per_gpu_hour"] > 0
-    stability = queue["stability"]
-    assert stability["graphs_rebuilt_for_a_seen_shape"] == [] and stability["jobs"] == 3
-    assert 0.5 < stability["last_over_first_peak"]["rss_gib"] < 2
-    assert stability["threads_first_last"][0] == stability["threads_first_last"][1] > 0  # no thread left per job
+    inline, overlapped = by_phase["queue"]
+    assert (inline["overlap_tail"], overlapped["overlap_tail"]) == (False, True)
+    assert (inline["tails"], overlapped["tails"]) == ({"inline": 3}, {"overlapped": 3})  # the setting took
+    for queue in (inline, overlapped):
+        assert queue["jobs"] == {"W2": 1, "portrait": 1, "square": 1}
+        assert 0 < queue["engine_busy_fraction"] <= 1 and queue["engine_s"] < queue["wall_s"] <= queue["client_wall_s"]
+        assert abs(queue["gpu_idle_per_job_s"] - (queue["wall_s"] - queue["engine_s"]) / 3) < 0.01
+        assert len(queue["engine_gaps_s"]) == 2 and all(gap > 0 for gap in queue["engine_gaps_s"])  # one at a time
+        assert queue["gpu_sampled"] is None  # no nvidia-smi here
+        causes = {"lease", "download", "upscale_not_engine", "upload_complete", "between_jobs"}
+        assert set(queue["idle_s_by_cause"]) == causes
+        assert queue["megapixel_frames_per_gpu_hour"] > 0
+        stability = queue["stability"]
+        assert stability["graphs_rebuilt_for_a_seen_shape"] == [] and stability["jobs"] == 3
+        assert 0.5 < stability["last_over_first_peak"]["rss_gib"] < 2
+        assert stability["threads_first_last"][0] == stability["threads_first_last"][1] > 0  # no thread left per job
+    assert inline["idle_s_by_cause"]["between_jobs"] > 0  # inline: the next job is leased once this one completed
+    assert overlapped["idle_s_by_cause"]["between_jobs"] < 0  # overlapped: leased while this one's tail ran
+    [overlap] = by_phase["overlap"]
+    assert overlap["inline"]["wall_s"] == inline["wall_s"] and overlap["overlapped"]["wall_s"] == overlapped["wall_s"]
+    assert overlap["throughput_ratio"] == round(
+        overlapped["megapixel_frames_per_gpu_hour"] / inline["megapixel_frames_per_gpu_hour"], 3
+    )
 
     reference = by_phase["reference"][0]
     assert [clip["job"] for clip in by_phase["reference_clip"]] == ["W2", "portrait", "square"]  # cheapest first

@@ -43,6 +43,9 @@ class WorkerSettings(BaseSettings):
     # graphs instead of compiling them (worker.sr.compile_cache). Unset: TORCHINDUCTOR_CACHE_DIR (the worker image's
     # /cache volume), else Inductor's /tmp/torchinductor_<user>, which a container loses with its restart.
     compile_cache_dir: Path | None = None
+    # A job's tail (the encoder's flush, the check, previews, upload, `complete`) on a thread of its own while the next
+    # job's head and engine run (worker.finisher); off: the task runs it before it takes the next message
+    overlap_tail: bool = True
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
     # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)
     window: int | None = None

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from contextvars import Token
 from typing import Any
 
@@ -137,13 +138,29 @@ def _job_ended(task_id: str, task: Any, args: tuple = (), state: str | None = No
         metrics.record_gpu_peaks(service.worker_settings().device_list)
         # A delivery that could not lease (RETRY) ran no attempt, even where its lost reply did lease the job: the
         # message it sent again runs that attempt and observes it
-        if events_before is not None and state != "RETRY":
-            metrics.observe_attempt(service.jobs(), args[0], events_before)
-    except redis.exceptions.RedisError as error:
-        log.warning("could not record the job's metrics: %s", error)
-    except Exception:  # metrics must never fail a job, nor the worker
-        log.warning("could not record the job's metrics", exc_info=True)
+        if state != "RETRY":
+            _observe(args[0], events_before)
     finally:
         if _presence is not None:
             _presence.publish(job=None)
         current_job.reset(token)
+
+
+def observe_later(task_id: str, job_id: str) -> Callable[[], None]:
+    """For an attempt that ends after its task returned (its tail on the finisher's thread, worker.finisher): the
+    task's end observes nothing, the tail calls what this returns once the attempt has ended."""
+    token, events_before = _job_tokens.get(task_id, (None, None))
+    if token is not None:
+        _job_tokens[task_id] = (token, None)
+    return lambda: _observe(job_id, events_before)
+
+
+def _observe(job_id: str, events_before: int | None) -> None:
+    if events_before is None:
+        return
+    try:
+        metrics.observe_attempt(service.jobs(), job_id, events_before)
+    except redis.exceptions.RedisError as error:
+        log.warning("could not record the job's metrics: %s", error)
+    except Exception:  # metrics must never fail a job, nor the worker
+        log.warning("could not record the job's metrics", exc_info=True)

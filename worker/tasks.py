@@ -16,16 +16,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
-from dataclasses import replace
-from functools import cache
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from functools import cache, partial
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
 import redis.exceptions
 import torch
-from celery.signals import worker_init
+from celery.signals import worker_init, worker_shutdown
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, preview_key
 from storage.config import served_name
@@ -47,6 +48,7 @@ from worker.attempt import discard, discard_attempt, end, forget_windows
 from worker.celery_app import app
 from worker.costs import charge, job_limits
 from worker.fetch import fetch
+from worker.finisher import Finisher
 from worker.heartbeat import UPLOADING, Heartbeat
 from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.errors import InputNotFound
@@ -54,8 +56,8 @@ from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
 from worker.sr.request import SRRequest
+from worker.upscale import Encoding, UpscaleOptions, begin_upscale
 from worker.upscale import Result as UpscaleResult
-from worker.upscale import UpscaleOptions, upscale_file
 
 log = logging.getLogger("vsrq.worker")
 
@@ -95,8 +97,44 @@ def upscale(self, job_id: str) -> None:
         log.info("%s attempt %d leased after %d tries that got no reply", job_id, lease.attempt, len(lost))
     job = lease.job()
     output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+    tail: _Tail | None = None
+    with _attempt(job, lease, output_key):
+        tail = _head(job, lease, output_key)
+    if tail is None:  # the attempt ended before its engine was done
+        return
+
+    # 4-5. The tail (`_complete`): inline, or on the finisher's thread once the previous job's tail is done, the task
+    #    returning at once so that the worker takes its next message and starts its engine (worker.finisher)
+    if not service.worker_settings().overlap_tail:
+        _finish(tail)
+        return
+    with _attempt(job, lease, output_key):
+        try:
+            while not _finisher.wait(tail.beat.every_s):  # this attempt's lease is kept, its cancel seen, meanwhile
+                tail.beat.stop_if_cancelled()
+        except BaseException:
+            tail.drop()
+            raise
+        _finisher.hand(partial(_finish, tail, signals.observe_later(self.request.id, job.id), overlapped=True))
+
+
+@worker_shutdown.connect
+def _finish_tails(**_: Any) -> None:
+    """A warm shutdown (a deploy, a scale-in) lets the tail in flight end its job; left to its lease, the job would be
+    done again by another worker."""
+    if _finisher.busy():
+        log.info("waiting for the last job's tail before shutting down")
+        _finisher.wait()
+
+
+_finisher = Finisher()
+
+
+@contextmanager
+def _attempt(job: JobRecord, lease: Lease, output_key: str) -> Iterator[None]:
+    """What ends an attempt that raised, in the task or in its tail."""
     try:
-        _run(job, lease, output_key)
+        yield
     except StaleAttempt as error:  # reaped or ended elsewhere: another attempt owns the job now
         log.warning("%s attempt %d lost the job: %s", job.id, lease.attempt, error.message)
         discard_attempt(output_key)  # uploaded before it found out: never promoted, so never kept
@@ -104,15 +142,38 @@ def upscale(self, job_id: str) -> None:
         end(job, lease, output_key, error)
 
 
-def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
+@dataclass
+class _Tail:
+    """An attempt whose engine is done: what its tail needs (`_finish`)."""
+
+    job: JobRecord
+    lease: Lease
+    output_key: str
+    beat: Heartbeat
+    options: UpscaleOptions
+    encoding: Encoding
+    graphs: int  # graphs the engine built for this job
+    scratch: Path
+    cleanup: ExitStack  # the scratch directory
+
+    def drop(self) -> None:
+        """The tail will not run (the attempt ended while it waited its turn)."""
+        try:
+            self.encoding.discard()
+        finally:
+            self.cleanup.close()
+
+
+def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
     config = service.worker_settings()
     default_steps = service.upscaler().default_steps
     options = replace(
         job_options(job.params, default_steps), limits=job_limits(job), admit=charge(job), **config.window_options
     )
     beat = Heartbeat(lease, config.heartbeat_s)
-    with TemporaryDirectory(prefix="vsrq-") as scratch:
-        source, output = Path(scratch, "input"), Path(scratch, "output.mp4")
+    with ExitStack() as cleanup:
+        scratch = Path(cleanup.enter_context(TemporaryDirectory(prefix="vsrq-")))
+        source, output = scratch / "input", scratch / "output.mp4"
 
         # 2. Fetch the input
         beat.send(progress=0, stage="probing", force=True)
@@ -131,7 +192,7 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
             log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
             beat.stop_if_cancelled(input_file=digest, force=True)
 
-        # 3. Probe, upscale window by window, encode, verify: heartbeats carry progress and bring back the cancel flag.
+        # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
         #    The key names the performance mode too: modes decode in different segment sizes (other bits on GPUs), and
         #    `auto` may pick another one on the next worker.
@@ -143,24 +204,41 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
             )
         )
         graphs = _graphs_built()
-        result = upscale_file(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
+        encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
-        metrics.record_upscale(result)
+        return _Tail(job, lease, output_key, beat, options, encoding, graphs, scratch, cleanup.pop_all())
 
-        # 4. The poster frame and sprite sheet, then the uploads to this attempt's keys: a stale attempt may upload,
-        #    but only the fenced `complete` promotes
-        beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True)
-        with beat.kept_alive():  # a long 4K output takes a while to decode
-            made = _previews(job.id, output, result.written.video.frames, Path(scratch))
-        stored = beat.storage(lambda: _upload(output, output_key, beat.transfer))
-        previews = {
-            variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
-            for variant, path in made.items()
-        }
-        beat.settle()  # asked while it uploaded: the output is discarded, not promoted
+
+def _finish(tail: _Tail, observe: Callable[[], None] = lambda: None, overlapped: bool = False) -> None:
+    """The attempt's tail, in the task or on the finisher's thread: it ends the attempt whatever happens."""
+    try:
+        with _attempt(tail.job, tail.lease, tail.output_key), tail.cleanup:
+            _complete(tail, overlapped)
+    finally:
+        observe()
+
+
+def _complete(tail: _Tail, overlapped: bool) -> None:
+    job, lease, output_key, beat, scratch = tail.job, tail.lease, tail.output_key, tail.beat, tail.scratch
+    config = service.worker_settings()
+    default_steps = service.upscaler().default_steps
+
+    # 4. The encoder's flush and the read-back check; the poster frame and sprite sheet, then the uploads to this
+    #    attempt's keys: a stale attempt may upload, but only the fenced `complete` promotes
+    result = tail.encoding.finish()
+    metrics.record_upscale(result)
+    beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True)
+    with beat.kept_alive():  # a long 4K output takes a while to decode
+        made = _previews(job.id, result.output, result.written.video.frames, scratch)
+    stored = beat.storage(lambda: _upload(result.output, output_key, beat.transfer))
+    previews = {
+        variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
+        for variant, path in made.items()
+    }
+    beat.settle()  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
-    _note_run(lease, result, graphs)
+    _note_run(lease, result, tail.graphs, overlapped)
     promoted_output = OutputInfo(
         key=output_key,
         bytes=stored.size,
@@ -168,7 +246,7 @@ def _run(job: JobRecord, lease: Lease, output_key: str) -> None:
         media=media_info(result.written),
         previews={v: PreviewInfo(key=blob.key, bytes=blob.size, sha256=blob.sha256) for v, blob in previews.items()},
         model=served_name(config.model),
-        num_inference_steps=None if default_steps is None else options.request.num_inference_steps,
+        num_inference_steps=None if default_steps is None else tail.options.request.num_inference_steps,
     )
     lease.complete(promoted_output)
     log.info(
@@ -190,13 +268,17 @@ def _graphs_built() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def _note_run(lease: Lease, result: UpscaleResult, graphs: int) -> None:
+def _note_run(lease: Lease, result: UpscaleResult, graphs: int, overlapped: bool) -> None:
     """A `run` event with the attempt's engine seconds beside its wall time, before `complete` so a completed job
     has it: what the service costs on top of the model (bench/service.py reads it). Informational: never the
     attempt's end."""
     detail = {
         "engine_s": round(result.engine_seconds, 3),
         "upscale_s": round(result.seconds, 3),  # probe to verified file
+        # the engine's windows, from and to, in seconds after the lease was asked for (the `leased` event's time, on
+        # Redis's clock, give or take its round trip): the gap to the next job's is the GPU's wait between jobs
+        "engine_span_s": [round(at - lease.asked_at, 3) for at in result.engine_span],
+        "tail": "overlapped" if overlapped else "inline",  # on the finisher's thread (worker.finisher), or the task's
         "windows": result.windows,
         "restored": result.restored,
         "tiles": result.tiles,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
-from time import perf_counter
+from time import monotonic, perf_counter
 
 from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
@@ -60,6 +60,9 @@ class Result:
     # computed windows: what is not probe, decode-ahead start, MP4 tail or verify. The service bench's overhead is
     # a job's wall time less this.
     engine_seconds: float = 0.0
+    # `time.monotonic()` when the engine's windows started (the first window's decode included) and ended: a worker
+    # that overlaps one job's tail with the next job's engine reports the gap between them
+    engine_span: tuple[float, float] = (0.0, 0.0)
 
 
 def upscale_file(
@@ -75,6 +78,21 @@ def upscale_file(
 
     Nothing exists at `output` until the finished file has been verified; on any error nothing is left behind.
     """
+    return begin_upscale(source, output, upscaler, options, progress, cancelled, store).finish()
+
+
+def begin_upscale(
+    source: str | Path,
+    output: str | Path,
+    upscaler,
+    options: UpscaleOptions = UpscaleOptions(),
+    progress: Callable[[WindowProgress], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    store: WindowStore | None = None,
+) -> Encoding:
+    """`upscale_file` up to the engine's last window: every frame is upscaled and handed to the encoder. What is left
+    (the encoder's flush, the read-back check) needs no upscaler: `Encoding.finish()` does it, on any thread, so a
+    worker can start its next job's engine meanwhile. On an error here nothing is left behind."""
     started = perf_counter()
     source, output = Path(source), Path(output)
 
@@ -102,45 +120,69 @@ def upscale_file(
     promise = Promise.of(info, size, carried, clock)
 
     # 4. Decode ahead (one window), upscale window by window, encode as frames arrive, mux the carried streams;
-    #    all into a hidden file next to the output
+    #    all into a hidden file next to the output. The writer stays open for `finish`.
     partial = output.with_name(f".{output.name}.partial")
-    try:
-        with Mp4Writer(
-            partial,
-            video.fps,
-            size,
-            options.crf,
-            options.preset,
-            codec=options.codec,
-            **timing,
-            passthrough=Passthrough(info, carried, offset=clock),
-            metadata=output_metadata(info),
-            language=video.language,
-            colour=(_tag(video.color_primaries), _tag(video.color_trc)),
-            sample_aspect_ratio=video.sar,
-        ) as writer, closing(prefetch(read_frames(source, video), plan.length)) as frames:
+    with ExitStack() as on_error:
+        on_error.callback(partial.unlink, missing_ok=True)
+        writer = on_error.enter_context(
+            Mp4Writer(
+                partial,
+                video.fps,
+                size,
+                options.crf,
+                options.preset,
+                codec=options.codec,
+                **timing,
+                passthrough=Passthrough(info, carried, offset=clock),
+                metadata=output_metadata(info),
+                language=video.language,
+                colour=(_tag(video.color_primaries), _tag(video.color_trc)),
+                sample_aspect_ratio=video.sar,
+            )
+        )
+        engine_started = monotonic()
+        with closing(prefetch(read_frames(source, video), plan.length)) as frames:
             run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
-
-        # 5. Read the file back and check it against the promise, then put it in place atomically
-        written = replace(verify(partial, promise), path=output)
-        os.replace(partial, output)
-    finally:
-        partial.unlink(missing_ok=True)
-
+        on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
     first = run.runs[0] if run.runs else None
-    return Result(
+    result = Result(
         output=output,
         source=info,
-        written=written,
+        written=info,  # until `finish` has read the output back
         windows=run.windows,
         restored=run.restored,
         tiles=first.tiles if first else 0,
         devices=tuple(first.devices) if first else (),
         carried=carried,
         notes=_notes(info, carried, first, options.request.scale, snap),
-        seconds=perf_counter() - started,
+        seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
+        engine_span=(engine_started, monotonic()),
     )
+    return Encoding(result, writer, promise, started)
+
+
+class Encoding:
+    """An output whose frames are all with the encoder: `finish` flushes it, verifies the file against what it must be
+    and puts it in place; `discard` drops it. One of the two, once, from any thread."""
+
+    def __init__(self, result: Result, writer: Mp4Writer, promise: Promise, started: float) -> None:
+        self.result, self._writer, self._promise, self._started = result, writer, promise, started
+
+    def finish(self) -> Result:
+        # 5. Flush the encoder, read the file back and check it against the promise, then put it in place atomically
+        partial = self._writer.path
+        try:
+            with self._writer:  # leaving it closes the writer (the flush); one that fails deletes the file
+                pass
+            written = replace(verify(partial, self._promise), path=self.result.output)
+            os.replace(partial, self.result.output)
+        finally:
+            partial.unlink(missing_ok=True)
+        return replace(self.result, written=written, seconds=perf_counter() - self._started)
+
+    def discard(self) -> None:
+        self._writer.discard()
 
 
 def _check_output(source: Path, output: Path) -> None:

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import threading
@@ -835,3 +836,168 @@ def _post_quietly(url: str, clip: bytes) -> None:
         )
     except requests.ConnectionError:
         pass
+
+
+# -- 8. one job's tail overlapped with the next job (worker.finisher) ----------------------------------------------
+
+
+def run_detail(jobs: JobStore, job_id: str) -> dict:
+    """The completing attempt's `run` event: engine seconds, and whether its tail ran on the finisher's thread."""
+    return [event.detail for event in jobs.events(job_id) if event.type == "run"][-1]
+
+
+@pytest.fixture
+def s3_cut(stack: Stack) -> Iterator[tuple[Partition, dict[str, str]]]:
+    """A partition in front of storage, and the settings of a worker that reaches storage through it (a request that
+    gets no answer times out in 1 s, then the worker tries again, its lease kept alive)."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    yield partition, {"VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}", "VSRQ_S3_TIMEOUT_S": "1"}
+    partition.close()
+
+
+def hold_a_tail(api: str, jobs: JobStore, partition: Partition, clips, worker: Process) -> tuple[str, str]:
+    """A job and a short one behind it on `worker`; storage is cut once the first job's engine is done, so that its
+    tail waits on its upload. Returns (first, short) once `worker` has leased the short one meanwhile: the tail is in
+    flight, its task returned and its message was acknowledged. The caller heals the partition."""
+    for _ in range(3):  # the encoder's flush, the check and the previews come before the upload: a fraction of a
+        # second to cut storage in, which a busy machine can miss
+        tailing, following = create(api, clips["medium"]), create(api, clips["small"])
+        held = wait_until(jobs, tailing, lambda job: job.stage in ("encoding", "uploading") or ended(job))
+        partition.cut()
+        if held.stage == "encoding":
+            break
+        partition.heal()
+        wait_all(jobs, [tailing, following], limit_s=60)
+    else:
+        raise AssertionError("never caught a tail before its upload")
+    wait_until(jobs, tailing, lambda job: job.stage == "uploading")
+    wait_until(jobs, following, lambda job: job.status == Status.IN_PROGRESS and holder(job, [worker]) is worker)
+    assert jobs.require(tailing).stage == "uploading"
+    return tailing, following
+
+
+def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, jobs, blobs, clips, workers):
+    """Queued jobs on one worker: each next job is leased (and its engine started) before the previous one completed,
+    and the outputs are the bytes a worker that runs its tails inline writes."""
+    inline = started(workers(VSRQ_WORKER_OVERLAP_TAIL="false"))
+    [reference] = wait_all(jobs, [create(api, clips["medium"])], limit_s=120)
+    inline.stop()
+    started(workers())  # the default: tails overlapped
+    ids = [create(api, clips["medium"]) for _ in range(4)]
+    records = wait_all(jobs, ids, limit_s=120)
+    ordered = sorted(ids, key=lambda job_id: leases(jobs, job_id)[0])
+    ahead = [first_event(jobs, b, "leased") - first_event(jobs, a, "completed") for a, b in zip(ordered, ordered[1:])]
+    tails = [run_detail(jobs, job_id)["tail"] for job_id in ids]
+    print(
+        f"FIGURE overlapped_tails: {len(ids)} jobs, next job leased before the previous completed by "
+        f"{[round(-s, 3) for s in ahead]} s; tails {tails}; outputs identical to an inline tail's "
+        f"{sum(job.output.sha256 == reference.output.sha256 for job in records)}/{len(ids)}"
+    )
+    assert run_detail(jobs, reference.id)["tail"] == "inline"
+    assert all(job.status == Status.COMPLETED and job.attempt == 1 for job in records), records
+    assert tails == ["overlapped"] * len(ids)
+    assert sum(seconds < 0 for seconds in ahead) >= len(ahead) - 1, ahead  # leased while the tail ran
+    assert all(job.output.sha256 == reference.output.sha256 for job in records)
+    assert all(outputs(blobs, job_id) == [jobs.require(job_id).output.key] for job_id in ids)
+
+
+def test_a_worker_killed_during_a_tail_loses_no_job_and_leaves_one_output(
+    env, api, reaper, jobs, blobs, clips, logs, s3_cut
+):
+    """Killed with a tail in flight (its message already acknowledged) and the next job leased: the reaper requeues
+    both once their leases run out, a new worker completes each once."""
+    partition, s3 = s3_cut
+    lease_s = 4
+    supervisor = Supervisor(lambda: processes.worker({**env, **s3, "VSRQ_LEASE_S": str(lease_s)}, QUEUE, logs))
+    try:
+        first = started(supervisor.current)
+        try:
+            tailing, following = hold_a_tail(api, jobs, partition, clips, first)
+            first.kill()
+            killed_at = time.time()
+        finally:
+            partition.heal()
+        records = wait_all(jobs, [tailing, following], limit_s=120)
+        resumed = [leases(jobs, job_id)[-1] - killed_at for job_id in (tailing, following)]
+        print(
+            f"FIGURE killed_in_a_tail: {[job.status.value for job in records]} on attempts "
+            f"{[job.attempt for job in records]}, kill -> next attempt {[round(s, 1) for s in resumed]} s "
+            f"(lease {lease_s} s), outputs {[len(outputs(blobs, job.id)) for job in records]}"
+        )
+        assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
+        assert [requeues(jobs, job_id)[0]["reason"]["code"] for job_id in (tailing, following)] == ["lease_expired"] * 2
+        for job in records:  # one output, the last attempt's
+            assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
+    finally:
+        supervisor.stop()
+
+
+def test_a_cancel_during_a_tail_ends_the_job_and_the_next_one_completes(
+    api, reaper, jobs, blobs, clips, workers, s3_cut
+):
+    partition, s3 = s3_cut
+    worker = started(workers(**s3))
+    try:
+        tailing, following = hold_a_tail(api, jobs, partition, clips, worker)
+        asked = time.monotonic()
+        response = requests.post(f"{api}/v1/videos/{tailing}/cancel", headers=AUTH, timeout=30)
+        assert response.status_code == 200, response.text
+        cancelled = wait_until(jobs, tailing, ended, limit_s=30)
+        latency = time.monotonic() - asked
+    finally:
+        partition.heal()
+    [done] = wait_all(jobs, [following], limit_s=120)
+    print(f"FIGURE cancel_in_a_tail: {cancelled.status} {latency:.2f} s after the request; next job {done.status}")
+    # seen between the upload's tries, as in an inline tail: a request storage never answers runs to its timeout
+    # first (1 s, 3 tries, with backoff; 7.3 s on a loaded 2-core machine)
+    assert cancelled.status == Status.CANCELLED and cancelled.output is None and latency <= 15
+    assert outputs(blobs, tailing) == []
+    assert (done.status, done.attempt) == (Status.COMPLETED, 1)
+
+
+def test_a_stalled_tail_that_lost_its_lease_promotes_nothing(api, reaper, jobs, blobs, clips, workers, s3_cut):
+    """A worker paused with a tail in flight loses both of its jobs to another worker; woken up, its tail uploads,
+    but its fenced `complete` is refused: one output per job, the new attempt's."""
+    partition, s3 = s3_cut
+    first = started(workers(**s3, VSRQ_LEASE_S="4"))
+    try:
+        tailing, following = hold_a_tail(api, jobs, partition, clips, first)
+        first.pause()
+        partition.heal()
+        started(workers())
+        records = wait_all(jobs, [tailing, following], limit_s=120)
+    finally:
+        partition.heal()
+        first.resume()
+    deadline = time.monotonic() + 30
+    while first.text().count("lost the job") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lost = first.text().count("lost the job")
+    print(
+        f"FIGURE stalled_tail: {[(job.status.value, job.attempt) for job in records]}, stale attempts stopped {lost}, "
+        f"outputs {[outputs(blobs, job.id) == [job.output.key] for job in records]}"
+    )
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
+    assert lost == 2, first.text()[-3000:]
+    for job in records:
+        assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
+
+
+def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, clips, workers, s3_cut):
+    """SIGTERM (a deploy, a scale-in) with a tail in flight: the worker finishes it, and the job it had started, before
+    it exits; nothing waits out a lease."""
+    partition, s3 = s3_cut
+    worker = started(workers(**s3))
+    try:
+        tailing, following = hold_a_tail(api, jobs, partition, clips, worker)
+        os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(0.5)
+    finally:
+        partition.heal()
+    deadline = time.monotonic() + 60
+    while worker.alive:
+        assert time.monotonic() < deadline, worker.text()[-3000:]
+        time.sleep(0.1)
+    records = [jobs.require(job_id) for job_id in (tailing, following)]
+    print(f"FIGURE warm_shutdown_in_a_tail: {[(job.status.value, job.attempt) for job in records]} when it exited")
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records

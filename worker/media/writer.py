@@ -237,12 +237,12 @@ class Mp4Writer:
                 self.close()
                 return
             except BaseException:
-                self._discard()
+                self.discard()
                 raise
-        self._discard()
+        self.discard()
 
-    def _discard(self) -> None:
-        """Never leave a partial output behind."""
+    def discard(self) -> None:
+        """Stops encoding and deletes the file: never leave a partial output behind."""
         if self._thread.is_alive():
             self._queue.put(_DONE)
             self._thread.join()
