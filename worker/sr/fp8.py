@@ -26,7 +26,7 @@ def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     what was applied; casting to float8 saturates at 448 (a value one rounding step above stays 448)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(_TINY)
     inverse = (FP8_MAX / amax).to(x.dtype)
-    return (x * inverse).to(FP8), inverse.float().reciprocal()
+    return (x * inverse).to(FP8).contiguous(), inverse.float().reciprocal()  # row-major, as cuBLASLt wants it
 
 
 def _gemm_shapes_ok(linear: nn.Linear, device: torch.device) -> bool:

@@ -142,10 +142,11 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def _graph(device: torch.device, batch: int, heads: int, tokens: int, kv_tokens: int, dim: int) -> tuple[Any, int]:
-    """The built cuDNN graph for this shape (once per shape and GPU) and its workspace size."""
+    """The built cuDNN graph for this shape (once per shape, GPU and thread: a graph is bound to its thread's handle)
+    and its workspace size."""
     key = (device.index, batch, heads, tokens, kv_tokens, dim)
-    with _LOCK:
-        built = _GRAPHS.get(key)
+    graphs = _thread_state("graphs")
+    built = graphs.get(key)
     if built is not None:
         return built
     import cudnn
@@ -183,24 +184,26 @@ def _graph(device: torch.device, batch: int, heads: int, tokens: int, kv_tokens:
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans()
-    built = (graph, graph.get_workspace_size())
-    with _LOCK:
-        _GRAPHS[key] = built
+    built = graphs[key] = (graph, graph.get_workspace_size())
     log.info("cuDNN FP8 attention graph built for %s on %s", key[1:], device)
     return built
 
 
 def _handle(device: torch.device) -> Any:
-    with _LOCK:
-        handle = _HANDLES.get(device.index)
-    if handle is None:
+    """This thread's cuDNN handle on `device` (cuDNN handles are not to be shared between threads)."""
+    handles = _thread_state("handles")
+    if device.index not in handles:
         import cudnn
 
         with torch.cuda.device(device):
-            handle = cudnn.create_handle()
-        with _LOCK:
-            handle = _HANDLES.setdefault(device.index, handle)
-    return handle
+            handles[device.index] = cudnn.create_handle()
+    return handles[device.index]
+
+
+def _thread_state(name: str) -> dict:
+    if not hasattr(_THREAD, name):
+        setattr(_THREAD, name, {})
+    return getattr(_THREAD, name)
 
 
 def _cudnn_usable(device: torch.device) -> bool:
@@ -233,7 +236,6 @@ def _note(backend: str) -> None:
 
 
 _LOCK = threading.Lock()
-_GRAPHS: dict[tuple, tuple[Any, int]] = {}
-_HANDLES: dict[int | None, Any] = {}
+_THREAD = threading.local()  # "handles": device index -> cuDNN handle; "graphs": shape key -> (graph, workspace bytes)
 _DISABLED: set[int | None] = set()
 _RAN: set[str] = set()
