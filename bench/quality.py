@@ -1,8 +1,12 @@
 """What `quality=high` buys and costs, lever by lever, in one short GPU run (full-size model, random bf16 weights).
 
-    python3 bench/quality.py --out quality.jsonl [--phases dit,pipeline] [--budget-s 190] [--tiny]
+    python3 bench/quality.py --out quality.jsonl [--phases attention,dit,pipeline] [--budget-s 190] [--tiny]
 
-Phases, each lever set in turn (lossless, fp8_linear, fp8_attention, both):
+Phases:
+  attention one W1 tile's attention alone (28 heads x 47,616 tokens x 64, random bf16 q/k/v): bf16 SDPA against
+            FP8 attention (`worker.sr.fp8_attention`) at softmax scales 64, 256 and 448, milliseconds and relative
+            L2 error against bf16
+and, each lever set in turn (lossless, fp8_linear, fp8_attention, both):
   dit       one DiT forward at one W1 tile's shape (31x32x48 latent tokens, 47,616 tokens; eager, CUDA-synchronised,
             warm-up then --repeat timed calls): seconds per call, speed-up against lossless, and the prediction's
             relative L2 error against lossless's
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench import SEED, WORKLOADS, build  # noqa: E402
 from worker.media.synthetic import pattern  # noqa: E402
-from worker.sr import quality  # noqa: E402
+from worker.sr import fp8_attention, quality  # noqa: E402
 from worker.sr.checkpoint import Components, prune_upscaler  # noqa: E402
 from worker.sr.engine import SREngine  # noqa: E402
 from worker.sr.request import SRRequest  # noqa: E402
@@ -70,6 +75,48 @@ class Run:
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def attention(run: Run, repeat: int) -> None:
+    """FP8 attention against bf16 SDPA at one tile's attention shape, and what the softmax scale does to its error."""
+    heads, dim = 28, 64
+    tokens = 3 * 8 * 8 if run.tiny else math.prod(W1_TILE_LATENT)
+    dtype = torch.float32 if run.tiny else torch.bfloat16
+    generator = torch.Generator().manual_seed(SEED)
+    # (B, H, S, D) views over (B, S, H, D) memory, as the projections make them
+    q, k, v = (torch.randn(1, tokens, heads, dim, generator=generator).to(run.device, dtype).transpose(1, 2) for _ in range(3))
+
+    def timed(call) -> tuple[float, torch.Tensor]:
+        out = call()  # warm-up (and the cuDNN graph)
+        run.sync()
+        started = time.perf_counter()
+        for _ in range(repeat):
+            out = call()
+        run.sync()
+        return (time.perf_counter() - started) / repeat, out
+
+    seconds, exact = timed(lambda: F.scaled_dot_product_attention(q, k, v).transpose(1, 2))
+    run.emit({"phase": "attention", "variant": "bf16_sdpa", "shape": [1, heads, tokens, dim], "ms": round(seconds * 1e3, 3)})
+    default = fp8_attention.SOFTMAX_SCALE
+    try:
+        for scale in (64.0, 256.0, 448.0):
+            if not run.within_budget("attention"):
+                return
+            fp8_attention.SOFTMAX_SCALE = scale
+            fp8_attention.reset_backend_used()
+            try:
+                seconds, out = timed(lambda: fp8_attention.fp8_attention(q, k, v))
+            except Exception as error:
+                run.emit({"phase": "attention", "variant": "fp8", "softmax_scale": scale, "error": f"{type(error).__name__}: {error}"[:500]})
+                continue
+            error_l2 = ((out.float() - exact.float()).norm() / exact.float().norm()).item()
+            record = {"phase": "attention", "variant": "fp8", "ran": fp8_attention.backend_used(), "softmax_scale": scale,
+                      "ms": round(seconds * 1e3, 3), "relative_l2_vs_bf16": round(error_l2, 5)}  # fmt: skip
+            if fp8_attention.why_emulated():  # cuDNN refused or is missing: why, in the results
+                record["why_emulated"] = fp8_attention.why_emulated()
+            run.emit(record)
+    finally:
+        fp8_attention.SOFTMAX_SCALE = default
 
 
 def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
@@ -180,14 +227,14 @@ def ssim_per_frame(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
-    parser.add_argument("--phases", default="dit,pipeline")
+    parser.add_argument("--phases", default="attention,dit,pipeline")
     parser.add_argument("--budget-s", type=float, default=190.0, help="no phase starts after this many seconds")
     parser.add_argument("--repeat", type=int, default=3, help="timed DiT calls per lever set, after one warm-up")
     parser.add_argument("--workload", default="W2", choices=sorted(WORKLOADS), help="the pipeline phase's clip")
     parser.add_argument("--tiny", action="store_true", help="the tiny configuration on the CPU (CI)")
     args = parser.parse_args(argv)
     phases = args.phases.split(",")
-    unknown = set(phases) - {"dit", "pipeline"}
+    unknown = set(phases) - {"attention", "dit", "pipeline"}
     if unknown:
         parser.error(f"unknown phase(s) {sorted(unknown)}")
 
@@ -204,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         info["cudnn"] = torch.backends.cudnn.version()
     parts = build(device, args.tiny)
     run.emit(info | {"build_done_s": round(time.monotonic() - STARTED, 1)})
+    if "attention" in phases and run.within_budget("attention"):
+        attention(run, args.repeat)
     if "dit" in phases:
         dit(run, parts["transformer"], args.repeat)
     if "pipeline" in phases and run.within_budget("pipeline"):

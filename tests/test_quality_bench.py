@@ -12,8 +12,11 @@ def test_the_quality_bench_measures_every_lever_set(tmp_path):
     out = tmp_path / "quality.jsonl"
     main(["--tiny", "--repeat", "1", "--out", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["phase"] for r in records] == ["setup", *["dit"] * 4, *["pipeline"] * 4, "done"]
-    dit, pipeline = records[1:5], records[5:9]
+    assert [r["phase"] for r in records] == ["setup", *["attention"] * 4, *["dit"] * 4, *["pipeline"] * 4, "done"]
+    attention, dit, pipeline = records[1:5], records[5:9], records[9:13]
+    assert [r["variant"] for r in attention] == ["bf16_sdpa", "fp8", "fp8", "fp8"]
+    for record in attention[1:]:  # FP8 attention is emulated on a CPU, and close to bf16's
+        assert record["ran"] == "fp8_emulated" and 0 < record["relative_l2_vs_bf16"] < 0.1, record
     expected = {
         "lossless": {},
         "fp8_linear": {"fp8_linear": "scaled_mm_rowwise"},
@@ -35,5 +38,5 @@ def test_a_spent_budget_skips_the_phases_and_says_so(tmp_path):
     out = tmp_path / "quality.jsonl"
     main(["--tiny", "--budget-s", "0", "--out", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["phase"] for r in records] == ["setup", "dit:lossless", "pipeline", "done"]
-    assert all("past --budget-s 0" in r["skipped"] for r in records[1:3])
+    assert [r["phase"] for r in records] == ["setup", "attention", "dit:lossless", "pipeline", "done"]
+    assert all("past --budget-s 0" in r["skipped"] for r in records[1:4])

@@ -29,10 +29,12 @@ def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * inverse).to(FP8).contiguous(), inverse.float().reciprocal()  # row-major, as cuBLASLt wants it
 
 
-def _gemm_shapes_ok(linear: nn.Linear, device: torch.device) -> bool:
-    """cuBLASLt's FP8 GEMM needs both matrix sides in multiples of 16 (every linear of the full-size DiT is); the CPU
-    takes any."""
-    return device.type != "cuda" or (linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
+def _fp8_gemm_ok(linear: nn.Linear, x: torch.Tensor) -> bool:
+    """cuBLASLt's row-wise FP8 GEMM needs both matrix sides in multiples of 16 and a 16-bit output (every linear of
+    the full-size DiT qualifies); the CPU takes any."""
+    if x.device.type != "cuda":
+        return True
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class Fp8Linear(nn.Module):
@@ -70,7 +72,7 @@ class Fp8Linear(nn.Module):
         return self.linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _gemm_shapes_ok(self.linear, x.device):
+        if not _fp8_gemm_ok(self.linear, x):
             return self.linear(x)
         rows = x.reshape(-1, x.shape[-1])
         quantised, scale = quantise_rows(rows)

@@ -28,9 +28,11 @@ log = logging.getLogger("vsrq.fp8_attention")
 
 CUDNN = "cudnn_fp8"
 EMULATED = "fp8_emulated"
-# The probabilities' scale, as cuDNN's own FP8 attention tests set it (they are <= 1, with room for the kernel's
-# lazy rescaling of its running maximum).
-SOFTMAX_SCALE = 64.0
+# The softmax probabilities' FP8 scale. They are <= 1 (cuDNN compensates its lazy rescaling of the running maximum
+# inside the kernel), so 256 keeps the largest in range with room to spare, and small ones (a 47,616-token row
+# averages 2e-5) above e4m3's smallest subnormal more often than the 64 of cuDNN's own tests would.
+# bench/quality.py's `attention` phase measures the error at 64, 256 and 448.
+SOFTMAX_SCALE = 256.0
 _UIDS = dict(q=1, k=2, v=3, o=4, descale_q=5, descale_k=6, descale_v=7, descale_s=8, scale_s=9, scale_o=10, amax_s=11, amax_o=12)
 
 
@@ -222,10 +224,17 @@ def _cudnn_usable(device: torch.device) -> bool:
     return True
 
 
+def why_emulated() -> dict[str, str]:
+    """GPU -> why FP8 attention is emulated there (benchmarks record it beside their figures)."""
+    with _LOCK:
+        return dict(_WHY)
+
+
 def _disable(device: torch.device, why: Any) -> None:
     with _LOCK:
         first = device.index not in _DISABLED
         _DISABLED.add(device.index)
+        _WHY.setdefault(str(device), f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else str(why))
     if first:
         log.warning("FP8 attention on %s is emulated (FP8 quantisation around bf16 SDPA): %s", device, why)
 
@@ -238,4 +247,5 @@ def _note(backend: str) -> None:
 _LOCK = threading.Lock()
 _THREAD = threading.local()  # "handles": device index -> cuDNN handle; "graphs": shape key -> (graph, workspace bytes)
 _DISABLED: set[int | None] = set()
+_WHY: dict[str, str] = {}
 _RAN: set[str] = set()
