@@ -83,8 +83,10 @@ def reset_backend_used() -> None:
 
 
 def _scale_of(x: torch.Tensor) -> torch.Tensor:
-    """0-d float32 multiplier that maps the largest magnitude of `x` onto the FP8 maximum (no host sync)."""
-    return FP8_MAX / x.detach().abs().amax().float().clamp_min(1e-12)
+    """0-d float32 multiplier that maps the largest magnitude of `x` onto the FP8 maximum (no host sync), rounded to
+    x's dtype first: quantising multiplies by exactly the value whose reciprocal dequantises (a max rounded up one
+    step still casts to 448)."""
+    return (FP8_MAX / x.detach().abs().amax().float().clamp_min(1e-12)).to(x.dtype).float()
 
 
 def _quantised(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -132,8 +134,7 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         _UIDS["descale_q"]: scalar(scales[0].reciprocal()),
         _UIDS["descale_k"]: scalar(scales[1].reciprocal()),
         _UIDS["descale_v"]: scalar(scales[2].reciprocal()),
-        _UIDS["descale_s"]: scalar(torch.tensor(1.0 / SOFTMAX_SCALE, device=device)),
-        _UIDS["scale_s"]: scalar(torch.tensor(SOFTMAX_SCALE, device=device)),
+        **_softmax_scales(device),
         _UIDS["scale_o"]: scalar(out_scale),
         _UIDS["amax_s"]: amax[0],
         _UIDS["amax_o"]: amax[1],
@@ -141,6 +142,16 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
     graph.execute(pack, workspace, handle=handle)
     return out.to(query.dtype) / out_scale.to(query.dtype)
+
+
+def _softmax_scales(device: torch.device) -> dict[int, torch.Tensor]:
+    """The probabilities' scale and descale on `device` (made once per value, not copied in per call)."""
+    cache = _thread_state("softmax_scales")
+    key = (device.index, SOFTMAX_SCALE)
+    if key not in cache:
+        values = torch.tensor([SOFTMAX_SCALE, 1.0 / SOFTMAX_SCALE], dtype=torch.float32, device=device)
+        cache[key] = {_UIDS["scale_s"]: values[0].reshape(1, 1, 1, 1), _UIDS["descale_s"]: values[1].reshape(1, 1, 1, 1)}
+    return cache[key]
 
 
 def _graph(device: torch.device, batch: int, heads: int, tokens: int, kv_tokens: int, dim: int) -> tuple[Any, int]:
