@@ -134,3 +134,18 @@ def test_compiled_blocks_recompile_for_the_levers_and_back(engine):
         assert torch.equal(compiled(hidden, temb, rope, sparse), eager_high)
     assert torch.equal(compiled(hidden, temb, rope, sparse), eager_lossless)
     assert not torch.equal(eager_high, eager_lossless)
+
+
+def test_high_gives_the_same_bits_offloaded_and_on_two_devices_and_keeps_no_fp8_weights(engine, tiny_piflow):
+    """Blocks streamed one by one through device slots, and two device threads sharing one replica (the levers are
+    swapped in once and out after the last): the resident engine's `high` bits; an offloaded engine keeps no FP8
+    copy of its weights after the call."""
+    from worker.sr import fp8
+    from worker.sr.offload import Offload
+
+    request = SRRequest(scale=2, quality="high")
+    resident = run(engine, clip(2), request)
+    offloaded = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu"], offload=Offload(layers=True, resident_blocks=0, prefetch=1))
+    assert torch.equal(run(offloaded, clip(2), request), resident)
+    linears = [getattr(parent, name) for parent, name in quality.block_linears(offloaded.replicas[0].transformer)]
+    assert all(isinstance(linear, nn.Linear) and linear not in fp8._TWINS for linear in linears)

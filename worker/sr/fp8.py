@@ -74,14 +74,18 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _fp8_gemm_ok(self.linear, x):
             return self.linear(x)
+        weight_t, weight_scale = self.weight_t, self.weight_scale
+        if weight_t.device != x.device:  # a block streamed in layer by layer (offload_layers): its weight came just now
+            quantised, scale = quantise_rows(self.linear.weight.detach())
+            weight_t, weight_scale = quantised.t(), scale.t().contiguous()
         rows = x.reshape(-1, x.shape[-1])
         quantised, scale = quantise_rows(rows)
         bias = self.linear.bias
         out = torch._scaled_mm(
             quantised,
-            self.weight_t,
+            weight_t,
             scale_a=scale,
-            scale_b=self.weight_scale,
+            scale_b=weight_scale,
             bias=None if bias is None else bias.to(x.dtype),
             out_dtype=x.dtype,
         )
