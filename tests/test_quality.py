@@ -149,3 +149,15 @@ def test_high_gives_the_same_bits_offloaded_and_on_two_devices_and_keeps_no_fp8_
     assert torch.equal(run(offloaded, clip(2), request), resident)
     linears = [getattr(parent, name) for parent, name in quality.block_linears(offloaded.replicas[0].transformer)]
     assert all(isinstance(linear, nn.Linear) and linear not in fp8._TWINS for linear in linears)
+
+
+def test_high_runs_its_levers_in_a_split_group_too(engine, tiny_piflow):
+    """A tile split over two devices (Ulysses over heads) runs the FP8 attention inside its wrapper: the levers
+    report as on one device and the output stays as close to lossless."""
+    request = SRRequest(scale=2, quality="high")
+    split_engine = SREngine.from_pretrained(str(tiny_piflow), devices=["cpu", "cpu"], split="on")
+    chunks: list[torch.Tensor] = []
+    info = split_engine.upscale(clip(2), request, chunks.append)
+    assert info.levers == {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
+    psnr = psnr_per_frame(torch.cat(chunks), run(engine, clip(2), SRRequest(scale=2)))
+    assert psnr.min() > TINY_PSNR_FLOOR_DB, psnr
