@@ -16,11 +16,13 @@ import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from api.body import parse_json
 from api.errors import ApiError, field_errors
 
 SCALES = (2.0, 2.25, 4.0)
+QUALITIES = ("lossless", "high")  # worker/sr/request.py's: the API never imports the worker
 _TARGET = re.compile(r"(hd|fullhd|2k|(\d+)x(\d+))")
 RANDOM_SEED = -1  # SGLang's "draw one": the drawn seed is what the job records and reports
 
@@ -57,7 +59,6 @@ GENERATION_ONLY: dict[str, str] = {
     "frame_interpolation_exp": "frame interpolation is not offered: " + _KEEPS_INPUT,
     "frame_interpolation_scale": "frame interpolation is not offered: " + _KEEPS_INPUT,
     "enable_upscaling": "this service always upscales (SGLang's post-generation upscaler is its whole job)",
-    "quality": "set the encoder's quality with output_crf (and output_codec)",
     "output_quality": "set the encoder's quality with output_crf (and output_codec)",
     "output_compression": "set the encoder's quality with output_crf (and output_codec)",
     "diffusers_kwargs": "the engine drives diffusers' model classes itself, not a pipeline call: name the SR fields",
@@ -131,6 +132,11 @@ class UpscaleParams(BaseModel):
     seed: int = Field(42, ge=RANDOM_SEED, lt=2**63, description="-1 draws a random seed, which the job then reports")
     output_codec: Literal["h264", "hevc", "av1"] = "h264"
     output_crf: int = Field(18, ge=0, le=63)
+    quality: Literal["lossless", "high"] = Field(
+        "lossless",
+        description="lossless: the exact engine (the default); high: faster, with FP8 arithmetic in the diffusion "
+        "transformer, not bit-exact (README says what it changes and costs); the job's output.quality says what ran",
+    )
 
     @field_validator("sr_resolution_scale")
     @classmethod
@@ -145,6 +151,16 @@ class UpscaleParams(BaseModel):
         if seed == RANDOM_SEED or (isinstance(seed, str) and seed.strip() == str(RANDOM_SEED)):
             return secrets.randbelow(2**31)  # SGLang's range of drawn seeds
         return seed
+
+    @field_validator("quality", mode="before")
+    @classmethod
+    def _quality(cls, quality: Any) -> Any:
+        text = quality.strip().lower() if isinstance(quality, str) else quality
+        if text not in QUALITIES:  # SGLang's and OpenAI's encoder-quality values land here too
+            raise PydanticCustomError(
+                "invalid_quality", "must be lossless or high (the encoder's quality is output_crf)"
+            )
+        return text
 
     @field_validator("sr_target_resolution")
     @classmethod

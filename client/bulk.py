@@ -449,7 +449,8 @@ def run(args: argparse.Namespace) -> int:
         print("vsrq: bulk: missing_token: pass --token or set VSRQ_TOKEN", file=sys.stderr)
         return 2
     defaults = {name: value for name, value in (("sr_resolution_scale", args.scale), ("seed", args.seed),
-                                                ("model", args.model)) if value is not None}  # fmt: skip
+                                                ("model", args.model), ("quality", args.quality))
+                if value is not None}  # fmt: skip
     for assignment in args.set:
         name, equals, value = assignment.partition("=")
         if not equals or not name:

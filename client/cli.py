@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     upscale.add_argument("--resize-mode", choices=("fit", "exact"), default="fit", help="fit keeps the aspect ratio")
     upscale.add_argument("--codec", choices=("h264", "hevc", "av1"), default="h264")
     upscale.add_argument("--crf", type=int, default=18, help="quality: lower is better and bigger (the codec's scale)")
+    upscale.add_argument("--quality", choices=("lossless", "high"), default="lossless",
+                         help="lossless: the exact engine; high: faster FP8 arithmetic in the diffusion transformer, "
+                         "not bit-exact (README: what it changes)")  # fmt: skip
     upscale.add_argument("--preset", default="medium", help="encoder speed preset (x264 names; AV1 maps them)")
     upscale.add_argument("--window", type=int, default=121, help="frames per temporal window (1 + 4k)")
     upscale.add_argument("--window-overlap", type=int, default=16, help="frames neighbouring windows crossfade over")
@@ -113,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     bulk.add_argument("--scale", choices=("2", "2.25", "4"), help="for every video (a manifest row may say otherwise)")
     bulk.add_argument("--seed")
     bulk.add_argument("--model", help="a model the API serves (default: its first)")
+    bulk.add_argument("--quality", choices=("lossless", "high"), help="for every video: the tier (default lossless)")
     bulk.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any other create field")
     bulk.add_argument("--concurrency", type=int, default=4, help="requests in flight: uploads, polls, downloads")
     bulk.add_argument("--wait", action="store_true", help="poll until every job has ended")

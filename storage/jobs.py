@@ -158,6 +158,8 @@ class OutputInfo(BaseModel):
     previews: dict[str, PreviewInfo] = {}  # "thumbnail", "spritesheet"
     model: str | None = None  # what the worker ran: "lanczos", or the checkpoint's name
     num_inference_steps: int | None = None  # denoising steps each tile ran; None for a model without steps
+    quality: str | None = None  # the tier that ran: "lossless" or "high" (None: a job from before the tiers)
+    quality_levers: dict[str, str] = {}  # `high`'s levers and how each ran, e.g. {"fp8_attention": "cudnn_fp8"}
 
     def keys(self) -> set[str]:
         """Every blob of this output: the video and its previews."""
@@ -221,6 +223,16 @@ class VideoOutput(BaseModel):
     media: MediaInfo | None
     model: str | None = Field(description="what the worker ran: `lanczos`, or the checkpoint's name")
     num_inference_steps: int | None = Field(description="denoising steps each tile ran (null: a model without steps)")
+    quality: str | None = Field(
+        None,
+        description="the tier that ran: `lossless` (the exact engine) or `high` (FP8 arithmetic in the DiT); "
+        "`high` asked of a model without a faster path (lanczos) runs, and says, `lossless`",
+    )
+    quality_levers: dict[str, str] = Field(
+        default_factory=dict,
+        description="`high`'s levers and how each ran: `fp8_linear` (`scaled_mm_rowwise`), `fp8_attention` "
+        "(`cudnn_fp8`, or `fp8_emulated` where cuDNN's FP8 attention is not available)",
+    )
     variants: list[str] = Field(description="what GET .../content?variant= serves: video, thumbnail, spritesheet")
 
 

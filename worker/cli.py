@@ -54,6 +54,7 @@ def upscale(args: argparse.Namespace) -> int:
             seed=args.seed,
             min_overlap=args.min_overlap,
             tiles_batch_size=args.tiles_batch_size,
+            quality=args.quality,
         ),
         target=Target.parse(args.target_resolution, args.resize_mode) if args.target_resolution else None,
         window=args.window,
@@ -86,6 +87,8 @@ def upscale(args: argparse.Namespace) -> int:
         f"at {float(written.fps):g} fps, {result.windows} window(s) ({result.restored} restored), {result.tiles} tiles "
         f"on {','.join(result.devices) or '-'}; {audio}; {result.seconds:.1f} s, {result.output.stat().st_size / 1e6:.2f} MB"
     )
+    if result.quality != "lossless":
+        print(f"quality: {result.quality} ({', '.join(f'{lever}: {how}' for lever, how in result.levers.items())})")
     for note in result.notes:
         print(f"note: {note}")
     return 0
@@ -96,7 +99,8 @@ def _job_key(args: argparse.Namespace) -> str:
     changes the frames (not the encoder's, which only sees them afterwards)."""
     stat = args.input.stat()
     fields = [str(args.input.resolve()), stat.st_size, stat.st_mtime_ns, args.model, args.devices, args.scale, args.seed,
-              args.steps, args.min_overlap, args.window, args.window_overlap, args.target_resolution, args.resize_mode]
+              args.steps, args.min_overlap, args.window, args.window_overlap, args.target_resolution, args.resize_mode,
+              args.quality]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 

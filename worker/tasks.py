@@ -55,7 +55,7 @@ from worker.media.errors import InputNotFound
 from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
-from worker.sr.request import SRRequest
+from worker.sr.request import LOSSLESS, SRRequest
 from worker.upscale import Encoding, UpscaleOptions, begin_upscale
 from worker.upscale import Result as UpscaleResult
 
@@ -247,6 +247,8 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         previews={v: PreviewInfo(key=blob.key, bytes=blob.size, sha256=blob.sha256) for v, blob in previews.items()},
         model=served_name(config.model),
         num_inference_steps=None if default_steps is None else tail.options.request.num_inference_steps,
+        quality=result.quality,
+        quality_levers=result.levers,
     )
     lease.complete(promoted_output)
     log.info(
@@ -318,6 +320,7 @@ def job_options(params: dict[str, Any], default_steps: int | None = SRRequest.nu
             seed=params["seed"],
             min_overlap=params["sr_tile_min_overlap"],
             tiles_batch_size=params["sr_tiles_batch_size"],
+            quality=params.get("quality", LOSSLESS),  # jobs queued before the tiers existed ran lossless
         ),
         target=Target.parse(target, params.get("sr_target_resize_mode", "fit")) if target else None,
         codec=params.get("output_codec", "h264"),

@@ -63,6 +63,8 @@ class Result:
     # `time.monotonic()` when the engine's windows started (the first window's decode included) and ended: a worker
     # that overlaps one job's tail with the next job's engine reports the gap between them
     engine_span: tuple[float, float] = (0.0, 0.0)
+    quality: str = "lossless"  # the tier that ran (`high` asked of an upscaler without one runs `lossless`)
+    levers: dict[str, str] = field(default_factory=dict)  # `high`'s levers and how each ran
 
 
 def upscale_file(
@@ -154,10 +156,12 @@ def begin_upscale(
         tiles=first.tiles if first else 0,
         devices=tuple(first.devices) if first else (),
         carried=carried,
-        notes=_notes(info, carried, first, options.request.scale, snap),
+        notes=_notes(info, carried, first, options.request, snap),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
         engine_span=(engine_started, monotonic()),
+        quality=first.quality if first else options.request.quality,
+        levers={lever: how for window in run.runs for lever, how in window.levers.items()},
     )
     return Encoding(result, writer, promise, started)
 
@@ -217,9 +221,12 @@ def _tag(value: int) -> int:
     return value if value not in (0, 2) else BT709
 
 
-def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, scale: float, snap: int) -> tuple[str, ...]:
+def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, request: SRRequest, snap: int) -> tuple[str, ...]:
     video: VideoInfo = info.video
+    scale = request.scale
     notes = []
+    if run is not None and run.quality != request.quality:
+        notes.append(f"quality={request.quality} has no faster path on this model: it ran {run.quality}, the exact engine")
     if run is not None:
         # Padding beyond the model's alignment means the input was smaller than one tile.
         height, width = tiling.pre_upscaled_size(video.height, video.width, scale) if scale in tiling.SCALES else (video.height, video.width)

@@ -176,6 +176,11 @@ def test_invalid_fields_are_422_with_details_and_leave_no_upload(api, clip, s3):
     body = assert_problem(create(api, "alice", clip, {"sr_scale": "2"}), 422, "unknown_field")
     assert body["errors"][0]["field"] == "sr_scale"
     assert_problem(create(api, "alice", clip, {"sr_target_resolution": "big"}), 422, "invalid_request")
+    # the tier: lossless or high; OpenAI's and SGLang's encoder-quality values are pointed at output_crf
+    body = assert_problem(create(api, "alice", clip, {"quality": "hd"}), 422, "invalid_request")
+    assert body["errors"] == [
+        {"field": "quality", "code": "invalid_quality", "message": "must be lossless or high (the encoder's quality is output_crf)"}
+    ]  # fmt: skip
     assert_problem(create(api, "alice", clip, {"webhook_url": "http://example.com/hook"}), 422, "invalid_request")
     response = requests.post(
         f"{api}/v1/videos", data={"seed": "1"}, files={"other": ("a.txt", b"x")}, headers=auth("alice"), timeout=10

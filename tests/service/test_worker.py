@@ -138,8 +138,20 @@ def test_the_checkpoint_worker_runs_its_model(api, k6_worker, tmp_path):
     assert job["output"]["media"]["frames"] == 9 and job["output"]["media"]["audio"]
     # what ran, as the job reports it: the checkpoint by its name, and the pi-Flow checkpoint's own 2 steps per tile
     assert job["output"]["model"].startswith("tiny-k6") and job["output"]["num_inference_steps"] == 2, job["output"]
+    assert (job["params"]["quality"], job["output"]["quality"], job["output"]["quality_levers"]) == ("lossless", "lossless", {})
+    # the faster tier, asked for by name, runs its levers and says how (on a CPU the FP8 attention is emulated)
+    high = wait_for(api, create(api, clip, model="k6-vsr", quality="high")["id"], k6_worker, limit_s=120)
+    assert (high["status"], high["params"]["quality"], high["output"]["quality"]) == ("completed", "high", "high"), high
+    assert high["output"]["quality_levers"] == {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
+    assert high["output"]["sha256"] != job["output"]["sha256"]
     # the checkpoint was loaded once, when the worker started, not per job
     assert len(re.findall(r"loading \S*tiny-k6\S* on cpu", k6_worker.read_text())) == 1
+
+
+def test_high_quality_on_lanczos_runs_and_says_lossless(api, worker, clip):
+    """Lanczos has no faster path: `high` is accepted (a client may send it for every model) and the job says what ran."""
+    job = wait_for(api, create(api, clip, quality="high")["id"], worker)
+    assert (job["status"], job["params"]["quality"], job["output"]["quality"]) == ("completed", "high", "lossless"), job
 
 
 def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):

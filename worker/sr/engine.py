@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.errors import Cancelled, InvalidRequest
-from worker.sr import checkpoint, tiling
+from worker.sr import checkpoint, quality, tiling
 from worker.sr import split as _split
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
@@ -86,6 +86,7 @@ class SREngine:
         attention: str = "sdpa",
         offload: Offload | None = None,
         split: str | int = "auto",
+        high_levers: Sequence[str] = quality.HIGH_LEVERS,
     ) -> None:
         """`decode_order`: "lockstep" streams frames out segment by segment and keeps every tile's decoder cache on
         its device; "parked" streams the same way with the caches in pinned host memory between segments (two per
@@ -103,7 +104,8 @@ class SREngine:
         another engine has placed them otherwise since. `split`: whether the devices may share a tile's denoising
         ("auto": where there are fewer tiles than devices; "on": always; "off": never; a number: that many devices
         per tile; `split.degree`). Dense attention only: a split group runs its blocks uncompiled, and eager NABLA
-        (flex attention) materialises the score matrix."""
+        (flex attention) materialises the score matrix. `high_levers`: what a `quality="high"` request runs
+        (`worker.sr.quality`); `lossless` requests always run the exact engine."""
         if attention not in PROCESSORS:
             raise ValueError(f"attention must be one of {tuple(PROCESSORS)}, got {attention!r}")
         if attention == "nabla" and compile_transformer is False and any(r.device.type == "cuda" for r in replicas):
@@ -125,6 +127,7 @@ class SREngine:
         self.split = "off" if len(replicas) == 1 or (shared and offload is not None) or attention != "sdpa" else split
         self.last_decode_order = decode_order  # what the latest call ran: lockstep may give way (`_decode_order`)
         self.fast_decode = fast_decode
+        self.high_levers = quality.check_levers(high_levers)
         self._cache_sizes: dict[tuple[int, int], int] = {}
         prepared: set[int] = set()  # CPU "devices" share one replica: prepare it once
         for replica in self.replicas:
@@ -329,8 +332,12 @@ class SREngine:
                     sink(frames)
                 emitted += len(frames)
 
+        #    `high` swaps its levers into the transformers for the denoising (lossless: nothing changes)
         self.last_decode_order = order = self._decode_order(plan, schedule)
-        self._generate(plan, schedule, order, lq_latents, noise, request, tracker, emit, clock)
+        levers = quality.request_levers(request.quality, self.high_levers)
+        quality.reset()
+        applied: list[quality.Applied] = []
+        self._generate(plan, schedule, order, lq_latents, noise, request, levers, applied, tracker, emit, clock)
         clock.lap("denoise_decode", started)
 
         return RunInfo(
@@ -342,6 +349,8 @@ class SREngine:
             devices=[str(device) for device in self.devices],
             split=max(map(len, schedule.groups), default=1),
             stage_seconds=clock.seconds,
+            quality=request.quality if levers else quality.LOSSLESS,
+            levers={lever: how for run in applied for lever, how in run.report().items()},
         )
 
     # --- step 3 -----------------------------------------------------------------------------------------------
@@ -417,6 +426,8 @@ class SREngine:
         lq_latents: dict[int, torch.Tensor],
         noise: list[torch.Tensor],
         request: SRRequest,
+        levers: tuple[str, ...],
+        applied: list[quality.Applied],
         tracker: _Tracker,
         emit: FrameSink,
         clock: _Clock,
@@ -440,7 +451,8 @@ class SREngine:
             shard = shards.get(slot)
             turn = (lambda: shard.turn(pipeline.turn)) if shard is not None else pipeline.turn
             leaving = {tile.index for tile in schedule.denoise[slot]} - {tile.index for tile in schedule.decode[slot]}
-            for latents in self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, tracker, turn, shard):
+            denoised = self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, levers, applied, tracker, turn, shard)
+            for latents in denoised:
                 if not schedule.hands_over(slot):
                     continue
                 # A tile decoded elsewhere leaves through pinned host memory, its copy queued right behind its last
@@ -478,7 +490,7 @@ class SREngine:
         weights = plan.weight_map(self.replicas[0].device).cpu()
         blends: dict[int, _Blend] = {}
         finished = 0
-        signature = (tuple(noise[0].shape), len(plan.tiles), decode_order, request.tiles_batch_size)
+        signature = (tuple(noise[0].shape), len(plan.tiles), decode_order, request.tiles_batch_size, levers)
         try:
             with self._gate.call(signature, gated=self.compiles) as model_call:
                 pipeline.start(self._pool, [self._on_device(slot, run) for slot in range(len(self.replicas))], model_call)
@@ -522,18 +534,24 @@ class SREngine:
         lq_latents: dict[int, torch.Tensor],
         noise: list[torch.Tensor],
         request: SRRequest,
+        levers: tuple[str, ...],
+        applied: list[quality.Applied],
         tracker: _Tracker,
         turn: Callable[[], AbstractContextManager],
         shard: _split.Shard | None = None,
     ) -> Iterator[dict[int, torch.Tensor]]:
         """Denoised (1, T, h, w, C) latents per tile index, a chunk of `tiles_batch_size` tiles at a time; with a
-        `shard`, this device's part of its group's denoising (every device of the group yields the same latents)."""
+        `shard`, this device's part of its group's denoising (every device of the group yields the same latents);
+        `levers` in force in the transformer while it runs (where the weights are on the device: FP8 weights are made
+        there)."""
         if not tiles:
             return
         device, dtype = replica.device, replica.dtype
         scheduler = replica.scheduler.__class__.from_config(replica.scheduler.config)  # step state is per thread
         placement = placement_of(replica)
-        with placement.using("transformer"):  # offloaded: on the device for all of this device's steps
+        # offloaded: on the device for all of this device's steps (and no FP8 weights kept there after them)
+        with placement.using("transformer"), quality.applied(replica.transformer, levers, self.offload is None) as run:
+            applied.append(run)
             for start in range(0, len(tiles), request.tiles_batch_size):
                 chunk = tiles[start : start + request.tiles_batch_size]
                 # The transformer works on (batch, frames, height, width, channels).

@@ -14,6 +14,9 @@ from worker.sr.noise import NoiseMode
 
 # Receives finished output frames, in order: (n, 3, H, W) float32 in [0, 1], on the CPU.
 FrameSink = Callable[[torch.Tensor], None]
+# The quality tiers (worker/sr/quality.py says what `high` changes).
+LOSSLESS, HIGH = "lossless", "high"
+QUALITIES = (LOSSLESS, HIGH)
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,12 @@ class SRRequest:
     noise_mode: NoiseMode = NoiseMode.PER_TILE
     # Extra seed material, e.g. the temporal window index of a long clip, so windows get unrelated noise.
     noise_key: tuple[int, ...] = ()
+    # "lossless": the exact engine; "high": faster arithmetic that is not bit-exact (worker/sr/quality.py)
+    quality: str = LOSSLESS
 
     def validate(self) -> None:
+        if self.quality not in QUALITIES:
+            raise InvalidRequest(f"quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
         if self.scale not in tiling.SCALES:
             raise InvalidRequest(f"scale must be one of {tiling.SCALES}, got {self.scale}")
         if self.num_inference_steps < 1:
@@ -62,3 +69,5 @@ class RunInfo:
     # Wall seconds: "encode" and "denoise_decode" (the devices synchronised at each end); and, within the latter,
     # the calling thread's own work: "blend" (adding tiles into canvases, normalising) and "sink" (the caller's sink).
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    quality: str = LOSSLESS  # the tier that ran (an upscaler without a faster path runs `lossless` for `high`)
+    levers: dict[str, str] = field(default_factory=dict)  # `high`'s levers and how each ran (quality.Applied)

@@ -1,0 +1,42 @@
+"""bench/quality.py on the CPU, tiny: every lever set through both phases, with figures that make sense (a CPU times
+nothing worth reading), so the GPU run, which has one try, cannot fail on the script."""
+
+from __future__ import annotations
+
+import json
+
+from bench.quality import main
+
+
+def test_the_quality_bench_measures_every_lever_set(tmp_path):
+    out = tmp_path / "quality.jsonl"
+    main(["--tiny", "--repeat", "1", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["phase"] for r in records] == ["setup", *["attention"] * 4, *["dit"] * 4, *["pipeline"] * 4, "done"]
+    attention, dit, pipeline = records[1:5], records[5:9], records[9:13]
+    assert [r["variant"] for r in attention] == ["bf16_sdpa", "fp8", "fp8", "fp8"]
+    for record in attention[1:]:  # FP8 attention is emulated on a CPU, and close to bf16's
+        assert record["ran"] == "fp8_emulated" and 0 < record["relative_l2_vs_bf16"] < 0.1, record
+    expected = {
+        "lossless": {},
+        "fp8_linear": {"fp8_linear": "scaled_mm_rowwise"},
+        "fp8_attention": {"fp8_attention": "fp8_emulated"},  # no cuDNN on a CPU: emulated, and said so
+        "both": {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"},
+    }
+    for phase in (dit, pipeline):
+        assert {r["levers"]: r["ran"] for r in phase} == expected
+        assert all(r["seconds"] > 0 and "error" not in r for r in phase)
+    for record in dit[1:]:
+        assert 0 < record["relative_l2_vs_lossless"] < 0.1, record
+    assert [r["quality"] for r in pipeline] == ["lossless", "high", "high", "high"]
+    for record in pipeline[1:]:
+        assert 40 < record["psnr_db_worst_frame"] <= record["psnr_db_mean"] < 99, record
+        assert 0.99 < record["ssim_worst_frame"] <= record["ssim_mean"] < 1, record
+
+
+def test_a_spent_budget_skips_the_phases_and_says_so(tmp_path):
+    out = tmp_path / "quality.jsonl"
+    main(["--tiny", "--budget-s", "0", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["phase"] for r in records] == ["setup", "attention", "dit:lossless", "pipeline", "done"]
+    assert all("past --budget-s 0" in r["skipped"] for r in records[1:4])

@@ -1,0 +1,262 @@
+"""FP8 attention for the `high` quality tier: cuDNN's FP8 fused attention through `nvidia-cudnn-frontend` on GPUs
+(Hopper or later), its numerics emulated where that cannot run.
+
+q, k and v are quantised to float8_e4m3fn with one scale per tensor (their largest magnitude onto 448); cuDNN
+computes the scores, an FP8 softmax-probability matrix and the output, which on Hopper it can only write in FP8
+(a bf16 output is Blackwell-only), so the output is dequantised again. The output is a convex combination of the
+rows of v, so |o| <= max |v| bounds it before it is computed: its scale needs no second pass.
+
+Where the package, a GPU or the cuDNN graph is missing (the CPU, CI, an older GPU), the same quantisation of q, k, v
+and the output runs around a plain SDPA: the same error from the inputs and the output, less the kernel's own FP8
+probability matrix. `backend_used()` says which of the two a call ran, for the job to report; a job never fails
+for want of the optional package.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.sr.attention import qkv
+from worker.sr.fp8 import FP8, FP8_MAX
+
+log = logging.getLogger("vsrq.fp8_attention")
+
+CUDNN = "cudnn_fp8"
+EMULATED = "fp8_emulated"
+# The softmax probabilities' FP8 scale. They are <= 1 (cuDNN compensates its lazy rescaling of the running maximum
+# inside the kernel), so 256 keeps the largest in range with room to spare, and small ones (a 47,616-token row
+# averages 2e-5) above e4m3's smallest subnormal more often than the 64 of cuDNN's own tests would.
+# bench/quality.py's `attention` phase measures the error at 64, 256 and 448.
+SOFTMAX_SCALE = 256.0
+_UIDS = dict(q=1, k=2, v=3, o=4, descale_q=5, descale_k=6, descale_v=7, descale_s=8, scale_s=9, scale_o=10, amax_s=11, amax_o=12)
+
+
+@torch.library.custom_op("vsrq::fp8_attention", mutates_args=())
+def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Dense attention of (B, H, S, D) q, k, v -> (B, S, H, D) output in q's dtype, through FP8.
+
+    An opaque operator to `torch.compile` (the compiled blocks are whole graphs: a call into cuDNN's Python API
+    would break them)."""
+    if query.is_cuda and _cudnn_usable(query.device):
+        try:
+            out = _cudnn_attention(query, key, value)
+            _note(CUDNN)
+            return out
+        except Exception as error:  # a graph cuDNN will not build here: emulate from now on, and say why once
+            _disable(query.device, error)
+    _note(EMULATED)
+    return _emulated_attention(query, key, value)
+
+
+@fp8_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    batch, heads, tokens, dim = query.shape
+    return query.new_empty((batch, tokens, heads, dim))
+
+
+class Fp8AttentionProcessor:
+    """Dense self-attention on the stock q/k/v (`attention.qkv`), computed through FP8."""
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
+        query, key, value = qkv(attn, hidden_states, rotary_emb)
+        return attn.out_layer(fp8_attention(query, key, value).flatten(2, 3))
+
+
+def backend_used() -> str | None:
+    """What the latest FP8 attention calls ran: `cudnn_fp8`, `fp8_emulated`, or both joined by `+` (None: none ran
+    since `reset_backend_used`)."""
+    with _LOCK:
+        return "+".join(sorted(_RAN)) or None
+
+
+def reset_backend_used() -> None:
+    with _LOCK:
+        _RAN.clear()
+
+
+# --- the quantisation both paths share -------------------------------------------------------------------------
+
+
+def _scale_of(x: torch.Tensor) -> torch.Tensor:
+    """0-d float32 multiplier that maps the largest magnitude of `x` onto the FP8 maximum (no host sync), rounded to
+    x's dtype first: quantising multiplies by exactly the value whose reciprocal dequantises (a max rounded up one
+    step still casts to 448)."""
+    return (FP8_MAX / x.detach().abs().amax().float().clamp_min(1e-12)).to(x.dtype).float()
+
+
+def _quantised(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> (B, S, H, D) contiguous float8: the layout the projections made (no copy for it)."""
+    return (x.transpose(1, 2) * scale.to(x.dtype)).to(FP8).contiguous()
+
+
+def _emulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    dtype = query.dtype
+    scales = [_scale_of(t) for t in (query, key, value)]
+    q, k, v = (
+        (_quantised(t, s).to(dtype) / s.to(dtype)).transpose(1, 2) for t, s in zip((query, key, value), scales)
+    )
+    out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    out_scale = scales[2]  # |o| <= max |v|
+    return ((out * out_scale.to(dtype)).to(FP8).to(dtype) / out_scale.to(dtype)).contiguous()
+
+
+# --- cuDNN --------------------------------------------------------------------------------------------------------
+
+
+def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    import cudnn
+
+    device = query.device
+    batch, heads, tokens, dim = query.shape
+    kv_tokens = key.shape[2]
+    scales = [_scale_of(t) for t in (query, key, value)]
+    q, k, v = (_quantised(t, s) for t, s in zip((query, key, value), scales))
+    graph, workspace_bytes = _graph(device, batch, heads, tokens, kv_tokens, dim)
+    handle = _handle(device)
+    cudnn.set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
+
+    def scalar(value: torch.Tensor) -> torch.Tensor:
+        return value.reshape(1, 1, 1, 1).float().contiguous()
+
+    out = torch.empty((batch, tokens, heads, dim), dtype=FP8, device=device)
+    amax = torch.empty((2, 1, 1, 1, 1), dtype=torch.float32, device=device)
+    out_scale = scales[2]  # |o| <= max |v|
+    pack = {
+        _UIDS["q"]: q,
+        _UIDS["k"]: k,
+        _UIDS["v"]: v,
+        _UIDS["o"]: out,
+        _UIDS["descale_q"]: scalar(scales[0].reciprocal()),
+        _UIDS["descale_k"]: scalar(scales[1].reciprocal()),
+        _UIDS["descale_v"]: scalar(scales[2].reciprocal()),
+        **_softmax_scales(device),
+        _UIDS["scale_o"]: scalar(out_scale),
+        _UIDS["amax_s"]: amax[0],
+        _UIDS["amax_o"]: amax[1],
+    }
+    workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
+    graph.execute(pack, workspace, handle=handle)
+    return out.to(query.dtype) / out_scale.to(query.dtype)
+
+
+def _softmax_scales(device: torch.device) -> dict[int, torch.Tensor]:
+    """The probabilities' scale and descale on `device` (made once per value, not copied in per call)."""
+    cache = _thread_state("softmax_scales")
+    key = (device.index, SOFTMAX_SCALE)
+    if key not in cache:
+        values = torch.tensor([SOFTMAX_SCALE, 1.0 / SOFTMAX_SCALE], dtype=torch.float32, device=device)
+        cache[key] = {_UIDS["scale_s"]: values[0].reshape(1, 1, 1, 1), _UIDS["descale_s"]: values[1].reshape(1, 1, 1, 1)}
+    return cache[key]
+
+
+def _graph(device: torch.device, batch: int, heads: int, tokens: int, kv_tokens: int, dim: int) -> tuple[Any, int]:
+    """The built cuDNN graph for this shape (once per shape, GPU and thread: a graph is bound to its thread's handle)
+    and its workspace size."""
+    key = (device.index, batch, heads, tokens, kv_tokens, dim)
+    graphs = _thread_state("graphs")
+    built = graphs.get(key)
+    if built is not None:
+        return built
+    import cudnn
+
+    fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32, handle=_handle(device))
+
+    def bshd(uid: int, length: int):  # (B, H, S, D) dims over (B, S, H, D) memory
+        return graph.tensor(uid=uid, dim=(batch, heads, length, dim), stride=(length * heads * dim, dim, heads * dim, 1), data_type=fp8)
+
+    def scalar(name: str):
+        return graph.tensor(uid=_UIDS[name], dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32)
+
+    out, _, amax_s, amax_o = graph.sdpa_fp8(
+        q=bshd(_UIDS["q"], tokens),
+        k=bshd(_UIDS["k"], kv_tokens),
+        v=bshd(_UIDS["v"], kv_tokens),
+        descale_q=scalar("descale_q"),
+        descale_k=scalar("descale_k"),
+        descale_v=scalar("descale_v"),
+        descale_s=scalar("descale_s"),
+        scale_s=scalar("scale_s"),
+        scale_o=scalar("scale_o"),
+        generate_stats=False,
+        attn_scale=dim**-0.5,
+        use_causal_mask=False,
+    )
+    out.set_uid(_UIDS["o"]).set_output(True).set_dim((batch, heads, tokens, dim)).set_stride(
+        (tokens * heads * dim, dim, heads * dim, 1)
+    ).set_data_type(fp8)
+    for name, tensor in (("amax_s", amax_s), ("amax_o", amax_o)):
+        tensor.set_uid(_UIDS[name]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    built = graphs[key] = (graph, graph.get_workspace_size())
+    log.info("cuDNN FP8 attention graph built for %s on %s", key[1:], device)
+    return built
+
+
+def _handle(device: torch.device) -> Any:
+    """This thread's cuDNN handle on `device` (cuDNN handles are not to be shared between threads)."""
+    handles = _thread_state("handles")
+    if device.index not in handles:
+        import cudnn
+
+        with torch.cuda.device(device):
+            handles[device.index] = cudnn.create_handle()
+    return handles[device.index]
+
+
+def _thread_state(name: str) -> dict:
+    if not hasattr(_THREAD, name):
+        setattr(_THREAD, name, {})
+    return getattr(_THREAD, name)
+
+
+def _cudnn_usable(device: torch.device) -> bool:
+    """Whether to try cuDNN on this GPU: the package imports, the GPU is Hopper or later, no graph failed on it."""
+    with _LOCK:
+        if device.index in _DISABLED:
+            return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        _disable(device, "FP8 attention needs a Hopper or later GPU")
+        return False
+    try:
+        import cudnn  # noqa: F401  (the optional `fp8` extra: nvidia-cudnn-frontend)
+    except Exception as error:  # absent, or present without a loadable cuDNN
+        _disable(device, f"nvidia-cudnn-frontend not usable ({error})")
+        return False
+    return True
+
+
+def why_emulated() -> dict[str, str]:
+    """GPU -> why FP8 attention is emulated there (benchmarks record it beside their figures)."""
+    with _LOCK:
+        return dict(_WHY)
+
+
+def _disable(device: torch.device, why: Any) -> None:
+    with _LOCK:
+        first = device.index not in _DISABLED
+        _DISABLED.add(device.index)
+        _WHY.setdefault(str(device), f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else str(why))
+    if first:
+        log.warning("FP8 attention on %s is emulated (FP8 quantisation around bf16 SDPA): %s", device, why)
+
+
+def _note(backend: str) -> None:
+    with _LOCK:
+        _RAN.add(backend)
+
+
+_LOCK = threading.Lock()
+_THREAD = threading.local()  # "handles": device index -> cuDNN handle; "graphs": shape key -> (graph, workspace bytes)
+_DISABLED: set[int | None] = set()
+_WHY: dict[str, str] = {}
+_RAN: set[str] = set()
