@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,34 @@ import torch
 from worker.sr.checkpoint import write_tiny
 from worker.sr.engine import SREngine
 
+# `make test` hands whole files to two processes (xdist --dist loadfile --no-loadscope-reorder) in the order the
+# items are collected: the longest files first (seconds on a 2-core CI run, measured one file at a time), so that
+# the run does not end on a long file in one process while the other idles. Files not listed follow, most tests
+# first (xdist's own order). A new file that takes over a minute belongs in this list.
+LONGEST_FIRST = [
+    "tests/reliability/test_faults.py",
+    "tests/test_corpus.py",
+    "tests/test_execution.py",
+    "tests/test_cli.py",
+    "tests/service/test_demo.py",
+    "tests/service/test_recovery.py",
+    "tests/service/test_worker.py",
+    "tests/test_media_memory.py",
+    "tests/service/test_status.py",
+    "tests/reliability/test_security.py",
+    "tests/service/test_bulk.py",
+    "tests/service/test_openapi.py",
+    "tests/test_bench.py",
+    "tests/service/test_web.py",
+    "tests/service/test_url_input.py",
+    "tests/test_service_bench.py",
+    "tests/service/test_webhooks.py",
+    "tests/service/test_fetch_disk_full.py",
+    "tests/test_compile_cache.py",
+    "tests/reliability/test_load.py",
+    "tests/reliability/test_restarts.py",
+    "tests/service/test_metrics.py",
+]
 VARIANTS = [("piflow", True), ("piflow", False), ("flowmatch", True), ("flowmatch", False)]
 # Inputs the tiny model's (32, 64) landscape tile covers with 2x2 tiles (3x3 at x2.25, whose x1.125 pre-upscale
 # lands on the VAE grid only from 32 px), 9 frames = 3 latent frames.
@@ -55,3 +84,11 @@ def corpus_cache() -> Path:
         return corpus()[0]
     except AssertionError as error:
         pytest.fail(str(error))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files in LONGEST_FIRST's order, then the rest by their number of tests; each file's own order is kept."""
+    rank = {path: place for place, path in enumerate(LONGEST_FIRST)}
+    path = {id(item): item.nodeid.split("::", 1)[0] for item in items}
+    tests = Counter(path.values())
+    items.sort(key=lambda item: (rank.get(path[id(item)], len(rank)), -tests[path[id(item)]], path[id(item)]))

@@ -58,16 +58,21 @@ class Process:
         os.kill(self.pid, signal.SIGCONT)
 
     def stop(self, timeout_s: float = 30) -> None:
-        if self._process is None:
-            return
+        stop_all([self], timeout_s)
+
+    def _terminate(self) -> None:
         if self.alive:
             os.kill(self.pid, signal.SIGCONT)  # a paused process cannot handle SIGTERM
             self._process.terminate()
-            try:
-                self._process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+
+    def _reap(self, deadline: float) -> None:
+        if self._process is None:
+            return
+        try:
+            self._process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -80,6 +85,16 @@ class Process:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name}: no {what} after {timeout_s} s:\n{self.text()[-4000:]}")
             time.sleep(0.1)
+
+
+def stop_all(processes: list[Process], timeout_s: float = 30) -> None:
+    """SIGTERM to every process at once, then waits for each (SIGKILL past `timeout_s`): a worker's warm shutdown takes
+    seconds, and one after another they added up."""
+    for process in processes:
+        process._terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process._reap(deadline)
 
 
 def worker(env: dict[str, str], queue: str, logs: Path, model: str = "lanczos") -> Process:
@@ -146,11 +161,14 @@ class Supervisor:
             if not self.current.alive:
                 self._start()
 
-    def stop(self) -> None:
+    def stop_watching(self) -> None:
+        """No more new workers; the one running goes on."""
         self._stop.set()
         self._thread.join()
-        for process in self.history:
-            process.stop()
+
+    def stop(self) -> None:
+        self.stop_watching()
+        stop_all(self.history)
 
 
 class MemoryLimit:

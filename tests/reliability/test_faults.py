@@ -136,8 +136,7 @@ def workers(env: dict[str, str], logs: Path) -> Iterator[Callable[..., Process]]
         return process
 
     yield start
-    for process in started_here:
-        process.stop()
+    processes.stop_all(started_here)
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -274,7 +273,8 @@ def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips
             assert job.attempt >= 2 and f"/attempt-{job.attempt}-" in job.output.key, job
     finally:
         for supervisor in supervisors:
-            supervisor.stop()
+            supervisor.stop_watching()
+        processes.stop_all([process for supervisor in supervisors for process in supervisor.history])
 
 
 def test_a_long_job_killed_mid_way_resumes_from_its_kept_windows(env, api, reaper, jobs, blobs, clips, logs):
@@ -415,37 +415,38 @@ def test_a_storage_partition_longer_than_the_lease_is_waited_out(stack, api, rea
     # The worker reaches S3 through a partition: cut, its requests go unanswered (not refused) until their timeout,
     # longer than the lease, and no bytes move to call back. Only a beat independent of the transfer keeps the job.
     partition = Partition(("127.0.0.1", stack.ports["s3"]))
-    timeout_s = LEASE_S + 2
+    lease_s = 4  # the worker's own, shorter than the module's: each lost request is waited out past it
+    timeout_s = lease_s + 2
     s3 = {"VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}", "VSRQ_S3_TIMEOUT_S": str(timeout_s)}
     try:
-        started(workers(**s3))
+        started(workers(**s3, VSRQ_LEASE_S=str(lease_s)))
         partition.cut()  # the input's download hangs
         job_id = create(api, clips["long"])
-        lose_a_request(partition)
+        lose_a_request(partition, lease_s)
         wait_until(jobs, job_id, lambda job: job.stage == "upscaling")
         partition.cut()  # its next window upload (or the output's) hangs
-        lose_a_request(partition)
+        lose_a_request(partition, lease_s)
         job = wait_all(jobs, [job_id], limit_s=180)[0]
     finally:
         partition.close()
 
     print(
         f"FIGURE s3_partition: a request of the download and one of an upload lost, each caller blocked {timeout_s} s "
-        f"(lease {LEASE_S} s): {job.status} on attempt {job.attempt}"
+        f"(lease {lease_s} s): {job.status} on attempt {job.attempt}"
     )
     assert job.status == Status.COMPLETED, job.error
     assert job.attempt == 1, requeues(jobs, job_id)
     assert content_sha256(api, job_id) == job.output.sha256
 
 
-def lose_a_request(partition: Partition) -> None:
+def lose_a_request(partition: Partition, lease_s: float) -> None:
     """Once the cut partition drops a request, waits until its caller's lease would have expired without a beat (the
     caller waits out its whole timeout), then heals."""
     dropped, deadline = partition.dropped, time.monotonic() + 120
     while partition.dropped == dropped:
         assert time.monotonic() < deadline, "the worker sent storage nothing while cut off"
         time.sleep(0.05)
-    time.sleep(LEASE_S + 1)
+    time.sleep(lease_s + 1)
     partition.heal()
 
 
@@ -620,14 +621,16 @@ def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, 
     # A valid 1080p clip at x4: lanczos holds frames of 7680x4320 that no 1 GiB-bounded worker can, so the memory
     # limit kills the worker on every attempt, as a container's OOM killer would.
     poison_clip = write_clip(tmp_path / "1080p.mp4", 9, (1080, 1920), crf=35).read_bytes()
+    lease_s = 4  # the workers' own, shorter than the module's: each killed attempt is found when its lease runs out
     memory = MemoryLimit()
-    supervisor = Supervisor(lambda: processes.worker(env, QUEUE, logs), on_start=memory.watch)
+    worker_env = {**env, "VSRQ_LEASE_S": str(lease_s)}
+    supervisor = Supervisor(lambda: processes.worker(worker_env, QUEUE, logs), on_start=memory.watch)
     try:
         memory.limit_bytes = psutil.Process(started(supervisor.current).pid).memory_info().rss + 1024**3  # idle + 1 GiB
         poison = create(api, poison_clip, sr_resolution_scale="4")
         others = [create(api, clips["small"]) for _ in range(3)]
         records = wait_all(jobs, [poison, *others], limit_s=300)
-        time.sleep(LEASE_S)  # a requeue or a redelivery would show by now (the reaper runs every 0.5 s)
+        time.sleep(lease_s)  # a requeue or a redelivery would show by now (the reaper runs every 0.5 s)
         job = jobs.require(poison)
         attempts = len(leases(jobs, poison))
         waiting = redis.Redis.from_url(env["VSRQ_REDIS_URL"]).llen(QUEUE)
