@@ -134,3 +134,15 @@ def test_a_command_whose_part_is_not_installed_says_which_extra(argv, extra):
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"vsrq {argv[0]} needs the {extra} extra: pip install 'vsrq[{extra}]'")
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_a_lanczos_worker_starts_without_the_diffusion_stack():
+    """A Lanczos worker (the dev stack's, CI's) and `vsrq probe` need torch and PyAV, not diffusers and the compiler
+    stack it pulls in: ~2.5 CPU-s per process start."""
+    code = (
+        "import worker.tasks\nfrom worker.sr.backends import open_upscaler\nopen_upscaler('lanczos')\n"
+        "import sys\nprint(sorted({m for m in ('diffusers', 'torch._dynamo', 'torch._inductor') if m in sys.modules}))"
+    )
+    loaded, output = _loaded(code)
+    assert "torch" in loaded and "av" in loaded  # the probe did import the worker
+    assert output == "[]"

@@ -8,18 +8,21 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from worker.sr import checkpoint, compile_cache
-from worker.sr.checkpoint import Components, module_bytes
-from worker.sr.engine import SREngine
-from worker.sr.fast_vae import tile_cache_bytes
+from worker.sr import compile_cache
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.offload import Offload
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.windows import DEFAULT_WINDOW
+
+if TYPE_CHECKING:
+    from worker.sr.checkpoint import Components
+
+# The K6 engine, its checkpoint loader and decoder (diffusers, and through it torch's compiler stack: ~2.5 CPU-s) are
+# imported where a diffusion model is opened: a Lanczos worker starts without them.
 
 log = logging.getLogger("vsrq.engine")
 
@@ -55,6 +58,9 @@ def needed_bytes(mode: PerformanceMode, replica: Components) -> int:
     stretches are: encode (encoder + the upscaler on its way), latent upscale (upscaler + the transformer on its
     way), denoise (transformer, its block slots + the decoder on its way) and decode (decoder + working set); the
     encoder's and the transformer's activations are not counted (not measured apart)."""
+    from worker.sr.checkpoint import module_bytes
+    from worker.sr.fast_vae import tile_cache_bytes
+
     settings = PERFORMANCE_MODES[mode]
     vae = replica.vae
     largest = max(replica.transformer.config.tile_sizes, key=lambda hw: hw[0] * hw[1])
@@ -132,6 +138,9 @@ def open_upscaler(
         log.info("compile cache in %s", compile_cache.use(compile_cache_dir))
     if model == "lanczos":
         return LanczosUpscaler()
+    from worker.sr import checkpoint
+    from worker.sr.engine import SREngine
+
     if any(device.startswith("cuda") for device in devices) and not _allocator_configured():
         # Blocks of many sizes come and go while decoding: growable segments keep the reserve near what is in use
         # (W1 in `speed`, with decoder caches updated in place: 40.7 GiB reserved for 40.0 allocated, at the same

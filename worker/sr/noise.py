@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 
 class NoiseMode(str, enum.Enum):
@@ -36,6 +35,10 @@ def tile_noise(
     chunk_size: int = 1,
 ) -> list[torch.Tensor]:
     """Noise of `shape` (one tile, batch dim included) for each of `num_tiles` tiles, on the CPU."""
+    # diffusers' own sampler, for its bits; imported here, since diffusers.utils pulls in torch's compiler stack
+    # (~2.5 CPU-s), which a Lanczos worker or `vsrq probe` never needs
+    from diffusers.utils.torch_utils import randn_tensor
+
     if mode is NoiseMode.PER_TILE:
         return [
             randn_tensor(tuple(shape), generator=torch.Generator().manual_seed(tile_seed(seed, *key, i)), dtype=dtype)
