@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import psutil
@@ -98,6 +99,28 @@ def _probe(url: str, path: str = "/healthz", headers: dict | None = None) -> tup
     except requests.RequestException:
         status = 0  # no answer at all
     return time.monotonic() - started, status
+
+
+@contextmanager
+def _probing(url: str) -> Iterator[list[tuple[float, int]]]:
+    """/healthz asked from a thread of its own, from the start of the block to its end, every 20 ms: (latency, status)
+    of each, at least one."""
+    probes: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while True:
+            probes.append(_probe(url))
+            if stop.wait(0.02):
+                return
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        yield probes
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _api_rss(api: processes.Process) -> int:
@@ -190,27 +213,34 @@ def test_a_trickled_body_is_cut_once_too_slow(hostile_api):
 def test_a_multipart_bomb_is_cut_at_its_cap(hostile_api, where):
     """40 MB, chunked, without a boundary line (a preamble) or in one part's header block: refused once past the cap
     (1 MiB), not buffered whole: the answer arrives while the bomb is still being sent (we stop at the answer;
-    what was sent by then is 1 MiB plus what the sockets' buffers held)."""
+    what was sent by then is 1 MiB plus what the sockets' buffers held). Meanwhile /healthz answers (each probe within
+    a second) and nothing answers 5xx."""
     boundary = "b0undary"
     size = 40_000_000
     prefix = b"" if where == "preamble" else f'--{boundary}\r\nContent-Disposition: form-data; name="x"\r\nX-Pad: '.encode()
     conn = _open(
         hostile_api.url, _head("POST", "/v1/uploads", "dave", f"multipart/form-data; boundary={boundary}", None), b""
     )
-    rss, sent = _api_rss(hostile_api), 0
-    try:
-        conn.sendall(f"{len(prefix):x}\r\n".encode() + prefix + b"\r\n" if prefix else b"")
-        while sent < size and not select.select([conn], [], [], 0)[0]:
-            conn.sendall(b"10000\r\n" + b"a" * 65536 + b"\r\n")
-            sent += 65536
-    except OSError:  # the server answered and closed
-        pass
-    status, code = _answer(conn, 10)
+    rss, sent, before = _api_rss(hostile_api), 0, status_counts(hostile_api.log)
+    with _probing(hostile_api.url) as health:
+        try:
+            conn.sendall(f"{len(prefix):x}\r\n".encode() + prefix + b"\r\n" if prefix else b"")
+            while sent < size and not select.select([conn], [], [], 0)[0]:
+                conn.sendall(b"10000\r\n" + b"a" * 65536 + b"\r\n")
+                sent += 65536
+        except OSError:  # the server answered and closed
+            pass
+        status, code = _answer(conn, 10)
     grown = _api_rss(hostile_api) - rss
     conn.close()
+    after = status_counts(hostile_api.log)
+    errors = sum(after.get(answered, 0) - before.get(answered, 0) for answered in after if answered >= 500)
+    health_ms = sorted(latency * 1000 for latency, _ in health)
     print(f"FIGURE multipart bomb ({where}): {status} {code} with {sent / 1e6:.1f} of {size / 1e6:.0f} MB sent, "
-          f"API grew {grown / 1e6:.1f} MB")
+          f"API grew {grown / 1e6:.1f} MB; /healthz meanwhile {_distribution(health_ms)}; 5xx: {errors}")
     assert (status, code) == (413, "form_part_too_large") and sent < size / 2
+    assert all(answer == 200 for _, answer in health) and health_ms[-1] < 1000, health
+    assert errors == 0
 
 
 def test_chunked_bytes_count_against_the_keys_limit(hostile_api):
@@ -240,24 +270,33 @@ def test_chunked_bytes_count_against_the_keys_limit(hostile_api):
 
 def test_a_compute_bomb_fails_at_probe_time_naming_its_limit(rel_api, cpu_worker, clip, tmp_path):
     """The outside probe's bomb: 4 black 3840x2160 frames at x4 (a 15360x8640 output) under the default limits; and
-    the clip under a key whose own limit its output passes. Both fail before a frame is upscaled."""
+    the clip under a key whose own limit its output passes. Both fail before a frame is upscaled; meanwhile /healthz
+    answers (each probe within a second) and nothing answers 5xx."""
     from worker.media.synthetic import write_clip
 
-    url = rel_api.url
+    url, before = rel_api.url, status_counts(rel_api.log)
     bomb = write_clip(tmp_path / "bomb.mp4", 4, (2160, 3840), crf=51).read_bytes()
     started = time.monotonic()
-    jobs = {
-        create(url, "erin", bomb, sr_resolution_scale="4").json()["id"]: "max_output_pixels",
-        create(url, "bomber", clip).json()["id"]: "max_output_pixels",
-    }
-    done = wait_all(url, "erin", [next(iter(jobs))], cpu_worker) | wait_all(url, "bomber", list(jobs)[1:], cpu_worker)
+    with _probing(url) as health:
+        jobs = {
+            create(url, "erin", bomb, sr_resolution_scale="4").json()["id"]: "max_output_pixels",
+            create(url, "bomber", clip).json()["id"]: "max_output_pixels",
+        }
+        first, *rest = jobs
+        done = wait_all(url, "erin", [first], cpu_worker) | wait_all(url, "bomber", rest, cpu_worker)
     seconds = time.monotonic() - started
     for job_id, limit in jobs.items():
         job = done[job_id]
         assert (job["status"], job["error"]["code"]) == ("failed", "output_too_large"), job
         assert limit in job["error"]["message"] and job["progress"] < 10, job
+    after = status_counts(rel_api.log)
+    errors = sum(after.get(answered, 0) - before.get(answered, 0) for answered in after if answered >= 500)
+    health_ms = sorted(latency * 1000 for latency, _ in health)
     print(f"FIGURE compute bomb: {len(bomb)} B file, 15360x8640 x 4 frames asked: failed output_too_large in "
-          f"{seconds:.1f} s (both jobs); message: {done[next(iter(jobs))]['error']['message']}")
+          f"{seconds:.1f} s (both jobs); /healthz meanwhile {_distribution(health_ms)}; 5xx: {errors}; message: "
+          f"{done[first]['error']['message']}")
+    assert all(answer == 200 for _, answer in health) and health_ms[-1] < 1000, health
+    assert errors == 0
 
 
 def test_a_keys_hourly_compute_budget(rel_api, cpu_worker, clip):
