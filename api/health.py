@@ -34,6 +34,9 @@ detail = Blueprint("health_detail", __name__)
 detail.before_request(admit_caller)
 
 CHECK_EVERY_S = 1.0
+# How long a caller waits for a process's first checks (started with the process: infra/gunicorn.conf.py), which take
+# milliseconds when Redis and S3 answer
+FIRST_WAIT_S = 1.0
 # Checks older than this mean the thread is stuck in a call (Redis or S3 partitioned: each waits its socket timeout):
 # /healthz answers 503 rather than the last good answer.
 STALE_S = 5.0
@@ -110,7 +113,7 @@ class Monitor:
 
     def public(self) -> Checks:
         if self._public is None:  # only right after the process started: the first checks are under way
-            self._checked.wait(STALE_S)
+            self._checked.wait(FIRST_WAIT_S)
         checked = self._public
         age = time.monotonic() - checked[0] if checked else None
         if checked is None or age > STALE_S:

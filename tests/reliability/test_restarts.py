@@ -97,6 +97,40 @@ def test_health_tells_a_dead_reaper_and_a_job_past_its_lease(rel_env, jobs, tmp_
             jobs.cancel(job.id)
 
 
+def test_healthz_answers_at_once_while_its_checks_hang(rel_env, stack, tmp_path):
+    """The API's Redis partitioned (bytes dropped, connections left open; Redis timeout 8 s): /healthz keeps answering
+    at once, from its last checks, then 503 naming the checks that have not finished once they are 5 s old. Before,
+    the caller that found the checks a second old ran them itself and waited out the Redis timeout."""
+    partition = processes.Partition(("127.0.0.1", stack.ports["redis"]))
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{partition.port}/0", "VSRQ_REDIS_TIMEOUT_S": "8"}
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    try:
+        while sum(requests.get(f"{url}/healthz", timeout=5).status_code == 200 for _ in range(10)) < 10:
+            time.sleep(0.2)  # both API processes up, their first checks done
+        partition.cut()
+        cut = time.monotonic()
+        answers = []
+        while time.monotonic() - cut < 7:
+            started = time.monotonic()
+            response = requests.get(f"{url}/healthz", timeout=5)
+            answers.append((started - cut, time.monotonic() - started, response.status_code, response.json()))
+            time.sleep(0.1)
+        slowest = max(seconds for _, seconds, _, _ in answers)
+        first_503 = next(at for at, _, status, _ in answers if status == 503)
+        print(f"FIGURE /healthz, Redis partitioned: {len(answers)} answers in 7 s, the slowest {slowest * 1000:.0f} ms; "
+              f"503 from {first_503:.1f} s after the cut: {answers[-1][3]['problems']}")
+        assert slowest < 1
+        assert all(status == 200 for at, _, status, _ in answers if at < 3)  # the last checks, still fresh
+        assert first_503 < 6.5 and all(status == 503 for at, _, status, _ in answers if at > 6.5)
+        assert "the health checks have not finished for" in answers[-1][3]["problems"][0]
+    finally:
+        partition.heal()
+        api.stop()
+        partition.close()
+
+
 def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
     """Redis down for 3 s under a reaper passing every 0.2 s (15 passes): one line when each step starts failing and
     one when it recovers, no traceback."""
