@@ -18,9 +18,11 @@ in the worker process, so gunicorn keeps choosing the status and only the body c
 from __future__ import annotations
 
 import errno
+import selectors
 import socket
 import threading
 import time
+from functools import partial
 from typing import Any
 
 from gunicorn import util
@@ -29,9 +31,11 @@ from gunicorn.workers.gthread import TConn, ThreadWorker
 from api.errors import Problem
 from storage.config import Settings
 
-# How long a connection whose request was answered before its body was read (401, 413, 429, 408) may take to send
-# the rest before it is closed instead of kept alive: a client still sending has it in flight already.
-_DRAIN_S = 0.1
+# How long the rest of a body that was answered unread (401, 413, 429, 408) is read for, to keep the connection alive:
+# only what has arrived already. A request thread waiting for more (it was 0.1 s) was thread-pool exhaustion: 16
+# stalled uploads refused at once held every thread and a /healthz behind them waited 100-230 ms. A connection whose
+# rest has not arrived is closed (gracefully, off the request threads) and the client connects again.
+_DRAIN_S = 0.002
 
 
 class ProblemWorker(ThreadWorker):
@@ -42,12 +46,17 @@ class ProblemWorker(ThreadWorker):
         super().init_process()  # runs the worker loop: never returns
 
     def accept(self, listener: socket.socket) -> None:
-        """gthread's accept, with a paced connection."""
+        """gthread's accept, with a paced connection that waits for its first bytes on the event loop, as a kept-alive
+        one does, not in a request thread: there gthread waits up to 5 s, and 20 connections that send nothing held
+        every thread (a /healthz behind them took 5 s). One silent for the idle timeout is closed."""
         try:
             client, address = listener.accept()
             self.nr_conns += 1
-            client.setblocking(True)
-            self.enqueue_req(PacedConn(self.cfg, client, address, listener.getsockname(), self.pacing))
+            client.setblocking(False)
+            conn = PacedConn(self.cfg, client, address, listener.getsockname(), self.pacing)
+            conn.timeout = time.monotonic() + self.pacing[0]
+            self.pending_conns.append(conn)
+            self.poller.register(client, selectors.EVENT_READ, partial(self.on_pending_socket_readable, conn))
         except OSError as error:
             if error.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise

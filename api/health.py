@@ -3,31 +3,45 @@
     GET /livez        public: this process answers (a liveness probe: nothing it depends on is asked)
     GET /healthz      public: can the service do its job? Redis and the blob store answer (else 503), and jobs make
                       progress (else "degraded"): a model worker on each served queue, a recent reaper pass, no job
-                      past its lease. Counts only, no names; kept for a second, so a crowd of callers costs nothing.
-    GET /v1/health    with a key: the same, plus each registered worker, who answered Celery's ping (kept
-                      `health_ping_cache_s`: one ping per process at a time, never one per caller) and queue depths.
+                      past its lease. Counts only, no names.
+    GET /v1/health    with a key: the same, checked at the call, plus each registered worker, who answered Celery's
+                      ping (at most `health_ping_cache_s` old) and queue depths.
+
+No request waits for /healthz's checks or the Celery ping: a thread of each API process (`Monitor`) keeps them, so a
+probe is answered from memory even while every request thread is busy with Redis or S3 (issue 27: a probe that ran the
+checks itself took up to 60 ms under load, and 0.5 s for a ping).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from typing import Any
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Flask, Response, current_app, jsonify
 
 from api.auth import admit_caller
-from api.services import services
+from api.services import Services, services
 from storage.overview import health
 from storage.workers import WorkerRegistry
+
+log = logging.getLogger("vsrq.api.health")
 
 blueprint = Blueprint("health", __name__)
 detail = Blueprint("health_detail", __name__)
 detail.before_request(admit_caller)
 
-PUBLIC_CACHE_S = 1.0
-_cache: dict[str, tuple[float, Any]] = {}
-_pinging = threading.Lock()
+CHECK_EVERY_S = 1.0
+# How long a caller waits for a process's first checks (started with the process: infra/gunicorn.conf.py), which take
+# milliseconds when Redis and S3 answer
+FIRST_WAIT_S = 1.0
+# Checks older than this mean the thread is stuck in a call (Redis or S3 partitioned: each waits its socket timeout):
+# /healthz answers 503 rather than the last good answer.
+STALE_S = 5.0
+
+Checks = tuple[dict[str, Any], int]  # body, status
 
 
 @blueprint.get("/livez")
@@ -37,64 +51,121 @@ def livez() -> Response:
 
 @blueprint.get("/healthz")
 def healthz() -> tuple[Response, int]:
-    cached = _cache.get("public")
-    if cached is None or time.monotonic() - cached[0] > PUBLIC_CACHE_S:
-        cached = _cache["public"] = (time.monotonic(), _checks(detailed=False))
-    body, status = cached[1]
+    body, status = monitor(current_app).public()
     return jsonify(body), status
 
 
 @detail.get("/v1/health")
 def detailed() -> tuple[Response, int]:
-    body, status = _checks(detailed=True)
+    svc = services()
+    body, status = checks(svc, detailed=True)
+    if "workers" in body["checks"]:
+        body["checks"]["workers"]["answering"] = monitor(current_app).answering()
     return jsonify(body), status
 
 
-def _checks(*, detailed: bool) -> tuple[dict[str, Any], int]:
-    svc = services()
-    checks: dict[str, Any] = {}
+def checks(svc: Services, *, detailed: bool) -> Checks:
+    found: dict[str, Any] = {}
     try:
         svc.redis.ping()
-        checks["redis"] = {"ok": True}
+        found["redis"] = {"ok": True}
     except Exception as error:
-        checks["redis"] = {"ok": False, "error": type(error).__name__}
+        found["redis"] = {"ok": False, "error": type(error).__name__}
     try:
         svc.blobs.check()
-        checks["storage"] = {"ok": True, "backend": svc.settings.blob_backend}
+        found["storage"] = {"ok": True, "backend": svc.settings.blob_backend}
     except Exception as error:
-        checks["storage"] = {"ok": False, "backend": svc.settings.blob_backend, "error": type(error).__name__}
+        found["storage"] = {"ok": False, "backend": svc.settings.blob_backend, "error": type(error).__name__}
     problems: list[str] = []
-    if checks["redis"]["ok"]:
-        registered = WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s).list()
-        now = health(svc.jobs, registered, list(svc.settings.models.values()), svc.settings.reaper_stale_s)
-        problems = now.problems
-        checks["workers"] = {"ok": all(now.workers.values()), "seen": sum(now.workers.values()), "queues": now.workers}
-        checks["reaper"] = {"ok": now.reaper_ok, "last_pass_s": now.reaper_last_pass_s}
-        checks["leases"] = {"ok": not now.overdue_jobs, "overdue": now.overdue_jobs}
-        if detailed:
-            checks["workers"]["registered"] = [
-                {"name": w.name, "queues": w.queues, "model": w.model, "job": w.job} for w in registered
-            ]
-            checks["workers"]["answering"] = _answering()
-            checks["queues"] = {q: svc.jobs.queue_depth(q) for q in sorted(set(svc.settings.models.values()))}
-    healthy = checks["redis"]["ok"] and checks["storage"]["ok"]
-    status = "unavailable" if not healthy else "degraded" if problems else "ok"
-    return {"status": status, "problems": problems, "checks": checks}, 200 if healthy else 503
-
-
-def _answering() -> list[str] | None:
-    """The workers that answered the last Celery ping, pinged again once it is older than the setting; None before
-    the first answer. A caller that finds a ping under way takes the last one rather than wait for it."""
-    svc = services()
-    cached = _cache.get("ping")
-    if (cached is None or time.monotonic() - cached[0] > svc.settings.health_ping_cache_s) and _pinging.acquire(
-        blocking=False
-    ):
+    if found["redis"]["ok"]:
         try:
-            replies = svc.celery.control.ping(timeout=svc.settings.health_ping_timeout_s)
-            cached = _cache["ping"] = (time.monotonic(), sorted(name for reply in replies for name in reply))
+            registered = WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s).list()
+            now = health(svc.jobs, registered, list(svc.settings.models.values()), svc.settings.reaper_stale_s)
+            problems = now.problems
+            served = now.workers
+            found["workers"] = {"ok": all(served.values()), "seen": sum(served.values()), "queues": served}
+            found["reaper"] = {"ok": now.reaper_ok, "last_pass_s": now.reaper_last_pass_s}
+            found["leases"] = {"ok": not now.overdue_jobs, "overdue": now.overdue_jobs}
+            if detailed:
+                found["workers"]["registered"] = [
+                    {"name": w.name, "queues": w.queues, "model": w.model, "job": w.job} for w in registered
+                ]
+                found["queues"] = {q: svc.jobs.queue_depth(q) for q in sorted(set(svc.settings.models.values()))}
+        except Exception as error:  # Redis went away between the ping and these reads
+            found["redis"] = {"ok": False, "error": type(error).__name__}
+    healthy = found["redis"]["ok"] and found["storage"]["ok"]
+    status = "unavailable" if not healthy else "degraded" if problems else "ok"
+    return {"status": status, "problems": problems, "checks": found}, 200 if healthy else 503
+
+
+class Monitor:
+    """One API process's health checks, run by threads of its own: the public checks every `CHECK_EVERY_S`, and,
+    from the first detailed call on, Celery's ping every `health_ping_cache_s`. Callers read the last results."""
+
+    def __init__(self, svc: Services) -> None:
+        self._svc = svc
+        self._public: tuple[float, Checks] | None = None  # (monotonic time checked, result); replaced whole
+        self._answering: list[str] | None = None
+        self._checked, self._pinged = threading.Event(), threading.Event()
+        self._ping_started = threading.Lock()
+        self.pid = os.getpid()
+        self._every(CHECK_EVERY_S, self._check, "health-checks")
+
+    def public(self) -> Checks:
+        if self._public is None:  # only right after the process started: the first checks are under way
+            self._checked.wait(FIRST_WAIT_S)
+        checked = self._public
+        age = time.monotonic() - checked[0] if checked else None
+        if checked is None or age > STALE_S:
+            since = f"for {age:.0f} s" if age is not None else "yet"
+            problem = f"the health checks have not finished {since}"
+            return {"status": "unavailable", "problems": [problem], "checks": {}}, 503
+        return checked[1]
+
+    def answering(self) -> list[str] | None:
+        """The workers that answered the last ping. The first call of a process starts the pings and waits for the
+        first answers (up to the ping's timeout); None if they have not come by then."""
+        if self._ping_started.acquire(blocking=False):
+            self._every(self._svc.settings.health_ping_cache_s, self._ping, "celery-ping")
+        self._pinged.wait(self._svc.settings.health_ping_timeout_s + 1)
+        return self._answering
+
+    def _check(self) -> None:
+        self._public = (time.monotonic(), checks(self._svc, detailed=False))
+        self._checked.set()
+
+    def _ping(self) -> None:
+        try:
+            replies = self._svc.celery.control.ping(timeout=self._svc.settings.health_ping_timeout_s)
+            self._answering = sorted(name for reply in replies for name in reply)
         except Exception:  # the broker is down: the Redis check says so
-            cached = _cache["ping"] = (time.monotonic(), [])
-        finally:
-            _pinging.release()
-    return cached[1] if cached else None
+            self._answering = []
+        self._pinged.set()
+
+    @staticmethod
+    def _every(interval_s: float, run: Any, name: str) -> None:
+        def loop() -> None:
+            while True:
+                started = time.monotonic()
+                try:
+                    run()
+                except Exception:  # never expected (each check catches its own): logged, and the loop goes on
+                    log.exception("health %s failed", name)
+                time.sleep(max(interval_s - (time.monotonic() - started), 0.05))
+
+        threading.Thread(target=loop, name=f"vsrq-{name}", daemon=True).start()
+
+
+_creating = threading.Lock()
+
+
+def monitor(app: Flask) -> Monitor:
+    """The app's monitor, started by the first health call in this process (threads do not survive a fork, and
+    gunicorn forks its workers after loading the config)."""
+    found = app.extensions.get("vsrq_health")
+    if found is None or found.pid != os.getpid():
+        with _creating:
+            found = app.extensions.get("vsrq_health")
+            if found is None or found.pid != os.getpid():
+                found = app.extensions["vsrq_health"] = Monitor(app.extensions["vsrq"])
+    return found

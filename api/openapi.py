@@ -337,7 +337,7 @@ def document(settings: Settings) -> dict[str, Any]:
         "/healthz": {
             "get": {
                 "operationId": "health",
-                "summary": "Can the service do its job? Counts only; kept for a second",
+                "summary": "Can the service do its job? Counts only; checked every second, answered from memory",
                 "tags": ["service"],
                 **public,
                 "responses": {"200": _json("Health", "healthy"), "503": _json("Health", "Redis or storage is down")},

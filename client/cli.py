@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -104,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--dir", type=Path, default=Path("var/dev"))
     dev.add_argument("--model", default="lanczos", help="the worker's checkpoint directory, hub id, or 'lanczos'")
     dev.add_argument("--devices", default="cpu")
-    dev.add_argument("--port", type=int, default=8000)
+    dev.add_argument("--port", type=_port, default=os.environ.get("VSRQ_DEV_PORT", "8000"),
+                     help="the API's port on 127.0.0.1 (default: $VSRQ_DEV_PORT, else 8000)")  # fmt: skip
 
     status = commands.add_parser("status", help="the service now: queue depths, workers and their jobs, jobs by status")
     status.add_argument("--json", action="store_true", help="machine-readable")
@@ -139,6 +141,12 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-seconds", type=float, default=default.max_seconds, help="(default: %(default)s)")
     limits.add_argument("--max-bytes", type=int, default=default.max_bytes, help="file size (default: %(default)s)")
     limits.add_argument("--min-frames", type=int, default=default.min_frames, help="(default: %(default)s)")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
+    return int(text)
 
 
 if __name__ == "__main__":

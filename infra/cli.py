@@ -87,11 +87,16 @@ def dev(args: argparse.Namespace) -> int:
     import signal
 
     from client import devstate
-    from infra.dev import DevStack
+    from infra.dev import DevStack, PortUnavailable
 
     # SIGTERM (a supervisor stopping us) ends the stack as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with DevStack(args.dir, args.model, args.devices, args.port) as stack:
+    try:
+        stack = DevStack(args.dir, args.model, args.devices, args.port).start()
+    except PortUnavailable as error:
+        print(f"vsrq dev: {error.code}: {error.message}", file=sys.stderr)
+        return 2
+    with stack:
         print(
             f"vsrq dev: API {stack.url}, serving {stack.served} (worker: {args.model} on {args.devices}), logs in "
             f"{stack.root}\n"

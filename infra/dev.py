@@ -13,6 +13,7 @@ a state file (client.devstate) that `vsrq status` and `vsrq bulk` read.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -34,6 +35,14 @@ from storage.signatures import new_secret
 
 ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "vsrq.k6"
+
+
+class PortUnavailable(Exception):
+    """The API's port cannot be had: a user's error to act on (another port), not ours."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
 
 
 class DevStack:
@@ -94,8 +103,15 @@ class DevStack:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no owner
             try:
                 probe.bind((host, int(port)))
-            except OSError:
-                raise RuntimeError(f"port {port} is in use (another `vsrq dev`?): pass --port") from None
+            except OSError as error:
+                other = "choose another with --port N or VSRQ_DEV_PORT=N"
+                if error.errno == errno.EADDRINUSE:
+                    raise PortUnavailable("port_in_use", f"port {port} on {host} is in use (another `vsrq dev`, or "
+                                          f"another server): {other}") from None  # fmt: skip
+                if error.errno == errno.EACCES:
+                    raise PortUnavailable("port_not_permitted", f"port {port} on {host} needs privileges to bind: "
+                                          f"{other} (above 1023)") from None  # fmt: skip
+                raise PortUnavailable("port_unavailable", f"port {port} on {host}: {error.strerror}; {other}") from None
 
     def _spawn(self, name: str, command: list[str]) -> None:
         self.supervisor.add(name, lambda: self._popen(name, command))

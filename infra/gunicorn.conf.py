@@ -64,3 +64,10 @@ def post_fork(server, worker) -> None:
     # graceful SIGTERM: a stopping worker keeps its SO_REUSEPORT socket open while it finishes (up to
     # graceful_timeout), and the kernel would still hand it new connections that it no longer accepts.
     die_with_parent(signal.SIGKILL, server.pid)
+
+
+def post_worker_init(worker) -> None:
+    # Each worker process starts its health checks now: started by the first /healthz, that caller would wait for them
+    from api.health import monitor
+
+    monitor(worker.wsgi)

@@ -594,7 +594,7 @@ class JobStore:
 
     # keys
     def _job_key(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}"
+        return job_key(self.prefix, job_id)
 
     def _queue_key(self, queue: str) -> str:
         return f"{self.prefix}:queue:{queue}"
@@ -970,6 +970,11 @@ def _to_hash(job: JobRecord) -> dict[str, str | int | float]:
         else:
             out[name] = value
     return out
+
+
+def job_key(prefix: str, job_id: str) -> str:
+    """The job's record (a hash): also where storage/budget.py marks it charged."""
+    return f"{prefix}:job:{job_id}"
 
 
 def _from_hash(raw: dict[bytes, bytes]) -> JobRecord | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -72,3 +74,23 @@ def test_checkpoint_tiny_writes_a_loadable_checkpoint(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "ck" / "scheduler" / "scheduler_config.json").read_text().count("FlowMatchEulerDiscreteScheduler") == 1
     assert not (tmp_path / "ck" / "latent_upscaler").exists()
+
+
+def test_dev_on_a_port_in_use_says_so_and_how_to_choose_another(tmp_path):
+    """`vsrq dev` where something already listens on the port (flag, then VSRQ_DEV_PORT): a typed error naming the
+    port and both ways to pick another, exit 2, no traceback, nothing started (before: `internal_error`, exit 1)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        by_flag = vsrq("dev", "--port", port, "--dir", str(tmp_path / "a"))
+        by_env = subprocess.run(
+            [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path / "b")],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "VSRQ_DEV_PORT": port},
+        )  # fmt: skip
+    for result in (by_flag, by_env):
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(f"vsrq dev: port_in_use: port {port} on 127.0.0.1 is in use"), result.stderr
+        assert "--port N or VSRQ_DEV_PORT=N" in result.stderr and "Traceback" not in result.stderr
+        assert "internal_error" not in result.stderr and result.stdout == ""
+    assert not (tmp_path / "a" / "stack").exists()  # Redis and SeaweedFS were not started
+    bad = vsrq("dev", "--port", "70000")
+    assert bad.returncode == 2 and "is not a port" in bad.stderr and "Traceback" not in bad.stderr

@@ -138,9 +138,11 @@ def test_a_command_whose_part_is_not_installed_says_which_extra(argv, extra):
 
 def test_a_lanczos_worker_starts_without_the_diffusion_stack():
     """A Lanczos worker (the dev stack's, CI's) and `vsrq probe` need torch and PyAV, not diffusers and the compiler
-    stack it pulls in: ~2.5 CPU-s per process start."""
+    stack it pulls in: ~2.5 CPU-s per process start. Nor does a job's bookkeeping (the graphs Dynamo built): it
+    imported Dynamo in a restarted dev worker's first job, 5-8 s of it under load."""
     code = (
         "import worker.tasks\nfrom worker.sr.backends import open_upscaler\nopen_upscaler('lanczos')\n"
+        "assert worker.tasks._graphs_built() == 0\n"
         "import sys\nprint(sorted({m for m in ('diffusers', 'torch._dynamo', 'torch._inductor') if m in sys.modules}))"
     )
     loaded, output = _loaded(code)

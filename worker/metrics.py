@@ -97,9 +97,9 @@ def record_upscale(result: Result) -> None:
     import psutil  # the GPU worker's dependency, not the webhook worker's
 
     RESIDENT.set(psutil.Process().memory_info().rss)
-    torch = sys.modules.get("torch")  # loaded by the engine; never imported here
-    if torch is not None:
-        COMPILED_GRAPHS.set(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    dynamo = sys.modules.get("torch._dynamo.utils")  # loaded by a compiling engine; never imported here (seconds)
+    if dynamo is not None:
+        COMPILED_GRAPHS.set(dynamo.counters["stats"]["unique_graphs"])
     if result.seconds > 0:
         TILES_PER_SECOND.set(tiles / result.seconds)
         FRAMES_PER_SECOND.set(result.written.video.frames / result.seconds)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -25,7 +26,6 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 import redis.exceptions
-import torch
 from celery.signals import worker_init, worker_shutdown
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, preview_key
@@ -266,8 +266,10 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
 
 
 def _graphs_built() -> int:
-    """Graphs Dynamo has built in this process: one built by a job means it met a shape the warmup did not compile."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    """Graphs Dynamo has built in this process: one built by a job means it met a shape the warmup did not compile.
+    None built without Dynamo loaded: reading torch._dynamo would import it, seconds of a lanczos worker's first job."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
 
 
 def _note_run(lease: Lease, result: UpscaleResult, graphs: int, overlapped: bool) -> None:

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 import redis
@@ -95,6 +97,40 @@ def test_health_tells_a_dead_reaper_and_a_job_past_its_lease(rel_env, jobs, tmp_
             jobs.cancel(job.id)
 
 
+def test_healthz_answers_at_once_while_its_checks_hang(rel_env, stack, tmp_path):
+    """The API's Redis partitioned (bytes dropped, connections left open; Redis timeout 8 s): /healthz keeps answering
+    at once, from its last checks, then 503 naming the checks that have not finished once they are 5 s old. Before,
+    the caller that found the checks a second old ran them itself and waited out the Redis timeout."""
+    partition = processes.Partition(("127.0.0.1", stack.ports["redis"]))
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{partition.port}/0", "VSRQ_REDIS_TIMEOUT_S": "8"}
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    try:
+        while sum(requests.get(f"{url}/healthz", timeout=5).status_code == 200 for _ in range(10)) < 10:
+            time.sleep(0.2)  # both API processes up, their first checks done
+        partition.cut()
+        cut = time.monotonic()
+        answers = []
+        while time.monotonic() - cut < 7:
+            started = time.monotonic()
+            response = requests.get(f"{url}/healthz", timeout=5)
+            answers.append((started - cut, time.monotonic() - started, response.status_code, response.json()))
+            time.sleep(0.1)
+        slowest = max(seconds for _, seconds, _, _ in answers)
+        first_503 = next(at for at, _, status, _ in answers if status == 503)
+        print(f"FIGURE /healthz, Redis partitioned: {len(answers)} answers in 7 s, the slowest {slowest * 1000:.0f} ms; "
+              f"503 from {first_503:.1f} s after the cut: {answers[-1][3]['problems']}")
+        assert slowest < 1
+        assert all(status == 200 for at, _, status, _ in answers if at < 3)  # the last checks, still fresh
+        assert first_503 < 6.5 and all(status == 503 for at, _, status, _ in answers if at > 6.5)
+        assert "the health checks have not finished for" in answers[-1][3]["problems"][0]
+    finally:
+        partition.heal()
+        api.stop()
+        partition.close()
+
+
 def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
     """Redis down for 3 s under a reaper passing every 0.2 s (15 passes): one line when each step starts failing and
     one when it recovers, no traceback."""
@@ -126,65 +162,73 @@ def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
             redis_server.wait(10)
 
 
-def test_vsrq_dev_restarts_a_killed_process(tmp_path, monkeypatch):
+def test_vsrq_dev_serves_again_within_10_s_of_a_killed_process(tmp_path, monkeypatch):
     """`vsrq dev`'s stack on the lanczos model: its worker, web server and reaper each SIGKILLed in turn (with their
-    children): each started again within 2 s (the first backoff step, 0.5 s) and serving again once it has booted
-    (imports dominate: about 5 s of CPU for the worker), then a job goes through."""
-    from infra.dev import QUEUE, DevStack
-    from storage.workers import WorkerRegistry
+    children). Right after each kill a client sends a job, retrying while nothing listens, as a user would: the job
+    completes within 10 s of the kill (issue 27's promise); for the reaper, which no job needs, its first pass after
+    the restart comes within 10 s too. Before the supervisor: the killed process stayed dead, jobs `queued` for good."""
+    from infra.dev import DevStack
     from worker.media.synthetic import write_clip
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # its state file, not the user's
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
     with DevStack(tmp_path / "dev", "lanczos") as dev:
         redis_client = redis.Redis.from_url(dev.stack.redis_url)
-        registry = WorkerRegistry(redis_client)
+        headers = {"Authorization": f"Bearer {dev.token}"}
 
-        def serving(name: str, old_pid: int, since: float) -> bool:
-            current = dev.processes.get(name)
-            if current is None or current.pid == old_pid:
-                return False
-            if name == "web":
-                try:
-                    return requests.get(f"{dev.url}/livez", timeout=1).status_code == 200
-                except requests.RequestException:
-                    return False
-            if name == "worker":
-                return any(w.pid == current.pid and QUEUE in w.queues for w in registry.list())
-            last = redis_client.get("vsrq:reaper:last_pass")
-            return last is not None and float(last) > since
+        def created() -> str | None:
+            try:
+                response = requests.post(
+                    f"{dev.url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+                    data={"sr_resolution_scale": "2"}, headers=headers, timeout=5,
+                )  # fmt: skip
+            except requests.RequestException:  # nothing listens yet
+                return None
+            assert response.status_code == 200, response.text
+            return response.json()["id"]
+
+        def ended(job_id: str) -> dict | None:
+            job = requests.get(f"{dev.url}/v1/videos/{job_id}", headers=headers, timeout=5).json()
+            return job if job["status"] in ("completed", "failed", "cancelled") else None
+
+        def reaper_passed_since(moment: float) -> bool | None:
+            last = redis_client.get("vsrq:reaper:last_pass")  # the Redis time of its last pass
+            return True if last is not None and float(last) > moment else None
 
         relaunched: dict[str, float] = {}
         back: dict[str, float] = {}
+        jobs_done: list[str] = []
         for name in ("worker", "web", "reaper"):
-            old = dev.processes[name]
-            since = registry.now()
-            os.killpg(old.pid, signal.SIGKILL)
+            old_pid = dev.processes[name].pid
+            seconds, micros = redis_client.time()
+            os.killpg(old_pid, signal.SIGKILL)
             killed = time.monotonic()
-            while not serving(name, old.pid, since):
-                if name not in relaunched and dev.processes[name].pid != old.pid:
-                    relaunched[name] = time.monotonic() - killed
-                assert time.monotonic() - killed < 60, (tmp_path / "dev" / f"{name}.log").read_text()[-3000:]
-                time.sleep(0.05)
+
+            def until(done: Callable[[], Any], what: str) -> Any:
+                """Polls `done` until it answers (None: not yet), noting when the process was started again."""
+                while (result := done()) is None:
+                    if name not in relaunched and dev.processes[name].pid != old_pid:
+                        relaunched[name] = time.monotonic() - killed
+                    log = (tmp_path / "dev" / f"{name}.log").read_text()[-3000:]
+                    assert time.monotonic() - killed < 60, f"no {what} after the {name} was killed:\n{log}"
+                    time.sleep(0.05)
+                return result
+
+            job_id = until(created, "job accepted")
+            job = until(lambda: ended(job_id), "job ended")
+            assert job["status"] == "completed", job
+            jobs_done.append(job_id)
+            if name == "reaper":
+                until(lambda: reaper_passed_since(seconds + micros / 1e6), "reaper pass")
+            until(lambda: True if dev.processes[name].pid != old_pid else None, "restart")
             back[name] = time.monotonic() - killed
-        clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
-        headers = {"Authorization": f"Bearer {dev.token}"}
-        job = requests.post(
-            f"{dev.url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
-            data={"sr_resolution_scale": "2"}, headers=headers, timeout=30,
-        ).json()  # fmt: skip
-        deadline = time.monotonic() + 60
-        while (job := requests.get(f"{dev.url}/v1/videos/{job['id']}", headers=headers, timeout=10).json())[
-            "status"
-        ] not in ("completed", "failed", "cancelled"):
-            assert time.monotonic() < deadline, job
-            time.sleep(0.2)
         log = (tmp_path / "dev" / "worker.log").read_text()
         print("FIGURE vsrq dev, SIGKILL: started again after "
-              + ", ".join(f"{n} {s:.1f} s" for n, s in relaunched.items()) + "; serving again after "
-              + ", ".join(f"{n} {s:.1f} s" for n, s in back.items())
-              + f"; the next job {job['status']}; the worker's log kept both runs: {log.count(' ready.')} 'ready'")
-        assert job["status"] == "completed" and max(relaunched.values()) < 2, (relaunched, back)
-        assert log.count(" ready.") >= 2 and f"{job['id']}" in log  # appended, and a line per job (--loglevel INFO)
+              + ", ".join(f"{n} {s:.1f} s" for n, s in relaunched.items()) + "; a job sent right after the kill "
+              "completed (the reaper: passed again) after " + ", ".join(f"{n} {s:.1f} s" for n, s in back.items())
+              + f"; the worker's log kept both runs: {log.count(' ready.')} 'ready'")
+        assert max(back.values()) < 10, (relaunched, back)
+        assert log.count(" ready.") >= 2 and all(job_id in log for job_id in jobs_done)  # appended; a line per job
 
 
 def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
