@@ -84,7 +84,8 @@ def declared(path: Path) -> Declared:
         for frame in _frames(container, video):
             if not times:
                 rotation = round(frame.rotation / 90) * 90 % 360
-            times.append(float(frame.time) if frame.time is not None else len(times) / float(video.guessed_rate))
+            # Frames the decoder hands over when flushed carry no time base of their own (`time` is NaN): the stream's
+            times.append(float(frame.pts * video.time_base) if frame.pts is not None else len(times) / float(video.guessed_rate))
     tracks = []
     with av.open(str(path), metadata_errors="replace") as container:
         indices = [s.index for s in container.streams.audio if s.codec_context is not None and s.codec_context.channels]
@@ -92,17 +93,18 @@ def declared(path: Path) -> Declared:
         with av.open(str(path), metadata_errors="replace") as container:  # one pass per stream: no seeking back
             stream = container.streams[index]
             samples, start, frame = 0, None, 0.0
+            declared_start = float(stream.start_time * stream.time_base) if stream.start_time is not None else None
             try:
                 for decoded in _frames(container, stream):
-                    if start is None and decoded.time is not None:
-                        start = float(decoded.time)
+                    if not samples:  # the first sound: its time, or where ffprobe says the stream starts if it has none
+                        start = float(decoded.pts * stream.time_base) if decoded.pts is not None else declared_start
                     frame = max(frame, decoded.samples / decoded.sample_rate)  # Vorbis frames vary: the longest
                     samples += decoded.samples
             except av.error.FFmpegError:
                 pass  # a cut file: what decodes is what there is
-            if stream.start_time is not None and start is not None:
+            if declared_start is not None and start is not None:
                 # ffprobe's start_time where decoded times claim earlier (Ogg counts back from its pages' end)
-                start = max(start, float(stream.start_time * stream.time_base))
+                start = max(start, declared_start)
             if samples:
                 tracks.append(Track(stream.codec_context.channels, stream.codec_context.sample_rate, stream.language,
                                     start or 0.0, samples / stream.codec_context.sample_rate, frame))  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -21,6 +21,7 @@ class AudioPromise:
     start: float  # seconds of output time its first sample is presented at
     duration: float  # seconds the stream covers: all of the source's
     slack: float  # beyond one frame: a copied stream ends on a packet boundary, up to half a packet off
+    index: int = -1  # the source stream
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,16 @@ class Promise:
                 start, end = stream.start - clock, stream.start + stream.duration - clock
                 first = max(start, 0.0)  # copied or re-encoded, a stream starts where it did against the video
                 slack = stream.packet_seconds / 2 if action == "copy" else 0.0
-                audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack))
+                audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack, stream.index))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
         return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar, video.start - clock)
+
+
+    def decoded(self, placed: dict[int, tuple[float, float]]) -> Promise:
+        """The promise with re-encoded audio held to what its decoder gave (source stream -> (start, seconds) of
+        output time): packet times only estimate it where packets carry no durations or overlap (ASF, Ogg)."""
+        audio = tuple(replace(a, start=placed[a.index][0], duration=placed[a.index][1]) if a.index in placed else a for a in self.audio)
+        return replace(self, audio=audio)
 
 
 def verify(path: str | Path, promise: Promise) -> MediaInfo:

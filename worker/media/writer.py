@@ -18,6 +18,7 @@ from av.video.reformatter import ColorRange, Colorspace
 
 from worker.errors import InvalidRequest
 from worker.frames import quantise
+from worker.media import edit_list
 from worker.media.passthrough import Passthrough
 
 _DONE = None
@@ -167,6 +168,8 @@ class Mp4Writer:
         self._thread.join()
         self._raise_if_failed()
         self.container.close()
+        if self.passthrough is not None:
+            edit_list.skip(self.path, self.passthrough.edits())
         self._close_passthrough()
 
     def _encode_loop(self) -> None:
