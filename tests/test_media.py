@@ -159,11 +159,13 @@ def test_colour_is_read_with_the_streams_own_matrix_and_range(tmp_path, matrix, 
     assert np.abs(frame[24, 32].astype(int) - colour).max() <= 3  # a wrong matrix or range is off by 10-30
 
 
-def test_subtitles_languages_and_metadata_follow_into_the_mp4(tmp_path):
+def test_subtitles_languages_metadata_and_chapters_follow_into_the_mp4(tmp_path):
     srt = "1\n00:00:00,100 --> 00:00:00,900\nBonjour\n\n2\n00:00:01,000 --> 00:00:01,400\nAu revoir\n"
+    chapters = [(0.0, 0.8, "Début"), (0.8, FRAMES / 30, "Fin")]
     source = write_clip(
-        tmp_path / "in.mkv", FRAMES, SIZE, Fraction(30), audio_codec="libopus", subtitles=srt, language="fra", metadata={"title": "Essai"}
-    )
+        tmp_path / "in.mkv", FRAMES, SIZE, Fraction(30), audio_codec="libopus", subtitles=srt, language="fra", metadata={"title": "Essai"},
+        chapters=chapters,
+    )  # fmt: skip
     output = tmp_path / "out.mp4"
     upscale_file(source, output, LanczosUpscaler(), FAST)
     back = read_back(output)
@@ -171,6 +173,9 @@ def test_subtitles_languages_and_metadata_follow_into_the_mp4(tmp_path):
     assert (codec, language) == ("mov_text", "fra")
     assert [text.split(b",")[-1] for text in texts] == [b"Bonjour", b"Au revoir"]
     assert back.audio[0].language == "fra" and back.metadata.get("title") == "Essai"
+    with av.open(str(output)) as container:
+        kept = [(float(c["start"] * c["time_base"]), c["metadata"].get("title")) for c in container.chapters()]
+    assert kept == [(start, title) for start, _, title in chapters]
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,7 @@ def begin_upscale(
                 language=video.language,
                 colour=(_tag(video.color_primaries), _tag(video.color_trc)),
                 sample_aspect_ratio=video.sar,
+                chapters=[(max(0.0, c.start - clock), c.end - clock, c.title) for c in info.chapters],
             )
         )
         engine_started = monotonic()

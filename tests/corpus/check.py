@@ -57,6 +57,7 @@ class Declared:
     audio: list[Track] = field(default_factory=list)
     subtitles: int = 0
     title: str | None = None
+    chapters: list[tuple[float, str | None]] = field(default_factory=list)  # (start, title)
 
     @property
     def display_aspect(self) -> Fraction:
@@ -78,6 +79,7 @@ def declared(path: Path) -> Declared:
         sar = video.sample_aspect_ratio or context.sample_aspect_ratio
         sar = Fraction(sar) if sar and sar > 0 else Fraction(1)
         title = container.metadata.get("title")
+        chapters = [(float(c["start"] * c["time_base"]), c["metadata"].get("title")) for c in container.chapters()]
         subtitles = sum(s.codec_context is not None and s.codec_context.name in TEXT_SUBTITLES for s in container.streams.subtitles)
         rate = video.average_rate if video.average_rate and video.average_rate > 0 else None
         times, rotation = [], 0
@@ -110,7 +112,7 @@ def declared(path: Path) -> Declared:
                                     start or 0.0, samples / stream.codec_context.sample_rate, frame))  # fmt: skip
     if rotation in (90, 270):
         width, height, sar = height, width, 1 / sar
-    return Declared(width, height, sar, rotation, sorted(times), rate, tracks, subtitles, title)
+    return Declared(width, height, sar, rotation, sorted(times), rate, tracks, subtitles, title, chapters)
 
 
 def _frames(container: av.container.InputContainer, stream: av.stream.Stream):
@@ -193,6 +195,11 @@ def compare(before: Declared, after: Declared) -> list[str]:
             problems.append(f"audio {number} starts {offset_after:+.3f} s from the video, {offset_before:+.3f} s in the input")
     if after.subtitles != before.subtitles:
         problems.append(f"{after.subtitles} text subtitle streams, the input has {before.subtitles}")
+    if len(after.chapters) != len(before.chapters):
+        problems.append(f"{len(after.chapters)} chapters, the input has {len(before.chapters)}")
+    for (got, got_title), (was, was_title) in zip(after.chapters, before.chapters):
+        if got_title != was_title or abs((got - after.times[0]) - (was - before.times[0])) > 0.002:  # kept to the ms
+            problems.append(f"chapter {was_title!r} at {was:.3f} s came back as {got_title!r} at {got:.3f} s")
     if before.title and after.title != before.title:
         problems.append(f"title {after.title!r}, the input's {before.title!r}")
     return problems

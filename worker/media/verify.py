@@ -36,6 +36,7 @@ class Promise:
     subtitles: int
     sar: Fraction = Fraction(1)
     video_start: float = 0.0  # seconds of output time of the first frame
+    chapters: int = 0
 
     @classmethod
     def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...], clock: float = 0.0) -> Promise:
@@ -52,7 +53,8 @@ class Promise:
                 slack = stream.packet_seconds / 2 if action == "copy" else 0.0
                 audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack, stream.index))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
-        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar, video.start - clock)
+        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar,
+                   video.start - clock, len(source.chapters))  # fmt: skip
 
 
     def decoded(self, placed: dict[int, tuple[float, float]]) -> Promise:
@@ -97,6 +99,7 @@ def verify(path: str | Path, promise: Promise) -> MediaInfo:
         ok = abs(max(got.start, 0.0) - expected.start) <= frame + expected.slack
         check(f"audio {number} start", f"{max(got.start, 0.0):.3f} s", f"{expected.start:.3f} s", ok)
     check("subtitle stream count", len(written.subtitles), promise.subtitles, len(written.subtitles) == promise.subtitles)
+    check("chapter count", len(written.chapters), promise.chapters, len(written.chapters) == promise.chapters)
     if problems:
         raise OutputMismatch(f"{Path(path).name} is not what was promised: " + "; ".join(problems))
     return written
