@@ -38,11 +38,11 @@ COVERAGE = """
   (Matroska), several video streams (a cut ASF with three; an AVIF sequence's alpha track), CEA-608 captions
   inside H.264 (not carried: they are not a stream), B-frame MP4s whose edit lists start the media late (puremagic
   test.mp4: 800 of its video's time units, 1024 AAC priming samples).
+  Chapters: hachoir-flashmob.mkv's two (one title accented), carried as a QuickTime chapter track and checked
+  (mkv-chapter-helper's AV1 samples with four chapters were left out: 284 s and 5,680 frames each).
   **Not found**: rotation side data, empty edits (a track that starts late) in an MP4 source, open GOPs known as
-  such, subtitle streams, HDR. **Chapters** were found only in mkv-chapter-helper's samples (AV1 160x90 in
-  Matroska, four chapters), 284 s and 5,680 frames each: left out to keep CI short. Chapters are carried
-  (a QuickTime chapter track) and checked by the oracle; tests/test_media.py covers chapters, rotation,
-  subtitles and late starts on generated files.
+  such, subtitle streams, HDR. tests/test_media.py covers rotation, subtitles, chapters and late starts (early
+  and late sound, copied and re-encoded) on generated files.
 """
 
 
