@@ -100,6 +100,37 @@ def test_sound_before_the_first_frame_is_kept_in_sync_and_the_video_starts_as_la
     assert abs(read_back(output).audio[0].seconds - (0.333 + FRAMES / 30)) <= 1024 / 48000  # all of the sound
 
 
+def test_re_encoded_sound_that_starts_after_the_first_frame_starts_as_late_with_no_priming_before_it(tmp_path):
+    """PCM (re-encoded to AAC) from 0.1 s, video from 0: the AAC track starts at 0.1 s with the tone's first sample
+    and holds the source's samples, not the encoder's 1024 samples of priming ahead of them (which an empty edit
+    alone, as FFmpeg's muxer writes it, would play)."""
+    source, rate, delay, count = tmp_path / "in.mov", 48000, 4800, 24000
+    with av.open(str(source), "w") as container:
+        video = container.add_stream("mpeg4", rate=30)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("pcm_s16le", rate=rate, layout="mono")
+        samples = (0.3 * 32767 * np.sin(2 * np.pi * 440 * np.arange(count) / rate)).astype(np.int16)
+        for start in range(0, count, 1200):
+            frame = av.AudioFrame.from_ndarray(samples[None, start : start + 1200], format="s16", layout="mono")
+            frame.sample_rate, frame.pts = rate, delay + start
+            container.mux(audio.encode(frame))
+        for index in range(20):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 10, np.uint8), format="rgb24")
+            frame.pts = index
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        container.mux(audio.encode())
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        decoded = list(container.decode(audio=0))
+    got = np.concatenate([frame.to_ndarray()[0] for frame in decoded])
+    assert abs(float(decoded[0].pts * decoded[0].time_base) - delay / rate) <= 0.001  # from 0.1 s, as the source
+    assert count <= len(got) < count + 1024  # the source's samples, padded to the last AAC frame at most
+    expected = 0.3 * np.sin(2 * np.pi * 440 * np.arange(2048, 4096) / rate)
+    assert np.abs(got[2048:4096] - expected).mean() < 0.02  # the tone where it is due, not shifted by priming
+
+
 def test_ten_bit_input_is_read_with_its_precision(tmp_path):
     source = write_clip(tmp_path / "in.mkv", 3, SIZE, video_codec="libx265", pix_fmt="yuv420p10le")
     info = probe(source).video
@@ -128,11 +159,13 @@ def test_colour_is_read_with_the_streams_own_matrix_and_range(tmp_path, matrix, 
     assert np.abs(frame[24, 32].astype(int) - colour).max() <= 3  # a wrong matrix or range is off by 10-30
 
 
-def test_subtitles_languages_and_metadata_follow_into_the_mp4(tmp_path):
+def test_subtitles_languages_metadata_and_chapters_follow_into_the_mp4(tmp_path):
     srt = "1\n00:00:00,100 --> 00:00:00,900\nBonjour\n\n2\n00:00:01,000 --> 00:00:01,400\nAu revoir\n"
+    chapters = [(0.0, 0.8, "Début"), (0.8, FRAMES / 30, "Fin")]
     source = write_clip(
-        tmp_path / "in.mkv", FRAMES, SIZE, Fraction(30), audio_codec="libopus", subtitles=srt, language="fra", metadata={"title": "Essai"}
-    )
+        tmp_path / "in.mkv", FRAMES, SIZE, Fraction(30), audio_codec="libopus", subtitles=srt, language="fra", metadata={"title": "Essai"},
+        chapters=chapters,
+    )  # fmt: skip
     output = tmp_path / "out.mp4"
     upscale_file(source, output, LanczosUpscaler(), FAST)
     back = read_back(output)
@@ -140,6 +173,9 @@ def test_subtitles_languages_and_metadata_follow_into_the_mp4(tmp_path):
     assert (codec, language) == ("mov_text", "fra")
     assert [text.split(b",")[-1] for text in texts] == [b"Bonjour", b"Au revoir"]
     assert back.audio[0].language == "fra" and back.metadata.get("title") == "Essai"
+    with av.open(str(output)) as container:
+        kept = [(float(c["start"] * c["time_base"]), c["metadata"].get("title")) for c in container.chapters()]
+    assert kept == [(start, title) for start, _, title in chapters]
 
 
 @pytest.mark.parametrize(

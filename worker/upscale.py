@@ -140,6 +140,7 @@ def begin_upscale(
                 language=video.language,
                 colour=(_tag(video.color_primaries), _tag(video.color_trc)),
                 sample_aspect_ratio=video.sar,
+                chapters=[(max(0.0, c.start - clock), c.end - clock, c.title) for c in info.chapters],
             )
         )
         engine_started = monotonic()
@@ -179,7 +180,10 @@ class Encoding:
         try:
             with self._writer:  # leaving it closes the writer (the flush); one that fails deletes the file
                 pass
-            written = replace(verify(partial, self._promise), path=self.result.output)
+            # re-encoded audio is held to what its decoder gave, which the passthrough knows once it is flushed
+            passthrough = self._writer.passthrough
+            promise = self._promise.decoded(passthrough.placed()) if passthrough is not None else self._promise
+            written = replace(verify(partial, promise), path=self.result.output)
             os.replace(partial, self.result.output)
         finally:
             partial.unlink(missing_ok=True)

@@ -57,6 +57,7 @@ class Declared:
     audio: list[Track] = field(default_factory=list)
     subtitles: int = 0
     title: str | None = None
+    chapters: list[tuple[float, str | None]] = field(default_factory=list)  # (start, title)
 
     @property
     def display_aspect(self) -> Fraction:
@@ -78,13 +79,15 @@ def declared(path: Path) -> Declared:
         sar = video.sample_aspect_ratio or context.sample_aspect_ratio
         sar = Fraction(sar) if sar and sar > 0 else Fraction(1)
         title = container.metadata.get("title")
+        chapters = [(float(c["start"] * c["time_base"]), c["metadata"].get("title")) for c in container.chapters()]
         subtitles = sum(s.codec_context is not None and s.codec_context.name in TEXT_SUBTITLES for s in container.streams.subtitles)
         rate = video.average_rate if video.average_rate and video.average_rate > 0 else None
         times, rotation = [], 0
         for frame in _frames(container, video):
             if not times:
                 rotation = round(frame.rotation / 90) * 90 % 360
-            times.append(float(frame.time) if frame.time is not None else len(times) / float(video.guessed_rate))
+            # Frames the decoder hands over when flushed carry no time base of their own (`time` is NaN): the stream's
+            times.append(float(frame.pts * video.time_base) if frame.pts is not None else len(times) / float(video.guessed_rate))
     tracks = []
     with av.open(str(path), metadata_errors="replace") as container:
         indices = [s.index for s in container.streams.audio if s.codec_context is not None and s.codec_context.channels]
@@ -92,23 +95,24 @@ def declared(path: Path) -> Declared:
         with av.open(str(path), metadata_errors="replace") as container:  # one pass per stream: no seeking back
             stream = container.streams[index]
             samples, start, frame = 0, None, 0.0
+            declared_start = float(stream.start_time * stream.time_base) if stream.start_time is not None else None
             try:
                 for decoded in _frames(container, stream):
-                    if start is None and decoded.time is not None:
-                        start = float(decoded.time)
+                    if not samples:  # the first sound: its time, or where ffprobe says the stream starts if it has none
+                        start = float(decoded.pts * stream.time_base) if decoded.pts is not None else declared_start
                     frame = max(frame, decoded.samples / decoded.sample_rate)  # Vorbis frames vary: the longest
                     samples += decoded.samples
             except av.error.FFmpegError:
                 pass  # a cut file: what decodes is what there is
-            if stream.start_time is not None and start is not None:
+            if declared_start is not None and start is not None:
                 # ffprobe's start_time where decoded times claim earlier (Ogg counts back from its pages' end)
-                start = max(start, float(stream.start_time * stream.time_base))
+                start = max(start, declared_start)
             if samples:
                 tracks.append(Track(stream.codec_context.channels, stream.codec_context.sample_rate, stream.language,
                                     start or 0.0, samples / stream.codec_context.sample_rate, frame))  # fmt: skip
     if rotation in (90, 270):
         width, height, sar = height, width, 1 / sar
-    return Declared(width, height, sar, rotation, sorted(times), rate, tracks, subtitles, title)
+    return Declared(width, height, sar, rotation, sorted(times), rate, tracks, subtitles, title, chapters)
 
 
 def _frames(container: av.container.InputContainer, stream: av.stream.Stream):
@@ -191,6 +195,11 @@ def compare(before: Declared, after: Declared) -> list[str]:
             problems.append(f"audio {number} starts {offset_after:+.3f} s from the video, {offset_before:+.3f} s in the input")
     if after.subtitles != before.subtitles:
         problems.append(f"{after.subtitles} text subtitle streams, the input has {before.subtitles}")
+    if len(after.chapters) != len(before.chapters):
+        problems.append(f"{len(after.chapters)} chapters, the input has {len(before.chapters)}")
+    for (got, got_title), (was, was_title) in zip(after.chapters, before.chapters):
+        if got_title != was_title or abs((got - after.times[0]) - (was - before.times[0])) > 0.002:  # kept to the ms
+            problems.append(f"chapter {was_title!r} at {was:.3f} s came back as {got_title!r} at {got:.3f} s")
     if before.title and after.title != before.title:
         problems.append(f"title {after.title!r}, the input's {before.title!r}")
     return problems

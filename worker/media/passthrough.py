@@ -6,7 +6,9 @@ format MP4 players read); bitmap subtitles cannot live in MP4 and are left out, 
 
 Timing: the output's clock starts at the earliest of the video and the carried audio, so every stream keeps its
 offset from the others, and nothing is cut: audio that starts before the first frame or runs past the last one is
-carried whole (a phone clip's sound outlasts its last frame by up to an audio frame or more).
+carried whole (a phone clip's sound outlasts its last frame by up to an audio frame or more). Re-encoded audio
+keeps every decoded sample, placed as players play it (see `_ToAac`); a track that starts after the clock's start
+gets an edit list that skips the encoder's priming (worker/media/edit_list.py).
 The streams are read from a second demuxer over the source and muxed as the video advances (`mux_until`), so the
 output is interleaved and nothing is buffered beyond the muxer's own queue.
 """
@@ -82,7 +84,7 @@ class Passthrough:
     output's clock starts in the source) and, where `end` is given, cut at `end` seconds of output time."""
 
     def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float | None = None) -> None:
-        self.path = info.path
+        self.path, self.format = info.path, info.format
         self.offset, self.end = offset, end
         self.container = av.open(str(info.path), metadata_errors="replace")
         wanted = {c.index: c.action for c in carried if c.action != "drop"}
@@ -118,6 +120,14 @@ class Passthrough:
         if seconds is None:
             for handler in self.handlers.values():
                 handler.finish()
+
+    def edits(self) -> list[tuple[int, int]]:
+        """(track, samples): the re-encoded tracks whose encoder priming the MP4's edit list must skip."""
+        return [edit for handler in self.handlers.values() if isinstance(handler, _ToAac) and (edit := handler.edit())]
+
+    def placed(self) -> dict[int, tuple[float, float]]:
+        """Source stream -> (start, seconds) of output time its re-encoded audio covers, as decoded."""
+        return {index: placed for index, handler in self.handlers.items() if isinstance(handler, _ToAac) and (placed := handler.placed())}
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -172,12 +182,16 @@ class _Copy(_Handler):
 
 
 class _ToAac(_Handler):
-    """Decode, place every sample on the output clock (a late start starts the track as late, gaps become
-    silence, nothing before the clock's start or after `end` where one is set), encode AAC in 1024-sample frames at the source's rate and layout."""
+    """Decode, place the samples on the output clock and encode AAC in 1024-sample frames at the source's rate and
+    layout. Every decoded sample is kept, one after another, as players play them: a frame's timestamp moves it
+    only across a real gap (more than two frames: silence fills it), never back over sound already placed, since
+    containers time audio coarsely (ASF to the millisecond, over packets that overlap; Ogg only per page, FFmpeg's
+    per-packet times there run seconds off). The track starts at its first frame's time, or where the stream says
+    it starts where that frame has none (or, in Ogg, an estimated one); nothing before the clock's start, nothing
+    after `end` where one is set."""
 
     FRAME = 1024
-    # Decoded timestamps jitter (Matroska rounds them to milliseconds): only gaps beyond this are real.
-    SLACK_SECONDS = 0.02
+    SLACK_SECONDS = 0.02  # the least gap that is one: below, timestamps only jitter (Matroska rounds to ms)
 
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
         context = self.source.codec_context
@@ -187,8 +201,15 @@ class _ToAac(_Handler):
         stream.codec_context.bit_rate = AAC_BITRATE_PER_CHANNEL * channels
         self.resampler = av.AudioResampler(format="fltp", layout=self.layout, rate=self.rate)
         self.buffer = np.zeros((channels, 0), np.float32)
-        self.position = None  # output sample the next decoded sample lands on
+        self.timed = self.passthrough.format != "ogg"
+        source = self.source
+        self.declared_start = float(source.start_time * source.time_base) if source.start_time is not None else None
+        self.first: int | None = None  # output sample of the track's first sample
+        self.position: int | None = None  # output sample the next decoded sample lands on
+        self.skip = 0  # samples still to drop: those before the output clock's start
+        self.longest = 0  # the longest decoded frame so far, in output samples
         self.encoded = 0
+        self.priming: int | None = None  # samples the encoder puts before the first (its first packet's lead)
         self.limit = None if self.passthrough.end is None else round(self.passthrough.end * self.rate)
         return stream
 
@@ -199,32 +220,35 @@ class _ToAac(_Handler):
             self._decoded(packet.decode())
 
     def _decoded(self, frames: list[av.AudioFrame]) -> None:
-        source = self.source
-        first = float(source.start_time * source.time_base) if source.start_time is not None else None
         for frame in frames:
-            time = float(frame.pts * frame.time_base) if frame.pts is not None else None
-            if time is not None and first is not None and time < first - self.SLACK_SECONDS:
-                time = None  # before where the stream starts: times Ogg made up counting back from a page's end
-            if time is None and self.position is None:
-                time = first
+            time = float(frame.pts * frame.time_base) if frame.pts is not None and self.timed else None
+            if time is not None and self.declared_start is not None and time < self.declared_start - self.SLACK_SECONDS:
+                time = None  # before where the stream starts: a time made up counting back from a page's end
+            if self.position is None:
+                time = time if time is not None else self.declared_start
             at = None if time is None else round((time - self.passthrough.offset) * self.rate)
             self._place(self.resampler.resample(frame), at)
 
     def _place(self, frames: list[av.AudioFrame], at: int | None) -> None:
-        """Append decoded samples that start at output sample `at` (None: right after the previous ones)."""
+        """Append decoded samples due at output sample `at` (None: right after the previous ones)."""
         samples = np.concatenate([self.buffer[:, :0], *(frame.to_ndarray() for frame in frames)], axis=1)
-        if at is not None and (self.position is None or abs(at - self.position) > self.SLACK_SECONDS * self.rate):
-            if self.position is None and at > 0:  # a late start: the track starts there, as the source's, no silence
-                self.position = self.encoded = at
-            position = self.position or 0
-            if at > position:  # a gap, or a late start: silence until the samples are due
-                samples = np.concatenate([np.zeros((len(samples), at - position), np.float32), samples], axis=1)
-            else:  # an overlap, or an early start: drop what is before the output clock's position
-                samples = samples[:, position - at :]
-            if self.position is None and not samples.shape[1]:
-                return  # all before the video's start: the clock starts with the first sample kept
-            self.position = position
-        self.position = (self.position or 0) + samples.shape[1]
+        if not samples.shape[1]:
+            return
+        self.longest = max(self.longest, samples.shape[1])
+        if self.position is None:  # the first samples: the track starts where they are due
+            self.position = at or 0
+            self.skip = max(0, -self.position)
+            self.position += self.skip
+        elif at is not None and at - self.position > max(self.SLACK_SECONDS * self.rate, 2 * self.longest):
+            silence = np.zeros((len(samples), at - self.position), np.float32)
+            samples = np.concatenate([silence, samples], axis=1)  # a real gap: silence until they are due
+        dropped = min(self.skip, samples.shape[1])
+        samples, self.skip = samples[:, dropped:], self.skip - dropped
+        if not samples.shape[1]:
+            return
+        if self.first is None:
+            self.first = self.encoded = self.position
+        self.position += samples.shape[1]
         if self.limit is not None:
             samples = samples[:, : max(0, self.limit - (self.encoded + self.buffer.shape[1]))]
         self.buffer = np.concatenate([self.buffer, samples], axis=1)
@@ -236,7 +260,16 @@ class _ToAac(_Handler):
         frame.sample_rate, frame.pts, frame.time_base = self.rate, self.encoded, Fraction(1, self.rate)
         self.buffer = self.buffer[:, count:]
         self.encoded += count
-        self.output.container.mux(self.output.encode(frame))
+        self._mux(self.output.encode(frame))
+
+    def _mux(self, packets: list[av.Packet]) -> None:
+        for packet in packets:
+            if self.priming is None:
+                self.priming = max(0, self.first - packet.pts)
+            if self.first:  # a late start: see `edit`
+                packet.pts += self.priming
+                packet.dts += self.priming
+            self.output.container.mux(packet)
 
     def finish(self) -> None:
         with self.passthrough.reading():
@@ -244,7 +277,24 @@ class _ToAac(_Handler):
         self._place(self.resampler.resample(None), None)
         if self.buffer.shape[1]:
             self._encode(self.buffer.shape[1])
-        self.output.container.mux(self.output.encode(None))
+        self._mux(self.output.encode(None))
+
+    def edit(self) -> tuple[int, int] | None:
+        """(track, samples) where the MP4's edit list must skip the encoder's priming: a track that starts after the
+        output's clock. FFmpeg's muxer trims priming only from a track that starts at 0 (its packets then start
+        before 0); later, it turns the first packet's time into an empty edit, priming included, which would be
+        played as sound (1024 samples of near-silence ahead of the track). The packets were muxed `priming` later,
+        so the empty edit ends where the first sample is due, and `edit_list.skip` moves the media's start past it."""
+        if not self.first or not self.priming:
+            return None
+        return self.output.index + 1, self.priming  # FFmpeg's MP4 muxer numbers tracks from 1 in stream order
+
+    def placed(self) -> tuple[float, float] | None:
+        """(start, seconds) of output time the track covers: its decoded samples, and the silence of real gaps."""
+        if self.first is None:
+            return None
+        end = self.position if self.limit is None else min(self.position, self.limit)
+        return self.first / self.rate, (end - self.first) / self.rate
 
 
 def aac_format(sample_rate: int, layout: str, channels: int) -> tuple[int, str]:

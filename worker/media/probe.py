@@ -92,6 +92,13 @@ class SubtitleInfo:
 
 
 @dataclass(frozen=True)
+class Chapter:
+    start: float  # seconds, in the source's clock
+    end: float
+    title: str | None
+
+
+@dataclass(frozen=True)
 class OtherVideo:
     index: int
     codec: str
@@ -107,6 +114,7 @@ class MediaInfo:
     subtitles: tuple[SubtitleInfo, ...]
     metadata: dict[str, str]
     other_video: tuple[OtherVideo, ...] = ()  # video streams besides the one upscaled (cover art aside)
+    chapters: tuple[Chapter, ...] = ()
 
     def to_dict(self) -> dict:
         """JSON-ready (timestamps left out)."""
@@ -165,7 +173,11 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
             for s in container.streams.video
             if s.index != stream.index and not s.disposition & av.stream.Disposition.attached_pic
         )
-        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video)
+        chapters = tuple(
+            Chapter(float(c["start"] * c["time_base"]), float(c["end"] * c["time_base"]), c["metadata"].get("title"))
+            for c in container.chapters()
+        )
+        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters)
 
 
 def _codec(stream: av.stream.Stream) -> str:

@@ -52,15 +52,22 @@ def write_clip(
     video_options: Mapping[str, str] | None = None,
     sample_aspect_ratio: Fraction | None = None,
     audio_seconds: float | None = None,
+    chapters: Sequence[tuple[float, float, str]] = (),
 ) -> Path:
     """Write a clip of the pattern, stored `size` = (height, width) before any display `rotation` (degrees
     counter-clockwise). `timestamps` (in `time_base`) make it variable-rate; `subtitles` is SRT text; the tone
-    lasts as long as the video unless `audio_seconds` says otherwise; `video_options` go to the encoder."""
+    lasts as long as the video unless `audio_seconds` says otherwise; `video_options` go to the encoder; `chapters`
+    are (start, end, title) in seconds."""
     path = Path(path)
     height, width = size
     options = {"x265-params": "log-level=error"} if video_codec == "libx265" else {}
     with av.open(str(path), "w") as container, tempfile.TemporaryDirectory() as scratch:
         container.metadata.update(metadata or {})
+        if chapters:
+            container.set_chapters([
+                {"id": number, "start": round(start * 1000), "end": round(end * 1000), "time_base": Fraction(1, 1000), "metadata": {"title": title}}
+                for number, (start, end, title) in enumerate(chapters, 1)
+            ])  # fmt: skip
         video = container.add_stream(video_codec, rate=fps, options={"crf": str(crf), **options, **(video_options or {})})
         video.width, video.height, video.pix_fmt = width, height, pix_fmt
         if sample_aspect_ratio is not None:

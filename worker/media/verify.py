@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -21,6 +21,7 @@ class AudioPromise:
     start: float  # seconds of output time its first sample is presented at
     duration: float  # seconds the stream covers: all of the source's
     slack: float  # beyond one frame: a copied stream ends on a packet boundary, up to half a packet off
+    index: int = -1  # the source stream
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Promise:
     subtitles: int
     sar: Fraction = Fraction(1)
     video_start: float = 0.0  # seconds of output time of the first frame
+    chapters: int = 0
 
     @classmethod
     def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...], clock: float = 0.0) -> Promise:
@@ -49,9 +51,17 @@ class Promise:
                 start, end = stream.start - clock, stream.start + stream.duration - clock
                 first = max(start, 0.0)  # copied or re-encoded, a stream starts where it did against the video
                 slack = stream.packet_seconds / 2 if action == "copy" else 0.0
-                audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack))
+                audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack, stream.index))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
-        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar, video.start - clock)
+        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar,
+                   video.start - clock, len(source.chapters))  # fmt: skip
+
+
+    def decoded(self, placed: dict[int, tuple[float, float]]) -> Promise:
+        """The promise with re-encoded audio held to what its decoder gave (source stream -> (start, seconds) of
+        output time): packet times only estimate it where packets carry no durations or overlap (ASF, Ogg)."""
+        audio = tuple(replace(a, start=placed[a.index][0], duration=placed[a.index][1]) if a.index in placed else a for a in self.audio)
+        return replace(self, audio=audio)
 
 
 def verify(path: str | Path, promise: Promise) -> MediaInfo:
@@ -89,6 +99,7 @@ def verify(path: str | Path, promise: Promise) -> MediaInfo:
         ok = abs(max(got.start, 0.0) - expected.start) <= frame + expected.slack
         check(f"audio {number} start", f"{max(got.start, 0.0):.3f} s", f"{expected.start:.3f} s", ok)
     check("subtitle stream count", len(written.subtitles), promise.subtitles, len(written.subtitles) == promise.subtitles)
+    check("chapter count", len(written.chapters), promise.chapters, len(written.chapters) == promise.chapters)
     if problems:
         raise OutputMismatch(f"{Path(path).name} is not what was promised: " + "; ".join(problems))
     return written

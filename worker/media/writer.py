@@ -18,6 +18,7 @@ from av.video.reformatter import ColorRange, Colorspace
 
 from worker.errors import InvalidRequest
 from worker.frames import quantise
+from worker.media import edit_list
 from worker.media.passthrough import Passthrough
 
 _DONE = None
@@ -92,7 +93,7 @@ class Mp4Writer:
     Frames are timed at `fps` or, for variable-rate video, at `timestamps` (in `time_base`, from 0), the first one
     `start` ticks of `time_base` into the file (the source's audio started earlier). Every packet carries its frame's
     duration (the last frame: an average one), so the MP4's track duration and average rate are the source's. A
-    `passthrough` muxes the source's audio and subtitles alongside, as the video advances. `sample_aspect_ratio` is
+    `passthrough` muxes the source's audio and subtitles alongside, as the video advances; `chapters` are kept. `sample_aspect_ratio` is
     the source's pixel shape, kept so that the picture is displayed as wide as the source's.
 
     `write` only quantises and queues; a background thread encodes and muxes. A failure there surfaces at the next
@@ -119,6 +120,7 @@ class Mp4Writer:
         colour: tuple[int, int] = (BT709, BT709),
         start: int = 0,
         sample_aspect_ratio: Fraction = Fraction(1),
+        chapters: Sequence[tuple[float, float, str | None]] = (),
     ) -> None:
         height, width = size
         encoder = encoder_for(codec)
@@ -130,6 +132,12 @@ class Mp4Writer:
         self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
         self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": "+faststart"})
         self.container.metadata.update(metadata or {})
+        if chapters:  # (start, end, title) in output seconds; FFmpeg writes them as a QuickTime chapter track
+            self.container.set_chapters([
+                {"id": number, "start": round(start * 1000), "end": round(end * 1000), "time_base": Fraction(1, 1000),
+                 "metadata": {"title": title} if title else {}}
+                for number, (start, end, title) in enumerate(chapters, 1)
+            ])  # fmt: skip
         self.stream = self.container.add_stream(encoder, rate=fps, options=_encoder_options(encoder, crf, preset, lookahead))
         self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, "yuv420p"
         self.stream.codec_context.thread_type = thread_type
@@ -167,6 +175,8 @@ class Mp4Writer:
         self._thread.join()
         self._raise_if_failed()
         self.container.close()
+        if self.passthrough is not None:
+            edit_list.skip(self.path, self.passthrough.edits())
         self._close_passthrough()
 
     def _encode_loop(self) -> None:
