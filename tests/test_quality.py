@@ -45,6 +45,28 @@ def test_lossless_is_the_exact_engine_before_and_after_a_high_call(engine, lossl
     assert torch.equal(torch.cat(chunks), lossless[2]) and (info.quality, info.levers) == ("lossless", {})
 
 
+def test_a_high_call_that_fails_while_its_levers_go_in_leaves_lossless_exact(engine, lossless, monkeypatch):
+    """The FP8 twins are made one linear at a time (a full GPU can run out of memory part-way): none may stay behind."""
+    made = 0
+
+    def of(linear: nn.Linear) -> Fp8Linear:
+        nonlocal made
+        made += 1
+        if made == 3:
+            raise torch.OutOfMemoryError("injected: no room for the third FP8 weight")
+        return original(linear)
+
+    original = Fp8Linear.of
+    monkeypatch.setattr(Fp8Linear, "of", staticmethod(of))  # the fault injected where a real OOM would rise
+    modules = dict(engine.replicas[0].transformer.named_modules())
+    with pytest.raises(torch.OutOfMemoryError):
+        run(engine, clip(2), SRRequest(scale=2, quality="high"))
+    monkeypatch.undo()
+    assert dict(engine.replicas[0].transformer.named_modules()) == modules
+    assert torch.equal(run(engine, clip(2), SRRequest(scale=2)), lossless[2])
+    assert not torch.equal(run(engine, clip(2), SRRequest(scale=2, quality="high")), lossless[2])  # and high works
+
+
 @pytest.mark.parametrize("scale", [2, 4])
 def test_high_differs_from_lossless_but_stays_close(engine, lossless, scale):
     chunks: list[torch.Tensor] = []

@@ -22,7 +22,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext
 from time import perf_counter
 from typing import Any
 
@@ -451,14 +451,16 @@ class SREngine:
             shard = shards.get(slot)
             turn = (lambda: shard.turn(pipeline.turn)) if shard is not None else pipeline.turn
             leaving = {tile.index for tile in schedule.denoise[slot]} - {tile.index for tile in schedule.decode[slot]}
-            denoised = self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, levers, applied, tracker, turn, shard)
-            for latents in denoised:
-                if not schedule.hands_over(slot):
-                    continue
-                # A tile decoded elsewhere leaves through pinned host memory, its copy queued right behind its last
-                # step: a GPU-to-GPU copy would tie both GPUs' streams, and a copy started by the receiver would
-                # wait behind whatever the sender has queued by then.
-                pipeline.hand_over({i: to_host(latent) if i in leaving else (latent, None) for i, latent in latents.items()})
+            # closed on the way out, also by an error here: the levers and offloaded weights it holds go back now,
+            # not when a traceback's reference cycle is collected (maybe mid-forward in the next job)
+            with closing(self._denoise(replica, schedule.denoise[slot], lq_latents, noise, request, levers, applied, tracker, turn, shard)) as denoised:
+                for latents in denoised:
+                    if not schedule.hands_over(slot):
+                        continue
+                    # A tile decoded elsewhere leaves through pinned host memory, its copy queued right behind its
+                    # last step: a GPU-to-GPU copy would tie both GPUs' streams, and a copy started by the receiver
+                    # would wait behind whatever the sender has queued by then.
+                    pipeline.hand_over({i: to_host(latent) if i in leaving else (latent, None) for i, latent in latents.items()})
             tiles = schedule.decode[slot]
             z = {tile.index: pipeline.take(tile.index).to(replica.device).permute(0, 4, 1, 2, 3) for tile in tiles}
             window = plan.window(replica.device)

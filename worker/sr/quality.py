@@ -117,14 +117,24 @@ class _Swapped:
 
 def _swap_in(transformer: nn.Module, levers: tuple[str, ...]) -> _Swapped:
     state = _Swapped(levers)
+    try:
+        return _swap_levers_in(transformer, levers, state)
+    except BaseException:
+        state.restore(keep_weights=False)  # what was swapped goes back: later lossless calls stay exact
+        raise
+
+
+def _swap_levers_in(transformer: nn.Module, levers: tuple[str, ...], state: _Swapped) -> _Swapped:
     state.transformer = transformer
     device = next(transformer.parameters()).device
     if FP8_LINEAR in levers and not fp8_supported(device):
         state.notes[FP8_LINEAR] = "not_applied_no_fp8_gemm_on_device"
     elif FP8_LINEAR in levers:
-        for parent, name in block_linears(transformer):
-            linear = getattr(parent, name)
-            setattr(parent, name, Fp8Linear.of(linear))
+        # Every twin made before any is put in: a failure part-way (a GPU out of memory) leaves lossless intact
+        twins = [(parent, name, getattr(parent, name)) for parent, name in block_linears(transformer)]
+        made = [Fp8Linear.of(linear) for _, _, linear in twins]
+        for (parent, name, linear), twin in zip(twins, made):
+            setattr(parent, name, twin)
             state.linears.append((parent, name, linear))
         state.notes[FP8_LINEAR] = "scaled_mm_rowwise"
     if FP8_ATTENTION in levers:
