@@ -31,7 +31,8 @@ def charge(job: JobRecord) -> Callable[[float], None]:
                 f"the output would be {megapixel_frames:,.0f} megapixel-frames, more than this key's budget of "
                 f"{per_hour:,.0f} per hour (megapixel_frames_per_hour)"
             )
-        wait_s = Budget(service.jobs().redis).charge(job.owner, job.id, megapixel_frames, per_hour)
+        jobs = service.jobs()
+        wait_s = Budget(jobs.redis, prefix=jobs.prefix).charge(job.owner, job.id, megapixel_frames, per_hour)
         if wait_s:
             raise BudgetExceeded(
                 f"this key's budget of {per_hour:,.0f} output megapixel-frames per hour (megapixel_frames_per_hour) "

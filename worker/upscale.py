@@ -14,7 +14,7 @@ from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
 from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, plan_streams
-from worker.media.probe import MediaInfo, VideoInfo, probe
+from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
 from worker.media.reader import prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
@@ -140,7 +140,7 @@ def begin_upscale(
                 language=video.language,
                 colour=(_tag(video.color_primaries), _tag(video.color_trc)),
                 sample_aspect_ratio=video.sar,
-                chapters=[(max(0.0, c.start - clock), c.end - clock, c.title) for c in info.chapters],
+                chapters=output_chapters(info.chapters, clock),
             )
         )
         engine_started = monotonic()

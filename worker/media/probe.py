@@ -9,6 +9,7 @@ duration before reading a packet, the frame count while counting.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -96,6 +97,12 @@ class Chapter:
     start: float  # seconds, in the source's clock
     end: float
     title: str | None
+
+
+def output_chapters(chapters: Sequence[Chapter], clock: float) -> list[tuple[float, float, str | None]]:
+    """(start, end, title) in the output's seconds, whose clock starts at `clock` in the source's: a chapter over
+    before the first frame has nothing to mark, one under way then starts at 0."""
+    return [(max(0.0, c.start - clock), c.end - clock, c.title) for c in chapters if c.end > clock]
 
 
 @dataclass(frozen=True)

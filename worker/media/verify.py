@@ -10,7 +10,7 @@ from worker.errors import PermanentError
 from worker.media.errors import OutputMismatch
 from worker.media.limits import Limits
 from worker.media.passthrough import Carried, audio_output
-from worker.media.probe import MediaInfo, probe
+from worker.media.probe import MediaInfo, output_chapters, probe
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Promise:
                 audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack, stream.index))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
         return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar,
-                   video.start - clock, len(source.chapters))  # fmt: skip
+                   video.start - clock, len(output_chapters(source.chapters, clock)))  # fmt: skip
 
 
     def decoded(self, placed: dict[int, tuple[float, float]]) -> Promise:
