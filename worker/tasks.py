@@ -206,6 +206,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         graphs = _graphs_built()
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
+        _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         return _Tail(job, lease, output_key, beat, options, encoding, graphs, scratch, cleanup.pop_all())
 
 
@@ -260,7 +261,6 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
             if key not in promoted_output.keys():
                 discard(key)
         forget_windows(job.id)
-        _report_memory_once()
     except Exception:  # storage.lifecycle's sweep deletes the leftovers of ended jobs
         log.warning("%s: cleaning up after completion failed", job.id, exc_info=True)
 
@@ -344,6 +344,10 @@ def media_info(probed: ProbedMedia) -> MediaInfo:
 
 @cache
 def _report_memory_once() -> None:
-    """After the first job: how much of each GPU its peak used, so an operator can pick the performance mode."""
-    for line in getattr(service.upscaler(), "memory_report", list)():
-        log.info("memory after the first job: %s", line)
+    """After the first job's engine: how much of each GPU its peak used, so an operator can pick the performance
+    mode. Best effort: a report that fails costs the job nothing."""
+    try:
+        for line in getattr(service.upscaler(), "memory_report", list)():
+            log.info("memory after the first job: %s", line)
+    except Exception:
+        log.warning("the memory report failed", exc_info=True)
