@@ -49,7 +49,8 @@ def check_levers(levers: Sequence[str]) -> tuple[str, ...]:
 def block_linears(transformer: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, attribute) of every linear `fp8_linear` swaps: per block, q, k, v, out and the two feed-forward ones."""
     found = []
-    for block in transformer.visual_transformer_blocks:
+    # the blocks themselves, not an iteration of the list: offloaded, that streams every block to the device
+    for block in transformer.visual_transformer_blocks._modules.values():
         attention = block.self_attention
         found += [(attention, name) for name in ("to_query", "to_key", "to_value", "out_layer")]
         found += [(block.feed_forward.net[0], "proj"), (block.feed_forward.net, "2")]  # GELU's projection, the output
