@@ -91,12 +91,13 @@ def dev(args: argparse.Namespace) -> int:
 
     # SIGTERM (a supervisor stopping us) ends the stack as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stack = DevStack(args.dir, args.model, args.devices, args.port)
     try:
-        stack = DevStack(args.dir, args.model, args.devices, args.port).start()
+        stack.start()  # not `with stack`: entering would start it a second time, on the port it now holds
     except PortUnavailable as error:
         print(f"vsrq dev: {error.code}: {error.message}", file=sys.stderr)
         return 2
-    with stack:
+    try:
         print(
             f"vsrq dev: API {stack.url}, serving {stack.served} (worker: {args.model} on {args.devices}), logs in "
             f"{stack.root}\n"
@@ -113,6 +114,8 @@ def dev(args: argparse.Namespace) -> int:
             signal.pause()
         except KeyboardInterrupt:
             print("vsrq dev: stopping", flush=True)
+    finally:
+        stack.stop()
     return 0
 
 

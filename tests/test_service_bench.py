@@ -54,7 +54,11 @@ def test_the_service_bench_reports_every_figure(tmp_path):
         stability = queue["stability"]
         assert stability["graphs_rebuilt_for_a_seen_shape"] == [] and stability["jobs"] == 3
         assert 0.5 < stability["last_over_first_peak"]["rss_gib"] < 2
-        assert stability["threads_first_last"][0] == stability["threads_first_last"][1] > 0  # no thread left per job
+        first, last = stability["threads_first_last"]
+        if queue["overlap_tail"]:  # the first job's count, read in its tail, includes the next job's threads at work
+            assert 0 < last <= first
+        else:
+            assert first == last > 0  # no thread left per job
     assert inline["idle_s_by_cause"]["between_jobs"] > 0  # inline: the next job is leased once this one completed
     assert overlapped["idle_s_by_cause"]["between_jobs"] < 0  # overlapped: leased while this one's tail ran
     [overlap] = by_phase["overlap"]

@@ -265,7 +265,11 @@ def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
             time.sleep(0.02)
         first.kill()
         behind = [create(short_clip) for _ in range(3)]
-        second.start()
+        deadline = time.monotonic() + 60
+        while not any(event.type == "requeued" for event in jobs.events(a)):  # the lease ran out: A is back
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        second.start()  # only now: a worker ready sooner would take B, C and D before A was back in the queue
         deadline = time.monotonic() + 180
         while not all(jobs.require(job_id).status == "completed" for job_id in [a, *behind]):
             assert time.monotonic() < deadline, [jobs.require(job_id).status for job_id in [a, *behind]]
