@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,9 +37,10 @@ def percentile(seconds: list[float], q: float) -> float:
 
 def report(name: str, results: list[tuple[float, int | str]], wall: float, ok: int) -> int:
     seconds = [elapsed for elapsed, _ in results]
-    errors = sum(1 for _, status in results if status != ok)
+    kinds = Counter(status for _, status in results if status != ok)
+    errors = sum(kinds.values())
     print(
-        f"FIGURE load {name}: {len(results)} requests in {wall:.1f} s, {errors} errors, "
+        f"FIGURE load {name}: {len(results)} requests in {wall:.1f} s, {errors} errors {dict(kinds)}, "
         f"p50 {percentile(seconds, 0.5) * 1000:.0f} ms, p99 {percentile(seconds, 0.99) * 1000:.0f} ms, "
         f"max {max(seconds) * 1000:.0f} ms"
     )

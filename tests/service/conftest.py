@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -126,6 +127,14 @@ def clip(tmp_path_factory) -> bytes:
     from worker.media.synthetic import write_clip
 
     return write_clip(tmp_path_factory.mktemp("clip") / "clip.mp4", 9, (32, 48)).read_bytes()
+
+
+def as_a_shell_starts_it() -> None:
+    """A `preexec_fn`: Ctrl-C (SIGINT) handled by default and not blocked, as a shell starts a command. A test
+    process's own state, which a library in it may have changed (CI saw SIGINT not reach a child), must not decide
+    whether an interrupt reaches the command under test."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def auth(name: str) -> dict[str, str]:

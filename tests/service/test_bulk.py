@@ -25,7 +25,7 @@ from client.bulk import journal_path
 from client.http import ApiProblem, Client, retry_after
 from worker.media.synthetic import write_clip
 
-from .conftest import KEYS, ROOT, auth
+from .conftest import KEYS, ROOT, as_a_shell_starts_it, auth
 from .test_worker import celery_worker
 
 NOT_A_VIDEO = b"this is not a video\n" * 500
@@ -98,7 +98,7 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     paused.suspend()
     try:
         first = subprocess.Popen(command, env=bulk_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True)  # fmt: skip
+                                 text=True, preexec_fn=as_a_shell_starts_it)  # fmt: skip
         deadline = time.monotonic() + 120
         while job_count(api) - before < 3:
             assert first.poll() is None, first.communicate()

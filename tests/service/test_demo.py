@@ -10,6 +10,8 @@ import sys
 import av
 import psutil
 
+from .conftest import as_a_shell_starts_it
+
 
 def test_demo_runs_the_main_job_through_the_embedded_stack(tmp_path):
     result = subprocess.run(
@@ -44,7 +46,7 @@ def test_dev_serves_jobs_until_interrupted_then_stops_everything(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("VSRQ_")}, "XDG_CONFIG_HOME": str(tmp_path / "config")}
     dev = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_shell_starts_it,
     )  # fmt: skip
     try:
         banner = [dev.stdout.readline() for _ in range(2)]
