@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import requests
@@ -76,10 +77,19 @@ def test_200_concurrent_creates_and_2000_polls(rel_api, clip):
     targets = [rng.choice(ids) for _ in range(POLLS)] if ids else []
     clients = threading.local()  # each poller keeps its connection, as a polling client does
 
+    retried: list[str] = []
+
     def poll(job_id: str) -> tuple[float, int | str]:
         if not hasattr(clients, "session"):
             clients.session = requests.Session()
-        return timed(lambda: clients.session.get(f"{url}/v1/videos/{job_id}", headers=headers, timeout=60))
+        get = partial(clients.session.get, f"{url}/v1/videos/{job_id}", headers=headers, timeout=60)
+        seconds, status = timed(get)
+        if status == "ConnectionError":  # a kept-alive connection the server closed as this GET went out: an
+            # idempotent request is sent again, as HTTP clients do (RFC 9112, 9.3.1); counted, and an error if it fails
+            retried.append(job_id)
+            again, status = timed(get)
+            seconds += again
+        return seconds, status
 
     def cancel(job_id: str) -> tuple[float, int | str]:
         return timed(lambda: requests.post(f"{url}/v1/videos/{job_id}/cancel", headers=headers, timeout=60))
@@ -88,6 +98,7 @@ def test_200_concurrent_creates_and_2000_polls(rel_api, clip):
     with ThreadPoolExecutor(POLLERS) as pool:
         polled = list(pool.map(poll, targets))
     poll_errors = report(f"polls ({POLLERS} clients)", polled, time.monotonic() - began, 200)
+    print(f"FIGURE load polls: {len(retried)} sent again after the server closed their kept-alive connection")
 
     began = time.monotonic()
     with ThreadPoolExecutor(POLLERS) as pool:
