@@ -7,7 +7,7 @@ JSON line to --out as soon as it is measured, so a run cut short still reports w
 
 Phases:
   ref:WL              the reference pipeline: one cold run, --hot hot runs (every ref: phase must come first)
-  ours:WL:DEVICES[~SPLIT][@ORDER[/SEGMENT]]  or  ours:WL:DEVICES[~SPLIT]@MODE[/PREFETCH]
+  ours:WL:DEVICES[~SPLIT][@ORDER[/SEGMENT]][%QUALITY]  or  ours:WL:DEVICES[~SPLIT]@MODE[/PREFETCH][%QUALITY]
                       the engine + MP4 encoding, cold + hot; then (unless --no-check), if ref:WL or another
                       ours:WL phase runs, one run in reference noise mode compared with the reference output and
                       for bit-identity against the first ours:WL phase, and the first of the same decode order and
@@ -22,6 +22,12 @@ Phases:
                       ours:W1:cuda:0+cuda:1~on. The
                       record gives the split degree, the scaling efficiency T(1) / (n T(n)) against the last 1-device
                       phase of the workload, and with the check max |delta| and PSNR to the first ours phase
+                      QUALITY: every run a `quality=high` request, compiled as the worker runs it: `high` (the
+                      worker's engine and levers, `worker.sr.quality.HIGH_LEVERS`) or one lever alone (fp8_linear,
+                      fp8_attention); without it, lossless. The record says the tier, the levers that ran and how
+                      (FP8 attention on cudnn_fp8 or fp8_emulated, and why), the hot ratio to the lossless phase and
+                      to the reference; the check gives per-frame PSNR and SSIM (mean, worst frame) against the
+                      first lossless ours:WL phase (`vs_lossless`): e.g. ref:W1,ours:W1:cuda:0,ours:W1:cuda:0%high
   cap:GIB             the process may use at most GIB of the first GPU from here on
                       (`torch.cuda.set_per_process_memory_fraction`, as a smaller card would have; cap:0 lifts it)
   batch:WL:N          tile batch N vs 1 on the first device: bit-identity
@@ -30,7 +36,8 @@ Phases:
 A phase ending in *N runs N hot runs instead of --hot's or --ref-hot's (e.g. ours:W1:cuda:0*0: cold and the check
 only; ref:W2*3).
 `--compile none|transformer|decoder` builds engines with less compiled (default both): which compiled part changes
-what. `--tiny` runs the same phases on the CPU with the tiny configuration, so CI keeps this script working.
+what; `--compile-on-cpu` compiles on a CPU too. `--tiny` runs the same phases on the CPU with the tiny configuration, so
+CI keeps this script working.
 """
 
 from __future__ import annotations
@@ -55,10 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import diffusers  # noqa: E402
 
+from bench.similarity import summary as similarity  # noqa: E402
+
 from worker.frames import quantise  # noqa: E402
 from worker.media.synthetic import pattern  # noqa: E402
 from worker.media.writer import Mp4Writer  # noqa: E402
-from worker.sr import tiling  # noqa: E402
+from worker.sr import fp8_attention, quality, tiling  # noqa: E402
 from worker.sr.attention import DenseSDPAProcessor  # noqa: E402
 from worker.sr.backends import PERFORMANCE_MODES, choose_mode, free_gpu_bytes  # noqa: E402
 from worker.sr.checkpoint import Components, module_bytes, prune_upscaler, tiny_components  # noqa: E402
@@ -81,6 +90,9 @@ WORKLOADS = {  # (height, width, frames, scale)
     "L113": (256, 384, 113, 2),
 }
 SEED = 42
+# `ours:...%OPTION`: the levers a `quality=high` request runs on the engine of the phase. `high` is the worker's own
+# engine (its default `high_levers`); a lever's name builds the engine with that lever alone.
+QUALITY_OPTIONS = {"high": quality.HIGH_LEVERS, **{lever: (lever,) for lever in quality.LEVERS}}
 # FLOPs of one W1 tile (512x768 output, 121 frames, 47,616 tokens) from ../shared/docs/kandinsky6-sr.md, in TF.
 W1_TOKENS, W1_ATTENTION, W1_LINEAR, W1_DECODE, W1_ENCODE, W1_UPSCALE = 47_616, 520.0, 118.0, 837.6, 96.3, 22.6
 
@@ -191,8 +203,10 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Bench:
-    def __init__(self, out: Path, hot: int, tiny: bool, check: bool = True, ref_hot: int | None = None, compiled: str = "both") -> None:
-        self.out, self.hot, self.tiny, self.check, self.compiled = out, hot, tiny, check, compiled
+    def __init__(
+        self, out: Path, hot: int, tiny: bool, check: bool = True, ref_hot: int | None = None, compiled: str = "both", compile_on_cpu: bool = False
+    ) -> None:
+        self.out, self.hot, self.tiny, self.check, self.compiled, self.compile_on_cpu = out, hot, tiny, check, compiled, compile_on_cpu
         self.ref_hot = hot if ref_hot is None else ref_hot
         self.home = torch.device("cpu" if tiny else "cuda:0")
         self.timer = StageTimer()
@@ -202,6 +216,7 @@ class Bench:
         self.replicas: dict[torch.device, Components] = {}
         self.engines: dict[tuple[torch.device, ...], SREngine] = {}
         self.reference_frames: dict[str, torch.Tensor] = {}
+        self.reference_hot: dict[str, float] = {}  # hot median of each workload's reference
         self.first_ours: dict[tuple, torch.Tensor] = {}  # (workload, decode order, segment); (workload, None, None)
         self.cap_gib: float | None = None  # `cap:` phases
         self.speed_hot: dict[str, float] = {}  # hot median of each workload's uncapped speed phase: the ratios' base
@@ -209,6 +224,7 @@ class Bench:
         self.split_degree = 1  # devices per tile in the latest run (`SREngine` split)
         self.compared: set[str] = set()  # workloads with a reference or another ours phase: worth the check run
         self.frames_written = self.mp4_bytes = 0  # by the latest run_ours
+        self.quality_ran, self.levers_ran = quality.LOSSLESS, {}  # by the latest run_ours: the tier and how it ran
         self._attach(self.parts, self.home)
         self.emit({"phase": "build", "bytes": {name: module_bytes(self.parts[name]) for name in ("transformer", "vae", "latent_upscaler")}})
 
@@ -276,7 +292,9 @@ class Bench:
             stages.append(self.timer.take())
         self.reference_frames[name] = output.cpu()
         del output
-        self.emit(self.summary("diffusers-reference", name, runs, stages, self.peaks([self.home]), [self.home]))
+        record = self.summary("diffusers-reference", name, runs, stages, self.peaks([self.home]), [self.home])
+        self.reference_hot[name] = record["hot_median_s"]
+        self.emit(record)
 
     def cap(self, gib: float) -> None:
         """Caps what the process may take of the first GPU (0: no cap): a smaller card, on this one."""
@@ -306,7 +324,8 @@ class Bench:
         return name, options
 
     def engine(
-        self, devices: list[torch.device], order: str = "lockstep", segment: int = 4, offload: Offload | None = None, split: str | int = "auto"
+        self, devices: list[torch.device], order: str = "lockstep", segment: int = 4, offload: Offload | None = None, split: str | int = "auto",
+        high_levers: tuple[str, ...] = quality.HIGH_LEVERS,
     ) -> SREngine:
         if not self.replicas:
             prune_upscaler(self.parts["latent_upscaler"])
@@ -323,13 +342,15 @@ class Bench:
                     parts[key].load_state_dict(self.parts[key].state_dict())
                 self._attach(parts, device)
             self.replicas[device] = Components(device, parts["transformer"], parts["vae"], parts["scheduler"], parts["latent_upscaler"])
-        key = (*devices, order, segment, offload, split)
+        key = (*devices, order, segment, offload, split, high_levers)
         if key not in self.engines:
-            # None: the engine's default (compiled on GPUs); False: eager, to tell compiled code's effects apart
-            transformer, decoder = (None if self.compiled in (part, "both") else False for part in ("transformer", "decoder"))
+            # None: the engine's default (compiled on GPUs; True with --compile-on-cpu); False: eager, to tell compiled
+            # code's effects apart
+            on = True if self.compile_on_cpu else None
+            transformer, decoder = (on if self.compiled in (part, "both") else False for part in ("transformer", "decoder"))
             self.engines[key] = SREngine(
                 [self.replicas[d] for d in devices], segment, order, compile_transformer=transformer, compile_decoder=decoder, offload=offload,
-                split=split,
+                split=split, high_levers=high_levers,
             )
         return self.engines[key]
 
@@ -365,19 +386,25 @@ class Bench:
         stages = self.timer.take() | {"mp4_encode_thread": round(writer.encode_seconds, 3), "mp4_tail": round(started + elapsed - engine_done, 3)}
         stages |= {f"host_{stage}": round(sum(run.stage_seconds.get(stage, 0.0) for run in runs), 3) for stage in ("blend", "sink")}
         self.frames_written = writer.frames
+        self.quality_ran = runs[0].quality
+        self.levers_ran = {lever: how for run in runs for lever, how in run.levers.items()}
         return elapsed, stages, torch.cat(collected) if collect else None
 
     def ours(
         self, name: str, devices: list[torch.device], order: str = "lockstep", segment: int = 4, hot: int | None = None,
-        mode: str | None = None, offload: Offload | None = None, split: str | int = "auto",
+        mode: str | None = None, offload: Offload | None = None, split: str | int = "auto", option: str | None = None,
     ) -> None:
+        """`option`: a `QUALITY_OPTIONS` key, every run a `quality=high` request on an engine whose `high` runs those
+        levers (None: lossless)."""
         scale = self.workload(name)[3]
+        tier = quality.LOSSLESS if option is None else quality.HIGH
+        high_levers = quality.HIGH_LEVERS if option is None else QUALITY_OPTIONS[option]
         runs, stages, graphs = [], [], []
         try:
-            engine = self.engine(devices, order, segment, offload, split)
+            engine = self.engine(devices, order, segment, offload, split, high_levers)
             for _ in range(1 + (self.hot if hot is None else hot)):
                 before = compiled_graphs()
-                elapsed, stage, _ = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED), collect=False)
+                elapsed, stage, _ = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, quality=tier), collect=False)
                 runs.append(elapsed)
                 stages.append(stage)
                 graphs.append(compiled_graphs() - before)
@@ -393,14 +420,19 @@ class Bench:
             return
         record = self.summary("vsrq", name, runs, stages, self.peaks(engine.devices), devices)
         record |= self.placement_record(name, devices, mode, order, segment, offload, engine)
-        if mode == "speed" or (mode is None and (order, segment) == ("lockstep", 4)):
+        record |= self.quality_record(option, high_levers)
+        # the ratios' bases are lossless phases: a quality phase's ratio_to_speed is its speed-up's inverse
+        if option is None and (mode == "speed" or (mode is None and (order, segment) == ("lockstep", 4))):
             if self.cap_gib is None:
                 self.speed_hot[name] = record["hot_median_s"]
         if name in self.speed_hot:
             record["ratio_to_speed"] = round(record["hot_median_s"] / self.speed_hot[name], 3)
+        if name in self.reference_hot:
+            record["ratio_to_reference"] = round(record["hot_median_s"] / self.reference_hot[name], 3)
         record["split"], record["split_degree"] = split, self.split_degree
         if len(devices) == 1:
-            self.single_hot[name] = record["hot_median_s"]
+            if option is None:
+                self.single_hot[name] = record["hot_median_s"]
         elif name in self.single_hot:
             record["scaling_efficiency"] = round(self.single_hot[name] / (len(devices) * record["hot_median_s"]), 3)
         record |= {
@@ -421,16 +453,23 @@ class Bench:
         # One untimed run whose output is checked: in the reference's noise mode when the reference ran, so the same
         # output serves for the comparison with it and for bit-identity across device counts.
         mode = NoiseMode.REFERENCE if name in self.reference_frames else NoiseMode.PER_TILE
-        _, _, output = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, noise_mode=mode), collect=True)
+        _, _, output = self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, noise_mode=mode, quality=tier), collect=True)
         self.timer.take()
-        first = self.first_ours.setdefault((name, None, None), output)
-        record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
-        record["max_abs_delta_to_first_vsrq_phase"] = (output - first).abs().max().item()
-        record["psnr_db_to_first_vsrq_phase"] = psnr(output, first)
-        # Against the first phase that decoded the same way (on GPUs another segment length moves some pixels by
-        # up to 2/255): where the weights live must not change a bit.
-        same = self.first_ours.setdefault((name, order, segment), output)
-        record["bit_identical_to_first_phase_of_its_decode"] = bool(torch.equal(same, output))
+        # The first ours phase is the one a lossless phase set: a quality phase is measured against it, never one
+        first = self.first_ours.setdefault((name, None, None), output) if option is None else self.first_ours.get((name, None, None))
+        if first is not None:
+            record["bit_identical_to_first_vsrq_phase"] = bool(torch.equal(first, output))
+            record["max_abs_delta_to_first_vsrq_phase"] = (output - first).abs().max().item()
+            record["psnr_db_to_first_vsrq_phase"] = psnr(output, first)
+        if option is None:
+            # Against the first phase that decoded the same way (on GPUs another segment length moves some pixels
+            # by up to 2/255): where the weights live must not change a bit.
+            same = self.first_ours.setdefault((name, order, segment), output)
+            record["bit_identical_to_first_phase_of_its_decode"] = bool(torch.equal(same, output))
+        elif first is not None:  # the tier's cost: per-frame PSNR and SSIM against lossless, mean and worst frame
+            record["vs_lossless"] = similarity(output.to(self.home), first)
+        else:
+            record["vs_lossless"] = None  # no lossless phase of this workload ran before it
         if name in self.reference_frames:
             expected = self.reference_frames[name]
             record["vs_reference"] = {
@@ -439,6 +478,17 @@ class Bench:
                 "psnr_db": psnr(output, expected),
             }
         self.emit(record)
+
+    def quality_record(self, option: str | None, high_levers: tuple[str, ...]) -> dict:
+        """The tier the phase asked for, what ran (the engine's report of its latest run: each lever and how, FP8
+        attention on `cudnn_fp8` or `fp8_emulated`), and why attention was emulated where it was."""
+        record = {"quality": quality.LOSSLESS if option is None else quality.HIGH, "quality_option": option or quality.LOSSLESS,
+                  "quality_ran": self.quality_ran, "levers_ran": self.levers_ran}  # fmt: skip
+        if option is not None:
+            record["high_levers"] = list(high_levers)
+            if quality.FP8_ATTENTION in self.levers_ran and fp8_attention.why_emulated():
+                record["fp8_attention_why_emulated"] = fp8_attention.why_emulated()
+        return record
 
     def placement_record(self, name, devices, mode, order, segment, offload, engine: SREngine | None = None) -> dict:
         """Where the weights were and what the host held: the cap, the mode, host RSS now and at its peak, pinned
@@ -491,11 +541,14 @@ class Bench:
         }
 
 
-def parse_phase(phase: str) -> tuple[str, str, list[str], str]:
-    """"ours:W1:cuda:0@tile_major/2*1" -> ("ours", "W1", ["cuda:0@tile_major/2"], "1")."""
+def parse_phase(phase: str) -> tuple[str, str, list[str], str, str | None]:
+    """"ours:W1:cuda:0@tile_major/2%high*1" -> ("ours", "W1", ["cuda:0@tile_major/2"], "1", "high")."""
     phase, _, hot = phase.partition("*")
+    phase, _, option = phase.partition("%")
+    if option and option not in QUALITY_OPTIONS:
+        raise SystemExit(f"unknown quality option %{option}: one of {', '.join(QUALITY_OPTIONS)}")
     kind, name, *rest = phase.split(":", 2)
-    return kind, name, rest, hot
+    return kind, name, rest, hot, option or None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -506,16 +559,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results.jsonl"))
     parser.add_argument("--ref-hot", type=int, help="hot runs of the reference (default: --hot)")
     parser.add_argument("--compile", choices=("both", "transformer", "decoder", "none"), default="both", help="what the engines compile (on GPUs)")
+    parser.add_argument("--compile-on-cpu", action="store_true", help="compile what --compile says on a CPU too (with --tiny: the compiled path in CI)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     parser.add_argument("--check-only", help="comma-separated workloads: of the checks that would run, only theirs")
     args = parser.parse_args(argv)
-    bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot, args.compile)
+    bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot, args.compile, args.compile_on_cpu)
     phases = [parse_phase(phase) for phase in args.phases.split(",")]
     ours = [name for kind, name, *_ in phases if kind == "ours"]
     bench.compared = {name for kind, name, *_ in phases if kind == "ref"} | {name for name in ours if ours.count(name) > 1}
     if args.check_only:
         bench.compared &= set(args.check_only.split(","))
-    for kind, name, rest, hot in phases:
+    for kind, name, rest, hot, option in phases:
         if kind == "ref":
             bench.reference(name, int(hot) if hot else None)
         elif kind == "ours":
@@ -526,9 +580,9 @@ def main(argv: list[str] | None = None) -> None:
             if order in PERFORMANCE_MODES or order == "auto":
                 mode, options = bench.mode(order, devices, int(segment) if segment else None)
                 order, segment = options["decode_order"], options["decode_segment"]
-                bench.ours(name, devices, order, segment, int(hot) if hot else None, mode, options["offload"], split)
+                bench.ours(name, devices, order, segment, int(hot) if hot else None, mode, options["offload"], split, option)
             else:
-                bench.ours(name, devices, order, int(segment or 4), int(hot) if hot else None, split=split)
+                bench.ours(name, devices, order, int(segment or 4), int(hot) if hot else None, split=split, option=option)
         elif kind == "cap":
             bench.cap(float(name))
         elif kind == "batch":

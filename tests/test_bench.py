@@ -32,13 +32,36 @@ def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     assert single["graphs_compiled"] == {"first": 0, "hot": [0]}  # nothing compiles on a CPU
 
 
-def test_phases_parse_with_their_hot_run_counts():
+def test_phases_parse_with_their_hot_run_counts_and_quality():
     from bench.bench import parse_phase
 
-    assert parse_phase("ours:W1:cuda:0+cuda:1@tile_major/2*1") == ("ours", "W1", ["cuda:0+cuda:1@tile_major/2"], "1")
-    assert parse_phase("ref:W1*0") == ("ref", "W1", [], "0")
-    assert parse_phase("ours:W2") == ("ours", "W2", [], "")
-    assert parse_phase("ours:W1:cuda:0+cuda:1~on@lockstep*1") == ("ours", "W1", ["cuda:0+cuda:1~on@lockstep"], "1")
+    assert parse_phase("ours:W1:cuda:0+cuda:1@tile_major/2*1") == ("ours", "W1", ["cuda:0+cuda:1@tile_major/2"], "1", None)
+    assert parse_phase("ref:W1*0") == ("ref", "W1", [], "0", None)
+    assert parse_phase("ours:W2") == ("ours", "W2", [], "", None)
+    assert parse_phase("ours:W1:cuda:0+cuda:1~on@lockstep*1") == ("ours", "W1", ["cuda:0+cuda:1~on@lockstep"], "1", None)
+    assert parse_phase("ours:W1:cuda:0%high*1") == ("ours", "W1", ["cuda:0"], "1", "high")
+    assert parse_phase("ours:W1:cuda:0@parked/2%fp8_attention") == ("ours", "W1", ["cuda:0@parked/2"], "", "fp8_attention")
+    with pytest.raises(SystemExit, match="unknown quality option"):
+        parse_phase("ours:W1:cuda:0%fast")
+
+
+def test_a_high_phase_runs_the_levers_compiled_and_measures_its_cost_against_lossless(tmp_path):
+    """`%high` as the worker runs `quality=high`: its engine, its levers, the blocks compiled (Inductor, on the CPU
+    here: the FP8 GEMM compiled, FP8 attention emulated) and the output's per-frame PSNR and SSIM against the
+    lossless phase."""
+    out = tmp_path / "results.jsonl"
+    main(["--tiny", "--hot", "0", "--compile", "transformer", "--compile-on-cpu", "--out", str(out),
+          "--phases", "ours:W2:cpu*0,ours:W2:cpu%high*0"])  # fmt: skip
+    lossless, high = [record for record in map(json.loads, out.read_text().splitlines()) if record.get("impl") == "vsrq"]
+    assert (lossless["quality"], lossless["levers_ran"]) == ("lossless", {})
+    assert (high["quality"], high["quality_ran"], high["high_levers"]) == ("high", "high", ["fp8_linear", "fp8_attention"])
+    assert high["levers_ran"] == {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
+    # compiled: the lossless blocks' graphs, then the blocks again with the levers in them (fullgraph: no fallback)
+    assert lossless["graphs_compiled"]["first"] >= 1 and high["graphs_compiled"]["first"] >= 1
+    cost = high["vs_lossless"]
+    assert 50 <= cost["psnr_db_worst_frame"] <= cost["psnr_db_mean"] < 99  # close to lossless, not lossless
+    assert 0.999 <= cost["ssim_worst_frame"] <= cost["ssim_mean"] < 1
+    assert not high["bit_identical_to_first_vsrq_phase"] and "bit_identical_to_first_phase_of_its_decode" not in high
 
 
 def test_a_threads_phase_sets_the_host_threads_of_the_phases_after_it(tmp_path):
