@@ -15,7 +15,9 @@ and, each lever set in turn (lossless, fp8_linear, fp8_attention, both):
             PSNR and SSIM against lossless (mean and worst frame)
 Every line is printed and appended to --out as soon as it is measured, so a run cut short keeps what it finished;
 a phase that would start after --budget-s seconds (counted from the start of the process) is skipped with a line
-saying so. Eager throughout: compiling the blocks for every lever set would take minutes of the budget.
+saying so. Eager unless `--compile` (the dit phase only: the transformer's repeated blocks compiled as the worker
+compiles them; each lever set's first call builds its graph, `first_call_s`), and `--levers` picks and orders the
+dit phase's lever sets (lossless first).
 `fp8_attention` says which attention ran (`cudnn_fp8`, or `fp8_emulated` when nvidia-cudnn-frontend is missing or
 its graph does not build: then the timing is the emulation's, not a speed figure). `--tiny` runs the same phases on
 the CPU with the tiny configuration, so CI keeps this script working.
@@ -28,6 +30,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 STARTED = time.monotonic()  # the budget counts the imports too
@@ -42,6 +45,7 @@ from bench.bench import SEED, WORKLOADS, build  # noqa: E402
 from worker.media.synthetic import pattern  # noqa: E402
 from worker.sr import fp8_attention, quality  # noqa: E402
 from worker.sr.checkpoint import Components, prune_upscaler  # noqa: E402
+from worker.sr.compilation import COMPILE, allow_many_graphs  # noqa: E402
 from worker.sr.engine import SREngine  # noqa: E402
 from worker.sr.request import SRRequest  # noqa: E402
 
@@ -57,8 +61,10 @@ TINY_WORKLOAD = (24, 48, 9, 2)  # (height, width, frames, scale): 2x2 tiny tiles
 
 
 class Run:
-    def __init__(self, out: Path, budget_s: float, device: torch.device, tiny: bool) -> None:
+    def __init__(self, out: Path, budget_s: float, device: torch.device, tiny: bool, compile: bool = False,
+                 levers: Sequence[str] = tuple(LEVER_SETS)) -> None:  # fmt: skip
         self.out, self.budget_s, self.device, self.tiny = out, budget_s, device, tiny
+        self.compile, self.levers = compile, levers
 
     def emit(self, record: dict) -> None:
         record = {"elapsed_s": round(time.monotonic() - STARTED, 1), **record}
@@ -130,15 +136,21 @@ def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
     latents = torch.randn(1, frames, height, width, channels, generator=generator).to(run.device, dtype)
     x = torch.cat([latents, torch.zeros((*latents.shape[:-1], channels + 1), dtype=dtype, device=run.device)], dim=-1)
     t = torch.tensor([700.0], device=run.device)
+    if run.compile:  # as the worker runs the DiT: its repeated blocks compiled; a lever set's first call compiles its own
+        allow_many_graphs()
+        transformer.compile_repeated_blocks(**COMPILE)
     baseline, baseline_s = None, None
-    for name, levers in LEVER_SETS.items():
+    for name in run.levers:
+        levers = LEVER_SETS[name]
         if not run.within_budget(f"dit:{name}"):
             return
         quality.reset()
         try:
             with torch.no_grad(), quality.applied(transformer, levers) as applied:
+                first_started = time.perf_counter()
                 out = transformer(hidden_states=x, timestep=t, return_dict=False)[0]  # warm-up: FP8 weights, cuDNN graph
                 run.sync()
+                first_s = time.perf_counter() - first_started
                 started = time.perf_counter()
                 for _ in range(repeat):
                     out = transformer(hidden_states=x, timestep=t, return_dict=False)[0]
@@ -149,7 +161,7 @@ def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
             run.emit({"phase": "dit", "levers": name, "error": f"{type(error).__name__}: {error}"[:500]})
             continue
         record = {"phase": "dit", "levers": name, "ran": report, "tokens": frames * height * width, "repeat": repeat,
-                  "seconds": round(seconds, 4)}  # fmt: skip
+                  "seconds": round(seconds, 4), "first_call_s": round(first_s, 3), "compiled": run.compile}  # fmt: skip
         if baseline is None:
             baseline, baseline_s = out.float(), seconds
         else:
@@ -201,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed DiT calls per lever set, after one warm-up")
     parser.add_argument("--workload", default="W2", choices=sorted(WORKLOADS), help="the pipeline phase's clip")
     parser.add_argument("--tiny", action="store_true", help="the tiny configuration on the CPU (CI)")
+    parser.add_argument("--compile", action="store_true", help="the dit phase with the blocks compiled, as the worker")
+    parser.add_argument("--levers", default=",".join(LEVER_SETS), help="the dit phase's lever sets, in this order")
     args = parser.parse_args(argv)
     phases = args.phases.split(",")
     unknown = set(phases) - {"attention", "dit", "pipeline"}
@@ -208,7 +222,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown phase(s) {sorted(unknown)}")
 
     device = torch.device("cpu" if args.tiny else "cuda:0")
-    run = Run(args.out, args.budget_s, device, args.tiny)
+    levers = args.levers.split(",")
+    if unknown := set(levers) - set(LEVER_SETS):
+        parser.error(f"--levers: unknown {sorted(unknown)}; known: {', '.join(LEVER_SETS)}")
+    if levers[0] != "lossless":
+        parser.error("--levers: lossless first (the others are measured against it)")
+    run = Run(args.out, args.budget_s, device, args.tiny, args.compile, levers)
     info = {"phase": "setup", "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     try:
         import cudnn

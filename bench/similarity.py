@@ -33,8 +33,9 @@ def ssim_per_frame(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def summary(output: torch.Tensor, baseline: torch.Tensor) -> dict[str, float]:
     """Per-frame PSNR and SSIM of `output` against `baseline`: mean and worst frame (SSIM on `output`'s device)."""
+    baseline = baseline.to(output.device)  # the bench keeps its first output on the host, a later one may be on the GPU
     psnr = psnr_per_frame(output, baseline)
-    similarity = ssim_per_frame(output, baseline.to(output.device)).cpu()
+    similarity = ssim_per_frame(output, baseline).cpu()
     return {
         "psnr_db_mean": round(psnr.mean().item(), 2),
         "psnr_db_worst_frame": round(psnr.min().item(), 2),
