@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis.exceptions
@@ -24,6 +25,9 @@ from worker.errors import Cancelled
 from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
 from worker.upscale import UpscaleOptions
 
+if TYPE_CHECKING:
+    from worker.sr.backends import Upscaler
+
 log = logging.getLogger("vsrq.worker")
 
 MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed for
@@ -31,10 +35,13 @@ MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed
 SUFFIXES = ("u8", "tail.npy", "json")
 
 
-def windows_key(job: JobRecord, model: str, options: UpscaleOptions) -> str:
-    """What the kept windows were computed from: a window kept under another model (with its performance mode) or
-    other options never replays."""
-    return hashlib.sha256(f"{job.id}\n{model}\n{options!r}".encode()).hexdigest()
+def windows_key(job: JobRecord, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
+    """What the kept windows were computed from: a window kept under another model, other options or an upscaler
+    that gives other bits (`signature`: e.g. another decode segment, split or FP8 attention backend) never replays.
+    What gives the same bits (where the weights live, the decode order) is not in it: a requeued job keeps its
+    windows on a worker that offloads."""
+    signature = upscaler.signature(options.request)
+    return hashlib.sha256(f"{job.id}\n{model}\n{options!r}\n{signature}".encode()).hexdigest()
 
 
 class BlobWindowStore:

@@ -2,6 +2,8 @@
 
 - a worker killed (SIGKILL) after its first kept window: the reaper requeues the job, a new worker replays the kept
   windows from blob storage, computes only the rest, and writes the same bytes as an uninterrupted job;
+- the key keeps kept windows apart where a worker gives other bits (decode segment, split, FP8 levers and backend),
+  not where it gives the same (offloaded weights, more devices with whole tiles);
 - a blob transfer slower than the lease keeps the lease through its progress callbacks (and loses it without them);
 - a job whose Celery message was never sent (the API died between the record and the send) is sent by the reaper.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import secrets
@@ -32,12 +35,13 @@ from storage.queue import make_celery, send_upscale
 from worker.errors import Cancelled
 from worker.frames import quantise
 from worker.heartbeat import Heartbeat
-from worker.kept_windows import BlobWindowStore
+from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
 from worker.sr.windows import plan_windows, upscale_windows
+from worker.upscale import UpscaleOptions
 
 from .conftest import MiB, auth
 from ..test_windows import Recording
@@ -177,6 +181,32 @@ def test_kept_windows_in_a_local_store_resume_a_job_and_never_replay_into_anothe
     computed, resumed = attempt("options")
     assert computed == [2] and torch.equal(resumed, uninterrupted)
     assert attempt("new options")[0] == [0, 1, 2]  # kept for other options: recomputed, never replayed
+
+
+def test_the_kept_windows_key_names_what_changes_bits_not_where_the_weights_live(tiny_piflow, jobs, queue):
+    """Kept windows replay on a worker that gives the same bits, never on one that gives others: offloaded weights
+    (`offload` against `memory`, both decoding 2 latent frames at a time) and more devices with whole tiles give the
+    same bits; another decode segment (`speed`: 4, up to 2/255 apart on GPUs), a split tile (float rounding) and
+    `high`'s FP8 levers, with the FP8 attention backend that will run them, give others."""
+    from worker.sr.backends import open_upscaler
+    from worker.sr.engine import SREngine
+
+    job = jobs.create(owner="erin", model="lanczos", queue=queue, params={}, input=InputInfo(key="k", bytes=0))
+    checkpoint = str(tiny_piflow)
+
+    def key(upscaler, quality: str = "lossless") -> str:
+        return windows_key(job, checkpoint, UpscaleOptions(SRRequest(scale=2, quality=quality)), upscaler)
+
+    memory, offload, speed = (open_upscaler(checkpoint, ["cpu"], mode, None) for mode in ("memory", "offload", "speed"))
+    assert key(memory) == key(offload) != key(speed)
+    whole, whole_on_two, split_on_two = (
+        SREngine.from_pretrained(checkpoint, devices=["cpu"] * count, split=split)
+        for count, split in ((1, "off"), (2, "off"), (2, "on"))
+    )
+    assert key(whole) == key(whole_on_two) != key(split_on_two)
+    assert key(whole, "high") != key(whole)
+    assert json.loads(whole.signature(SRRequest(quality="high")))["fp8_attention"] == "fp8_emulated"
+    assert key(LanczosUpscaler(), "high") != key(whole, "high")
 
 
 @pytest.mark.parametrize("direction", ["download", "upload"])
