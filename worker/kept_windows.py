@@ -22,6 +22,7 @@ import torch
 from storage.blobs import BlobStore, Progress, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
 from worker.errors import Cancelled
+from worker.sr.request import RunInfo
 from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
 from worker.upscale import UpscaleOptions
 
@@ -57,7 +58,7 @@ class BlobWindowStore:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
         outlive an unanswered request)."""
         self.blobs, self.prefix, self.progress = blobs, f"{work_prefix(job_id)}windows/", progress
-        self.kept_alive = kept_alive
+        self.kept_alive, self.directory = kept_alive, directory
         self.local = DirectoryWindowStore(directory, key)
         names = {blob.removeprefix(self.prefix) for blob in blobs.keys(self.prefix)}
         if MARKER in names and self._read(MARKER) == (directory / MARKER).read_bytes():
@@ -73,6 +74,18 @@ class BlobWindowStore:
 
     def record(self, index: int) -> WindowRecorder:
         return _UploadingRecorder(self, index)
+
+    def drop(self) -> None:
+        self.local.drop()
+        try:
+            with self.kept_alive():
+                self.blobs.delete_prefix(self.prefix)
+                self._upload(self.directory / MARKER)
+        except (Cancelled, StaleAttempt, redis.exceptions.RedisError):
+            raise
+        except Exception:  # storage down: safe all the same, a later attempt replays no window made otherwise than
+            # the ones before it (`upscale_windows`), and this attempt's windows replace them as they are kept
+            log.warning("kept windows not dropped: blob storage unavailable", exc_info=True)
 
     def _read(self, name: str) -> bytes:
         with self.blobs.open(self.prefix + name) as stream:
@@ -91,8 +104,8 @@ class _UploadingRecorder:
     def add(self, pixels: np.ndarray) -> None:
         self.local.add(pixels)
 
-    def commit(self, tail: torch.Tensor | None) -> None:
-        self.local.commit(tail)
+    def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
+        self.local.commit(tail, made)
         try:
             with self.store.kept_alive():
                 for suffix in SUFFIXES:
