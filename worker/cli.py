@@ -65,7 +65,8 @@ def upscale(args: argparse.Namespace) -> int:
         limits=_limits(args),
     )
     upscaler = open_upscaler(args.model, args.devices.split(","), warmup_frames=None)  # one job compiles what it needs
-    store = DirectoryWindowStore(args.keep_windows, _job_key(args)) if args.keep_windows else None
+    key = _job_key(args, upscaler.signature(options.request))
+    store = DirectoryWindowStore(args.keep_windows, key) if args.keep_windows else None
     bar = tqdm(total=1, unit="window", dynamic_ncols=True, disable=None, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
 
     def progress(event) -> None:
@@ -94,13 +95,14 @@ def upscale(args: argparse.Namespace) -> int:
     return 0
 
 
-def _job_key(args: argparse.Namespace) -> str:
-    """Names the job a kept window belongs to: the input file as it is now, the model and every option that
-    changes the frames (not the encoder's, which only sees them afterwards)."""
+def _job_key(args: argparse.Namespace, signature: str) -> str:
+    """Names the job a kept window belongs to: the input file as it is now, the model, every option that changes
+    the frames (not the encoder's, which only sees them afterwards) and what else does on this machine (`signature`:
+    the performance mode `auto` picked, the split, the FP8 attention backend)."""
     stat = args.input.stat()
     fields = [str(args.input.resolve()), stat.st_size, stat.st_mtime_ns, args.model, args.devices, args.scale, args.seed,
               args.steps, args.min_overlap, args.window, args.window_overlap, args.target_resolution, args.resize_mode,
-              args.quality]
+              args.quality, signature]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 

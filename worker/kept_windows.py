@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis.exceptions
@@ -21,8 +22,12 @@ import torch
 from storage.blobs import BlobStore, Progress, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
 from worker.errors import Cancelled
+from worker.sr.request import RunInfo
 from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
 from worker.upscale import UpscaleOptions
+
+if TYPE_CHECKING:
+    from worker.sr.backends import Upscaler
 
 log = logging.getLogger("vsrq.worker")
 
@@ -31,10 +36,13 @@ MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed
 SUFFIXES = ("u8", "tail.npy", "json")
 
 
-def windows_key(job: JobRecord, model: str, options: UpscaleOptions) -> str:
-    """What the kept windows were computed from: a window kept under another model (with its performance mode) or
-    other options never replays."""
-    return hashlib.sha256(f"{job.id}\n{model}\n{options!r}".encode()).hexdigest()
+def windows_key(job: JobRecord, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
+    """What the kept windows were computed from: a window kept under another model, other options or an upscaler
+    that gives other bits (`signature`: e.g. another decode segment, split or FP8 attention backend) never replays.
+    What gives the same bits (where the weights live, the decode order) is not in it: a requeued job keeps its
+    windows on a worker that offloads."""
+    signature = upscaler.signature(options.request)
+    return hashlib.sha256(f"{job.id}\n{model}\n{options!r}\n{signature}".encode()).hexdigest()
 
 
 class BlobWindowStore:
@@ -50,7 +58,7 @@ class BlobWindowStore:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
         outlive an unanswered request)."""
         self.blobs, self.prefix, self.progress = blobs, f"{work_prefix(job_id)}windows/", progress
-        self.kept_alive = kept_alive
+        self.kept_alive, self.directory = kept_alive, directory
         self.local = DirectoryWindowStore(directory, key)
         names = {blob.removeprefix(self.prefix) for blob in blobs.keys(self.prefix)}
         if MARKER in names and self._read(MARKER) == (directory / MARKER).read_bytes():
@@ -66,6 +74,18 @@ class BlobWindowStore:
 
     def record(self, index: int) -> WindowRecorder:
         return _UploadingRecorder(self, index)
+
+    def drop(self) -> None:
+        self.local.drop()
+        try:
+            with self.kept_alive():
+                self.blobs.delete_prefix(self.prefix)
+                self._upload(self.directory / MARKER)
+        except (Cancelled, StaleAttempt, redis.exceptions.RedisError):
+            raise
+        except Exception:  # storage down: safe all the same, a later attempt replays no window made otherwise than
+            # the ones before it (`upscale_windows`), and this attempt's windows replace them as they are kept
+            log.warning("kept windows not dropped: blob storage unavailable", exc_info=True)
 
     def _read(self, name: str) -> bytes:
         with self.blobs.open(self.prefix + name) as stream:
@@ -84,8 +104,8 @@ class _UploadingRecorder:
     def add(self, pixels: np.ndarray) -> None:
         self.local.add(pixels)
 
-    def commit(self, tail: torch.Tensor | None) -> None:
-        self.local.commit(tail)
+    def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
+        self.local.commit(tail, made)
         try:
             with self.store.kept_alive():
                 for suffix in SUFFIXES:

@@ -194,10 +194,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
-        #    The key names the performance mode too: modes decode in different segment sizes (other bits on GPUs), and
-        #    `auto` may pick another one on the next worker.
-        mode = getattr(service.upscaler(), "performance_mode", "exact")
-        windows = windows_key(job, f"{config.model} ({mode})", options)
+        #    The key names what gives other bits on another worker (`auto` may pick another decode segment there, a
+        #    split, or FP8 attention on cuDNN): windows kept under another key are never replayed.
+        windows = windows_key(job, config.model, options, service.upscaler())
         kept = beat.storage(
             lambda: BlobWindowStore(
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from contextlib import ExitStack, closing
@@ -22,7 +23,18 @@ from worker.media.writer import BT709, Mp4Writer, encoder_for
 from worker.resized import Resized
 from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
-from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, WindowProgress, WindowStore, plan_windows, upscale_windows
+from worker.sr.windows import (
+    DEFAULT_OVERLAP,
+    DEFAULT_WINDOW,
+    KeptWindowsDisagree,
+    WindowProgress,
+    WindowsRun,
+    WindowStore,
+    plan_windows,
+    upscale_windows,
+)
+
+log = logging.getLogger("vsrq.worker")
 
 ENGINE_STAGES = ("encode", "denoise_decode")  # `RunInfo.stage_seconds` that span the engine's call between them
 
@@ -124,30 +136,42 @@ def begin_upscale(
     # 4. Decode ahead (one window), upscale window by window, encode as frames arrive, mux the carried streams;
     #    all into a hidden file next to the output. The writer stays open for `finish`.
     partial = output.with_name(f".{output.name}.partial")
-    with ExitStack() as on_error:
-        on_error.callback(partial.unlink, missing_ok=True)
-        writer = on_error.enter_context(
-            Mp4Writer(
-                partial,
-                video.fps,
-                size,
-                options.crf,
-                options.preset,
-                codec=options.codec,
-                **timing,
-                passthrough=Passthrough(info, carried, offset=clock),
-                metadata=output_metadata(info),
-                language=video.language,
-                colour=(_tag(video.color_primaries), _tag(video.color_trc)),
-                sample_aspect_ratio=video.sar,
-                chapters=output_chapters(info.chapters, clock),
+
+    def write_windows() -> tuple[Mp4Writer, WindowsRun]:
+        with ExitStack() as on_error:
+            on_error.callback(partial.unlink, missing_ok=True)
+            writer = on_error.enter_context(
+                Mp4Writer(
+                    partial,
+                    video.fps,
+                    size,
+                    options.crf,
+                    options.preset,
+                    codec=options.codec,
+                    **timing,
+                    passthrough=Passthrough(info, carried, offset=clock),
+                    metadata=output_metadata(info),
+                    language=video.language,
+                    colour=(_tag(video.color_primaries), _tag(video.color_trc)),
+                    sample_aspect_ratio=video.sar,
+                    chapters=output_chapters(info.chapters, clock),
+                )
             )
-        )
-        engine_started = monotonic()
-        with closing(prefetch(read_frames(source, video), plan.length)) as frames:
-            run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
-        on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
-    first = run.runs[0] if run.runs else None
+            with closing(prefetch(read_frames(source, video), plan.length)) as frames:
+                run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
+            on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
+        return writer, run
+
+    engine_started = monotonic()
+    try:
+        writer, run = write_windows()
+    except KeptWindowsDisagree as error:  # the output would mix windows made in two ways: it starts over without
+        # the kept ones (never replayed again), in this attempt rather than the job's next
+        log.warning("kept windows dropped, every window computed again: %s", error)
+        store.drop()
+        writer, run = write_windows()
+    # What made the pixels: the windows' own runs, also those replayed from an earlier attempt's
+    first = run.made[0] if run.made else None
     result = Result(
         output=output,
         source=info,
@@ -162,7 +186,7 @@ def begin_upscale(
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
         engine_span=(engine_started, monotonic()),
         quality=first.quality if first else options.request.quality,
-        levers={lever: how for window in run.runs for lever, how in window.levers.items()},
+        levers=_levers(run.made),
     )
     return Encoding(result, writer, promise, started)
 
@@ -218,6 +242,15 @@ def _video_timing(video: VideoInfo, delay: float) -> dict:
     time_base = Fraction(1, fps.numerator * ticks)
     step = fps.denominator * ticks  # one frame
     return {"timestamps": [i * step for i in range(video.frames)], "time_base": time_base, "start": round(delay / time_base)}
+
+
+def _levers(runs: tuple[RunInfo, ...]) -> dict[str, str]:
+    """Each lever and how it ran over all the windows: ways that differed (cuDNN failing part-way) joined by `+`."""
+    ways: dict[str, set[str]] = {}
+    for run in runs:
+        for lever, how in run.levers.items():
+            ways.setdefault(lever, set()).update(how.split("+"))
+    return {lever: "+".join(sorted(how)) for lever, how in ways.items()}
 
 
 def _tag(value: int) -> int:

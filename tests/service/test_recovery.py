@@ -2,6 +2,8 @@
 
 - a worker killed (SIGKILL) after its first kept window: the reaper requeues the job, a new worker replays the kept
   windows from blob storage, computes only the rest, and writes the same bytes as an uninterrupted job;
+- an attempt that replays every window reports what made them (the tier and its levers); kept windows made in
+  another way are never mixed into an output, and the key keeps them apart where the worker gives other bits;
 - a blob transfer slower than the lease keeps the lease through its progress callbacks (and loses it without them);
 - a job whose Celery message was never sent (the API died between the record and the send) is sent by the reaper.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import secrets
@@ -17,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +36,14 @@ from storage.queue import make_celery, send_upscale
 from worker.errors import Cancelled
 from worker.frames import quantise
 from worker.heartbeat import Heartbeat
-from worker.kept_windows import BlobWindowStore
+from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
 from worker.sr.windows import plan_windows, upscale_windows
+from worker.tasks import job_options
+from worker.upscale import UpscaleOptions, upscale_file
 
 from .conftest import MiB, auth
 from ..test_windows import Recording
@@ -68,11 +74,11 @@ def long_clip(tmp_path_factory) -> bytes:
     return write_clip(tmp_path_factory.mktemp("long") / "long.mp4", 37, (144, 192), audio_codec="aac").read_bytes()
 
 
-def create_record(jobs: JobStore, s3: S3BlobStore, clip: bytes, queue: str) -> JobRecord:
+def create_record(jobs: JobStore, s3: S3BlobStore, clip: bytes, queue: str, **fields) -> JobRecord:
     """The job as the API's create writes it, up to (not including) the Celery message."""
     key = upload_key("erin", new_upload_id())
     stored = s3.put(key, io.BytesIO(clip))
-    params = UpscaleParams(sr_resolution_scale=2, seed=7).model_dump()
+    params = UpscaleParams(sr_resolution_scale=2, seed=7, **fields).model_dump()
     upload_id = key.rsplit("/", 1)[1]
     source = InputInfo(key=key, bytes=stored.size, sha256=stored.sha256, upload_id=upload_id, owned_by_job=True)
     return jobs.create(owner="erin", model="lanczos", queue=queue, params=params, input=source)
@@ -177,6 +183,128 @@ def test_kept_windows_in_a_local_store_resume_a_job_and_never_replay_into_anothe
     computed, resumed = attempt("options")
     assert computed == [2] and torch.equal(resumed, uninterrupted)
     assert attempt("new options")[0] == [0, 1, 2]  # kept for other options: recomputed, never replayed
+
+
+HIGH = UpscaleOptions(SRRequest(scale=2, seed=5, quality="high"), window=9, window_overlap=4)
+# What `high` ran on this CPU, computed or replayed: the FP8 GEMMs, FP8 attention emulated (no cuDNN here)
+EMULATED = {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
+
+
+def pixels_of(directory: Path) -> list[bytes]:
+    """The frames an attempt handed its encoder, window by window, as it keeps them (x264 in frame threads does not
+    write the same bytes for the same frames every time: the MP4s are not compared)."""
+    return [path.read_bytes() for path in sorted(directory.glob("window-*.u8"))]
+
+
+@pytest.mark.parametrize("model", ["k6", "lanczos"])
+def test_an_attempt_that_replays_every_window_reports_what_made_them(model, engine, s3, tmp_path):
+    """`quality=high`, every window kept in blob storage by an earlier attempt: the attempt that replays them all
+    reports the tier and levers that computed them (the tiny checkpoint: FP8 attention emulated on this CPU;
+    lanczos, without a faster path: lossless, and says so), as the attempt that computed them did."""
+    upscaler = engine if model == "k6" else LanczosUpscaler()
+    source = write_clip(tmp_path / "in.mp4", 13, (16, 32))  # 2 windows of 9 frames, one tile of the tiny model
+    job_id = f"video_{secrets.token_hex(4)}"
+
+    def attempt(name: str):
+        store = BlobWindowStore(s3, job_id, tmp_path / name, "key")
+        return upscale_file(source, tmp_path / f"{name}.mp4", upscaler, HIGH, store=store)
+
+    computed, replayed = attempt("computed"), attempt("replayed")
+    assert (computed.windows, computed.restored, replayed.restored) == (2, 0, 2)
+    assert (computed.quality, computed.levers) == (("high", EMULATED) if model == "k6" else ("lossless", {}))
+    what_ran = lambda result: (result.quality, result.levers, result.tiles, result.devices, result.notes)  # noqa: E731
+    assert what_ran(replayed) == what_ran(computed)
+    s3.delete_prefix(work_prefix(job_id))
+
+
+def test_a_job_whose_windows_were_all_kept_reports_the_quality_that_made_them(
+    request, settings, jobs, s3, queue, long_clip, tmp_path
+):
+    """The record of a job whose worker replays every window says what made them: `high` asked of lanczos, kept
+    by an attempt that ran `lossless` (lanczos has no faster path), is `lossless` on the job, not `high`."""
+    job = create_record(jobs, s3, long_clip, queue, quality="high")
+    # Every window kept, as by an attempt that died just after its last one: the worker's options (WINDOWS) and key
+    options = replace(job_options(job.params, LanczosUpscaler.default_steps), window=13, window_overlap=4)
+    key = windows_key(job, "lanczos", options, LanczosUpscaler())
+    (tmp_path / "input.mp4").write_bytes(long_clip)
+    store = BlobWindowStore(s3, job.id, tmp_path / "windows", key)
+    upscale_file(tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
+    assert len(kept_windows(s3, job.id)) == 4
+
+    enqueue(jobs, settings, job)
+    log = request.getfixturevalue("steady_worker")
+    done = wait_until(lambda: ended(jobs, job.id), 120, log)
+    assert done.status == "completed", done
+    wait_until(lambda: f"{job.id} completed by attempt 1: " in log.read_text(), 30, log)
+    assert re.search(rf"{job.id} completed by attempt 1: .*? 4 of 4 windows restored", log.read_text())
+    assert (done.params["quality"], done.output.quality, done.output.quality_levers) == ("high", "lossless", {})
+
+
+@pytest.mark.parametrize(("made_otherwise", "computed", "restored"), [(0, [1, 0, 1, 2], 0), (1, [1, 2], 1)])
+def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
+    made_otherwise, computed, restored, engine, s3, tmp_path
+):
+    """An attempt kept two of three `high` windows; one of them says its FP8 attention ran on cuDNN (as a Hopper
+    worker's would: this CPU cannot run it), under the same key (the worker that kept it expected cuDNN; a graph
+    cuDNN would not build is emulated). The next attempt here, which emulates it, never mixes the two ways:
+    - window 0 made otherwise: replayed, but window 1 computed here disagrees with it: the kept windows are dropped
+      and the output starts over in the same attempt, every window computed;
+    - window 1 made otherwise: window 0 replayed, window 1 computed again rather than replayed after it.
+    Either way the frames are the uninterrupted attempt's, it reports what ran here, and what is kept now agrees."""
+    source = write_clip(tmp_path / "in.mp4", 17, (16, 32))  # 3 windows of 9 frames, one tile each
+    job_id = f"video_{secrets.token_hex(4)}"
+
+    def attempt(name: str, cancelled=None):
+        upscaler = Recording(engine)
+        store = BlobWindowStore(s3, job_id, tmp_path / name, "key")
+        output = tmp_path / f"{name}.mp4"
+        return upscaler, upscale_file(source, output, upscaler, HIGH, cancelled=cancelled, store=store)
+
+    attempt("uninterrupted")
+    s3.delete_prefix(work_prefix(job_id))
+    with pytest.raises(Cancelled):
+        attempt("cancelled", cancelled=lambda: len(kept_windows(s3, job_id)) >= 2)
+    name = f"{work_prefix(job_id)}windows/window-{made_otherwise:05d}.json"
+    with s3.open(name) as stream:
+        kept = json.load(stream)
+    kept["made"]["levers"]["fp8_attention"] = "cudnn_fp8"
+    s3.put(name, io.BytesIO(json.dumps(kept).encode()))
+
+    upscaler, resumed = attempt("resumed")
+    assert (upscaler.windows, resumed.restored) == (computed, restored)
+    frames = pixels_of(tmp_path / "resumed")
+    assert len(frames) == 3 and frames == pixels_of(tmp_path / "uninterrupted")
+    assert (resumed.quality, resumed.levers) == ("high", EMULATED)
+    for window in kept_windows(s3, job_id):
+        with s3.open(window) as stream:
+            assert json.load(stream)["made"]["levers"] == EMULATED
+    s3.delete_prefix(work_prefix(job_id))
+
+
+def test_the_kept_windows_key_names_what_changes_bits_not_where_the_weights_live(tiny_piflow, jobs, queue):
+    """Kept windows replay on a worker that gives the same bits, never on one that gives others: offloaded weights
+    (`offload` against `memory`, both decoding 2 latent frames at a time) and more devices with whole tiles give the
+    same bits; another decode segment (`speed`: 4, up to 2/255 apart on GPUs), a split tile (float rounding) and
+    `high`'s FP8 levers, with the FP8 attention backend that will run them, give others."""
+    from worker.sr.backends import open_upscaler
+    from worker.sr.engine import SREngine
+
+    job = jobs.create(owner="erin", model="lanczos", queue=queue, params={}, input=InputInfo(key="k", bytes=0))
+    checkpoint = str(tiny_piflow)
+
+    def key(upscaler, quality: str = "lossless") -> str:
+        return windows_key(job, checkpoint, UpscaleOptions(SRRequest(scale=2, quality=quality)), upscaler)
+
+    memory, offload, speed = (open_upscaler(checkpoint, ["cpu"], mode, None) for mode in ("memory", "offload", "speed"))
+    assert key(memory) == key(offload) != key(speed)
+    whole, whole_on_two, split_on_two = (
+        SREngine.from_pretrained(checkpoint, devices=["cpu"] * count, split=split)
+        for count, split in ((1, "off"), (2, "off"), (2, "on"))
+    )
+    assert key(whole) == key(whole_on_two) != key(split_on_two)
+    assert key(whole, "high") != key(whole)
+    assert json.loads(whole.signature(SRRequest(quality="high")))["fp8_attention"] == "fp8_emulated"
+    assert key(LanczosUpscaler(), "high") != key(whole, "high")
 
 
 @pytest.mark.parametrize("direction", ["download", "upload"])

@@ -107,6 +107,8 @@ class Upscaler(Protocol):
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]: ...
 
+    def signature(self, request: SRRequest) -> str: ...
+
     def upscale(
         self,
         video: torch.Tensor,

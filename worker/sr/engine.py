@@ -17,6 +17,7 @@ and a streaming decode that hand finished output frames to a sink. Compared with
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.errors import Cancelled, InvalidRequest
-from worker.sr import checkpoint, quality, tiling
+from worker.sr import checkpoint, fp8_attention, quality, tiling
 from worker.sr import split as _split
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
@@ -127,6 +128,7 @@ class SREngine:
         self.split = "off" if len(replicas) == 1 or (shared and offload is not None) or attention != "sdpa" else split
         self.last_decode_order = decode_order  # what the latest call ran: lockstep may give way (`_decode_order`)
         self.fast_decode = fast_decode
+        self.attention = attention
         self.high_levers = quality.check_levers(high_levers)
         self._cache_sizes: dict[tuple[int, int], int] = {}
         prepared: set[int] = set()  # CPU "devices" share one replica: prepare it once
@@ -194,6 +196,29 @@ class SREngine:
     @property
     def devices(self) -> list[torch.device]:
         return [replica.device for replica in self.replicas]
+
+    def signature(self, request: SRRequest) -> str:
+        """What decides the bits this engine gives `request`, beyond the request: windows kept under another
+        signature are never replayed into this engine's output (worker.kept_windows). Left out, as they give the same
+        bits: the decode order, where the weights live (offload), the tile batch and, for whole tiles, the device
+        count (tests/test_execution.py, tests/test_offload.py)."""
+        parts: dict[str, Any] = {
+            "torch": torch.__version__,
+            "devices": sorted({_device_kind(device) for device in self.devices}),
+            "dtype": str(self.replicas[0].dtype),
+            "attention": self.attention,
+            "compiled": self.compiles,
+            "fast_decode": self.fast_decode,
+            "decode_segment": self.decode_segment,  # 2 against 4 moves pixels by up to 2/255 on GPUs
+            # a split tile matches a whole one to float rounding, not to the bit; the degree follows the device count
+            "split": "off" if self.split == "off" else f"{self.split} of {len(self.replicas)} devices",
+        }
+        levers = quality.request_levers(request.quality, self.high_levers)
+        if levers:
+            parts["levers"] = list(levers)
+            if quality.FP8_ATTENTION in levers:  # cuDNN's kernel or its emulation: other bits
+                parts[quality.FP8_ATTENTION] = fp8_attention.expected_backend(self.devices)
+        return json.dumps(parts, sort_keys=True)
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
         return tiling.output_size(height, width, scale)
@@ -612,6 +637,10 @@ class SREngine:
         futures = [self._pool.submit(call) for call in calls]
         wait(futures)  # all of them, also when one fails: nothing of this call may run on into the next
         return {key: value for future in futures for key, value in future.result().items()}
+
+
+def _device_kind(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _weight_bytes(replica: Components) -> int:

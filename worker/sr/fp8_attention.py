@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,6 +73,13 @@ def backend_used() -> str | None:
     since `reset_backend_used`)."""
     with _LOCK:
         return "+".join(sorted(_RAN)) or None
+
+
+def expected_backend(devices: Sequence[torch.device]) -> str:
+    """What FP8 attention will run on `devices`, as far as can be told before a call: cuDNN where it is usable,
+    emulated elsewhere. A cuDNN graph that fails to build is emulated from its first call on: the windows it makes
+    say so (`backend_used`), and the next call's expectation too."""
+    return "+".join(sorted({CUDNN if d.type == "cuda" and _cudnn_usable(d) else EMULATED for d in devices}))
 
 
 def reset_backend_used() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from time import perf_counter
 
 import numpy as np
+import PIL
 import torch
 from PIL import Image
 
@@ -20,6 +21,10 @@ from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 class LanczosUpscaler:
     devices = [torch.device("cpu")]
     default_steps = None  # a resampling filter: no denoising steps
+
+    def signature(self, request: SRRequest) -> str:
+        """What decides the bits beyond the request (`SREngine.signature`): Pillow's resampling."""
+        return f"pillow {PIL.__version__}"
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
         return tiling.output_size(height, width, scale)

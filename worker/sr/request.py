@@ -4,7 +4,8 @@ the call did. Every upscaler (the engine, Lanczos, the window runner) speaks the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -71,3 +72,17 @@ class RunInfo:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     quality: str = LOSSLESS  # the tier that ran (an upscaler without a faster path runs `lossless` for `high`)
     levers: dict[str, str] = field(default_factory=dict)  # `high`'s levers and how each ran (quality.Applied)
+
+    def made_like(self, other: RunInfo) -> bool:
+        """Whether `other`'s frames were computed as these were (the tier, its levers as they ran, the split), so
+        that windows of the two may sit in one output."""
+        return (self.quality, self.levers, self.split) == (other.quality, other.levers, other.split)
+
+    def kept(self) -> dict[str, Any]:
+        """What made the frames, as JSON kept beside them (a replayed window reports it): no timings."""
+        return {name: value for name, value in asdict(self).items() if name != "stage_seconds"}
+
+    @classmethod
+    def of_kept(cls, kept: dict[str, Any]) -> RunInfo:
+        sizes = {name: tuple(kept[name]) for name in ("input_size", "output_size", "padded_input")}
+        return cls(**{**kept, **sizes, "devices": list(kept["devices"]), "levers": dict(kept["levers"])})

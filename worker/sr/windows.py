@@ -6,6 +6,8 @@ to the sink as the upscaler finishes them: only the current window's input and t
 are ever held, so memory does not grow with the clip. Each window draws its own noise (`noise_key=(index,)`).
 
 Finished windows can be kept in a `WindowStore`; a rerun of the same job replays them instead of computing them.
+Each kept window says what made it (its `RunInfo`: the tier, its levers as they ran, the split): an output is never
+a mix of windows made in different ways, and one replayed whole reports what made its pixels.
 """
 
 from __future__ import annotations
@@ -94,6 +96,13 @@ class WindowsRun:
     windows: int
     restored: int  # windows replayed from the store
     runs: tuple[RunInfo, ...]  # one per computed window
+    made: tuple[RunInfo, ...] = ()  # one per window, in order: what computed it (here, or in the run that kept it)
+
+
+class KeptWindowsDisagree(Exception):
+    """A window computed now was made otherwise than the kept windows already replayed before it (e.g. cuDNN's FP8
+    attention where they were emulated): the output would mix the two. The caller drops the kept windows and starts
+    over (`upscale.begin_upscale`)."""
 
 
 # --- keeping finished windows ---------------------------------------------------------------------------------
@@ -103,18 +112,22 @@ class WindowsRun:
 class StoredWindow:
     pixels: np.ndarray  # (n, H, W, 3) uint8: the window's finished frames, exactly as the encoder got them
     tail: torch.Tensor | None  # (overlap, 3, H, W) float32: its last frames before the crossfade, None if last
+    made: RunInfo  # what computed it (no timings)
 
 
 class WindowRecorder(Protocol):
     def add(self, pixels: np.ndarray) -> None: ...
 
-    def commit(self, tail: torch.Tensor | None) -> None: ...
+    def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None: ...
 
 
 class WindowStore(Protocol):
     def load(self, index: int) -> StoredWindow | None: ...
 
     def record(self, index: int) -> WindowRecorder: ...
+
+    def drop(self) -> None:
+        """Forget every kept window (the store stays usable for this key)."""
 
 
 class DirectoryWindowStore:
@@ -134,13 +147,20 @@ class DirectoryWindowStore:
         meta = self._path(index, "json")
         if not meta.exists():
             return None
-        shape = tuple(json.loads(meta.read_text())["shape"])
-        pixels = np.memmap(self._path(index, "u8"), dtype=np.uint8, mode="r", shape=shape)
+        kept = json.loads(meta.read_text())
+        if "made" not in kept:  # kept by a version that did not say what made it: computed again
+            return None
+        pixels = np.memmap(self._path(index, "u8"), dtype=np.uint8, mode="r", shape=tuple(kept["shape"]))
         tail_path = self._path(index, "tail.npy")
-        return StoredWindow(pixels, torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None)
+        tail = torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None
+        return StoredWindow(pixels, tail, RunInfo.of_kept(kept["made"]))
 
     def record(self, index: int) -> _DirectoryRecorder:
         return _DirectoryRecorder(self, index)
+
+    def drop(self) -> None:
+        for path in self.directory.glob("window-*"):
+            path.unlink(missing_ok=True)
 
     def clear(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -161,12 +181,12 @@ class _DirectoryRecorder:
             file.write(np.ascontiguousarray(pixels).tobytes())
         self.shape = [(self.shape[0] if self.shape else 0) + len(pixels), *pixels.shape[1:]]
 
-    def commit(self, tail: torch.Tensor | None) -> None:
+    def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
         if tail is not None:
             np.save(self.store._path(self.index, "tail.npy"), tail.cpu().numpy())
         self.partial.replace(self.store._path(self.index, "u8"))
         # Written last: a window counts as kept only once everything it needs is on disk.
-        self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape}))
+        self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape, "made": made.kept()}))
 
 
 # --- running ------------------------------------------------------------------------------------------------
@@ -188,7 +208,8 @@ def upscale_windows(
     held: list[np.ndarray] = []  # input frames [held_from, held_from + len(held))
     held_from = 0
     tail: torch.Tensor | None = None
-    runs: list[RunInfo] = []
+    runs: list[RunInfo] = []  # computed here
+    made: list[RunInfo] = []  # every window so far, computed or replayed
     restored = 0
     for window in plan.windows:
         if cancelled is not None and cancelled():
@@ -199,10 +220,16 @@ def upscale_windows(
         tiles = runs[0].tiles if runs else None
 
         stored = store.load(window.index) if store is not None else None
-        if stored is not None and len(stored.pixels) == plan.finished_frames(window):
+        # Replayed only if made as every window before it: one made otherwise is computed again (and kept anew)
+        if (
+            stored is not None
+            and len(stored.pixels) == plan.finished_frames(window)
+            and all(stored.made.made_like(before) for before in made)
+        ):
             for start in range(0, len(stored.pixels), 8):
                 sink(dequantise(torch.from_numpy(np.array(stored.pixels[start : start + 8]))))
             tail, restored = stored.tail, restored + 1
+            made.append(stored.made)
             if progress is not None:
                 progress(WindowProgress(window.index, len(plan.windows), "restored", 1, 1, tiles))
             continue
@@ -213,11 +240,18 @@ def upscale_windows(
 
         blender = _Blender(plan, window, tail, sink, store.record(window.index) if store is not None else None)
         request_window = replace(request, noise_key=(*request.noise_key, window.index))
-        runs.append(upscaler.upscale(_video(held), request_window, blender, on_progress, cancelled))
-        tail = blender.finish()
+        run = upscaler.upscale(_video(held), request_window, blender, on_progress, cancelled)
+        if restored and not all(run.made_like(before) for before in made):
+            raise KeptWindowsDisagree(
+                f"window {window.index} ran {run.quality} {run.levers} split {run.split}; the kept windows replayed "
+                f"before it ran {made[0].quality} {made[0].levers} split {made[0].split}"
+            )
+        tail = blender.finish(run)
+        runs.append(run)
+        made.append(run)
     if next(source, None) is not None:
         raise ValueError(f"the frame source holds more than the planned {plan.frames} frames")
-    return WindowsRun(len(plan.windows), restored, tuple(runs))
+    return WindowsRun(len(plan.windows), restored, tuple(runs), tuple(made))
 
 
 def _take(source: Iterator[np.ndarray], count: int, position: int) -> list[np.ndarray]:
@@ -270,10 +304,10 @@ class _Blender:
             if self.recorder is not None:
                 self.recorder.add(quantise(frames[:keep]).cpu().numpy())
 
-    def finish(self) -> torch.Tensor | None:
+    def finish(self, made: RunInfo) -> torch.Tensor | None:
         if self.position != self.window.frames:
             raise RuntimeError(f"window {self.window.index}: the upscaler emitted {self.position} of {self.window.frames} frames")
         tail = torch.cat(self.tail) if self.tail else None
         if self.recorder is not None:
-            self.recorder.commit(tail)
+            self.recorder.commit(tail, made)
         return tail
