@@ -36,6 +36,7 @@ from storage.config import Settings
 # stalled uploads refused at once held every thread and a /healthz behind them waited 100-230 ms. A connection whose
 # rest has not arrived is closed (gracefully, off the request threads) and the client connects again.
 _DRAIN_S = 0.002
+_DRAIN_MAX_BYTES = 64 * 1024  # and at most this much of it, as gunicorn's own drain
 
 
 class ProblemWorker(ThreadWorker):
@@ -63,7 +64,7 @@ class ProblemWorker(ThreadWorker):
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         # gthread drains an unread body for up to 5 s in a request thread: a stalled client would hold it that long
-        return bool(keepalive and conn.parser.finish_body(deadline=time.monotonic() + _DRAIN_S))
+        return keepalive and conn.drain()
 
 
 class PacedConn(TConn):
@@ -80,6 +81,19 @@ class PacedConn(TConn):
                 unreader.sock = PacedSocket(unreader.sock, *self.pacing)
             unreader.sock.restart()
 
+    def drain(self) -> bool:
+        """Whether the connection can serve another request: the unread rest of the request's body, only as much of
+        it as arrives within the drain, is read and dropped. Bounded at the socket, not by gunicorn's `deadline`: that
+        is checked before the first read, so a request thread paused for 2 ms (the OS or the GIL on a busy machine)
+        refused even a GET's empty body and closed a connection its answer had just announced kept alive; a client's
+        next request on it then failed (1 or 2 polls in 2,000 under load, tests/reliability/test_load.py)."""
+        sock = self.parser.unreader.sock
+        sock.drain_until(time.monotonic() + _DRAIN_S)
+        try:
+            return bool(self.parser.finish_body(max_bytes=_DRAIN_MAX_BYTES))
+        finally:
+            sock.drain_until(None)
+
     def close(self, graceful: bool = False) -> None:
         if graceful:  # gunicorn lingers up to 2 s for the client's FIN, on the worker's event loop: not there
             threading.Thread(target=TConn.close, args=(self, True), daemon=True).start()
@@ -93,7 +107,8 @@ class PacedSocket:
 
     def __init__(self, sock: socket.socket, idle_s: float, grace_s: float, min_bytes_per_s: int) -> None:
         self._sock, self._idle_s, self._grace_s, self._min_rate = sock, idle_s, grace_s, min_bytes_per_s
-        self._bound: float | None = None  # a deadline gunicorn sets itself (its drain), through settimeout
+        self._bound: float | None = None  # a timeout gunicorn sets itself, through settimeout
+        self._drain_end: float | None = None  # while a body is drained: when reads stop waiting for more
         self.restart()
 
     def restart(self) -> None:
@@ -105,9 +120,14 @@ class PacedSocket:
     def gettimeout(self) -> float | None:
         return self._bound
 
+    def drain_until(self, end: float | None) -> None:
+        self._drain_end = end
+
     def recv(self, size: int) -> bytes:
         elapsed = time.monotonic() - self._started
         wait = self._idle_s if self._bound is None else min(self._idle_s, self._bound)
+        if self._drain_end is not None:
+            wait = min(wait, self._drain_end - time.monotonic())
         if self._min_rate:  # no longer than until the average would fall below the minimum
             wait = min(wait, max(self._grace_s, (self._received + 1) / self._min_rate) - elapsed)
         # past that point, only what has arrived already (the application may have been busy, not the client)
