@@ -12,7 +12,8 @@ close (gunicorn's, up to 2 s) off the event loop.
 gunicorn answers some requests before Flask ever sees them (a control byte in a header, a malformed request line,
 headers too large) with an HTML page. It has no hook for those pages: `Worker.handle_error` picks the status, logs
 and writes the access log, then writes the page through `gunicorn.util.write_error`. That one function is replaced
-in the worker process, so gunicorn keeps choosing the status and only the body changes.
+in the worker process, so gunicorn keeps choosing the status and only the body changes. Its HTTP/1 head gets a
+`Keep-Alive: timeout=N` the same way (`advertising_keepalive`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from functools import partial
 from typing import Any
 
 from gunicorn import util
+from gunicorn.http import wsgi
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from api.errors import Problem
@@ -42,6 +44,8 @@ _DRAIN_MAX_BYTES = 64 * 1024  # and at most this much of it, as gunicorn's own d
 class ProblemWorker(ThreadWorker):
     def init_process(self) -> None:
         util.write_error = write_problem
+        if self.cfg.keepalive:
+            wsgi.Response.default_headers = advertising_keepalive(wsgi.Response.default_headers, self.cfg.keepalive)
         settings = Settings()
         self.pacing = (settings.body_idle_timeout_s, settings.body_grace_s, settings.body_min_bytes_per_s)
         super().init_process()  # runs the worker loop: never returns
@@ -146,6 +150,21 @@ class PacedSocket:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
+
+
+def advertising_keepalive(default_headers: Any, timeout_s: int) -> Any:
+    """gunicorn's HTTP/1 status line and connection headers, plus `Keep-Alive: timeout=N` on an answer that keeps the
+    connection: clients that read it (browsers, Node's undici) stop reusing an idle connection before the server closes
+    it, instead of sending a request into that close. An application cannot set it: gunicorn drops hop-by-hop headers.
+    HTTP/2 answers build their headers elsewhere."""
+
+    def headers(response: wsgi.Response) -> list[str]:
+        lines = default_headers(response)
+        if not response.upgrade and not response.should_close():
+            lines.append(f"Keep-Alive: timeout={timeout_s}\r\n")
+        return lines
+
+    return headers
 
 
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:

@@ -53,6 +53,7 @@ def test_gunicorns_own_errors_are_problems(api, request_bytes, status, code):
 def test_a_good_request_on_the_same_server_still_reaches_flask(api):
     answered, headers, _ = raw_request(api, b"GET /nowhere HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     assert (answered, headers["content-type"]) == (404, "application/problem+json")
+    assert "keep-alive" not in headers  # the connection closes: no timeout to announce
 
 
 def test_a_request_refused_before_its_body_came_is_not_waited_for(api):
@@ -146,7 +147,7 @@ def test_a_connection_idle_past_gunicorns_keepalive_still_answers(api):
     """A client that polls every 2-3 s reuses its connection: with gunicorn's 2 s keep-alive the server closed it as
     the next poll went out (a plain requests loop with `sleep(2)`: 8 ConnectionErrors in 240 polls). It stays open
     (VSRQ_WEB_KEEPALIVE_S, 75 s), and the poll after the pause is answered on it. 3.2 s: past gunicorn's close
-    (2 s, checked once a second)."""
+    (2 s, checked once a second). Each answer says how long, for clients that stop reusing a connection in time."""
     parts = urlsplit(api)
     poll = b"GET /nowhere HTTP/1.1\r\nHost: localhost\r\n\r\n"
     with socket.create_connection((parts.hostname, parts.port), timeout=30) as conn:
@@ -159,3 +160,4 @@ def test_a_connection_idle_past_gunicorns_keepalive_still_answers(api):
                 assert chunk, f"the server closed the connection after {pause} s idle"
                 received += chunk
             assert received.startswith(b"HTTP/1.1 404 ") and b"connection: close" not in received.lower()
+            assert b"\r\nKeep-Alive: timeout=75\r\n" in received
