@@ -12,7 +12,8 @@ close (gunicorn's, up to 2 s) off the event loop.
 gunicorn answers some requests before Flask ever sees them (a control byte in a header, a malformed request line,
 headers too large) with an HTML page. It has no hook for those pages: `Worker.handle_error` picks the status, logs
 and writes the access log, then writes the page through `gunicorn.util.write_error`. That one function is replaced
-in the worker process, so gunicorn keeps choosing the status and only the body changes.
+in the worker process, so gunicorn keeps choosing the status and only the body changes. Its HTTP/1 head gets a
+`Keep-Alive: timeout=N` the same way (`advertising_keepalive`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from functools import partial
 from typing import Any
 
 from gunicorn import util
+from gunicorn.http import wsgi
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from api.errors import Problem
@@ -36,11 +38,14 @@ from storage.config import Settings
 # stalled uploads refused at once held every thread and a /healthz behind them waited 100-230 ms. A connection whose
 # rest has not arrived is closed (gracefully, off the request threads) and the client connects again.
 _DRAIN_S = 0.002
+_DRAIN_MAX_BYTES = 64 * 1024  # and at most this much of it, as gunicorn's own drain
 
 
 class ProblemWorker(ThreadWorker):
     def init_process(self) -> None:
         util.write_error = write_problem
+        if self.cfg.keepalive:
+            wsgi.Response.default_headers = advertising_keepalive(wsgi.Response.default_headers, self.cfg.keepalive)
         settings = Settings()
         self.pacing = (settings.body_idle_timeout_s, settings.body_grace_s, settings.body_min_bytes_per_s)
         super().init_process()  # runs the worker loop: never returns
@@ -63,7 +68,7 @@ class ProblemWorker(ThreadWorker):
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         # gthread drains an unread body for up to 5 s in a request thread: a stalled client would hold it that long
-        return bool(keepalive and conn.parser.finish_body(deadline=time.monotonic() + _DRAIN_S))
+        return keepalive and conn.drain()
 
 
 class PacedConn(TConn):
@@ -80,6 +85,19 @@ class PacedConn(TConn):
                 unreader.sock = PacedSocket(unreader.sock, *self.pacing)
             unreader.sock.restart()
 
+    def drain(self) -> bool:
+        """Whether the connection can serve another request: the unread rest of the request's body, only as much of
+        it as arrives within the drain, is read and dropped. Bounded at the socket, not by gunicorn's `deadline`: that
+        is checked before the first read, so a request thread paused for 2 ms (the OS or the GIL on a busy machine)
+        refused even a GET's empty body and closed a connection its answer had just announced kept alive; a client's
+        next request on it then failed (1 or 2 polls in 2,000 under load, tests/reliability/test_load.py)."""
+        sock = self.parser.unreader.sock
+        sock.drain_until(time.monotonic() + _DRAIN_S)
+        try:
+            return bool(self.parser.finish_body(max_bytes=_DRAIN_MAX_BYTES))
+        finally:
+            sock.drain_until(None)
+
     def close(self, graceful: bool = False) -> None:
         if graceful:  # gunicorn lingers up to 2 s for the client's FIN, on the worker's event loop: not there
             threading.Thread(target=TConn.close, args=(self, True), daemon=True).start()
@@ -93,7 +111,8 @@ class PacedSocket:
 
     def __init__(self, sock: socket.socket, idle_s: float, grace_s: float, min_bytes_per_s: int) -> None:
         self._sock, self._idle_s, self._grace_s, self._min_rate = sock, idle_s, grace_s, min_bytes_per_s
-        self._bound: float | None = None  # a deadline gunicorn sets itself (its drain), through settimeout
+        self._bound: float | None = None  # a timeout gunicorn sets itself, through settimeout
+        self._drain_end: float | None = None  # while a body is drained: when reads stop waiting for more
         self.restart()
 
     def restart(self) -> None:
@@ -105,9 +124,14 @@ class PacedSocket:
     def gettimeout(self) -> float | None:
         return self._bound
 
+    def drain_until(self, end: float | None) -> None:
+        self._drain_end = end
+
     def recv(self, size: int) -> bytes:
         elapsed = time.monotonic() - self._started
         wait = self._idle_s if self._bound is None else min(self._idle_s, self._bound)
+        if self._drain_end is not None:
+            wait = min(wait, self._drain_end - time.monotonic())
         if self._min_rate:  # no longer than until the average would fall below the minimum
             wait = min(wait, max(self._grace_s, (self._received + 1) / self._min_rate) - elapsed)
         # past that point, only what has arrived already (the application may have been busy, not the client)
@@ -126,6 +150,21 @@ class PacedSocket:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
+
+
+def advertising_keepalive(default_headers: Any, timeout_s: int) -> Any:
+    """gunicorn's HTTP/1 status line and connection headers, plus `Keep-Alive: timeout=N` on an answer that keeps the
+    connection: clients that read it (browsers, Node's undici) stop reusing an idle connection before the server closes
+    it, instead of sending a request into that close. An application cannot set it: gunicorn drops hop-by-hop headers.
+    HTTP/2 answers build their headers elsewhere."""
+
+    def headers(response: wsgi.Response) -> list[str]:
+        lines = default_headers(response)
+        if not response.upgrade and not response.should_close():
+            lines.append(f"Keep-Alive: timeout={timeout_s}\r\n")
+        return lines
+
+    return headers
 
 
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:

@@ -15,6 +15,7 @@ bind = _settings.bind
 workers = _settings.web_workers
 worker_class = "api.gunicorn_worker.ProblemWorker"  # gthread, answering its own errors as problem+json
 threads = _settings.web_threads
+keepalive = _settings.web_keepalive_s
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60
 # A master killed with SIGKILL cannot stop its workers, which would keep the listening socket (and answer nothing

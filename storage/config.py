@@ -193,6 +193,10 @@ class Settings(BaseSettings):
     bind: str = "127.0.0.1:8000"  # where gunicorn listens; `auth` "none" checks it is loopback
     web_workers: int = Field(2, ge=1)
     web_threads: int = Field(8, ge=1)
+    # How long an idle kept-alive connection stays open (gunicorn's `keepalive`; 0: none). Past gunicorn's 2 s, the
+    # common poll intervals of 2-3 s met the server's close as they sent; longer than a load balancer's idle timeout
+    # (60 s on AWS ALB) in front, as nginx's 75 s. An idle connection holds no thread, only a socket.
+    web_keepalive_s: int = Field(75, ge=0)
 
     # Operations: log lines (storage/logs.py) and each Celery worker's Prometheus port (worker/metrics.py)
     log_format: Literal["json", "text"] = "json"  # text for people (the dev stack), json for a log pipeline
