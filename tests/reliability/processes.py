@@ -6,6 +6,7 @@ OOM killer enforces it (SIGKILL past the limit), without touching the host's cgr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -206,12 +207,15 @@ class Partition:
     """A TCP forwarder on loopback in front of `target`: after `cut()`, bytes either way are dropped (requests go
     unanswered, connections stay open), as a network partition drops packets; after `cut_replies_after(marker)`,
     what `target` sends back is dropped from the first request that holds `marker` on: that request takes effect,
-    and its sender never learns it."""
+    and its sender never learns it; after `swallow_head(marker)`, the bytes of the next request that hold `marker`
+    (its head) are dropped and the rest flows: a cut that healed mid-request, its body reaching `target` alone."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self._requests, self._replies = threading.Event(), threading.Event()  # set: flowing
         self._marker: bytes | None = None
+        self._head: bytes | None = None
+        self.swallowed = 0  # heads dropped by `swallow_head`
         self.heal()
         self.dropped = 0  # bytes, either way, while cut
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -224,6 +228,9 @@ class Partition:
 
     def cut_replies_after(self, marker: bytes) -> None:
         self._marker = marker
+
+    def swallow_head(self, marker: bytes) -> None:
+        self._head = marker
 
     def heal(self) -> None:
         """Bytes flow again; what was dropped stays lost (a request sent during the cut waits for its timeout)."""
@@ -238,23 +245,36 @@ class Partition:
             except OSError:  # closed
                 return
             upstream = socket.create_connection(self.target)
+            ended: list[socket.socket] = []  # the connection's directions that have ended: the second closes it
             for source, sink, flowing in ((client, upstream, self._requests), (upstream, client, self._replies)):
-                threading.Thread(target=self._pump, args=(source, sink, flowing), daemon=True).start()
+                threading.Thread(target=self._pump, args=(source, sink, flowing, ended), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, flowing: threading.Event) -> None:
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, flowing: threading.Event, ended: list[socket.socket]
+    ) -> None:
         try:
             while data := source.recv(65536):
                 if flowing is self._requests and self._marker and self._marker in data:
                     self._replies.clear()
+                if flowing is self._requests and self._head and self._head in data:
+                    self._head, self.swallowed = None, self.swallowed + 1
+                    continue
                 if flowing.is_set():
                     sink.sendall(data)
                 else:
                     self.dropped += len(data)
-        except OSError:
-            pass
-        finally:
+            if flowing.is_set():  # the end of the stream goes through (a FIN), as on a real path: a reply read to
+                sink.shutdown(socket.SHUT_WR)  # the server's close (no Content-Length) ends; closing `sink` would
+                # not send it while the other direction's thread waits in `recv` on it
+        except OSError:  # reset: both directions end
             for end in (source, sink):
-                end.close()
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+        finally:
+            ended.append(source)
+            if len(ended) == 2:
+                for end in (source, sink):
+                    end.close()
 
     def close(self) -> None:
         self._server.close()
