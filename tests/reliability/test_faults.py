@@ -439,6 +439,26 @@ def test_a_storage_partition_longer_than_the_lease_is_waited_out(stack, api, rea
     assert content_sha256(api, job_id) == job.output.sha256
 
 
+def test_an_upload_that_reaches_storage_cut_short_is_sent_again(stack, api, reaper, jobs, blobs, clips, workers):
+    """A partition that heals mid-request: the output's PUT loses its head on the way, and SeaweedFS reads its body as
+    a request and answers 400 Bad Request, with no S3 error code. The request was damaged, not refused: the worker
+    sends the upload again inside the attempt, and the job completes on its first attempt (it was failed for good)."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    try:
+        worker = started(workers(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}"))
+        partition.swallow_head(f"PUT /{stack.bucket}/outputs/".encode())
+        [job] = wait_all(jobs, [create(api, clips["small"])], limit_s=60)
+    finally:
+        partition.close()
+    refused = re.findall(r"a blob transfer failed \((.*)\), tried again", worker.text())
+    print(f"FIGURE upload_cut_short: storage answered {refused}; {job.status} on attempt {job.attempt}")
+    assert partition.swallowed == 1
+    assert (job.status, job.attempt) == (Status.COMPLETED, 1), job.error
+    assert any("(400)" in answer and "Bad Request" in answer for answer in refused), worker.text()[-3000:]
+    assert content_sha256(api, job.id) == job.output.sha256
+    assert outputs(blobs, job.id) == [job.output.key]
+
+
 def lose_a_request(partition: Partition, lease_s: float) -> None:
     """Once the cut partition drops a request, waits until its caller's lease would have expired without a beat (the
     caller waits out its whole timeout), then heals."""
@@ -986,11 +1006,6 @@ def test_a_stalled_tail_that_lost_its_lease_promotes_nothing(api, reaper, jobs, 
         assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, 1 of 3 CI runs: the upload cut by the partition reaches SeaweedFS truncated once it heals, "
-    "its 400 Bad Request is classified as permanent and the job fails instead of retrying the upload",
-)
 def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, clips, workers, s3_cut):
     """SIGTERM (a deploy, a scale-in) with a tail in flight: the worker finishes it, and the job it had started, before
     it exits; nothing waits out a lease."""
