@@ -25,7 +25,7 @@ from storage.lifecycle import promoted
 from storage.queue import send_upscale
 from worker import service
 from worker.celery_app import app
-from worker.errors import Cancelled, PermanentError
+from worker.errors import Cancelled, PermanentError, TailStuck
 from worker.fetch import FetchUnavailable, WorkerDiskFull
 
 log = logging.getLogger("vsrq.worker")
@@ -39,6 +39,8 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "cancelled", error.code, error.message
     if isinstance(error, PermanentError):  # raised on purpose, with a stable code: another attempt would raise it again
         return "failed", error.code, error.message
+    if isinstance(error, TailStuck):  # this worker is at fault, not the job: it exits, another worker runs the job
+        return "retry", error.code, error.message
     if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
         # (its own code: `Heartbeat.storage` waits out only outages, and a missing file is not one)
         return "retry", "job_file_missing", "A file of the job went missing from blob storage."

@@ -123,6 +123,10 @@ class Heartbeat:
             log.info("%s: heartbeats reach Redis again", self.lease.job_id)
         self._failing = False
 
+    def silent_s(self) -> float:
+        """Seconds since the start of the last beat that reached Redis (or since the lease was asked for)."""
+        return monotonic() - self._extended
+
     def _lease_ran_out(self) -> bool:
         """Whether the lease may have expired (lease_s after the last delivered beat's start): the job may be another
         attempt's."""
