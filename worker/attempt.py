@@ -10,6 +10,14 @@ import botocore.exceptions
 import redis.exceptions
 import torch
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
+from botocore.awsrequest import AWSResponse
+from botocore.retries.standard import (
+    OrRetryChecker,
+    RetryContext,
+    ThrottledRetryableChecker,
+    ThrottlingStatusCodeChecker,
+    TransientRetryableChecker,
+)
 
 from storage.blobs import PREVIEWS, BlobNotFound, preview_key, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
@@ -17,7 +25,7 @@ from storage.lifecycle import promoted
 from storage.queue import send_upscale
 from worker import service
 from worker.celery_app import app
-from worker.errors import Cancelled, PermanentError
+from worker.errors import Cancelled, PermanentError, TailStuck
 from worker.fetch import FetchUnavailable, WorkerDiskFull
 
 log = logging.getLogger("vsrq.worker")
@@ -31,6 +39,8 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "cancelled", error.code, error.message
     if isinstance(error, PermanentError):  # raised on purpose, with a stable code: another attempt would raise it again
         return "failed", error.code, error.message
+    if isinstance(error, TailStuck):  # this worker is at fault, not the job: it exits, another worker runs the job
+        return "retry", error.code, error.message
     if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
         # (its own code: `Heartbeat.storage` waits out only outages, and a missing file is not one)
         return "retry", "job_file_missing", "A file of the job went missing from blob storage."
@@ -49,13 +59,33 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     )
     if isinstance(error, unreachable):
         return "retry", "storage_unavailable", "Blob storage could not be reached."
-    if isinstance(error, botocore.exceptions.ClientError) and _server_side(error):
+    if isinstance(error, botocore.exceptions.ClientError) and _transient(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."
     return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
 
 
-def _server_side(error: botocore.exceptions.ClientError) -> bool:
-    return error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500
+# botocore's own transient list (standard retry mode, as storage.blobs configures): still transient past its 3 tries
+_BOTOCORE_TRANSIENT = OrRetryChecker(
+    [TransientRetryableChecker(), ThrottledRetryableChecker(), ThrottlingStatusCodeChecker()]
+)
+# S3's answers to a request that reached it damaged (a body cut short or altered on the way: a partition that healed
+# mid-request), which botocore does not retry since its own bytes were sound, and a conflict S3 says to try again.
+# SeaweedFS answers a body cut short with 499 ClientDisconnected, AWS with 400 IncompleteBody or RequestTimeout.
+_DAMAGED_OR_BUSY = {
+    "IncompleteBody", "BadDigest", "XAmzContentSHA256Mismatch", "ClientDisconnected", "BadRequest", "OperationAborted"
+}  # fmt: skip
+
+
+def _transient(error: botocore.exceptions.ClientError) -> bool:
+    """Whether storage's answer may change on the next try. A 400 with no S3 error code is one the server could not
+    parse as a request at all (botocore names it by its status): only bytes lost on the way make those of a request
+    botocore built. Refusals that stay (403 AccessDenied, 404 NoSuchBucket, InvalidAccessKeyId...) are permanent."""
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    code = error.response.get("Error", {}).get("Code")
+    if status >= 500 or status in (408, 499) or code in _DAMAGED_OR_BUSY or (status == 400 and code in (None, "400")):
+        return True
+    context = RetryContext(1, parsed_response=error.response, http_response=AWSResponse(None, status, {}, None))
+    return _BOTOCORE_TRANSIENT.is_retryable(context)
 
 
 def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None:

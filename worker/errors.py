@@ -24,3 +24,10 @@ class InvalidRequest(PermanentError):
 
 class Cancelled(PermanentError):
     code = "cancelled"
+
+
+class TailStuck(CodedError):
+    """The previous job's tail is stuck on this worker: the job that waited for it goes back to the queue, for another
+    worker (worker.attempt.classify retries it)."""
+
+    code = "worker_tail_stuck"

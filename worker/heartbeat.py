@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import redis.exceptions
 from tenacity import (
+    RetryCallState,
     Retrying,
     retry_if_exception,
     retry_if_exception_type,
@@ -122,6 +123,10 @@ class Heartbeat:
             log.info("%s: heartbeats reach Redis again", self.lease.job_id)
         self._failing = False
 
+    def silent_s(self) -> float:
+        """Seconds since the start of the last beat that reached Redis (or since the lease was asked for)."""
+        return monotonic() - self._extended
+
     def _lease_ran_out(self) -> bool:
         """Whether the lease may have expired (lease_s after the last delivered beat's start): the job may be another
         attempt's."""
@@ -179,11 +184,20 @@ class Heartbeat:
             retry=retry_if_exception(lambda error: classify(error)[1] == "storage_unavailable"),
             wait=wait_exponential(multiplier=0.25, max=1),
             stop=stop_after_delay(service.worker_settings().storage_retry_s),
-            before_sleep=lambda _: self.stop_if_cancelled(force=True),
+            before_sleep=self._storage_failed,
             reraise=True,
         )
         with self.kept_alive():
             return retrying(transfer)
+
+    def _storage_failed(self, state: RetryCallState) -> None:
+        """Between a blob transfer's tries: the first failure is logged (an operator sees what was waited out)."""
+        if state.attempt_number == 1:
+            log.warning(
+                "%s: a blob transfer failed (%s), tried again for up to %g s",
+                self.lease.job_id, state.outcome.exception(), service.worker_settings().storage_retry_s,
+            )  # fmt: skip
+        self.stop_if_cancelled(force=True)
 
     @contextmanager
     def kept_alive(self) -> Iterator[None]:

@@ -47,6 +47,9 @@ class WorkerSettings(BaseSettings):
     # job's head and engine run (worker.finisher); off: the task runs it before it takes the next message
     overlap_tail: bool = True
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
+    # A tail that has delivered no heartbeat this long is stuck (unset: the lease's length, past which its job is the
+    # reaper's anyway): the job waiting for it goes back to the queue and the worker exits (worker.tasks)
+    tail_stall_s: float | None = None
     # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)
     window: int | None = None
     window_overlap: int | None = None

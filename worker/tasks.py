@@ -27,6 +27,7 @@ from typing import Any
 
 import redis.exceptions
 from celery.signals import worker_init, worker_shutdown
+from celery.worker import state as worker_state
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, preview_key
 from storage.config import served_name
@@ -47,6 +48,7 @@ from worker import metrics, service, signals  # signals: importing it connects t
 from worker.attempt import discard, discard_attempt, end, forget_windows
 from worker.celery_app import app
 from worker.costs import charge, job_limits
+from worker.errors import TailStuck
 from worker.fetch import fetch
 from worker.finisher import Finisher
 from worker.heartbeat import UPLOADING, Heartbeat
@@ -110,24 +112,58 @@ def upscale(self, job_id: str) -> None:
         return
     with _attempt(job, lease, output_key):
         try:
-            while not _finisher.wait(tail.beat.every_s):  # this attempt's lease is kept, its cancel seen, meanwhile
-                tail.beat.stop_if_cancelled()
+            _wait_for_the_previous_tail(tail)
         except BaseException:
             tail.drop()
             raise
-        _finisher.hand(partial(_finish, tail, signals.observe_later(self.request.id, job.id), overlapped=True))
+        observe = signals.observe_later(self.request.id, job.id)
+        _finisher.hand(partial(_finish, tail, observe, overlapped=True), tail.beat.silent_s)
 
 
 @worker_shutdown.connect
 def _finish_tails(**_: Any) -> None:
     """A warm shutdown (a deploy, a scale-in) lets the tail in flight end its job; left to its lease, the job would be
-    done again by another worker."""
-    if _finisher.busy():
-        log.info("waiting for the last job's tail before shutting down")
-        _finisher.wait()
+    done again by another worker. Not a stuck one: its job is left to its lease, and the process exits at once, Celery
+    having shut down by now (its consumer closed, its messages acknowledged or given back): the stuck call's threads
+    (boto3's transfer threads among them) would hold a normal exit."""
+    if not _finisher.busy():
+        return
+    log.info("waiting for the last job's tail before shutting down")
+    while not _finisher.wait(service.worker_settings().heartbeat_s):
+        if (silent_s := _finisher.silent_s()) >= _tail_stall_s():
+            log.error(
+                "the last job's tail is stuck (no heartbeat for %.0f s): exiting without it (status %d), its job is "
+                "requeued once its lease runs out", silent_s, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
+            )  # fmt: skip
+            logging.shutdown()  # flushes the log
+            os._exit(EX_SOFTWARE)
 
 
 _finisher = Finisher()
+TAIL_STUCK = "tail_stuck"  # the stable reason a worker logs when it stops because of a stuck tail
+EX_SOFTWARE = 70  # its exit status (sysexits.h: an internal software error): a supervisor restarts it
+
+
+def _wait_for_the_previous_tail(tail: _Tail) -> None:
+    """Waits for the previous job's tail, this attempt's lease kept and its cancel seen meanwhile. A tail that stays
+    silent past `tail_stall_s` while this attempt's beats get through is stuck in a call that never returns: this job
+    goes back to the queue (`TailStuck`), and the worker takes no more messages and exits, since every job it leased
+    would wait behind that tail with its lease renewed."""
+    stall_s = _tail_stall_s()
+    while not _finisher.wait(tail.beat.every_s):
+        tail.beat.stop_if_cancelled()
+        if (silent_s := _finisher.silent_s()) >= stall_s and tail.beat.silent_s() < stall_s:
+            log.error(
+                "the previous job's tail is stuck (no heartbeat for %.0f s): %s goes back to the queue, and this "
+                "worker takes no more jobs and exits (status %d)", silent_s, tail.job.id, EX_SOFTWARE,
+                extra={"reason": TAIL_STUCK},
+            )  # fmt: skip
+            worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown, once this task has returned
+            raise TailStuck(f"The worker could not finish its previous job (no heartbeat for {silent_s:.0f} s).")
+
+
+def _tail_stall_s() -> float:
+    return service.worker_settings().tail_stall_s or service.settings().lease_s
 
 
 @contextmanager

@@ -6,6 +6,7 @@ OOM killer enforces it (SIGKILL past the limit), without touching the host's cgr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -43,6 +44,11 @@ class Process:
     @property
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
+
+    @property
+    def exit_status(self) -> int | None:
+        """None while it runs."""
+        return None if self._process is None else self._process.poll()
 
     def kill(self) -> None:
         """SIGKILL to the process and its children (its session): no handler runs, nothing is acknowledged or cleaned
@@ -206,12 +212,19 @@ class Partition:
     """A TCP forwarder on loopback in front of `target`: after `cut()`, bytes either way are dropped (requests go
     unanswered, connections stay open), as a network partition drops packets; after `cut_replies_after(marker)`,
     what `target` sends back is dropped from the first request that holds `marker` on: that request takes effect,
-    and its sender never learns it."""
+    and its sender never learns it; after `swallow_head(marker)`, the bytes of the next request that hold `marker`
+    (its head) are dropped and the rest flows: a cut that healed mid-request, its body reaching `target` alone; after
+    `hang(marker)`, the connection of the next request that holds `marker` is cut for good, the others flow: a call
+    that gets no answer before its timeout, however long."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self._requests, self._replies = threading.Event(), threading.Event()  # set: flowing
         self._marker: bytes | None = None
+        self._head: bytes | None = None
+        self.swallowed = 0  # heads dropped by `swallow_head`
+        self._hang: bytes | None = None
+        self.hung = 0  # connections cut by `hang`
         self.heal()
         self.dropped = 0  # bytes, either way, while cut
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -224,6 +237,12 @@ class Partition:
 
     def cut_replies_after(self, marker: bytes) -> None:
         self._marker = marker
+
+    def swallow_head(self, marker: bytes) -> None:
+        self._head = marker
+
+    def hang(self, marker: bytes) -> None:
+        self._hang = marker
 
     def heal(self) -> None:
         """Bytes flow again; what was dropped stays lost (a request sent during the cut waits for its timeout)."""
@@ -238,23 +257,48 @@ class Partition:
             except OSError:  # closed
                 return
             upstream = socket.create_connection(self.target)
+            ended: list[socket.socket] = []  # the connection's directions that have ended: the second closes it
+            hung = threading.Event()  # set: this connection is cut for good (`hang`)
             for source, sink, flowing in ((client, upstream, self._requests), (upstream, client, self._replies)):
-                threading.Thread(target=self._pump, args=(source, sink, flowing), daemon=True).start()
+                threading.Thread(target=self._pump, args=(source, sink, flowing, ended, hung), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, flowing: threading.Event) -> None:
+    def _pump(
+        self,
+        source: socket.socket,
+        sink: socket.socket,
+        flowing: threading.Event,
+        ended: list[socket.socket],
+        hung: threading.Event,
+    ) -> None:
         try:
             while data := source.recv(65536):
+                if flowing is self._requests and self._hang and self._hang in data:
+                    self._hang, self.hung = None, self.hung + 1
+                    hung.set()
+                if hung.is_set():
+                    self.dropped += len(data)
+                    continue
                 if flowing is self._requests and self._marker and self._marker in data:
                     self._replies.clear()
+                if flowing is self._requests and self._head and self._head in data:
+                    self._head, self.swallowed = None, self.swallowed + 1
+                    continue
                 if flowing.is_set():
                     sink.sendall(data)
                 else:
                     self.dropped += len(data)
-        except OSError:
-            pass
-        finally:
+            if flowing.is_set() and not hung.is_set():  # the end of the stream goes through (a FIN), as on a real path: a reply read to
+                sink.shutdown(socket.SHUT_WR)  # the server's close (no Content-Length) ends; closing `sink` would
+                # not send it while the other direction's thread waits in `recv` on it
+        except OSError:  # reset: both directions end
             for end in (source, sink):
-                end.close()
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+        finally:
+            ended.append(source)
+            if len(ended) == 2:
+                for end in (source, sink):
+                    end.close()
 
     def close(self) -> None:
         self._server.close()

@@ -439,6 +439,26 @@ def test_a_storage_partition_longer_than_the_lease_is_waited_out(stack, api, rea
     assert content_sha256(api, job_id) == job.output.sha256
 
 
+def test_an_upload_that_reaches_storage_cut_short_is_sent_again(stack, api, reaper, jobs, blobs, clips, workers):
+    """A partition that heals mid-request: the output's PUT loses its head on the way, and SeaweedFS reads its body as
+    a request and answers 400 Bad Request, with no S3 error code. The request was damaged, not refused: the worker
+    sends the upload again inside the attempt, and the job completes on its first attempt (it was failed for good)."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    try:
+        worker = started(workers(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}"))
+        partition.swallow_head(f"PUT /{stack.bucket}/outputs/".encode())
+        [job] = wait_all(jobs, [create(api, clips["small"])], limit_s=60)
+    finally:
+        partition.close()
+    refused = re.findall(r"a blob transfer failed \((.*)\), tried again", worker.text())
+    print(f"FIGURE upload_cut_short: storage answered {refused}; {job.status} on attempt {job.attempt}")
+    assert partition.swallowed == 1
+    assert (job.status, job.attempt) == (Status.COMPLETED, 1), job.error
+    assert any("(400)" in answer and "Bad Request" in answer for answer in refused), worker.text()[-3000:]
+    assert content_sha256(api, job.id) == job.output.sha256
+    assert outputs(blobs, job.id) == [job.output.key]
+
+
 def lose_a_request(partition: Partition, lease_s: float) -> None:
     """Once the cut partition drops a request, waits until its caller's lease would have expired without a beat (the
     caller waits out its whole timeout), then heals."""
@@ -986,11 +1006,6 @@ def test_a_stalled_tail_that_lost_its_lease_promotes_nothing(api, reaper, jobs, 
         assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, 1 of 3 CI runs: the upload cut by the partition reaches SeaweedFS truncated once it heals, "
-    "its 400 Bad Request is classified as permanent and the job fails instead of retrying the upload",
-)
 def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, clips, workers, s3_cut):
     """SIGTERM (a deploy, a scale-in) with a tail in flight: the worker finishes it, and the job it had started, before
     it exits; nothing waits out a lease."""
@@ -1009,3 +1024,42 @@ def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, c
     records = [jobs.require(job_id) for job_id in (tailing, following)]
     print(f"FIGURE warm_shutdown_in_a_tail: {[(job.status.value, job.attempt) for job in records]} when it exited")
     assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
+
+
+def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(stack, env, api, reaper, jobs, blobs, clips, logs):
+    """A tail stuck in a call that never returns (its upload gets no answer, and the client's timeout outlasts the
+    test) must not hold the job behind it, its lease renewed, forever. Silent past the lease's length, the tail is
+    stuck: the waiting job goes back to the queue, the worker takes no more jobs and exits (status 70) for its
+    supervisor to start a new one, which completes both jobs (the stuck one's once its lease ran out): one output
+    each."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    lease_s = 4
+    stuck = {
+        **env,
+        "VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}",
+        "VSRQ_S3_TIMEOUT_S": "600",
+        "VSRQ_LEASE_S": str(lease_s),
+        "VSRQ_WORKER_STORAGE_RETRY_S": "1",  # the tail's lease is kept this long into its upload, then runs out
+    }
+    supervisor = Supervisor(lambda: processes.worker(stuck, QUEUE, logs))
+    try:
+        first = started(supervisor.current)
+        tailing = create(api, clips["medium"])
+        partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
+        following = create(api, clips["small"])
+        records = wait_all(jobs, [tailing, following], limit_s=60)
+    finally:
+        supervisor.stop()
+        partition.close()
+    reasons = [[requeue["reason"]["code"] for requeue in requeues(jobs, job.id)] for job in records]
+    print(
+        f"FIGURE stuck_tail: {[(job.status.value, job.attempt) for job in records]}, requeued for {reasons}, the "
+        f"stuck worker exited with {first.exit_status}, workers started {len(supervisor.history)}"
+    )
+    assert partition.hung == 1
+    assert first.exit_status == 70, first.text()[-3000:]
+    assert '"reason": "tail_stuck"' in first.text()
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
+    assert reasons == [["lease_expired"], ["worker_tail_stuck"]]  # the waiting job was sent back, not reaped
+    for job in records:
+        assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key

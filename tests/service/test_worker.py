@@ -25,7 +25,7 @@ import redis as redis_py
 import requests
 import torch
 from boto3.exceptions import RetriesExceededError
-from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
+from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
 from api.schemas import UpscaleParams
 from storage.blobs import BlobNotFound, attempt_output_key, new_upload_id, output_prefix, upload_key
@@ -223,6 +223,37 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
     assert classify(stalled)[:2] == ("retry", "storage_unavailable")
     outcome, code, message = classify(KeyError("sr_resolution_scale"))
     assert (outcome, code) == ("failed", "internal_error") and "sr_resolution_scale" not in message
+
+
+@pytest.mark.parametrize(
+    "status, code, outcome",
+    [
+        (400, "400", "retry"),  # no S3 error document: the request reached storage damaged (a body without its head)
+        (400, "IncompleteBody", "retry"),  # AWS: a body shorter than its Content-Length
+        (499, "ClientDisconnected", "retry"),  # SeaweedFS: the same
+        (400, "RequestTimeout", "retry"),  # the body stalled on its way
+        (400, "BadDigest", "retry"),
+        (400, "XAmzContentSHA256Mismatch", "retry"),
+        (408, "408", "retry"),
+        (409, "OperationAborted", "retry"),  # "a conflicting operation is in progress: try again"
+        (429, "429", "retry"),
+        (503, "SlowDown", "retry"),
+        (500, "InternalError", "retry"),
+        (403, "AccessDenied", "failed"),  # what another try gets the same answer to
+        (403, "InvalidAccessKeyId", "failed"),
+        (403, "SignatureDoesNotMatch", "failed"),
+        (404, "NoSuchBucket", "failed"),
+        (400, "InvalidArgument", "failed"),
+        (400, "EntityTooLarge", "failed"),
+    ],
+)
+def test_storage_answers_are_retried_unless_another_try_gets_the_same(status, code, outcome):
+    """As botocore raises them (a ClientError from the parsed S3 answer): a damaged, timed-out or throttled request is
+    tried again, a refusal is final."""
+    answer = {"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    error = ClientError(answer, "PutObject")
+    expected = (outcome, "storage_unavailable") if outcome == "retry" else (outcome, "internal_error")
+    assert classify(error)[:2] == expected
 
 
 @pytest.mark.parametrize("completed", [True, False])
