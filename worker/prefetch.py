@@ -101,7 +101,12 @@ class Prefetcher:
             metrics.INPUT_PREFETCH.labels("stale").inc()
             log.info("the prefetched input %s changed or is gone: not used", key)
             return False
-        shutil.move(entry.path, path)  # a rename: the scratch directory is on the same disk
+        try:
+            shutil.move(entry.path, path)  # a rename: the scratch directory is on the same disk
+        except OSError as error:  # removed under us (a temp cleaner): the job downloads its input itself
+            log.warning("the prefetched input %s could not be used: %s", key, error)
+            metrics.INPUT_PREFETCH.labels("miss").inc()
+            return False
         metrics.INPUT_PREFETCH.labels("hit").inc()
         return True
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from functools import cache, partial
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from time import monotonic
 from typing import Any
 
 import redis.exceptions
@@ -198,6 +199,7 @@ class _Tail:
     encoding: Encoding
     graphs: int  # graphs the engine built for this job
     input_from: str  # "prefetch" (downloaded while the previous job ran: worker.prefetch), "storage" or "url"
+    input_s: float  # the input's seconds on the task's path: the download, or the prefetched copy's check and move
     scratch: Path
     cleanup: ExitStack  # the scratch directory
 
@@ -222,7 +224,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 2. Fetch the input
         beat.send(progress=0, stage="probing", force=True)
-        input_from = "url"
+        input_from, input_started = "url", monotonic()
         if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
             fetched = fetch(job.input.url, source, service.settings(), beat.cancelled, job.input.max_bytes)
             digest = FileDigest(bytes=fetched.bytes, sha256=fetched.sha256)
@@ -237,6 +239,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             # A referenced upload or key reached the API as a name only; parts download out of order, so the file
             # is hashed once it is whole.
             digest = None if job.input.sha256 else FileDigest.of(source)
+        input_s = monotonic() - input_started
         if digest is not None:
             log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
             beat.stop_if_cancelled(input_file=digest, force=True)
@@ -256,7 +259,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
-        return _Tail(job, lease, output_key, beat, options, encoding, graphs, input_from, scratch, cleanup.pop_all())
+        return _Tail(
+            job, lease, output_key, beat, options, encoding, graphs, input_from, input_s, scratch, cleanup.pop_all()
+        )
 
 
 def _finish(tail: _Tail, observe: Callable[[], None] = lambda: None, overlapped: bool = False) -> None:
@@ -288,7 +293,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     beat.settle()  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
-    _note_run(lease, result, tail.graphs, overlapped, tail.input_from)
+    _note_run(lease, result, tail, overlapped)
     promoted_output = OutputInfo(
         key=output_key,
         bytes=stored.size,
@@ -321,7 +326,7 @@ def _graphs_built() -> int:
     return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
 
 
-def _note_run(lease: Lease, result: UpscaleResult, graphs: int, overlapped: bool, input_from: str) -> None:
+def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool) -> None:
     """A `run` event with the attempt's engine seconds beside its wall time, before `complete` so a completed job
     has it: what the service costs on top of the model (bench/service.py reads it). Informational: never the
     attempt's end."""
@@ -332,12 +337,13 @@ def _note_run(lease: Lease, result: UpscaleResult, graphs: int, overlapped: bool
         # Redis's clock, give or take its round trip): the gap to the next job's is the GPU's wait between jobs
         "engine_span_s": [round(at - lease.asked_at, 3) for at in result.engine_span],
         "tail": "overlapped" if overlapped else "inline",  # on the finisher's thread (worker.finisher), or the task's
-        "input": input_from,  # where the input came from: "prefetch" means it was not on the GPU's path
+        "input": tail.input_from,  # where the input came from: "prefetch" means it was not on the GPU's path
+        "input_s": round(tail.input_s, 3),
         "windows": result.windows,
         "restored": result.restored,
         "tiles": result.tiles,
         "devices": list(result.devices),
-        "graphs_built": graphs,
+        "graphs_built": tail.graphs,
     }
     try:
         lease.store.note(lease.job_id, "run", detail)
