@@ -95,7 +95,9 @@ class Prefetcher:
             now = service.blobs().head(key)
         except Exception as error:  # the job's own download waits out an outage
             log.info("the prefetched input %s was not checked (%s): downloaded again", key, error)
-            now = None
+            entry.path.unlink(missing_ok=True)
+            metrics.INPUT_PREFETCH.labels("miss").inc()
+            return False
         if now is None or (now.etag, now.size) != (entry.etag, entry.size):
             entry.path.unlink(missing_ok=True)
             metrics.INPUT_PREFETCH.labels("stale").inc()
@@ -140,7 +142,9 @@ class Prefetcher:
             info = blobs.head(key)
             directory = self._cache()
             room = shutil.disk_usage(directory).free // 2  # the rest for the running job's scratch and output
-            if info is None or info.size > min(service.worker_settings().prefetch_max_bytes, room):
+            if info is None or info.etag is None:  # gone, or a store that cannot tell a blob written again
+                return
+            if info.size > min(service.worker_settings().prefetch_max_bytes, room):
                 return
             with self._lock:
                 if abort.is_set():
