@@ -16,7 +16,12 @@ Phases (each appends JSON lines to --out as soon as it is measured; bench/RESULT
   overlap    the mixed queue twice, the worker restarted between: each job's tail (encoder flush, check, upload,
              complete) inline, then overlapped with the next job's head and engine (VSRQ_WORKER_OVERLAP_TAIL, on by
              default, worker.finisher): GPU idle per job, the gaps between engine calls, engine busy fraction
-             side by side (the later phases' queue figures are the overlapped run's)
+             side by side (the later phases' queue figures are the overlapped run's); inputs not prefetched in either
+  prefetch   the mixed queue twice, tails overlapped, the worker restarted between: each job's input downloaded once
+             leased, then downloaded while the job before it ran (VSRQ_WORKER_PREFETCH_INPUT, on by default,
+             worker.prefetch): the same figures side by side, and where each job's input came from
+  input_step the input step on a job's path, for inputs of 1 to 128 MiB on the bench's blob storage: a download
+             (prefetch off) against the prefetched copy's HEAD and move (prefetch on), in this process
   reference  the diffusers `Kandinsky6SRPipeline` run serially on the queue's clips in this process, once the worker
              is stopped (bench.bench's reference configuration): the same throughput, side by side
 Blobs: `--blobs local` (a directory: what the GPU machine runs, SeaweedFS' wheel does not travel there) or `s3`
@@ -301,6 +306,7 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         "overhead_fraction": round((wall - engine) / wall, 4) if wall else None,
         "attempt_overhead_s": round(attempt - engine, 3),
         "graphs_built": run.get("graphs_built"),
+        "input": [run.get("input"), run.get("input_s")],  # where it came from, its seconds on the task's path
         "windows": run.get("windows"),
         "tiles": run.get("tiles"),
         # where the rest goes: lease -> probing beat, the download, the upscale less the engine (probe, decode
@@ -456,7 +462,7 @@ class Bench:
         runs = {}
         for label, setting in (("inline", "false"), ("overlapped", "true")):
             self.service.kill_worker()
-            self.service.worker_env = {"VSRQ_WORKER_OVERLAP_TAIL": setting}
+            self.service.worker_env = {"VSRQ_WORKER_OVERLAP_TAIL": setting, "VSRQ_WORKER_PREFETCH_INPUT": "false"}
             self.ensure_worker()
             runs[label] = self._queue()
             self.emit(runs[label])
@@ -473,6 +479,69 @@ class Bench:
                 overlapped["megapixel_frames_per_gpu_hour"] / inline["megapixel_frames_per_gpu_hour"], 3
             ),
         })  # fmt: skip
+
+    def prefetch(self) -> None:
+        """The queue, tails overlapped: inputs downloaded once leased, then prefetched; each on a worker of its own."""
+        runs = {}
+        for label, setting in (("downloaded", "false"), ("prefetched", "true")):
+            self.service.kill_worker()
+            self.service.worker_env = {"VSRQ_WORKER_PREFETCH_INPUT": setting}
+            self.ensure_worker()
+            runs[label] = self._queue()
+            self.emit(runs[label])
+        self.service.worker_env = {}
+        keys = ("inputs", "input_s", "wall_s", "engine_s", "engine_busy_fraction", "gpu_idle_per_job_s",
+                "engine_gap_per_job_s", "attempt_overhead_per_job_s", "megapixel_frames_per_gpu_hour",
+                "gpu_sampled")  # fmt: skip
+        downloaded, prefetched = runs["downloaded"], runs["prefetched"]
+        self.emit({
+            "phase": "prefetch",
+            "jobs": downloaded["jobs"],
+            **{label: {key: run[key] for key in keys} for label, run in runs.items()},
+            "gpu_idle_per_job_saved_s": round(downloaded["gpu_idle_per_job_s"] - prefetched["gpu_idle_per_job_s"], 3),
+            "engine_gap_per_job_saved_s": round(
+                (downloaded["engine_gap_per_job_s"] or 0) - (prefetched["engine_gap_per_job_s"] or 0), 3
+            ),
+        })  # fmt: skip
+
+    def input_step(self, runs: int = 5) -> None:
+        """What prefetch takes off a job's path per input size (the queue's clips are kilobytes): the median of `runs`
+        downloads against the median of `runs` HEAD-and-move of a copy already on disk (worker.prefetch.take)."""
+        from unittest import mock
+
+        from storage.blobs import open_blob_store
+
+        with mock.patch.dict(os.environ, self.service.env()):
+            blobs = open_blob_store(Settings(_env_file=None))
+        blobs.head("input-step/warm")  # the client's start, which a worker pays once
+        directory = self.root / "input-step"
+        directory.mkdir(exist_ok=True)
+        target, cached = directory / "input", directory / "cached"
+        for mib in (1, 16, 128):
+            key = f"input-step/{mib}"
+            with open(cached, "wb") as file:
+                file.write(os.urandom(mib * 2**20))
+            with open(cached, "rb") as file:
+                blobs.put(key, file)
+            download, prefetched = [], []
+            for _ in range(runs):
+                started = time.perf_counter()
+                blobs.download(key, target)
+                download.append(time.perf_counter() - started)
+                os.replace(target, cached)
+                started = time.perf_counter()
+                assert blobs.head(key).size == mib * 2**20
+                shutil.move(cached, target)
+                prefetched.append(time.perf_counter() - started)
+            target.unlink()
+            blobs.delete(key)
+            self.emit({
+                "phase": "input_step",
+                "mib": mib,
+                "download_s": round(statistics.median(download), 4),
+                "prefetched_s": round(statistics.median(prefetched), 4),
+                "runs": runs,
+            })  # fmt: skip
 
     def _queue(self) -> dict[str, Any]:
         """The mixed queue submitted at once to the running worker: each job's record emitted, the queue's returned."""
@@ -519,7 +588,11 @@ class Bench:
         return {
             "phase": "queue",
             "overlap_tail": self.service.worker_env.get("VSRQ_WORKER_OVERLAP_TAIL", "true") == "true",
+            "prefetch_input": self.service.worker_env.get("VSRQ_WORKER_PREFETCH_INPUT", "true") == "true",
             "tails": Counter(line["run"].get("tail") for line in lines),
+            "inputs": Counter(line["run"].get("input") for line in lines),  # prefetch, storage (worker.prefetch)
+            # the inputs' seconds on the task's path, summed (the first job's includes the S3 client's start)
+            "input_s": round(sum(line["run"].get("input_s", 0.0) for line in lines), 3),
             "jobs": Counter(mix),
             "wall_s": round(busy_wall, 2),
             "client_wall_s": round(end - begin, 2),

@@ -12,6 +12,7 @@ import io
 import os
 import re
 import secrets
+from stat import S_ISREG
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,9 @@ class BlobInfo:
     size: int
     sha256: str | None = None  # known where we wrote the blob (put): the caller records it
     modified: float | None = None  # epoch seconds, in listings (`entries`): what the lifecycle sweep ages by
+    # which version of the key this is (`head`): a blob written again gets another one (a copy kept by a worker,
+    # worker.prefetch, is used only while the key's still matches)
+    etag: str | None = None
 
 
 # Bytes moved since the last call, from the thread doing the transfer: long transfers drive a lease's heartbeats.
@@ -252,7 +256,7 @@ class S3BlobStore:
             if _missing(error):
                 return None
             raise
-        return BlobInfo(key, response["ContentLength"])
+        return BlobInfo(key, response["ContentLength"], etag=response.get("ETag"))
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
@@ -375,8 +379,14 @@ class LocalBlobStore:
             _copy(source, sink, progress)
 
     def head(self, key: str) -> BlobInfo | None:
-        path = self._path(key)
-        return BlobInfo(key, path.stat().st_size) if path.is_file() else None
+        try:
+            stat = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not S_ISREG(stat.st_mode):
+            return None
+        # `put` renames a new file over the key: a new inode, whatever the size and the clock say
+        return BlobInfo(key, stat.st_size, etag=f"{stat.st_ino:x}-{stat.st_mtime_ns:x}-{stat.st_size:x}")
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None

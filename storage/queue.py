@@ -8,7 +8,12 @@ no longer queued drops it (but for a message a worker sent again after losing a 
 
 from __future__ import annotations
 
+import base64
+import json
+from collections.abc import Iterable
+
 from celery import Celery
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from storage.config import Settings
 from storage.jobs import JobRecord, JobStore
@@ -70,3 +75,42 @@ def send_upscale(app: Celery, jobs: JobStore, job: JobRecord, *, first: bool = F
             connection.default_channel.client.eval(_TO_FRONT, 1, job.queue, message.id)
     jobs.sent(job.id)
 
+
+def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str]:
+    """The jobs of the `vsrq.upscale` messages a worker of `queues` takes next, in the order it takes them, read without
+    taking any (a worker that prefetches the next input, worker.prefetch): at most `limit` per list. A message another
+    worker takes first, or one for a job that is no longer queued, is a guess that does not come true; nothing here
+    changes the queue.
+
+    kombu's Redis transport keeps a queue as one list per priority step (`queue`, `queue\\x06\\x163`, ...), LPUSHes
+    and BRPOPs them in step order: the tail of the first non-empty list is the next message."""
+    options = app.conf.broker_transport_options or {}
+    prefix, steps = options.get("global_keyprefix", ""), options.get("priority_steps", PRIORITY_STEPS)
+    keys = [f"{prefix}{queue}{Channel.sep}{step}" if step else f"{prefix}{queue}" for step in steps for queue in queues]
+    with app.pool.acquire(block=True) as connection:  # the app's pool: no new connection (and PING) per call
+        # kombu's client adds `global_keyprefix` to the commands it sends itself, LRANGE is not one: added above
+        with connection.default_channel.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.lrange(key, -limit, -1)
+            lists = pipe.execute()
+    ids = []
+    for raw in (item for items in lists for item in reversed(items)):
+        if (job_id := _upscale_job_id(raw)) is not None:
+            ids.append(job_id)
+    return ids
+
+
+def _upscale_job_id(raw: bytes) -> str | None:
+    """The job id a message in kombu's Redis envelope carries (Celery's message protocol 2, JSON), or None for
+    another task's message or one this cannot read."""
+    try:
+        envelope = json.loads(raw)
+        if envelope["headers"].get("task") != UPSCALE_TASK:
+            return None
+        body = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(args[0]) if args else None
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None

@@ -47,6 +47,12 @@ ENGINE_SECONDS = Histogram(
     "service's overhead: fetch, probe, MP4 tail, verify, upload.",
     buckets=_JOB_BUCKETS,
 )
+INPUT_PREFETCH = Counter(
+    "vsrq_worker_input_prefetch_total",
+    "Jobs whose input was looked up in the prefetch cache (worker.prefetch), by outcome: hit (the job used the copy "
+    "downloaded while the previous job ran), stale (a copy of a blob since written again or deleted: not used), miss.",
+    ["outcome"],
+)
 TILES = Counter("vsrq_worker_tiles_total", "Tiles upscaled (tiles per window x windows computed, not restored).")
 FRAMES = Counter("vsrq_worker_output_frames_total", "Frames in verified outputs.")
 TILES_PER_SECOND = Gauge(

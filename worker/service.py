@@ -46,6 +46,11 @@ class WorkerSettings(BaseSettings):
     # A job's tail (the encoder's flush, the check, previews, upload, `complete`) on a thread of its own while the next
     # job's head and engine run (worker.finisher); off: the task runs it before it takes the next message
     overlap_tail: bool = True
+    # While a job's engine runs, the input of the job this worker most likely runs next (the next message on its
+    # queues, read, not taken) is downloaded into a one-entry cache, used only if the blob is still the same
+    # (worker.prefetch); off: each job downloads its input once leased
+    prefetch_input: bool = True
+    prefetch_max_bytes: int = 4 * 2**30  # a larger input is not prefetched (disk: the cache holds one input)
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
     # A tail that has delivered no heartbeat this long is stuck (unset: the lease's length, past which its job is the
     # reaper's anyway): the job waiting for it goes back to the queue and the worker exits (worker.tasks)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from functools import cache, partial
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from time import monotonic
 from typing import Any
 
 import redis.exceptions
@@ -57,6 +58,7 @@ from worker.media.errors import InputNotFound
 from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
+from worker.prefetch import Prefetcher
 from worker.sr.request import LOSSLESS, SRRequest
 from worker.upscale import Encoding, UpscaleOptions, begin_upscale
 from worker.upscale import Result as UpscaleResult
@@ -139,9 +141,16 @@ def _finish_tails(**_: Any) -> None:
             os._exit(EX_SOFTWARE)
 
 
+@worker_shutdown.connect
+def _drop_prefetched(**_: Any) -> None:
+    _prefetcher.close()
+
+
 _finisher = Finisher()
 TAIL_STUCK = "tail_stuck"  # the stable reason a worker logs when it stops because of a stuck tail
 EX_SOFTWARE = 70  # its exit status (sysexits.h: an internal software error): a supervisor restarts it
+# the queues this worker consumes (`-Q`), whose next message's input is downloaded while a job runs
+_prefetcher = Prefetcher(lambda: list(app.amqp.queues.consume_from))
 
 
 def _wait_for_the_previous_tail(tail: _Tail) -> None:
@@ -189,6 +198,8 @@ class _Tail:
     options: UpscaleOptions
     encoding: Encoding
     graphs: int  # graphs the engine built for this job
+    input_from: str  # "prefetch" (downloaded while the previous job ran: worker.prefetch), "storage" or "url"
+    input_s: float  # the input's seconds on the task's path: the download, or the prefetched copy's check and move
     scratch: Path
     cleanup: ExitStack  # the scratch directory
 
@@ -213,20 +224,26 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 2. Fetch the input
         beat.send(progress=0, stage="probing", force=True)
+        input_from, input_started = "url", monotonic()
         if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
             fetched = fetch(job.input.url, source, service.settings(), beat.cancelled, job.input.max_bytes)
             digest = FileDigest(bytes=fetched.bytes, sha256=fetched.sha256)
         else:
             try:
-                beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
+                input_from = "prefetch"  # downloaded while the previous job ran, if storage still holds that blob
+                if not _prefetcher.take(job.input.key, source, beat.stop_if_cancelled):
+                    input_from = "storage"
+                    beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
             except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
                 raise InputNotFound("The input video is no longer in storage.") from None
             # A referenced upload or key reached the API as a name only; parts download out of order, so the file
             # is hashed once it is whole.
             digest = None if job.input.sha256 else FileDigest.of(source)
+        input_s = monotonic() - input_started
         if digest is not None:
             log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
             beat.stop_if_cancelled(input_file=digest, force=True)
+        _prefetcher.ahead(job)  # the next job's input downloads while this one's engine runs
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
@@ -242,7 +259,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
-        return _Tail(job, lease, output_key, beat, options, encoding, graphs, scratch, cleanup.pop_all())
+        return _Tail(
+            job, lease, output_key, beat, options, encoding, graphs, input_from, input_s, scratch, cleanup.pop_all()
+        )
 
 
 def _finish(tail: _Tail, observe: Callable[[], None] = lambda: None, overlapped: bool = False) -> None:
@@ -274,7 +293,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     beat.settle()  # asked while it uploaded: the output is discarded, not promoted
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
-    _note_run(lease, result, tail.graphs, overlapped)
+    _note_run(lease, result, tail, overlapped)
     promoted_output = OutputInfo(
         key=output_key,
         bytes=stored.size,
@@ -307,7 +326,7 @@ def _graphs_built() -> int:
     return dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
 
 
-def _note_run(lease: Lease, result: UpscaleResult, graphs: int, overlapped: bool) -> None:
+def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool) -> None:
     """A `run` event with the attempt's engine seconds beside its wall time, before `complete` so a completed job
     has it: what the service costs on top of the model (bench/service.py reads it). Informational: never the
     attempt's end."""
@@ -318,11 +337,13 @@ def _note_run(lease: Lease, result: UpscaleResult, graphs: int, overlapped: bool
         # Redis's clock, give or take its round trip): the gap to the next job's is the GPU's wait between jobs
         "engine_span_s": [round(at - lease.asked_at, 3) for at in result.engine_span],
         "tail": "overlapped" if overlapped else "inline",  # on the finisher's thread (worker.finisher), or the task's
+        "input": tail.input_from,  # where the input came from: "prefetch" means it was not on the GPU's path
+        "input_s": round(tail.input_s, 3),
         "windows": result.windows,
         "restored": result.restored,
         "tiles": result.tiles,
         "devices": list(result.devices),
-        "graphs_built": graphs,
+        "graphs_built": tail.graphs,
     }
     try:
         lease.store.note(lease.job_id, "run", detail)

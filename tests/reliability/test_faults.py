@@ -10,6 +10,7 @@ its figures on one line starting `FIGURE `:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import re
 import signal
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1063,3 +1065,69 @@ def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(stack, env, a
     assert reasons == [["lease_expired"], ["worker_tail_stuck"]]  # the waiting job was sent back, not reaped
     for job in records:
         assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
+
+
+# -- 9. the next job's input prefetched while a job runs (worker.prefetch) ------------------------------------------
+
+
+def input_key(jobs: JobStore, job_id: str) -> str:
+    return jobs.require(job_id).input.key
+
+
+def prefetched(worker: Process, job_id: str, limit_s: float = 60) -> None:
+    """Waits until `worker` says it has downloaded `job_id`'s input ahead of its lease."""
+    worker.wait_for(lambda: f"prefetched the input of {job_id}" in worker.text(), f"{job_id} prefetched", limit_s)
+
+
+def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(api, reaper, jobs, blobs, clips, workers):
+    """Jobs queued before the worker starts: every job but the first reads the input downloaded while the job before
+    it ran, and writes the bytes the first one, which downloaded its input once leased, wrote."""
+    # the medium clip: x264 writes the 96x64 small one's frames to other bytes from run to run (same pixels in)
+    ids = [create(api, clips["medium"]) for _ in range(4)]
+    worker = started(workers())  # the default: prefetch on
+    records = wait_all(jobs, ids, limit_s=120)
+    cache = Path(tempfile.gettempdir(), f"vsrq-prefetch-{worker.pid}")
+    left = sorted(path.name for path in cache.iterdir()) if cache.is_dir() else None  # each copy moved into its job
+    worker.stop()
+    ordered = sorted(records, key=lambda job: leases(jobs, job.id)[0])
+    inputs = [run_detail(jobs, job.id)["input"] for job in ordered]
+    print(
+        f"FIGURE prefetched_inputs: {inputs}; outputs identical to the downloaded one's "
+        f"{sum(job.output.sha256 == ordered[0].output.sha256 for job in ordered[1:])}/{len(ids) - 1}; "
+        f"left in the cache {left}, its directory after shutdown {cache.exists()}"
+    )
+    assert all(job.status == Status.COMPLETED and job.attempt == 1 for job in records), records
+    assert inputs == ["storage"] + ["prefetch"] * (len(ids) - 1)
+    assert {job.output.sha256 for job in records} == {ordered[0].output.sha256}
+    assert left == [] and not cache.exists()
+
+
+def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(api, reaper, jobs, blobs, clips, workers):
+    """The next job's input prefetched, then the job cancelled, its input written again, or deleted: the cancelled job
+    is not run, the others read what storage holds when they start (never the prefetched copy)."""
+    # each target queued behind a job of a couple of seconds, so that its input is prefetched while that one runs
+    first, cancelled, second, rewritten, third, deleted = (
+        create(api, clips[name]) for name in ("medium", "small", "medium", "small", "medium", "small")
+    )
+    worker = started(workers())
+    prefetched(worker, cancelled)
+    response = requests.post(f"{api}/v1/videos/{cancelled}/cancel", headers=AUTH, timeout=30)
+    assert response.status_code == 200, response.text
+    prefetched(worker, rewritten)
+    blobs.put(input_key(jobs, rewritten), io.BytesIO(clips["medium"]), content_type="video/mp4")
+    prefetched(worker, deleted)
+    blobs.delete(input_key(jobs, deleted))
+    records = dict(zip(("first", "cancelled", "second", "rewritten", "third", "deleted"),
+                       wait_all(jobs, [first, cancelled, second, rewritten, third, deleted], limit_s=180)))  # fmt: skip
+    print(
+        "FIGURE prefetch_guesses: "
+        + ", ".join(f"{name} {job.status.value}/{(run_detail(jobs, job.id) if job.output else {}).get('input')}"
+                    for name, job in records.items())  # fmt: skip
+    )
+    assert records["cancelled"].status == Status.CANCELLED and leases(jobs, cancelled) == []
+    assert outputs(blobs, cancelled) == []
+    # the medium clip, written over the prefetched small one: 128x96 upscaled x2
+    assert records["rewritten"].status == Status.COMPLETED, records["rewritten"]
+    assert (records["rewritten"].output.media.width, run_detail(jobs, rewritten)["input"]) == (256, "storage")
+    assert records["deleted"].status == Status.FAILED and records["deleted"].error.code == "input_not_found"
+    assert run_detail(jobs, second)["input"] == "storage"  # the copy in the cache was the cancelled job's

@@ -49,6 +49,13 @@ def test_round_trip_streams_parts_and_records_sha256(store: BlobStore, s3, tmp_p
     if store is s3:  # a multipart object's ETag ends in -<parts>
         assert s3.client.head_object(Bucket=s3.bucket, Key=key)["ETag"].strip('"').endswith("-2")
 
+    # a key written again, even with as many bytes, is another version: a worker's prefetched copy is not used
+    version = store.head(key).etag
+    assert version and store.head(key).etag == version
+    store.put(key, io.BytesIO(bytes(reversed(data))))
+    assert store.head(key).etag not in (None, version)
+    store.put(key, io.BytesIO(data))
+
     store.put(key + ".second", io.BytesIO(b"x"))
     assert sorted(store.keys(key.rsplit("/", 1)[0] + "/")) == [key, key + ".second"]
     assert store.delete_prefix(key.rsplit("/", 1)[0] + "/") == 2

@@ -1,0 +1,35 @@
+"""The broker's next messages, read without taking them (storage.queue.next_job_ids, what a worker that prefetches
+the next input guesses from): in exactly the order a consumer then takes them, on the real Redis, with message
+priorities and a key prefix as an operator may configure them."""
+
+from __future__ import annotations
+
+import secrets
+
+from storage.config import Settings
+from storage.queue import UPSCALE_TASK, make_celery, next_job_ids
+
+
+def test_the_peek_names_the_jobs_in_the_order_a_worker_takes_them(settings: Settings, redis_client):
+    prefix = f"peek-{secrets.token_hex(3)}:"
+    app = make_celery(settings.model_copy(update={"broker_transport_options": {"global_keyprefix": prefix}}))
+    queue = f"vsrq.peek-{secrets.token_hex(3)}"
+    sent = [("job_a", None), ("job_b", 9), ("job_c", 0), ("job_d", 5), ("job_e", None)]
+    for job_id, priority in sent:
+        app.send_task(UPSCALE_TASK, args=[job_id], queue=queue, priority=priority)
+    app.send_task("vsrq.something_else", args=["not_a_job"], queue=queue)  # another task's message: no job
+    waiting = sum(redis_client.llen(key) for key in redis_client.keys(f"{prefix}{queue}*"))
+
+    peeked = next_job_ids(app, [queue])
+
+    assert waiting == len(sent) + 1
+    assert sum(redis_client.llen(key) for key in redis_client.keys(f"{prefix}{queue}*")) == waiting  # none taken
+    taken = []
+    with app.connection_for_read() as connection, connection.SimpleQueue(queue, no_ack=True) as messages:
+        for _ in range(waiting):
+            message = messages.get_nowait()  # basic_get: the lists in the order BRPOP takes them
+            if message.headers["task"] == UPSCALE_TASK:
+                taken.append(message.decode()[0][0])
+    # lower priority numbers first (kombu's steps 0, 3, 6, 9), oldest first within one
+    assert peeked == taken == ["job_a", "job_c", "job_e", "job_d", "job_b"]
+    assert next_job_ids(app, [queue]) == []
