@@ -83,6 +83,20 @@ WARM_LINE = re.compile(
     r"warm after (?P<seconds>[\d.]+) s \(.*"
     r"compiled graphs from the cache: (?P<hits>\d+), compiled anew: (?P<anew>\d+)\)"
 )
+# worker.sr.engine's line per warmed-up tile shape
+SHAPE_LINE = re.compile(
+    r"warmed up (?P<shape>\w+) tiles \((?P<tile>\d+x\d+), (?P<frames>\d+) frames, (?P<tiles>\d+) tiles\) in "
+    r"(?P<seconds>[\d.]+) s: (?P<traced>\d+) graphs traced, (?P<from_cache>\d+) of them from the compile cache, "
+    r"(?P<compiled>\d+) compiled; (?P<building_s>[\d.]+) s building them \(Dynamo tracing (?P<tracing_s>[\d.]+) s, "
+    r"guards (?P<guards_s>[\d.]+) s, Inductor (?P<inductor_s>[\d.]+) s\)"
+)
+# The worker's start, in seconds after its process started: the first line (the interpreter, Celery's and the
+# worker's imports before it), the model loaded and warmed up, registered and consuming
+START_LINES = {
+    "first_line": re.compile(r"loading .* on .*, (?P<seconds>[\d.]+) s after the process started"),
+    "model_ready": re.compile(r"model ready in [\d.]+ s, (?P<seconds>[\d.]+) s after the process started"),
+    "ready": re.compile(r"ready, (?P<seconds>[\d.]+) s after the process started"),
+}
 TERMINAL = ("completed", "failed", "cancelled")
 
 
@@ -98,6 +112,7 @@ class Service:
         tiny: bool,
         lease_s: int,
         cache: Path | None = None,
+        compile: str = "auto",
     ) -> None:
         self.root, self.checkpoint, self.devices, self.tiny = root, checkpoint, devices, tiny
         self.stack = Stack(root / "stack", s3=blobs == "s3")
@@ -107,6 +122,7 @@ class Service:
         self.cache = cache or root / "compile-cache"
         self.blob_dir = root / "blobs"
         self.lease_s = lease_s
+        self.compile = compile  # VSRQ_WORKER_COMPILE: "on" compiles on the CPU too, so a CPU start warms up
         self._processes: dict[str, subprocess.Popen] = {}
         self.worker: subprocess.Popen | None = None
         self.worker_name = ""
@@ -167,6 +183,7 @@ class Service:
             "VSRQ_WORKER_DEVICES": self.devices,
             "VSRQ_WORKER_COMPILE_CACHE_DIR": str(self.cache),
             "VSRQ_METRICS_PORT": str(self.metrics_port),
+            "VSRQ_WORKER_COMPILE": self.compile,
         } | (TINY_WINDOW if self.tiny else {}) | self.worker_env
         self.worker_log = self.root / f"worker-{self.starts}.log"
         command = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
@@ -184,14 +201,27 @@ class Service:
         return {"ready_s": round(ready_s, 2), **self._warmup_line()}
 
     def _warmup_line(self) -> dict[str, Any]:
-        """The worker's own account of its warmup (worker.sr.backends logs it)."""
-        found = WARM_LINE.search(self.worker_log.read_text(errors="replace"))
-        if found is None:  # the CPU compiles nothing, and warms nothing up
-            return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None}
+        """The worker's own account of its start: seconds after the process started at each step (worker.tasks,
+        worker.signals), and of its warmup, in all and per tile shape (worker.sr.backends, worker.sr.engine)."""
+        text = self.worker_log.read_text(errors="replace")
+        timeline = {
+            name: float(found["seconds"]) if (found := pattern.search(text)) else None
+            for name, pattern in START_LINES.items()
+        }
+        shapes = [
+            {key: float(value) if "." in value else int(value) if value.isdigit() else value
+             for key, value in found.groupdict().items()}
+            for found in SHAPE_LINE.finditer(text)
+        ]  # fmt: skip
+        found = WARM_LINE.search(text)
+        if found is None:  # the CPU compiles nothing, and warms nothing up (unless VSRQ_WORKER_COMPILE=on)
+            return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None, "timeline_s": timeline}
         return {
             "warmup_s": float(found["seconds"]),
             "graphs_from_cache": int(found["hits"]),
             "graphs_compiled": int(found["anew"]),
+            "timeline_s": timeline,
+            "warmup_shapes": shapes,
         }
 
     def kill_worker(self) -> None:
@@ -393,7 +423,8 @@ class Bench:
 
             checkpoint = write_tiny(self.root / "tiny-checkpoint")
         self.service = Service(
-            self.root, Path(checkpoint), self.devices, args.blobs, args.tiny, args.lease_s, args.compile_cache
+            self.root, Path(checkpoint), self.devices, args.blobs, args.tiny, args.lease_s, args.compile_cache,
+            args.compile,
         )
         self.clips = write_clips(self.root / "clips", args.tiny)
         self.started = time.monotonic()
@@ -656,6 +687,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blobs", choices=("local", "s3"), default="local")
     parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
     parser.add_argument("--compile-cache", type=Path, help="worker's (default DIR/compile-cache); `start` empties it")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="the worker's VSRQ_WORKER_COMPILE (on: the CPU compiles and warms up as a GPU does)")
     parser.add_argument("--dir", type=Path, help="where the stack, logs and clips go (default var/service-bench-PID)")
     parser.add_argument("--out", type=Path, default=Path("service-bench.jsonl"))
     parser.add_argument("--budget-s", type=float, default=3600, help="the reference drops its dearest clips past this")
