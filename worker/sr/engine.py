@@ -254,7 +254,10 @@ class SREngine:
                 height, width = height + unit[0] * self.snap, width + unit[1] * self.snap
 
         def run(length: int) -> RunInfo:
-            return self.upscale(torch.zeros(length, 3, height, width), SRRequest(scale=scale), lambda _: None)
+            # One denoising step: every step runs the same graphs (the timestep is a tensor input), so more would
+            # only repeat them
+            request = SRRequest(scale=scale, num_inference_steps=1)
+            return self.upscale(torch.zeros(length, 3, height, width), request, lambda _: None)
 
         started, graphs, compiling = perf_counter(), compile_cache.graphs_built(), compile_cache.seconds()
         info = run(frames)
