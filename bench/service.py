@@ -7,7 +7,10 @@ Celery worker (`--pool solo`) on a checkpoint directory; mixed jobs submitted, p
 
 Phases (each appends JSON lines to --out as soon as it is measured; bench/RESULTS.md says what they showed):
   start      worker start, process start -> ready (weights loaded, warmed up for every tile size): cold (an empty
-             compile cache directory), then `kill -9` and a start on the same directory
+             compile cache directory), then `kill -9` and a start on the same directory; with the worker's own
+             timeline (first line, model ready, ready), each warmed-up tile shape's seconds and graphs, and with
+             --importtime its imports per package. --compile on: a CPU worker compiles and warms up too
+  restart    `kill -9` and a start on the compile cache as found (repeatable: start,restart,restart)
   solo       one job at a time on an empty queue (W2, W2 again, W1): POST -> completed less the engine's own seconds
              (the worker's `run` event), and the first job of a new size over its hot time
   queue      the mixed queue (W1, W2, portrait, square, 1080p->2160p, a clip longer than one window) submitted at once:
@@ -88,6 +91,21 @@ WARM_LINE = re.compile(
     r"warm after (?P<seconds>[\d.]+) s \(.*"
     r"compiled graphs from the cache: (?P<hits>\d+), compiled anew: (?P<anew>\d+)\)"
 )
+# worker.sr.engine's line per warmed-up tile shape
+SHAPE_LINE = re.compile(
+    r"warmed up (?P<shape>\w+) tiles \((?P<tile>\d+x\d+), (?P<frames>\d+) frames, (?P<tiles>\d+) tiles\) in "
+    r"(?P<seconds>[\d.]+) s: (?P<traced>\d+) graphs traced, (?P<from_cache>\d+) of them from the compile cache, "
+    r"(?P<compiled>\d+) compiled; (?P<building_s>[\d.]+) s building them \(Dynamo tracing (?P<tracing_s>[\d.]+) s, "
+    r"guards (?P<guards_s>[\d.]+) s, Inductor (?P<inductor_s>[\d.]+) s\)"
+)
+# The worker's start, in seconds after its process started: the first line (the interpreter, Celery's and the
+# worker's imports before it), the model loaded and warmed up, registered and consuming
+START_LINES = {
+    "first_line": re.compile(r"loading .* on .*, (?P<seconds>[\d.]+) s after the process started"),
+    "model_ready": re.compile(r"model ready in [\d.]+ s, (?P<seconds>[\d.]+) s after the process started"),
+    "ready": re.compile(r"ready, (?P<seconds>[\d.]+) s after the process started"),
+}
+IMPORT_LINE = re.compile(r"^import time:\s+(?P<own>\d+) \|\s+\d+ \| *(?P<name>\S+)$", re.M)
 TERMINAL = ("completed", "failed", "cancelled")
 
 
@@ -103,6 +121,8 @@ class Service:
         tiny: bool,
         lease_s: int,
         cache: Path | None = None,
+        compile: str = "auto",
+        importtime: bool = False,
     ) -> None:
         self.root, self.checkpoint, self.devices, self.tiny = root, checkpoint, devices, tiny
         self.stack = Stack(root / "stack", s3=blobs == "s3")
@@ -112,6 +132,8 @@ class Service:
         self.cache = cache or root / "compile-cache"
         self.blob_dir = root / "blobs"
         self.lease_s = lease_s
+        self.compile = compile  # VSRQ_WORKER_COMPILE: "on" compiles on the CPU too, so a CPU start warms up
+        self.importtime = importtime  # the worker's imports timed (`python -X importtime`, into its log)
         self._processes: dict[str, subprocess.Popen] = {}
         self.worker: subprocess.Popen | None = None
         self.worker_name = ""
@@ -172,7 +194,10 @@ class Service:
             "VSRQ_WORKER_DEVICES": self.devices,
             "VSRQ_WORKER_COMPILE_CACHE_DIR": str(self.cache),
             "VSRQ_METRICS_PORT": str(self.metrics_port),
+            "VSRQ_WORKER_COMPILE": self.compile,
         } | (TINY_WINDOW if self.tiny else {}) | self.worker_env
+        if self.importtime:
+            env["PYTHONPROFILEIMPORTTIME"] = "1"
         self.worker_log = self.root / f"worker-{self.starts}.log"
         command = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
                    "--concurrency", "1", "-Q", QUEUE, "-n", self.worker_name, "--without-gossip", "--without-mingle",
@@ -189,14 +214,30 @@ class Service:
         return {"ready_s": round(ready_s, 2), **self._warmup_line()}
 
     def _warmup_line(self) -> dict[str, Any]:
-        """The worker's own account of its warmup (worker.sr.backends logs it)."""
-        found = WARM_LINE.search(self.worker_log.read_text(errors="replace"))
-        if found is None:  # the CPU compiles nothing, and warms nothing up
-            return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None}
+        """The worker's own account of its start: seconds after the process started at each step (worker.tasks,
+        worker.signals), and of its warmup, in all and per tile shape (worker.sr.backends, worker.sr.engine)."""
+        text = self.worker_log.read_text(errors="replace")
+        timeline = {
+            name: float(found["seconds"]) if (found := pattern.search(text)) else None
+            for name, pattern in START_LINES.items()
+        }
+        shapes = [
+            {key: float(value) if "." in value else int(value) if value.isdigit() else value
+             for key, value in found.groupdict().items()}
+            for found in SHAPE_LINE.finditer(text)
+        ]  # fmt: skip
+        imports = imports_by_package(text) if self.importtime else None
+        found = WARM_LINE.search(text)
+        if found is None:  # the CPU compiles nothing, and warms nothing up (unless VSRQ_WORKER_COMPILE=on)
+            return {"warmup_s": None, "graphs_from_cache": None, "graphs_compiled": None, "timeline_s": timeline,
+                    "imports_s": imports}  # fmt: skip
         return {
             "warmup_s": float(found["seconds"]),
             "graphs_from_cache": int(found["hits"]),
             "graphs_compiled": int(found["anew"]),
+            "timeline_s": timeline,
+            "warmup_shapes": shapes,
+            "imports_s": imports,
         }
 
     def kill_worker(self) -> None:
@@ -220,6 +261,17 @@ class Service:
         self.kill_worker()
         stop_processes(self._processes, 30)
         self.stack.stop()
+
+
+def imports_by_package(log: str, top: int = 12) -> dict[str, float]:
+    """`python -X importtime`'s lines in a log, as seconds per top-level package (every module's own time, added
+    up by the package it belongs to), the dearest `top` of them and the sum of all."""
+    seconds: dict[str, float] = {}
+    for found in IMPORT_LINE.finditer(log):
+        package = found["name"].split(".")[0]
+        seconds[package] = seconds.get(package, 0.0) + int(found["own"]) / 1e6
+    dearest = dict(sorted(seconds.items(), key=lambda item: -item[1])[:top])
+    return {name: round(value, 3) for name, value in dearest.items()} | {"all": round(sum(seconds.values()), 3)}
 
 
 # -- clips and jobs ------------------------------------------------------------------------------------------------
@@ -399,7 +451,8 @@ class Bench:
 
             checkpoint = write_tiny(self.root / "tiny-checkpoint")
         self.service = Service(
-            self.root, Path(checkpoint), self.devices, args.blobs, args.tiny, args.lease_s, args.compile_cache
+            self.root, Path(checkpoint), self.devices, args.blobs, args.tiny, args.lease_s, args.compile_cache,
+            args.compile, args.importtime,
         )
         self.clips = write_clips(self.root / "clips", args.tiny)
         self.started = time.monotonic()
@@ -430,6 +483,12 @@ class Bench:
         self.service.kill_worker()
         warm = self.service.start_worker(self.args.start_timeout_s)
         self.emit({"phase": "worker_start", "cache": "warm (after kill -9)", **warm, "cold_ready_s": cold["ready_s"]})
+
+    def restart(self) -> None:
+        """`kill -9` and a start on the compile cache as found (a warm machine's: no cold start paid first)."""
+        self.service.kill_worker()
+        started = self.service.start_worker(self.args.start_timeout_s)
+        self.emit({"phase": "worker_start", "cache": "as found (after kill -9)", **started})
 
     def solo(self) -> None:
         self.ensure_worker()
@@ -729,6 +788,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blobs", choices=("local", "s3"), default="local")
     parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
     parser.add_argument("--compile-cache", type=Path, help="worker's (default DIR/compile-cache); `start` empties it")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="the worker's VSRQ_WORKER_COMPILE (on: the CPU compiles and warms up as a GPU does)")
+    parser.add_argument("--importtime", action="store_true", help="the worker's imports timed, per package")
     parser.add_argument("--dir", type=Path, help="where the stack, logs and clips go (default var/service-bench-PID)")
     parser.add_argument("--out", type=Path, default=Path("service-bench.jsonl"))
     parser.add_argument("--budget-s", type=float, default=3600, help="the reference drops its dearest clips past this")

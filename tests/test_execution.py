@@ -330,6 +330,31 @@ def test_after_the_warmup_no_clip_builds_a_decoder_graph(tiny_piflow, built_grap
     assert built_graphs == []
 
 
+def test_the_warmup_denoises_once_and_jobs_of_its_length_build_no_transformer_graph(tiny_piflow, built_graphs, caplog):
+    """Every denoising step runs the same compiled graphs (the timestep is a tensor input): the warmup runs one step
+    per tile, and a job of its window length at the default two steps builds nothing. The worker's log gives each
+    warmed-up tile shape its seconds and graph counts (a start on the GPU is read from it)."""
+    import logging
+
+    engine = SREngine.from_pretrained(str(tiny_piflow), compile_transformer=True, compile_decoder=False)
+    steps = []
+    hook = engine.replicas[0].transformer.register_forward_pre_hook(lambda *_: steps.append(1))
+    try:
+        with caplog.at_level(logging.INFO, logger="vsrq.engine"):
+            engine.warmup(9)
+        assert len(steps) == 1  # one tile, one step (9 frames: 3 latent ones, decoded 1 + 1 + 1: no extra call)
+        assert built_graphs
+        [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("warmed up")]
+        assert line.startswith("warmed up landscape tiles (64x32, 9 frames, 1 tiles) in ") and " graphs traced" in line
+        built_graphs.clear()
+        steps.clear()
+        info = engine.upscale(clip(2, frames=9), SRRequest(scale=2, seed=3), lambda _: None)
+    finally:
+        hook.remove()
+    assert info.frames == 9 and len(steps) == SRRequest.num_inference_steps * info.tiles == 2 * info.tiles
+    assert built_graphs == []
+
+
 @pytest.mark.parametrize(
     ("order", "tiles", "gpu_gib", "host_gib", "expected"),
     [

@@ -14,6 +14,7 @@ def test_the_service_bench_reports_every_figure(tmp_path):
     out = tmp_path / "service.jsonl"
     phases = "start,solo,overlap,reference"
     bench = ["--tiny", "--blobs", "s3", "--jobs", "3", "--phases", phases, "--dir", str(tmp_path / "bench")]
+    bench.append("--importtime")
     main([*bench, "--out", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     by_phase: dict[str, list[dict]] = {}
@@ -23,6 +24,12 @@ def test_the_service_bench_reports_every_figure(tmp_path):
     cold, warm = by_phase["worker_start"][:2]  # then the overlap phase's two
     assert (cold["cache"], warm["cache"]) == ("cold", "warm (after kill -9)")
     assert 0 < cold["ready_s"] < 300 and 0 < warm["ready_s"] < 300 and warm["cold_ready_s"] == cold["ready_s"]
+    for start in (cold, warm):  # the worker logs each step of its start, in seconds after its process started
+        timeline = start["timeline_s"]
+        assert 0 < timeline["first_line"] <= timeline["model_ready"] <= timeline["ready"], start
+        assert timeline["ready"] <= start["ready_s"] + 0.1, start  # the log's tenths round up by 0.05 at most
+        imports = start["imports_s"]  # the worker's imports by package (`-X importtime`), dearest first
+        assert {"torch", "celery", "all"} <= imports.keys() and 0 < imports["torch"] < imports["all"], start
 
     solo = by_phase["solo"]
     assert [job["job"] for job in solo] == ["W2", "W2", "W1"]

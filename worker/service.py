@@ -43,6 +43,9 @@ class WorkerSettings(BaseSettings):
     # graphs instead of compiling them (worker.sr.compile_cache). Unset: TORCHINDUCTOR_CACHE_DIR (the worker image's
     # /cache volume), else Inductor's /tmp/torchinductor_<user>, which a container loses with its restart.
     compile_cache_dir: Path | None = None
+    # The model's blocks compiled with torch.compile: on GPUs ("auto"), also on CPUs ("on": slower there, but a CPU
+    # start then builds and caches the graphs a GPU's does) or never ("off": a start without warmup, slower jobs)
+    compile: Literal["auto", "on", "off"] = "auto"
     # A job's tail (the encoder's flush, the check, previews, upload, `complete`) on a thread of its own while the next
     # job's head and engine run (worker.finisher); off: the task runs it before it takes the next message
     overlap_tail: bool = True
@@ -107,4 +110,5 @@ def upscaler():
         compile_cache_dir=config.compile_cache_dir,
         offload_prefetch=config.offload_prefetch,
         split=config.split,
+        compile=config.compile,
     )

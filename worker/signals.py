@@ -21,7 +21,7 @@ from celery.signals import setup_logging, task_postrun, task_prerun, worker_init
 from storage.logs import configure, current_job, settings_secrets
 from storage.queue import UPSCALE_TASK
 from storage.workers import WorkerInfo, WorkerRegistry
-from worker import metrics, service
+from worker import metrics, service, started
 
 log = logging.getLogger("vsrq.worker")
 
@@ -96,6 +96,8 @@ def _register(sender: Any, **_: Any) -> None:
             started_at=service.jobs().redis.time()[0],
         )
     )
+    # Logged before the entry is written: whoever sees the entry finds the line
+    log.info("ready, %.1f s after the process started", started.seconds())
     _presence.start()
 
 

@@ -45,7 +45,7 @@ from storage.jobs import (
     new_lease_token,
 )
 from storage.queue import UPSCALE_TASK
-from worker import metrics, service, signals  # signals: importing it connects the process's handlers
+from worker import metrics, service, signals, started  # signals: importing it connects the process's handlers
 from worker.attempt import discard, discard_attempt, end, forget_windows
 from worker.celery_app import app
 from worker.costs import charge, job_limits
@@ -76,8 +76,12 @@ def _load_model(**_: Any) -> None:
     """Loads the upscaler before the worker takes its first message: a bad checkpoint stops the worker at once."""
     signals.configure_logging()  # Celery sets logging up only after `worker_init`: the load and warmup would be lost
     config = service.worker_settings()
-    log.info("loading %s on %s", config.model, ",".join(config.device_list))
+    # The seconds so far are the interpreter's start and the imports of Celery and the worker's modules
+    devices = ",".join(config.device_list)
+    log.info("loading %s on %s, %.1f s after the process started", config.model, devices, started.seconds())
+    began = started.seconds()
     service.upscaler()
+    log.info("model ready in %.1f s, %.1f s after the process started", started.seconds() - began, started.seconds())
 
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased

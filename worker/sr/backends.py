@@ -128,6 +128,7 @@ def open_upscaler(
     compile_cache_dir: str | Path | None = None,
     offload_prefetch: int | None = None,
     split: str | int = "auto",
+    compile: Literal["auto", "on", "off"] = "auto",
 ) -> Upscaler:
     """`performance_mode` "auto": the fastest mode whose need (`needed_bytes`) fits in the free memory of the
     smallest GPU (`speed` on CPUs). `offload_prefetch`: transformer blocks in flight in `offload_layers` (the
@@ -135,7 +136,9 @@ def open_upscaler(
     blocks (GPUs) with one throwaway window, and with `warmup_every_tile_size` a short clip of each other tile size
     (portrait, square), so the first job is not the cold one. `compile_cache_dir`: where compiled graphs persist
     between processes (worker.sr.compile_cache): a restart loads the warmup's graphs instead of compiling them.
-    `split`: whether devices may share a tile (`SREngine`)."""
+    `split`: whether devices may share a tile (`SREngine`). `compile`: the transformer's and the decoder's blocks
+    compiled on GPUs ("auto"), everywhere ("on": also on CPUs, where a start then measures what a GPU's does) or
+    nowhere ("off")."""
     if compile_cache_dir is not None:
         log.info("compile cache in %s", compile_cache.use(compile_cache_dir))
     if model == "lanczos":
@@ -161,7 +164,8 @@ def open_upscaler(
     options = dict(PERFORMANCE_MODES[performance_mode])
     if offload_prefetch is not None and options["offload"] is not None:
         options["offload"] = dataclasses.replace(options["offload"], prefetch=offload_prefetch)
-    engine = SREngine(replicas, split=split, **options)
+    compiled = {"auto": None, "on": True, "off": False}[compile]
+    engine = SREngine(replicas, split=split, compile_transformer=compiled, compile_decoder=compiled, **options)
     engine.performance_mode = performance_mode
     if warmup_frames and engine.compiles:
         tiles = "every tile size" if warmup_every_tile_size else "landscape tiles"

@@ -42,3 +42,30 @@ def stats() -> dict[str, int]:
     for name in ("autograd_cache_hit", "autograd_cache_miss"):
         found[name] = int(counters["aot_autograd"][name])
     return found
+
+
+# Dynamo's own timers (`torch._dynamo.utils.compile_times`), summed over the process: all of its work on a frame, the
+# bytecode tracing in it, the backend (AOTAutograd and Inductor: a compile, or a cache entry loaded) and the guards.
+_TIMERS = {
+    "compile": "_compile.compile_inner",
+    "tracing": "bytecode_tracing",
+    "backend": "OutputGraph.call_user_compiler",
+    "guards": "build_guards",
+}
+
+
+def seconds() -> dict[str, float]:
+    """Seconds this process has spent compiling so far (`_TIMERS`; 0 for a timer this torch does not keep): what
+    of a warmup was building or loading graphs rather than running them."""
+    timers = torch._dynamo.utils.compilation_time_metrics
+    return {name: sum(timers.get(key, ())) for name, key in _TIMERS.items()}
+
+
+def graphs_built() -> dict[str, int]:
+    """Graphs built so far: Dynamo's traced graphs, and how many Inductor loaded from the cache or compiled."""
+    found = stats()
+    return {
+        "traced": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+        "from_cache": found["fxgraph_cache_hit"],
+        "compiled": found["fxgraph_cache_miss"] + found["fxgraph_cache_bypass"],
+    }

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.errors import Cancelled, InvalidRequest
-from worker.sr import checkpoint, fp8_attention, quality, tiling
+from worker.sr import checkpoint, compile_cache, fp8_attention, quality, tiling
 from worker.sr import split as _split
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
@@ -254,11 +254,26 @@ class SREngine:
                 height, width = height + unit[0] * self.snap, width + unit[1] * self.snap
 
         def run(length: int) -> RunInfo:
-            return self.upscale(torch.zeros(length, 3, height, width), SRRequest(scale=scale), lambda _: None)
+            # One denoising step: every step runs the same graphs (the timestep is a tensor input), so more would
+            # only repeat them
+            request = SRRequest(scale=scale, num_inference_steps=1)
+            return self.upscale(torch.zeros(length, 3, height, width), request, lambda _: None)
 
+        started, graphs, compiling = perf_counter(), compile_cache.graphs_built(), compile_cache.seconds()
         info = run(frames)
         if 1 not in [part.stop - part.start for part in self._segments(self._latent_frames(frames))[1:]]:
             run(1 + self.frame_stride)  # the leading frame and one more: the single-frame shape
+        graphs = {name: count - graphs[name] for name, count in compile_cache.graphs_built().items()}
+        compiling = {name: value - compiling[name] for name, value in compile_cache.seconds().items()}
+        shape = "portrait" if portrait else "landscape" if base[0] < base[1] else "square"
+        log.info(
+            "warmed up %s tiles (%dx%d, %d frames, %d tiles) in %.1f s: %d graphs traced, %d of them from the compile "
+            "cache, %d compiled; %.1f s building them (Dynamo tracing %.1f s, guards %.1f s, Inductor %.1f s), the "
+            "rest running them",
+            shape, base[1], base[0], frames, info.tiles, perf_counter() - started, graphs["traced"],
+            graphs["from_cache"], graphs["compiled"], compiling["compile"], compiling["tracing"], compiling["guards"],
+            compiling["backend"],
+        )  # fmt: skip
         return info
 
     def memory_report(self) -> list[str]:
