@@ -145,7 +145,8 @@ def test_a_killed_worker_s_job_resumes_from_its_kept_windows(
           f"computed by attempt 2: {computed}, recomputed: {recomputed}")  # fmt: skip
     assert windows == 4 and restored == len(kept), (windows, restored, kept)  # every kept window replayed, none redone
 
-    # The same job, uninterrupted, writes the same bytes
+    # The same job, uninterrupted, writes the same bytes (the same frames, and x264 off its AVX-512 kernels, which
+    # did not: tests/test_media.py)
     again = create_record(jobs, s3, long_clip, queue)
     enqueue(jobs, settings, again)
     uninterrupted = wait_until(lambda: ended(jobs, again.id), 120, log)
@@ -191,8 +192,7 @@ EMULATED = {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
 
 
 def pixels_of(directory: Path) -> list[bytes]:
-    """The frames an attempt handed its encoder, window by window, as it keeps them (x264 in frame threads does not
-    write the same bytes for the same frames every time: the MP4s are not compared)."""
+    """The frames an attempt handed its encoder, window by window, as it keeps them."""
     return [path.read_bytes() for path in sorted(directory.glob("window-*.u8"))]
 
 
@@ -274,6 +274,7 @@ def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
     assert (upscaler.windows, resumed.restored) == (computed, restored)
     frames = pixels_of(tmp_path / "resumed")
     assert len(frames) == 3 and frames == pixels_of(tmp_path / "uninterrupted")
+    assert (tmp_path / "resumed.mp4").read_bytes() == (tmp_path / "uninterrupted.mp4").read_bytes()  # and so the file
     assert (resumed.quality, resumed.levers) == ("high", EMULATED)
     for window in kept_windows(s3, job_id):
         with s3.open(window) as stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -37,6 +38,8 @@ _PRESET_LOOKAHEAD = {
     "libx264": {"ultrafast": 0, "superfast": 0, "veryfast": 10, "faster": 20, "fast": 30, "medium": 40, "slow": 50},
     "libx265": {"ultrafast": 5, "superfast": 10, "veryfast": 15, "faster": 15, "fast": 15, "medium": 20, "slow": 25},
 }
+# The CPU flags with which x264 (and so `_x264_asm`) takes its AVX-512 kernels.
+_AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 _SVT_PRESETS = {"ultrafast": 12, "superfast": 11, "veryfast": 10, "faster": 9, "fast": 8, "medium": 7, "slow": 5, "slower": 4, "veryslow": 2}
 
 
@@ -69,12 +72,29 @@ def encoder_for(codec: str) -> str:
     raise InvalidRequest(f"this PyAV build has no {codec} encoder (tried {', '.join(ENCODERS[codec])})")
 
 
+@functools.cache
+def _x264_asm() -> str | None:
+    """The kernels x264 may use here: up to AVX2 on a CPU that has AVX-512, else (None) all it detects.
+
+    With its AVX-512 kernels the x264 PyAV bundles (core 165) does not write the same stream twice for the same
+    frames, at some widths (96, 224, 720 px: 1 run in 5 to every run; `mbtree=0` also ends it: bench/RESULTS.md).
+    Up to AVX2 it writes the bits of its plain C code, every time."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: x264 detects the CPU itself
+        return None
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return "AVX2" if _AVX512 <= flags else None  # every AVX-512 CPU has what x264's AVX2 needs (FMA3, BMI2)
+
+
 def _encoder_options(encoder: str, crf: int, preset: str, lookahead: int | None) -> dict[str, str]:
     if encoder == "libsvtav1":
         os.environ.setdefault("SVT_LOG", "1")  # errors only (it prints its whole configuration otherwise)
         return {"crf": str(crf), "preset": str(_SVT_PRESETS.get(preset, preset))}
     options = {"crf": str(crf), "preset": preset}
     params = {"log-level": "error"} if encoder == "libx265" else {}
+    if encoder == "libx264" and (asm := _x264_asm()):
+        params["asm"] = asm  # same frames, same bytes (`_x264_asm`)
     own = _PRESET_LOOKAHEAD[encoder].get(preset, 60)  # slower presets: x264 60, x265 40 to 60
     if lookahead is not None and lookahead < own:
         params["rc-lookahead"] = str(lookahead)
