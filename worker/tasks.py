@@ -27,6 +27,7 @@ from time import monotonic
 from typing import Any
 
 import redis.exceptions
+from celery.exceptions import Reject
 from celery.signals import worker_init, worker_shutdown
 from celery.worker import state as worker_state
 
@@ -86,6 +87,7 @@ def _load_model(**_: Any) -> None:
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
 def upscale(self, job_id: str) -> None:
+    _refuse_behind_a_stuck_tail(job_id)
     # 1. Lease the job: only one delivery of its message gets a queued job
     worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
     token, lost = new_lease_token(), (self.request.headers or {}).get(LOST_LEASES_HEADER) or []
@@ -178,6 +180,20 @@ def _stop_if_stuck(tail: _Tail, stall_s: float) -> None:
         )  # fmt: skip
         worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown, once its task (if any) has returned
         raise TailStuck(f"The worker could not finish its previous job (no heartbeat for {silent_s:.0f} s).")
+
+
+def _refuse_behind_a_stuck_tail(job_id: str) -> None:
+    """A tail that stays silent past `tail_stall_s` is stuck: this worker, whose task returned while that tail's
+    successors waited their turn, takes no more jobs (the stuck job's own, requeued once its lease ran out, among them).
+    The message goes back to the queue unleased, for another worker, and this one exits."""
+    if (silent_s := _finisher.silent_s()) < _tail_stall_s():
+        return
+    log.error(
+        "a job's tail is stuck (no heartbeat for %.0f s): the message for %s goes back to the queue, and this worker "
+        "takes no more jobs and exits (status %d)", silent_s, job_id, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
+    )  # fmt: skip
+    worker_state.should_stop = EX_SOFTWARE
+    raise Reject(f"a tail is stuck (no heartbeat for {silent_s:.0f} s)", requeue=True)
 
 
 def _tail_stall_s() -> float:
@@ -274,7 +290,18 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         head |= encoding.result.head
         return _Tail(
-            job, lease, output_key, beat, options, encoding, graphs, input_from, input_s, scratch, cleanup.pop_all(), head
+            job,
+            lease,
+            output_key,
+            beat,
+            options,
+            encoding,
+            graphs,
+            input_from,
+            input_s,
+            scratch,
+            cleanup.pop_all(),
+            head,
         )
 
 
