@@ -364,6 +364,8 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         # where the rest goes: lease -> probing beat, the download, the upscale less the engine (probe, decode
         # ahead, MP4 tail, verify), the upload and the fenced complete
         "split_s": split(at, run),
+        # when each step of the head ended, seconds after the lease (worker.tasks `_note_run`), then the engine's span
+        "head_s": run.get("head_s", {}) | {"engine": run.get("engine_span_s")},
     }
 
 
@@ -371,10 +373,12 @@ def split(at: dict[str, float], run: dict[str, Any]) -> dict[str, float]:
     if not run or "uploading" not in at or "probing" not in at:
         return {}
     upscale_started = at["uploading"] - run["upscale_s"]  # the uploading beat follows upscale_file's return
+    waited = run.get("turn_waited_s", 0.0)  # an overlapped tail's wait for the tails before it, inside upscale_s
     return {
         "lease": round(at["probing"] - at["leased"], 3),
         "download": round(upscale_started - at["probing"], 3),
-        "upscale_not_engine": round(run["upscale_s"] - run["engine_s"], 3),
+        "upscale_not_engine": round(run["upscale_s"] - run["engine_s"] - waited, 3),
+        "tail_turn": round(waited, 3),
         "upload_complete": round(at["completed"] - at["uploading"], 3),
     }
 

@@ -37,7 +37,8 @@ def test_the_service_bench_reports_every_figure(tmp_path):
         assert job["output_ok"], job  # downloaded, read back: twice the size, every frame
         assert 0 < job["engine_s"] < job["leased_to_completed_s"] <= job["post_to_completed_s"], job
         assert job["overhead_s"] == round(job["post_to_completed_s"] - job["engine_s"], 3)
-        assert set(job["split_s"]) == {"lease", "download", "upscale_not_engine", "upload_complete"}
+        assert set(job["split_s"]) == {"lease", "download", "upscale_not_engine", "tail_turn", "upload_complete"}
+        assert set(job["head_s"]) == {"fetched", "windows_kept", "probed", "writer_open", "first_window_decoded", "engine"}
         assert all(value >= 0 for value in job["split_s"].values()), job
         assert sum(job["split_s"].values()) <= job["attempt_overhead_s"] + 0.01, job
         assert job["graphs_built"] == 0  # nothing compiles on a CPU
@@ -55,7 +56,7 @@ def test_the_service_bench_reports_every_figure(tmp_path):
         assert abs(queue["gpu_idle_per_job_s"] - (queue["wall_s"] - queue["engine_s"]) / 3) < 0.01
         assert len(queue["engine_gaps_s"]) == 2 and all(gap > 0 for gap in queue["engine_gaps_s"])  # one at a time
         assert queue["gpu_sampled"] is None  # no nvidia-smi here
-        causes = {"lease", "download", "upscale_not_engine", "upload_complete", "between_jobs"}
+        causes = {"lease", "download", "upscale_not_engine", "tail_turn", "upload_complete", "between_jobs"}
         assert set(queue["idle_s_by_cause"]) == causes
         assert queue["megapixel_frames_per_gpu_hour"] > 0
         stability = queue["stability"]

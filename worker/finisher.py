@@ -1,14 +1,17 @@
-"""One job's tail (the encoder's flush, the check, previews, uploads, the fenced `complete`) on a thread of its own,
+"""Jobs' tails (the encoder's flush, the check, previews, uploads, the fenced `complete`) on threads of their own,
 while the task returns and the worker starts the next job's head and engine: the GPU does not wait for the MP4.
 
-At most one tail is in flight: a task hands its tail over only once the previous one has finished, so disk, host
-memory and the storage connection are bounded as with one job at a time. A tail keeps its attempt's lease (its own
-heartbeats) and ends its job as the task would have; what it raises is handled inside it. Its message is
-acknowledged when the task returns, before the job completes: a worker killed during a tail leaves the job
-`in_progress` with a lease that runs out, and the reaper requeues it and sends it a new message, as for a worker
-killed mid-engine (the kept windows replay, so the GPU work is not paid again). A tail stuck in a call that never
-returns, silent past `tail_stall_s`, is not waited for: the next job goes back to the queue and the worker exits for
-its supervisor to restart it (worker.tasks).
+Tails run one at a time, in the order they were handed: each waits its turn (the previous tail's end) on its own
+thread, its lease kept. Up to `HELD` are held at once, one running and the rest waiting; a task whose tail finds no
+room waits for the oldest to end. Holding more than one lets the small jobs behind a big one run their engines while
+the big job's tail (a 4K flush and check: seconds) runs, instead of the first of them blocking its worker until that
+tail is done (bench/RESULTS.md); the bound keeps disk, host memory (each held tail keeps its encoder open) and the
+storage connection as bounded as before. A tail keeps its attempt's lease (its own heartbeats) and ends its job as
+the task would have; what it raises is handled inside it. Its message is acknowledged when the task returns, before
+the job completes: a worker killed during a tail leaves the job `in_progress` with a lease that runs out, and the
+reaper requeues it and sends it a new message, as for a worker killed mid-engine (the kept windows replay, so the
+GPU work is not paid again). A tail stuck in a call that never returns, silent past `tail_stall_s`, is not waited
+for: the jobs behind it go back to the queue and the worker exits for its supervisor to restart it (worker.tasks).
 """
 
 from __future__ import annotations
@@ -17,44 +20,66 @@ import contextvars
 import logging
 import threading
 from collections.abc import Callable
+from time import monotonic
 
 log = logging.getLogger("vsrq.worker")
 
+HELD = 3  # tails held at once: one running, two waiting their turn
+Turn = Callable[[float | None], bool]  # waits up to that long for the tails handed before: whether they have ended
+
 
 class Finisher:
-    def __init__(self) -> None:
-        self._pending: threading.Thread | None = None
-        self._silent_s: Callable[[], float] = lambda: 0.0
+    def __init__(self, held: int = HELD) -> None:
+        self.held = held
+        # in the order handed: each tail's thread, and how long it has shown no sign of life
+        self._pending: list[tuple[threading.Thread, Callable[[], float]]] = []
 
     def busy(self) -> bool:
-        return self._pending is not None and self._pending.is_alive()
+        return any(thread.is_alive() for thread, _ in self._pending)
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Waits for the tail in flight, if any, up to `timeout_s`: whether none is left."""
-        pending = self._pending
-        if pending is None:
-            return True
-        pending.join(timeout_s)
-        return not pending.is_alive()
+        """Waits for every tail in flight, up to `timeout_s`: whether none is left."""
+        return _ended([thread for thread, _ in self._pending], timeout_s)
+
+    def room(self, timeout_s: float | None = None) -> bool:
+        """Waits up to `timeout_s` until another tail can be handed (fewer than `held` in flight): whether one can."""
+        self._pending = [(thread, silent_s) for thread, silent_s in self._pending if thread.is_alive()]
+        return len(self._pending) < self.held or _ended([self._pending[0][0]], timeout_s)
 
     def silent_s(self) -> float:
-        """How long the tail in flight has shown no sign of life (no heartbeat of its lease delivered); 0 if none."""
-        return self._silent_s() if self.busy() else 0.0
+        """How long the oldest tail in flight (the one running) has shown no sign of life (no heartbeat of its lease
+        delivered); 0 if none."""
+        return next((silent_s() for thread, silent_s in self._pending if thread.is_alive()), 0.0)
 
-    def hand(self, tail: Callable[[], None], silent_s: Callable[[], float]) -> None:
-        """Runs `tail` on a thread of its own, in the caller's context (its log lines keep the job id); `silent_s` says
-        how long it has shown no sign of life. The caller has waited for the previous tail (`wait`): one at a time.
-        A daemon thread: a tail stuck in a call that never returns must not keep its process from exiting."""
-        if self.busy():
-            raise RuntimeError("a tail is still in flight")
-        context = contextvars.copy_context()
-        self._pending = threading.Thread(target=context.run, args=(_run, tail), name="vsrq-tail", daemon=True)
-        self._silent_s = silent_s
-        self._pending.start()
+    def hand(self, tail: Callable[[Turn], None], silent_s: Callable[[], float]) -> None:
+        """Runs `tail(turn)` on a thread of its own, in the caller's context (its log lines keep the job id): the tail
+        calls `turn` until the tails handed before it have ended; `silent_s` says how long it has shown no sign of
+        life. The caller has waited for `room`. A daemon thread: a tail stuck in a call that never returns must not
+        keep its process from exiting."""
+        if not self.room(0):
+            raise RuntimeError(f"{self.held} tails are still in flight")
+        # all of them: one that ended early (cancelled while it waited) lets no other through
+        before = [thread for thread, _ in self._pending]
+
+        def turn(timeout_s: float | None) -> bool:
+            return _ended(before, timeout_s)
+
+        thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(_run, tail, turn), name="vsrq-tail", daemon=True
+        )
+        self._pending.append((thread, silent_s))
+        thread.start()
 
 
-def _run(tail: Callable[[], None]) -> None:
+def _ended(threads: list[threading.Thread], timeout_s: float | None) -> bool:
+    deadline = None if timeout_s is None else monotonic() + timeout_s
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - monotonic()))
+    return not any(thread.is_alive() for thread in threads)
+
+
+def _run(tail: Callable[[Turn], None], turn: Turn) -> None:
     try:
-        tail()
+        tail(turn)
     except BaseException:  # a tail handles its own errors: one that escapes is a bug
         log.exception("a job's tail failed outside its attempt's error handling")

@@ -20,13 +20,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from time import monotonic
 from typing import Any
 
 import redis.exceptions
+from celery.exceptions import Reject
 from celery.signals import worker_init, worker_shutdown
 from celery.worker import state as worker_state
 
@@ -51,7 +52,7 @@ from worker.celery_app import app
 from worker.costs import charge, job_limits
 from worker.errors import TailStuck
 from worker.fetch import fetch
-from worker.finisher import Finisher
+from worker.finisher import Finisher, Turn
 from worker.heartbeat import UPLOADING, Heartbeat
 from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.errors import InputNotFound
@@ -86,6 +87,7 @@ def _load_model(**_: Any) -> None:
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
 def upscale(self, job_id: str) -> None:
+    _refuse_behind_a_stuck_tail(job_id)
     # 1. Lease the job: only one delivery of its message gets a queued job
     worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
     token, lost = new_lease_token(), (self.request.headers or {}).get(LOST_LEASES_HEADER) or []
@@ -111,19 +113,19 @@ def upscale(self, job_id: str) -> None:
     if tail is None:  # the attempt ended before its engine was done
         return
 
-    # 4-5. The tail (`_complete`): inline, or on the finisher's thread once the previous job's tail is done, the task
+    # 4-5. The tail (`_complete`): inline, or on a finisher's thread where it waits for the tails before it, the task
     #    returning at once so that the worker takes its next message and starts its engine (worker.finisher)
     if not service.worker_settings().overlap_tail:
         _finish(tail)
         return
     with _attempt(job, lease, output_key):
         try:
-            _wait_for_the_previous_tail(tail)
+            _wait_for_room(tail)
         except BaseException:
             tail.drop()
             raise
         observe = signals.observe_later(self.request.id, job.id)
-        _finisher.hand(partial(_finish, tail, observe, overlapped=True), tail.beat.silent_s)
+        _finisher.hand(lambda turn: _finish(tail, observe, overlapped=True, turn=turn), tail.beat.silent_s)
 
 
 @worker_shutdown.connect
@@ -157,22 +159,41 @@ EX_SOFTWARE = 70  # its exit status (sysexits.h: an internal software error): a 
 _prefetcher = Prefetcher(lambda: list(app.amqp.queues.consume_from))
 
 
-def _wait_for_the_previous_tail(tail: _Tail) -> None:
-    """Waits for the previous job's tail, this attempt's lease kept and its cancel seen meanwhile. A tail that stays
-    silent past `tail_stall_s` while this attempt's beats get through is stuck in a call that never returns: this job
-    goes back to the queue (`TailStuck`), and the worker takes no more messages and exits, since every job it leased
-    would wait behind that tail with its lease renewed."""
+def _wait_for_room(tail: _Tail) -> None:
+    """Waits until the finisher has room for this attempt's tail (worker.finisher), its lease kept and its cancel seen
+    meanwhile."""
     stall_s = _tail_stall_s()
-    while not _finisher.wait(tail.beat.every_s):
+    while not _finisher.room(tail.beat.every_s):
         tail.beat.stop_if_cancelled()
-        if (silent_s := _finisher.silent_s()) >= stall_s and tail.beat.silent_s() < stall_s:
-            log.error(
-                "the previous job's tail is stuck (no heartbeat for %.0f s): %s goes back to the queue, and this "
-                "worker takes no more jobs and exits (status %d)", silent_s, tail.job.id, EX_SOFTWARE,
-                extra={"reason": TAIL_STUCK},
-            )  # fmt: skip
-            worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown, once this task has returned
-            raise TailStuck(f"The worker could not finish its previous job (no heartbeat for {silent_s:.0f} s).")
+        _stop_if_stuck(tail, stall_s)
+
+
+def _stop_if_stuck(tail: _Tail, stall_s: float) -> None:
+    """A tail ahead that stays silent past `tail_stall_s` while this attempt's beats get through is stuck in a call
+    that never returns: this job goes back to the queue (`TailStuck`), and the worker takes no more messages and exits,
+    since every job it leased would wait behind that tail with its lease renewed."""
+    if (silent_s := _finisher.silent_s()) >= stall_s and tail.beat.silent_s() < stall_s:
+        log.error(
+            "the previous job's tail is stuck (no heartbeat for %.0f s): %s goes back to the queue, and this "
+            "worker takes no more jobs and exits (status %d)", silent_s, tail.job.id, EX_SOFTWARE,
+            extra={"reason": TAIL_STUCK},
+        )  # fmt: skip
+        worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown, once its task (if any) has returned
+        raise TailStuck(f"The worker could not finish its previous job (no heartbeat for {silent_s:.0f} s).")
+
+
+def _refuse_behind_a_stuck_tail(job_id: str) -> None:
+    """A tail that stays silent past `tail_stall_s` is stuck: this worker, whose task returned while that tail's
+    successors waited their turn, takes no more jobs (the stuck job's own, requeued once its lease ran out, among them).
+    The message goes back to the queue unleased, for another worker, and this one exits."""
+    if (silent_s := _finisher.silent_s()) < _tail_stall_s():
+        return
+    log.error(
+        "a job's tail is stuck (no heartbeat for %.0f s): the message for %s goes back to the queue, and this worker "
+        "takes no more jobs and exits (status %d)", silent_s, job_id, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
+    )  # fmt: skip
+    worker_state.should_stop = EX_SOFTWARE
+    raise Reject(f"a tail is stuck (no heartbeat for {silent_s:.0f} s)", requeue=True)
 
 
 def _tail_stall_s() -> float:
@@ -206,6 +227,8 @@ class _Tail:
     input_s: float  # the input's seconds on the task's path: the download, or the prefetched copy's check and move
     scratch: Path
     cleanup: ExitStack  # the scratch directory
+    head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
+    turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
 
     def drop(self) -> None:
         """The tail will not run (the attempt ended while it waited its turn)."""
@@ -247,6 +270,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         if digest is not None:
             log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
             beat.stop_if_cancelled(input_file=digest, force=True)
+        head = {"fetched": monotonic()}
         _prefetcher.ahead(job)  # the next job's input downloads while this one's engine runs
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
@@ -259,22 +283,54 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive
             )
         )
+        head["windows_kept"] = monotonic()
         graphs = _graphs_built()
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
+        head |= encoding.result.head
         return _Tail(
-            job, lease, output_key, beat, options, encoding, graphs, input_from, input_s, scratch, cleanup.pop_all()
+            job,
+            lease,
+            output_key,
+            beat,
+            options,
+            encoding,
+            graphs,
+            input_from,
+            input_s,
+            scratch,
+            cleanup.pop_all(),
+            head,
         )
 
 
-def _finish(tail: _Tail, observe: Callable[[], None] = lambda: None, overlapped: bool = False) -> None:
-    """The attempt's tail, in the task or on the finisher's thread: it ends the attempt whatever happens."""
+def _finish(
+    tail: _Tail, observe: Callable[[], None] = lambda: None, overlapped: bool = False, turn: Turn | None = None
+) -> None:
+    """The attempt's tail, in the task or on a finisher's thread once `turn` says the tails before it have ended: it
+    ends the attempt whatever happens."""
     try:
         with _attempt(tail.job, tail.lease, tail.output_key), tail.cleanup:
+            if turn is not None:
+                _wait_turn(tail, turn)
             _complete(tail, overlapped)
     finally:
         observe()
+
+
+def _wait_turn(tail: _Tail, turn: Turn) -> None:
+    """Waits for the tails handed before this one, this attempt's lease kept and its cancel seen meanwhile; behind a
+    stuck one, it goes back to the queue."""
+    waited, stall_s = monotonic(), _tail_stall_s()
+    try:
+        while not turn(tail.beat.every_s):
+            tail.beat.stop_if_cancelled()
+            _stop_if_stuck(tail, stall_s)
+    except BaseException:
+        tail.encoding.discard()
+        raise
+    tail.turn_waited_s = monotonic() - waited
 
 
 def _complete(tail: _Tail, overlapped: bool) -> None:
@@ -343,6 +399,11 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         "tail": "overlapped" if overlapped else "inline",  # on the finisher's thread (worker.finisher), or the task's
         "input": tail.input_from,  # where the input came from: "prefetch" means it was not on the GPU's path
         "input_s": round(tail.input_s, 3),
+        # when each step of the head ended, as `engine_span_s`: the input fetched, the kept windows listed, probed,
+        # the encoder opened, the first window's frames decoded (the engine's first call follows)
+        "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
+        # overlapped, how long it waited for the tails before it: part of `upscale_s`, none of its own work
+        "turn_waited_s": round(tail.turn_waited_s, 3),
         "windows": result.windows,
         "restored": result.restored,
         "tiles": result.tiles,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from time import monotonic, perf_counter
+from typing import TypeVar
 
 from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
@@ -36,6 +37,7 @@ from worker.sr.windows import (
 
 log = logging.getLogger("vsrq.worker")
 
+T = TypeVar("T")
 ENGINE_STAGES = ("encode", "denoise_decode")  # `RunInfo.stage_seconds` that span the engine's call between them
 
 
@@ -77,6 +79,8 @@ class Result:
     engine_span: tuple[float, float] = (0.0, 0.0)
     quality: str = "lossless"  # the tier that ran (`high` asked of an upscaler without one runs `lossless`)
     levers: dict[str, str] = field(default_factory=dict)  # `high`'s levers and how each ran
+    # `time.monotonic()` when each step before the engine's first call ended: a worker reports where a head waited
+    head: dict[str, float] = field(default_factory=dict)
 
 
 def upscale_file(
@@ -117,6 +121,7 @@ def begin_upscale(
     # 2. Probe the input and check the limits: a file we refuse costs no GPU time
     info = probe(source, options.limits)
     video = info.video
+    head = {"probed": monotonic()}
 
     # 3. Plan: output size, temporal windows, the streams carried over, and what the output must be
     snap = getattr(upscaler, "snap", 1)  # the model's alignment, to tell tile padding from alignment padding
@@ -157,7 +162,9 @@ def begin_upscale(
                     chapters=output_chapters(info.chapters, clock),
                 )
             )
+            head["writer_open"] = monotonic()
             with closing(prefetch(read_frames(source, video), plan.length)) as frames:
+                frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
             on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
         return writer, run
@@ -187,8 +194,17 @@ def begin_upscale(
         engine_span=(engine_started, monotonic()),
         quality=first.quality if first else options.request.quality,
         levers=_levers(run.made),
+        head=head,
     )
     return Encoding(result, writer, promise, started)
+
+
+def _marking(frames: Iterator[T], first_window: int, head: dict[str, float]) -> Iterator[T]:
+    """`frames`, noting in `head` when the first window's last frame was decoded: the engine's first call follows."""
+    for index, frame in enumerate(frames, 1):
+        if index == first_window:
+            head["first_window_decoded"] = monotonic()
+        yield frame
 
 
 class Encoding:

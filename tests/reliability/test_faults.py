@@ -866,6 +866,9 @@ def _post_quietly(url: str, clip: bytes) -> None:
 # -- 8. one job's tail overlapped with the next job (worker.finisher) ----------------------------------------------
 
 
+HEAD_STEPS = ("fetched", "windows_kept", "probed", "writer_open", "first_window_decoded")  # in the order they run
+
+
 def run_detail(jobs: JobStore, job_id: str) -> dict:
     """The completing attempt's `run` event: engine seconds, and whether its tail ran on the finisher's thread."""
     return [event.detail for event in jobs.events(job_id) if event.type == "run"][-1]
@@ -922,6 +925,11 @@ def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, job
     assert all(job.status == Status.COMPLETED and job.attempt == 1 for job in records), records
     assert tails == ["overlapped"] * len(ids)
     assert sum(seconds < 0 for seconds in ahead) >= len(ahead) - 1, ahead  # leased while the tail ran
+    for job_id in ids:  # where each head went, step by step, up to the engine's first call
+        run = run_detail(jobs, job_id)
+        steps = [run["head_s"][step] for step in HEAD_STEPS]
+        assert 0 <= steps[0] and steps == sorted(steps) and steps[-1] <= run["engine_span_s"][1], run
+        assert 0 <= run["turn_waited_s"] <= run["upscale_s"], run
     assert all(job.output.sha256 == reference.output.sha256 for job in records)
     assert all(outputs(blobs, job_id) == [jobs.require(job_id).output.key] for job_id in ids)
 

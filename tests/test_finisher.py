@@ -1,0 +1,56 @@
+"""worker.finisher on real threads: a job's tail handed behind a long one (a 4K flush and check) does not hold the
+task that hands it, so its worker takes the next job; tails still run one at a time, in order, and only so many
+are held."""
+
+import threading
+from time import monotonic
+
+from worker.finisher import Finisher
+
+
+def test_a_tail_handed_behind_a_long_one_does_not_hold_its_task_and_runs_after_it():
+    finisher = Finisher(held=2)
+    release, ran, turns = threading.Event(), [], []
+
+    def long_tail(turn):
+        turns.append(turn(0))  # nothing before it
+        release.wait(30)
+        ran.append("long")
+
+    def short_tail(turn):
+        while not turn(0.01):
+            turns.append(False)
+        ran.append("short")
+
+    finisher.hand(long_tail, lambda: 7.0)
+    handed = monotonic()
+    assert finisher.room(0)  # the second task hands its tail at once: it returns, its worker takes the next job
+    finisher.hand(short_tail, lambda: 0.0)
+    handed = monotonic() - handed
+    assert not finisher.room(0.05)  # two held: a third task waits for the oldest tail
+    assert ran == [] and finisher.busy()
+    assert finisher.silent_s() == 7.0  # the running tail's, which a stuck tail's check reads
+    release.set()
+    assert finisher.wait(30) and not finisher.busy()
+    assert ran == ["long", "short"]  # one at a time, in the order handed
+    assert turns[0] is True and False in turns[1:]  # the short one waited its turn, its own thread calling back
+    assert finisher.room(0)
+    assert handed < 1.0, handed
+
+
+def test_a_tail_that_fails_lets_the_next_one_run():
+    finisher = Finisher(held=2)
+    ran = []
+
+    def failing(turn):
+        raise RuntimeError("a bug")
+
+    def following(turn):
+        while not turn(0.01):
+            pass
+        ran.append("following")
+
+    finisher.hand(failing, lambda: 0.0)
+    finisher.hand(following, lambda: 0.0)
+    assert finisher.wait(30)
+    assert ran == ["following"]
