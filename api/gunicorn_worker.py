@@ -23,6 +23,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -58,7 +59,7 @@ class ProblemWorker(ThreadWorker):
             client, address = listener.accept()
             self.nr_conns += 1
             client.setblocking(False)
-            conn = PacedConn(self.cfg, client, address, listener.getsockname(), self.pacing)
+            conn = PacedConn(self.cfg, client, address, listener.getsockname(), self.pacing, self.linger)
             conn.timeout = time.monotonic() + self.pacing[0]
             self.pending_conns.append(conn)
             self.poller.register(client, selectors.EVENT_READ, partial(self.on_pending_socket_readable, conn))
@@ -66,15 +67,41 @@ class ProblemWorker(ThreadWorker):
             if error.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
 
+    def linger(self, close: Callable[[], None]) -> None:
+        """A graceful close (up to 2 s for the client's FIN) off the event loop, its socket counted in `nr_conns` till
+        it is closed: gthread frees the slot first, and connections answered then closed faster than they linger
+        would open files past `worker_connections` (one accept() failing with EMFILE kills the worker). Called on the
+        event loop (gthread's `finish_request`), as is the count's update when the close is done."""
+        self.nr_conns += 1
+
+        def run() -> None:
+            try:
+                close()
+            finally:
+                self.method_queue.defer(self._lingered)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def _lingered(self) -> None:
+        self.nr_conns -= 1
+
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         # gthread drains an unread body for up to 5 s in a request thread: a stalled client would hold it that long
         return keepalive and conn.drain()
 
 
 class PacedConn(TConn):
-    def __init__(self, cfg: Any, sock: socket.socket, client: Any, server: Any, pacing: tuple[float, float, int]):
+    def __init__(
+        self,
+        cfg: Any,
+        sock: socket.socket,
+        client: Any,
+        server: Any,
+        pacing: tuple[float, float, int],
+        linger: Callable[[Callable[[], None]], None],
+    ):
         super().__init__(cfg, sock, client, server)
-        self.pacing = pacing
+        self.pacing, self.linger = pacing, linger
 
     def init(self) -> None:
         """Called by the request thread before each request on the connection: its pace is counted from here."""
@@ -100,7 +127,7 @@ class PacedConn(TConn):
 
     def close(self, graceful: bool = False) -> None:
         if graceful:  # gunicorn lingers up to 2 s for the client's FIN, on the worker's event loop: not there
-            threading.Thread(target=TConn.close, args=(self, True), daemon=True).start()
+            self.linger(partial(TConn.close, self, True))
         else:
             super().close()
 

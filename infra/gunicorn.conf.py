@@ -2,6 +2,7 @@
 Redis, S3 and the network, and an upload holds its thread for as long as the client takes to send the file."""
 
 import os
+import resource
 import signal
 import tempfile
 from pathlib import Path
@@ -16,6 +17,16 @@ workers = _settings.web_workers
 worker_class = "api.gunicorn_worker.ProblemWorker"  # gthread, answering its own errors as problem+json
 threads = _settings.web_threads
 keepalive = _settings.web_keepalive_s
+# Idle kept-alive connections pile up to `worker_connections`: one accept() past the open-file limit (EMFILE) kills the
+# worker and its requests. So the soft limit goes up to the hard one, with room below it for the threads' own files.
+_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_hard, _hard))
+except (ValueError, OSError):  # an unlimited hard limit above the kernel's nr_open: the soft one stays
+    pass
+_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+_files = 1 << 20 if _files == resource.RLIM_INFINITY else _files
+worker_connections = max(threads, min(1000, _files - 64 - 4 * threads))
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60
 # A master killed with SIGKILL cannot stop its workers, which would keep the listening socket (and answer nothing

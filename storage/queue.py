@@ -71,8 +71,10 @@ def send_upscale(app: Celery, jobs: JobStore, job: JobRecord, *, first: bool = F
     front of the queue, for an attempt requeued after a failure or a lost worker (it waited its turn already)."""
     message = app.send_task(UPSCALE_TASK, args=[job.id], queue=job.queue)
     if first:
+        # kombu adds `global_keyprefix` to the keys of the commands it knows, not to EVAL's: added here
+        prefix = (app.conf.broker_transport_options or {}).get("global_keyprefix", "")
         with app.connection_for_write() as connection:
-            connection.default_channel.client.eval(_TO_FRONT, 1, job.queue, message.id)
+            connection.default_channel.client.eval(_TO_FRONT, 1, f"{prefix}{job.queue}", message.id)
     jobs.sent(job.id)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import diffusers
 import pytest
@@ -87,3 +88,16 @@ def test_unreachable_hub_id_fails_with_a_clear_message(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(CheckpointNotFound, match="kandinskylab/not-a-model"):
         load("kandinskylab/not-a-model", [torch.device("cpu")])
+
+
+def test_kept_windows_never_replay_after_the_weights_change_under_the_same_path(tmp_path):
+    """The engine's signature (the kept windows' key) follows the checkpoint's files, not its path: new weights
+    saved over the old ones give another; the same files copied to another worker (new mtimes) give the same."""
+    request = SRRequest(scale=2)
+    write_tiny(tmp_path / "model", seed=5)
+    before = SREngine.from_pretrained(str(tmp_path / "model")).signature(request)
+    shutil.copytree(tmp_path / "model", tmp_path / "copy", copy_function=shutil.copy)
+    assert SREngine.from_pretrained(str(tmp_path / "copy")).signature(request) == before
+    write_tiny(tmp_path / "model", seed=6)  # same shapes, same file sizes
+    assert SREngine.from_pretrained(str(tmp_path / "model")).signature(request) != before
+    assert json.loads(before)["diffusers"] == diffusers.__version__

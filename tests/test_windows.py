@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,3 +152,22 @@ def test_quantise_rounds_clamps_and_hands_the_encoder_contiguous_rgb():
     assert pixels.shape == (2, 1, 7, 3) and pixels.is_contiguous() and pixels.dtype == torch.uint8
     assert pixels[0, 0, :, 0].tolist() == [0, 0, 0, 2, 128, 255, 255]
     assert torch.equal(quantise(dequantise(pixels)), pixels)
+
+
+def test_windows_kept_by_another_version_replay_when_readable_and_are_computed_again_when_not(tmp_path):
+    """A rolling deploy: a newer worker kept windows whose record has a field this version does not know (replayed),
+    or one it cannot read (computed again, never a failed job); the frames are the uninterrupted run's."""
+    video, plan = frames(30), plan_windows(30, window=13, overlap=4)  # 3 windows
+    uninterrupted = collect(Offset(), iter(video), plan)
+    stored = DirectoryWindowStore(tmp_path / "windows", "job")
+    two_kept = lambda: len(list(stored.directory.glob("window-*.json"))) == 2  # noqa: E731
+    with pytest.raises(Cancelled):
+        collect(Offset(), iter(video), plan, store=stored, cancelled=two_kept)
+    for index, change in ((0, {"made_on": "a newer worker"}), (1, {"levers": "not a mapping"})):
+        meta = stored._path(index, "json")
+        kept = json.loads(meta.read_text())
+        meta.write_text(json.dumps({**kept, "made": {**kept["made"], **change}}))
+    resumed = Offset()
+    replayed = collect(resumed, iter(video), plan, store=DirectoryWindowStore(tmp_path / "windows", "job"))
+    assert torch.equal(replayed, uninterrupted)
+    assert [key[-1] for key in resumed.calls] == [1, 2]

@@ -68,21 +68,25 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
 _BOTOCORE_TRANSIENT = OrRetryChecker(
     [TransientRetryableChecker(), ThrottledRetryableChecker(), ThrottlingStatusCodeChecker()]
 )
-# S3's answers to a request that reached it damaged (a body cut short or altered on the way: a partition that healed
-# mid-request), which botocore does not retry since its own bytes were sound, and a conflict S3 says to try again.
-# SeaweedFS answers a body cut short with 499 ClientDisconnected, AWS with 400 IncompleteBody or RequestTimeout.
-_DAMAGED_OR_BUSY = {
-    "IncompleteBody", "BadDigest", "XAmzContentSHA256Mismatch", "ClientDisconnected", "BadRequest", "OperationAborted"
-}  # fmt: skip
+# S3's answers to an upload that reached it damaged (a body cut short or altered on the way: a partition that healed
+# mid-request), which botocore does not retry since its own bytes were sound. SeaweedFS answers a body cut short with
+# 499 ClientDisconnected, AWS with 400 IncompleteBody or RequestTimeout. Only a request with a body can arrive so: on
+# any other (a HEAD against the wrong region answers a bare 400) they are refusals that stay.
+_DAMAGED = {"IncompleteBody", "BadDigest", "XAmzContentSHA256Mismatch", "ClientDisconnected", "BadRequest"}
+_UPLOADS = {"PutObject", "UploadPart", "CompleteMultipartUpload"}
 
 
 def _transient(error: botocore.exceptions.ClientError) -> bool:
-    """Whether storage's answer may change on the next try. A 400 with no S3 error code is one the server could not
-    parse as a request at all (botocore names it by its status): only bytes lost on the way make those of a request
-    botocore built. Refusals that stay (403 AccessDenied, 404 NoSuchBucket, InvalidAccessKeyId...) are permanent."""
+    """Whether storage's answer may change on the next try. A 400 with no S3 error code to an upload is one the server
+    could not parse as a request at all (botocore names it by its status): only bytes lost on the way make those of a
+    request botocore built. Refusals that stay (403 AccessDenied, 404 NoSuchBucket, InvalidAccessKeyId...) are
+    permanent; a conflict S3 says to try again (OperationAborted) is not."""
     status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
     code = error.response.get("Error", {}).get("Code")
-    if status >= 500 or status in (408, 499) or code in _DAMAGED_OR_BUSY or (status == 400 and code in (None, "400")):
+    damaged = code in _DAMAGED or (status == 400 and code in (None, "400"))
+    if error.operation_name in _UPLOADS and damaged:
+        return True
+    if status >= 500 or status in (408, 499) or code == "OperationAborted":
         return True
     context = RetryContext(1, parsed_response=error.response, http_response=AWSResponse(None, status, {}, None))
     return _BOTOCORE_TRANSIENT.is_retryable(context)

@@ -36,13 +36,14 @@ MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed
 SUFFIXES = ("u8", "tail.npy", "json")
 
 
-def windows_key(job: JobRecord, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
-    """What the kept windows were computed from: a window kept under another model, other options or an upscaler
-    that gives other bits (`signature`: e.g. another decode segment, split or FP8 attention backend) never replays.
+def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
+    """What the kept windows were computed from: a window kept for other input bytes (a URL that served others this
+    attempt, a referenced key written again), under another model, other options or an upscaler that gives other bits
+    (`signature`: e.g. another decode segment, split or FP8 attention backend) never replays.
     What gives the same bits (where the weights live, the decode order) is not in it: a requeued job keeps its
     windows on a worker that offloads."""
     signature = upscaler.signature(options.request)
-    return hashlib.sha256(f"{job.id}\n{model}\n{options!r}\n{signature}".encode()).hexdigest()
+    return hashlib.sha256(f"{job.id}\n{input_sha256}\n{model}\n{options!r}\n{signature}".encode()).hexdigest()
 
 
 class BlobWindowStore:

@@ -263,9 +263,10 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
                     beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
             except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
                 raise InputNotFound("The input video is no longer in storage.") from None
-            # A referenced upload or key reached the API as a name only; parts download out of order, so the file
-            # is hashed once it is whole.
-            digest = None if job.input.sha256 else FileDigest.of(source)
+            # A referenced upload or key reached the API as a name only, and may be written again between attempts
+            # (an earlier attempt's recorded digest proves nothing): hashed each attempt, once the file is whole
+            # (parts download out of order). The job's own upload is the bytes the API hashed.
+            digest = None if job.input.owned_by_job and job.input.sha256 else FileDigest.of(source)
         input_s = monotonic() - input_started
         if digest is not None:
             log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
@@ -275,9 +276,11 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
-        #    The key names what gives other bits on another worker (`auto` may pick another decode segment there, a
-        #    split, or FP8 attention on cuDNN): windows kept under another key are never replayed.
-        windows = windows_key(job, config.model, options, service.upscaler())
+        #    The key names the bytes this attempt read (a URL may serve others each time) and what gives other bits on
+        #    another worker (`auto` may pick another decode segment there, a split, or FP8 attention on cuDNN):
+        #    windows kept under another key are never replayed.
+        input_sha256 = digest.sha256 if digest is not None else job.input.sha256
+        windows = windows_key(job, input_sha256, config.model, options, service.upscaler())
         kept = beat.storage(
             lambda: BlobWindowStore(
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive

@@ -13,6 +13,7 @@ import secrets
 import select
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -170,6 +171,42 @@ def test_stalled_and_silent_connections_do_not_take_the_api_down(hostile_api):
     assert sorted(set(answers)) == [408, 429] and answers.count(429) >= 20 - BODIES_PER_KEY * 2, answers
     assert closed == 20
     assert errors == 0
+
+
+def test_idle_connections_past_the_open_file_limit_never_kill_a_worker(rel_env, tmp_path):
+    """300 kept-alive connections against one API process whose open-file limit is 256 (soft and hard, as a small
+    container's): each request is answered and none is dropped; the worker holds fewer connections than it has files
+    and takes the rest as kept-alive ones time out. Before: gthread accepted up to 1000, accept() failed with EMFILE
+    and the worker died with every connection it held."""
+    port = free_ports(1)[0]
+    env = {
+        **rel_env,
+        "VSRQ_BIND": f"127.0.0.1:{port}",
+        "VSRQ_WEB_WORKERS": "1",
+        "VSRQ_WEB_THREADS": "4",
+        "VSRQ_WEB_KEEPALIVE_S": "1",  # the idle ones make room for the waiting ones within seconds
+    }
+    limited = (
+        "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'gunicorn', '--config', 'infra/gunicorn.conf.py', "
+        "'api.app:create_app()'])"
+    )
+    api = processes.Process("api-256-files", [sys.executable, "-c", limited], env, tmp_path / "api.log")
+    url = f"http://127.0.0.1:{port}"
+    processes.serving(api.start(), url)
+    try:
+        conns = [_open(url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", b"") for _ in range(300)]
+        answers = [_status_of(conn, 20) for conn in conns]
+        for conn in conns:
+            conn.close()
+        health = _probe(url)[1]
+        log = api.log.read_text()
+    finally:
+        api.stop()
+    booted = log.count("Booting worker")
+    print(f"FIGURE 300 connections, 256 open files: {answers.count(200)} answered 200; workers booted: {booted}")
+    assert answers == [200] * 300 and health == 200, (sorted(answers, key=str), health)
+    assert booted == 1 and "Too many open files" not in log, log[-3000:]
 
 
 def _closed(conn: socket.socket, timeout_s: float) -> bool:

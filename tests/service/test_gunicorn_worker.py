@@ -103,7 +103,7 @@ def kept_alive_conn(sent: bytes) -> tuple[PacedConn, socket.socket]:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())
         accepted, address = listener.accept()
-        conn = PacedConn(Config(), accepted, address, listener.getsockname(), (30, 30, 8 * 1024))
+        conn = PacedConn(Config(), accepted, address, listener.getsockname(), (30, 30, 8 * 1024), lambda close: close())
     client.sendall(sent)
     conn.init()
     assert next(conn.parser).method in ("GET", "POST")

@@ -1,13 +1,16 @@
 """The broker's next messages, read without taking them (storage.queue.next_job_ids, what a worker that prefetches
 the next input guesses from): in exactly the order a consumer then takes them, on the real Redis, with message
-priorities and a key prefix as an operator may configure them."""
+priorities and a key prefix as an operator may configure them; and a requeued job's message, sent to the front."""
 
 from __future__ import annotations
 
 import secrets
 
+import pytest
+
 from storage.config import Settings
-from storage.queue import UPSCALE_TASK, make_celery, next_job_ids
+from storage.jobs import InputInfo, JobStore
+from storage.queue import UPSCALE_TASK, make_celery, next_job_ids, send_upscale
 
 
 def test_the_peek_names_the_jobs_in_the_order_a_worker_takes_them(settings: Settings, redis_client):
@@ -33,3 +36,25 @@ def test_the_peek_names_the_jobs_in_the_order_a_worker_takes_them(settings: Sett
     # lower priority numbers first (kombu's steps 0, 3, 6, 9), oldest first within one
     assert peeked == taken == ["job_a", "job_c", "job_e", "job_d", "job_b"]
     assert next_job_ids(app, [queue]) == []
+
+
+@pytest.mark.parametrize("prefix", ["", "vsrq-front:"])
+def test_a_requeued_job_is_taken_before_the_jobs_that_waited(settings: Settings, jobs: JobStore, redis_client, prefix):
+    """An attempt requeued after a failure or a lost worker waited its turn already: its message goes to the front of
+    the queue, under a Redis key prefix too."""
+    app = make_celery(settings.model_copy(update={"broker_transport_options": {"global_keyprefix": prefix}}))
+    queue = f"vsrq.front-{secrets.token_hex(3)}"
+    records = [
+        jobs.create(owner="erin", model="lanczos", queue=queue, params={}, input=InputInfo(key="k", bytes=0))
+        for _ in range(3)
+    ]
+    for record in records[:2]:
+        send_upscale(app, jobs, record)
+    send_upscale(app, jobs, records[2], first=True)
+
+    taken = []
+    with app.connection_for_read() as connection, connection.SimpleQueue(queue, no_ack=True) as messages:
+        for _ in range(3):
+            taken.append(messages.get_nowait().decode()[0][0])
+    assert taken == [records[2].id, records[0].id, records[1].id]
+    assert not redis_client.keys(f"{prefix}{queue}*")

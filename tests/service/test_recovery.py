@@ -3,7 +3,8 @@
 - a worker killed (SIGKILL) after its first kept window: the reaper requeues the job, a new worker replays the kept
   windows from blob storage, computes only the rest, and writes the same bytes as an uninterrupted job;
 - an attempt that replays every window reports what made them (the tier and its levers); kept windows made in
-  another way are never mixed into an output, and the key keeps them apart where the worker gives other bits;
+  another way are never mixed into an output, and the key keeps them apart where the worker gives other bits or the
+  input holds other bytes;
 - a blob transfer slower than the lease keeps the lease through its progress callbacks (and loses it without them);
 - a job whose Celery message was never sent (the API died between the record and the send) is sent by the reaper.
 """
@@ -225,7 +226,7 @@ def test_a_job_whose_windows_were_all_kept_reports_the_quality_that_made_them(
     job = create_record(jobs, s3, long_clip, queue, quality="high")
     # Every window kept, as by an attempt that died just after its last one: the worker's options (WINDOWS) and key
     options = replace(job_options(job.params, LanczosUpscaler.default_steps), window=13, window_overlap=4)
-    key = windows_key(job, "lanczos", options, LanczosUpscaler())
+    key = windows_key(job, job.input.sha256, "lanczos", options, LanczosUpscaler())
     (tmp_path / "input.mp4").write_bytes(long_clip)
     store = BlobWindowStore(s3, job.id, tmp_path / "windows", key)
     upscale_file(tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
@@ -238,6 +239,38 @@ def test_a_job_whose_windows_were_all_kept_reports_the_quality_that_made_them(
     wait_until(lambda: f"{job.id} completed by attempt 1: " in log.read_text(), 30, log)
     assert re.search(rf"{job.id} completed by attempt 1: .*? 4 of 4 windows restored", log.read_text())
     assert (done.params["quality"], done.output.quality, done.output.quality_levers) == ("high", "lossless", {})
+
+
+def test_windows_kept_for_other_input_bytes_are_never_replayed(request, settings, jobs, s3, queue, long_clip, tmp_path):
+    """A referenced key written again between attempts (as a URL may serve other bytes on each fetch): every window
+    an earlier attempt kept for the old bytes, whose digest it recorded on the job, is computed again from the bytes
+    read now; the output is the new input's, never a mix."""
+    key = upload_key("erin", new_upload_id())
+    old = s3.put(key, io.BytesIO(long_clip))
+    source = InputInfo(key=key, bytes=old.size, sha256=old.sha256, upload_id=key.rsplit("/", 1)[1])
+    params = UpscaleParams(sr_resolution_scale=2, seed=7).model_dump()
+    job = jobs.create(owner="erin", model="lanczos", queue=queue, params=params, input=source)
+    # Attempt 1 kept every window of the old bytes, and recorded their digest (its heartbeat's `input_file`)
+    options = replace(job_options(job.params, LanczosUpscaler.default_steps), window=13, window_overlap=4)
+    (tmp_path / "old.mp4").write_bytes(long_clip)
+    kept_for = windows_key(job, old.sha256, "lanczos", options, LanczosUpscaler())
+    store = BlobWindowStore(s3, job.id, tmp_path / "windows", kept_for)
+    upscale_file(tmp_path / "old.mp4", tmp_path / "old-output.mp4", LanczosUpscaler(), options, store=store)
+    assert len(kept_windows(s3, job.id)) == 4
+    # The key now holds other bytes: the same 37 frames, but not the same pixels
+    new = write_clip(tmp_path / "new.mp4", 37, (144, 192), crf=30, audio_codec="aac")
+    s3.put(key, io.BytesIO(new.read_bytes()))
+    upscale_file(new, tmp_path / "expected.mp4", LanczosUpscaler(), options)
+
+    enqueue(jobs, settings, job)
+    log = request.getfixturevalue("steady_worker")
+    done = wait_until(lambda: ended(jobs, job.id), 120, log)
+    assert done.status == "completed", done
+    wait_until(lambda: f"{job.id} completed by attempt 1: " in log.read_text(), 30, log)
+    assert re.search(rf"{job.id} completed by attempt 1: .*? 0 of 4 windows restored", log.read_text())
+    assert done.input.sha256 == hashlib.sha256(new.read_bytes()).hexdigest()
+    assert output_sha256(s3, done) == hashlib.sha256((tmp_path / "expected.mp4").read_bytes()).hexdigest()
+    s3.delete(key)
 
 
 @pytest.mark.parametrize(("made_otherwise", "computed", "restored"), [(0, [1, 0, 1, 2], 0), (1, [1, 2], 1)])
@@ -294,7 +327,7 @@ def test_the_kept_windows_key_names_what_changes_bits_not_where_the_weights_live
     checkpoint = str(tiny_piflow)
 
     def key(upscaler, quality: str = "lossless") -> str:
-        return windows_key(job, checkpoint, UpscaleOptions(SRRequest(scale=2, quality=quality)), upscaler)
+        return windows_key(job, "0" * 64, checkpoint, UpscaleOptions(SRRequest(scale=2, quality=quality)), upscaler)
 
     memory, offload, speed = (open_upscaler(checkpoint, ["cpu"], mode, None) for mode in ("memory", "offload", "speed"))
     assert key(memory) == key(offload) != key(speed)

@@ -226,32 +226,38 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
 
 
 @pytest.mark.parametrize(
-    "status, code, outcome",
+    "status, code, operation, outcome",
     [
-        (400, "400", "retry"),  # no S3 error document: the request reached storage damaged (a body without its head)
-        (400, "IncompleteBody", "retry"),  # AWS: a body shorter than its Content-Length
-        (499, "ClientDisconnected", "retry"),  # SeaweedFS: the same
-        (400, "RequestTimeout", "retry"),  # the body stalled on its way
-        (400, "BadDigest", "retry"),
-        (400, "XAmzContentSHA256Mismatch", "retry"),
-        (408, "408", "retry"),
-        (409, "OperationAborted", "retry"),  # "a conflicting operation is in progress: try again"
-        (429, "429", "retry"),
-        (503, "SlowDown", "retry"),
-        (500, "InternalError", "retry"),
-        (403, "AccessDenied", "failed"),  # what another try gets the same answer to
-        (403, "InvalidAccessKeyId", "failed"),
-        (403, "SignatureDoesNotMatch", "failed"),
-        (404, "NoSuchBucket", "failed"),
-        (400, "InvalidArgument", "failed"),
-        (400, "EntityTooLarge", "failed"),
+        (400, "400", "PutObject", "retry"),  # no S3 error document: the upload reached storage damaged (no head)
+        (400, "400", "UploadPart", "retry"),
+        (400, "400", "CompleteMultipartUpload", "retry"),
+        (400, "IncompleteBody", "PutObject", "retry"),  # AWS: a body shorter than its Content-Length
+        (400, "BadRequest", "UploadPart", "retry"),
+        (499, "ClientDisconnected", "PutObject", "retry"),  # SeaweedFS: the same
+        (400, "RequestTimeout", "PutObject", "retry"),  # the body stalled on its way
+        (400, "BadDigest", "PutObject", "retry"),
+        (400, "XAmzContentSHA256Mismatch", "PutObject", "retry"),
+        (408, "408", "PutObject", "retry"),
+        (409, "OperationAborted", "PutObject", "retry"),  # "a conflicting operation is in progress: try again"
+        (429, "429", "PutObject", "retry"),
+        (503, "SlowDown", "HeadObject", "retry"),
+        (500, "InternalError", "GetObject", "retry"),
+        (400, "400", "HeadObject", "failed"),  # a request without a body: a bare 400 is a refusal (the wrong region)
+        (400, "BadRequest", "GetObject", "failed"),
+        (400, "IncompleteBody", "ListObjectsV2", "failed"),
+        (403, "AccessDenied", "PutObject", "failed"),  # what another try gets the same answer to
+        (403, "InvalidAccessKeyId", "PutObject", "failed"),
+        (403, "SignatureDoesNotMatch", "PutObject", "failed"),
+        (404, "NoSuchBucket", "PutObject", "failed"),
+        (400, "InvalidArgument", "PutObject", "failed"),
+        (400, "EntityTooLarge", "PutObject", "failed"),
     ],
 )
-def test_storage_answers_are_retried_unless_another_try_gets_the_same(status, code, outcome):
-    """As botocore raises them (a ClientError from the parsed S3 answer): a damaged, timed-out or throttled request is
-    tried again, a refusal is final."""
+def test_storage_answers_are_retried_unless_another_try_gets_the_same(status, code, operation, outcome):
+    """As botocore raises them (a ClientError from the parsed S3 answer): a damaged upload, a timed-out or throttled
+    request is tried again, a refusal (a damaged-looking answer to a request without a body among them) is final."""
     answer = {"Error": {"Code": code, "Message": ""}, "ResponseMetadata": {"HTTPStatusCode": status}}
-    error = ClientError(answer, "PutObject")
+    error = ClientError(answer, operation)
     expected = (outcome, "storage_unavailable") if outcome == "retry" else (outcome, "internal_error")
     assert classify(error)[:2] == expected
 

@@ -202,8 +202,12 @@ class SREngine:
         signature are never replayed into this engine's output (worker.kept_windows). Left out, as they give the same
         bits: the decode order, where the weights live (offload), the tile batch and, for whole tiles, the device
         count (tests/test_execution.py, tests/test_offload.py)."""
+        import diffusers
+
         parts: dict[str, Any] = {
+            "weights": self.replicas[0].identity,  # a weights update under the same path
             "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
             "devices": sorted({_device_kind(device) for device in self.devices}),
             "dtype": str(self.replicas[0].dtype),
             "attention": self.attention,
@@ -213,6 +217,8 @@ class SREngine:
             # a split tile matches a whole one to float rounding, not to the bit; the degree follows the device count
             "split": "off" if self.split == "off" else f"{self.split} of {len(self.replicas)} devices",
         }
+        if any(device.type == "cuda" for device in self.devices):  # their kernels, and so their bits, change by release
+            parts["cuda"], parts["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
         levers = quality.request_levers(request.quality, self.high_levers)
         if levers:
             parts["levers"] = list(levers)

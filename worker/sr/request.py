@@ -4,7 +4,7 @@ the call did. Every upscaler (the engine, Lanczos, the window runner) speaks the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -83,6 +83,12 @@ class RunInfo:
         return {name: value for name, value in asdict(self).items() if name != "stage_seconds"}
 
     @classmethod
-    def of_kept(cls, kept: dict[str, Any]) -> RunInfo:
-        sizes = {name: tuple(kept[name]) for name in ("input_size", "output_size", "padded_input")}
-        return cls(**{**kept, **sizes, "devices": list(kept["devices"]), "levers": dict(kept["levers"])})
+    def of_kept(cls, kept: Any) -> RunInfo | None:
+        """`kept()` read back; None where it cannot be read (the window is computed again). Fields this version does
+        not know (kept by a newer worker, in a rolling deploy) are left out."""
+        try:
+            known = {name: kept[name] for name in {f.name for f in fields(cls)} & kept.keys()}
+            sizes = {name: tuple(kept[name]) for name in ("input_size", "output_size", "padded_input")}
+            return cls(**{**known, **sizes, "devices": list(kept["devices"]), "levers": dict(kept["levers"])})
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None

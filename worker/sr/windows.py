@@ -148,12 +148,14 @@ class DirectoryWindowStore:
         if not meta.exists():
             return None
         kept = json.loads(meta.read_text())
-        if "made" not in kept:  # kept by a version that did not say what made it: computed again
+        # kept by a version that did not say what made it, or says it in a way this one cannot read: computed again
+        made = RunInfo.of_kept(kept.get("made"))
+        if made is None:
             return None
         pixels = np.memmap(self._path(index, "u8"), dtype=np.uint8, mode="r", shape=tuple(kept["shape"]))
         tail_path = self._path(index, "tail.npy")
         tail = torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None
-        return StoredWindow(pixels, tail, RunInfo.of_kept(kept["made"]))
+        return StoredWindow(pixels, tail, made)
 
     def record(self, index: int) -> _DirectoryRecorder:
         return _DirectoryRecorder(self, index)
