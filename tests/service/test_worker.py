@@ -223,6 +223,11 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
     assert classify(stalled)[:2] == ("retry", "storage_unavailable")
     outcome, code, message = classify(KeyError("sr_resolution_scale"))
     assert (outcome, code) == ("failed", "internal_error") and "sr_resolution_scale" not in message
+    # a full scratch disk anywhere in the attempt (a kept window, the MP4), not only the input's download: retried
+    with pytest.raises(OSError) as full, open("/dev/full", "wb", buffering=0) as disk:
+        disk.write(b"frame")
+    assert classify(full.value)[:2] == ("retry", "worker_disk_full")
+    assert classify(PermissionError(13, "denied"))[:2] == ("failed", "internal_error")
 
 
 @pytest.mark.parametrize(
