@@ -258,7 +258,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         else:
             try:
                 input_from = "prefetch"  # downloaded while the previous job ran, if storage still holds that blob
-                if not _prefetcher.take(job.input.key, source, beat.stop_if_cancelled):
+                known = job.input.sha256 if job.input.owned_by_job else None  # the bytes the API hashed
+                if not _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known):
                     input_from = "storage"
                     beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
             except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
@@ -272,7 +273,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
             beat.stop_if_cancelled(input_file=digest, force=True)
         head = {"fetched": monotonic()}
-        _prefetcher.ahead(job)  # the next job's input downloads while this one's engine runs
+        _prefetcher.ahead(job, source)  # the next job's input downloads while this one's engine runs
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.

@@ -9,6 +9,7 @@ its figures on one line starting `FIGURE `:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -19,7 +20,6 @@ import re
 import signal
 import socket
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1087,16 +1087,35 @@ def prefetched(worker: Process, job_id: str, limit_s: float = 60) -> None:
     worker.wait_for(lambda: f"prefetched the input of {job_id}" in worker.text(), f"{job_id} prefetched", limit_s)
 
 
-def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(api, reaper, jobs, blobs, clips, workers):
+def prefetch_directory(worker: Process) -> Path:
+    """The cache directory `worker` made (named at random: nobody can make it in advance)."""
+    found = re.search(r'prefetching inputs into ([^\s"]+)', worker.text())
+    assert found, worker.text()[-3000:]
+    return Path(found[1])
+
+
+def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
+    api, reaper, jobs, blobs, clips, workers, tmp_path
+):
     """Jobs queued before the worker starts: every job but the first reads the input downloaded while the job before
-    it ran, and writes the bytes the first one, which downloaded its input once leased, wrote."""
+    it ran, and writes the bytes the first one, which downloaded its input once leased, wrote. A killed worker's cache
+    (its lock file held by nobody) is removed by the next worker, a live one's (another worker sharing the volume, in
+    another PID namespace) is not."""
+    dead, live = tmp_path / "vsrq-prefetch-dead", tmp_path / "vsrq-prefetch-live"
+    for directory in (dead, live):
+        directory.mkdir()
+        (directory / "input-guess").write_bytes(b"a killed worker's download")
+        (directory / "lock").touch()
+    holder = os.open(live / "lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # as the live worker holds it
     # the medium clip: x264 writes the 96x64 small one's frames to other bytes from run to run (same pixels in)
     ids = [create(api, clips["medium"]) for _ in range(4)]
-    worker = started(workers())  # the default: prefetch on
+    worker = started(workers(VSRQ_WORKER_PREFETCH_DIR=str(tmp_path)))  # the default: prefetch on
     records = wait_all(jobs, ids, limit_s=120)
-    cache = Path(tempfile.gettempdir(), f"vsrq-prefetch-{worker.pid}")
+    cache = prefetch_directory(worker)
     left = sorted(path.name for path in cache.iterdir()) if cache.is_dir() else None  # each copy moved into its job
     worker.stop()
+    os.close(holder)
     ordered = sorted(records, key=lambda job: leases(jobs, job.id)[0])
     inputs = [run_detail(jobs, job.id)["input"] for job in ordered]
     print(
@@ -1107,7 +1126,29 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(api, reape
     assert all(job.status == Status.COMPLETED and job.attempt == 1 for job in records), records
     assert inputs == ["storage"] + ["prefetch"] * (len(ids) - 1)
     assert {job.output.sha256 for job in records} == {ordered[0].output.sha256}
-    assert left == [] and not cache.exists()
+    assert cache.parent == tmp_path and left == ["lock"] and not cache.exists()
+    assert not dead.exists() and (live / "input-guess").exists()
+
+
+def test_a_prefetch_stuck_on_a_dead_connection_does_not_hold_its_job(
+    stack, api, reaper, jobs, blobs, clips, workers, s3_cut
+):
+    """The next job's input prefetched on a connection that goes dead (no answer, a long client timeout): when that
+    job starts, it waits for the download only while bytes arrive, then downloads its input itself, long before the
+    stuck call's timeout."""
+    partition, through = s3_cut
+    first, second = create(api, clips["medium"]), create(api, clips["small"])
+    partition.hang(f"GET /{stack.bucket}/{input_key(jobs, second)}".encode())  # the prefetch's GET
+    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": "60"}))
+    started_at = time.monotonic()
+    records = wait_all(jobs, [first, second], limit_s=40)  # the stuck GET would hold the job 60 s
+    seconds = time.monotonic() - started_at
+    print(f"FIGURE stuck_prefetch: {[job.status.value for job in records]} in {seconds:.1f} s, the second's input "
+          f"from {run_detail(jobs, second)['input']}")  # fmt: skip
+    assert partition.hung == 1
+    assert [job.status for job in records] == [Status.COMPLETED] * 2, records
+    assert run_detail(jobs, second)["input"] == "storage"
+    assert "moved no bytes" in worker.text()
 
 
 def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(api, reaper, jobs, blobs, clips, workers):
