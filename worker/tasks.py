@@ -134,6 +134,8 @@ def _finish_tails(**_: Any) -> None:
     done again by another worker. Not a stuck one: its job is left to its lease, and the process exits at once, Celery
     having shut down by now (its consumer closed, its messages acknowledged or given back): the stuck call's threads
     (boto3's transfer threads among them) would hold a normal exit."""
+    _prefetcher.close()  # first: a guess no job will use stops downloading, and its files go (os._exit below skips
+    # every later handler)
     if not _finisher.busy():
         return
     log.info("waiting for the last job's tail before shutting down")
@@ -145,11 +147,6 @@ def _finish_tails(**_: Any) -> None:
             )  # fmt: skip
             logging.shutdown()  # flushes the log
             os._exit(EX_SOFTWARE)
-
-
-@worker_shutdown.connect
-def _drop_prefetched(**_: Any) -> None:
-    _prefetcher.close()
 
 
 _finisher = Finisher()

@@ -1036,12 +1036,14 @@ def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, c
     assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
 
 
-def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(stack, env, api, reaper, jobs, blobs, clips, logs):
+def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(
+    stack, env, api, reaper, jobs, blobs, clips, logs, tmp_path
+):
     """A tail stuck in a call that never returns (its upload gets no answer, and the client's timeout outlasts the
     test) must not hold the job behind it, its lease renewed, forever. Silent past the lease's length, the tail is
     stuck: the waiting job goes back to the queue, the worker takes no more jobs and exits (status 70) for its
     supervisor to start a new one, which completes both jobs (the stuck one's once its lease ran out): one output
-    each."""
+    each. The exiting worker leaves no prefetched input (the next job's, queued behind) on its disk."""
     partition = Partition(("127.0.0.1", stack.ports["s3"]))
     lease_s = 4
     stuck = {
@@ -1051,24 +1053,32 @@ def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(stack, env, a
         "VSRQ_LEASE_S": str(lease_s),
         "VSRQ_WORKER_STORAGE_RETRY_S": "1",  # the tail's lease is kept this long into its upload, then runs out
     }
-    supervisor = Supervisor(lambda: processes.worker(stuck, QUEUE, logs))
+    tailing, following, behind = (create(api, clips[name]) for name in ("medium", "small", "small"))
+    partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
+    # each worker its own prefetch root: the next one's sweep of dead workers' caches cannot clean up for the first
+    roots = iter(tmp_path / str(n) for n in range(100))
+    supervisor = Supervisor(
+        lambda: processes.worker({**stuck, "VSRQ_WORKER_PREFETCH_DIR": str(next(roots))}, QUEUE, logs)
+    )
     try:
         first = started(supervisor.current)
-        tailing = create(api, clips["medium"])
-        partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
-        following = create(api, clips["small"])
         records = wait_all(jobs, [tailing, following], limit_s=60)
+        last = wait_all(jobs, [behind], limit_s=30)[0]
     finally:
         supervisor.stop()
         partition.close()
+    left = [path.name for path in (tmp_path / "0").glob("*")]
     reasons = [[requeue["reason"]["code"] for requeue in requeues(jobs, job.id)] for job in records]
     print(
         f"FIGURE stuck_tail: {[(job.status.value, job.attempt) for job in records]}, requeued for {reasons}, the "
-        f"stuck worker exited with {first.exit_status}, workers started {len(supervisor.history)}"
+        f"stuck worker exited with {first.exit_status}, workers started {len(supervisor.history)}, its prefetch "
+        f"cache left {left}"
     )
     assert partition.hung == 1
     assert first.exit_status == 70, first.text()[-3000:]
     assert '"reason": "tail_stuck"' in first.text()
+    assert f"prefetched the input of {following}" in first.text() and left == []
+    assert last.status == Status.COMPLETED
     assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
     assert reasons == [["lease_expired"], ["worker_tail_stuck"]]  # the waiting job was sent back, not reaped
     for job in records:
