@@ -1161,27 +1161,39 @@ def test_a_prefetch_stuck_on_a_dead_connection_does_not_hold_its_job(
     assert "moved no bytes" in worker.text()
 
 
-def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(api, reaper, jobs, blobs, clips, workers):
+def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(
+    stack, api, reaper, jobs, blobs, clips, workers, s3_cut
+):
     """The next job's input prefetched, then the job cancelled, its input written again, or deleted: the cancelled job
     is not run, the others read what storage holds when they start (never the prefetched copy)."""
-    # each target queued behind a job of a couple of seconds, so that its input is prefetched while that one runs
+    partition, through = s3_cut
     first, cancelled, second, rewritten, third, deleted = (
         create(api, clips[name]) for name in ("medium", "small", "medium", "small", "medium", "small")
     )
-    worker = started(workers())
+    # each target's input is prefetched while the job before it runs; that job's output upload (its tail inline) is
+    # held until the cancel, the rewrite or the delete is done, so the target starts after it however slow the
+    # machine (on a fast one the job has not reached its upload by then: nothing to hold)
+    held = {job_id: f"PUT /{stack.bucket}/outputs/{job_id}/".encode() for job_id in (first, second, third)}
+    for marker in held.values():
+        partition.hold(marker)
+    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": "60", "VSRQ_WORKER_OVERLAP_TAIL": "false"}))
     prefetched(worker, cancelled)
     response = requests.post(f"{api}/v1/videos/{cancelled}/cancel", headers=AUTH, timeout=30)
     assert response.status_code == 200, response.text
+    partition.release(held[first])
     prefetched(worker, rewritten)
     blobs.put(input_key(jobs, rewritten), io.BytesIO(clips["medium"]), content_type="video/mp4")
+    partition.release(held[second])
     prefetched(worker, deleted)
     blobs.delete(input_key(jobs, deleted))
+    partition.release(held[third])
     records = dict(zip(("first", "cancelled", "second", "rewritten", "third", "deleted"),
                        wait_all(jobs, [first, cancelled, second, rewritten, third, deleted], limit_s=180)))  # fmt: skip
     print(
         "FIGURE prefetch_guesses: "
         + ", ".join(f"{name} {job.status.value}/{(run_detail(jobs, job.id) if job.output else {}).get('input')}"
                     for name, job in records.items())  # fmt: skip
+        + f"; uploads held until the action was done {partition.held}"
     )
     assert records["cancelled"].status == Status.CANCELLED and leases(jobs, cancelled) == []
     assert outputs(blobs, cancelled) == []
