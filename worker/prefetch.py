@@ -216,7 +216,7 @@ class Prefetcher:
                 return
             directory = self._cache()
             # the running job's frames and MP4 come first: a prefetch must never leave it without room
-            room = shutil.disk_usage(directory).free - _scratch_bytes(source, scale)
+            room = shutil.disk_usage(directory).free - scratch_bytes(source, scale)
             if info.size > min(service.worker_settings().prefetch_max_bytes, room):
                 log.info("the input of %s is not prefetched: %d bytes, %d free beside this job's", job.id, info.size,
                          room)  # fmt: skip
@@ -311,7 +311,7 @@ def _abandoned(directory: Path) -> bool:
     return True
 
 
-def _scratch_bytes(source: Path, scale: float) -> int:
+def scratch_bytes(source: Path, scale: float) -> int:
     """What the running job (its input `source`, upscaled `scale` times) will write to its scratch disk at most: its
     upscaled frames as raw RGB (kept windows, the encoder's input) and an MP4 of its input's bits per pixel."""
     with av.open(str(source)) as container:
