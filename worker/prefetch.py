@@ -35,6 +35,7 @@ import av
 import botocore.exceptions
 import redis.exceptions
 
+from storage.blobs import BlobNotFound
 from storage.jobs import JobRecord, Status
 from storage.queue import next_job_ids
 from worker import metrics, service
@@ -49,7 +50,13 @@ _UNLOCKED_GRACE_S = 60  # a directory with no lock file yet is being made, unles
 _STALLED_BEATS = 10
 _CHUNK = 1 << 20
 # Expected failures (an outage of storage or of Redis): one line each, no traceback
-_EXPECTED = (OSError, redis.exceptions.RedisError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
+_EXPECTED = (
+    OSError,
+    BlobNotFound,
+    redis.exceptions.RedisError,
+    botocore.exceptions.BotoCoreError,
+    botocore.exceptions.ClientError,
+)
 
 
 @dataclass(frozen=True)
@@ -274,6 +281,8 @@ class Prefetcher:
     def _cache(self) -> Path:
         """This process's directory, made on first use beside the jobs' scratch directories (a move into one is a
         rename), under a name no other user can take in advance; those of processes that are gone are removed."""
+        if self._closed:  # shutting down: no directory made after close removed this one's
+            raise _Aborted
         if self._directory is None:
             root = service.worker_settings().prefetch_dir or Path(tempfile.gettempdir())
             root.mkdir(parents=True, exist_ok=True)
