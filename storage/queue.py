@@ -16,7 +16,7 @@ from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from storage.config import Settings
-from storage.jobs import JobRecord, JobStore
+from storage.jobs import JOB_ID, JobRecord, JobStore
 
 UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry a header (worker.tasks.upscale)
 
@@ -113,6 +113,8 @@ def _upscale_job_id(raw: bytes) -> str | None:
         if envelope.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         args = json.loads(body)[0]
-        return str(args[0]) if args else None
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+    except Exception:  # anything a stranger's bytes can raise (RecursionError on deep nesting): one message skipped
         return None
+    if isinstance(args, list) and args and isinstance(args[0], str) and JOB_ID.fullmatch(args[0]):
+        return args[0]
+    return None

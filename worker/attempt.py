@@ -26,7 +26,7 @@ from storage.queue import send_upscale
 from worker import service
 from worker.celery_app import app
 from worker.errors import Cancelled, PermanentError, TailStuck
-from worker.fetch import FetchUnavailable, WorkerDiskFull
+from worker.fetch import NO_ROOM, FetchUnavailable, WorkerDiskFull
 
 log = logging.getLogger("vsrq.worker")
 
@@ -47,6 +47,9 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     # the input's origin is down or slow, or this worker's disk is full: the next attempt (or worker) may succeed
     if isinstance(error, (FetchUnavailable, WorkerDiskFull)):
         return "retry", error.code, error.message
+    if isinstance(error, OSError) and error.errno in NO_ROOM:  # the scratch disk filled anywhere else in the attempt
+        message = f"The worker ran out of disk space ({error.strerror}); another attempt will try again."
+        return "retry", WorkerDiskFull.code, message
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "retry", "gpu_oom", "The GPU ran out of memory."
     if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):

@@ -35,7 +35,7 @@ MAX_REDIRECTS = 5
 CHUNK = 256 * 1024
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # Writing the body found no room: a full disk, a quota, or a file-size limit (RLIMIT_FSIZE) on this worker
-_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class FetchFailed(PermanentError):
@@ -152,7 +152,7 @@ def _save(
                 if cancelled():
                     raise Cancelled("the job was cancelled")
     except OSError as error:  # these come from the file, never the socket; others are network failures (_translated)
-        if error.errno in _NO_ROOM:
+        if error.errno in NO_ROOM:
             raise WorkerDiskFull(
                 f"The worker ran out of disk space after {size} bytes of the input ({error.strerror}); "
                 "another attempt (maybe on another worker) will try again."

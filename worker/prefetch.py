@@ -5,25 +5,37 @@ any: storage.queue.next_job_ids); the first whose job is queued is the guess, an
 fetched once leased, behind the SSRF checks) is downloaded on a thread of its own into a cache of one entry, a
 directory of this process. When a job starts, `take` moves the cached file into its scratch directory if the key is
 the job's and storage still holds the same blob (a HEAD: its ETag and size); anything else (no entry, another key, a
-blob written again or deleted, storage out of reach) leaves the job to download its input as before.
+blob written again or deleted, storage out of reach, a download of the key that moves no bytes) leaves the job to
+download its input as before.
 
 Nothing here touches a lease, a message or a job's state: a guess that does not come true (another worker took the
-message, the job was cancelled or deleted, a requeued job went to the front) costs one download, never a run. Disk is
-bounded: one input at a time, none over `prefetch_max_bytes` or half the disk's free room, the file removed when used,
-replaced or stale and the directory at shutdown (a killed worker's is removed by the next one to start).
+message, the job was cancelled or deleted, a requeued job went to the front) costs one download, never a run. Each
+download goes to a file of its own, named in the entry, so a job is only ever handed the bytes downloaded for its key.
+Disk is bounded: one input at a time, none over `prefetch_max_bytes` nor over what the disk has left once the running
+job has written its frames and its MP4; the file is removed when used, replaced or stale and the directory at shutdown
+(a killed worker's, whose lock file no process holds, by the next one to start).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
+import av
+import botocore.exceptions
+import redis.exceptions
+
+from storage.blobs import BlobNotFound
 from storage.jobs import JobRecord, Status
 from storage.queue import next_job_ids
 from worker import metrics, service
@@ -31,6 +43,20 @@ from worker import metrics, service
 log = logging.getLogger("vsrq.worker")
 
 _DIRECTORY_PREFIX = "vsrq-prefetch-"
+_LOCK = "lock"  # flock'ed by the directory's process for its life: one nobody holds is a dead process's
+_UNLOCKED_GRACE_S = 60  # a directory with no lock file yet is being made, unless it is older than this
+# A download of the job's own key that moves no bytes for this many heartbeats is a dead connection: the job stops
+# waiting for it and downloads its input itself (a call that hangs must not hold a job under a renewed lease)
+_STALLED_BEATS = 10
+_CHUNK = 1 << 20
+# Expected failures (an outage of storage or of Redis): one line each, no traceback
+_EXPECTED = (
+    OSError,
+    BlobNotFound,
+    redis.exceptions.RedisError,
+    botocore.exceptions.BotoCoreError,
+    botocore.exceptions.ClientError,
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +65,18 @@ class _Entry:
     key: str
     etag: str | None
     size: int
-    path: Path
+    sha256: str
+    path: Path  # this download's own file
+
+
+@dataclass
+class _Flight:
+    """A download on its way: the thread downloading it, its key, and when its last bytes arrived."""
+
+    thread: threading.Thread
+    key: str
+    abort: threading.Event
+    moved: float = field(default_factory=time.monotonic)
 
 
 class _Aborted(Exception):
@@ -51,46 +88,52 @@ class Prefetcher:
         self._queues = queues  # the queues this worker consumes, the order it takes them in
         self._lock = threading.Lock()
         self._entry: _Entry | None = None
-        self._thread: threading.Thread | None = None
-        self._in_flight: str | None = None  # the key being downloaded
+        self._thread: threading.Thread | None = None  # the newest prefetch thread
+        self._flight: _Flight | None = None  # the download on its way, by whichever thread
         self._abort = threading.Event()
         self._directory: Path | None = None
+        self._held: int | None = None  # the directory's lock file, flock'ed
+        self._closed = False
 
-    def ahead(self, current: JobRecord) -> None:
-        """Starts the next job's download in the background, while `current` (whose input is here) runs. Returns at
-        once; a download still on its way (a large input) is left to finish instead."""
+    def ahead(self, current: JobRecord, source: Path) -> None:
+        """Starts the next job's download in the background, while `current` (whose input is `source`) runs. Returns
+        at once; a download still on its way (a large input) is left to finish instead."""
         if not service.worker_settings().prefetch_input:
             return
         with self._lock:
             previous = self._thread
-            if previous is not None and previous.is_alive() and not self._abort.is_set():
+            if self._closed or (previous is not None and previous.is_alive() and not self._abort.is_set()):
                 return
             self._abort = abort = threading.Event()
+            scale = float(current.params.get("sr_resolution_scale", 4))
             self._thread = threading.Thread(
-                target=self._prefetch, args=(current.id, previous, abort), name="vsrq-prefetch", daemon=True
+                target=self._prefetch,
+                args=(current.id, source, scale, previous, abort),
+                name="vsrq-prefetch",
+                daemon=True,
             )
             self._thread.start()
 
-    def take(self, key: str, path: Path, waiting: Callable[[], None]) -> bool:
-        """Puts the prefetched copy of blob `key` at `path` if there is one and storage still holds that blob: whether
-        it did. A download of `key` still on its way is waited for, `waiting` called between looks (the lease's beat:
-        it raises on a cancel); one of another key is dropped."""
+    def take(self, key: str, path: Path, waiting: Callable[[], None], sha256: str | None = None) -> bool:
+        """Puts the prefetched copy of blob `key` at `path` if there is one and storage still holds that blob (and its
+        SHA-256 is `sha256`, when known): whether it did. A download of `key` still on its way is waited for while it
+        moves bytes, `waiting` called between looks (the lease's beat: it raises on a cancel); one of another key is
+        dropped."""
         if not service.worker_settings().prefetch_input:
             return False
         with self._lock:
-            thread, in_flight = self._thread, self._in_flight
-            if thread is not None and in_flight is not None and in_flight != key:
-                self._abort.set()
-        if thread is not None and in_flight == key:
-            while thread.is_alive():
-                thread.join(service.worker_settings().heartbeat_s)
-                waiting()
+            flight = self._flight
+            if flight is not None and flight.key != key:
+                flight.abort.set()
+        if flight is not None and flight.key == key and not self._waited(flight, waiting):
+            metrics.INPUT_PREFETCH.labels("miss").inc()
+            return False
         with self._lock:
             entry = self._entry
             if entry is None or entry.key != key:  # kept: a guess can come true a job later (a requeued job first)
                 metrics.INPUT_PREFETCH.labels("miss").inc()
                 return False
-            self._entry = None
+            self._entry = None  # the entry's file is now this call's alone: no other thread writes its name
         try:
             now = service.blobs().head(key)
         except Exception as error:  # the job's own download waits out an outage
@@ -98,36 +141,72 @@ class Prefetcher:
             entry.path.unlink(missing_ok=True)
             metrics.INPUT_PREFETCH.labels("miss").inc()
             return False
-        if now is None or (now.etag, now.size) != (entry.etag, entry.size):
+        if (
+            now is None
+            or (now.etag, now.size) != (entry.etag, entry.size)
+            or (sha256 is not None and sha256 != entry.sha256)
+        ):
             entry.path.unlink(missing_ok=True)
             metrics.INPUT_PREFETCH.labels("stale").inc()
             log.info("the prefetched input %s changed or is gone: not used", key)
             return False
         try:
             shutil.move(entry.path, path)  # a rename: the scratch directory is on the same disk
+            moved = path.stat().st_size
         except OSError as error:  # removed under us (a temp cleaner): the job downloads its input itself
             log.warning("the prefetched input %s could not be used: %s", key, error)
             metrics.INPUT_PREFETCH.labels("miss").inc()
+            return False
+        if moved != entry.size:  # never expected: the job downloads the bytes it names itself
+            log.warning("the prefetched input %s has %d bytes, not %d: not used", key, moved, entry.size)
+            path.unlink(missing_ok=True)
+            metrics.INPUT_PREFETCH.labels("stale").inc()
             return False
         metrics.INPUT_PREFETCH.labels("hit").inc()
         return True
 
     def close(self) -> None:
-        """At shutdown: stops a download on its way and removes the cache."""
+        """At shutdown: stops a download on its way and removes the cache. No download starts after it."""
         with self._lock:
+            self._closed = True
             self._abort.set()
+            if self._flight is not None:
+                self._flight.abort.set()
             thread, self._entry = self._thread, None
-        if thread is not None:
-            thread.join(10)
+        if thread is not None:  # a thread stuck in a dead connection is left to die with the process (a daemon)
+            thread.join(1)
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
+
+    def _waited(self, flight: _Flight, waiting: Callable[[], None]) -> bool:
+        """Waits for the download of the job's own key while bytes arrive: whether it ended (False: it stalled, and is
+        dropped)."""
+        every_s = service.worker_settings().heartbeat_s
+        while flight.thread.is_alive():
+            flight.thread.join(every_s)
+            waiting()
+            if flight.thread.is_alive() and (silent_s := time.monotonic() - flight.moved) >= _STALLED_BEATS * every_s:
+                flight.abort.set()  # it ends at its next bytes, or its call's timeout
+                log.warning(
+                    "the prefetch of %s moved no bytes for %.1f s: dropped, the job downloads its input", flight.key,
+                    silent_s,
+                )  # fmt: skip
+                return False
+        return True
 
     # -- the prefetch thread ---------------------------------------------------------------------------------------
 
-    def _prefetch(self, current: str, previous: threading.Thread | None, abort: threading.Event) -> None:
+    def _prefetch(
+        self, current: str, source: Path, scale: float, previous: threading.Thread | None, abort: threading.Event
+    ) -> None:
         if previous is not None:  # an aborted download, ending at its next chunk: one file at a time
             previous.join()
-        partial: Path | None = None
+        flight: _Flight | None = None
+        file: Path | None = None
         try:
             job = self._guess(current)
             key = job.input.key if job is not None else None
@@ -140,42 +219,45 @@ class Prefetcher:
                 return
             blobs = service.blobs()
             info = blobs.head(key)
-            directory = self._cache()
-            room = shutil.disk_usage(directory).free // 2  # the rest for the running job's scratch and output
             if info is None or info.etag is None:  # gone, or a store that cannot tell a blob written again
                 return
+            directory = self._cache()
+            # the running job's frames and MP4 come first: a prefetch must never leave it without room
+            room = shutil.disk_usage(directory).free - scratch_bytes(source, scale)
             if info.size > min(service.worker_settings().prefetch_max_bytes, room):
+                log.info("the input of %s is not prefetched: %d bytes, %d free beside this job's", job.id, info.size,
+                         room)  # fmt: skip
                 return
             with self._lock:
                 if abort.is_set():
                     return
-                self._in_flight = key
-            partial = directory / "input.partial"
+                self._flight = flight = _Flight(threading.current_thread(), key, abort)
+            handle, name = tempfile.mkstemp(prefix="input-", dir=directory)  # this download's own file
+            os.close(handle)
+            file = Path(name)
 
-            def progress(_: int) -> None:
-                if abort.is_set():
-                    raise _Aborted
-
-            blobs.download(key, partial, progress)
+            size, sha256 = _download(blobs.open(key), file, flight)
             after = blobs.head(key)
             if after is None or (after.etag, after.size) != (info.etag, info.size):  # written again meanwhile
                 return
-            path = directory / "input"
-            os.replace(partial, path)
+            known = job.input.sha256 if job.input.owned_by_job else None  # a referenced key's may be an old read's
+            if size != info.size or (known is not None and known != sha256):
+                log.warning("the prefetched input of %s is not the blob its job names: dropped", job.id)
+                return
             with self._lock:
                 if not abort.is_set():
-                    self._entry = _Entry(job.id, key, info.etag, info.size, path)
+                    self._entry = _Entry(job.id, key, info.etag, info.size, sha256, file)
+                    file = None  # the entry's now
                     log.info("prefetched the input of %s, next in the queue (%d bytes)", job.id, info.size)
-                    return
-            path.unlink(missing_ok=True)
         except Exception as error:  # a prefetch is only ever a guess: the job downloads its input itself
             if not abort.is_set():
-                log.warning("prefetching the next input failed: %s", error, exc_info=not isinstance(error, OSError))
+                log.warning("prefetching the next input failed: %s", error, exc_info=not isinstance(error, _EXPECTED))
         finally:
             with self._lock:
-                self._in_flight = None
-            if partial is not None:
-                partial.unlink(missing_ok=True)
+                if self._flight is not None and self._flight is flight:
+                    self._flight = None
+            if file is not None:
+                file.unlink(missing_ok=True)
 
     def _guess(self, current: str) -> JobRecord | None:
         """The job this worker most likely runs next: the first message it would take whose job is queued (others are
@@ -197,24 +279,71 @@ class Prefetcher:
             entry.path.unlink(missing_ok=True)
 
     def _cache(self) -> Path:
-        """This process's directory, made on first use; those of processes that are gone (killed) are removed."""
+        """This process's directory, made on first use beside the jobs' scratch directories (a move into one is a
+        rename), under a name no other user can take in advance; those of processes that are gone are removed."""
+        if self._closed:  # shutting down: no directory made after close removed this one's
+            raise _Aborted
         if self._directory is None:
-            root = Path(tempfile.gettempdir())
+            root = service.worker_settings().prefetch_dir or Path(tempfile.gettempdir())
+            root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(f"{_DIRECTORY_PREFIX}*"):
-                pid = stale.name.removeprefix(_DIRECTORY_PREFIX)
-                if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+                if _abandoned(stale):
                     shutil.rmtree(stale, ignore_errors=True)
-            directory = root / f"{_DIRECTORY_PREFIX}{os.getpid()}"
-            directory.mkdir(mode=0o700)
-            self._directory = directory
+            directory = Path(tempfile.mkdtemp(prefix=_DIRECTORY_PREFIX, dir=root))
+            held = os.open(directory / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._directory, self._held = directory, held
+            log.info("prefetching inputs into %s", directory)
         return self._directory
 
 
-def _alive(pid: int) -> bool:
+def _abandoned(directory: Path) -> bool:
+    """Whether a prefetch directory is a dead process's: this user's, and its lock file held by no process (flock
+    works across PID namespaces that share the volume, where a PID says nothing)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        if directory.stat().st_uid != os.geteuid():
+            return False
+        handle = os.open(directory / _LOCK, os.O_RDWR)
+    except FileNotFoundError:  # being made, or made by a process killed before it locked it
+        try:
+            return time.time() - directory.stat().st_mtime > _UNLOCKED_GRACE_S
+        except OSError:
+            return False
+    except OSError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # its process is alive
+        return False
+    finally:
+        os.close(handle)
     return True
+
+
+def scratch_bytes(source: Path, scale: float) -> int:
+    """What the running job (its input `source`, upscaled `scale` times) will write to its scratch disk at most: its
+    upscaled frames as raw RGB (kept windows, the encoder's input) and an MP4 of its input's bits per pixel."""
+    with av.open(str(source)) as container:
+        stream = container.streams.video[0]
+        frames = stream.frames
+        if not frames:  # not in the header (a fragmented MP4, a Matroska file): from its duration
+            seconds = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
+            frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
+        width, height = stream.codec_context.width, stream.codec_context.height
+    pixels = scale * scale
+    return round(frames * width * height * pixels * 3 + source.stat().st_size * pixels)
+
+
+def _download(body: BinaryIO, file: Path, flight: _Flight) -> tuple[int, str]:
+    """The blob's bytes into `file`, on this (daemon) thread: a read stuck on a dead connection holds no exit, as
+    boto3's transfer threads would. Hashed on the way. Returns (bytes, SHA-256)."""
+    digest, size = hashlib.sha256(), 0
+    with body, file.open("wb") as sink:
+        while chunk := body.read(_CHUNK):
+            if flight.abort.is_set():
+                raise _Aborted
+            flight.moved = time.monotonic()
+            digest.update(chunk)
+            sink.write(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()

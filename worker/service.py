@@ -54,6 +54,9 @@ class WorkerSettings(BaseSettings):
     # (worker.prefetch); off: each job downloads its input once leased
     prefetch_input: bool = True
     prefetch_max_bytes: int = 4 * 2**30  # a larger input is not prefetched (disk: the cache holds one input)
+    # Where the cache's directory is made: on the disk of the jobs' scratch directories (TMPDIR), so that handing a
+    # job its input is a rename. Unset: the system's temporary directory, where those go
+    prefetch_dir: Path | None = None
     storage_retry_s: float = 120  # a blob storage outage this long is waited out inside the attempt
     # A tail that has delivered no heartbeat this long is stuck (unset: the lease's length, past which its job is the
     # reaper's anyway): the job waiting for it goes back to the queue and the worker exits (worker.tasks)

@@ -134,6 +134,8 @@ def _finish_tails(**_: Any) -> None:
     done again by another worker. Not a stuck one: its job is left to its lease, and the process exits at once, Celery
     having shut down by now (its consumer closed, its messages acknowledged or given back): the stuck call's threads
     (boto3's transfer threads among them) would hold a normal exit."""
+    _prefetcher.close()  # first: a guess no job will use stops downloading, and its files go (os._exit below skips
+    # every later handler)
     if not _finisher.busy():
         return
     log.info("waiting for the last job's tail before shutting down")
@@ -145,11 +147,6 @@ def _finish_tails(**_: Any) -> None:
             )  # fmt: skip
             logging.shutdown()  # flushes the log
             os._exit(EX_SOFTWARE)
-
-
-@worker_shutdown.connect
-def _drop_prefetched(**_: Any) -> None:
-    _prefetcher.close()
 
 
 _finisher = Finisher()
@@ -258,7 +255,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         else:
             try:
                 input_from = "prefetch"  # downloaded while the previous job ran, if storage still holds that blob
-                if not _prefetcher.take(job.input.key, source, beat.stop_if_cancelled):
+                known = job.input.sha256 if job.input.owned_by_job else None  # the bytes the API hashed
+                if not _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known):
                     input_from = "storage"
                     beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
             except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
@@ -272,7 +270,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
             beat.stop_if_cancelled(input_file=digest, force=True)
         head = {"fetched": monotonic()}
-        _prefetcher.ahead(job)  # the next job's input downloads while this one's engine runs
+        _prefetcher.ahead(job, source)  # the next job's input downloads while this one's engine runs
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.

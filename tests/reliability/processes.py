@@ -215,7 +215,8 @@ class Partition:
     and its sender never learns it; after `swallow_head(marker)`, the bytes of the next request that hold `marker`
     (its head) are dropped and the rest flows: a cut that healed mid-request, its body reaching `target` alone; after
     `hang(marker)`, the connection of the next request that holds `marker` is cut for good, the others flow: a call
-    that gets no answer before its timeout, however long."""
+    that gets no answer before its timeout, however long; after `hold(marker)`, every request that holds `marker`
+    waits, its connection stalled, until `release(marker)`: a slow call, held exactly as long as a test needs."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
@@ -225,6 +226,8 @@ class Partition:
         self.swallowed = 0  # heads dropped by `swallow_head`
         self._hang: bytes | None = None
         self.hung = 0  # connections cut by `hang`
+        self._holds: dict[bytes, threading.Event] = {}  # marker: set once released
+        self.held = 0  # requests held by `hold`
         self.heal()
         self.dropped = 0  # bytes, either way, while cut
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -243,6 +246,12 @@ class Partition:
 
     def hang(self, marker: bytes) -> None:
         self._hang = marker
+
+    def hold(self, marker: bytes) -> None:
+        self._holds[marker] = threading.Event()
+
+    def release(self, marker: bytes) -> None:
+        self._holds.pop(marker).set()
 
     def heal(self) -> None:
         """Bytes flow again; what was dropped stays lost (a request sent during the cut waits for its timeout)."""
@@ -278,6 +287,11 @@ class Partition:
                 if hung.is_set():
                     self.dropped += len(data)
                     continue
+                if flowing is self._requests:
+                    for marker, released in list(self._holds.items()):
+                        if marker in data:
+                            self.held += 1
+                            released.wait(300)  # the rest of this connection waits behind it
                 if flowing is self._requests and self._marker and self._marker in data:
                     self._replies.clear()
                 if flowing is self._requests and self._head and self._head in data:
@@ -301,4 +315,6 @@ class Partition:
                     end.close()
 
     def close(self) -> None:
+        for released in self._holds.values():
+            released.set()
         self._server.close()

@@ -9,6 +9,7 @@ its figures on one line starting `FIGURE `:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -19,7 +20,6 @@ import re
 import signal
 import socket
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1036,12 +1036,14 @@ def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, c
     assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
 
 
-def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(stack, env, api, reaper, jobs, blobs, clips, logs):
+def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(
+    stack, env, api, reaper, jobs, blobs, clips, logs, tmp_path
+):
     """A tail stuck in a call that never returns (its upload gets no answer, and the client's timeout outlasts the
     test) must not hold the job behind it, its lease renewed, forever. Silent past the lease's length, the tail is
     stuck: the waiting job goes back to the queue, the worker takes no more jobs and exits (status 70) for its
     supervisor to start a new one, which completes both jobs (the stuck one's once its lease ran out): one output
-    each."""
+    each. The exiting worker leaves no prefetched input (the next job's, queued behind) on its disk."""
     partition = Partition(("127.0.0.1", stack.ports["s3"]))
     lease_s = 4
     stuck = {
@@ -1051,24 +1053,32 @@ def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(stack, env, a
         "VSRQ_LEASE_S": str(lease_s),
         "VSRQ_WORKER_STORAGE_RETRY_S": "1",  # the tail's lease is kept this long into its upload, then runs out
     }
-    supervisor = Supervisor(lambda: processes.worker(stuck, QUEUE, logs))
+    tailing, following, behind = (create(api, clips[name]) for name in ("medium", "small", "small"))
+    partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
+    # each worker its own prefetch root: the next one's sweep of dead workers' caches cannot clean up for the first
+    roots = iter(tmp_path / str(n) for n in range(100))
+    supervisor = Supervisor(
+        lambda: processes.worker({**stuck, "VSRQ_WORKER_PREFETCH_DIR": str(next(roots))}, QUEUE, logs)
+    )
     try:
         first = started(supervisor.current)
-        tailing = create(api, clips["medium"])
-        partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
-        following = create(api, clips["small"])
         records = wait_all(jobs, [tailing, following], limit_s=60)
+        last = wait_all(jobs, [behind], limit_s=30)[0]
     finally:
         supervisor.stop()
         partition.close()
+    left = [path.name for path in (tmp_path / "0").glob("*")]
     reasons = [[requeue["reason"]["code"] for requeue in requeues(jobs, job.id)] for job in records]
     print(
         f"FIGURE stuck_tail: {[(job.status.value, job.attempt) for job in records]}, requeued for {reasons}, the "
-        f"stuck worker exited with {first.exit_status}, workers started {len(supervisor.history)}"
+        f"stuck worker exited with {first.exit_status}, workers started {len(supervisor.history)}, its prefetch "
+        f"cache left {left}"
     )
     assert partition.hung == 1
     assert first.exit_status == 70, first.text()[-3000:]
     assert '"reason": "tail_stuck"' in first.text()
+    assert f"prefetched the input of {following}" in first.text() and left == []
+    assert last.status == Status.COMPLETED
     assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
     assert reasons == [["lease_expired"], ["worker_tail_stuck"]]  # the waiting job was sent back, not reaped
     for job in records:
@@ -1087,16 +1097,35 @@ def prefetched(worker: Process, job_id: str, limit_s: float = 60) -> None:
     worker.wait_for(lambda: f"prefetched the input of {job_id}" in worker.text(), f"{job_id} prefetched", limit_s)
 
 
-def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(api, reaper, jobs, blobs, clips, workers):
+def prefetch_directory(worker: Process) -> Path:
+    """The cache directory `worker` made (named at random: nobody can make it in advance)."""
+    found = re.search(r'prefetching inputs into ([^\s"]+)', worker.text())
+    assert found, worker.text()[-3000:]
+    return Path(found[1])
+
+
+def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
+    api, reaper, jobs, blobs, clips, workers, tmp_path
+):
     """Jobs queued before the worker starts: every job but the first reads the input downloaded while the job before
-    it ran, and writes the bytes the first one, which downloaded its input once leased, wrote."""
+    it ran, and writes the bytes the first one, which downloaded its input once leased, wrote. A killed worker's cache
+    (its lock file held by nobody) is removed by the next worker, a live one's (another worker sharing the volume, in
+    another PID namespace) is not."""
+    dead, live = tmp_path / "vsrq-prefetch-dead", tmp_path / "vsrq-prefetch-live"
+    for directory in (dead, live):
+        directory.mkdir()
+        (directory / "input-guess").write_bytes(b"a killed worker's download")
+        (directory / "lock").touch()
+    holder = os.open(live / "lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # as the live worker holds it
     # the medium clip: x264 writes the 96x64 small one's frames to other bytes from run to run (same pixels in)
     ids = [create(api, clips["medium"]) for _ in range(4)]
-    worker = started(workers())  # the default: prefetch on
+    worker = started(workers(VSRQ_WORKER_PREFETCH_DIR=str(tmp_path)))  # the default: prefetch on
     records = wait_all(jobs, ids, limit_s=120)
-    cache = Path(tempfile.gettempdir(), f"vsrq-prefetch-{worker.pid}")
+    cache = prefetch_directory(worker)
     left = sorted(path.name for path in cache.iterdir()) if cache.is_dir() else None  # each copy moved into its job
     worker.stop()
+    os.close(holder)
     ordered = sorted(records, key=lambda job: leases(jobs, job.id)[0])
     inputs = [run_detail(jobs, job.id)["input"] for job in ordered]
     print(
@@ -1107,30 +1136,64 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(api, reape
     assert all(job.status == Status.COMPLETED and job.attempt == 1 for job in records), records
     assert inputs == ["storage"] + ["prefetch"] * (len(ids) - 1)
     assert {job.output.sha256 for job in records} == {ordered[0].output.sha256}
-    assert left == [] and not cache.exists()
+    assert cache.parent == tmp_path and left == ["lock"] and not cache.exists()
+    assert not dead.exists() and (live / "input-guess").exists()
 
 
-def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(api, reaper, jobs, blobs, clips, workers):
+def test_a_prefetch_stuck_on_a_dead_connection_does_not_hold_its_job(
+    stack, api, reaper, jobs, blobs, clips, workers, s3_cut
+):
+    """The next job's input prefetched on a connection that goes dead (no answer, a long client timeout): when that
+    job starts, it waits for the download only while bytes arrive, then downloads its input itself, long before the
+    stuck call's timeout."""
+    partition, through = s3_cut
+    first, second = create(api, clips["medium"]), create(api, clips["small"])
+    partition.hang(f"GET /{stack.bucket}/{input_key(jobs, second)}".encode())  # the prefetch's GET
+    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": "60"}))
+    started_at = time.monotonic()
+    records = wait_all(jobs, [first, second], limit_s=40)  # the stuck GET would hold the job 60 s
+    seconds = time.monotonic() - started_at
+    print(f"FIGURE stuck_prefetch: {[job.status.value for job in records]} in {seconds:.1f} s, the second's input "
+          f"from {run_detail(jobs, second)['input']}")  # fmt: skip
+    assert partition.hung == 1
+    assert [job.status for job in records] == [Status.COMPLETED] * 2, records
+    assert run_detail(jobs, second)["input"] == "storage"
+    assert "moved no bytes" in worker.text()
+
+
+def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(
+    stack, api, reaper, jobs, blobs, clips, workers, s3_cut
+):
     """The next job's input prefetched, then the job cancelled, its input written again, or deleted: the cancelled job
     is not run, the others read what storage holds when they start (never the prefetched copy)."""
-    # each target queued behind a job of a couple of seconds, so that its input is prefetched while that one runs
+    partition, through = s3_cut
     first, cancelled, second, rewritten, third, deleted = (
         create(api, clips[name]) for name in ("medium", "small", "medium", "small", "medium", "small")
     )
-    worker = started(workers())
+    # each target's input is prefetched while the job before it runs; that job's output upload (its tail inline) is
+    # held until the cancel, the rewrite or the delete is done, so the target starts after it however slow the
+    # machine (on a fast one the job has not reached its upload by then: nothing to hold)
+    held = {job_id: f"PUT /{stack.bucket}/outputs/{job_id}/".encode() for job_id in (first, second, third)}
+    for marker in held.values():
+        partition.hold(marker)
+    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": "60", "VSRQ_WORKER_OVERLAP_TAIL": "false"}))
     prefetched(worker, cancelled)
     response = requests.post(f"{api}/v1/videos/{cancelled}/cancel", headers=AUTH, timeout=30)
     assert response.status_code == 200, response.text
+    partition.release(held[first])
     prefetched(worker, rewritten)
     blobs.put(input_key(jobs, rewritten), io.BytesIO(clips["medium"]), content_type="video/mp4")
+    partition.release(held[second])
     prefetched(worker, deleted)
     blobs.delete(input_key(jobs, deleted))
+    partition.release(held[third])
     records = dict(zip(("first", "cancelled", "second", "rewritten", "third", "deleted"),
                        wait_all(jobs, [first, cancelled, second, rewritten, third, deleted], limit_s=180)))  # fmt: skip
     print(
         "FIGURE prefetch_guesses: "
         + ", ".join(f"{name} {job.status.value}/{(run_detail(jobs, job.id) if job.output else {}).get('input')}"
                     for name, job in records.items())  # fmt: skip
+        + f"; uploads held until the action was done {partition.held}"
     )
     assert records["cancelled"].status == Status.CANCELLED and leases(jobs, cancelled) == []
     assert outputs(blobs, cancelled) == []

@@ -4,12 +4,13 @@ priorities and a key prefix as an operator may configure them; and a requeued jo
 
 from __future__ import annotations
 
+import json
 import secrets
 
 import pytest
 
 from storage.config import Settings
-from storage.jobs import InputInfo, JobStore
+from storage.jobs import InputInfo, JobStore, new_job_id
 from storage.queue import UPSCALE_TASK, make_celery, next_job_ids, send_upscale
 
 
@@ -17,7 +18,8 @@ def test_the_peek_names_the_jobs_in_the_order_a_worker_takes_them(settings: Sett
     prefix = f"peek-{secrets.token_hex(3)}:"
     app = make_celery(settings.model_copy(update={"broker_transport_options": {"global_keyprefix": prefix}}))
     queue = f"vsrq.peek-{secrets.token_hex(3)}"
-    sent = [("job_a", None), ("job_b", 9), ("job_c", 0), ("job_d", 5), ("job_e", None)]
+    a, b, c, d, e = (new_job_id() for _ in range(5))
+    sent = [(a, None), (b, 9), (c, 0), (d, 5), (e, None)]
     for job_id, priority in sent:
         app.send_task(UPSCALE_TASK, args=[job_id], queue=queue, priority=priority)
     app.send_task("vsrq.something_else", args=["not_a_job"], queue=queue)  # another task's message: no job
@@ -34,7 +36,7 @@ def test_the_peek_names_the_jobs_in_the_order_a_worker_takes_them(settings: Sett
             if message.headers["task"] == UPSCALE_TASK:
                 taken.append(message.decode()[0][0])
     # lower priority numbers first (kombu's steps 0, 3, 6, 9), oldest first within one
-    assert peeked == taken == ["job_a", "job_c", "job_e", "job_d", "job_b"]
+    assert peeked == taken == [a, c, e, d, b]
     assert next_job_ids(app, [queue]) == []
 
 
@@ -58,3 +60,18 @@ def test_a_requeued_job_is_taken_before_the_jobs_that_waited(settings: Settings,
             taken.append(messages.get_nowait().decode()[0][0])
     assert taken == [records[2].id, records[0].id, records[1].id]
     assert not redis_client.keys(f"{prefix}{queue}*")
+
+
+def test_the_peek_skips_messages_it_cannot_read_and_names_the_jobs_behind_them(settings: Settings, redis_client):
+    """Bytes anyone who reaches the broker can push: a body nested past the parser's depth, arguments that are not a
+    job id's list. Each is skipped (the worker then drops it at its lease), the messages behind it still peeked."""
+    app = make_celery(settings)
+    queue = f"vsrq.peek-{secrets.token_hex(3)}"
+    job_id = new_job_id()
+    app.send_task(UPSCALE_TASK, args=[job_id], queue=queue)
+    # the worker takes from the list's tail: these sit in front of the real message
+    envelope = json.loads(redis_client.lindex(queue, 0))
+    for body in ("[" * 100_000 + "]" * 100_000, '["x", {}, {}]', '[[{"a": 1}], {}, {}]', '[["x"], {}, {}]', "{}"):
+        redis_client.rpush(queue, json.dumps({**envelope, "body": body, "properties": {}}))
+
+    assert next_job_ids(app, [queue]) == [job_id]

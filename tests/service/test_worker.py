@@ -35,6 +35,7 @@ from worker.attempt import classify
 from worker.errors import Cancelled, InvalidRequest
 from worker.media.errors import InputCorrupt, InputNotFound
 from worker.media.synthetic import write_clip
+from worker.prefetch import scratch_bytes
 from worker.reaper import reap_once
 from worker.sr.checkpoint import write_tiny
 
@@ -223,6 +224,11 @@ def test_errors_are_classified_by_whether_another_attempt_could_succeed():
     assert classify(stalled)[:2] == ("retry", "storage_unavailable")
     outcome, code, message = classify(KeyError("sr_resolution_scale"))
     assert (outcome, code) == ("failed", "internal_error") and "sr_resolution_scale" not in message
+    # a full scratch disk anywhere in the attempt (a kept window, the MP4), not only the input's download: retried
+    with pytest.raises(OSError) as full, open("/dev/full", "wb", buffering=0) as disk:
+        disk.write(b"frame")
+    assert classify(full.value)[:2] == ("retry", "worker_disk_full")
+    assert classify(PermissionError(13, "denied"))[:2] == ("failed", "internal_error")
 
 
 @pytest.mark.parametrize(
@@ -283,3 +289,15 @@ def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(jo
         assert jobs.reap() == {job.id: "queued"}
     end(job, lease, key, redis_py.TimeoutError("the reply to complete never came"))
     assert s3.exists(key) is completed
+
+
+@pytest.mark.parametrize("container", ["mp4", "mkv"])  # Matroska states no frame count: counted from its duration
+def test_a_prefetch_leaves_room_for_every_upscaled_frame_of_the_running_job(tmp_path, container):
+    """The room a prefetch leaves the running job (worker.prefetch): at least its upscaled frames as raw RGB, what its
+    kept windows and the encoder's input take on the scratch disk, plus its MP4."""
+    source = write_clip(tmp_path / f"clip.{container}", 41, (64, 96))
+    with av.open(str(source)) as clip:
+        frames = [frame for frame in clip.decode(video=0)]
+    width, height = frames[0].width, frames[0].height
+    needed = len(frames) * (2 * width) * (2 * height) * 3
+    assert needed <= scratch_bytes(source, 2) <= 1.2 * needed + 4 * source.stat().st_size
