@@ -288,6 +288,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         graphs = _graphs_built()
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
+        kept.release_local()  # the raw windows are encoded and kept in blob storage: a held tail must not hold them
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         head |= encoding.result.head
         return _Tail(

@@ -935,28 +935,45 @@ def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, job
 
 
 def test_a_worker_killed_during_a_tail_loses_no_job_and_leaves_one_output(
-    env, api, reaper, jobs, blobs, clips, logs, s3_cut
+    env, api, reaper, jobs, blobs, clips, logs, s3_cut, tmp_path
 ):
     """Killed with a tail in flight (its message already acknowledged) and the next job leased: the reaper requeues
-    both once their leases run out, a new worker completes each once."""
+    both once their leases run out, a new worker completes each once. The held tail keeps no raw windows on the
+    worker's disk (only its input and MP4): the new attempt replays them from blob storage."""
     partition, s3 = s3_cut
     lease_s = 4
-    supervisor = Supervisor(lambda: processes.worker({**env, **s3, "VSRQ_LEASE_S": str(lease_s)}, QUEUE, logs))
+    scratch = tmp_path / "scratch"  # the workers' temporary directory, where each job's scratch directory goes
+    scratch.mkdir()
+    windows = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "4"}  # several, kept before storage is cut
+    settings = {**env, **s3, **windows, "VSRQ_LEASE_S": str(lease_s), "TMPDIR": str(scratch)}
+    supervisor = Supervisor(lambda: processes.worker(settings, QUEUE, logs))
     try:
         first = started(supervisor.current)
         try:
             tailing, following = hold_a_tail(api, jobs, partition, clips, first)
+            # the tail's scratch: the one whose MP4 is flushed (the next job's, storage cut, has none yet)
+            held = [path.parent for path in scratch.glob("vsrq-*/output.mp4")]
+            raw = [path.name for directory in held for path in directory.rglob("window-*")]
             first.kill()
+            kept = sum(key.endswith(".json") and "window-" in key for key in blobs.keys(f"work/{tailing}/windows/"))
             killed_at = time.time()
         finally:
             partition.heal()
         records = wait_all(jobs, [tailing, following], limit_s=120)
         resumed = [leases(jobs, job_id)[-1] - killed_at for job_id in (tailing, following)]
+        assert len(held) == 1 and (held[0] / "input").exists() and raw == [], (held, raw)
+        pattern = re.compile(rf"{tailing} completed by attempt 2: .*?(\d+) of (\d+) windows restored")
+        deadline = time.monotonic() + 30  # the worker logs its line just after the completion the test saw
+        while not (replayed := pattern.search(supervisor.current.text())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert replayed, supervisor.current.text()[-3000:]
         print(
             f"FIGURE killed_in_a_tail: {[job.status.value for job in records]} on attempts "
             f"{[job.attempt for job in records]}, kill -> next attempt {[round(s, 1) for s in resumed]} s "
-            f"(lease {lease_s} s), outputs {[len(outputs(blobs, job.id)) for job in records]}"
+            f"(lease {lease_s} s), outputs {[len(outputs(blobs, job.id)) for job in records]}; raw windows in the "
+            f"held tail's scratch {raw}, replayed from blob storage {replayed[1]} of {replayed[2]} windows"
         )
+        assert kept and int(replayed[1]) == kept  # each window kept in blob storage before the kill, replayed
         assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
         assert [requeues(jobs, job_id)[0]["reason"]["code"] for job_id in (tailing, following)] == ["lease_expired"] * 2
         for job in records:  # one output, the last attempt's
