@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import av
 import botocore.exceptions
 import redis.exceptions
 
@@ -39,6 +38,7 @@ from storage.blobs import BlobNotFound
 from storage.jobs import JobRecord, Status
 from storage.queue import next_job_ids
 from worker import metrics, service
+from worker.scratch import scratch_bytes
 
 log = logging.getLogger("vsrq.worker")
 
@@ -318,20 +318,6 @@ def _abandoned(directory: Path) -> bool:
     finally:
         os.close(handle)
     return True
-
-
-def scratch_bytes(source: Path, scale: float) -> int:
-    """What the running job (its input `source`, upscaled `scale` times) will write to its scratch disk at most: its
-    upscaled frames as raw RGB (kept windows, the encoder's input) and an MP4 of its input's bits per pixel."""
-    with av.open(str(source)) as container:
-        stream = container.streams.video[0]
-        frames = stream.frames
-        if not frames:  # not in the header (a fragmented MP4, a Matroska file): from its duration
-            seconds = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
-            frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
-        width, height = stream.codec_context.width, stream.codec_context.height
-    pixels = scale * scale
-    return round(frames * width * height * pixels * 3 + source.stat().st_size * pixels)
 
 
 def _download(body: BinaryIO, file: Path, flight: _Flight) -> tuple[int, str]:

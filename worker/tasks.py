@@ -60,6 +60,7 @@ from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
 from worker.prefetch import Prefetcher
+from worker.scratch import has_room, scratch_bytes
 from worker.sr.request import LOSSLESS, SRRequest
 from worker.upscale import Encoding, UpscaleOptions, begin_upscale
 from worker.upscale import Result as UpscaleResult
@@ -157,10 +158,16 @@ _prefetcher = Prefetcher(lambda: list(app.amqp.queues.consume_from))
 
 
 def _wait_for_room(tail: _Tail) -> None:
-    """Waits until the finisher has room for this attempt's tail (worker.finisher), its lease kept and its cancel seen
-    meanwhile."""
+    """Waits until the finisher has room for this attempt's tail (worker.finisher) and, while tails are held, the disk
+    room for the next job's scratch (as much as this job's: the next one's input is not here yet), its lease kept and
+    its cancel seen meanwhile: the held tails' files must not leave the next job without room."""
     stall_s = _tail_stall_s()
-    while not _finisher.room(tail.beat.every_s):
+    try:
+        need = scratch_bytes(tail.scratch / "input", tail.options.request.scale)
+    except Exception as error:  # a bound only: the job, its engine done, must not fail for it
+        log.warning("%s: the next job's scratch not estimated (%s): tails held by count only", tail.job.id, error)
+        need = 0
+    while not _finisher.room(tail.beat.every_s, lambda: has_room(tail.scratch, need)):
         tail.beat.stop_if_cancelled()
         _stop_if_stuck(tail, stall_s)
 
