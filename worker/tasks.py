@@ -255,7 +255,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 2. Fetch the input
         beat.send(progress=0, stage="probing", force=True)
-        input_from, input_started = "url", monotonic()
+        input_from, input_started, prefetched = "url", monotonic(), None
         if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
             fetched = fetch(job.input.url, source, service.settings(), beat.cancelled, job.input.max_bytes)
             digest = FileDigest(bytes=fetched.bytes, sha256=fetched.sha256)
@@ -263,18 +263,21 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             try:
                 input_from = "prefetch"  # downloaded while the previous job ran, if storage still holds that blob
                 known = job.input.sha256 if job.input.owned_by_job else None  # the bytes the API hashed
-                if not _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known):
+                prefetched = _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known)
+                if prefetched is None:
                     input_from = "storage"
                     beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
             except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
                 raise InputNotFound("The input video is no longer in storage.") from None
             # A referenced upload or key reached the API as a name only, and may be written again between attempts
             # (an earlier attempt's recorded digest proves nothing): hashed each attempt, once the file is whole
-            # (parts download out of order). The job's own upload is the bytes the API hashed.
-            digest = None if job.input.owned_by_job and job.input.sha256 else FileDigest.of(source)
+            # (parts download out of order), or as the prefetch downloaded this very file. The job's own upload is
+            # the bytes the API hashed.
+            digest = None if job.input.owned_by_job and job.input.sha256 else prefetched or FileDigest.of(source)
         input_s = monotonic() - input_started
         if digest is not None:
-            log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
+            hashed = "as it was prefetched" if digest is prefetched else "here"
+            log.info("%s read its input: %d bytes, sha256 %s (hashed %s)", job.id, digest.bytes, digest.sha256, hashed)
             beat.stop_if_cancelled(input_file=digest, force=True)
         head = {"fetched": monotonic()}
         _prefetcher.ahead(job, source)  # the next job's input downloads while this one's engine runs

@@ -1157,6 +1157,32 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
     assert not dead.exists() and (live / "input-guess").exists()
 
 
+def test_a_prefetched_referenced_input_is_hashed_once_as_it_downloads(api, reaper, jobs, clips, workers, tmp_path):
+    """Jobs naming an upload by id (bytes the API never hashed for them) are hashed each attempt; one whose input was
+    prefetched records the digest taken as the prefetch downloaded that very file, not a second read of it."""
+    uploaded = requests.post(
+        f"{api}/v1/uploads", files={"file": ("clip.mp4", clips["small"], "video/mp4")}, headers=AUTH, timeout=30
+    )
+    assert uploaded.status_code in (200, 201), uploaded.text
+    body = {"upload_id": uploaded.json()["id"], "model": "lanczos", "sr_resolution_scale": 2, "seed": 7}
+    ids = []
+    for _ in range(3):
+        response = requests.post(f"{api}/v1/videos", json=body, headers=AUTH, timeout=30)
+        assert response.status_code == 200, response.text
+        ids.append(response.json()["id"])
+    worker = started(workers(VSRQ_WORKER_PREFETCH_DIR=str(tmp_path)))
+    records = wait_all(jobs, ids, limit_s=120)
+    ordered = sorted(records, key=lambda job: leases(jobs, job.id)[0])
+    inputs = [run_detail(jobs, job.id)["input"] for job in ordered]
+    hashed = [re.search(rf"{job.id} read its input: .*?\(hashed ([a-z ]+)\)", worker.text()) for job in ordered]
+    print(f"FIGURE prefetched_digest: inputs {inputs}, hashed {[found and found[1] for found in hashed]}")
+    assert all(job.status == Status.COMPLETED for job in records), records
+    assert inputs == ["storage", "prefetch", "prefetch"]
+    assert [found and found[1] for found in hashed] == ["here"] + ["as it was prefetched"] * 2, worker.text()[-3000:]
+    sha256 = hashlib.sha256(clips["small"]).hexdigest()
+    assert [(job.input.bytes, job.input.sha256) for job in records] == [(len(clips["small"]), sha256)] * 3
+
+
 def test_a_prefetch_stuck_on_a_dead_connection_does_not_hold_its_job(
     stack, api, reaper, jobs, blobs, clips, workers, s3_cut
 ):
