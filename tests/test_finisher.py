@@ -2,10 +2,12 @@
 task that hands it, so its worker takes the next job; tails still run one at a time, in order, and only so many
 are held."""
 
+import shutil
 import threading
 from time import monotonic
 
 from worker.finisher import Finisher
+from worker.scratch import has_room
 
 
 def test_a_tail_handed_behind_a_long_one_does_not_hold_its_task_and_runs_after_it():
@@ -54,3 +56,19 @@ def test_a_tail_that_fails_lets_the_next_one_run():
     finisher.hand(following, lambda: 0.0)
     assert finisher.wait(30)
     assert ran == ["following"]
+
+
+def test_no_tail_is_handed_while_the_held_ones_leave_the_disk_without_room_for_the_next_job(tmp_path):
+    """Room for a tail also needs free disk (`fits`: worker.scratch.has_room on the scratch disk) while any is held:
+    the task waits for the held tail to end; with none held, waiting frees nothing, so it is handed at once."""
+    finisher = Finisher(held=3)
+    release = threading.Event()
+    finisher.hand(lambda turn: release.wait(30), lambda: 0.0)
+    free = shutil.disk_usage(tmp_path).free
+    assert finisher.room(0, lambda: has_room(tmp_path, free // 2))  # one of three held, the disk roomy
+    started = monotonic()
+    assert not finisher.room(0.2, lambda: has_room(tmp_path, 2 * free))  # a slot free, the disk not: it waits
+    assert monotonic() - started >= 0.2
+    release.set()
+    assert finisher.room(30, lambda: has_room(tmp_path, 2 * free))  # the held tail ended: nothing left to wait for
+    assert not finisher.busy()

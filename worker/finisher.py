@@ -41,10 +41,18 @@ class Finisher:
         """Waits for every tail in flight, up to `timeout_s`: whether none is left."""
         return _ended([thread for thread, _ in self._pending], timeout_s)
 
-    def room(self, timeout_s: float | None = None) -> bool:
-        """Waits up to `timeout_s` until another tail can be handed (fewer than `held` in flight): whether one can."""
+    def room(self, timeout_s: float | None = None, fits: Callable[[], bool] = lambda: True) -> bool:
+        """Waits up to `timeout_s` until another tail can be handed: fewer than `held` in flight and, while any is,
+        `fits()` (the disk has room for the next job beside the held tails' files; with none held, waiting frees
+        nothing). Whether one can."""
+        if self._fits(fits):
+            return True
+        _ended([self._pending[0][0]], timeout_s)
+        return self._fits(fits)
+
+    def _fits(self, fits: Callable[[], bool]) -> bool:
         self._pending = [(thread, silent_s) for thread, silent_s in self._pending if thread.is_alive()]
-        return len(self._pending) < self.held or _ended([self._pending[0][0]], timeout_s)
+        return not self._pending or (len(self._pending) < self.held and fits())
 
     def silent_s(self) -> float:
         """How long the oldest tail in flight (the one running) has shown no sign of life (no heartbeat of its lease

@@ -2,7 +2,8 @@
 died) replays them and computes only the missing ones.
 
 A `DirectoryWindowStore` in the attempt's scratch directory, mirrored to work/{job_id}/windows/: the attempt first
-downloads the windows kept so far, then uploads each window as it is committed. The key is the job's, not the
+downloads the windows kept so far, then uploads each window as it is committed; once the engine is done the local
+copies go (`release_local`), the attempt's tail needing only the input and the MP4. The key is the job's, not the
 attempt's; the job's end deletes the prefix (the reaper's sweep deletes what a crash left).
 """
 
@@ -87,6 +88,12 @@ class BlobWindowStore:
         except Exception:  # storage down: safe all the same, a later attempt replays no window made otherwise than
             # the ones before it (`upscale_windows`), and this attempt's windows replace them as they are kept
             log.warning("kept windows not dropped: blob storage unavailable", exc_info=True)
+
+    def release_local(self) -> None:
+        """Once the engine is done: every window is in the encoder and, where storage answered, in blob storage (each
+        uploaded as it was committed), so the local raw copies (as big as the raw output) go now rather than when the
+        tail ends; a held tail would keep them on the worker's disk. A later attempt reads blob storage, not these."""
+        self.local.clear()
 
     def _read(self, name: str) -> bytes:
         with self.blobs.open(self.prefix + name) as stream:

@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import av
 import botocore.exceptions
 import redis.exceptions
 
 from storage.blobs import BlobNotFound
-from storage.jobs import JobRecord, Status
+from storage.jobs import FileDigest, JobRecord, Status
 from storage.queue import next_job_ids
 from worker import metrics, service
+from worker.scratch import scratch_bytes
 
 log = logging.getLogger("vsrq.worker")
 
@@ -114,25 +114,26 @@ class Prefetcher:
             )
             self._thread.start()
 
-    def take(self, key: str, path: Path, waiting: Callable[[], None], sha256: str | None = None) -> bool:
+    def take(self, key: str, path: Path, waiting: Callable[[], None], sha256: str | None = None) -> FileDigest | None:
         """Puts the prefetched copy of blob `key` at `path` if there is one and storage still holds that blob (and its
-        SHA-256 is `sha256`, when known): whether it did. A download of `key` still on its way is waited for while it
-        moves bytes, `waiting` called between looks (the lease's beat: it raises on a cancel); one of another key is
-        dropped."""
+        SHA-256 is `sha256`, when known): the digest of the bytes now at `path` (hashed as they downloaded into that
+        very file, so the job need not read them again), or None if it did not. A download of `key` still on its way
+        is waited for while it moves bytes, `waiting` called between looks (the lease's beat: it raises on a cancel);
+        one of another key is dropped."""
         if not service.worker_settings().prefetch_input:
-            return False
+            return None
         with self._lock:
             flight = self._flight
             if flight is not None and flight.key != key:
                 flight.abort.set()
         if flight is not None and flight.key == key and not self._waited(flight, waiting):
             metrics.INPUT_PREFETCH.labels("miss").inc()
-            return False
+            return None
         with self._lock:
             entry = self._entry
             if entry is None or entry.key != key:  # kept: a guess can come true a job later (a requeued job first)
                 metrics.INPUT_PREFETCH.labels("miss").inc()
-                return False
+                return None
             self._entry = None  # the entry's file is now this call's alone: no other thread writes its name
         try:
             now = service.blobs().head(key)
@@ -140,7 +141,7 @@ class Prefetcher:
             log.info("the prefetched input %s was not checked (%s): downloaded again", key, error)
             entry.path.unlink(missing_ok=True)
             metrics.INPUT_PREFETCH.labels("miss").inc()
-            return False
+            return None
         if (
             now is None
             or (now.etag, now.size) != (entry.etag, entry.size)
@@ -149,21 +150,21 @@ class Prefetcher:
             entry.path.unlink(missing_ok=True)
             metrics.INPUT_PREFETCH.labels("stale").inc()
             log.info("the prefetched input %s changed or is gone: not used", key)
-            return False
+            return None
         try:
             shutil.move(entry.path, path)  # a rename: the scratch directory is on the same disk
             moved = path.stat().st_size
         except OSError as error:  # removed under us (a temp cleaner): the job downloads its input itself
             log.warning("the prefetched input %s could not be used: %s", key, error)
             metrics.INPUT_PREFETCH.labels("miss").inc()
-            return False
+            return None
         if moved != entry.size:  # never expected: the job downloads the bytes it names itself
             log.warning("the prefetched input %s has %d bytes, not %d: not used", key, moved, entry.size)
             path.unlink(missing_ok=True)
             metrics.INPUT_PREFETCH.labels("stale").inc()
-            return False
+            return None
         metrics.INPUT_PREFETCH.labels("hit").inc()
-        return True
+        return FileDigest(bytes=moved, sha256=entry.sha256)
 
     def close(self) -> None:
         """At shutdown: stops a download on its way and removes the cache. No download starts after it."""
@@ -318,20 +319,6 @@ def _abandoned(directory: Path) -> bool:
     finally:
         os.close(handle)
     return True
-
-
-def scratch_bytes(source: Path, scale: float) -> int:
-    """What the running job (its input `source`, upscaled `scale` times) will write to its scratch disk at most: its
-    upscaled frames as raw RGB (kept windows, the encoder's input) and an MP4 of its input's bits per pixel."""
-    with av.open(str(source)) as container:
-        stream = container.streams.video[0]
-        frames = stream.frames
-        if not frames:  # not in the header (a fragmented MP4, a Matroska file): from its duration
-            seconds = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
-            frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
-        width, height = stream.codec_context.width, stream.codec_context.height
-    pixels = scale * scale
-    return round(frames * width * height * pixels * 3 + source.stat().st_size * pixels)
 
 
 def _download(body: BinaryIO, file: Path, flight: _Flight) -> tuple[int, str]:

@@ -60,6 +60,7 @@ from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
 from worker.prefetch import Prefetcher
+from worker.scratch import has_room, scratch_bytes
 from worker.sr.request import LOSSLESS, SRRequest
 from worker.upscale import Encoding, UpscaleOptions, begin_upscale
 from worker.upscale import Result as UpscaleResult
@@ -157,10 +158,16 @@ _prefetcher = Prefetcher(lambda: list(app.amqp.queues.consume_from))
 
 
 def _wait_for_room(tail: _Tail) -> None:
-    """Waits until the finisher has room for this attempt's tail (worker.finisher), its lease kept and its cancel seen
-    meanwhile."""
+    """Waits until the finisher has room for this attempt's tail (worker.finisher) and, while tails are held, the disk
+    room for the next job's scratch (as much as this job's: the next one's input is not here yet), its lease kept and
+    its cancel seen meanwhile: the held tails' files must not leave the next job without room."""
     stall_s = _tail_stall_s()
-    while not _finisher.room(tail.beat.every_s):
+    try:
+        need = scratch_bytes(tail.scratch / "input", tail.options.request.scale)
+    except Exception as error:  # a bound only: the job, its engine done, must not fail for it
+        log.warning("%s: the next job's scratch not estimated (%s): tails held by count only", tail.job.id, error)
+        need = 0
+    while not _finisher.room(tail.beat.every_s, lambda: has_room(tail.scratch, need)):
         tail.beat.stop_if_cancelled()
         _stop_if_stuck(tail, stall_s)
 
@@ -248,7 +255,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 2. Fetch the input
         beat.send(progress=0, stage="probing", force=True)
-        input_from, input_started = "url", monotonic()
+        input_from, input_started, prefetched = "url", monotonic(), None
         if job.input.url is not None:  # named by URL: fetched here, with the SSRF checks (worker/fetch.py)
             fetched = fetch(job.input.url, source, service.settings(), beat.cancelled, job.input.max_bytes)
             digest = FileDigest(bytes=fetched.bytes, sha256=fetched.sha256)
@@ -256,18 +263,21 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             try:
                 input_from = "prefetch"  # downloaded while the previous job ran, if storage still holds that blob
                 known = job.input.sha256 if job.input.owned_by_job else None  # the bytes the API hashed
-                if not _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known):
+                prefetched = _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known)
+                if prefetched is None:
                     input_from = "storage"
                     beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
             except BlobNotFound:  # deleted (or expired) while the job waited: no attempt will find it
                 raise InputNotFound("The input video is no longer in storage.") from None
             # A referenced upload or key reached the API as a name only, and may be written again between attempts
             # (an earlier attempt's recorded digest proves nothing): hashed each attempt, once the file is whole
-            # (parts download out of order). The job's own upload is the bytes the API hashed.
-            digest = None if job.input.owned_by_job and job.input.sha256 else FileDigest.of(source)
+            # (parts download out of order), or as the prefetch downloaded this very file. The job's own upload is
+            # the bytes the API hashed.
+            digest = None if job.input.owned_by_job and job.input.sha256 else prefetched or FileDigest.of(source)
         input_s = monotonic() - input_started
         if digest is not None:
-            log.info("%s read its input: %d bytes, sha256 %s", job.id, digest.bytes, digest.sha256)
+            hashed = "as it was prefetched" if digest is prefetched else "here"
+            log.info("%s read its input: %d bytes, sha256 %s (hashed %s)", job.id, digest.bytes, digest.sha256, hashed)
             beat.stop_if_cancelled(input_file=digest, force=True)
         head = {"fetched": monotonic()}
         _prefetcher.ahead(job, source)  # the next job's input downloads while this one's engine runs
@@ -288,6 +298,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         graphs = _graphs_built()
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
+        kept.release_local()  # the raw windows are encoded and kept in blob storage: a held tail must not hold them
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         head |= encoding.result.head
         return _Tail(

@@ -935,28 +935,45 @@ def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, job
 
 
 def test_a_worker_killed_during_a_tail_loses_no_job_and_leaves_one_output(
-    env, api, reaper, jobs, blobs, clips, logs, s3_cut
+    env, api, reaper, jobs, blobs, clips, logs, s3_cut, tmp_path
 ):
     """Killed with a tail in flight (its message already acknowledged) and the next job leased: the reaper requeues
-    both once their leases run out, a new worker completes each once."""
+    both once their leases run out, a new worker completes each once. The held tail keeps no raw windows on the
+    worker's disk (only its input and MP4): the new attempt replays them from blob storage."""
     partition, s3 = s3_cut
     lease_s = 4
-    supervisor = Supervisor(lambda: processes.worker({**env, **s3, "VSRQ_LEASE_S": str(lease_s)}, QUEUE, logs))
+    scratch = tmp_path / "scratch"  # the workers' temporary directory, where each job's scratch directory goes
+    scratch.mkdir()
+    windows = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "4"}  # several, kept before storage is cut
+    settings = {**env, **s3, **windows, "VSRQ_LEASE_S": str(lease_s), "TMPDIR": str(scratch)}
+    supervisor = Supervisor(lambda: processes.worker(settings, QUEUE, logs))
     try:
         first = started(supervisor.current)
         try:
             tailing, following = hold_a_tail(api, jobs, partition, clips, first)
+            # the tail's scratch: the one whose MP4 is flushed (the next job's, storage cut, has none yet)
+            held = [path.parent for path in scratch.glob("vsrq-*/output.mp4")]
+            raw = [path.name for directory in held for path in directory.rglob("window-*")]
             first.kill()
+            kept = sum(key.endswith(".json") and "window-" in key for key in blobs.keys(f"work/{tailing}/windows/"))
             killed_at = time.time()
         finally:
             partition.heal()
         records = wait_all(jobs, [tailing, following], limit_s=120)
         resumed = [leases(jobs, job_id)[-1] - killed_at for job_id in (tailing, following)]
+        assert len(held) == 1 and (held[0] / "input").exists() and raw == [], (held, raw)
+        pattern = re.compile(rf"{tailing} completed by attempt 2: .*?(\d+) of (\d+) windows restored")
+        deadline = time.monotonic() + 30  # the worker logs its line just after the completion the test saw
+        while not (replayed := pattern.search(supervisor.current.text())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert replayed, supervisor.current.text()[-3000:]
         print(
             f"FIGURE killed_in_a_tail: {[job.status.value for job in records]} on attempts "
             f"{[job.attempt for job in records]}, kill -> next attempt {[round(s, 1) for s in resumed]} s "
-            f"(lease {lease_s} s), outputs {[len(outputs(blobs, job.id)) for job in records]}"
+            f"(lease {lease_s} s), outputs {[len(outputs(blobs, job.id)) for job in records]}; raw windows in the "
+            f"held tail's scratch {raw}, replayed from blob storage {replayed[1]} of {replayed[2]} windows"
         )
+        assert kept and int(replayed[1]) == kept  # each window kept in blob storage before the kill, replayed
         assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
         assert [requeues(jobs, job_id)[0]["reason"]["code"] for job_id in (tailing, following)] == ["lease_expired"] * 2
         for job in records:  # one output, the last attempt's
@@ -1138,6 +1155,32 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
     assert {job.output.sha256 for job in records} == {ordered[0].output.sha256}
     assert cache.parent == tmp_path and left == ["lock"] and not cache.exists()
     assert not dead.exists() and (live / "input-guess").exists()
+
+
+def test_a_prefetched_referenced_input_is_hashed_once_as_it_downloads(api, reaper, jobs, clips, workers, tmp_path):
+    """Jobs naming an upload by id (bytes the API never hashed for them) are hashed each attempt; one whose input was
+    prefetched records the digest taken as the prefetch downloaded that very file, not a second read of it."""
+    uploaded = requests.post(
+        f"{api}/v1/uploads", files={"file": ("clip.mp4", clips["small"], "video/mp4")}, headers=AUTH, timeout=30
+    )
+    assert uploaded.status_code in (200, 201), uploaded.text
+    body = {"upload_id": uploaded.json()["id"], "model": "lanczos", "sr_resolution_scale": 2, "seed": 7}
+    ids = []
+    for _ in range(3):
+        response = requests.post(f"{api}/v1/videos", json=body, headers=AUTH, timeout=30)
+        assert response.status_code == 200, response.text
+        ids.append(response.json()["id"])
+    worker = started(workers(VSRQ_WORKER_PREFETCH_DIR=str(tmp_path)))
+    records = wait_all(jobs, ids, limit_s=120)
+    ordered = sorted(records, key=lambda job: leases(jobs, job.id)[0])
+    inputs = [run_detail(jobs, job.id)["input"] for job in ordered]
+    hashed = [re.search(rf"{job.id} read its input: .*?\(hashed ([a-z ]+)\)", worker.text()) for job in ordered]
+    print(f"FIGURE prefetched_digest: inputs {inputs}, hashed {[found and found[1] for found in hashed]}")
+    assert all(job.status == Status.COMPLETED for job in records), records
+    assert inputs == ["storage", "prefetch", "prefetch"]
+    assert [found and found[1] for found in hashed] == ["here"] + ["as it was prefetched"] * 2, worker.text()[-3000:]
+    sha256 = hashlib.sha256(clips["small"]).hexdigest()
+    assert [(job.input.bytes, job.input.sha256) for job in records] == [(len(clips["small"]), sha256)] * 3
 
 
 def test_a_prefetch_stuck_on_a_dead_connection_does_not_hold_its_job(

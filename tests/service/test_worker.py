@@ -35,7 +35,7 @@ from worker.attempt import classify
 from worker.errors import Cancelled, InvalidRequest
 from worker.media.errors import InputCorrupt, InputNotFound
 from worker.media.synthetic import write_clip
-from worker.prefetch import scratch_bytes
+from worker.scratch import scratch_bytes
 from worker.reaper import reap_once
 from worker.sr.checkpoint import write_tiny
 
