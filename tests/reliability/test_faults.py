@@ -1102,6 +1102,52 @@ def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(
         assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
 
 
+def test_a_message_behind_a_stuck_tail_goes_to_the_front_and_costs_no_attempt(
+    stack, env, api, reaper, jobs, blobs, clips, workers
+):
+    """Two jobs queued once a tail is stuck (silent past VSRQ_WORKER_TAIL_STALL_S, its lease not yet run out): the
+    worker refuses the first message it takes, sends it back to the front of the queue unleased and exits (status 70).
+    The next worker runs that job first, then the one queued behind it, each on its first attempt, and the stuck job
+    once the reaper requeued it."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    stuck = {
+        "VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}",
+        "VSRQ_S3_TIMEOUT_S": "600",
+        "VSRQ_LEASE_S": "8",  # the stuck job stays leased while the next two arrive
+        "VSRQ_WORKER_STORAGE_RETRY_S": "1",  # its tail goes silent a second into its upload
+        "VSRQ_WORKER_TAIL_STALL_S": "2",
+    }
+    tailing = create(api, clips["medium"])
+    partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
+    try:
+        first = started(workers(**stuck))
+        deadline = time.monotonic() + 60
+        while partition.hung < 1:
+            assert time.monotonic() < deadline, first.text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(3.5)  # the retry's second, then silent past the stall
+        refused, behind = create(api, clips["small"]), create(api, clips["small"])
+        first.wait_for(lambda: not first.alive, "the stuck worker's exit", 60)
+        started(workers())
+        records = wait_all(jobs, [tailing, refused, behind], limit_s=90)
+    finally:
+        partition.close()
+    order = {job.id: leases(jobs, job.id) for job in records}
+    print(
+        f"FIGURE refused_behind_a_stuck_tail: {[(job.status.value, job.attempt) for job in records]}, the stuck "
+        f"worker exited with {first.exit_status}, the refused job leased {order[refused][0] - order[behind][0]:+.2f} s "
+        "after the one queued behind it"
+    )
+    assert first.exit_status == 70, first.text()[-3000:]
+    assert f"the message for {refused} goes back to the queue" in first.text()
+    assert [(job.status, job.attempt) for job in records] == [
+        (Status.COMPLETED, 2), (Status.COMPLETED, 1), (Status.COMPLETED, 1)
+    ], records  # fmt: skip
+    assert order[refused][0] < order[behind][0]  # at the front, as every job sent back
+    assert len(order[refused]) == 1  # never leased by the stuck worker
+    assert [requeue["reason"]["code"] for requeue in requeues(jobs, tailing)] == ["lease_expired"]
+
+
 # -- 9. the next job's input prefetched while a job runs (worker.prefetch) ------------------------------------------
 
 
