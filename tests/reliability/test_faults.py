@@ -1148,6 +1148,33 @@ def test_a_message_behind_a_stuck_tail_goes_to_the_front_and_costs_no_attempt(
     assert [requeue["reason"]["code"] for requeue in requeues(jobs, tailing)] == ["lease_expired"]
 
 
+def test_a_completed_tail_held_in_its_cleanup_is_not_taken_for_a_stuck_one(
+    stack, api, reaper, jobs, blobs, clips, workers
+):
+    """A tail whose job has completed sends no more heartbeats: its cleanup (listing what earlier attempts left) held
+    by storage past VSRQ_WORKER_TAIL_STALL_S must not make the tail behind it throw away its finished encoding and its
+    worker exit. Both jobs complete on their first attempt, on the one worker."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    through = {
+        "VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}",
+        "VSRQ_S3_TIMEOUT_S": "5",  # the cleanup's listing, unanswered, fails after this (then goes on: housekeeping)
+        "VSRQ_WORKER_TAIL_STALL_S": "2",
+    }
+    tailing, following = create(api, clips["medium"]), create(api, clips["small"])
+    partition.hang(f"prefix=outputs%2F{tailing}".encode())  # the listing after `complete`
+    try:
+        worker = started(workers(**through))
+        records = wait_all(jobs, [tailing, following], limit_s=60)
+    finally:
+        partition.close()
+    print(f"FIGURE completed_tail_in_cleanup: {[(job.status.value, job.attempt) for job in records]}, the worker "
+          f"{'alive' if worker.alive else f'exited with {worker.exit_status}'}")  # fmt: skip
+    assert partition.hung == 1
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
+    assert worker.alive and "tail_stuck" not in worker.text(), worker.text()[-3000:]
+    assert run_detail(jobs, following)["turn_waited_s"] > 2  # it did wait behind the held cleanup
+
+
 # -- 9. the next job's input prefetched while a job runs (worker.prefetch) ------------------------------------------
 
 
