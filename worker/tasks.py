@@ -223,6 +223,8 @@ def _refuse_behind_a_stuck_tail(job_id: str, headers: dict[str, Any]) -> bool:
         job = service.jobs().require(job_id)
     except JobNotFound:
         return True
+    except redis.exceptions.RedisError as error:  # gone since the ping: this one goes back as it is
+        raise Reject(f"a tail is stuck; the job store is out of reach: {error}", requeue=True) from error
     if job.status == Status.QUEUED:  # any other, and the message would be dropped by the next worker's lease
         try:  # at the front, as every requeued job's (a Reject's goes to the back)
             send_upscale(app, service.jobs(), job, first=True)

@@ -1175,6 +1175,46 @@ def test_a_completed_tail_held_in_its_cleanup_is_not_taken_for_a_stuck_one(
     assert run_detail(jobs, following)["turn_waited_s"] > 2  # it did wait behind the held cleanup
 
 
+def test_a_job_store_outage_past_the_stall_is_not_taken_for_a_stuck_tail(
+    stack, api, reaper, jobs, blobs, clips, workers
+):
+    """The job store out of reach (the broker not) longer than VSRQ_WORKER_TAIL_STALL_S with a tail in flight: the
+    tail cannot beat, so its silence says nothing. The next job's message, sent again while it cannot be leased, is
+    not refused: the worker waits the outage out and runs both jobs, instead of exiting for a model reload."""
+    store, s3 = Partition(("127.0.0.1", stack.ports["redis"])), Partition(("127.0.0.1", stack.ports["s3"]))
+    tailing = create(api, clips["medium"])
+    upload = f"PUT /{stack.bucket}/outputs/{tailing}/".encode()
+    s3.hold(upload)  # the tail stays in flight through the outage
+    worker = workers(
+        VSRQ_REDIS_URL=f"redis://127.0.0.1:{store.port}/0",
+        VSRQ_BROKER_URL=stack.redis_url,
+        VSRQ_REDIS_TIMEOUT_S="1",
+        VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{s3.port}",
+        VSRQ_LEASE_S="30",  # the tail's lease outlasts the outage: its silence is all that could end it
+        VSRQ_WORKER_TAIL_STALL_S="2",
+    )
+    try:
+        started(worker)
+        wait_until(jobs, tailing, lambda job: job.stage == "uploading", limit_s=60)
+        store.cut()
+        cut_at = time.monotonic()
+        following = create(api, clips["small"])
+        worker.wait_for(lambda: worker.text().count(f"{following} not leased") >= 2 or not worker.alive,
+                        "a second delivery past the stall", timeout_s=30)  # fmt: skip
+        store.heal()
+        outage_s = time.monotonic() - cut_at
+        s3.release(upload)
+        records = wait_all(jobs, [tailing, following], limit_s=60)
+    finally:
+        store.close()
+        s3.close()
+    print(f"FIGURE job_store_outage_with_a_tail: {[(job.status.value, job.attempt) for job in records]}, the worker "
+          f"{'alive' if worker.alive else f'exited with {worker.exit_status}'}, outage {outage_s:.1f} s, "
+          f"requeued for {[requeues(jobs, job.id) for job in records]}")  # fmt: skip
+    assert worker.alive and "tail_stuck" not in worker.text(), worker.text()[-3000:]
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
+
+
 # -- 9. the next job's input prefetched while a job runs (worker.prefetch) ------------------------------------------
 
 
