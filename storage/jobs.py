@@ -478,9 +478,10 @@ event(ARGV[3], t, detail)
 return ARGV[3]
 """
 
-# ARGV: fence, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0').
-# Requeues the attempt (a new attempt will lease it), fails the job once it has used max attempts, or cancels it when
-# its owner asked to (a new attempt would start without the flag and run to the end).
+# ARGV: fence, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0'), whether the attempt
+# counts ('1' | '0'). Requeues the attempt (a new attempt will lease it), fails the job once it has used max attempts,
+# or cancels it when its owner asked to (a new attempt would start without the flag and run to the end). An attempt
+# that does not count (its worker, not the job, was at fault) is `excused`: max attempts allows that many more.
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
 _REQUEUE = """
 fenced(ARGV[1])
@@ -493,8 +494,10 @@ if field('cancel_requested') == '1' then
   event('cancelled', t, {last = reason})
   return 'cancelled'
 end
-local attempts = field('attempt')
-if tonumber(attempts) >= tonumber(ARGV[3]) then
+local attempts = tonumber(field('attempt')) - tonumber(field('excused') or '0')
+if ARGV[6] == '0' then
+  redis.call('HINCRBY', JOB, 'excused', 1)
+elseif attempts >= tonumber(ARGV[3]) then
   move('failed', t)
   finish(t, tonumber(ARGV[4]))
   local message = 'gave up after ' .. attempts .. ' attempts; the last: ' .. reason.message
@@ -816,11 +819,16 @@ class JobStore:
         self._run("end", job_id, Status.IN_PROGRESS, fence, Status.CANCELLED, "", "", self.result_ttl_s)
         return self.require(job_id)
 
-    def retry(self, job_id: str, fence: str, code: str, message: str) -> Status:
+    def retry(self, job_id: str, fence: str, code: str, message: str, counts: bool = True) -> Status:
         """A failure another attempt may not repeat (lost device, OOM under load): requeued, or failed once the job
-        has had `max_attempts`. The caller sends the task again when this returns `queued`."""
+        has had `max_attempts`. An attempt that does not `count` (sent back because of another job: a stuck tail ahead
+        of it) is always requeued, and not one of the job's `max_attempts`. The caller sends the task again when this
+        returns `queued`."""
         reason = JobErrorInfo(code=code, message=message).model_dump_json()
-        return Status(self._run("requeue", job_id, fence, reason, self.max_attempts, self.result_ttl_s, 0).decode())
+        counted = int(counts)
+        return Status(
+            self._run("requeue", job_id, fence, reason, self.max_attempts, self.result_ttl_s, 0, counted).decode()
+        )
 
     # -- the owner's side: cancel, delete --------------------------------------------------------------------------
 
@@ -858,7 +866,7 @@ class JobStore:
             try:
                 fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(
-                    "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1
+                    "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1, 1
                 ).decode()
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue
@@ -947,8 +955,8 @@ class Lease:
     def fail(self, code: str, message: str) -> JobRecord:
         return self.store.fail(self.job_id, self.fence, code, message)
 
-    def retry(self, code: str, message: str) -> Status:
-        return self.store.retry(self.job_id, self.fence, code, message)
+    def retry(self, code: str, message: str, counts: bool = True) -> Status:
+        return self.store.retry(self.job_id, self.fence, code, message, counts)
 
     def cancelled(self) -> JobRecord:
         return self.store.cancelled(self.job_id, self.fence)

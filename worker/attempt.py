@@ -107,7 +107,8 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None
             lease.cancelled()
         elif outcome == "failed":
             lease.fail(code, message)
-        elif lease.retry(code, message) == Status.QUEUED:
+        # behind another job's stuck tail, the job was not at fault: that attempt is not one of its max attempts
+        elif lease.retry(code, message, counts=code != TailStuck.code) == Status.QUEUED:
             send_upscale(app, service.jobs(), job, first=True)
             return  # the next attempt replays the kept windows
         forget_windows(job.id)  # the job has ended

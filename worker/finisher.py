@@ -5,8 +5,9 @@ Tails run one at a time, in the order they were handed: each waits its turn (the
 thread, its lease kept. Up to `HELD` are held at once, one running and the rest waiting; a task whose tail finds no
 room waits for the oldest to end. Holding more than one lets the small jobs behind a big one run their engines while
 the big job's tail (a 4K flush and check: seconds) runs, instead of the first of them blocking its worker until that
-tail is done (bench/RESULTS.md); the bound keeps disk, host memory (each held tail keeps its encoder open) and the
-storage connection as bounded as before. A tail keeps its attempt's lease (its own heartbeats) and ends its job as
+tail is done (bench/RESULTS.md). The bound (VSRQ_WORKER_TAILS_HELD) bounds what they hold: each held tail keeps its
+encoder open in host memory and its job's input and MP4 on disk; another is handed only while the disk has room for
+the next job beside them (`room`'s `fits`). A tail keeps its attempt's lease (its own heartbeats) and ends its job as
 the task would have; what it raises is handled inside it. Its message is acknowledged when the task returns, before
 the job completes: a worker killed during a tail leaves the job `in_progress` with a lease that runs out, and the
 reaper requeues it and sends it a new message, as for a worker killed mid-engine (the kept windows replay, so the
@@ -24,7 +25,7 @@ from time import monotonic
 
 log = logging.getLogger("vsrq.worker")
 
-HELD = 3  # tails held at once: one running, two waiting their turn
+HELD = 3  # tails held at once by default (VSRQ_WORKER_TAILS_HELD): one running, two waiting their turn
 Turn = Callable[[float | None], bool]  # waits up to that long for the tails handed before: whether they have ended
 
 
@@ -53,6 +54,12 @@ class Finisher:
     def _fits(self, fits: Callable[[], bool]) -> bool:
         self._pending = [(thread, silent_s) for thread, silent_s in self._pending if thread.is_alive()]
         return not self._pending or (len(self._pending) < self.held and fits())
+
+    def wait_behind(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for the tails behind the oldest in flight (those waiting their turn): whether they
+        have ended."""
+        alive = [thread for thread, _ in self._pending if thread.is_alive()]
+        return _ended(alive[1:], timeout_s)
 
     def silent_s(self) -> float:
         """How long the oldest tail in flight (the one running) has shown no sign of life (no heartbeat of its lease

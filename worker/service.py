@@ -10,6 +10,7 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.blobs import BlobStore, open_blob_store
@@ -49,6 +50,9 @@ class WorkerSettings(BaseSettings):
     # A job's tail (the encoder's flush, the check, previews, upload, `complete`) on a thread of its own while the next
     # job's head and engine run (worker.finisher); off: the task runs it before it takes the next message
     overlap_tail: bool = True
+    # Overlapped, tails held at once (one running, the others waiting their turn, each with its encoder open and its
+    # scratch directory, the output among it, on disk): more lets more small jobs run behind a big job's long tail
+    tails_held: int = Field(default=3, ge=1)
     # While a job's engine runs, the input of the job this worker most likely runs next (the next message on its
     # queues, read, not taken) is downloaded into a one-entry cache, used only if the blob is still the same
     # (worker.prefetch); off: each job downloads its input once leased

@@ -43,9 +43,10 @@ from storage.jobs import (
     OutputInfo,
     PreviewInfo,
     StaleAttempt,
+    Status,
     new_lease_token,
 )
-from storage.queue import UPSCALE_TASK
+from storage.queue import UPSCALE_TASK, send_upscale
 from worker import metrics, service, signals, started  # signals: importing it connects the process's handlers
 from worker.attempt import discard, discard_attempt, end, forget_windows
 from worker.celery_app import app
@@ -78,6 +79,7 @@ def _load_model(**_: Any) -> None:
     """Loads the upscaler before the worker takes its first message: a bad checkpoint stops the worker at once."""
     signals.configure_logging()  # Celery sets logging up only after `worker_init`: the load and warmup would be lost
     config = service.worker_settings()
+    _finisher.held = config.tails_held
     # The seconds so far are the interpreter's start and the imports of Celery and the worker's modules
     devices = ",".join(config.device_list)
     log.info("loading %s on %s, %.1f s after the process started", config.model, devices, started.seconds())
@@ -88,7 +90,8 @@ def _load_model(**_: Any) -> None:
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
 def upscale(self, job_id: str) -> None:
-    _refuse_behind_a_stuck_tail(job_id)
+    if _refuse_behind_a_stuck_tail(job_id, self.request.headers or {}):
+        return
     # 1. Lease the job: only one delivery of its message gets a queued job
     worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
     token, lost = new_lease_token(), (self.request.headers or {}).get(LOST_LEASES_HEADER) or []
@@ -122,11 +125,11 @@ def upscale(self, job_id: str) -> None:
     with _attempt(job, lease, output_key):
         try:
             _wait_for_room(tail)
-        except BaseException:
+            observe = signals.observe_later(self.request.id, job.id)
+            _finisher.hand(lambda turn: _finish(tail, observe, overlapped=True, turn=turn), tail.silent_s)
+        except BaseException:  # its thread never started: the encoder and the scratch directory are released here
             tail.drop()
             raise
-        observe = signals.observe_later(self.request.id, job.id)
-        _finisher.hand(lambda turn: _finish(tail, observe, overlapped=True, turn=turn), tail.beat.silent_s)
 
 
 @worker_shutdown.connect
@@ -140,8 +143,12 @@ def _finish_tails(**_: Any) -> None:
     if not _finisher.busy():
         return
     log.info("waiting for the last job's tail before shutting down")
-    while not _finisher.wait(service.worker_settings().heartbeat_s):
+    heartbeat_s = service.worker_settings().heartbeat_s
+    while not _finisher.wait(heartbeat_s):
         if (silent_s := _finisher.silent_s()) >= _tail_stall_s():
+            # the tails waiting their turn behind it see it stuck within a beat and send their jobs back: not left to
+            # their leases and the reaper
+            _finisher.wait_behind(2 * heartbeat_s)
             log.error(
                 "the last job's tail is stuck (no heartbeat for %.0f s): exiting without it (status %d), its job is "
                 "requeued once its lease runs out", silent_s, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
@@ -150,7 +157,7 @@ def _finish_tails(**_: Any) -> None:
             os._exit(EX_SOFTWARE)
 
 
-_finisher = Finisher()
+_finisher = Finisher()  # its `held` set from the worker's settings when it starts (`_load_model`)
 TAIL_STUCK = "tail_stuck"  # the stable reason a worker logs when it stops because of a stuck tail
 EX_SOFTWARE = 70  # its exit status (sysexits.h: an internal software error): a supervisor restarts it
 # the queues this worker consumes (`-Q`), whose next message's input is downloaded while a job runs
@@ -167,6 +174,7 @@ def _wait_for_room(tail: _Tail) -> None:
     except Exception as error:  # a bound only: the job, its engine done, must not fail for it
         log.warning("%s: the next job's scratch not estimated (%s): tails held by count only", tail.job.id, error)
         need = 0
+    _stop_if_stuck(tail, stall_s)  # with room too: a tail behind a stuck one would be left to its lease at the exit
     while not _finisher.room(tail.beat.every_s, lambda: has_room(tail.scratch, need)):
         tail.beat.stop_if_cancelled()
         _stop_if_stuck(tail, stall_s)
@@ -186,18 +194,43 @@ def _stop_if_stuck(tail: _Tail, stall_s: float) -> None:
         raise TailStuck(f"The worker could not finish its previous job (no heartbeat for {silent_s:.0f} s).")
 
 
-def _refuse_behind_a_stuck_tail(job_id: str) -> None:
+def _refuse_behind_a_stuck_tail(job_id: str, headers: dict[str, Any]) -> bool:
     """A tail that stays silent past `tail_stall_s` is stuck: this worker, whose task returned while that tail's
     successors waited their turn, takes no more jobs (the stuck job's own, requeued once its lease ran out, among them).
-    The message goes back to the queue unleased, for another worker, and this one exits."""
-    if (silent_s := _finisher.silent_s()) < _tail_stall_s():
-        return
+    The message is acknowledged and the job's sent again at the front of its queue, unleased, for another worker, and
+    this one exits. Whether it was refused. Not after a pause (SIGSTOP, a slow host) nor while Redis is out of reach:
+    the tail may only have been unable to beat, and gets a couple of beats to show it is alive."""
+    stall_s, heartbeat_s = _tail_stall_s(), service.worker_settings().heartbeat_s
+    if _finisher.silent_s() < stall_s:
+        return False
+    deadline = monotonic() + 2 * heartbeat_s
+    while monotonic() < deadline:
+        if _finisher.wait(heartbeat_s / 4) or _finisher.silent_s() < stall_s:
+            return False
+    try:
+        service.jobs().redis.ping()
+    except redis.exceptions.RedisError:  # the tail cannot beat either: the lease's own path waits the outage out
+        return False
+    silent_s = _finisher.silent_s()
     log.error(
         "a job's tail is stuck (no heartbeat for %.0f s): the message for %s goes back to the queue, and this worker "
         "takes no more jobs and exits (status %d)", silent_s, job_id, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
     )  # fmt: skip
     worker_state.should_stop = EX_SOFTWARE
-    raise Reject(f"a tail is stuck (no heartbeat for {silent_s:.0f} s)", requeue=True)
+    if headers.get(LOST_LEASES_HEADER):  # its earlier tries' tokens travel with the message: sent back as it is
+        raise Reject(f"a tail is stuck (no heartbeat for {silent_s:.0f} s)", requeue=True)
+    try:
+        job = service.jobs().require(job_id)
+    except JobNotFound:
+        return True
+    except redis.exceptions.RedisError as error:  # gone since the ping: this one goes back as it is
+        raise Reject(f"a tail is stuck; the job store is out of reach: {error}", requeue=True) from error
+    if job.status == Status.QUEUED:  # any other, and the message would be dropped by the next worker's lease
+        try:  # at the front, as every requeued job's (a Reject's goes to the back)
+            send_upscale(app, service.jobs(), job, first=True)
+        except Exception as error:  # not sent: this one goes back, at the back, rather than be lost
+            raise Reject(f"a tail is stuck; the job could not be sent again: {error}", requeue=True) from error
+    return True
 
 
 def _tail_stall_s() -> float:
@@ -233,6 +266,13 @@ class _Tail:
     cleanup: ExitStack  # the scratch directory
     head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
     turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
+    completed: bool = False  # its `complete` went through: its job is ended, what remains is housekeeping
+
+    def silent_s(self) -> float:
+        """How long it has shown no sign of life, as the finisher reads it (worker.finisher): never once its job has
+        completed, since its cleanup and metrics send no heartbeats (a storage outage may hold them a while) and a tail
+        behind it must not take that for a stuck call and throw its finished encoding away."""
+        return 0.0 if self.completed else self.beat.silent_s()
 
     def drop(self) -> None:
         """The tail will not run (the attempt ended while it waited its turn)."""
@@ -378,6 +418,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         quality_levers=result.levers,
     )
     lease.complete(promoted_output)
+    tail.completed = True
     log.info(
         "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
         job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,

@@ -1102,6 +1102,119 @@ def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(
         assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
 
 
+def test_a_message_behind_a_stuck_tail_goes_to_the_front_and_costs_no_attempt(
+    stack, env, api, reaper, jobs, blobs, clips, workers
+):
+    """Two jobs queued once a tail is stuck (silent past VSRQ_WORKER_TAIL_STALL_S, its lease not yet run out): the
+    worker refuses the first message it takes, sends it back to the front of the queue unleased and exits (status 70).
+    The next worker runs that job first, then the one queued behind it, each on its first attempt, and the stuck job
+    once the reaper requeued it."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    stuck = {
+        "VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}",
+        "VSRQ_S3_TIMEOUT_S": "600",
+        "VSRQ_LEASE_S": "8",  # the stuck job stays leased while the next two arrive
+        "VSRQ_WORKER_STORAGE_RETRY_S": "1",  # its tail goes silent a second into its upload
+        "VSRQ_WORKER_TAIL_STALL_S": "2",
+    }
+    tailing = create(api, clips["medium"])
+    partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
+    try:
+        first = started(workers(**stuck))
+        deadline = time.monotonic() + 60
+        while partition.hung < 1:
+            assert time.monotonic() < deadline, first.text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(3.5)  # the retry's second, then silent past the stall
+        refused, behind = create(api, clips["small"]), create(api, clips["small"])
+        first.wait_for(lambda: not first.alive, "the stuck worker's exit", 60)
+        started(workers())
+        records = wait_all(jobs, [tailing, refused, behind], limit_s=90)
+    finally:
+        partition.close()
+    order = {job.id: leases(jobs, job.id) for job in records}
+    print(
+        f"FIGURE refused_behind_a_stuck_tail: {[(job.status.value, job.attempt) for job in records]}, the stuck "
+        f"worker exited with {first.exit_status}, the refused job leased {order[refused][0] - order[behind][0]:+.2f} s "
+        "after the one queued behind it"
+    )
+    assert first.exit_status == 70, first.text()[-3000:]
+    assert f"the message for {refused} goes back to the queue" in first.text()
+    assert [(job.status, job.attempt) for job in records] == [
+        (Status.COMPLETED, 2), (Status.COMPLETED, 1), (Status.COMPLETED, 1)
+    ], records  # fmt: skip
+    assert order[refused][0] < order[behind][0]  # at the front, as every job sent back
+    assert len(order[refused]) == 1  # never leased by the stuck worker
+    assert [requeue["reason"]["code"] for requeue in requeues(jobs, tailing)] == ["lease_expired"]
+
+
+def test_a_completed_tail_held_in_its_cleanup_is_not_taken_for_a_stuck_one(
+    stack, api, reaper, jobs, blobs, clips, workers
+):
+    """A tail whose job has completed sends no more heartbeats: its cleanup (listing what earlier attempts left) held
+    by storage past VSRQ_WORKER_TAIL_STALL_S must not make the tail behind it throw away its finished encoding and its
+    worker exit. Both jobs complete on their first attempt, on the one worker."""
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    through = {
+        "VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}",
+        "VSRQ_S3_TIMEOUT_S": "5",  # the cleanup's listing, unanswered, fails after this (then goes on: housekeeping)
+        "VSRQ_WORKER_TAIL_STALL_S": "2",
+    }
+    tailing, following = create(api, clips["medium"]), create(api, clips["small"])
+    partition.hang(f"prefix=outputs%2F{tailing}".encode())  # the listing after `complete`
+    try:
+        worker = started(workers(**through))
+        records = wait_all(jobs, [tailing, following], limit_s=60)
+    finally:
+        partition.close()
+    print(f"FIGURE completed_tail_in_cleanup: {[(job.status.value, job.attempt) for job in records]}, the worker "
+          f"{'alive' if worker.alive else f'exited with {worker.exit_status}'}")  # fmt: skip
+    assert partition.hung == 1
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
+    assert worker.alive and "tail_stuck" not in worker.text(), worker.text()[-3000:]
+    assert run_detail(jobs, following)["turn_waited_s"] > 2  # it did wait behind the held cleanup
+
+
+def test_a_job_store_outage_past_the_stall_is_not_taken_for_a_stuck_tail(
+    stack, api, reaper, jobs, blobs, clips, workers
+):
+    """The job store out of reach (the broker not) longer than VSRQ_WORKER_TAIL_STALL_S with a tail in flight: the
+    tail cannot beat, so its silence says nothing. The next job's message, sent again while it cannot be leased, is
+    not refused: the worker waits the outage out and runs both jobs, instead of exiting for a model reload."""
+    store, s3 = Partition(("127.0.0.1", stack.ports["redis"])), Partition(("127.0.0.1", stack.ports["s3"]))
+    tailing = create(api, clips["medium"])
+    upload = f"PUT /{stack.bucket}/outputs/{tailing}/".encode()
+    s3.hold(upload)  # the tail stays in flight through the outage
+    worker = workers(
+        VSRQ_REDIS_URL=f"redis://127.0.0.1:{store.port}/0",
+        VSRQ_BROKER_URL=stack.redis_url,
+        VSRQ_REDIS_TIMEOUT_S="1",
+        VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{s3.port}",
+        VSRQ_LEASE_S="30",  # the tail's lease outlasts the outage: its silence is all that could end it
+        VSRQ_WORKER_TAIL_STALL_S="2",
+    )
+    try:
+        started(worker)
+        wait_until(jobs, tailing, lambda job: job.stage == "uploading", limit_s=60)
+        store.cut()
+        cut_at = time.monotonic()
+        following = create(api, clips["small"])
+        worker.wait_for(lambda: worker.text().count(f"{following} not leased") >= 2 or not worker.alive,
+                        "a second delivery past the stall", timeout_s=30)  # fmt: skip
+        store.heal()
+        outage_s = time.monotonic() - cut_at
+        s3.release(upload)
+        records = wait_all(jobs, [tailing, following], limit_s=60)
+    finally:
+        store.close()
+        s3.close()
+    print(f"FIGURE job_store_outage_with_a_tail: {[(job.status.value, job.attempt) for job in records]}, the worker "
+          f"{'alive' if worker.alive else f'exited with {worker.exit_status}'}, outage {outage_s:.1f} s, "
+          f"requeued for {[requeues(jobs, job.id) for job in records]}")  # fmt: skip
+    assert worker.alive and "tail_stuck" not in worker.text(), worker.text()[-3000:]
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, records
+
+
 # -- 9. the next job's input prefetched while a job runs (worker.prefetch) ------------------------------------------
 
 

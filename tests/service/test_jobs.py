@@ -309,3 +309,18 @@ def test_pages_by_owner_with_status_filter(jobs: JobStore):
     assert [j.id for j in jobs.page(owner, status=Status.QUEUED).jobs] == [created[4].id, created[3].id, created[0].id]
     with pytest.raises(InvalidCursor):
         jobs.page("another-owner", after=created[0].id)
+
+
+def test_an_attempt_sent_back_because_of_another_job_does_not_count(jobs: JobStore):
+    """A job sent back because another job's tail is stuck on its worker (`counts=False`) is requeued even on its last
+    attempt, and that attempt is not one of its `max_attempts`: the next failure that counts is what fails it."""
+    jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=2, prefix="vsrq-excused-" + secrets.token_hex(4))
+    job = make(jobs)
+    assert jobs.lease(job.id, "w", 30).retry("device_lost", "x") == Status.QUEUED
+    for _ in range(3):  # three stuck tails in a row: none of them the job's fault
+        assert jobs.lease(job.id, "w", 30).retry("worker_tail_stuck", "x", counts=False) == Status.QUEUED
+    last = jobs.lease(job.id, "w", 30)
+    assert last.attempt == 5
+    assert last.retry("device_lost", "x") == Status.FAILED
+    failed = jobs.require(job.id)
+    assert failed.error.code == "too_many_attempts" and "after 2 attempts" in failed.error.message
