@@ -60,22 +60,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import diffusers  # noqa: E402
+import diffusers
 
-from bench.similarity import summary as similarity  # noqa: E402
-
-from worker.frames import quantise  # noqa: E402
-from worker.media.synthetic import pattern  # noqa: E402
-from worker.media.writer import Mp4Writer  # noqa: E402
-from worker.sr import fp8_attention, quality, tiling  # noqa: E402
-from worker.sr.attention import DenseSDPAProcessor  # noqa: E402
-from worker.sr.backends import PERFORMANCE_MODES, choose_mode, free_gpu_bytes  # noqa: E402
-from worker.sr.checkpoint import Components, module_bytes, prune_upscaler, tiny_components  # noqa: E402
-from worker.sr.engine import SREngine  # noqa: E402
-from worker.sr.noise import NoiseMode  # noqa: E402
-from worker.sr.offload import Offload  # noqa: E402
-from worker.sr.request import SRRequest  # noqa: E402
-from worker.sr.windows import DEFAULT_WINDOW, plan_windows, upscale_windows  # noqa: E402
+from bench.similarity import summary as similarity
+from worker.frames import quantise
+from worker.media.synthetic import pattern
+from worker.media.writer import Mp4Writer
+from worker.sr import fp8_attention, quality, tiling
+from worker.sr.attention import DenseSDPAProcessor
+from worker.sr.backends import PERFORMANCE_MODES, choose_mode, free_gpu_bytes
+from worker.sr.checkpoint import Components, module_bytes, prune_upscaler, tiny_components
+from worker.sr.engine import SREngine
+from worker.sr.noise import NoiseMode
+from worker.sr.offload import Offload
+from worker.sr.request import SRRequest
+from worker.sr.windows import DEFAULT_WINDOW, plan_windows, upscale_windows
 
 WORKLOADS = {  # (height, width, frames, scale)
     "W1": (512, 768, 121, 2),

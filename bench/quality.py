@@ -35,19 +35,19 @@ from pathlib import Path
 
 STARTED = time.monotonic()  # the budget counts the imports too
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import similarity  # noqa: E402
-from bench.bench import SEED, WORKLOADS, build  # noqa: E402
-from worker.media.synthetic import pattern  # noqa: E402
-from worker.sr import fp8_attention, quality  # noqa: E402
-from worker.sr.checkpoint import Components, prune_upscaler  # noqa: E402
-from worker.sr.compilation import COMPILE, allow_many_graphs  # noqa: E402
-from worker.sr.engine import SREngine  # noqa: E402
-from worker.sr.request import SRRequest  # noqa: E402
+from bench import similarity
+from bench.bench import SEED, WORKLOADS, build
+from worker.media.synthetic import pattern
+from worker.sr import fp8_attention, quality
+from worker.sr.checkpoint import Components, prune_upscaler
+from worker.sr.compilation import COMPILE, allow_many_graphs
+from worker.sr.engine import SREngine
+from worker.sr.request import SRRequest
 
 LEVER_SETS = {
     "lossless": (),

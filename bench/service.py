@@ -52,14 +52,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import requests  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
-from client.http import Client  # noqa: E402
-from infra.stack import Stack, free_ports, stop_processes  # noqa: E402
-from storage.config import Settings  # noqa: E402
-from storage.jobs import JobStore, open_redis  # noqa: E402
-from storage.workers import WorkerRegistry  # noqa: E402
+from client.http import Client
+from infra.stack import Stack, free_ports, stop_processes
+from storage.config import Settings
+from storage.jobs import JobStore, open_redis
+from storage.workers import WorkerRegistry
 
 QUEUE, MODEL = "vsrq.k6", "k6-vsr"
 # name: (width, height, frames), all x2. Full size: W1 and W2 as bench/bench.py has them; a 1080p phone clip to 2160p
@@ -105,7 +105,7 @@ START_LINES = {
     "model_ready": re.compile(r"model ready in [\d.]+ s, (?P<seconds>[\d.]+) s after the process started"),
     "ready": re.compile(r"ready, (?P<seconds>[\d.]+) s after the process started"),
 }
-IMPORT_LINE = re.compile(r"^import time:\s+(?P<own>\d+) \|\s+\d+ \| *(?P<name>\S+)$", re.M)
+IMPORT_LINE = re.compile(r"^import time:\s+(?P<own>\d+) \|\s+\d+ \| *(?P<name>\S+)$", re.MULTILINE)
 TERMINAL = ("completed", "failed", "cancelled")
 
 

@@ -12,10 +12,10 @@ import io
 import os
 import re
 import secrets
-from stat import S_ISREG
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import BinaryIO, Protocol
 
 import boto3

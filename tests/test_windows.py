@@ -130,7 +130,7 @@ def test_a_cancelled_job_resumes_from_kept_windows_and_matches_an_uninterrupted_
 
     key = "job-1"
     store = DirectoryWindowStore(tmp_path / "windows", key)
-    kept = lambda: sorted(p.name for p in (tmp_path / "windows").glob("*.json") if p.name != "job.json")  # noqa: E731
+    kept = lambda: sorted(p.name for p in (tmp_path / "windows").glob("*.json") if p.name != "job.json")
     computed, partial = run(store, cancelled=lambda: len(kept()) == 2)  # dies as the third window starts
     assert computed == [0, 1] and len(partial) < 45
 
@@ -160,7 +160,7 @@ def test_windows_kept_by_another_version_replay_when_readable_and_are_computed_a
     video, plan = frames(30), plan_windows(30, window=13, overlap=4)  # 3 windows
     uninterrupted = collect(Offset(), iter(video), plan)
     stored = DirectoryWindowStore(tmp_path / "windows", "job")
-    two_kept = lambda: len(list(stored.directory.glob("window-*.json"))) == 2  # noqa: E731
+    two_kept = lambda: len(list(stored.directory.glob("window-*.json"))) == 2
     with pytest.raises(Cancelled):
         collect(Offset(), iter(video), plan, store=stored, cancelled=two_kept)
     for index, change in ((0, {"made_on": "a newer worker"}), (1, {"levers": "not a mapping"})):

@@ -46,8 +46,8 @@ from worker.sr.windows import plan_windows, upscale_windows
 from worker.tasks import job_options
 from worker.upscale import UpscaleOptions, upscale_file
 
-from .conftest import MiB, auth
 from ..test_windows import Recording
+from .conftest import MiB, auth
 from .test_worker import celery_worker
 
 # Small windows, so that a 37-frame clip is 4 of them (of 13 frames, crossfading over 4)
@@ -213,7 +213,7 @@ def test_an_attempt_that_replays_every_window_reports_what_made_them(model, engi
     computed, replayed = attempt("computed"), attempt("replayed")
     assert (computed.windows, computed.restored, replayed.restored) == (2, 0, 2)
     assert (computed.quality, computed.levers) == (("high", EMULATED) if model == "k6" else ("lossless", {}))
-    what_ran = lambda result: (result.quality, result.levers, result.tiles, result.devices, result.notes)  # noqa: E731
+    what_ran = lambda result: (result.quality, result.levers, result.tiles, result.devices, result.notes)
     assert what_ran(replayed) == what_ran(computed)
     s3.delete_prefix(work_prefix(job_id))
 

@@ -35,8 +35,8 @@ from worker.attempt import classify
 from worker.errors import Cancelled, InvalidRequest
 from worker.media.errors import InputCorrupt, InputNotFound
 from worker.media.synthetic import write_clip
-from worker.scratch import scratch_bytes
 from worker.reaper import reap_once
+from worker.scratch import scratch_bytes
 from worker.sr.checkpoint import write_tiny
 
 from .conftest import ROOT, auth, broker_messages
