@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -522,50 +523,52 @@ class Bench:
 
     def overlap(self) -> None:
         """The queue with tails inline, then overlapped: each on a worker started for it."""
-        runs = {}
-        for label, setting in (("inline", "false"), ("overlapped", "true")):
-            self.service.kill_worker()
-            self.service.worker_env = {"VSRQ_WORKER_OVERLAP_TAIL": setting, "VSRQ_WORKER_PREFETCH_INPUT": "false"}
-            self.ensure_worker()
-            runs[label] = self._queue()
-            self.emit(runs[label])
-        self.service.worker_env = {}
         keys = ("tails", "wall_s", "engine_s", "engine_busy_fraction", "gpu_idle_per_job_s", "engine_gap_per_job_s",
                 "attempt_overhead_per_job_s", "megapixel_frames_per_gpu_hour", "gpu_sampled")  # fmt: skip
-        inline, overlapped = runs["inline"], runs["overlapped"]
-        self.emit({
-            "phase": "overlap",
-            "jobs": inline["jobs"],
-            **{label: {key: run[key] for key in keys} for label, run in runs.items()},
-            "gpu_idle_per_job_saved_s": round(inline["gpu_idle_per_job_s"] - overlapped["gpu_idle_per_job_s"], 3),
+        self._side_by_side("overlap", keys, {
+            "inline": {"VSRQ_WORKER_OVERLAP_TAIL": "false", "VSRQ_WORKER_PREFETCH_INPUT": "false"},
+            "overlapped": {"VSRQ_WORKER_OVERLAP_TAIL": "true", "VSRQ_WORKER_PREFETCH_INPUT": "false"},
+        }, lambda before, after: {
             "throughput_ratio": round(
-                overlapped["megapixel_frames_per_gpu_hour"] / inline["megapixel_frames_per_gpu_hour"], 3
+                after["megapixel_frames_per_gpu_hour"] / before["megapixel_frames_per_gpu_hour"], 3
             ),
         })  # fmt: skip
 
     def prefetch(self) -> None:
         """The queue, tails overlapped: inputs downloaded once leased, then prefetched; each on a worker of its own."""
+        keys = ("inputs", "input_s", "wall_s", "engine_s", "engine_busy_fraction", "gpu_idle_per_job_s",
+                "engine_gap_per_job_s", "attempt_overhead_per_job_s", "megapixel_frames_per_gpu_hour",
+                "gpu_sampled")  # fmt: skip
+        self._side_by_side("prefetch", keys, {
+            "downloaded": {"VSRQ_WORKER_PREFETCH_INPUT": "false"},
+            "prefetched": {"VSRQ_WORKER_PREFETCH_INPUT": "true"},
+        }, lambda before, after: {
+            "engine_gap_per_job_saved_s": round(
+                (before["engine_gap_per_job_s"] or 0) - (after["engine_gap_per_job_s"] or 0), 3
+            ),
+        })  # fmt: skip
+
+    def _side_by_side(self, phase: str, keys: tuple[str, ...], settings: dict[str, dict[str, str]],
+                      more: Callable[[dict, dict], dict]) -> list[dict[str, Any]]:  # fmt: skip
+        """The mixed queue once per worker setting, each on a worker started for it, then one record comparing them
+        (the second setting against the first)."""
         runs = {}
-        for label, setting in (("downloaded", "false"), ("prefetched", "true")):
+        for label, env in settings.items():
             self.service.kill_worker()
-            self.service.worker_env = {"VSRQ_WORKER_PREFETCH_INPUT": setting}
+            self.service.worker_env = env
             self.ensure_worker()
             runs[label] = self._queue()
             self.emit(runs[label])
         self.service.worker_env = {}
-        keys = ("inputs", "input_s", "wall_s", "engine_s", "engine_busy_fraction", "gpu_idle_per_job_s",
-                "engine_gap_per_job_s", "attempt_overhead_per_job_s", "megapixel_frames_per_gpu_hour",
-                "gpu_sampled")  # fmt: skip
-        downloaded, prefetched = runs["downloaded"], runs["prefetched"]
+        before, after = runs.values()
         self.emit({
-            "phase": "prefetch",
-            "jobs": downloaded["jobs"],
+            "phase": phase,
+            "jobs": before["jobs"],
             **{label: {key: run[key] for key in keys} for label, run in runs.items()},
-            "gpu_idle_per_job_saved_s": round(downloaded["gpu_idle_per_job_s"] - prefetched["gpu_idle_per_job_s"], 3),
-            "engine_gap_per_job_saved_s": round(
-                (downloaded["engine_gap_per_job_s"] or 0) - (prefetched["engine_gap_per_job_s"] or 0), 3
-            ),
+            "gpu_idle_per_job_saved_s": round(before["gpu_idle_per_job_s"] - after["gpu_idle_per_job_s"], 3),
+            **more(before, after),
         })  # fmt: skip
+        return [before, after]
 
     def input_step(self, runs: int = 5) -> None:
         """What prefetch takes off a job's path per input size (the queue's clips are kilobytes): the median of `runs`
