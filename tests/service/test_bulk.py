@@ -80,6 +80,13 @@ def media(path: Path) -> tuple[int, int, int, bool]:
         return video.width, video.height, frames, bool(container.streams.audio)
 
 
+def writes_to(process: psutil.Process, log: Path) -> bool:
+    try:
+        return any(file.path == str(log) for file in process.open_files())
+    except psutil.Error:  # ended meanwhile
+        return False
+
+
 def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker, tmp_path):
     folder, out, report = tmp_path / "in", tmp_path / "out", tmp_path / "report.csv"
     frames = {}
@@ -94,7 +101,8 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
 
     # The worker is paused (idle, no job in hand) while the first run submits: it cannot finish all ten before the
     # interrupt, however fast the jobs and slow this test's polling are on a loaded machine
-    [paused] = [p for p in psutil.Process().children(recursive=True) if "vsrq.cpu" in p.cmdline()]
+    # This module's worker: the one writing its log (another module's worker on the same queue may still be ending)
+    [paused] = [p for p in psutil.Process().children(recursive=True) if writes_to(p, worker)]
     paused.suspend()
     try:
         first = subprocess.Popen(command, env=bulk_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
