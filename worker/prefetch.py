@@ -38,7 +38,6 @@ from storage.blobs import BlobNotFound
 from storage.jobs import FileDigest, JobRecord, Status
 from storage.queue import next_job_ids
 from worker import metrics, service
-from worker.scratch import scratch_bytes
 
 log = logging.getLogger("vsrq.worker")
 
@@ -95,20 +94,20 @@ class Prefetcher:
         self._held: int | None = None  # the directory's lock file, flock'ed
         self._closed = False
 
-    def ahead(self, current: JobRecord, source: Path) -> None:
-        """Starts the next job's download in the background, while `current` (whose input is `source`) runs. Returns
-        at once; a download still on its way (a large input) is left to finish instead."""
-        if not service.worker_settings().prefetch_input:
+    def ahead(self, current: JobRecord, keep_free: int | None) -> None:
+        """Starts the next job's download in the background, while `current`, which writes `keep_free` bytes to the
+        disk at most (worker.scratch; None: not known, so nothing is prefetched beside it), runs. Returns at once; a
+        download still on its way (a large input) is left to finish instead."""
+        if not service.worker_settings().prefetch_input or keep_free is None:
             return
         with self._lock:
             previous = self._thread
             if self._closed or (previous is not None and previous.is_alive() and not self._abort.is_set()):
                 return
             self._abort = abort = threading.Event()
-            scale = float(current.params.get("sr_resolution_scale", 4))
             self._thread = threading.Thread(
                 target=self._prefetch,
-                args=(current.id, source, scale, previous, abort),
+                args=(current.id, keep_free, previous, abort),
                 name="vsrq-prefetch",
                 daemon=True,
             )
@@ -202,7 +201,7 @@ class Prefetcher:
     # -- the prefetch thread ---------------------------------------------------------------------------------------
 
     def _prefetch(
-        self, current: str, source: Path, scale: float, previous: threading.Thread | None, abort: threading.Event
+        self, current: str, keep_free: int, previous: threading.Thread | None, abort: threading.Event
     ) -> None:
         if previous is not None:  # an aborted download, ending at its next chunk: one file at a time
             previous.join()
@@ -224,7 +223,7 @@ class Prefetcher:
                 return
             directory = self._cache()
             # the running job's frames and MP4 come first: a prefetch must never leave it without room
-            room = shutil.disk_usage(directory).free - scratch_bytes(source, scale)
+            room = shutil.disk_usage(directory).free - keep_free
             if info.size > min(service.worker_settings().prefetch_max_bytes, room):
                 log.info("the input of %s is not prefetched: %d bytes, %d free beside this job's", job.id, info.size,
                          room)  # fmt: skip

@@ -168,12 +168,7 @@ def _wait_for_room(tail: _Tail) -> None:
     """Waits until the finisher has room for this attempt's tail (worker.finisher) and, while tails are held, the disk
     room for the next job's scratch (as much as this job's: the next one's input is not here yet), its lease kept and
     its cancel seen meanwhile: the held tails' files must not leave the next job without room."""
-    stall_s = _tail_stall_s()
-    try:
-        need = scratch_bytes(tail.scratch / "input", tail.options.request.scale)
-    except Exception as error:  # a bound only: the job, its engine done, must not fail for it
-        log.warning("%s: the next job's scratch not estimated (%s): tails held by count only", tail.job.id, error)
-        need = 0
+    stall_s, need = _tail_stall_s(), tail.scratch_need or 0  # not estimated: tails held by count only
     _stop_if_stuck(tail, stall_s)  # with room too: a tail behind a stuck one would be left to its lease at the exit
     while not _finisher.room(tail.beat.every_s, lambda: has_room(tail.scratch, need)):
         tail.beat.stop_if_cancelled()
@@ -263,6 +258,7 @@ class _Tail:
     input_from: str  # "prefetch" (downloaded while the previous job ran: worker.prefetch), "storage" or "url"
     input_s: float  # the input's seconds on the task's path: the download, or the prefetched copy's check and move
     scratch: Path
+    scratch_need: int | None  # what the job writes to `scratch` at most (`_scratch_need`)
     cleanup: ExitStack  # the scratch directory
     head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
     turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
@@ -320,7 +316,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             log.info("%s read its input: %d bytes, sha256 %s (hashed %s)", job.id, digest.bytes, digest.sha256, hashed)
             beat.stop_if_cancelled(input_file=digest, force=True)
         head = {"fetched": monotonic()}
-        _prefetcher.ahead(job, source)  # the next job's input downloads while this one's engine runs
+        scratch_need = _scratch_need(job, source, options.request.scale)
+        _prefetcher.ahead(job, scratch_need)  # the next job's input downloads while this one's engine runs
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
@@ -352,9 +349,21 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             input_from,
             input_s,
             scratch,
+            scratch_need,
             cleanup.pop_all(),
             head,
         )
+
+
+def _scratch_need(job: JobRecord, source: Path, scale: float) -> int | None:
+    """What this job writes to its scratch disk at most (worker.scratch), estimated once: the room a prefetch must
+    leave it, and the room held tails must leave the next job. None where the input does not say (a bound only: never
+    the job's end)."""
+    try:
+        return scratch_bytes(source, scale)
+    except Exception as error:
+        log.warning("%s: its scratch not estimated (%s)", job.id, error)
+        return None
 
 
 def _finish(
