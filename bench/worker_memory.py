@@ -6,7 +6,8 @@ Redis, local blobs, the API under gunicorn and one solo Celery worker, as bench/
 `--groups`: clips as WIDTHxHEIGHTxFRAMES (each upscaled x2), ',' between the jobs of a group (submitted at once, so
 each job's tail overlaps the next job's head and engine), '|' between groups (each submitted once the one before has
 ended). After each group, once its last tail has ended (the worker idle): the worker's resident memory read from
-/proc; after each job: its /metrics gauge (`vsrq_worker_resident_bytes`, set in the job's tail, the next job running).
+/proc; after each job: its /metrics gauge (`vsrq_worker_resident_bytes`, set in the job's tail, the next job running);
+over all the jobs: the worker's CPU seconds and minor page faults.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from bench.service import Jobs, Service  # noqa: E402
 def resident_gib(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 2**20
+
+
+def cpu_and_faults(pid: int) -> dict[str, float]:
+    """The worker's CPU seconds (user, system) and minor page faults so far (/proc/PID/stat): what a block mapped
+    afresh costs (its pages faulted in and zeroed)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"user_s": int(fields[11]) / tick, "system_s": int(fields[12]) / tick, "minor_faults": int(fields[7])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             return sum(v for k, v in service.metrics().items() if k.startswith("vsrq_worker_attempts_total"))
 
         done, idle, gauge, started = 0, [], [], time.monotonic()
-        ready = resident_gib(pid)
+        ready, cpu_ready = resident_gib(pid), cpu_and_faults(pid)
         for group in groups:
             submitted = [(name, jobs.submit(name)[0]) for name in group]
             for name, job_id in submitted:
@@ -69,16 +78,19 @@ def main(argv: list[str] | None = None) -> None:
             while ended() < done:
                 time.sleep(0.05)
             idle.append(round(resident_gib(pid), 3))
+        cpu = {key: round(value - cpu_ready[key], 2) for key, value in cpu_and_faults(pid).items()}
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         record = {
             "phase": "worker_memory",
             "commit": commit.stdout.strip(),
             "groups": args.groups,
+            "malloc_mmap_threshold_env": os.environ.get("MALLOC_MMAP_THRESHOLD_"),  # glibc's, set by hand
             "rss_ready_gib": round(ready, 3),
             "rss_idle_after_each_group_gib": idle,
             "idle_last_over_first": round(idle[-1] / idle[0], 4),
             "rss_gauge_after_each_job_gib": gauge,
             "seconds": round(time.monotonic() - started, 1),
+            "worker_cpu_over_the_jobs": cpu,  # from ready to the last tail's end
             "date": time.strftime("%Y-%m-%d %H:%M"),
         }
         line = json.dumps(record)

@@ -5,7 +5,8 @@ glibc serves a block of 128 KiB or more with an mmap of its own, unmapped once f
 size of any such block freed, up to 32 MiB. After a job's first big frames, frames (6 MB at 1080p, 25 MB at 4K) came
 from the arenas of the threads that allocate them (the engine's, the encoder's and decoder's, x264's, FFmpeg's, the
 tail's: up to 8 arenas per core), which keep a freed block resident, among live ones, for reuse: the worker's RSS grew
-job after job with no reference kept (bench/RESULTS.md, issue 22 item 5). A threshold set with `mallopt` stays put.
+job after job with no reference kept (bench/RESULTS.md, issue 22 item 5). A threshold set with `mallopt` stays put;
+the price is page faults, a big block being mapped afresh each time (measured there too).
 Elsewhere (musl, a preloaded jemalloc) this does nothing; a threshold the operator set (MALLOC_MMAP_THRESHOLD_,
 GLIBC_TUNABLES) is kept.
 """

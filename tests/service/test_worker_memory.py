@@ -82,13 +82,13 @@ def resident_once_ended(pid: int, metrics: str, jobs: int, log: Path) -> int:
 
 def test_host_memory_after_repeated_big_jobs_stays_near_the_first_jobs(api, metered_worker, big_clip, jobs):
     pid, metrics, log = metered_worker
-    first = wait_for(api, create(api, big_clip)["id"], log)
+    first = wait_for(api, create(api, big_clip)["id"], log, limit_s=180)  # the worker's start included
     assert first["status"] == "completed", first
     after_first = resident_once_ended(pid, metrics, 1, log)
 
     ids = [create(api, big_clip)["id"] for _ in range(JOBS)]
     for job_id in ids:
-        job = wait_for(api, job_id, log)
+        job = wait_for(api, job_id, log, limit_s=180)
         assert job["status"] == "completed" and job["size"] == f"{2 * SIZE[1]}x{2 * SIZE[0]}", job
     after_all = resident_once_ended(pid, metrics, 1 + JOBS, log)
     # the tails ran beside the next jobs, as in the GPU worker's queue
