@@ -47,7 +47,7 @@ from storage.jobs import (
     new_lease_token,
 )
 from storage.queue import UPSCALE_TASK, send_upscale
-from worker import metrics, service, signals, started  # signals: importing it connects the process's handlers
+from worker import heap, metrics, service, signals, started  # signals: importing it connects the process's handlers
 from worker.attempt import discard, discard_attempt, end, forget_windows
 from worker.celery_app import app
 from worker.costs import charge, job_limits
@@ -78,6 +78,7 @@ LOST_LEASES_HEADER = "vsrq_lost_leases"
 def _load_model(**_: Any) -> None:
     """Loads the upscaler before the worker takes its first message: a bad checkpoint stops the worker at once."""
     signals.configure_logging()  # Celery sets logging up only after `worker_init`: the load and warmup would be lost
+    heap.fix_mmap_threshold()  # before any job: its frames must not stay resident in glibc's arenas once freed
     config = service.worker_settings()
     _finisher.held = config.tails_held
     # The seconds so far are the interpreter's start and the imports of Celery and the worker's modules
