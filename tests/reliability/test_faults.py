@@ -922,6 +922,7 @@ def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, job
         f"{[round(-s, 3) for s in ahead]} s; tails {tails}; outputs identical to an inline tail's "
         f"{sum(job.output.sha256 == reference.output.sha256 for job in records)}/{len(ids)}"
     )
+    print(f"FIGURE tail_steps: {[run_detail(jobs, job_id)['tail_s'] for job_id in [reference.id, *ids]]}")
     assert run_detail(jobs, reference.id)["tail"] == "inline"
     assert all(job.status == Status.COMPLETED and job.attempt == 1 for job in records), records
     assert tails == ["overlapped"] * len(ids)
