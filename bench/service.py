@@ -367,6 +367,8 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         "split_s": split(at, run),
         # when each step of the head ended, seconds after the lease (worker.tasks `_note_run`), then the engine's span
         "head_s": run.get("head_s", {}) | {"engine": run.get("engine_span_s")},
+        # the tail's steps in seconds (worker.tasks `_complete`): flush, verify, uploading beat, previews, uploads, settle
+        "tail_s": run.get("tail_s", {}),
     }
 
 

@@ -19,7 +19,7 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -264,6 +264,7 @@ class _Tail:
     head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
     turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
     completed: bool = False  # its `complete` went through: its job is ended, what remains is housekeeping
+    steps: dict[str, float] = field(default_factory=dict)  # seconds of each step of the tail up to `complete`
 
     def silent_s(self) -> float:
         """How long it has shown no sign of life, as the finisher reads it (worker.finisher): never once its job has
@@ -403,16 +404,28 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     # 4. The encoder's flush and the read-back check; the poster frame and sprite sheet, then the uploads to this
     #    attempt's keys: a stale attempt may upload, but only the fenced `complete` promotes
     result = tail.encoding.finish()
+    steps, at = dict(result.tail), monotonic()  # each step's seconds, for the `run` event (`_note_run`)
+
+    def step(name: str) -> None:
+        nonlocal at
+        steps[name], at = monotonic() - at, monotonic()
+
     metrics.record_upscale(result)
     beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True)
-    with beat.kept_alive():  # a long 4K output takes a while to decode
-        made = _previews(job.id, result.output, result.written.video.frames, scratch)
+    step("uploading_beat")
+    with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
+        made = _previews(job.id, result, scratch)
+    step("previews")
     stored = beat.storage(lambda: _upload(result.output, output_key, beat.transfer))
+    step("upload")
     previews = {
         variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
         for variant, path in made.items()
     }
+    step("upload_previews")
     beat.settle()  # asked while it uploaded: the output is discarded, not promoted
+    step("settle")
+    tail.steps = steps
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
     _note_run(lease, result, tail, overlapped)
@@ -465,6 +478,9 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # when each step of the head ended, as `engine_span_s`: the input fetched, the kept windows listed, probed,
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
+        # the tail's steps, in seconds: the encoder's flush, `verify`, the `uploading` beat, the
+        # previews, the output's upload, the previews', `settle` (`complete` follows this event)
+        "tail_s": {step: round(seconds, 3) for step, seconds in tail.steps.items()},
         # overlapped, how long it waited for the tails before it: part of `upscale_s`, none of its own work
         "turn_waited_s": round(tail.turn_waited_s, 3),
         "windows": result.windows,
@@ -484,11 +500,18 @@ def _upload(path: Path, key: str, progress: Callable[[int], None], content_type:
         return service.blobs().put(key, file, content_type=content_type, progress=progress)
 
 
-def _previews(job_id: str, video: Path, frames: int, directory: Path) -> dict[str, Path]:
-    """The output's thumbnail and sprite sheet (worker.media.previews); none if they cannot be made: a job is not
-    failed for its pictures (GET .../content?variant= then answers 404)."""
+def _previews(job_id: str, result: UpscaleResult, directory: Path) -> dict[str, Path]:
+    """The output's thumbnail and sprite sheet (worker.media.previews), from the frames taken as they were encoded,
+    else decoded from the output; none if they cannot be made: a job is not failed for its pictures (GET
+    .../content?variant= then answers 404)."""
     try:
-        made = make_previews(video, frames, directory)
+        taken = result.previews
+        if taken is not None and taken.frames == result.written.video.frames and taken.complete():
+            made = taken.write(directory)
+        else:
+            if taken is not None and taken.error is not None:
+                log.warning("%s: previews decoded from the output: a frame was not taken (%s)", job_id, taken.error)
+            made = make_previews(result.output, result.written.video.frames, directory)
     except Exception:
         log.warning("%s: no thumbnail or sprite sheet", job_id, exc_info=True)
         return {}

@@ -16,6 +16,7 @@ from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
 from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, plan_streams
+from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
 from worker.media.reader import prefetch, read_frames
 from worker.media.resize import Target
@@ -81,6 +82,10 @@ class Result:
     levers: dict[str, str] = field(default_factory=dict)  # `high`'s levers and how each ran
     # `time.monotonic()` when each step before the engine's first call ended: a worker reports where a head waited
     head: dict[str, float] = field(default_factory=dict)
+    # seconds of each step of `Encoding.finish`: the encoder's flush, the read-back check
+    tail: dict[str, float] = field(default_factory=dict)
+    # the previews' frames, taken as they were encoded: the output is not decoded again for them
+    previews: PreviewFrames | None = field(default=None, repr=False, compare=False)
 
 
 def upscale_file(
@@ -142,7 +147,8 @@ def begin_upscale(
     #    all into a hidden file next to the output. The writer stays open for `finish`.
     partial = output.with_name(f".{output.name}.partial")
 
-    def write_windows() -> tuple[Mp4Writer, WindowsRun]:
+    def write_windows() -> tuple[Mp4Writer, WindowsRun, PreviewFrames]:
+        previews = PreviewFrames(video.frames)
         with ExitStack() as on_error:
             on_error.callback(partial.unlink, missing_ok=True)
             writer = on_error.enter_context(
@@ -160,6 +166,7 @@ def begin_upscale(
                     colour=(_tag(video.color_primaries), _tag(video.color_trc)),
                     sample_aspect_ratio=video.sar,
                     chapters=output_chapters(info.chapters, clock),
+                    on_frame=previews.take,
                 )
             )
             head["writer_open"] = monotonic()
@@ -167,16 +174,16 @@ def begin_upscale(
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
             on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
-        return writer, run
+        return writer, run, previews
 
     engine_started = monotonic()
     try:
-        writer, run = write_windows()
+        writer, run, previews = write_windows()
     except KeptWindowsDisagree as error:  # the output would mix windows made in two ways: it starts over without
         # the kept ones (never replayed again), in this attempt rather than the job's next
         log.warning("kept windows dropped, every window computed again: %s", error)
         store.drop()
-        writer, run = write_windows()
+        writer, run, previews = write_windows()
     # What made the pixels: the windows' own runs, also those replayed from an earlier attempt's
     first = run.made[0] if run.made else None
     result = Result(
@@ -195,6 +202,7 @@ def begin_upscale(
         quality=first.quality if first else options.request.quality,
         levers=_levers(run.made),
         head=head,
+        previews=previews,
     )
     return Encoding(result, writer, promise, started)
 
@@ -217,9 +225,11 @@ class Encoding:
     def finish(self) -> Result:
         # 5. Flush the encoder, read the file back and check it against the promise, then put it in place atomically
         partial = self._writer.path
+        began = monotonic()
         try:
             with self._writer:  # leaving it closes the writer (the flush); one that fails deletes the file
                 pass
+            flushed = monotonic()
             # re-encoded audio is held to what its decoder gave, which the passthrough knows once it is flushed
             passthrough = self._writer.passthrough
             promise = self._promise.decoded(passthrough.placed()) if passthrough is not None else self._promise
@@ -227,7 +237,8 @@ class Encoding:
             os.replace(partial, self.result.output)
         finally:
             partial.unlink(missing_ok=True)
-        return replace(self.result, written=written, seconds=perf_counter() - self._started)
+        tail = {"flush": flushed - began, "verify": monotonic() - flushed}
+        return replace(self.result, written=written, seconds=perf_counter() - self._started, tail=tail)
 
     def discard(self) -> None:
         self._writer.discard()

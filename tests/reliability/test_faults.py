@@ -867,6 +867,7 @@ def _post_quietly(url: str, clip: bytes) -> None:
 
 
 HEAD_STEPS = ("fetched", "windows_kept", "probed", "writer_open", "first_window_decoded")  # in the order they run
+TAIL_STEPS = ("flush", "verify", "uploading_beat", "previews", "upload", "upload_previews", "settle")  # as they run
 
 
 def run_detail(jobs: JobStore, job_id: str) -> dict:
@@ -887,7 +888,7 @@ def hold_a_tail(api: str, jobs: JobStore, partition: Partition, clips, worker: P
     """A job and a short one behind it on `worker`; storage is cut once the first job's engine is done, so that its
     tail waits on its upload. Returns (first, short) once `worker` has leased the short one meanwhile: the tail is in
     flight, its task returned and its message was acknowledged. The caller heals the partition."""
-    for _ in range(3):  # the encoder's flush, the check and the previews come before the upload: a fraction of a
+    for _ in range(3):  # the encoder's flush and the check come before the upload: a fraction of a
         # second to cut storage in, which a busy machine can miss
         tailing, following = create(api, clips["medium"]), create(api, clips["small"])
         held = wait_until(jobs, tailing, lambda job: job.stage in ("encoding", "uploading") or ended(job))
@@ -921,6 +922,7 @@ def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, job
         f"{[round(-s, 3) for s in ahead]} s; tails {tails}; outputs identical to an inline tail's "
         f"{sum(job.output.sha256 == reference.output.sha256 for job in records)}/{len(ids)}"
     )
+    print(f"FIGURE tail_steps: {[run_detail(jobs, job_id)['tail_s'] for job_id in [reference.id, *ids]]}")
     assert run_detail(jobs, reference.id)["tail"] == "inline"
     assert all(job.status == Status.COMPLETED and job.attempt == 1 for job in records), records
     assert tails == ["overlapped"] * len(ids)
@@ -930,6 +932,7 @@ def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, job
         steps = [run["head_s"][step] for step in HEAD_STEPS]
         assert 0 <= steps[0] and steps == sorted(steps) and steps[-1] <= run["engine_span_s"][1], run
         assert 0 <= run["turn_waited_s"] <= run["upscale_s"], run
+        assert set(run["tail_s"]) == set(TAIL_STEPS) and all(s >= 0 for s in run["tail_s"].values()), run
     assert all(job.output.sha256 == reference.output.sha256 for job in records)
     assert all(outputs(blobs, job_id) == [jobs.require(job_id).output.key] for job_id in ids)
 

@@ -6,7 +6,7 @@ import functools
 import os
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from time import perf_counter
@@ -116,6 +116,9 @@ class Mp4Writer:
     `passthrough` muxes the source's audio and subtitles alongside, as the video advances; `chapters` are kept. `sample_aspect_ratio` is
     the source's pixel shape, kept so that the picture is displayed as wide as the source's.
 
+    `on_frame(index, pixels)` sees each frame, (H, W, 3) uint8 RGB, on the encoder's thread just before it is
+    encoded (the previews take theirs there: worker.media.previews.PreviewFrames).
+
     `write` only quantises and queues; a background thread encodes and muxes. A failure there surfaces at the next
     `write` or at `close`. Leaving the `with` block through an exception deletes the partial file.
     """
@@ -141,6 +144,7 @@ class Mp4Writer:
         start: int = 0,
         sample_aspect_ratio: Fraction = Fraction(1),
         chapters: Sequence[tuple[float, float, str | None]] = (),
+        on_frame: Callable[[int, np.ndarray], None] | None = None,
     ) -> None:
         height, width = size
         encoder = encoder_for(codec)
@@ -148,6 +152,7 @@ class Mp4Writer:
         if start and timestamps is None:
             raise ValueError("a delayed start needs timestamps (a time base finer than the frame rate)")
         self.timestamps, self.passthrough, self.start = timestamps, passthrough, start
+        self._on_frame = on_frame
         self._durations = _durations(timestamps, start) if timestamps is not None else {}
         self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
         self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": "+faststart"})
@@ -206,6 +211,8 @@ class Mp4Writer:
             while (pixels := self._queue.get()) is not _DONE:
                 started = perf_counter()
                 for pixel in pixels:
+                    if self._on_frame is not None:
+                        self._on_frame(index, pixel)
                     frame = yuv_frame(pixel)
                     frame.pts = index if self.timestamps is None else self.start + self.timestamps[index]
                     index += 1
