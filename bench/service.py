@@ -100,9 +100,13 @@ SHAPE_LINE = re.compile(
     r"guards (?P<guards_s>[\d.]+) s, Inductor (?P<inductor_s>[\d.]+) s\)"
 )
 # The worker's start, in seconds after its process started: the first line (the interpreter, Celery's and the
-# worker's imports before it), the model loaded and warmed up, registered and consuming
+# worker's imports before it), the model's code imported (diffusers, torch's compiler), its weights loaded (on the
+# host), the engine built (the weights on the devices), the model warmed up, registered and consuming
 START_LINES = {
     "first_line": re.compile(r"loading .* on .*, (?P<seconds>[\d.]+) s after the process started"),
+    "code_imported": re.compile(r"model code imported, (?P<seconds>[\d.]+) s after the process started"),
+    "weights_loaded": re.compile(r"weights loaded in [\d.]+ s, (?P<seconds>[\d.]+) s after the process started"),
+    "engine_built": re.compile(r"engine built \(\w+\), (?P<seconds>[\d.]+) s after the process started"),
     "model_ready": re.compile(r"model ready in [\d.]+ s, (?P<seconds>[\d.]+) s after the process started"),
     "ready": re.compile(r"ready, (?P<seconds>[\d.]+) s after the process started"),
 }

@@ -14,8 +14,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.transformers.transformer_kandinsky6_sr import apply_rotary, nabla_block_mask
 from torch.nn.attention.flex_attention import flex_attention
+
+from worker.sr.k6_models import transformer as k6_transformer
+
+apply_rotary, nabla_block_mask = k6_transformer.apply_rotary, k6_transformer.nabla_block_mask
 
 # Flex attention's tiles must divide NABLA's 64-token blocks; diffusers pins only BLOCK_M, with which the compiled
 # kernel fails to build on Hopper (torch 2.11): both at 64 build and run.

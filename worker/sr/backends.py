@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from worker.sr import compile_cache
+from worker import started as process
+from worker.sr import compile_cache, readahead
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.offload import Offload
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
@@ -139,12 +140,16 @@ def open_upscaler(
     `split`: whether devices may share a tile (`SREngine`). `compile`: the transformer's and the decoder's blocks
     compiled on GPUs ("auto"), everywhere ("on": also on CPUs, where a start then measures what a GPU's does) or
     nowhere ("off")."""
+    if model != "lanczos":
+        readahead.start(model)  # the weights come off the disk while the model's code is imported (seconds)
     if compile_cache_dir is not None:
         log.info("compile cache in %s", compile_cache.use(compile_cache_dir))
     if model == "lanczos":
         return LanczosUpscaler()
     from worker.sr import checkpoint
     from worker.sr.engine import SREngine
+
+    log.info("model code imported, %.1f s after the process started", process.seconds())
 
     if any(device.startswith("cuda") for device in devices) and not _allocator_configured():
         # Blocks of many sizes come and go while decoding: growable segments keep the reserve near what is in use
@@ -153,7 +158,9 @@ def open_upscaler(
         # already; it holds for the whole process, as the environment variable would.
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     # On the host until the mode is known: an offloaded mode never holds every weight on the GPU at once.
+    loading = perf_counter()
     replicas, _ = checkpoint.load(model, [torch.device(d) for d in devices], on_host=True)
+    log.info("weights loaded in %.1f s, %.1f s after the process started", perf_counter() - loading, process.seconds())
     gpus = sorted({r.device for r in replicas if r.device.type == "cuda"}, key=str)
     if performance_mode == "auto":
         free = min((free_gpu_bytes(device) for device in gpus), default=None)
@@ -167,6 +174,7 @@ def open_upscaler(
     compiled = {"auto": None, "on": True, "off": False}[compile]
     engine = SREngine(replicas, split=split, compile_transformer=compiled, compile_decoder=compiled, **options)
     engine.performance_mode = performance_mode
+    log.info("engine built (%s), %.1f s after the process started", performance_mode, process.seconds())
     if warmup_frames and engine.compiles:
         tiles = "every tile size" if warmup_every_tile_size else "landscape tiles"
         log.info("warming up %s (compiling for a %d-frame window, %s)", ",".join(map(str, engine.devices)), warmup_frames, tiles)

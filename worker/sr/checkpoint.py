@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.sr.attention import PROCESSORS
 from worker.sr.errors import CheckpointNotFound
 
 logger = logging.getLogger(__name__)
@@ -122,6 +121,9 @@ def load(
     """Load one replica per distinct device (CPU 'devices' share one), in eval mode with the dense SDPA processor.
     `on_host`: the weights stay in host memory (for an engine that offloads them, or places them once it has chosen
     its mode), in the device's dtype."""
+    # Imported here, not with this module, which worker.sr.readahead imports before diffusers is: attention brings
+    # diffusers' K6 modules alone (worker.sr.k6_models), before `diffusers.Kandinsky6SR...` would bring the rest
+    from worker.sr.attention import PROCESSORS  # isort: skip
     import diffusers
 
     path = resolve(source)

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.models.transformers.transformer_kandinsky6_sr import FRACTAL_BLOCK_SIZE, _local_merge, _local_patch, sliding_tile_mask
-
 from worker.sr.devices import Stopped
+from worker.sr.k6_models import transformer as k6_transformer
+
+FRACTAL_BLOCK_SIZE, sliding_tile_mask = k6_transformer.FRACTAL_BLOCK_SIZE, k6_transformer.sliding_tile_mask
+_local_patch, _local_merge = k6_transformer._local_patch, k6_transformer._local_merge
 
 SPLITS = ("auto", "off", "on")
 # The key under which a block's `sparse_params` carry the device's `Shard` to the attention processor.

@@ -1,0 +1,74 @@
+"""A worker imports diffusers' K6 SR modules alone (worker.sr.k6_models), and loads our checkpoints as before."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from worker.sr.checkpoint import write_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fingerprint(checkpoint: str) -> dict:
+    """Loads a checkpoint as the worker does and runs one clip: a digest of every weight and of the output, the
+    packages' model modules imported, and what other code still finds in those packages afterwards."""
+    import diffusers
+    import torch
+
+    from tests.conftest import clip, run
+    from worker.sr.engine import SREngine
+    from worker.sr.request import SRRequest
+
+    engine = SREngine.from_pretrained(checkpoint)
+    replica = engine.replicas[0]
+    weights = hashlib.sha256()
+    for name, module in sorted(replica.modules().items()):
+        for key, tensor in sorted(module.state_dict().items()):
+            weights.update(f"{name}.{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            weights.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    output = run(engine, clip(2), SRRequest(scale=2))
+    found = {
+        "weights": weights.hexdigest(),
+        "output": hashlib.sha256(output.numpy().tobytes()).hexdigest(),
+        "transformer_class": type(replica.transformer).__module__,
+        "models": sorted(m for m in sys.modules if m.startswith(("diffusers.models.transformers.", "diffusers.models.autoencoders."))),
+    }
+    from diffusers.models.autoencoders import AutoencoderKL
+
+    found["flux"] = diffusers.models.transformers.FluxTransformer2DModel.__module__
+    found["autoencoder_kl"] = AutoencoderKL.__module__
+    found["pipeline"] = type(diffusers.Kandinsky6SRPipeline.from_pretrained(checkpoint).transformer).__module__
+    return found
+
+
+def test_the_worker_imports_only_the_k6_models_and_loads_the_same_bytes(tmp_path):
+    checkpoint = str(write_tiny(tmp_path / "tiny", seed=3))
+    # A fresh interpreter, as a worker's: this one imported the engine with the test suite
+    done = subprocess.run(
+        [sys.executable, "-c", f"import json; from tests.test_k6_models import fingerprint; print(json.dumps(fingerprint({checkpoint!r})))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = json.loads(done.stdout.splitlines()[-1])
+    # Here, the packages imported whole first, as before the stand-ins (and as any other code may)
+    import diffusers.models.autoencoders
+    import diffusers.models.transformers
+
+    assert diffusers.models.transformers.FluxTransformer2DModel and diffusers.models.autoencoders.AutoencoderKL
+    full = fingerprint(checkpoint)
+    # Of the packages' ~100 model modules, the K6 SR ones and the few their own imports name (unets' blocks)
+    assert "diffusers.models.transformers.transformer_kandinsky6_sr" in alone["models"]
+    assert "diffusers.models.autoencoders.autoencoder_kandinsky6_sr" in alone["models"]
+    assert len(alone["models"]) <= 10 < len(full["models"]), (alone["models"], len(full["models"]))
+    # The same classes, weights and output bits as with the packages whole
+    assert alone["transformer_class"] == full["transformer_class"] == "diffusers.models.transformers.transformer_kandinsky6_sr"
+    assert (alone["weights"], alone["output"]) == (full["weights"], full["output"])
+    # The packages' other names, and diffusers' own pipeline loading, are there for any other code
+    for found in (alone, full):
+        assert found["flux"] == "diffusers.models.transformers.transformer_flux"
+        assert found["autoencoder_kl"] == "diffusers.models.autoencoders.autoencoder_kl"
+        assert found["pipeline"] == found["transformer_class"]

@@ -1,0 +1,69 @@
+"""diffusers' Kandinsky 6 SR model modules, imported without the other models of their packages.
+
+`diffusers.models.transformers` and `diffusers.models.autoencoders` are plain packages whose `__init__` imports every
+model they hold (~70 transformers, ~20 autoencoders): reaching the K6 SR transformer costs their whole import at a
+worker's start (bench/RESULTS.md, "The warm start, step by step"). Importing this module first puts a stand-in for
+each of the two packages in `sys.modules`: the same name, path and spec, so `import` finds the K6 SR submodules (and
+any other) on their own, and diffusers' lazy top level (`diffusers.Kandinsky6SRTransformer3DModel`, what
+`from_pretrained` and the pipelines resolve) gets the real classes. A name the package itself defines
+(`diffusers.models.transformers.FluxTransformer2DModel`) runs the package's real `__init__` into the stand-in at its
+first use, so other code sees the package as it was, one import later.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+import types
+
+PACKAGES = ("diffusers.models.transformers", "diffusers.models.autoencoders")
+
+
+class _PackageOnDemand(types.ModuleType):
+    """A package whose `__init__` runs the first time a name not yet in it is asked for."""
+
+    _lock = threading.RLock()  # two threads asking at once run the `__init__` once
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):  # probes (`__wrapped__`, `__all__`...) load nothing
+            raise AttributeError(name)
+        if importlib.util.find_spec(f"{self.__name__}.{name}") is not None:  # a submodule (`from package import it`)
+            return importlib.import_module(f"{self.__name__}.{name}")
+        with self._lock:
+            if not self.__dict__.get("_vsrq_initialised"):
+                self.__dict__["_vsrq_initialised"] = True  # first: the `__init__`'s own lookups find what it set
+                try:
+                    self.__spec__.loader.exec_module(self)  # the real `__init__`, into this module's namespace
+                except BaseException:
+                    self.__dict__["_vsrq_initialised"] = False  # its error again at the next use, as an import's
+                    raise
+        try:
+            return self.__dict__[name]
+        except KeyError:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}") from None
+
+
+def _stand_in(name: str) -> None:
+    if name in sys.modules:  # imported already (in full, or stood in for): nothing to save
+        return
+    parent, _, child = name.rpartition(".")
+    spec = importlib.util.find_spec(name)  # imports the parents (diffusers' lazy top levels), not `name` itself
+    if spec is None or spec.submodule_search_locations is None:
+        return
+    module = _PackageOnDemand(name)
+    module.__spec__, module.__loader__, module.__file__ = spec, spec.loader, spec.origin
+    module.__path__, module.__package__ = list(spec.submodule_search_locations), name
+    sys.modules[name] = module
+    setattr(sys.modules[parent], child, module)
+
+
+with _PackageOnDemand._lock:
+    for _package in PACKAGES:
+        _stand_in(_package)
+
+from diffusers.models.autoencoders import autoencoder_kandinsky6_sr as vae  # noqa: E402
+from diffusers.models.transformers import transformer_kandinsky6_sr as transformer  # noqa: E402
+
+__all__ = ["transformer", "vae"]
