@@ -44,7 +44,10 @@ _lock = threading.Lock()  # loads and compiles: one at a time (the compile gate 
 # apart); replaced, never changed in place, so device threads read it without the lock
 _functions: dict[tuple, tuple[Any, ...]] = {}
 _searched: set[tuple] = set()  # signatures whose files have been loaded
-_unusable: set[tuple] = set()  # signatures compiled as `nn.Module.compile` does (compiling ahead of time failed)
+# Set once a compile ahead of time failed: this torch does not serve these blocks so, and trying each signature again
+# would trace it twice (once more for `nn.Module.compile`'s call) at every start
+_compile_failed = False
+_traced: set[tuple] = set()  # signatures left to `nn.Module.compile`'s call (none of their functions accepts them)
 _VARIANTS = 4  # functions per signature at most: past them, something the guards see changes call by call
 _logged: set[str] = set()
 _counts: Counter[str] = Counter()  # loaded, compiled, fallback
@@ -97,8 +100,8 @@ def compile_repeated_blocks(model: torch.nn.Module) -> None:
 
 
 def stats() -> dict[str, float]:
-    """This process's functions loaded and compiled ahead of time, calls compiled as `nn.Module.compile` does
-    instead (first of each signature), and seconds loading and compiling."""
+    """This process's functions loaded and compiled ahead of time, signatures left to `nn.Module.compile`'s call
+    instead, and seconds loading and compiling."""
     return {
         "loaded": _counts["loaded"],
         "compiled": _counts["compiled"],
@@ -134,6 +137,8 @@ class _Dispatch:
         for function in _functions.get(signature, ()):
             if function.guard_check(module, *args, **kwargs):
                 return function(module, *args, **kwargs)
+        if signature in _traced:
+            return self.compiled_call(*args, **kwargs)
         function = self._prepare(signature, args, kwargs)
         if function is None:
             return self.compiled_call(*args, **kwargs)
@@ -142,6 +147,7 @@ class _Dispatch:
     def _prepare(self, signature: tuple, args: tuple, kwargs: dict) -> Any:
         """A function for `signature` that accepts this call: loaded from the directory, else compiled and saved; None
         where neither works."""
+        global _compile_failed
         module = self.module
         with _lock:
             stem = f"{type(module).__name__}-{_digest(signature, module, args, kwargs)}"
@@ -152,12 +158,15 @@ class _Dispatch:
             for function in _functions.get(signature, ()):  # loaded here, or by another device thread meanwhile
                 if function.guard_check(module, *args, **kwargs):
                     return function
-            if signature in _unusable or len(_functions.get(signature, ())) >= _VARIANTS:
+            if _compile_failed or len(_functions.get(signature, ())) >= _VARIANTS:
+                _traced.add(signature)
+                _counts["fallback"] += 1
                 return None
             structure = hashlib.sha256(_stable(_structure(module)).encode()).hexdigest()[:12]
             function = self._compile(self.directory / f"{stem}-{structure}.aot", args, kwargs)
             if function is None:
-                _unusable.add(signature)
+                _compile_failed = True
+                _traced.add(signature)
                 _counts["fallback"] += 1
                 return None
             _functions[signature] = (*_functions.get(signature, ()), function)
