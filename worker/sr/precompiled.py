@@ -56,7 +56,7 @@ _PRIMITIVES = (bool, int, float, str, type(None))
 
 
 def available() -> bool:
-    """Whether this torch can compile functions ahead of time and load them back (experimental since 2.9)."""
+    """Whether this torch can compile functions ahead of time and load them back (an experimental API)."""
     return hasattr(torch.compiler, "load_compiled_function") and hasattr(
         torch.compile(lambda: None, fullgraph=True), "aot_compile"
     )
@@ -116,9 +116,9 @@ class _Unkeyable(Exception):
 
 
 class _Dispatch:
-    """A block's `_compiled_call_impl`: each call to the function for its signature (`_signature`) whose guards
-    (Dynamo's, saved with it: the block's submodule and processor classes, its parameters' metadata, the inputs')
-    accept it."""
+    """A block's `_compiled_call_impl`: each call to a function for its signature (block class, `_describe` of the
+    arguments, grad mode) whose guards (Dynamo's, saved with it: the block's submodule and processor classes, its
+    parameters' metadata, the inputs') accept it."""
 
     def __init__(self, module: torch.nn.Module, compiled_call: Callable, directory: Path) -> None:
         self.module, self.compiled_call, self.directory = module, compiled_call, directory
