@@ -91,6 +91,7 @@ SOLO = ["W2", "W2", "W1"]
 WARM_LINE = re.compile(
     r"warm after (?P<seconds>[\d.]+) s \(.*"
     r"compiled graphs from the cache: (?P<hits>\d+), compiled anew: (?P<anew>\d+)\)"
+    r"(?:; precompiled functions loaded: (?P<precompiled_loaded>\d+), compiled: (?P<precompiled_compiled>\d+))?"
 )
 # worker.sr.engine's line per warmed-up tile shape
 SHAPE_LINE = re.compile(
@@ -98,6 +99,8 @@ SHAPE_LINE = re.compile(
     r"(?P<seconds>[\d.]+) s: (?P<traced>\d+) graphs traced, (?P<from_cache>\d+) of them from the compile cache, "
     r"(?P<compiled>\d+) compiled; (?P<building_s>[\d.]+) s building them \(Dynamo tracing (?P<tracing_s>[\d.]+) s, "
     r"guards (?P<guards_s>[\d.]+) s, Inductor (?P<inductor_s>[\d.]+) s\)"
+    r"(?:; precompiled functions: (?P<precompiled_loaded>\d+) loaded in (?P<loading_s>[\d.]+) s, "
+    r"(?P<precompiled_compiled>\d+) compiled in (?P<precompiling_s>[\d.]+) s)?"
 )
 # The worker's start, in seconds after its process started: the first line (the interpreter, Celery's and the
 # worker's imports before it), the model's code imported (diffusers, torch's compiler), its weights loaded (on the
@@ -228,7 +231,7 @@ class Service:
         }
         shapes = [
             {key: float(value) if "." in value else int(value) if value.isdigit() else value
-             for key, value in found.groupdict().items()}
+             for key, value in found.groupdict().items() if value is not None}
             for found in SHAPE_LINE.finditer(text)
         ]  # fmt: skip
         imports = imports_by_package(text) if self.importtime else None
@@ -240,6 +243,9 @@ class Service:
             "warmup_s": float(found["seconds"]),
             "graphs_from_cache": int(found["hits"]),
             "graphs_compiled": int(found["anew"]),
+            # worker.sr.precompiled's functions loaded and compiled (None: a worker that does not log them)
+            "precompiled": {key: int(found[f"precompiled_{key}"]) for key in ("loaded", "compiled")}
+            if found["precompiled_loaded"] is not None else None,
             "timeline_s": timeline,
             "warmup_shapes": shapes,
             "imports_s": imports,

@@ -21,6 +21,7 @@ LONGEST_FIRST = [
     "tests/service/test_demo.py",
     "tests/service/test_recovery.py",
     "tests/service/test_worker.py",
+    "tests/test_precompiled.py",
     "tests/test_media_memory.py",
     "tests/service/test_status.py",
     "tests/reliability/test_security.py",

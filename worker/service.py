@@ -44,6 +44,9 @@ class WorkerSettings(BaseSettings):
     # graphs instead of compiling them (worker.sr.compile_cache). Unset: TORCHINDUCTOR_CACHE_DIR (the worker image's
     # /cache volume), else Inductor's /tmp/torchinductor_<user>, which a container loses with its restart.
     compile_cache_dir: Path | None = None
+    # With compile_cache_dir: each compiled block's call through a function compiled ahead of time and kept there, so
+    # a restart loads them instead of tracing every block with Dynamo (worker.sr.precompiled); off: traced each start
+    precompiled: bool = True
     # The model's blocks compiled with torch.compile: on GPUs ("auto"), also on CPUs ("on": slower there, but a CPU
     # start then builds and caches the graphs a GPU's does) or never ("off": a start without warmup, slower jobs)
     compile: Literal["auto", "on", "off"] = "auto"
@@ -118,4 +121,5 @@ def upscaler():
         offload_prefetch=config.offload_prefetch,
         split=config.split,
         compile=config.compile,
+        precompile=config.precompiled,
     )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import torch
 
 from worker import started as process
-from worker.sr import compile_cache, readahead
+from worker.sr import compile_cache, precompiled, readahead
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.offload import Offload
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
@@ -130,6 +130,7 @@ def open_upscaler(
     offload_prefetch: int | None = None,
     split: str | int = "auto",
     compile: Literal["auto", "on", "off"] = "auto",
+    precompile: bool = True,
 ) -> Upscaler:
     """`performance_mode` "auto": the fastest mode whose need (`needed_bytes`) fits in the free memory of the
     smallest GPU (`speed` on CPUs). `offload_prefetch`: transformer blocks in flight in `offload_layers` (the
@@ -139,13 +140,17 @@ def open_upscaler(
     between processes (worker.sr.compile_cache): a restart loads the warmup's graphs instead of compiling them.
     `split`: whether devices may share a tile (`SREngine`). `compile`: the transformer's and the decoder's blocks
     compiled on GPUs ("auto"), everywhere ("on": also on CPUs, where a start then measures what a GPU's does) or
-    nowhere ("off")."""
+    nowhere ("off"). `precompile`: with a `compile_cache_dir`, the compiled blocks' calls go through functions
+    compiled ahead of time and kept there (worker.sr.precompiled): a restart loads them instead of tracing."""
     if model != "lanczos":
         readahead.start(model)  # the weights come off the disk while the model's code is imported (seconds)
-    if compile_cache_dir is not None:
-        log.info("compile cache in %s", compile_cache.use(compile_cache_dir))
+    cache = compile_cache.use(compile_cache_dir) if compile_cache_dir is not None else None
+    if cache is not None:
+        log.info("compile cache in %s", cache)
     if model == "lanczos":
         return LanczosUpscaler()
+    if precompiled.use(cache / "precompiled" if cache is not None and precompile else None) is not None:
+        log.info("compiled blocks precompiled in %s", cache / "precompiled")
     from worker.sr import checkpoint
     from worker.sr.engine import SREngine
 
@@ -180,10 +185,11 @@ def open_upscaler(
         log.info("warming up %s (compiling for a %d-frame window, %s)", ",".join(map(str, engine.devices)), warmup_frames, tiles)
         started = perf_counter()
         info = engine.warmup(warmup_frames, every_tile_size=warmup_every_tile_size)
-        cache = compile_cache.stats()
+        found, functions = compile_cache.stats(), precompiled.stats()
         log.info(
-            "warm after %.1f s (%d tiles over %d devices; compiled graphs from the cache: %d, compiled anew: %d)",
-            perf_counter() - started, info.tiles, len(info.devices), cache["fxgraph_cache_hit"],
-            cache["fxgraph_cache_miss"] + cache["fxgraph_cache_bypass"],
+            "warm after %.1f s (%d tiles over %d devices; compiled graphs from the cache: %d, compiled anew: %d); "
+            "precompiled functions loaded: %d, compiled: %d",
+            perf_counter() - started, info.tiles, len(info.devices), found["fxgraph_cache_hit"],
+            found["fxgraph_cache_miss"] + found["fxgraph_cache_bypass"], functions["loaded"], functions["compiled"],
         )  # fmt: skip
     return engine

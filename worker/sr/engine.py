@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from worker.errors import Cancelled, InvalidRequest
-from worker.sr import checkpoint, compile_cache, fp8_attention, quality, tiling
+from worker.sr import checkpoint, compile_cache, fp8_attention, precompiled, quality, tiling
 from worker.sr import split as _split
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
-from worker.sr.compilation import COMPILE, allow_many_graphs
+from worker.sr.compilation import allow_many_graphs
 from worker.sr.compile_gate import CompileGate
 from worker.sr.decode_order import DECODE_ORDERS, decode_order_for
 from worker.sr.decoder_caches import DecoderCaches, host_bytes_available
@@ -149,7 +149,7 @@ class SREngine:
             compiles_transformer = (on_gpu if compile_transformer is None else compile_transformer) and not _is_compiled(replica.transformer)
             compiles_decoder = on_gpu if compile_decoder is None else compile_decoder
             if compiles_transformer:
-                replica.transformer.compile_repeated_blocks(**COMPILE)
+                precompiled.compile_repeated_blocks(replica.transformer)
             if compiles_decoder:
                 compile_decoder_blocks(replica.vae)
         self.offload = offload
@@ -266,19 +266,22 @@ class SREngine:
             return self.upscale(torch.zeros(length, 3, height, width), request, lambda _: None)
 
         started, graphs, compiling = perf_counter(), compile_cache.graphs_built(), compile_cache.seconds()
+        functions = precompiled.stats()
         info = run(frames)
         if 1 not in [part.stop - part.start for part in self._segments(self._latent_frames(frames))[1:]]:
             run(1 + self.frame_stride)  # the leading frame and one more: the single-frame shape
         graphs = {name: count - graphs[name] for name, count in compile_cache.graphs_built().items()}
         compiling = {name: value - compiling[name] for name, value in compile_cache.seconds().items()}
+        functions = {name: value - functions[name] for name, value in precompiled.stats().items()}
         shape = "portrait" if portrait else "landscape" if base[0] < base[1] else "square"
         log.info(
             "warmed up %s tiles (%dx%d, %d frames, %d tiles) in %.1f s: %d graphs traced, %d of them from the compile "
-            "cache, %d compiled; %.1f s building them (Dynamo tracing %.1f s, guards %.1f s, Inductor %.1f s), the "
-            "rest running them",
+            "cache, %d compiled; %.1f s building them (Dynamo tracing %.1f s, guards %.1f s, Inductor %.1f s); "
+            "precompiled functions: %d loaded in %.1f s, %d compiled in %.1f s; the rest running them",
             shape, base[1], base[0], frames, info.tiles, perf_counter() - started, graphs["traced"],
             graphs["from_cache"], graphs["compiled"], compiling["compile"], compiling["tracing"], compiling["guards"],
-            compiling["backend"],
+            compiling["backend"], functions["loaded"], functions["loading_s"], functions["compiled"],
+            functions["compiling_s"],
         )  # fmt: skip
         return info
 

@@ -37,7 +37,8 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
     Kandinsky6SRUpsample,
 )
 
-from worker.sr.compilation import COMPILE, allow_many_graphs
+from worker.sr import precompiled
+from worker.sr.compilation import allow_many_graphs
 from worker.sr.decoder_caches import cache_bytes
 
 
@@ -230,5 +231,5 @@ def compile_decoder(vae: torch.nn.Module) -> torch.nn.Module:
     allow_many_graphs()  # for the calling thread; an engine's device threads raise the limits themselves
     for module in vae.decoder.modules():
         if isinstance(module, Kandinsky6SRResnetBlock3D) and getattr(module, "_compiled_call_impl", None) is None:
-            module.compile(**COMPILE)
+            precompiled.compile_block(module)
     return vae

@@ -1,0 +1,85 @@
+"""Compiled blocks precompiled into the compile cache directory (worker.sr.precompiled): a second process on the same
+directory loads the transformer's and the decoder's block functions instead of tracing them with Dynamo, and every
+start gives the bytes `nn.Module.compile`'s blocks give, also when an artifact is corrupt. Real Inductor compiles on
+the CPU (a C++ compiler), on the tiny checkpoint's blocks as `open_upscaler` compiles them (`compile="on"`). Three
+graphs, to stay quick: the transformer (its blocks share one), and a decoder resnet block over two segments (the
+first fills its causal cache, the second reads it and updates it in place)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One process: for each precompile setting in turn, an upscaler with every block compiled on the cache directory,
+# then the transformer on one latent frame and its first decoder resnet block on two segments. Prints, per setting,
+# a hash of the outputs and of the block's cache after them, the graphs Dynamo traced, and worker.sr.precompiled's
+# counts.
+START = """
+import hashlib, json, sys, torch
+from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
+from worker.sr import precompiled
+from worker.sr.backends import open_upscaler
+
+def noise(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+checkpoint, cache, *settings = sys.argv[1:]
+for setting in settings:
+    traced, before = torch._dynamo.utils.counters["stats"], precompiled.stats()
+    graphs = traced["unique_graphs"]
+    upscaler = open_upscaler(checkpoint, compile_cache_dir=cache, warmup_frames=None, compile="on", precompile=setting == "on")
+    transformer, vae = upscaler.replicas[0].transformer, upscaler.replicas[0].vae
+    block = next(module for module in vae.decoder.modules() if isinstance(module, Kandinsky6SRResnetBlock3D))
+    state = block.make_cache()
+    with torch.no_grad():
+        latents = noise(1, 1, 8, 16, 2 * transformer.config.in_visual_dim + 1, seed=0)
+        outputs = [transformer(hidden_states=latents, timestep=torch.tensor([0.5]), return_dict=False)[0]]
+        zq = noise(1, vae.config.latent_channels, 1, 8, 16, seed=1)
+        outputs += [block(noise(1, block.in_channels, 1, 8, 16, seed=2 + segment), state, zq=zq) for segment in range(2)]
+    outputs += [state["conv1"]["padding"], state["conv2"]["padding"]]
+    found = {name: value - before[name] for name, value in precompiled.stats().items()}
+    digest = hashlib.sha256(b"".join(output.numpy().tobytes() for output in outputs)).hexdigest()
+    print(json.dumps({"setting": setting, "output": digest, "traced": traced["unique_graphs"] - graphs, **found}))
+"""
+
+
+def start(checkpoint: Path, cache: Path, *settings: str) -> tuple[list[dict], str]:
+    done = subprocess.run(
+        [sys.executable, "-c", START, str(checkpoint), str(cache), *settings],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stderr
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+def test_a_restart_loads_the_compiled_blocks_without_tracing_and_gives_the_same_bytes(tiny_piflow, tmp_path):
+    cache = tmp_path / "compile-cache"
+    # Today's compiled blocks, then the same blocks compiled ahead of time and saved, in one process
+    (traced, first), _ = start(tiny_piflow, cache, "off", "on")
+    assert traced["traced"] == 3 and traced["compiled"] == 0 and traced["loaded"] == 0, traced
+    assert first["output"] == traced["output"], "precompiled blocks give other bits than nn.Module.compile's"
+    artifacts = sorted((cache / "precompiled").glob("*.aot"))
+    kinds = {path.name.split("-")[0] for path in artifacts}
+    assert len(artifacts) == 3 and kinds == {"Kandinsky6SRTransformerBlock", "Kandinsky6SRResnetBlock3D"}, artifacts
+    assert first["compiled"] == len(artifacts) and first["loaded"] == 0 and first["fallback"] == 0, first
+
+    # A new process: only the directory carries the functions over; Dynamo traces nothing
+    [warm], _ = start(tiny_piflow, cache, "on")
+    assert (warm["traced"], warm["compiled"], warm["fallback"]) == (0, 0, 0), warm
+    assert warm["loaded"] == len(artifacts) and warm["output"] == traced["output"], warm
+
+    # A corrupt artifact: logged, compiled again (and rewritten), the same bytes; the others still load
+    artifacts[0].write_bytes(b"not a compiled function")
+    [mended], log = start(tiny_piflow, cache, "on")
+    assert "did not load" in log, log[-3000:]
+    assert (mended["loaded"], mended["compiled"], mended["fallback"]) == (len(artifacts) - 1, 1, 0), mended
+    assert mended["output"] == traced["output"], mended
+    assert artifacts[0].stat().st_size > 1000  # saved again over the corrupt one

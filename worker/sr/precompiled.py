@@ -1,0 +1,297 @@
+"""Compiled blocks loaded from disk instead of traced: a warm start without Dynamo.
+
+`nn.Module.compile` traces a block's forward with Dynamo and builds its guards at every process start, also when
+Inductor then loads the graph from the compile cache: most of a warm start's warmup (bench/RESULTS.md). With a
+directory set (`use`, under the compile cache's), `compile_block` sends each call of a block to a function compiled
+ahead of time (torch's experimental `torch.compile(...).aot_compile`) for that call's signature: the block's class,
+the inputs' shapes, strides, dtypes, devices and constants, and the grad mode; the file's name adds torch's and
+Python's versions, the compile options and the device's capability. Dynamo's guards, saved with each function, tell
+apart the block structures met under one signature (a quality lever swaps layers and the attention processor: one
+file per structure). A function found on disk is loaded (no tracing, no guard building); a missing one is compiled
+with `compilation.COMPILE`, saved (atomically: workers may share the directory) and used. The block is an input of
+the function (its parameters are not baked in), so one file serves every block of the same class and shapes; the
+function's graph is the one `nn.Module.compile` builds with the same options, and gives the same bits.
+
+Whatever cannot go this way runs the block's compiled call as `nn.Module.compile` made it: a torch without the API,
+a call with hooks or with an argument other than tensors, constants and containers of them, a block that does not
+compile ahead of time. A file that does not load (corrupt, from another torch or Python) is compiled and saved
+again; one that cannot be saved is used in this process only. Each cause is logged once: a bad directory never
+fails a job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+import types
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from worker.sr.compilation import COMPILE
+
+log = logging.getLogger("vsrq.precompiled")
+
+_directory: Path | None = None
+_lock = threading.Lock()  # loads and compiles: one at a time (the compile gate already serialises first calls)
+# signature -> its functions, one per block structure met (a quality lever swaps a block's layers: guards tell them
+# apart); replaced, never changed in place, so device threads read it without the lock
+_functions: dict[tuple, tuple[Any, ...]] = {}
+_searched: set[tuple] = set()  # signatures whose files have been loaded
+# Set once a compile ahead of time failed: this torch does not serve these blocks so, and trying each signature again
+# would trace it twice (once more for `nn.Module.compile`'s call) at every start
+_compile_failed = False
+_traced: set[tuple] = set()  # signatures left to `nn.Module.compile`'s call (none of their functions accepts them)
+_VARIANTS = 4  # functions per signature at most: past them, something the guards see changes call by call
+_logged: set[str] = set()
+_counts: Counter[str] = Counter()  # loaded, compiled, fallback
+_seconds: Counter[str] = Counter()  # loading, compiling (tracing, Inductor, saving)
+_PRIMITIVES = (bool, int, float, str, type(None))
+
+
+def available() -> bool:
+    """Whether this torch can compile functions ahead of time and load them back (an experimental API)."""
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(
+        torch.compile(lambda: None, fullgraph=True), "aot_compile"
+    )
+
+
+def use(directory: str | Path | None) -> Path | None:
+    """Makes `directory` (created if missing) where compiled blocks' functions are kept; None, or a torch without
+    the API (logged), compiles blocks as `nn.Module.compile` does. Call before the engine compiles its blocks."""
+    global _directory
+    if directory is None:
+        _directory = None
+        return None
+    if not available():
+        log.warning("torch %s cannot compile blocks ahead of time: they are traced at every start", torch.__version__)
+        _directory = None
+        return None
+    _directory = Path(directory).expanduser().resolve()
+    _directory.mkdir(parents=True, exist_ok=True)
+    return _directory
+
+
+def compile_block(module: torch.nn.Module) -> None:
+    """`module.compile(**COMPILE)`, its calls going through functions compiled ahead of time while a directory is
+    set (`use`)."""
+    module.compile(**COMPILE)
+    if _directory is not None:
+        module._compiled_call_impl = _Dispatch(module, module._compiled_call_impl, _directory)
+
+
+def compile_repeated_blocks(model: torch.nn.Module) -> None:
+    """diffusers' `compile_repeated_blocks(**COMPILE)`, each block through `compile_block`."""
+    if _directory is None:
+        model.compile_repeated_blocks(**COMPILE)
+        return
+    names = getattr(model, "_repeated_blocks", None) or ()
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(f"no repeated blocks ({names}) in {type(model).__name__}")
+    for block in blocks:
+        compile_block(block)
+
+
+def stats() -> dict[str, float]:
+    """This process's functions loaded and compiled ahead of time, signatures left to `nn.Module.compile`'s call
+    instead, and seconds loading and compiling."""
+    return {
+        "loaded": _counts["loaded"],
+        "compiled": _counts["compiled"],
+        "fallback": _counts["fallback"],
+        "loading_s": _seconds["loading"],
+        "compiling_s": _seconds["compiling"],
+    }
+
+
+class _Unkeyable(Exception):
+    """An argument the signature cannot describe across processes."""
+
+
+class _Dispatch:
+    """A block's `_compiled_call_impl`: each call to a function for its signature (block class, `_describe` of the
+    arguments, grad mode) whose guards (Dynamo's, saved with it: the block's submodule and processor classes, its
+    parameters' metadata, the inputs') accept it."""
+
+    def __init__(self, module: torch.nn.Module, compiled_call: Callable, directory: Path) -> None:
+        self.module, self.compiled_call, self.directory = module, compiled_call, directory
+        self.forward = type(module).forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
+            _note("hooks", f"{type(module).__name__} has hooks: its calls are traced as before")
+            return self.compiled_call(*args, **kwargs)
+        try:
+            signature = (type(module), _describe((args, kwargs), {}), torch.is_grad_enabled())
+        except _Unkeyable as error:
+            _note(f"unkeyable {error}", f"a {type(module).__name__} call with a {error} argument: traced as before")
+            return self.compiled_call(*args, **kwargs)
+        for function in _functions.get(signature, ()):
+            if function.guard_check(module, *args, **kwargs):
+                return function(module, *args, **kwargs)
+        if signature in _traced:
+            return self.compiled_call(*args, **kwargs)
+        function = self._prepare(signature, args, kwargs)
+        if function is None:
+            return self.compiled_call(*args, **kwargs)
+        return function(module, *args, **kwargs)
+
+    def _prepare(self, signature: tuple, args: tuple, kwargs: dict) -> Any:
+        """A function for `signature` that accepts this call: loaded from the directory, else compiled and saved; None
+        where neither works."""
+        global _compile_failed
+        module = self.module
+        with _lock:
+            stem = f"{type(module).__name__}-{_digest(signature, module, args, kwargs)}"
+            if signature not in _searched:
+                _searched.add(signature)
+                loaded = [self._load(path) for path in sorted(self.directory.glob(f"{stem}-*.aot"))]
+                _functions[signature] = (*_functions.get(signature, ()), *filter(None, loaded))
+            for function in _functions.get(signature, ()):  # loaded here, or by another device thread meanwhile
+                if function.guard_check(module, *args, **kwargs):
+                    return function
+            if _compile_failed or len(_functions.get(signature, ())) >= _VARIANTS:
+                _traced.add(signature)
+                _counts["fallback"] += 1
+                return None
+            structure = hashlib.sha256(_stable(_structure(module)).encode()).hexdigest()[:12]
+            function = self._compile(self.directory / f"{stem}-{structure}.aot", args, kwargs)
+            if function is None:
+                _compile_failed = True
+                _traced.add(signature)
+                _counts["fallback"] += 1
+                return None
+            _functions[signature] = (*_functions.get(signature, ()), function)
+            return function
+
+    def _load(self, path: Path) -> Any:
+        started = perf_counter()
+        try:
+            with open(path, "rb") as file:
+                function = torch.compiler.load_compiled_function(file, f_globals=self.forward.__globals__)
+        except Exception as error:  # corrupt, truncated, another torch or Python: compiled again if needed
+            _note(f"load {type(error).__name__}", f"a precompiled function did not load ({path.name}: {error!r})")
+            return None
+        function.disable_guard_check()  # checked by the dispatch, which falls back instead of failing
+        _counts["loaded"] += 1
+        _seconds["loading"] += perf_counter() - started
+        return function
+
+    def _compile(self, path: Path, args: tuple, kwargs: dict) -> Any:
+        started = perf_counter()
+        try:
+            compiler = torch.compile(self.forward, **COMPILE)
+            function = compiler.aot_compile(((self.module, *args), kwargs))
+            if not function.guard_check(self.module, *args, **kwargs):
+                raise RuntimeError("its guards reject the call it was compiled for")
+        except Exception as error:
+            name = type(self.module).__name__
+            _note(f"compile {type(error).__name__}", f"{name} not compiled ahead of time ({error!r}): traced as before")
+            return None
+        try:
+            function.save_compiled_function(str(path))  # a temporary file renamed into place
+        except Exception as error:  # a full or read-only disk: this process still uses the function
+            _note(f"save {type(error).__name__}", f"a precompiled function was not saved ({error!r})")
+        function.disable_guard_check()
+        _counts["compiled"] += 1
+        _seconds["compiling"] += perf_counter() - started
+        return function
+
+
+def _note(cause: str, message: str) -> None:
+    """Logs `message` once per cause, for the process."""
+    if cause not in _logged:
+        _logged.add(cause)
+        log.warning(message)
+
+
+def _global_hooks() -> bool:
+    hooks = torch.nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def _describe(value: Any, seen: dict[int, int]) -> Any:
+    """What of an argument shapes the compiled graph: a tensor's metadata (an alias of an earlier one as such),
+    constants by value, containers by structure."""
+    if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return ("alias", seen[id(value)])
+        seen[id(value)] = len(seen)
+        return _tensor(value)
+    if isinstance(value, _PRIMITIVES):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_describe(item, seen) for item in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((_describe(key, seen), _describe(item, seen)) for key, item in value.items()))
+    raise _Unkeyable(type(value).__qualname__)
+
+
+def _tensor(tensor: torch.Tensor) -> tuple:
+    return (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor.requires_grad, type(tensor))
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    """The block as its graph sees it: each submodule's class, settings and parameter and buffer metadata (a swapped
+    layer, processor or dtype is another graph)."""
+    parts = []
+    for name, sub in module.named_modules():
+        settings = tuple((key, _setting(value, 0)) for key, value in vars(sub).items() if not key.startswith("_"))
+        tensors = tuple(
+            (key, None if tensor is None else _tensor(tensor))
+            for key, tensor in (*sub._parameters.items(), *sub._buffers.items())
+        )
+        parts.append((name, type(sub), settings, tensors))
+    return tuple(parts)
+
+
+def _setting(value: Any, depth: int) -> Any:
+    if isinstance(value, _PRIMITIVES):
+        return value
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
+    if isinstance(value, torch.Tensor):
+        return _tensor(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_setting(item, depth + 1) for item in value)
+    if depth < 2 and hasattr(value, "__dict__") and not callable(getattr(value, "forward", None)):
+        # an attention processor and what it wraps
+        return (type(value), tuple((key, _setting(item, depth + 1)) for key, item in vars(value).items()))
+    return type(value)
+
+
+def _digest(signature: tuple, module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """The file name's hash: the signature, with classes by qualified name, and what else decides the compiled code
+    (torch, Python, the compile options, the device's capability)."""
+    tensors = (*args, *kwargs.values(), *module.parameters())
+    devices = {value.device for value in tensors if isinstance(value, torch.Tensor)}
+    environment = (torch.__version__, torch.version.git_version, platform.python_version(), repr(COMPILE),
+                   tuple(sorted(_capability(device) for device in devices)))  # fmt: skip
+    return hashlib.sha256(_stable(("vsrq-precompiled-1", environment, signature)).encode()).hexdigest()[:32]
+
+
+def _capability(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda {torch.cuda.get_device_name(index)} sm_{major}{minor} cuda {torch.version.cuda}"
+    if device.type == "cpu":
+        return f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    return device.type
+
+
+def _stable(value: Any) -> str:
+    """`repr` with classes as qualified names (a device keeps its index: guards pin a function to its device)."""
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(_stable(item) for item in value) + ")"
+    return repr(value)
