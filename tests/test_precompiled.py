@@ -83,3 +83,53 @@ def test_a_restart_loads_the_compiled_blocks_without_tracing_and_gives_the_same_
     assert (mended["loaded"], mended["compiled"], mended["fallback"]) == (len(artifacts) - 1, 1, 0), mended
     assert mended["output"] == traced["output"], mended
     assert artifacts[0].stat().st_size > 1000  # saved again over the corrupt one
+
+
+# A block class of its own, in a module file the test edits between two processes
+BLOCK = """
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) * FACTOR
+"""
+EDITED = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from block import Block
+from worker.sr import precompiled
+
+precompiled.use(sys.argv[2])
+torch.manual_seed(0)
+block = Block()
+precompiled.compile_block(block)
+with torch.no_grad():
+    x = torch.rand(4, 8)
+    same = torch.equal(block(x), torch.relu(block.linear(x)) * int(sys.argv[3]))
+print(json.dumps({"same_as_eager": same, **precompiled.stats()}))
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+def test_a_function_traced_from_code_changed_since_is_compiled_again(tmp_path):
+    """A deploy of new code onto a kept cache: Dynamo's saved guards do not see the change; the sources' checksums do."""
+
+    def run(factor: int) -> dict:
+        (tmp_path / "block.py").write_text(BLOCK.replace("FACTOR", str(factor)))
+        done = subprocess.run(
+            [sys.executable, "-c", EDITED, str(tmp_path), str(tmp_path / "cache"), str(factor)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+    (first, _), (again, _) = run(2), run(2)
+    assert (first["compiled"], again["loaded"], again["compiled"]) == (1, 1, 0) and again["same_as_eager"], again
+    changed, log = run(3)
+    assert "has changed since" in log, log[-3000:]
+    assert changed["compiled"] == 1 and changed["loaded"] == 0 and changed["same_as_eager"], changed

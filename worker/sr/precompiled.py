@@ -4,8 +4,9 @@
 Inductor then loads the graph from the compile cache: most of a warm start's warmup (bench/RESULTS.md). With a
 directory set (`use`, under the compile cache's), `compile_block` sends each call of a block to a function compiled
 ahead of time (torch's experimental `torch.compile(...).aot_compile`) for that call's signature: the block's class,
-the inputs' shapes, strides, dtypes, devices and constants, and the grad mode; the file's name adds torch's and
-Python's versions, the compile options and the device's capability. Dynamo's guards, saved with each function, tell
+the inputs' shapes, strides, dtypes, devices and constants, and the grad mode; the file's name adds torch's,
+diffusers' and Python's versions, the compile options and the device's capability. A loaded function whose traced
+sources have changed since (their checksums; its guards do not see code) is compiled again. Dynamo's guards, saved with each function, tell
 apart the block structures met under one signature (a quality lever swaps layers and the attention processor: one
 file per structure). A function found on disk is loaded (no tracing, no guard building); a missing one is compiled
 with `compilation.COMPILE`, saved (atomically: workers may share the directory) and used. The block is an input of
@@ -22,12 +23,14 @@ fails a job.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import platform
 import threading
 import types
 from collections import Counter
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -73,8 +76,14 @@ def use(directory: str | Path | None) -> Path | None:
         log.warning("torch %s cannot compile blocks ahead of time: they are traced at every start", torch.__version__)
         _directory = None
         return None
-    _directory = Path(directory).expanduser().resolve()
-    _directory.mkdir(parents=True, exist_ok=True)
+    path = Path(directory).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a read-only volume: blocks are traced as before, the worker still starts
+        log.warning("precompiled functions cannot be kept in %s (%s): blocks are traced at every start", path, error)
+        _directory = None
+        return None
+    _directory = path
     return _directory
 
 
@@ -180,6 +189,11 @@ class _Dispatch:
         except Exception as error:  # corrupt, truncated, another torch or Python: compiled again if needed
             _note(f"load {type(error).__name__}", f"a precompiled function did not load ({path.name}: {error!r})")
             return None
+        if changed := _changed_source(function):
+            # Dynamo's guards saved with it do not see code changes (a deploy of new diffusers or vsrq code): the
+            # checksums of every function it traced do, as torch's own package loader checks them
+            _note(f"stale {path.name}", f"a precompiled function traced code that has changed since ({changed}): compiled again")
+            return None
         function.disable_guard_check()  # checked by the dispatch, which falls back instead of failing
         _counts["loaded"] += 1
         _seconds["loading"] += perf_counter() - started
@@ -204,6 +218,20 @@ class _Dispatch:
         _counts["compiled"] += 1
         _seconds["compiling"] += perf_counter() - started
         return function
+
+
+def _changed_source(function: Any) -> str | None:
+    """The first source a loaded function traced whose lines differ now (module:first-last), or None."""
+    from torch._dynamo.package import _hash_sourcelines
+
+    for code in function.source_info().inlined_sources:
+        try:
+            checksum = _hash_sourcelines(importlib.import_module(code.module), code.firstlineno, code.lastlineno)
+        except Exception:  # a module gone or renamed
+            checksum = None
+        if checksum != code.checksum:
+            return f"{code.module}:{code.firstlineno}-{code.lastlineno}"
+    return None
 
 
 def _note(cause: str, message: str) -> None:
@@ -270,10 +298,10 @@ def _setting(value: Any, depth: int) -> Any:
 
 def _digest(signature: tuple, module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
     """The file name's hash: the signature, with classes by qualified name, and what else decides the compiled code
-    (torch, Python, the compile options, the device's capability)."""
+    (torch, diffusers, Python, the compile options, the device's capability)."""
     tensors = (*args, *kwargs.values(), *module.parameters())
     devices = {value.device for value in tensors if isinstance(value, torch.Tensor)}
-    environment = (torch.__version__, torch.version.git_version, platform.python_version(), repr(COMPILE),
+    environment = (torch.__version__, torch.version.git_version, version("diffusers"), platform.python_version(), repr(COMPILE),
                    tuple(sorted(_capability(device) for device in devices)))  # fmt: skip
     return hashlib.sha256(_stable(("vsrq-precompiled-1", environment, signature)).encode()).hexdigest()[:32]
 
