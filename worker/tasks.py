@@ -511,6 +511,9 @@ def _previews(job_id: str, result: UpscaleResult, directory: Path) -> dict[str, 
         else:
             if taken is not None and taken.error is not None:
                 log.warning("%s: previews decoded from the output: a frame was not taken (%s)", job_id, taken.error)
+            elif taken is not None:
+                log.info("%s: previews decoded from the output: %d frames taken of %d written", job_id, taken.frames,
+                         result.written.video.frames)  # fmt: skip
             made = make_previews(result.output, result.written.video.frames, directory)
     except Exception:
         log.warning("%s: no thumbnail or sprite sheet", job_id, exc_info=True)

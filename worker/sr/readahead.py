@@ -25,6 +25,7 @@ log = logging.getLogger("vsrq.engine")
 COMPONENTS = ("transformer", "vae", "latent_upscaler")
 _MERGE_GAP = 1 << 20  # neighbouring tensors closer than this are read as one range
 _CHUNK = 4 << 20
+_MAX_HEADER = 100_000_000  # safetensors' own limit
 
 
 def tensor_ranges(file: Path) -> dict[str, tuple[int, int]]:
@@ -32,6 +33,8 @@ def tensor_ranges(file: Path) -> dict[str, tuple[int, int]]:
     naming each tensor's `data_offsets` from the end of the header."""
     with file.open("rb") as stream:
         (size,) = struct.unpack("<Q", stream.read(8))
+        if size > _MAX_HEADER:  # corrupt: no multi-GB read on the thread (the loader reports the file itself)
+            raise ValueError(f"{file.name}: a safetensors header of {size} bytes")
         header = json.loads(stream.read(size))
     start = 8 + size
     return {
