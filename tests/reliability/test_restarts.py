@@ -18,7 +18,7 @@ import psutil
 import redis
 import requests
 
-from infra.stack import free_ports
+from infra.stack import binary, free_ports
 from storage.jobs import InputInfo
 
 from . import processes
@@ -142,7 +142,7 @@ def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
     try:
         time.sleep(3)
         redis_server = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+            [binary("redis-server"), "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
             stdout=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 20
