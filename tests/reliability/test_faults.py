@@ -223,12 +223,16 @@ def p95(values: list[float]) -> float:
 
 
 def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips, logs):
-    """20 jobs, each one's worker SIGKILLed at a seeded random point of its progress; supervisors start new workers.
+    """10 jobs, each one's worker SIGKILLed at its own point of its progress, 0 to 90 in steps of 10 (in a seeded random
+    order); supervisors start new workers.
 
     Two jobs run at a time on three workers, so that a worker is free when a killed job comes back: the time from the
     kill to the next attempt is then the service's recovery, not a wait in the queue."""
     rng = random.Random(20261130)
-    lease_s = 4  # the workers' own, shorter than the module's: recovery is lease-bound, and 20 of them run here
+    count = 10  # each kill costs a worker start (seconds of CPU): the points are spread evenly, both ends included
+    points = [round(90 * n / (count - 1)) for n in range(count)]
+    rng.shuffle(points)
+    lease_s = 4  # the workers' own, shorter than the module's: recovery is lease-bound, and 10 of them run here
     supervisors = [
         Supervisor(lambda: processes.worker({**env, "VSRQ_LEASE_S": str(lease_s)}, QUEUE, logs)) for _ in range(3)
     ]
@@ -239,11 +243,11 @@ def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips
         targets: dict[str, int] = {}  # 0: while it probes; 90: the encoder's flush and the check, after the last window
         killed: dict[str, tuple[float, int]] = {}  # job -> (when, progress at the kill)
         deadline = time.monotonic() + 600
-        while len(ids) < 20 or not all(ended(jobs.require(job_id)) for job_id in ids):
+        while len(ids) < count or not all(ended(jobs.require(job_id)) for job_id in ids):
             assert time.monotonic() < deadline, f"killed {len(killed)}; {[jobs.require(i).status for i in ids]}"
-            if len(ids) < 20 and sum(not ended(jobs.require(job_id)) for job_id in ids) < 2:
+            if len(ids) < count and sum(not ended(jobs.require(job_id)) for job_id in ids) < 2:
                 ids.append(create(api, clips["medium"]))
-                targets[ids[-1]] = rng.randint(0, 90)
+                targets[ids[-1]] = points[len(ids) - 1]
             for job_id in ids:
                 job = jobs.require(job_id)
                 if job_id in killed or job.status != Status.IN_PROGRESS or job.progress < targets[job_id]:
@@ -283,7 +287,8 @@ def test_a_long_job_killed_mid_way_resumes_from_its_kept_windows(env, api, reape
     """The medium clip in windows of 9 frames (8 of them): the worker is killed once two windows are kept; the next
     attempt replays what was kept and computes the rest, into the same bytes as an uninterrupted run."""
     windows = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "4"}
-    supervisor = Supervisor(lambda: processes.worker({**env, **windows}, QUEUE, logs))
+    lease = {"VSRQ_LEASE_S": "4"}  # the worker's own, shorter than the module's: the next attempt waits it out
+    supervisor = Supervisor(lambda: processes.worker({**env, **windows, **lease}, QUEUE, logs))
     try:
         started(supervisor.current)
         reference = wait_all(jobs, [create(api, clips["medium"])], limit_s=180)[0]
@@ -334,8 +339,8 @@ def test_redis_restart_loses_no_job_and_the_api_says_503(stack, env, api, reaper
     running = [create(api, clips["long"]) for _ in range(2)]
     for job_id in running:
         wait_until(jobs, job_id, lambda job: job.stage == "upscaling")
-    queued = [create(api, clips["small"]) for _ in range(30)]
-    assert sum(jobs.require(job_id).status == Status.QUEUED for job_id in queued) >= 28  # the workers are busy
+    queued = [create(api, clips["small"]) for _ in range(10)]  # each runs after the restart: 10 make the point
+    assert sum(jobs.require(job_id).status == Status.QUEUED for job_id in queued) >= 8  # the workers are busy
 
     stack.stop_service("redis")
     answers: list[tuple[int, str | None, str]] = []  # status, Retry-After, problem code
@@ -365,8 +370,8 @@ def test_redis_restart_loses_no_job_and_the_api_says_503(stack, env, api, reaper
     completed = sum(job.status == Status.COMPLETED for job in records)
     statuses = sorted({status for status, _, _ in answers})
     print(
-        f"FIGURE redis_restart: jobs completed {completed}/{len(records)} (2 running + 30 queued + 1 after), lost "
-        f"{len(records) - completed}; API during the outage: {len(answers)} requests, statuses {statuses}, "
+        f"FIGURE redis_restart: jobs completed {completed}/{len(records)} (2 running + {len(queued)} queued + 1 "
+        f"after), lost {len(records) - completed}; API during the outage: {len(answers)} requests, statuses {statuses}, "
         f"Retry-After {sorted({retry for _, retry, _ in answers if retry})}; worker processes restarted 0 of "
         f"{len(crew)} (alive: {sum(process.alive for process in crew)}); the running jobs ended on attempts "
         f"{carried_on}"
@@ -383,18 +388,23 @@ def test_redis_restart_loses_no_job_and_the_api_says_503(stack, env, api, reaper
 
 
 def test_a_storage_outage_during_download_and_upload_is_waited_out(stack, api, reaper, jobs, blobs, clips, workers):
-    started(workers())
+    lease_s = 4  # the workers' own, shorter than the module's: the outage outlasts it sooner
+    crew = [workers(VSRQ_LEASE_S=str(lease_s)) for _ in range(2)]  # started together: a start takes seconds of CPU
+    for process in crew:
+        started(process)
     upload_job = create(api, clips["long"])
-    wait_until(jobs, upload_job, lambda job: job.stage == "upscaling")  # its input is downloaded
-    download_job = create(api, clips["small"])  # queued behind it
+    running = wait_until(jobs, upload_job, lambda job: job.stage == "upscaling")  # its input is downloaded
+    spare = next(process for process in crew if process is not holder(running, crew))
+    spare.pause()  # the idle one: it takes the next job, and downloads its input, only once storage is down
+    download_job = create(api, clips["small"])
 
     stack.stop_service("weed")
     down_at = time.monotonic()
     try:
-        workers()  # takes the queued job, and downloads its input during the outage
+        spare.resume()
         wait_until(jobs, upload_job, lambda job: job.stage == "uploading")
         wait_until(jobs, download_job, lambda job: job.stage == "probing")
-        time.sleep(10)  # both transfers now fail and retry for 10 s
+        time.sleep(lease_s + 1)  # both transfers now fail and retry for longer than the lease
     finally:
         stack.start_service("weed")
     outage_s = time.monotonic() - down_at
@@ -402,7 +412,7 @@ def test_a_storage_outage_during_download_and_upload_is_waited_out(stack, api, r
     records = wait_all(jobs, [upload_job, download_job], limit_s=120)
     matches = [content_sha256(api, job.id) == job.output.sha256 for job in records if job.output]
     print(
-        f"FIGURE s3_outage: {outage_s:.1f} s down during an upload and a download; completed "
+        f"FIGURE s3_outage: {outage_s:.1f} s down during an upload and a download (lease {lease_s} s); completed "
         f"{sum(job.status == Status.COMPLETED for job in records)}/2, attempts {[job.attempt for job in records]}, "
         f"output sha256 matches the recorded one {sum(matches)}/2"
     )
@@ -507,7 +517,8 @@ def test_a_worker_cut_off_from_the_job_store_loses_no_message(stack, api, reaper
     # and sends the message again, past Celery's default of 3 retries.
     partition = Partition(("127.0.0.1", stack.ports["redis"]))
     store = f"redis://127.0.0.1:{partition.port}/0"
-    worker = workers(VSRQ_REDIS_URL=store, VSRQ_BROKER_URL=stack.redis_url, VSRQ_REDIS_TIMEOUT_S="2")
+    # each try waits out the Redis timeout: 1 s, as the job store outage test's worker
+    worker = workers(VSRQ_REDIS_URL=store, VSRQ_BROKER_URL=stack.redis_url, VSRQ_REDIS_TIMEOUT_S="1")
     try:
         started(worker)
         partition.cut()
@@ -745,7 +756,8 @@ def test_a_redelivered_message_and_a_stalled_worker_give_one_execution_and_one_o
     # Celery's real redelivery: an unacknowledged message goes back to the queue after the visibility timeout (here
     # 2 s, swept every second) while its first worker still holds it.
     redelivery = json.dumps({"visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1})
-    crew = [workers(VSRQ_BROKER_TRANSPORT_OPTIONS=redelivery) for _ in range(2)]
+    # the workers' lease shorter than the module's: the stalled worker loses the job sooner, still past the redelivery
+    crew = [workers(VSRQ_BROKER_TRANSPORT_OPTIONS=redelivery, VSRQ_LEASE_S="4") for _ in range(2)]
     for process in crew:
         started(process)
     job_id = create(api, clips["long"])
@@ -758,7 +770,8 @@ def test_a_redelivered_message_and_a_stalled_worker_give_one_execution_and_one_o
     finally:
         first.resume()  # and now it wakes up, still running attempt 1
     done = wait_all(jobs, [job_id], limit_s=120)[0]
-    time.sleep(2)  # the stale attempt's next heartbeat, and any further redelivery, have happened
+    first.wait_for(lambda: "lost the job" in first.text(), "the stale attempt's stop", 30)  # at its next heartbeat
+    time.sleep(1)  # any further redelivery (swept every second) has happened
     dropped = sum(process.text().count(f"dropped a message for {job_id}") for process in crew)
     print(
         f"FIGURE duplicate_delivery: executions {len(leases(jobs, job_id))} (attempt {done.attempt} won), "
