@@ -5,13 +5,16 @@ of the input in tests/corpus/check.py. `make corpus` fetches the files; without 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.corpus.check import run
+from tests.corpus.check import PRESET, run
 from tests.corpus.fetch import load_manifest
 from worker.errors import CodedError
 
@@ -19,6 +22,17 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = {entry["name"]: entry for entry in load_manifest()["file"]}
 # Through the real command line too: non-square pixels with MP2 audio, Theora, and a refusal (cover art only).
 CLI = ["devede-base_pal_wide.mpg", "mecavideo-Effet_force_magnetique.ogv", "mutagen-covr-with-name.m4a"]
+# Lanczos and the frames' quantisation on one torch thread: two pytest workers share the box's cores, and torch's
+# OpenMP threads (one per core in each) spin waiting for each other, at a few times the CPU. No pixel changes.
+THREADS = 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", list(FILES))
@@ -37,8 +51,9 @@ class CliError(CodedError):
 
 def through_cli(source: Path, output: Path) -> None:
     command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(output), "--model", "lanczos",
-               "--scale", "2", "--preset", "veryfast"]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+               "--scale", "2", "--preset", PRESET]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if result.returncode:
         error = CliError(result.stderr.strip().splitlines()[-1])
         error.code = result.stderr.split("vsrq: ", 1)[-1].split(":", 1)[0]  # "vsrq: CODE: message"
