@@ -19,8 +19,11 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import av
+import numpy as np
 import psutil
 import pytest
 import requests
@@ -308,14 +311,27 @@ def test_chunked_bytes_count_against_the_keys_limit(hostile_api):
 # -- 3. compute bombs ------------------------------------------------------------------------------------------------
 
 
+def _black_clip(path: Path, frames: int, size: tuple[int, int]) -> Path:
+    """Black H.264 frames of `size` (height, width), as the outside probe sent them: a few kB that cost the sender
+    next to nothing (write_clip draws its pattern in floats, pixel by pixel: many CPU-seconds at 4K)."""
+    height, width = size
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libx264", rate=24, options={"crf": "51"})
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        black = av.VideoFrame.from_ndarray(np.zeros((height, width, 3), np.uint8), format="rgb24")
+        for index in range(frames):
+            black.pts = index
+            container.mux(video.encode(black))
+        container.mux(video.encode())
+    return path
+
+
 def test_a_compute_bomb_fails_at_probe_time_naming_its_limit(rel_api, cpu_worker, clip, tmp_path):
     """The outside probe's bomb: 4 black 3840x2160 frames at x4 (a 15360x8640 output) under the default limits; and
     the clip under a key whose own limit its output passes. Both fail before a frame is upscaled; meanwhile /healthz
     answers (each probe within a second) and nothing answers 5xx."""
-    from worker.media.synthetic import write_clip
-
     url, before = rel_api.url, status_counts(rel_api.log)
-    bomb = write_clip(tmp_path / "bomb.mp4", 4, (2160, 3840), crf=51).read_bytes()
+    bomb = _black_clip(tmp_path / "bomb.mp4", 4, (2160, 3840)).read_bytes()
     started = time.monotonic()
     with _probing(url) as health:
         jobs = {

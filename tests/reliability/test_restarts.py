@@ -11,11 +11,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
-import redis
 import requests
 
 from infra.stack import binary, free_ports
@@ -132,15 +130,18 @@ def test_healthz_answers_at_once_while_its_checks_hang(rel_env, stack, tmp_path)
 
 
 def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
-    """Redis down for 3 s under a reaper passing every 0.2 s (15 passes): one line when each step starts failing and
-    one when it recovers, no traceback."""
+    """Redis down under a reaper passing every 0.2 s, for 2 s (10 passes) after its first failing one: one line when
+    each step starts failing and one when it recovers, no traceback."""
     port = free_ports(1)[0]
     env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{port}/0", "VSRQ_REAP_INTERVAL_S": "0.2",
            "VSRQ_REDIS_TIMEOUT_S": "1", "VSRQ_LOG_FORMAT": "text"}  # fmt: skip
     reaper = processes.reaper(env, tmp_path).start()
     redis_server = None
     try:
-        time.sleep(3)
+        # from the reaper's first failure on, not from its start: a loaded machine took longer than the outage to
+        # start it, which then saw none
+        reaper.wait_for(lambda: "reap failing" in reaper.text(), "a failing pass", timeout_s=60)
+        time.sleep(2)
         redis_server = subprocess.Popen(
             [binary("redis-server"), "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
             stdout=subprocess.DEVNULL,
@@ -162,94 +163,31 @@ def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
             redis_server.wait(10)
 
 
-def test_vsrq_dev_serves_again_within_10_s_of_a_killed_process(tmp_path, monkeypatch):
-    """`vsrq dev`'s stack on the lanczos model: its worker, web server and reaper each SIGKILLed in turn (with their
-    children). Right after each kill a client sends a job, retrying while nothing listens, as a user would: the job
-    completes within 10 s of the kill (issue 27's promise); for the reaper, which no job needs, its first pass after
-    the restart comes within 10 s too. Before the supervisor: the killed process stayed dead, jobs `queued` for good."""
-    from infra.dev import DevStack
-    from worker.media.synthetic import write_clip
-
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # its state file, not the user's
-    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
-    with DevStack(tmp_path / "dev", "lanczos") as dev:
-        redis_client = redis.Redis.from_url(dev.stack.redis_url)
-        headers = {"Authorization": f"Bearer {dev.token}"}
-
-        def created() -> str | None:
-            try:
-                response = requests.post(
-                    f"{dev.url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
-                    data={"sr_resolution_scale": "2"}, headers=headers, timeout=5,
-                )  # fmt: skip
-            except requests.RequestException:  # nothing listens yet
-                return None
-            assert response.status_code == 200, response.text
-            return response.json()["id"]
-
-        def ended(job_id: str) -> dict | None:
-            job = requests.get(f"{dev.url}/v1/videos/{job_id}", headers=headers, timeout=5).json()
-            return job if job["status"] in ("completed", "failed", "cancelled") else None
-
-        def reaper_passed_since(moment: float) -> bool | None:
-            last = redis_client.get("vsrq:reaper:last_pass")  # the Redis time of its last pass
-            return True if last is not None and float(last) > moment else None
-
-        relaunched: dict[str, float] = {}
-        back: dict[str, float] = {}
-        jobs_done: list[str] = []
-        for name in ("worker", "web", "reaper"):
-            old_pid = dev.processes[name].pid
-            seconds, micros = redis_client.time()
-            os.killpg(old_pid, signal.SIGKILL)
-            killed = time.monotonic()
-
-            def until(done: Callable[[], Any], what: str) -> Any:
-                """Polls `done` until it answers (None: not yet), noting when the process was started again."""
-                while (result := done()) is None:
-                    if name not in relaunched and dev.processes[name].pid != old_pid:
-                        relaunched[name] = time.monotonic() - killed
-                    log = (tmp_path / "dev" / f"{name}.log").read_text()[-3000:]
-                    assert time.monotonic() - killed < 60, f"no {what} after the {name} was killed:\n{log}"
-                    time.sleep(0.05)
-                return result
-
-            job_id = until(created, "job accepted")
-            job = until(lambda: ended(job_id), "job ended")
-            assert job["status"] == "completed", job
-            jobs_done.append(job_id)
-            if name == "reaper":
-                until(lambda: reaper_passed_since(seconds + micros / 1e6), "reaper pass")
-            until(lambda: True if dev.processes[name].pid != old_pid else None, "restart")
-            back[name] = time.monotonic() - killed
-        log = (tmp_path / "dev" / "worker.log").read_text()
-        print("FIGURE vsrq dev, SIGKILL: started again after "
-              + ", ".join(f"{n} {s:.1f} s" for n, s in relaunched.items()) + "; a job sent right after the kill "
-              "completed (the reaper: passed again) after " + ", ".join(f"{n} {s:.1f} s" for n, s in back.items())
-              + f"; the worker's log kept both runs: {log.count(' ready.')} 'ready'")
-        # The promise is 10 s (met on a quiet machine: RELIABILITY.md); a 2-core CI box running two test processes
-        # adds seconds of waiting for a CPU to the worker's ~3 CPU-s start, so the bound here leaves that room
-        assert max(back.values()) < 15, (relaunched, back)
-        assert log.count(" ready.") >= 2 and all(job_id in log for job_id in jobs_done)  # appended; a line per job
+# `vsrq dev` bringing back each of its processes SIGKILLed: tests/service/test_demo.py, on the stack that proves the
+# rest of `vsrq dev`
 
 
 def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
-    """Job A's worker is SIGKILLed mid-job; B, C, D are queued behind it meanwhile; the reaper requeues A when its
-    lease runs out (4 s). The next worker runs A before B, C and D: it waited its turn once already."""
+    """Job A's worker is SIGKILLed mid-job (its input download held on the way from storage, so the kill is sure to
+    land before A can end); B, C, D are queued behind it meanwhile; the reaper requeues A when its lease runs out
+    (4 s). The next worker runs A before B, C and D: it waited its turn once already."""
     from worker.media.synthetic import write_clip
 
     env = {**rel_env, "VSRQ_MODELS": json.dumps({"lanczos": "vsrq.requeue-probe"}), "VSRQ_LEASE_S": "4",
            "VSRQ_REAP_INTERVAL_S": "0.2"}  # fmt: skip
+    storage = urlsplit(env["VSRQ_S3_ENDPOINT_URL"])
+    held = processes.Partition((storage.hostname, storage.port))  # the first worker's way to storage
+    held.hold(b"/uploads/dave/")  # A's input: its HEAD or GET waits there until the test ends
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
-    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    api = processes.api(env, port, tmp_path).start()  # the three boot at once
     reaper = processes.reaper(env, tmp_path).start()
-    first = processes.started(processes.worker(env, "vsrq.requeue-probe", tmp_path).start())
+    first = processes.worker({**env, "VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{held.port}"}, "vsrq.requeue-probe",
+                             tmp_path).start()  # fmt: skip
     second = processes.worker(env, "vsrq.requeue-probe", tmp_path)
-    long_clip = write_clip(tmp_path / "long.mp4", 240, (128, 192)).read_bytes()
-    short_clip = write_clip(tmp_path / "short.mp4", 9, (32, 48)).read_bytes()
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
 
-    def create(clip: bytes) -> str:
+    def create() -> str:
         response = requests.post(
             f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
             data={"model": "lanczos", "sr_resolution_scale": "2"}, headers=auth("dave"), timeout=30,
@@ -258,13 +196,13 @@ def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
         return response.json()["id"]
 
     try:
-        a = create(long_clip)
-        deadline = time.monotonic() + 60
-        while jobs.require(a).status != "in_progress":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        processes.serving(api, url)
+        processes.started(first)
+        a = create()
+        first.wait_for(lambda: held.held > 0, "A's input requested", timeout_s=60)
+        assert jobs.require(a).status == "in_progress"
         first.kill()
-        behind = [create(short_clip) for _ in range(3)]
+        behind = [create() for _ in range(3)]
         deadline = time.monotonic() + 60
         while not any(event.type == "requeued" for event in jobs.events(a)):  # the lease ran out: A is back
             assert time.monotonic() < deadline
@@ -281,5 +219,5 @@ def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
               f"{[('A', 'B', 'C', 'D')[[a, *behind].index(job_id)] for job_id in order]}")
         assert order[0] == a, order
     finally:
-        for process in (first, second, reaper, api):
-            process.stop()
+        processes.stop_all([first, second, reaper, api])
+        held.close()

@@ -1,14 +1,26 @@
-"""README's first command: `vsrq demo` runs the main job end to end on the embedded stack, then stops it."""
+"""README's two commands: `vsrq demo` runs the main job end to end on the embedded stack, then stops it; `vsrq dev`
+keeps that stack serving, each of its processes brought back when it dies, until Ctrl-C."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import av
 import psutil
+import redis
+import requests
+
+from infra.stack import free_ports
+from worker.media.synthetic import write_clip
 
 from .conftest import as_a_shell_starts_it
 
@@ -32,15 +44,15 @@ def test_demo_runs_the_main_job_through_the_embedded_stack(tmp_path):
     assert leftovers == []
 
 
-def test_dev_serves_jobs_until_interrupted_then_stops_everything(tmp_path):
-    import os
-    import signal
-    import time
-
-    import requests
-
-    from infra.stack import free_ports
-
+def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_path):
+    """`vsrq dev` on the lanczos model, as a user runs it:
+    - it serves SGLang's request without a key and says how to reach it (banner, state file, `vsrq status`);
+    - its worker, web server and reaper each SIGKILLed in turn (with their children): right after each kill a client
+      sends a job, retrying while nothing listens, as a user would; the job completes within 10 s of the kill (issue
+      27's promise); for the reaper, which no job needs, its first pass after the restart comes within 10 s too.
+      Before the supervisor: the killed process stayed dead, jobs `queued` for good;
+    - Ctrl-C stops everything it started and removes its state file.
+    One stack for the three facts (two tests started one each before)."""
     port = free_ports(1)[0]
     # its state file goes to this test's own config directory; `vsrq status` below finds the stack through it alone
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("VSRQ_")}, "XDG_CONFIG_HOME": str(tmp_path / "config")}
@@ -57,8 +69,6 @@ def test_dev_serves_jobs_until_interrupted_then_stops_everything(tmp_path):
         assert (state["url"], state["token"], state["env"]["OPENAI_BASE_URL"]) == (url, token, f"{url}/v1")
         models = requests.get(f"{url}/v1/models", timeout=10).json()  # no key: auth is off on loopback
         assert [model["id"] for model in models["data"]] == ["lanczos"]
-        from worker.media.synthetic import write_clip
-
         clip = write_clip(tmp_path / "in.mp4", num_frames=9, size=(32, 48))
         with open(clip, "rb") as video:  # SGLang's form, no header
             job = requests.post(
@@ -78,9 +88,94 @@ def test_dev_serves_jobs_until_interrupted_then_stops_everything(tmp_path):
         )
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["jobs"]["completed"] == 1
+
+        _kill_each_and_see_it_serve_again(dev.pid, url, api, redis.Redis.from_url(state["env"]["VSRQ_REDIS_URL"]),
+                                          clip.read_bytes(), tmp_path)  # fmt: skip
     finally:
         dev.send_signal(signal.SIGINT)
         assert dev.wait(60) == 0
     leftovers = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
     assert not (tmp_path / "config" / "vsrq" / "dev.json").exists()  # gone with the stack
+
+
+# How each supervised process of `vsrq dev` shows in its command line
+COMMANDS = {"worker": "worker.tasks", "web": "gunicorn", "reaper": "worker.reaper"}
+
+
+def _kill_each_and_see_it_serve_again(
+    dev_pid: int, url: str, api: requests.Session, redis_client: redis.Redis, clip: bytes, logs: Path
+) -> None:
+    def running(name: str) -> int | None:
+        """The pid of `name` among the dev process's children; None while it is down (a zombie has no command)."""
+        for child in psutil.Process(dev_pid).children():
+            try:
+                if COMMANDS[name] in " ".join(child.cmdline()):
+                    return child.pid
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    def created() -> str | None:
+        try:
+            response = api.post(
+                f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+                data={"sr_resolution_scale": "2"}, timeout=5,
+            )  # fmt: skip
+        except requests.RequestException:  # nothing listens yet
+            return None
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    def ended(job_id: str) -> dict | None:
+        job = api.get(f"{url}/v1/videos/{job_id}", timeout=5).json()
+        return job if job["status"] in ("completed", "failed", "cancelled") else None
+
+    def reaper_passed_since(moment: float) -> bool | None:
+        last = redis_client.get("vsrq:reaper:last_pass")  # the Redis time of its last pass
+        return True if last is not None and float(last) > moment else None
+
+    relaunched: dict[str, float] = {}
+    back: dict[str, float] = {}
+    jobs_done: list[str] = []
+    for name in ("worker", "web", "reaper"):
+        old_pid = running(name)
+        assert old_pid is not None, name
+        seconds, micros = redis_client.time()
+        process = psutil.Process(old_pid)
+        os.killpg(old_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        # gone before the job is sent: a worker's BRPOP still open in Redis takes a message sent while the kill is
+        # under way, and the message dies with it (the job stays queued; seen on a loaded machine)
+        process.wait(10)
+
+        def again() -> bool | None:
+            return True if running(name) not in (None, old_pid) else None
+
+        def until(done: Callable[[], Any], what: str) -> Any:
+            """Polls `done` until it answers (None: not yet), noting when the process was started again."""
+            while (result := done()) is None:
+                if name not in relaunched and again():
+                    relaunched[name] = time.monotonic() - killed
+                log = (logs / f"{name}.log").read_text()[-3000:]
+                assert time.monotonic() - killed < 60, f"no {what} after the {name} was killed:\n{log}"
+                time.sleep(0.05)
+            return result
+
+        job_id = until(created, "job accepted")
+        job = until(lambda: ended(job_id), "job ended")
+        assert job["status"] == "completed", job
+        jobs_done.append(job_id)
+        if name == "reaper":
+            until(lambda: reaper_passed_since(seconds + micros / 1e6), "reaper pass")
+        until(again, "restart")
+        back[name] = time.monotonic() - killed
+    log = (logs / "worker.log").read_text()
+    print("FIGURE vsrq dev, SIGKILL: started again after "
+          + ", ".join(f"{n} {s:.1f} s" for n, s in relaunched.items()) + "; a job sent right after the kill "
+          "completed (the reaper: passed again) after " + ", ".join(f"{n} {s:.1f} s" for n, s in back.items())
+          + f"; the worker's log kept both runs: {log.count(' ready.')} 'ready'")
+    # The promise is 10 s (met on a quiet machine: RELIABILITY.md); a 2-core CI box running two test processes
+    # adds seconds of waiting for a CPU to the worker's ~3 CPU-s start, so the bound here leaves that room
+    assert max(back.values()) < 15, (relaunched, back)
+    assert log.count(" ready.") >= 2 and all(job_id in log for job_id in jobs_done)  # appended; a line per job
