@@ -12,7 +12,8 @@ from bench.bench import main
 
 def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     out = tmp_path / "results.jsonl"
-    main(["--tiny", "--hot", "1", "--out", str(out), "--phases", "ref:W1*2,ours:W1:cpu,ours:W1:cpu+cpu@tile_major/1,batch:W1short:2,ours:W3:cpu*0"])
+    # W2: two tiles in the tiny configuration (W1 is 12, and the reference pipeline decodes each whole)
+    main(["--tiny", "--hot", "1", "--out", str(out), "--phases", "ref:W2*2,ours:W2:cpu,ours:W2:cpu+cpu@tile_major/1,batch:W2:2,ours:W3:cpu*0"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     reference, single, double, batch, long = records[1:]
     assert reference["impl"] == "diffusers-reference" and reference["hot_median_s"] > 0
@@ -20,7 +21,7 @@ def test_bench_runs_every_phase_and_checks_what_it_claims(tmp_path):
     assert single["vs_reference"]["max_abs_delta"] <= 1e-5
     stages = single["stage_device_s_last_run"]
     assert {"dit", "decode", "encode", "latent_upscale", "mp4_encode_thread", "host_blend", "host_sink"} <= stages.keys()
-    assert long["stage_device_s_last_run"]["host_blend"] > 0  # summed over its windows (W1's rounds to a few ms)
+    assert long["stage_device_s_last_run"]["host_blend"] > 0  # summed over its windows (W2's rounds to a few ms)
     assert double["devices"] == ["cpu", "cpu"] and double["decode_order"] == "tile_major"
     assert double["bit_identical_to_first_vsrq_phase"] and double["max_abs_delta_to_first_vsrq_phase"] == 0
     assert batch["bit_identical_to_batch_1"]
@@ -77,12 +78,13 @@ def test_a_threads_phase_sets_the_host_threads_of_the_phases_after_it(tmp_path):
 
 def test_check_only_limits_the_untimed_checks_to_the_named_workloads(tmp_path):
     out = tmp_path / "results.jsonl"
-    phases = "ours:W1short:cpu*0,ours:W1short:cpu@parked/1*0,ours:W1:cpu*0,ours:W1:cpu@parked*0"
-    main(["--tiny", "--out", str(out), "--phases", phases, "--check-only", "W1short"])
+    # W2 and L121: both two tiles of 9 frames in the tiny configuration
+    phases = "ours:W2:cpu*0,ours:W2:cpu@parked/1*0,ours:L121:cpu*0,ours:L121:cpu@parked*0"
+    main(["--tiny", "--out", str(out), "--phases", phases, "--check-only", "W2"])
     records = [record for record in map(json.loads, out.read_text().splitlines()) if record.get("impl") == "vsrq"]
     checked = {(r["workload"], r["decode_order"]): "bit_identical_to_first_vsrq_phase" in r for r in records}
-    assert checked == {("W1short", "lockstep"): True, ("W1short", "parked"): True, ("W1", "lockstep"): False, ("W1", "parked"): False}
-    assert all(r["bit_identical_to_first_vsrq_phase"] for r in records if r["workload"] == "W1short")
+    assert checked == {("W2", "lockstep"): True, ("W2", "parked"): True, ("L121", "lockstep"): False, ("L121", "parked"): False}
+    assert all(r["bit_identical_to_first_vsrq_phase"] for r in records if r["workload"] == "W2")
 
 
 def test_the_host_lever_times_the_products_own_steps():

@@ -25,9 +25,9 @@ from worker.sr.request import SRRequest
 from worker.upscale import UpscaleOptions, upscale_file
 
 SIZE = (190, 250)  # stored height, width
-FRAMES = 50
+FRAMES = 25
 FAST = UpscaleOptions(request=SRRequest(scale=2), preset="ultrafast")
-VFR = [0, 20, 53, 120, 140, 190, 260, 280, 300, 333] + [333 + 33 * i for i in range(1, 41)]  # ms
+VFR = [0, 20, 53, 120, 140, 190, 260, 280, 300, 333] + [333 + 33 * i for i in range(1, FRAMES - 9)]  # ms
 
 # name: (file suffix, write_clip arguments, expected output audio (codec, rate, channels) or None)
 CASES = {

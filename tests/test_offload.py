@@ -20,7 +20,7 @@ ONE_RESIDENT = Offload(layers=True, resident_blocks=1, prefetch=2)
 
 @pytest.fixture(scope="module")
 def resident(engine):
-    return run(engine, clip(2, frames=13), SRRequest(scale=2, seed=3))
+    return run(engine, clip(2, frames=5), SRRequest(scale=2, seed=3))
 
 
 def _inside(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -70,7 +70,7 @@ def test_offloaded_weights_give_the_resident_bits_and_visit_the_device_only_whil
     hooks += [block.register_forward_pre_hook(look(f"block {i}")) for i, block in enumerate(streamed)]
     try:
         calls_before = placement.copies
-        assert torch.equal(run(engine, clip(2, frames=13), SRRequest(scale=2, seed=3)), resident)
+        assert torch.equal(run(engine, clip(2, frames=5), SRRequest(scale=2, seed=3)), resident)
         copies = placement.copies - calls_before
     finally:
         for hook in hooks:
@@ -103,7 +103,7 @@ def test_engines_of_other_modes_take_the_replica_over_in_turn(tiny_piflow, resid
     offloaded = SREngine([replica], offload=LAYERS)
     streaming = SREngine([replica], offload=ONE_RESIDENT)
     for engine in (offloaded, speed, streaming, offloaded, speed):
-        assert torch.equal(run(engine, clip(2, frames=13), SRRequest(scale=2, seed=3)), resident)
+        assert torch.equal(run(engine, clip(2, frames=5), SRRequest(scale=2, seed=3)), resident)
         if engine is speed:
             assert replica.placement is None and type(replica.transformer.visual_transformer_blocks) is torch.nn.ModuleList
         else:
@@ -123,7 +123,7 @@ def test_a_resident_mode_frees_the_offloaded_homes_at_once(tiny_piflow):
     speed = SREngine([replica])
     gc.disable()  # only reference counting frees now
     try:
-        run(speed, clip(2, frames=13), SRRequest(scale=2, seed=3))
+        run(speed, clip(2, frames=5), SRRequest(scale=2, seed=3))
         assert replica.placement is None and not [home for home in homes if home() is not None]
     finally:
         gc.enable()
@@ -135,12 +135,12 @@ def test_a_failed_call_leaves_every_weight_at_home(tiny_piflow, resident):
     engine = SREngine.from_pretrained(str(tiny_piflow), offload=LAYERS)
     events = []
     with pytest.raises(Cancelled):
-        engine.upscale(clip(2, frames=13), SRRequest(scale=2, seed=3), lambda _: None, progress=events.append,
+        engine.upscale(clip(2, frames=5), SRRequest(scale=2, seed=3), lambda _: None, progress=events.append,
                        cancelled=lambda: len(events) >= 3)  # between denoising steps: the transformer is in use
     placement = engine.replicas[0].placement
     assert all(unit.users == 0 and unit.buffer is None for unit in placement.units.values())
     assert _where(placement, engine.replicas[0].transformer.parameters()) == {"home"}
-    assert torch.equal(run(engine, clip(2, frames=13), SRRequest(scale=2, seed=3)), resident)
+    assert torch.equal(run(engine, clip(2, frames=5), SRRequest(scale=2, seed=3)), resident)
 
 
 def test_streamed_blocks_run_the_graphs_resident_blocks_built():
@@ -185,26 +185,39 @@ def test_offload_settings_are_checked():
         Offload(prefetch=0)
 
 
-@pytest.mark.parametrize(
-    ("free_gib", "mode"),
-    [(139, "speed"), (39.5, "speed"), (23.6, "memory"), (22.5, "memory"), (15, "offload"), (11.5, "offload_layers"), (6, "offload_layers")],
-)
-def test_auto_picks_the_fastest_mode_that_fits_the_free_memory(free_gib, mode):
-    """The full-size model's weights (bf16, pruned upscaler: 10.4 GiB) plus a W1 tile's decode working set: a 24 GB
-    card decodes tile by tile with resident weights (W1 measured 20.0 GiB there), a 16 GB card offloads the
-    components, a 12 GB one streams the transformer's blocks too; the meta device gives sizes without memory."""
+@pytest.fixture(scope="module")
+def full_size_on_meta():
+    """The full-size model (bf16, pruned upscaler) on the meta device: sizes without memory. Choosing a mode only
+    reads it."""
     import diffusers
 
-    from worker.sr.backends import PERFORMANCE_MODES, choose_mode, needed_bytes
     from worker.sr.checkpoint import Components, prune_upscaler
 
     with torch.device("meta"):
         parts = [diffusers.Kandinsky6SRTransformer3DModel(), diffusers.Kandinsky6SRVAE(), diffusers.Kandinsky6SRLatentUpscalerBank()]
     transformer, vae, upscaler = (torch.nn.Module.to(part, torch.bfloat16) for part in parts)
-    replica = Components(torch.device("cuda:0"), transformer, vae, None, prune_upscaler(upscaler))
-    needs = [needed_bytes(name, replica) for name in PERFORMANCE_MODES]
-    assert needs == sorted(needs, reverse=True)  # the table runs from the fastest to the smallest
-    assert choose_mode(replica, int(free_gib * 2**30)) == mode
+    return Components(torch.device("cuda:0"), transformer, vae, None, prune_upscaler(upscaler))
+
+
+def test_the_modes_need_less_memory_from_the_fastest_to_the_smallest(full_size_on_meta):
+    """The table `auto` walks (worker.sr.backends.PERFORMANCE_MODES) runs from the fastest mode to the smallest."""
+    from worker.sr.backends import PERFORMANCE_MODES, needed_bytes
+
+    needs = [needed_bytes(name, full_size_on_meta) for name in PERFORMANCE_MODES]
+    assert needs == sorted(needs, reverse=True)
+
+
+@pytest.mark.parametrize(
+    ("free_gib", "mode"),
+    [(139, "speed"), (39.5, "speed"), (23.6, "memory"), (22.5, "memory"), (15, "offload"), (11.5, "offload_layers"), (6, "offload_layers")],
+)
+def test_auto_picks_the_fastest_mode_that_fits_the_free_memory(full_size_on_meta, free_gib, mode):
+    """The full-size model's weights (bf16, pruned upscaler: 10.4 GiB) plus a W1 tile's decode working set: a 24 GB
+    card decodes tile by tile with resident weights (W1 measured 20.0 GiB there), a 16 GB card offloads the
+    components, a 12 GB one streams the transformer's blocks too; the meta device gives sizes without memory."""
+    from worker.sr.backends import choose_mode
+
+    assert choose_mode(full_size_on_meta, int(free_gib * 2**30)) == mode
 
 
 @pytest.mark.parametrize("mode", ["offload", "offload_layers"])
@@ -214,5 +227,5 @@ def test_open_upscaler_runs_the_offloaded_modes_and_auto_is_speed_on_a_cpu(tiny_
     engine = open_upscaler(str(tiny_piflow), ["cpu"], mode, offload_prefetch=3)
     assert engine.replicas[0].placement.offload.prefetch == 3
     assert engine.replicas[0].placement.offload.layers == PERFORMANCE_MODES[mode]["offload"].layers
-    assert torch.equal(run(engine, clip(2, frames=13), SRRequest(scale=2, seed=3)), resident)
+    assert torch.equal(run(engine, clip(2, frames=5), SRRequest(scale=2, seed=3)), resident)
     assert open_upscaler(str(tiny_piflow), ["cpu"]).performance_mode == "speed"
