@@ -28,10 +28,8 @@ corpus: setup
 
 test: corpus
 	# two processes, each test file whole in one of them (files share their stack), the longest files first
-	# (tests/conftest.py's LONGEST_FIRST, kept as collected); FIGURE lines: run a file with -s. One OpenMP thread per
-	# process: two pytest workers and their services share the cores, where torch's threads, one per core in each
-	# process, would spin waiting for each other
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	# (tests/conftest.py's LONGEST_FIRST, kept as collected); FIGURE lines: run a file with -s
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # infra/lock/*.txt from pyproject.toml's ranges, keeping the versions they pin (UPGRADE=--upgrade for the newest).
 # Needs uv (`pip install uv`). The worker's and the API's images: any platform, torch's CUDA build from PyPI. The

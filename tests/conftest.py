@@ -10,33 +10,35 @@ from worker.sr.checkpoint import write_tiny
 from worker.sr.engine import SREngine
 
 # `make test` hands whole files to two processes (xdist --dist loadfile --no-loadscope-reorder) in the order the
-# items are collected: the longest files first (seconds on a 2-core CI run, measured one file at a time), so that
+# items are collected: the longest files first (their seconds in a clean 2-core CI run's junit report), so that
 # the run does not end on a long file in one process while the other idles. Files not listed follow, most tests
 # first (xdist's own order). A new file that takes over a minute belongs in this list.
 LONGEST_FIRST = [
     "tests/reliability/test_faults.py",
     "tests/test_corpus.py",
     "tests/test_execution.py",
-    "tests/test_cli.py",
+    "tests/test_precompiled.py",
     "tests/service/test_demo.py",
     "tests/service/test_recovery.py",
-    "tests/service/test_worker.py",
-    "tests/test_precompiled.py",
-    "tests/test_media_memory.py",
-    "tests/service/test_status.py",
-    "tests/reliability/test_security.py",
-    "tests/service/test_bulk.py",
-    "tests/service/test_openapi.py",
-    "tests/test_bench.py",
-    "tests/service/test_web.py",
-    "tests/service/test_url_input.py",
-    "tests/test_service_bench.py",
-    "tests/service/test_webhooks.py",
-    "tests/service/test_fetch_disk_full.py",
-    "tests/test_compile_cache.py",
-    "tests/reliability/test_load.py",
     "tests/reliability/test_restarts.py",
-    "tests/service/test_metrics.py",
+    "tests/test_cli.py",
+    "tests/test_service_bench.py",
+    "tests/test_bench.py",
+    "tests/service/test_worker.py",
+    "tests/test_media_memory.py",
+    "tests/reliability/test_hostile.py",
+    "tests/service/test_webhooks.py",
+    "tests/test_parity.py",
+    "tests/service/test_corpus_api.py",
+    "tests/service/test_bulk.py",
+    "tests/test_compile_cache.py",
+    "tests/test_offload.py",
+    "tests/service/test_web.py",
+    "tests/service/test_worker_memory.py",
+    "tests/test_media.py",
+    "tests/reliability/test_security.py",
+    "tests/service/test_lifecycle.py",
+    "tests/service/test_openapi.py",
 ]
 VARIANTS = [("piflow", True), ("piflow", False), ("flowmatch", True), ("flowmatch", False)]
 # Inputs the tiny model's (32, 64) landscape tile covers with 2x2 tiles (3x3 at x2.25, whose x1.125 pre-upscale

@@ -161,8 +161,9 @@ def test_colour_is_read_with_the_streams_own_matrix_and_range(tmp_path, matrix, 
 
 
 def test_subtitles_languages_metadata_and_chapters_follow_into_the_mp4(tmp_path):
-    srt = "1\n00:00:00,100 --> 00:00:00,900\nBonjour\n\n2\n00:00:01,000 --> 00:00:01,400\nAu revoir\n"
-    chapters = [(0.0, 0.8, "Début"), (0.8, FRAMES / 30, "Fin")]
+    # cues and chapters inside the clip's FRAMES / 30 s
+    srt = "1\n00:00:00,100 --> 00:00:00,400\nBonjour\n\n2\n00:00:00,450 --> 00:00:00,750\nAu revoir\n"
+    chapters = [(0.0, 0.4, "Début"), (0.4, FRAMES / 30, "Fin")]
     source = write_clip(
         tmp_path / "in.mkv", FRAMES, SIZE, Fraction(30), audio_codec="libopus", subtitles=srt, language="fra", metadata={"title": "Essai"},
         chapters=chapters,
@@ -268,7 +269,7 @@ BAD = {
     "absurd dimensions": ("clip.y4m", lambda p: p.write_bytes(b"YUV4MPEG2 W16000 H16000 F30:1 C420jpeg\nFRAME\n" + bytes(4096)), "input_too_large", Limits()),
     "unsupported codec": ("clip.mkv", _unknown_codec, "input_unsupported_codec", Limits()),
     "too many frames": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_frames=20)),
-    "too long": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_seconds=1)),
+    "too long": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_seconds=0.5)),
     "too big a file": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_bytes=1000)),
 }
 
