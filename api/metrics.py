@@ -16,7 +16,7 @@ from time import perf_counter
 
 from flask import Blueprint, Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -63,7 +63,12 @@ class ServiceCollector(Collector):
             busy.add_metric([queue], sum(worker.job is not None for worker in serving))
         overdue = GaugeMetricFamily("vsrq_jobs_past_lease", "Jobs in progress past their lease (the reaper is behind).")
         overdue.add_metric([], now.health.overdue_jobs)
-        yield from (depth, jobs, workers, busy, overdue)
+        resent = CounterMetricFamily(
+            "vsrq_reaper_lost_messages_resent",
+            "Queued jobs whose message a dying consumer took, sent again by the reaper (worker/lost.py).",
+            value=now.lost_messages_resent,
+        )
+        yield from (depth, jobs, workers, busy, overdue, resent)
         if now.health.reaper_last_pass_s is not None:
             yield GaugeMetricFamily(
                 "vsrq_reaper_last_pass_age_seconds",

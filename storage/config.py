@@ -180,6 +180,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(3, ge=1)  # then the job fails: redelivering an OOM forever helps nobody
     # A queued job whose Celery message was not confirmed sent this long (the sender died) gets one from the reaper
     enqueue_grace_s: float = Field(30, gt=0)
+    # A queued job whose message no queue and no consumer has held this long (a consumer killed as it took it, and at
+    # least two of the reaper's passes) gets another: a live consumer holds one outside both for microseconds
+    lost_message_grace_s: float = Field(30, ge=0)
     longest_job_s: int = Field(12 * 3600, ge=60)  # Celery's visibility timeout is set above this
     # Overrides kombu's Redis transport options, e.g. {"visibility_timeout": 5, "unacked_restore_interval": 1,
     # "unacked_restore_throttle": 1} to see an unacknowledged message redelivered in seconds.

@@ -894,6 +894,17 @@ class JobStore:
                 self.redis.zrem(self._unsent_key, raw)
         return found
 
+    def sent_front(self, queue: str, limit: int = 100) -> list[str]:
+        """The first `limit` jobs of `queue`, in queue order, less those whose message is not confirmed sent
+        (`unsent`'s): where a job whose message a consumer took and lost waits, the jobs behind it leased and gone
+        (worker.lost)."""
+        ids = self.redis.zrange(self._queue_key(queue), 0, limit - 1)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.zscore(self._unsent_key, job_id)
+            due = pipe.execute()
+        return [job_id.decode() for job_id, mark in zip(ids, due) if mark is None]
+
     def records(self) -> Iterator[JobRecord]:
         """Every job record, by SCAN: for periodic sweeps, never for requests."""
         prefix = f"{self.prefix}:job:"

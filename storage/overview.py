@@ -5,6 +5,7 @@ last pass, jobs past their lease). `vsrq status` prints it; the API's /metrics e
 process do.
 
     vsrq:reaper:last_pass    the Redis time the reaper last finished a pass (written by `reaper_passed`)
+    vsrq:reaper:lost_messages_resent    how many messages lost by dying consumers the reaper sent again (a counter)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Overview(BaseModel):
     jobs: dict[Status, int]  # status -> jobs (records still kept)
     workers: list[WorkerInfo]
     health: Health | None = None
+    lost_messages_resent: int = 0  # queued jobs' messages the reaper sent again, lost by dying consumers (worker.lost)
 
 
 def _reaper_key(jobs: JobStore) -> str:
@@ -41,6 +43,14 @@ def _reaper_key(jobs: JobStore) -> str:
 def reaper_passed(jobs: JobStore) -> None:
     """The reaper's heartbeat, after each pass."""
     jobs.redis.set(_reaper_key(jobs), repr(jobs.now()), ex=24 * 3600)
+
+
+def _resent_key(jobs: JobStore) -> str:
+    return f"{jobs.prefix}:reaper:lost_messages_resent"
+
+
+def lost_message_resent(jobs: JobStore) -> None:
+    jobs.redis.incr(_resent_key(jobs))
 
 
 def health(jobs: JobStore, workers: list[WorkerInfo], queues: list[str], reaper_stale_s: float) -> Health:
@@ -88,4 +98,5 @@ def overview(jobs: JobStore, registry: WorkerRegistry, queues: list[str], reaper
         jobs=job_counts(jobs),
         workers=workers,
         health=health(jobs, workers, queues, reaper_stale_s),
+        lost_messages_resent=int(jobs.redis.get(_resent_key(jobs)) or 0),
     )

@@ -82,15 +82,10 @@ def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str
     """The jobs of the `vsrq.upscale` messages a worker of `queues` takes next, in the order it takes them, read without
     taking any (a worker that prefetches the next input, worker.prefetch): at most `limit` per list. A message another
     worker takes first, or one for a job that is no longer queued, is a guess that does not come true; nothing here
-    changes the queue.
-
-    kombu's Redis transport keeps a queue as one list per priority step (`queue`, `queue\\x06\\x163`, ...), LPUSHes
-    and BRPOPs them in step order: the tail of the first non-empty list is the next message."""
-    options = app.conf.broker_transport_options or {}
-    prefix, steps = options.get("global_keyprefix", ""), options.get("priority_steps", PRIORITY_STEPS)
-    keys = [f"{prefix}{queue}{Channel.sep}{step}" if step else f"{prefix}{queue}" for step in steps for queue in queues]
+    changes the queue."""
+    keys = _list_keys(app, queues)
     with app.pool.acquire(block=True) as connection:  # the app's pool: no new connection (and PING) per call
-        # kombu's client adds `global_keyprefix` to the commands it sends itself, LRANGE is not one: added above
+        # kombu's client adds `global_keyprefix` to the commands it sends itself, LRANGE is not one: the keys carry it
         with connection.default_channel.client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.lrange(key, -limit, -1)
@@ -102,18 +97,61 @@ def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str
     return ids
 
 
+def held_job_ids(app: Celery, queues: Iterable[str], depth: int = 1000) -> set[str]:
+    """The jobs whose `vsrq.upscale` message the broker holds: waiting in the lists of `queues` (the `depth` messages
+    taken next, per list) or taken by a consumer that has not acknowledged it (kombu's `unacked` hash, every queue's),
+    read in one transaction, so that no message moving from one to the other in between is missed. What is not here is
+    a message nobody holds but a consumer between its BRPOP's reply and its write to `unacked` (microseconds, unless
+    it is paused there), or a lost one: a consumer killed in between (the reaper, worker.lost)."""
+    options = app.conf.broker_transport_options or {}
+    unacked = options.get("global_keyprefix", "") + options.get("unacked_key", Channel.unacked_key)
+    with app.pool.acquire(block=True) as connection:
+        # neither LRANGE nor HVALS is prefixed by kombu's client: the keys carry it already
+        with connection.default_channel.client.pipeline(transaction=True) as pipe:
+            for key in _list_keys(app, queues):
+                pipe.lrange(key, -depth, -1)
+            pipe.hvals(unacked)
+            *lists, taken = pipe.execute()
+    ids = {_upscale_job_id(raw) for items in lists for raw in items}
+    for raw in taken:  # kombu writes [message, exchange, routing key] there
+        try:
+            envelope = json.loads(raw)[0]
+        except Exception:  # not kombu's: skipped
+            continue
+        ids.add(_envelope_job_id(envelope))
+    ids.discard(None)
+    return ids
+
+
+def _list_keys(app: Celery, queues: Iterable[str]) -> list[str]:
+    """kombu's Redis transport keeps a queue as one list per priority step (`queue`, `queue\\x06\\x163`, ...), LPUSHes
+    and BRPOPs them in step order: the tail of the first non-empty list is the next message. Under the
+    `global_keyprefix`, in consumption order."""
+    options = app.conf.broker_transport_options or {}
+    prefix, steps = options.get("global_keyprefix", ""), options.get("priority_steps", PRIORITY_STEPS)
+    queues = list(queues)
+    return [f"{prefix}{queue}{Channel.sep}{step}" if step else f"{prefix}{queue}" for step in steps for queue in queues]
+
+
 def _upscale_job_id(raw: bytes) -> str | None:
     """The job id a message in kombu's Redis envelope carries (Celery's message protocol 2, JSON), or None for
     another task's message or one this cannot read."""
     try:
         envelope = json.loads(raw)
+    except Exception:  # anything a stranger's bytes can raise (RecursionError on deep nesting): one message skipped
+        return None
+    return _envelope_job_id(envelope)
+
+
+def _envelope_job_id(envelope: object) -> str | None:
+    try:
         if envelope["headers"].get("task") != UPSCALE_TASK:
             return None
         body = envelope["body"]
         if envelope.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         args = json.loads(body)[0]
-    except Exception:  # anything a stranger's bytes can raise (RecursionError on deep nesting): one message skipped
+    except Exception:  # anything a stranger's bytes can raise: one message skipped
         return None
     if isinstance(args, list) and args and isinstance(args[0], str) and JOB_ID.fullmatch(args[0]):
         return args[0]

@@ -1,5 +1,6 @@
 """The reaper: requeues the jobs whose worker stopped sending heartbeats (or fails them after `max_attempts`), sends the
-message of queued jobs whose sender died before sending it, sweeps blob storage (storage.lifecycle), and relays due
+message of queued jobs whose sender died before sending it, sends again the message of queued jobs the broker no
+longer holds (a consumer killed as it took it: worker.lost), sweeps blob storage (storage.lifecycle), and relays due
 webhooks from the outbox to their delivery workers (worker.webhooks).
 
     python -m worker.reaper            every VSRQ_REAP_INTERVAL_S seconds (default 10), until SIGTERM / SIGINT
@@ -19,18 +20,22 @@ from celery import Celery
 from storage.jobs import JobStore, Status
 from storage.lifecycle import sweep
 from storage.logs import configure, settings_secrets
-from storage.overview import reaper_passed
+from storage.overview import lost_message_resent, reaper_passed
 from storage.queue import send_upscale
 from worker import service
 from worker.celery_app import app
+from worker.lost import LostMessages
 from worker.webhooks import outbox, relay_once
 
 log = logging.getLogger("vsrq.reaper")
 
 
-def reap_once(jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = None) -> dict[str, Status]:
+def reap_once(
+    jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = None, lost: LostMessages | None = None
+) -> dict[str, Status]:
     """One pass: expired leases are requeued (or failed), and a requeued job gets a new `vsrq.upscale` message; so does
-    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the setting)."""
+    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the setting), and, given
+    `lost` (the looks of earlier passes), one whose message the broker has not held for its grace."""
     outcome = jobs.reap()
     for job_id, status in outcome.items():
         job = jobs.get(job_id)
@@ -41,6 +46,13 @@ def reap_once(jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = No
     for job in jobs.unsent(grace):
         send_upscale(celery, jobs, job)
         log.warning("%s: queued without a message (its sender died): sent one", job.id, extra={"job_id": job.id})
+    for job in lost.due(jobs, celery) if lost is not None else ():
+        send_upscale(celery, jobs, job, first=True)  # its turn had come when a consumer took it
+        lost_message_resent(jobs)
+        log.warning(
+            "%s: queued, its message held by no queue nor consumer for %g s or more (a dying consumer took it): sent "
+            "again", job.id, lost.grace_s, extra={"job_id": job.id},
+        )  # fmt: skip
     return outcome
 
 
@@ -71,10 +83,11 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     log.info("reaping every %g s, sweeping storage every %g s", interval, settings.sweep_interval_s)
     next_sweep = monotonic()
+    lost = LostMessages(list(dict.fromkeys(settings.models.values())), settings.lost_message_grace_s)
     reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
         try:
-            reap_once(service.jobs(), app)
+            reap_once(service.jobs(), app, lost=lost)
             reaper_passed(service.jobs())  # /healthz and `vsrq status` tell a dead reaper by this
             reaping.passed()
         except Exception as error:  # Redis restarting: try again next time rather than exit

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -221,3 +222,74 @@ def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
     finally:
         processes.stop_all([first, second, reaper, api])
         held.close()
+
+
+def test_a_message_a_dying_consumer_took_is_sent_again_and_runs_once(rel_env, settings, jobs, tmp_path):
+    """Kombu's Redis transport pops a message off its list before the consumer writes it to `unacked`: one killed in
+    between loses it, and its job stays queued for good. Here the broker gives `lost`'s message to a consumer that died
+    (the message taken off the list in Redis), while a live consumer holds `held`'s (taken, in `unacked`) and `listed`'s
+    waits in the list. The reaper (every 0.2 s, grace 1 s) sends `lost` one message, and `held` and `listed` none; a
+    worker started then runs `lost` and `listed` once each."""
+    from storage.queue import UPSCALE_TASK, _upscale_job_id, make_celery, next_job_ids
+    from worker.media.synthetic import write_clip
+
+    queue = "vsrq.lost-probe"
+    env = {**rel_env, "VSRQ_MODELS": json.dumps({"lanczos": queue}), "VSRQ_REAP_INTERVAL_S": "0.2",
+           "VSRQ_LOST_MESSAGE_GRACE_S": "1"}  # fmt: skip
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.api(env, port, tmp_path).start()  # the two boot at once
+    reaper = processes.reaper(env, tmp_path).start()
+    worker = processes.worker(env, queue, tmp_path)
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
+    celery = make_celery(settings)
+
+    def create() -> str:
+        response = requests.post(
+            f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+            data={"model": "lanczos", "sr_resolution_scale": "2"}, headers=auth("dave"), timeout=30,
+        )  # fmt: skip
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    def resent(job_id: str) -> int:
+        return sum(job_id in line and "sent again" in line for line in reaper.text().splitlines())
+
+    def resent_total() -> float:  # the API's /metrics, read from Redis
+        text = requests.get(f"{url}/metrics", timeout=30).text
+        return float(re.search(r"^vsrq_reaper_lost_messages_resent_total (\S+)$", text, re.MULTILINE)[1])
+
+    held = held_message = None
+    with celery.connection_for_read() as connection, connection.SimpleQueue(queue, no_ack=False) as consumer:
+        try:
+            processes.serving(api, url)
+            before = resent_total()
+            held = create()
+            held_message = consumer.get_nowait()  # basic_get: off the list, into `unacked`, not acknowledged
+            assert held_message.headers["task"] == UPSCALE_TASK and held_message.decode()[0] == [held]
+            lost = create()
+            [message] = [raw for raw in jobs.redis.lrange(queue, 0, -1) if _upscale_job_id(raw) == lost]
+            assert jobs.redis.lrem(queue, 1, message) == 1  # the message a consumer took, and died with
+            listed = create()
+
+            reaper.wait_for(lambda: resent(lost) > 0, "the lost message sent again", timeout_s=30)
+            assert next_job_ids(celery, [queue], limit=10) == [lost, listed]  # at the front: its turn had come
+            worker.start()
+            deadline = time.monotonic() + 120
+            while not all(jobs.require(job_id).status == "completed" for job_id in (lost, listed)):
+                assert time.monotonic() < deadline, worker.text()[-4000:]
+                time.sleep(0.2)
+            time.sleep(1.5)  # a few more passes past the grace: still nothing more sent
+            runs = {job_id: [e.type for e in jobs.events(job_id)].count("leased") for job_id in (lost, listed)}
+            print(f"FIGURE lost message: sent again {resent(lost)} time(s); leased {runs}; held/listed sent again "
+                  f"{resent(held)}/{resent(listed)} time(s)")
+            assert runs == {lost: 1, listed: 1} and resent(lost) == 1 and resent_total() == before + 1
+            assert resent(held) == resent(listed) == 0
+            assert f"dropped a message for {listed}" not in worker.text()  # no duplicate of `listed` either
+            assert jobs.require(held).status == "queued" and next_job_ids(celery, [queue]) == []
+        finally:
+            if held_message is not None:
+                held_message.ack()
+            processes.stop_all([worker, reaper, api])
+            if held is not None:  # queued for good: no consumer will ever run it
+                jobs.cancel(held)

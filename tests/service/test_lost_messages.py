@@ -1,0 +1,71 @@
+"""Messages lost by a dying consumer (worker.lost): kombu's Redis transport pops a message off its list before the
+consumer writes it to `unacked`, and a consumer killed in between takes it with it. On the real Redis, with a real
+kombu consumer holding a message and messages in more than one priority step's list, under a key prefix as an
+operator may configure: the reaper sends again the message of the job the broker no longer holds, once, after two
+looks its grace apart, and no other."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+import pytest
+
+from storage.config import Settings
+from storage.jobs import InputInfo, JobStore
+from storage.overview import overview
+from storage.queue import UPSCALE_TASK, _upscale_job_id, make_celery, next_job_ids, send_upscale
+from storage.workers import WorkerRegistry
+from worker.lost import LostMessages
+from worker.reaper import reap_once
+
+GRACE_S = 0.5
+
+
+@pytest.mark.parametrize("prefix", ["", "vsrq-lost:"])
+def test_only_the_job_whose_message_a_dead_consumer_took_gets_another(
+    settings: Settings, redis_client, caplog, prefix: str
+):
+    store = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"vsrq-lost-{secrets.token_hex(4)}")
+    app = make_celery(settings.model_copy(update={"broker_transport_options": {"global_keyprefix": prefix}}))
+    queue = f"vsrq.lost-{secrets.token_hex(3)}"
+    held, lost, listed, urgent, unsent = (
+        store.create(owner="lost", model="lanczos", queue=queue, params={}, input=InputInfo(key="k")) for _ in range(5)
+    )
+    looks = LostMessages([queue], GRACE_S)
+
+    def look() -> None:
+        assert reap_once(store, app, enqueue_grace_s=3600, lost=looks) == {}  # no lease expired, no sender died
+
+    send_upscale(app, store, held)
+    with app.connection_for_read() as connection, connection.SimpleQueue(queue, no_ack=False) as consumer:
+        taken = consumer.get_nowait()  # basic_get: off the list and into `unacked`, not acknowledged: a live consumer's
+        try:
+            assert taken.decode()[0] == [held.id]
+            assert redis_client.hlen(f"{prefix}unacked") >= 1
+            send_upscale(app, store, lost)
+            waiting = redis_client.lrange(f"{prefix}{queue}", 0, -1)
+            [message] = [raw for raw in waiting if _upscale_job_id(raw) == lost.id]
+            assert redis_client.lrem(f"{prefix}{queue}", 1, message) == 1  # a consumer took it, and died with it
+            send_upscale(app, store, listed)
+            app.send_task(UPSCALE_TASK, args=[urgent.id], queue=queue, priority=9)  # the last priority step's list
+            store.sent(urgent.id)
+            # `unsent` is due a message its sender never confirmed: the `unsent` pass's, not this one's
+
+            with caplog.at_level(logging.INFO, logger="vsrq.reaper"):
+                look()  # the first look: nothing is sent on one
+                assert next_job_ids(app, [queue], limit=10) == [listed.id, urgent.id]
+                time.sleep(GRACE_S)
+                look()  # missing on both looks, its grace apart: sent again, at the front
+                assert next_job_ids(app, [queue], limit=10) == [lost.id, listed.id, urgent.id]
+                time.sleep(GRACE_S)
+                look()  # held again by the broker: nothing more
+                assert next_job_ids(app, [queue], limit=10) == [lost.id, listed.id, urgent.id]
+        finally:
+            taken.ack()
+    resent = [record for record in caplog.records if "sent again" in record.getMessage()]
+    assert [record.job_id for record in resent] == [lost.id]
+    assert overview(store, WorkerRegistry(redis_client, prefix=store.prefix), [queue]).lost_messages_resent == 1
+    assert store.require(unsent.id).status == "queued" and [job.id for job in store.unsent(0)] == [unsent.id]
+    redis_client.delete(*redis_client.keys(f"{prefix}{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
