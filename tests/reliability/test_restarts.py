@@ -24,6 +24,16 @@ from . import processes
 from .conftest import TOKENS, auth
 
 
+
+def post_lanczos_job(url: str, clip: bytes) -> str:
+    """A lanczos x2 job of `clip`, created as a user does; its id."""
+    response = requests.post(
+        f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+        data={"model": "lanczos", "sr_resolution_scale": "2"}, headers=auth("dave"), timeout=30,
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
 def test_a_killed_gunicorn_master_leaves_no_worker_holding_the_socket(rel_env, tmp_path):
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
@@ -189,12 +199,7 @@ def test_a_requeued_job_goes_first_among_the_queued(rel_env, jobs, tmp_path):
     clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
 
     def create() -> str:
-        response = requests.post(
-            f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
-            data={"model": "lanczos", "sr_resolution_scale": "2"}, headers=auth("dave"), timeout=30,
-        )  # fmt: skip
-        assert response.status_code == 200, response.text
-        return response.json()["id"]
+        return post_lanczos_job(url, clip)
 
     try:
         processes.serving(api, url)
@@ -245,12 +250,7 @@ def test_a_message_a_dying_consumer_took_is_sent_again_and_runs_once(rel_env, se
     celery = make_celery(settings)
 
     def create() -> str:
-        response = requests.post(
-            f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
-            data={"model": "lanczos", "sr_resolution_scale": "2"}, headers=auth("dave"), timeout=30,
-        )  # fmt: skip
-        assert response.status_code == 200, response.text
-        return response.json()["id"]
+        return post_lanczos_job(url, clip)
 
     def resent(job_id: str) -> int:
         return sum(job_id in line and "sent again" in line for line in reaper.text().splitlines())
