@@ -15,7 +15,8 @@ phases=${1:?phases, e.g. start,solo}
 shift
 deadline=${SERVICE_GPU_DEADLINE_S:-550}  # wall seconds for the whole invocation, this script's setup included
 out=${OUT:?the device machine sets OUT}
-log=$out/driver.log
+label=${SERVICE_GPU_LABEL:-$(echo "$phases" | tr , -)}  # names this invocation's files: several may share a call
+log=$out/driver-$label.log
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 {
   if [ -f .whl-packed/site.tar.xz ]; then  # bench/service_pack.sh: the same packages, unpacked ahead
@@ -38,13 +39,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   run=/tmp/vsrq-service-$(date +%s)  # a Redis of its own each time; the compile cache outlives it on a warm machine
   timeout $((deadline - SECONDS)) python3 bench/service.py --checkpoint /tmp/k6-random --dir "$run" \
     --compile-cache /tmp/vsrq-compile-cache \
-    --phases "$phases" --out "$out/service-$(echo "$phases" | tr , -).jsonl" --budget-s $((deadline - SECONDS - 15)) \
+    --phases "$phases" --out "$out/service-$label.jsonl" --budget-s $((deadline - SECONDS - 15)) \
     --reference-reserve-s 20 --start-timeout-s 420 --job-timeout-s 300 "$@" || status=$?
   echo "bench exited $status at ${SECONDS} s"
 } 2>&1 | tee "$log"
 # the worker's and the API's logs (their last 8 MiB each): what a slow start or a failed job says
 run=$(ls -d /tmp/vsrq-service-* | tail -1)
 for file in "$run"/worker-*.log "$run"/web.log; do
-  [ -f "$file" ] && tail -c 8M "$file" > "$out/$(basename "$file")"
+  [ -f "$file" ] && tail -c 8M "$file" > "$out/$label-$(basename "$file")"
 done
 exit 0

@@ -27,6 +27,7 @@ ENV = {**os.environ, "TORCHINDUCTOR_VEC_ISA_OK": "1"}
 # counts.
 START = """
 import hashlib, json, sys, torch
+torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default (the GPU image's): the worker turns it on
 from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
 from worker.sr import precompiled
 from worker.sr.backends import open_upscaler
@@ -73,6 +74,7 @@ def test_a_restart_loads_the_compiled_blocks_without_tracing_and_gives_the_same_
     artifacts = sorted((cache / "precompiled").glob("*.aot"))
     kinds = {path.name.split("-")[0] for path in artifacts}
     assert len(artifacts) == 3 and kinds == {"Kandinsky6SRTransformerBlock", "Kandinsky6SRResnetBlock3D"}, artifacts
+    assert sorted((cache / "precompiled").iterdir()) == artifacts, "a temporary file was left beside the functions"
     assert first["compiled"] == len(artifacts) and first["loaded"] == 0 and first["fallback"] == 0, first
 
     # A new process: only the directory carries the functions over; Dynamo traces nothing
@@ -104,6 +106,7 @@ class Block(torch.nn.Module):
 """
 EDITED = """
 import json, sys, torch
+torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default
 sys.path.insert(0, sys.argv[1])
 from block import Block
 from worker.sr import precompiled

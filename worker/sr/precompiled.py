@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import os
 import platform
 import threading
 import types
@@ -60,9 +61,14 @@ _PRIMITIVES = (bool, int, float, str, type(None))
 
 def available() -> bool:
     """Whether this torch can compile functions ahead of time and load them back (an experimental API)."""
-    return hasattr(torch.compiler, "load_compiled_function") and hasattr(
-        torch.compile(lambda: None, fullgraph=True), "aot_compile"
-    )
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(_compiler(lambda: None), "aot_compile")
+
+
+def _compiler(forward: Callable, **options: Any) -> Any:
+    """`torch.compile(forward, **options)`, with its `aot_compile`: torch 2.11 attaches it only under Dynamo's
+    `enable_aot_compile` flag (off there, on from 2.13), and checks the flag nowhere else."""
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        return torch.compile(forward, **options)
 
 
 def use(directory: str | Path | None) -> Path | None:
@@ -202,7 +208,7 @@ class _Dispatch:
     def _compile(self, path: Path, args: tuple, kwargs: dict) -> Any:
         started = perf_counter()
         try:
-            compiler = torch.compile(self.forward, **COMPILE)
+            compiler = _compiler(self.forward, **COMPILE)
             function = compiler.aot_compile(((self.module, *args), kwargs))
             if not function.guard_check(self.module, *args, **kwargs):
                 raise RuntimeError("its guards reject the call it was compiled for")
@@ -211,13 +217,25 @@ class _Dispatch:
             _note(f"compile {type(error).__name__}", f"{name} not compiled ahead of time ({error!r}): traced as before")
             return None
         try:
-            function.save_compiled_function(str(path))  # a temporary file renamed into place
+            _save(function, path)
         except Exception as error:  # a full or read-only disk: this process still uses the function
             _note(f"save {type(error).__name__}", f"a precompiled function was not saved ({error!r})")
         function.disable_guard_check()
         _counts["compiled"] += 1
         _seconds["compiling"] += perf_counter() - started
         return function
+
+
+def _save(function: Any, path: Path) -> None:
+    """The function's bytes written to a temporary file renamed into place: workers sharing the directory never read
+    a half-written one (torch 2.11's `save_compiled_function` writes the path itself)."""
+    data = type(function).serialize(function).serialized_data
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _changed_source(function: Any) -> str | None:
