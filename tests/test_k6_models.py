@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ def fingerprint(checkpoint: str) -> dict:
     import torch
 
     from tests.conftest import clip, run
+    from worker.sr import k6_models
     from worker.sr.engine import SREngine
     from worker.sr.request import SRRequest
 
@@ -35,7 +37,7 @@ def fingerprint(checkpoint: str) -> dict:
         "weights": weights.hexdigest(),
         "output": hashlib.sha256(output.numpy().tobytes()).hexdigest(),
         "transformer_class": type(replica.transformer).__module__,
-        "models": sorted(m for m in sys.modules if m.startswith(("diffusers.models.transformers.", "diffusers.models.autoencoders."))),
+        "models": sorted(m for m in sys.modules if m.startswith(tuple(f"{package}." for package in k6_models.PACKAGES))),
     }
     from diffusers.models.autoencoders import AutoencoderKL
 
@@ -61,6 +63,7 @@ def test_the_worker_imports_only_the_k6_models_and_loads_the_same_bytes(tmp_path
     assert diffusers.models.transformers.FluxTransformer2DModel and diffusers.models.autoencoders.AutoencoderKL
     full = fingerprint(checkpoint)
     # Of the packages' ~100 model modules, the K6 SR ones and the few their own imports name (unets' blocks)
+    assert "diffusers.models.unets.unet_2d_condition" in full["models"] and "diffusers.models.unets.unet_2d_condition" not in alone["models"]
     assert "diffusers.models.transformers.transformer_kandinsky6_sr" in alone["models"]
     assert "diffusers.models.autoencoders.autoencoder_kandinsky6_sr" in alone["models"]
     assert len(alone["models"]) <= 10 < len(full["models"]), (alone["models"], len(full["models"]))
@@ -72,3 +75,44 @@ def test_the_worker_imports_only_the_k6_models_and_loads_the_same_bytes(tmp_path
         assert found["flux"] == "diffusers.models.transformers.transformer_flux"
         assert found["autoencoder_kl"] == "diffusers.models.autoencoders.autoencoder_kl"
         assert found["pipeline"] == found["transformer_class"]
+
+
+# An installed PEFT as far as Python and diffusers can tell (a package and its distribution metadata), recording its
+# import in a file; with the two names diffusers' hooks import from it, so a worker that imports it still starts
+PEFT = {
+    "peft/__init__.py": "import os\nopen(os.environ['VSRQ_TEST_PEFT_IMPORTED'], 'w').close()\n",
+    "peft/helpers.py": "def disable_input_dtype_casting(*args, **kwargs):\n    pass\n",
+    "peft/tuners/__init__.py": "",
+    "peft/tuners/tuners_utils.py": "class BaseTunerLayer:\n    pass\n",
+    "peft-0.17.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: peft\nVersion: 0.17.0\n",
+    "peft-0.17.0.dist-info/top_level.txt": "peft\n",
+}
+SEES_PEFT = (
+    "import importlib.metadata, importlib.util, json, sys\n"
+    "installed = importlib.util.find_spec('peft') is not None and importlib.metadata.version('peft') == '0.17.0'\n"
+    "if sys.argv[1] == 'worker':\n"
+    "    import worker.sr.engine\n"
+    "from diffusers.utils import is_peft_available\n"
+    "print(json.dumps({'installed': installed, 'diffusers_sees_it': is_peft_available()}))\n"
+)
+
+
+def test_an_installed_peft_costs_a_worker_no_import(tmp_path):
+    site = tmp_path / "site"
+    for name, text in PEFT.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+    imported = tmp_path / "peft-imported"
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "VSRQ_TEST_PEFT_IMPORTED": str(imported)}
+
+    def start(what: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", SEES_PEFT, what], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    # diffusers alone finds it installed (so the worker below has something to miss)
+    assert start("diffusers") == {"installed": True, "diffusers_sees_it": True}
+    # A worker importing its engine: not imported, not seen by diffusers
+    imported.unlink(missing_ok=True)
+    assert start("worker") == {"installed": True, "diffusers_sees_it": False}
+    assert not imported.exists(), "the worker imported PEFT"

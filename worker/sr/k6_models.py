@@ -7,7 +7,13 @@ each of the two packages in `sys.modules`: the same name, path and spec, so `imp
 any other) on their own, and diffusers' lazy top level (`diffusers.Kandinsky6SRTransformer3DModel`, what
 `from_pretrained` and the pipelines resolve) gets the real classes. A name the package itself defines
 (`diffusers.models.transformers.FluxTransformer2DModel`) runs the package's real `__init__` into the stand-in at its
-first use, so other code sees the package as it was, one import later.
+first use, so other code sees the package as it was, one import later. `diffusers.models.unets` gets the same: the K6
+SR VAE needs its blocks module, not UNet2DConditionModel and the loaders that one pulls in.
+
+PEFT (LoRA adapters), where the worker's environment has it (ML base images do, as the GPU machine's), is imported
+by diffusers' hooks at start, and with it parts of Hugging Face `transformers`, scikit-learn and SciPy: ~2.5 s of a
+GPU worker's start (bench/RESULTS.md). No worker path loads adapters: unless diffusers is imported already, PEFT is
+hidden from this process (`None` in `sys.modules`: Python's way to make an import, and diffusers' probe, miss it).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import sys
 import threading
 import types
 
-PACKAGES = ("diffusers.models.transformers", "diffusers.models.autoencoders")
+PACKAGES = ("diffusers.models.transformers", "diffusers.models.autoencoders", "diffusers.models.unets")
+UNUSED = ("peft",)  # optional packages diffusers imports where installed, which no worker path uses
 
 
 class _PackageOnDemand(types.ModuleType):
@@ -58,6 +65,10 @@ def _stand_in(name: str) -> None:
     sys.modules[name] = module
     setattr(sys.modules[parent], child, module)
 
+
+if "diffusers" not in sys.modules:  # once in, diffusers has seen them: hiding them now would break its lazy imports
+    for _name in UNUSED:
+        sys.modules.setdefault(_name, None)
 
 with _PackageOnDemand._lock:
     for _package in PACKAGES:
