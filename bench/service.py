@@ -379,6 +379,8 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         "head_s": run.get("head_s", {}) | {"engine": run.get("engine_span_s")},
         # the tail's steps in seconds (worker.tasks `_complete`): flush, verify, uploading beat, previews, uploads, settle
         "tail_s": run.get("tail_s", {}),
+        # inside the engine's span, not the engine's seconds (worker.tasks `_note_run`): input frames in, windows kept
+        "windows_s": run.get("windows_s", {}),
     }
 
 

@@ -82,6 +82,9 @@ class Result:
     levers: dict[str, str] = field(default_factory=dict)  # `high`'s levers and how each ran
     # `time.monotonic()` when each step before the engine's first call ended: a worker reports where a head waited
     head: dict[str, float] = field(default_factory=dict)
+    # seconds inside the engine's span that are not its work: the windows' input frames made tensors, their commits
+    # to the kept-windows store (`WindowsRun.host_s`)
+    windows_s: dict[str, float] = field(default_factory=dict)
     # seconds of each step of `Encoding.finish`: the encoder's flush, the read-back check
     tail: dict[str, float] = field(default_factory=dict)
     # the previews' frames, taken as they were encoded: the output is not decoded again for them
@@ -199,6 +202,7 @@ def begin_upscale(
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
         engine_span=(engine_started, monotonic()),
+        windows_s=dict(run.host_s),
         quality=first.quality if first else options.request.quality,
         levers=_levers(run.made),
         head=head,

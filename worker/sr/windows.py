@@ -16,8 +16,9 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from time import perf_counter
 from typing import Protocol
 
 import numpy as np
@@ -97,6 +98,9 @@ class WindowsRun:
     restored: int  # windows replayed from the store
     runs: tuple[RunInfo, ...]  # one per computed window
     made: tuple[RunInfo, ...] = ()  # one per window, in order: what computed it (here, or in the run that kept it)
+    # seconds around the upscaler's calls, inside the engine's span but not its work: `frames_in` (the window's input
+    # frames taken from the decoder and made a tensor), `kept` (each window committed to the store: written, uploaded)
+    host_s: dict[str, float] = field(default_factory=dict)
 
 
 class KeptWindowsDisagree(Exception):
@@ -213,12 +217,15 @@ def upscale_windows(
     runs: list[RunInfo] = []  # computed here
     made: list[RunInfo] = []  # every window so far, computed or replayed
     restored = 0
+    host_s = {"frames_in": 0.0, "kept": 0.0}
     for window in plan.windows:
         if cancelled is not None and cancelled():
             raise Cancelled("the job was cancelled")
         del held[: window.start - held_from]
         held_from = window.start
+        taking = perf_counter()
         held.extend(_take(source, window.stop - held_from - len(held), held_from + len(held)))
+        host_s["frames_in"] += perf_counter() - taking
         tiles = runs[0].tiles if runs else None
 
         stored = store.load(window.index) if store is not None else None
@@ -242,18 +249,24 @@ def upscale_windows(
 
         blender = _Blender(plan, window, tail, sink, store.record(window.index) if store is not None else None)
         request_window = replace(request, noise_key=(*request.noise_key, window.index))
-        run = upscaler.upscale(_video(held), request_window, blender, on_progress, cancelled)
+        taking = perf_counter()
+        video = _video(held)
+        host_s["frames_in"] += perf_counter() - taking
+        run = upscaler.upscale(video, request_window, blender, on_progress, cancelled)
+        del video
         if restored and not all(run.made_like(before) for before in made):
             raise KeptWindowsDisagree(
                 f"window {window.index} ran {run.quality} {run.levers} split {run.split}; the kept windows replayed "
                 f"before it ran {made[0].quality} {made[0].levers} split {made[0].split}"
             )
+        committing = perf_counter()
         tail = blender.finish(run)
+        host_s["kept"] += perf_counter() - committing
         runs.append(run)
         made.append(run)
     if next(source, None) is not None:
         raise ValueError(f"the frame source holds more than the planned {plan.frames} frames")
-    return WindowsRun(len(plan.windows), restored, tuple(runs), tuple(made))
+    return WindowsRun(len(plan.windows), restored, tuple(runs), tuple(made), host_s)
 
 
 def _take(source: Iterator[np.ndarray], count: int, position: int) -> list[np.ndarray]:
