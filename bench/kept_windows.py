@@ -1,0 +1,61 @@
+"""What keeping a job's windows costs the engine's span: the real `upscale_windows` path with lanczos (the same frames
+and sizes as the model's output) and a `BlobWindowStore` on a local blob store, alternating with no store. One JSON
+line per run: the wall seconds, the upscaler's own, and `host_s` (input frames made tensors, windows committed).
+
+    python bench/kept_windows.py --size 768x512 --frames 121 --runs 4      # W1's output, 1536x1024x121 (571 MB raw)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from storage.blobs import LocalBlobStore
+from worker.kept_windows import BlobWindowStore
+from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.request import SRRequest
+from worker.sr.windows import plan_windows, upscale_windows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="768x512", help="input WxH (the output is twice that)")
+    parser.add_argument("--frames", type=int, default=121)
+    parser.add_argument("--window", type=int, default=121)
+    parser.add_argument("--runs", type=int, default=4, help="runs in all, alternating without and with a store")
+    args = parser.parse_args()
+    width, height = map(int, args.size.split("x"))
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8) for _ in range(args.frames)]
+    with tempfile.TemporaryDirectory() as directory:
+        for run_index in range(args.runs):
+            kept = run_index % 2 == 1
+            store = None
+            if kept:
+                blobs = LocalBlobStore(Path(directory, "blobs"))
+                store = BlobWindowStore(blobs, "job", Path(directory, f"scratch-{run_index}"), f"key-{run_index}")
+            started = time.perf_counter()
+            run = upscale_windows(
+                LanczosUpscaler(), iter(frames), plan_windows(args.frames, args.window), SRRequest(scale=2),
+                lambda _: None, store=store,
+            )  # fmt: skip
+            wall = time.perf_counter() - started
+            if store is not None:
+                store.release_local()
+            upscaler = sum(sum(info.stage_seconds.values()) for info in run.runs)
+            print(json.dumps({
+                "kept": kept, "output": f"{2 * width}x{2 * height}x{args.frames}", "windows": run.windows,
+                "wall_s": round(wall, 3), "upscaler_s": round(upscaler, 3),
+                "host_s": {name: round(value, 3) for name, value in run.host_s.items()},
+                "torch_threads": torch.get_num_threads(),
+            }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
