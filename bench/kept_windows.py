@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--size", default="768x512", help="input WxH (the output is twice that)")
     parser.add_argument("--frames", type=int, default=121)
     parser.add_argument("--window", type=int, default=121)
+    parser.add_argument("--overlap", type=int, default=16, help="frames two windows share")
     parser.add_argument("--runs", type=int, default=4, help="runs in all, alternating without and with a store")
     args = parser.parse_args()
     width, height = map(int, args.size.split("x"))
@@ -42,7 +43,7 @@ def main() -> None:
                 store = BlobWindowStore(blobs, "job", Path(directory, f"scratch-{run_index}"), f"key-{run_index}")
             started = time.perf_counter()
             run = upscale_windows(
-                LanczosUpscaler(), iter(frames), plan_windows(args.frames, args.window), SRRequest(scale=2),
+                LanczosUpscaler(), iter(frames), plan_windows(args.frames, args.window, args.overlap), SRRequest(scale=2),
                 lambda _: None, store=store,
             )  # fmt: skip
             wall = time.perf_counter() - started

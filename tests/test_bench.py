@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +141,15 @@ def test_a_split_phase_reports_its_degree_efficiency_and_distance(tmp_path):
     assert split["scaling_efficiency"] == round(single["hot_median_s"] / (3 * split["hot_median_s"]), 3)
     assert split["max_abs_delta_to_first_vsrq_phase"] <= 1e-5 and split["psnr_db_to_first_vsrq_phase"] >= 50
     assert whole["bit_identical_to_first_vsrq_phase"]
+
+
+def test_the_kept_windows_bench_prices_each_window_commit(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "bench/kept_windows.py", "--size", "64x48", "--frames", "17", "--window", "9", "--overlap", "4", "--runs", "2"],
+        cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    without, kept = [json.loads(line) for line in done.stdout.splitlines()]
+    assert (without["kept"], kept["kept"]) == (False, True) and kept["output"] == "128x96x17" and kept["windows"] == 3
+    assert without["host_s"]["kept"] == 0 < kept["host_s"]["kept"]  # three windows committed and uploaded
