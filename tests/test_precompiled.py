@@ -27,7 +27,7 @@ ENV = {**os.environ, "TORCHINDUCTOR_VEC_ISA_OK": "1"}
 # counts.
 START = """
 import hashlib, json, sys, torch
-torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default (the GPU image's): the worker turns it on
+torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default (the GPU image's): the worker turns it on to build its compile wrappers
 from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
 from worker.sr import precompiled
 from worker.sr.backends import open_upscaler

@@ -478,8 +478,8 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # when each step of the head ended, as `engine_span_s`: the input fetched, the kept windows listed, probed,
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
-        # inside the engine's span, not its work: the windows' input frames made tensors, the windows kept (written
-        # and uploaded for a later attempt)
+        # inside the engine's span, not its work: the windows' input frames made tensors, the windows' commits to the
+        # kept-windows store (each window's files uploaded for a later attempt)
         "windows_s": {step: round(seconds, 3) for step, seconds in result.windows_s.items()},
         # the tail's steps, in seconds: the encoder's flush, `verify`, the `uploading` beat, the
         # previews, the output's upload, the previews', `settle` (`complete` follows this event)

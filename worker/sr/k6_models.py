@@ -3,7 +3,7 @@
 `diffusers.models.transformers` and `diffusers.models.autoencoders` are plain packages whose `__init__` imports every
 model they hold (~70 transformers, ~20 autoencoders): reaching the K6 SR transformer costs their whole import at a
 worker's start (bench/RESULTS.md, "The warm start, step by step"). Importing this module first puts a stand-in for
-each of the two packages in `sys.modules`: the same name, path and spec, so `import` finds the K6 SR submodules (and
+each of these packages in `sys.modules`: the same name, path and spec, so `import` finds the K6 SR submodules (and
 any other) on their own, and diffusers' lazy top level (`diffusers.Kandinsky6SRTransformer3DModel`, what
 `from_pretrained` and the pipelines resolve) gets the real classes. A name the package itself defines
 (`diffusers.models.transformers.FluxTransformer2DModel`) runs the package's real `__init__` into the stand-in at its

@@ -44,6 +44,7 @@ log = logging.getLogger("vsrq.precompiled")
 
 _directory: Path | None = None
 _lock = threading.Lock()  # loads and compiles: one at a time (the compile gate already serialises first calls)
+_flag_lock = threading.Lock()  # `_compiler`'s patch of a Dynamo flag: one thread's exit must not undo another's
 # signature -> its functions, one per block structure met (a quality lever swaps a block's layers: guards tell them
 # apart); replaced, never changed in place, so device threads read it without the lock
 _functions: dict[tuple, tuple[Any, ...]] = {}
@@ -66,8 +67,8 @@ def available() -> bool:
 
 def _compiler(forward: Callable, **options: Any) -> Any:
     """`torch.compile(forward, **options)`, with its `aot_compile`: torch 2.11 attaches it only under Dynamo's
-    `enable_aot_compile` flag (off there, on from 2.13), and checks the flag nowhere else."""
-    with torch._dynamo.config.patch(enable_aot_compile=True):
+    `enable_aot_compile` flag (off there, on from 2.13); its function path checks the flag nowhere else."""
+    with _flag_lock, torch._dynamo.config.patch(enable_aot_compile=True):  # the patch is process-wide
         return torch.compile(forward, **options)
 
 
@@ -232,7 +233,10 @@ def _save(function: Any, path: Path) -> None:
     data = type(function).serialize(function).serialized_data
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        temporary.write_bytes(data)
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())  # a host crash leaves the old name or the whole file, not an empty one
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)

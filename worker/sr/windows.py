@@ -99,7 +99,8 @@ class WindowsRun:
     runs: tuple[RunInfo, ...]  # one per computed window
     made: tuple[RunInfo, ...] = ()  # one per window, in order: what computed it (here, or in the run that kept it)
     # seconds around the upscaler's calls, inside the engine's span but not its work: `frames_in` (the window's input
-    # frames taken from the decoder and made a tensor), `kept` (each window committed to the store: written, uploaded)
+    # frames taken from the decoder and made a tensor), `kept` (each window's commit to the store: its tail and marker
+    # written, its files uploaded; its raw frames are written as they come, inside the upscaler's calls)
     host_s: dict[str, float] = field(default_factory=dict)
 
 
