@@ -674,15 +674,15 @@ def test_the_engine_never_waits_for_a_heartbeat_sent_into_a_partition(stack):
 def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, jobs, blobs, clips, logs, tmp_path):
     # A valid 1080p clip at x4: lanczos holds frames of 7680x4320 that no 1 GiB-bounded worker can, so the memory
     # limit kills the worker on every attempt, as a container's OOM killer would.
-    # (x264's fastest preset: the slower ones took seconds of CPU to write it, and what the worker does with it is the
-    # same: decoded into the same frame sizes)
-    fastest = {"preset": "ultrafast"}
-    poison_clip = write_clip(tmp_path / "1080p.mp4", 9, (1080, 1920), crf=35, video_options=fastest).read_bytes()
     lease_s = 4  # the workers' own, shorter than the module's: each killed attempt is found when its lease runs out
     memory = MemoryLimit()
     worker_env = {**env, "VSRQ_LEASE_S": str(lease_s)}
     supervisor = Supervisor(lambda: processes.worker(worker_env, QUEUE, logs), on_start=memory.watch)
     try:
+        # written while the worker starts; 3 frames, x264's fastest preset (9 frames took 6-17 s of CPU): the first
+        # frame's 7680x4320 float channels are past the limit already (lanczos resamples frame by frame)
+        fastest = {"preset": "ultrafast"}
+        poison_clip = write_clip(tmp_path / "1080p.mp4", 3, (1080, 1920), crf=35, video_options=fastest).read_bytes()
         memory.limit_bytes = psutil.Process(started(supervisor.current).pid).memory_info().rss + 1024**3  # idle + 1 GiB
         poison = create(api, poison_clip, sr_resolution_scale="4")
         others = [create(api, clips["small"]) for _ in range(3)]
