@@ -1,6 +1,9 @@
 """What keeping a job's windows costs the engine's span: the real `upscale_windows` path with lanczos (the same frames
 and sizes as the model's output) and a `BlobWindowStore` on a local blob store, alternating with no store. One JSON
-line per run: the wall seconds, the upscaler's own, and `host_s` (input frames made tensors, windows committed).
+line per run: the engine thread's wall seconds, the upscaler's own, `host_s` (input frames made tensors, windows
+committed as the engine's thread waited for them), and with a store `kept_upload_s` (the uploads' seconds on the
+store's uploader, beside the engine) and `join_s` (what was left of them once the windows were done: the worker
+waits for it after the encoder's flush and check, which this bench does not run).
 
     python bench/kept_windows.py --size 768x512 --frames 121 --runs 4      # W1's output, 1536x1024x121 (571 MB raw)
 """
@@ -47,13 +50,18 @@ def main() -> None:
                 lambda _: None, store=store,
             )  # fmt: skip
             wall = time.perf_counter() - started
+            uploads = {}
             if store is not None:
                 store.release_local()
+                joined = time.perf_counter()
+                uploads["kept_upload_s"] = round(store.join(), 3)
+                uploads["join_s"] = round(time.perf_counter() - joined, 3)
             upscaler = sum(sum(info.stage_seconds.values()) for info in run.runs)
             print(json.dumps({
                 "kept": kept, "output": f"{2 * width}x{2 * height}x{args.frames}", "windows": run.windows,
                 "wall_s": round(wall, 3), "upscaler_s": round(upscaler, 3),
                 "host_s": {name: round(value, 3) for name, value in run.host_s.items()},
+                **uploads,
                 "torch_threads": torch.get_num_threads(),
             }), flush=True)  # fmt: skip
 

@@ -152,4 +152,5 @@ def test_the_kept_windows_bench_prices_each_window_commit(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     without, kept = [json.loads(line) for line in done.stdout.splitlines()]
     assert (without["kept"], kept["kept"]) == (False, True) and kept["output"] == "128x96x17" and kept["windows"] == 3
-    assert without["host_s"]["kept"] == 0 < kept["host_s"]["kept"]  # three windows committed and uploaded
+    assert without["host_s"]["kept"] == 0 < kept["host_s"]["kept"]  # three windows committed, their uploads handed on
+    assert kept["kept_upload_s"] > 0 and kept["join_s"] >= 0 and "kept_upload_s" not in without  # uploaded beside

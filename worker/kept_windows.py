@@ -2,18 +2,25 @@
 died) replays them and computes only the missing ones.
 
 A `DirectoryWindowStore` in the attempt's scratch directory, mirrored to work/{job_id}/windows/: the attempt first
-downloads the windows kept so far, then uploads each window as it is committed; once the engine is done the local
-copies go (`release_local`), the attempt's tail needing only the input and the MP4. The key is the job's, not the
-attempt's; the job's end deletes the prefix (the reaper's sweep deletes what a crash left).
+downloads the windows kept so far, then uploads each window once it is committed, on a thread of its own (`_Uploader`)
+so that the engine goes on with the next window meanwhile; once the engine is done the local copies go
+(`release_local`, after the uploads), the attempt's tail needing only the input and the MP4. The tail waits for the
+uploads (`join`) after the encoder's flush and check, before anything that must not race them (the job's end deletes
+the prefix). The key is the job's, not the attempt's (the reaper's sweep deletes what a crash left).
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
+import threading
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from pathlib import Path
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +42,8 @@ log = logging.getLogger("vsrq.worker")
 MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed for
 # A window's files in upload order: its JSON says it is complete, so it goes last (and is what `_complete` looks for).
 SUFFIXES = ("u8", "tail.npy", "json")
+# Raised by a transfer's heartbeat (Redis's error once the lease has run out): the attempt must stop
+FATAL = (Cancelled, StaleAttempt, redis.exceptions.RedisError)
 
 
 def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
@@ -62,6 +71,7 @@ class BlobWindowStore:
         self.blobs, self.prefix, self.progress = blobs, f"{work_prefix(job_id)}windows/", progress
         self.kept_alive, self.directory = kept_alive, directory
         self.local = DirectoryWindowStore(directory, key)
+        self.uploads = _Uploader()
         names = {blob.removeprefix(self.prefix) for blob in blobs.keys(self.prefix)}
         if MARKER in names and self._read(MARKER) == (directory / MARKER).read_bytes():
             for name in sorted(names - {MARKER}):
@@ -78,22 +88,53 @@ class BlobWindowStore:
         return _UploadingRecorder(self, index)
 
     def drop(self) -> None:
+        self.join()  # an upload in flight would land a window after the delete
         self.local.drop()
         try:
             with self.kept_alive():
                 self.blobs.delete_prefix(self.prefix)
                 self._upload(self.directory / MARKER)
-        except (Cancelled, StaleAttempt, redis.exceptions.RedisError):
+        except FATAL:
             raise
         except Exception:  # storage down: safe all the same, a later attempt replays no window made otherwise than
             # the ones before it (`upscale_windows`), and this attempt's windows replace them as they are kept
             log.warning("kept windows not dropped: blob storage unavailable", exc_info=True)
 
     def release_local(self) -> None:
-        """Once the engine is done: every window is in the encoder and, where storage answered, in blob storage (each
-        uploaded as it was committed), so the local raw copies (as big as the raw output) go now rather than when the
-        tail ends; a held tail would keep them on the worker's disk. A later attempt reads blob storage, not these."""
-        self.local.clear()
+        """Once the engine is done: every window is in the encoder, so the local raw copies (as big as the raw output)
+        go once the uploads queued before are done (not under one in flight), rather than when the tail ends; a held
+        tail would keep them on the worker's disk. A later attempt reads blob storage, not these."""
+        self.uploads.submit(self.local.clear, upload=False)
+
+    def join(self) -> float:
+        """Waits for the uploads committed so far; raises what stopped them (the attempt must stop), else returns
+        their seconds on the uploader's thread."""
+        self.uploads.wait()
+        self.uploads.raise_if_failed()
+        return self.uploads.upload_s
+
+    def close(self) -> None:
+        """Waits for the uploads to end, raising nothing: before the attempt's scratch directory goes, whatever ended
+        it (an upload must not read a file deleted under it, nor land after its end deletes the prefix)."""
+        self.uploads.wait()
+
+    def _keep(self, index: int) -> None:
+        """Uploads a committed window's files, its JSON last: one cut short never replays."""
+        try:
+            with self.kept_alive():
+                for suffix in SUFFIXES:
+                    path = self.local._path(index, suffix)
+                    if path.exists():  # the last window has no tail
+                        self._upload(path)
+        except FATAL:
+            raise
+        except Exception as error:
+            # botocore wraps what the progress callback (the heartbeat) raised mid-request: still the attempt's end
+            if isinstance(wrapped := getattr(error, "kwargs", {}).get("error"), FATAL):
+                raise wrapped from error
+            # storage down: the attempt goes on (its output upload waits it out); only a later attempt would recompute
+            # this window
+            log.warning("window %d not kept: blob storage unavailable", index, exc_info=True)
 
     def _read(self, name: str) -> bytes:
         with self.blobs.open(self.prefix + name) as stream:
@@ -113,16 +154,55 @@ class _UploadingRecorder:
         self.local.add(pixels)
 
     def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
+        self.store.uploads.raise_if_failed()  # an earlier window's upload found the attempt over
         self.local.commit(tail, made)
-        try:
-            with self.store.kept_alive():
-                for suffix in SUFFIXES:
-                    path = self.store.local._path(self.index, suffix)
-                    if path.exists():  # the last window has no tail
-                        self.store._upload(path)
-        # Raised by the transfer's heartbeat (Redis's error once the lease has run out): the attempt must stop
-        except (Cancelled, StaleAttempt, redis.exceptions.RedisError):
-            raise
-        except Exception:  # storage down: the attempt goes on (its output upload waits it out); only a later attempt
-            # would recompute this window
-            log.warning("window %d not kept: blob storage unavailable", self.index, exc_info=True)
+        self.store.uploads.submit(partial(self.store._keep, self.index))
+
+
+class _Uploader:
+    """Runs what it is handed in order, on one thread at a time that ends once nothing is left (no thread outlives
+    the attempt's work, whichever way the attempt ends). What a task raised is kept for the attempt's thread
+    (`raise_if_failed`), and the uploads after it are skipped; other tasks (the local files' deletion) still run."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._pending: deque[tuple[Callable[[], None], bool]] = deque()
+        self._running = False
+        self._failed: BaseException | None = None
+        self.upload_s = 0.0  # the uploads' seconds, on the uploader's thread
+
+    def submit(self, task: Callable[[], None], upload: bool = True) -> None:
+        with self._changed:
+            self._pending.append((task, upload))
+            if not self._running:
+                self._running = True
+                # in the caller's context: its log lines keep the job id
+                context = contextvars.copy_context()
+                threading.Thread(target=context.run, args=(self._run,), name="vsrq-kept-upload", daemon=True).start()
+
+    def wait(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._running)
+
+    def raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if not self._pending:
+                    self._running = False
+                    self._changed.notify_all()
+                    return
+                task, upload = self._pending.popleft()
+            if upload and self._failed is not None:
+                continue
+            started = perf_counter()
+            try:
+                task()
+            except BaseException as error:  # the attempt's thread raises it
+                self._failed = self._failed or error
+            finally:
+                if upload:
+                    self.upload_s += perf_counter() - started

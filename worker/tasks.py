@@ -333,11 +333,14 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive
             )
         )
+        cleanup.callback(kept.close)  # whatever ends the attempt, its uploads end before its scratch directory goes
         head["windows_kept"] = monotonic()
         graphs = _graphs_built()
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
-        kept.release_local()  # the raw windows are encoded and kept in blob storage: a held tail must not hold them
+        # the raw windows are encoded: once uploaded they go (a held tail must not hold them), the engine not waiting
+        # for the last upload, which `encoding.finish()` joins after the encoder's flush and check
+        kept.release_local()
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         head |= encoding.result.head
         return _Tail(
@@ -479,9 +482,11 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
         # inside the engine's span, not its work: the windows' input frames made tensors, the windows' commits to the
-        # kept-windows store (each window's files uploaded for a later attempt)
+        # kept-windows store as the engine waited for them (`kept`); beside it, the seconds the store's uploader spent
+        # uploading them (`kept_upload`), off the engine's path
         "windows_s": {step: round(seconds, 3) for step, seconds in result.windows_s.items()},
-        # the tail's steps, in seconds: the encoder's flush, `verify`, the `uploading` beat, the
+        # the tail's steps, in seconds: the encoder's flush, `verify`, the wait for the kept windows' last uploads
+        # (`kept_join`), the `uploading` beat, the
         # previews, the output's upload, the previews', `settle` (`complete` follows this event)
         "tail_s": {step: round(seconds, 3) for step, seconds in tail.steps.items()},
         # overlapped, how long it waited for the tails before it: part of `upscale_s`, none of its own work

@@ -83,9 +83,11 @@ class Result:
     # `time.monotonic()` when each step before the engine's first call ended: a worker reports where a head waited
     head: dict[str, float] = field(default_factory=dict)
     # seconds inside the engine's span that are not its work: the windows' input frames made tensors, their commits
-    # to the kept-windows store (`WindowsRun.host_s`)
+    # to the kept-windows store (`WindowsRun.host_s`); with a store, the seconds its uploads took off the engine's
+    # thread (`kept_upload`, known once `Encoding.finish` joined them)
     windows_s: dict[str, float] = field(default_factory=dict)
-    # seconds of each step of `Encoding.finish`: the encoder's flush, the read-back check
+    # seconds of each step of `Encoding.finish`: the encoder's flush, the read-back check, the wait for the store's
+    # last uploads (`kept_join`)
     tail: dict[str, float] = field(default_factory=dict)
     # the previews' frames, taken as they were encoded: the output is not decoded again for them
     previews: PreviewFrames | None = field(default=None, repr=False, compare=False)
@@ -208,7 +210,7 @@ def begin_upscale(
         head=head,
         previews=previews,
     )
-    return Encoding(result, writer, promise, started)
+    return Encoding(result, writer, promise, started, store)
 
 
 def _marking(frames: Iterator[T], first_window: int, head: dict[str, float]) -> Iterator[T]:
@@ -223,8 +225,11 @@ class Encoding:
     """An output whose frames are all with the encoder: `finish` flushes it, verifies the file against what it must be
     and puts it in place; `discard` drops it. One of the two, once, from any thread."""
 
-    def __init__(self, result: Result, writer: Mp4Writer, promise: Promise, started: float) -> None:
+    def __init__(
+        self, result: Result, writer: Mp4Writer, promise: Promise, started: float, store: WindowStore | None = None
+    ) -> None:
         self.result, self._writer, self._promise, self._started = result, writer, promise, started
+        self._store = store
 
     def finish(self) -> Result:
         # 5. Flush the encoder, read the file back and check it against the promise, then put it in place atomically
@@ -242,7 +247,15 @@ class Encoding:
         finally:
             partial.unlink(missing_ok=True)
         tail = {"flush": flushed - began, "verify": monotonic() - flushed}
-        return replace(self.result, written=written, seconds=perf_counter() - self._started, tail=tail)
+        windows_s = self.result.windows_s
+        if self._store is not None:  # the last windows' uploads ran beside the flush and the check: waited for here,
+            # before the caller ends the job (its end deletes the kept windows)
+            joined = monotonic()
+            windows_s = windows_s | {"kept_upload": self._store.join()}
+            tail["kept_join"] = monotonic() - joined
+        return replace(
+            self.result, written=written, seconds=perf_counter() - self._started, tail=tail, windows_s=windows_s
+        )
 
     def discard(self) -> None:
         self._writer.discard()

@@ -99,8 +99,9 @@ class WindowsRun:
     runs: tuple[RunInfo, ...]  # one per computed window
     made: tuple[RunInfo, ...] = ()  # one per window, in order: what computed it (here, or in the run that kept it)
     # seconds around the upscaler's calls, inside the engine's span but not its work: `frames_in` (the window's input
-    # frames taken from the decoder and made a tensor), `kept` (each window's commit to the store: its tail and marker
-    # written, its files uploaded; its raw frames are written as they come, inside the upscaler's calls)
+    # frames taken from the decoder and made a tensor), `kept` (each window's commit to the store as the engine's
+    # thread waits for it: its tail and marker written, its upload handed on; its raw frames are written as they come,
+    # inside the upscaler's calls)
     host_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -133,6 +134,10 @@ class WindowStore(Protocol):
 
     def drop(self) -> None:
         """Forget every kept window (the store stays usable for this key)."""
+
+    def join(self) -> float:
+        """Waits for what the store does in the background (a blob store's uploads), raising what stopped it; the
+        seconds that work took (0 for a store that does it all in `commit`)."""
 
 
 class DirectoryWindowStore:
@@ -168,6 +173,9 @@ class DirectoryWindowStore:
     def drop(self) -> None:
         for path in self.directory.glob("window-*"):
             path.unlink(missing_ok=True)
+
+    def join(self) -> float:
+        return 0.0
 
     def clear(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
