@@ -91,7 +91,9 @@ SOLO = ["W2", "W2", "W1"]
 WARM_LINE = re.compile(
     r"warm after (?P<seconds>[\d.]+) s \(.*"
     r"compiled graphs from the cache: (?P<hits>\d+), compiled anew: (?P<anew>\d+)\)"
-    r"(?:; precompiled functions loaded: (?P<precompiled_loaded>\d+), compiled: (?P<precompiled_compiled>\d+))?"
+    r"(?:; precompiled functions loaded: (?P<precompiled_loaded>\d+), compiled: (?P<precompiled_compiled>\d+)"
+    r"(?:; preloaded: (?P<precompiled_preloaded>\d+) in (?P<precompiled_preloading_s>[\d.]+) s on a thread, "
+    r"(?P<precompiled_before_warmup>\d+) of them before the warmup)?)?"
 )
 # worker.sr.engine's line per warmed-up tile shape
 SHAPE_LINE = re.compile(
@@ -243,9 +245,13 @@ class Service:
             "warmup_s": float(found["seconds"]),
             "graphs_from_cache": int(found["hits"]),
             "graphs_compiled": int(found["anew"]),
-            # worker.sr.precompiled's functions loaded and compiled (None: a worker that does not log them)
-            "precompiled": {key: int(found[f"precompiled_{key}"]) for key in ("loaded", "compiled")}
-            if found["precompiled_loaded"] is not None else None,
+            # worker.sr.precompiled's functions loaded and compiled, and of them preloaded on a thread (in all and
+            # before the warmup began: None where the worker does not log them); None: a worker that logs none
+            "precompiled": {
+                **{key: int(found[f"precompiled_{key}"]) for key in ("loaded", "compiled")},
+                **{key: None if found[f"precompiled_{key}"] is None else float(found[f"precompiled_{key}"])
+                   for key in ("preloaded", "preloading_s", "before_warmup")},
+            } if found["precompiled_loaded"] is not None else None,
             "timeline_s": timeline,
             "warmup_shapes": shapes,
             "imports_s": imports,

@@ -22,15 +22,22 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TORCHINDUCTOR_VEC_ISA_OK": "1"}
 
 # One process: for each precompile setting in turn, an upscaler with every block compiled on the cache directory,
-# then the transformer on one latent frame and its first decoder resnet block on two segments. Prints, per setting,
-# a hash of the outputs and of the block's cache after them, the graphs Dynamo traced, and worker.sr.precompiled's
-# counts.
+# then (once its preloader is done) the transformer on one latent frame and its first decoder resnet block on two
+# segments. Prints, per setting, a hash of the outputs and of the block's cache after them, the graphs Dynamo traced,
+# worker.sr.precompiled's counts (also as the upscaler was returned: the engine built), and the files torch's loader
+# read more than once (counted on the way through it).
 START = """
-import hashlib, json, sys, torch
+import collections, hashlib, json, sys, torch
 torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default (the GPU image's): the worker turns it on to build its compile wrappers
 from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import Kandinsky6SRResnetBlock3D
 from worker.sr import precompiled
 from worker.sr.backends import open_upscaler
+
+reads, load = collections.Counter(), torch.compiler.load_compiled_function
+def counted(file, **options):
+    reads[file.name] += 1
+    return load(file, **options)
+torch.compiler.load_compiled_function = counted
 
 def noise(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -40,6 +47,8 @@ for setting in settings:
     traced, before = torch._dynamo.utils.counters["stats"], precompiled.stats()
     graphs = traced["unique_graphs"]
     upscaler = open_upscaler(checkpoint, compile_cache_dir=cache, warmup_frames=None, compile="on", precompile=setting == "on")
+    precompiled.wait_preloaded()
+    built = {name: value - before[name] for name, value in precompiled.stats().items()}
     transformer, vae = upscaler.replicas[0].transformer, upscaler.replicas[0].vae
     block = next(module for module in vae.decoder.modules() if isinstance(module, Kandinsky6SRResnetBlock3D))
     state = block.make_cache()
@@ -51,7 +60,9 @@ for setting in settings:
     outputs += [state["conv1"]["padding"], state["conv2"]["padding"]]
     found = {name: value - before[name] for name, value in precompiled.stats().items()}
     digest = hashlib.sha256(b"".join(output.numpy().tobytes() for output in outputs)).hexdigest()
-    print(json.dumps({"setting": setting, "output": digest, "traced": traced["unique_graphs"] - graphs, **found}))
+    twice = sorted(name for name, count in reads.items() if count > 1)
+    print(json.dumps({"setting": setting, "output": digest, "traced": traced["unique_graphs"] - graphs, **found,
+                      "built": built, "read_twice": twice}))
 """
 
 
@@ -77,16 +88,20 @@ def test_a_restart_loads_the_compiled_blocks_without_tracing_and_gives_the_same_
     assert sorted((cache / "precompiled").iterdir()) == artifacts, "a temporary file was left beside the functions"
     assert first["compiled"] == len(artifacts) and first["loaded"] == 0 and first["fallback"] == 0, first
 
-    # A new process: only the directory carries the functions over; Dynamo traces nothing
+    # A new process: only the directory carries the functions over; Dynamo traces nothing. The preloader loads them
+    # while the engine is built: the blocks' first calls take them, each file read once
     [warm], _ = start(tiny_piflow, cache, "on")
     assert (warm["traced"], warm["compiled"], warm["fallback"]) == (0, 0, 0), warm
     assert warm["loaded"] == len(artifacts) and warm["output"] == traced["output"], warm
+    assert warm["preloaded"] == warm["built"]["preloaded"] == len(artifacts) and warm["read_twice"] == [], warm
+    assert warm["loading_s"] - warm["built"]["loading_s"] < warm["preloading_s"] / 5, warm  # the calls load nothing
 
     # A corrupt artifact: logged, compiled again (and rewritten), the same bytes; the others still load
     artifacts[0].write_bytes(b"not a compiled function")
     [mended], log = start(tiny_piflow, cache, "on")
     assert "did not load" in log, log[-3000:]
     assert (mended["loaded"], mended["compiled"], mended["fallback"]) == (len(artifacts) - 1, 1, 0), mended
+    assert mended["preloaded"] == len(artifacts) - 1 and mended["read_twice"] == [], mended  # the corrupt one unused
     assert mended["output"] == traced["output"], mended
     assert artifacts[0].stat().st_size > 1000  # saved again over the corrupt one
 
@@ -112,6 +127,8 @@ from block import Block
 from worker.sr import precompiled
 
 precompiled.use(sys.argv[2])
+precompiled.preload([Block])  # as a worker's start does: the file loads on a thread, with the same checks
+precompiled.wait_preloaded()
 torch.manual_seed(0)
 block = Block()
 precompiled.compile_block(block)
@@ -137,6 +154,8 @@ def test_a_function_traced_from_code_changed_since_is_compiled_again(tmp_path):
 
     (first, _), (again, _) = run(2), run(2)
     assert (first["compiled"], again["loaded"], again["compiled"]) == (1, 1, 0) and again["same_as_eager"], again
+    assert again["preloaded"] == 1, again
     changed, log = run(3)
     assert "has changed since" in log, log[-3000:]
     assert changed["compiled"] == 1 and changed["loaded"] == 0 and changed["same_as_eager"], changed
+    assert changed["preloaded"] == 0, changed  # the stale file, loaded on the preloader, is not used

@@ -152,11 +152,16 @@ def open_upscaler(
     if precompiled.use(cache / "precompiled" if cache is not None and precompile else None) is not None:
         log.info("compiled blocks precompiled in %s", cache / "precompiled")
     from worker.sr import checkpoint
-    from worker.sr.engine import SREngine
+    from worker.sr.engine import COMPILED_BLOCKS, SREngine
 
     log.info("model code imported, %.1f s after the process started", process.seconds())
+    on_gpus = any(device.startswith("cuda") for device in devices)
+    if compile == "on" or (compile == "auto" and on_gpus):
+        # The blocks' functions come off the disk while the weights load and move (seconds on GPUs): the warmup
+        # takes them instead of loading them (no directory, or precompile off: nothing)
+        precompiled.preload(COMPILED_BLOCKS)
 
-    if any(device.startswith("cuda") for device in devices) and not _allocator_configured():
+    if on_gpus and not _allocator_configured():
         # Blocks of many sizes come and go while decoding: growable segments keep the reserve near what is in use
         # (W1 in `speed`, with decoder caches updated in place: 40.7 GiB reserved for 40.0 allocated, at the same
         # speed; 52-54 GiB before both, measured together). Set at runtime, since the worker may have touched CUDA
@@ -180,6 +185,7 @@ def open_upscaler(
     engine = SREngine(replicas, split=split, compile_transformer=compiled, compile_decoder=compiled, **options)
     engine.performance_mode = performance_mode
     log.info("engine built (%s), %.1f s after the process started", performance_mode, process.seconds())
+    built = precompiled.stats()  # what the preloader has loaded before the warmup
     if warmup_frames and engine.compiles:
         tiles = "every tile size" if warmup_every_tile_size else "landscape tiles"
         log.info("warming up %s (compiling for a %d-frame window, %s)", ",".join(map(str, engine.devices)), warmup_frames, tiles)
@@ -188,8 +194,10 @@ def open_upscaler(
         found, functions = compile_cache.stats(), precompiled.stats()
         log.info(
             "warm after %.1f s (%d tiles over %d devices; compiled graphs from the cache: %d, compiled anew: %d); "
-            "precompiled functions loaded: %d, compiled: %d",
+            "precompiled functions loaded: %d, compiled: %d; preloaded: %d in %.1f s on a thread, %d of them before "
+            "the warmup",
             perf_counter() - started, info.tiles, len(info.devices), found["fxgraph_cache_hit"],
             found["fxgraph_cache_miss"] + found["fxgraph_cache_bypass"], functions["loaded"], functions["compiled"],
+            functions["preloaded"], functions["preloading_s"], built["preloaded"],
         )  # fmt: skip
     return engine

@@ -42,12 +42,16 @@ from worker.sr.decoder_caches import DecoderCaches, host_bytes_available
 from worker.sr.devices import Pipeline, Schedule, to_host
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
+from worker.sr.k6_models import transformer as k6_transformer
+from worker.sr.k6_models import vae as k6_vae
 from worker.sr.noise import tile_noise
 from worker.sr.offload import Offload, align_on_cpu, place, placement_of, upscaler_unit
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.tiling import Tile, TilePlan
 
 log = logging.getLogger("vsrq.engine")
+# The blocks an engine compiles (worker.sr.precompiled's functions), in the order a call first runs them
+COMPILED_BLOCKS = (k6_transformer.Kandinsky6SRTransformerBlock, k6_vae.Kandinsky6SRResnetBlock3D)
 
 
 class _Clock:

@@ -18,6 +18,9 @@ a call with hooks or with an argument other than tensors, constants and containe
 compile ahead of time. A file that does not load (corrupt, from another torch or Python) is compiled and saved
 again; one that cannot be saved is used in this process only. Each cause is logged once: a bad directory never
 fails a job.
+
+`preload` loads the directory's files on a thread while the engine is built (weights on the devices): the warmup then
+takes them instead of loading them (each file is loaded once, by whichever thread gets to it first).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import platform
 import threading
 import types
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from time import perf_counter
@@ -55,8 +58,20 @@ _compile_failed = False
 _traced: set[tuple] = set()  # signatures left to `nn.Module.compile`'s call (none of their functions accepts them)
 _VARIANTS = 4  # functions per signature at most: past them, something the guards see changes call by call
 _logged: set[str] = set()
-_counts: Counter[str] = Counter()  # loaded, compiled, fallback
-_seconds: Counter[str] = Counter()  # loading, compiling (tracing, Inductor, saving)
+_counts: Counter[str] = Counter()  # loaded (by any thread), preloaded (of them, on the preloader), compiled, fallback
+# loading (the calling threads' own loads and waits for the preloader), preloading (the preloader's), compiling
+# (tracing, Inductor, saving)
+_seconds: Counter[str] = Counter()
+_count_lock = threading.Lock()  # the counters: the preloader updates them without `_lock`, which a caller may hold
+# The preloader's files, all under `_preloads`: those it has yet to start, the one it is loading (callers wanting it
+# wait), what it loaded (None: not used, corrupt or stale), and every file loaded or claimed in this process (never
+# loaded twice). `_lock` may be held while waiting on `_preloads`, never the other way round.
+_preloads = threading.Condition()
+_preload_queue: list[Path] = []
+_preloading: set[Path] = set()
+_preloaded: dict[Path, Any] = {}
+_claimed: set[Path] = set()
+_preloader: threading.Thread | None = None
 _PRIMITIVES = (bool, int, float, str, type(None))
 
 
@@ -115,16 +130,95 @@ def compile_repeated_blocks(model: torch.nn.Module) -> None:
         compile_block(block)
 
 
+def preload(classes: Sequence[type]) -> threading.Thread | None:
+    """Starts a daemon thread loading every function in the directory for a block of `classes` (its file name starts
+    with the class's name), with `_load`'s checks, for the blocks' first calls to take (`_Dispatch._prepare`). None
+    without a directory (`use`) or files; functions of signatures never met stay unused (small)."""
+    global _preloader
+    if _directory is None:
+        return None
+    names = {cls.__name__: cls for cls in classes}
+    order = {name: index for index, name in enumerate(names)}
+    found = [(path, names[name]) for path in _directory.glob("*.aot") if (name := path.name.split("-")[0]) in names]
+    # in `classes`' order: the blocks a call runs first come first
+    found.sort(key=lambda item: (order[item[1].__name__], item[0].name))
+    with _preloads:
+        files = [(path, cls) for path, cls in found if path not in _claimed]
+        _claimed.update(path for path, _ in files)
+        _preload_queue.extend(path for path, _ in files)
+    if not files:
+        return None
+    globals_by_path = {path: cls.forward.__globals__ for path, cls in files}
+    _preloader = threading.Thread(target=_preload, args=(globals_by_path,), name="vsrq-preload", daemon=True)
+    _preloader.start()
+    return _preloader
+
+
+def wait_preloaded(timeout: float | None = None) -> bool:
+    """Whether the preloader (if any) is done, waiting up to `timeout` seconds for it."""
+    thread = _preloader
+    if thread is not None:
+        thread.join(timeout)
+    return thread is None or not thread.is_alive()
+
+
+def _preload(globals_by_path: dict[Path, dict]) -> None:
+    try:
+        while True:
+            with _preloads:
+                mine = [path for path in _preload_queue if path in globals_by_path]
+                if not mine:
+                    return
+                path = mine[0]
+                _preload_queue.remove(path)
+                _preloading.add(path)
+            started = perf_counter()
+            function = _load_file(path, globals_by_path[path])
+            with _count_lock:
+                _counts["preloaded"] += function is not None
+                _counts["loaded"] += function is not None
+                _seconds["preloading"] += perf_counter() - started
+            with _preloads:
+                _preloaded[path] = function
+                _preloading.discard(path)
+                _preloads.notify_all()
+    finally:  # also on an unexpected error: nobody waits for a file the thread will not load, callers load them
+        with _preloads:
+            left = {path for path in _preload_queue if path in globals_by_path} | (_preloading & set(globals_by_path))
+            _preload_queue[:] = [path for path in _preload_queue if path not in left]
+            _preloading.difference_update(left)
+            _claimed.difference_update(left)
+            _preloads.notify_all()
+
+
+def _take(path: Path) -> tuple[bool, Any]:
+    """(True, the preloader's function or None where it did not load) for a file it has loaded, after waiting for it
+    while it is on it; (False, None) for a file the caller is to load itself (now claimed: the preloader skips it)."""
+    with _preloads:
+        while path in _preloading:
+            _preloads.wait()
+        if path in _preloaded:
+            return True, _preloaded.pop(path)  # popped: the caller keeps it from now on
+        if path in _preload_queue:
+            _preload_queue.remove(path)
+        _claimed.add(path)
+        return False, None
+
+
 def stats() -> dict[str, float]:
-    """This process's functions loaded and compiled ahead of time, signatures left to `nn.Module.compile`'s call
-    instead, and seconds loading and compiling."""
-    return {
-        "loaded": _counts["loaded"],
-        "compiled": _counts["compiled"],
-        "fallback": _counts["fallback"],
-        "loading_s": _seconds["loading"],
-        "compiling_s": _seconds["compiling"],
-    }
+    """This process's functions loaded (by any thread) and compiled ahead of time, those of them preloaded, signatures
+    left to `nn.Module.compile`'s call instead; seconds the calling threads spent loading (and waiting for the
+    preloader), the preloader loading, and compiling."""
+    with _count_lock:
+        return {
+            "loaded": _counts["loaded"],
+            "preloaded": _counts["preloaded"],
+            "compiled": _counts["compiled"],
+            "fallback": _counts["fallback"],
+            "loading_s": _seconds["loading"],
+            "preloading_s": _seconds["preloading"],
+            "compiling_s": _seconds["compiling"],
+        }
 
 
 class _Unkeyable(Exception):
@@ -176,34 +270,29 @@ class _Dispatch:
                     return function
             if _compile_failed or len(_functions.get(signature, ())) >= _VARIANTS:
                 _traced.add(signature)
-                _counts["fallback"] += 1
+                with _count_lock:
+                    _counts["fallback"] += 1
                 return None
             structure = hashlib.sha256(_stable(_structure(module)).encode()).hexdigest()[:12]
             function = self._compile(self.directory / f"{stem}-{structure}.aot", args, kwargs)
             if function is None:
                 _compile_failed = True
                 _traced.add(signature)
-                _counts["fallback"] += 1
+                with _count_lock:
+                    _counts["fallback"] += 1
                 return None
             _functions[signature] = (*_functions.get(signature, ()), function)
             return function
 
     def _load(self, path: Path) -> Any:
+        """The function in `path`: the preloader's (waited for while it is on it), else loaded here."""
         started = perf_counter()
-        try:
-            with open(path, "rb") as file:
-                function = torch.compiler.load_compiled_function(file, f_globals=self.forward.__globals__)
-        except Exception as error:  # corrupt, truncated, another torch or Python: compiled again if needed
-            _note(f"load {type(error).__name__}", f"a precompiled function did not load ({path.name}: {error!r})")
-            return None
-        if changed := _changed_source(function):
-            # Dynamo's guards saved with it do not see code changes (a deploy of new diffusers or vsrq code): the
-            # checksums of every function it traced do, as torch's own package loader checks them
-            _note(f"stale {path.name}", f"a precompiled function traced code that has changed since ({changed}): compiled again")
-            return None
-        function.disable_guard_check()  # checked by the dispatch, which falls back instead of failing
-        _counts["loaded"] += 1
-        _seconds["loading"] += perf_counter() - started
+        preloaded, function = _take(path)
+        if not preloaded:
+            function = _load_file(path, self.forward.__globals__)
+        with _count_lock:
+            _counts["loaded"] += function is not None and not preloaded
+            _seconds["loading"] += perf_counter() - started
         return function
 
     def _compile(self, path: Path, args: tuple, kwargs: dict) -> Any:
@@ -222,9 +311,27 @@ class _Dispatch:
         except Exception as error:  # a full or read-only disk: this process still uses the function
             _note(f"save {type(error).__name__}", f"a precompiled function was not saved ({error!r})")
         function.disable_guard_check()
-        _counts["compiled"] += 1
-        _seconds["compiling"] += perf_counter() - started
+        with _count_lock:
+            _counts["compiled"] += 1
+            _seconds["compiling"] += perf_counter() - started
         return function
+
+
+def _load_file(path: Path, f_globals: dict) -> Any:
+    """The function saved in `path`, or None where it does not load or traced code that has changed since (logged)."""
+    try:
+        with open(path, "rb") as file:
+            function = torch.compiler.load_compiled_function(file, f_globals=f_globals)
+    except Exception as error:  # corrupt, truncated, another torch or Python: compiled again if needed
+        _note(f"load {type(error).__name__}", f"a precompiled function did not load ({path.name}: {error!r})")
+        return None
+    if changed := _changed_source(function):
+        # Dynamo's guards saved with it do not see code changes (a deploy of new diffusers or vsrq code): the
+        # checksums of every function it traced do, as torch's own package loader checks them
+        _note(f"stale {path.name}", f"a precompiled function traced code that has changed since ({changed}): compiled again")
+        return None
+    function.disable_guard_check()  # checked by the dispatch, which falls back instead of failing
+    return function
 
 
 def _save(function: Any, path: Path) -> None:
