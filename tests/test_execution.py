@@ -332,6 +332,32 @@ def test_after_the_warmup_no_clip_builds_a_decoder_graph(tiny_piflow, built_grap
     assert built_graphs == []
 
 
+def test_the_warmup_decodes_each_segment_signature_once_and_jobs_of_its_window_build_nothing(tiny_piflow, built_graphs):
+    """A window's middle segments all decode through the same compiled functions: the warmup decodes one of them
+    (a 33-frame window: 9 latent frames, 1 + 4 + 4, then the 2-latent-frame call for the single-frame shape), and
+    a job of the whole window, with every segment, on one tile or 2x2 tiles, builds no graph. Before, the warmup
+    decoded all of them (bench/RESULTS.md, issue 22)."""
+    window = 33
+    engine = SREngine.from_pretrained(str(tiny_piflow), compile_transformer=False, compile_decoder=True)
+    segments = len(engine._segments(engine._latent_frames(window)))
+    calls = []
+    hook = engine.replicas[0].vae.decoder.register_forward_pre_hook(lambda _, args: calls.append(args[0].shape[2]))
+    try:
+        engine.warmup(window)
+        assert built_graphs  # the warmup compiled
+        assert calls == [1, engine.decode_segment, 1, 1] and segments == 3  # not [1, 4, 4, 1, 1]
+        built_graphs.clear()
+        calls.clear()
+        for size, tiles in (((16, 32), 1), (CLIP_SIZE[2], 4)):  # one landscape tile, 2x2 of them
+            video = torch.rand(window, 3, *size, generator=torch.Generator().manual_seed(window))
+            info = engine.upscale(video, SRRequest(scale=2, seed=3), lambda _: None)
+            assert (info.frames, info.tiles) == (window, tiles)
+    finally:
+        hook.remove()
+    assert len(calls) == segments * (1 + 4)  # every segment of every tile decoded
+    assert built_graphs == []
+
+
 def test_the_warmup_denoises_once_and_jobs_of_its_length_build_no_transformer_graph(tiny_piflow, built_graphs, caplog):
     """Every denoising step runs the same compiled graphs (the timestep is a tensor input): the warmup runs one step
     per tile, and a job of its window length at the default two steps builds nothing. The worker's log gives each

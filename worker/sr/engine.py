@@ -48,6 +48,7 @@ from worker.sr.noise import tile_noise
 from worker.sr.offload import Offload, align_on_cpu, place, placement_of, upscaler_unit
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.tiling import Tile, TilePlan
+from worker.sr.warm_decoder import DecodeEachSignatureOnce
 
 log = logging.getLogger("vsrq.engine")
 # The blocks an engine compiles (worker.sr.precompiled's functions), in the order a call first runs them
@@ -237,8 +238,8 @@ class SREngine:
         """Throwaway calls that build the compiled blocks before the first job, with at least one tile per device:
         landscape tiles `frames` long (a temporal window: the transformer's graph for it too) and, with
         `every_tile_size`, the other trained tile sizes (portrait, square) on a short clip. They decode every segment
-        shape a job of at most `frames` needs (`_segments`): a job of another length builds only the transformer's
-        graph."""
+        shape a job of at most `frames` needs (`_segments`), each once (`DecodeEachSignatureOnce`): a job of another
+        length builds only the transformer's graph."""
         landscape = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])
         info = self._warm(landscape, frames, scale)
         if every_tile_size:
@@ -267,7 +268,7 @@ class SREngine:
             # One denoising step: every step runs the same graphs (the timestep is a tensor input), so more would
             # only repeat them
             request = SRRequest(scale=scale, num_inference_steps=1)
-            return self.upscale(torch.zeros(length, 3, height, width), request, lambda _: None)
+            return self.upscale(torch.zeros(length, 3, height, width), request, lambda _: None, warming=True)
 
         started, graphs, compiling = perf_counter(), compile_cache.graphs_built(), compile_cache.seconds()
         functions = precompiled.stats()
@@ -322,8 +323,12 @@ class SREngine:
         sink: FrameSink,
         progress: Callable[[Progress], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        *,
+        warming: bool = False,
     ) -> RunInfo:
-        """Upscale `video` ((F, 3, H, W) float in [0, 1], any F >= 1 and any size) and stream the result to `sink`."""
+        """Upscale `video` ((F, 3, H, W) float in [0, 1], any F >= 1 and any size) and stream the result to `sink`.
+        `warming`: a warmup's throwaway call, which decodes each decoder call signature once
+        (`DecodeEachSignatureOnce`): its frames are not the clip's."""
         request.validate()
         if video.ndim != 4 or video.shape[1] != 3:
             raise InvalidRequest(f"video must be (frames, 3, height, width), got {tuple(video.shape)}")
@@ -390,7 +395,7 @@ class SREngine:
         levers = quality.request_levers(request.quality, self.high_levers)
         quality.reset()
         applied: list[quality.Applied] = []
-        self._generate(plan, schedule, order, lq_latents, noise, request, levers, applied, tracker, emit, clock)
+        self._generate(plan, schedule, order, lq_latents, noise, request, levers, applied, tracker, emit, clock, warming)
         clock.lap("denoise_decode", started)
 
         return RunInfo(
@@ -484,6 +489,7 @@ class SREngine:
         tracker: _Tracker,
         emit: FrameSink,
         clock: _Clock,
+        warming: bool = False,
     ) -> None:
         """Denoise and decode every tile; `emit` blended output frames ((n, 3, H, W) in [0, 1]) in order.
 
@@ -492,7 +498,8 @@ class SREngine:
         by the window, into pinned host memory without waiting. The calling thread adds them into host canvases,
         one per segment, in tile order whatever the device and decode order, so the output is bit-identical for
         any device count and every order; a canvas leaves as frames once its last tile is in. Model calls go
-        through the engine's `CompileGate` when blocks are compiled: one at a time in a call of a new signature."""
+        through the engine's `CompileGate` when blocks are compiled: one at a time in a call of a new signature.
+        `warming`: each decoder call signature is decoded once per device (`upscale`)."""
         segments = self._segments(noise[0].shape[1])
         pipeline = Pipeline(len(plan.tiles))
         shards = _split.join(schedule.groups, self.devices)  # the split groups' devices (none for whole tiles)
@@ -517,7 +524,7 @@ class SREngine:
             tiles = schedule.decode[slot]
             z = {tile.index: pipeline.take(tile.index).to(replica.device).permute(0, 4, 1, 2, 3) for tile in tiles}
             window = plan.window(replica.device)
-            decoder = replica.vae.decoder
+            decoder = DecodeEachSignatureOnce(replica.vae.decoder) if warming else replica.vae.decoder
             # lockstep and parked: segment by segment over all tiles, frames stream out; parked keeps the caches
             # in host memory between segments. tile_major: tile by tile, one cache at a time; frames leave with
             # the last tile.
@@ -525,7 +532,7 @@ class SREngine:
                 order = [(number, tile) for number in range(len(segments)) for tile in tiles]
             else:
                 order = [(number, tile) for tile in tiles for number in range(len(segments))]
-            caches = DecoderCaches(decoder.make_cache, replica.device, park=decode_order == "parked")
+            caches = DecoderCaches(replica.vae.decoder.make_cache, replica.device, park=decode_order == "parked")
             # Offloaded: the decoder on the device for all its tiles (on its way since the last denoising step)
             with placement_of(replica).using("decoder") if tiles else nullcontext():
                 for step, (number, tile) in enumerate(order):

@@ -375,6 +375,11 @@ def _global_hooks() -> bool:
     return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
+def describe(value: Any) -> Any:
+    """What of a call's arguments shapes its compiled graphs (`_describe`): equal for calls that run the same ones."""
+    return _describe(value, {})
+
+
 def _describe(value: Any, seen: dict[int, int]) -> Any:
     """What of an argument shapes the compiled graph: a tensor's metadata (an alias of an earlier one as such),
     constants by value, containers by structure."""
