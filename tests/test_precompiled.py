@@ -135,7 +135,7 @@ precompiled.compile_block(block)
 with torch.no_grad():
     x = torch.rand(4, 8)
     same = torch.equal(block(x), torch.relu(block.linear(x)) * int(sys.argv[3]))
-print(json.dumps({"same_as_eager": same, **precompiled.stats()}))
+print(json.dumps({"same_as_eager": same, "switch_interval": sys.getswitchinterval(), **precompiled.stats()}))
 """
 
 
@@ -155,6 +155,7 @@ def test_a_function_traced_from_code_changed_since_is_compiled_again(tmp_path):
     (first, _), (again, _) = run(2), run(2)
     assert (first["compiled"], again["loaded"], again["compiled"]) == (1, 1, 0) and again["same_as_eager"], again
     assert again["preloaded"] == 1, again
+    assert again["switch_interval"] == 0.005, again  # the preloader's shorter interval ends with it (Python's default)
     changed, log = run(3)
     assert "has changed since" in log, log[-3000:]
     assert changed["compiled"] == 1 and changed["loaded"] == 0 and changed["same_as_eager"], changed

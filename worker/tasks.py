@@ -482,12 +482,13 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
         # inside the engine's span, not its work: the windows' input frames made tensors, the windows' commits to the
-        # kept-windows store as the engine waited for them (`kept`); beside it, the seconds the store's uploader spent
-        # uploading them (`kept_upload`), off the engine's path
+        # kept-windows store as the engine waited for them (`kept`)
         "windows_s": {step: round(seconds, 3) for step, seconds in result.windows_s.items()},
+        # beside the engine and the tail, off their path: the seconds the store's uploader spent uploading the windows
+        "kept_upload_s": round(result.kept_upload_s, 3),
         # the tail's steps, in seconds: the encoder's flush, `verify`, the wait for the kept windows' last uploads
-        # (`kept_join`), the `uploading` beat, the
-        # previews, the output's upload, the previews', `settle` (`complete` follows this event)
+        # (`kept_join`), the `uploading` beat, the previews, the output's upload, the previews', `settle` (`complete`
+        # follows this event)
         "tail_s": {step: round(seconds, 3) for step, seconds in tail.steps.items()},
         # overlapped, how long it waited for the tails before it: part of `upscale_s`, none of its own work
         "turn_waited_s": round(tail.turn_waited_s, 3),

@@ -83,9 +83,11 @@ class Result:
     # `time.monotonic()` when each step before the engine's first call ended: a worker reports where a head waited
     head: dict[str, float] = field(default_factory=dict)
     # seconds inside the engine's span that are not its work: the windows' input frames made tensors, their commits
-    # to the kept-windows store (`WindowsRun.host_s`); with a store, the seconds its uploads took off the engine's
-    # thread (`kept_upload`, known once `Encoding.finish` joined them)
+    # to the kept-windows store (`WindowsRun.host_s`)
     windows_s: dict[str, float] = field(default_factory=dict)
+    # with a store, the seconds its uploads took on the uploader's thread, beside the engine (known once
+    # `Encoding.finish` joined them)
+    kept_upload_s: float = 0.0
     # seconds of each step of `Encoding.finish`: the encoder's flush, the read-back check, the wait for the store's
     # last uploads (`kept_join`)
     tail: dict[str, float] = field(default_factory=dict)
@@ -247,14 +249,14 @@ class Encoding:
         finally:
             partial.unlink(missing_ok=True)
         tail = {"flush": flushed - began, "verify": monotonic() - flushed}
-        windows_s = self.result.windows_s
+        kept_upload_s = 0.0
         if self._store is not None:  # the last windows' uploads ran beside the flush and the check: waited for here,
             # before the caller ends the job (its end deletes the kept windows)
             joined = monotonic()
-            windows_s = windows_s | {"kept_upload": self._store.join()}
+            kept_upload_s = self._store.join()
             tail["kept_join"] = monotonic() - joined
         return replace(
-            self.result, written=written, seconds=perf_counter() - self._started, tail=tail, windows_s=windows_s
+            self.result, written=written, seconds=perf_counter() - self._started, tail=tail, kept_upload_s=kept_upload_s
         )
 
     def discard(self) -> None:

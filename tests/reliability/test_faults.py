@@ -905,7 +905,7 @@ def _post_quietly(url: str, clip: bytes) -> None:
 
 
 HEAD_STEPS = ("fetched", "windows_kept", "probed", "writer_open", "first_window_decoded")  # in the order they run
-TAIL_STEPS = ("flush", "verify", "uploading_beat", "previews", "upload", "upload_previews", "settle")  # as they run
+TAIL_STEPS = ("flush", "verify", "kept_join", "uploading_beat", "previews", "upload", "upload_previews", "settle")  # as they run
 
 
 def run_detail(jobs: JobStore, job_id: str) -> dict:

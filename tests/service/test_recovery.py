@@ -37,12 +37,14 @@ from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore, new_upload_id,
 from storage.config import Settings
 from storage.jobs import InputInfo, JobRecord, JobStore, Lease, StaleAttempt
 from storage.queue import make_celery, send_upscale
+from worker import service
 from worker.errors import Cancelled
 from worker.frames import quantise
 from worker.heartbeat import Heartbeat
 from worker.kept_windows import BlobWindowStore, windows_key
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
+from worker.service import WorkerSettings
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
 from worker.sr.windows import plan_windows, upscale_windows
@@ -180,8 +182,9 @@ def test_kept_windows_in_a_local_store_resume_a_job_and_never_replay_into_anothe
                 cancelled=(lambda: len(kept_windows(blobs, "video_1")) >= cancel_after) if cancel_after else None,
             )  # fmt: skip
         except Cancelled:
-            store.close()  # as the worker's cleanup: the windows committed before the cancel are uploaded
             return upscaler.windows, None
+        finally:  # as the worker's cleanup: no upload of this attempt lands once the next one has started
+            store.close()
         return upscaler.windows, torch.cat(out)
 
     computed, uninterrupted = attempt("other options")
@@ -442,8 +445,7 @@ def held_window_upload(settings: Settings, name: str) -> Iterator[tuple[S3BlobSt
     try:
         yield S3BlobStore.from_settings(settings.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{partition.port}"})), partition
     finally:
-        if marker in partition._holds:
-            partition.release(marker)
+        partition.close()  # releases what it still holds, and its listener goes
 
 
 def in_thread(call: Callable[[], object]) -> tuple[threading.Thread, list]:
@@ -491,7 +493,7 @@ def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(setting
     held_s = time.monotonic() - held_s
     result = finished_with[0]
     assert len(kept_windows(s3, job_id)) == 4 and not uploader_threads()
-    assert result.windows_s["kept"] < result.windows_s["kept_upload"] and result.tail["kept_join"] >= held_s * 0.5
+    assert result.windows_s["kept"] < result.kept_upload_s and result.tail["kept_join"] >= held_s * 0.5
     assert (tmp_path / "output.mp4").exists()
 
     replay = BlobWindowStore(s3, job_id, tmp_path / "replay", "key")
@@ -507,7 +509,8 @@ def test_a_lease_lost_during_the_last_window_s_upload_stops_the_attempt_at_the_j
     runs out and another attempt takes the job: the engine is done, but the heartbeat's error reaches the attempt's
     thread where it waits for the uploads (`Encoding.finish`), so the attempt never completes; the window's JSON
     never goes, and the upload's thread has ended."""
-    monkeypatch.setenv("VSRQ_WORKER_STORAGE_RETRY_S", "0.5")
+    # the settings are cached for the process: the test's own, not an environment variable read once
+    monkeypatch.setattr(service, "worker_settings", lambda: WorkerSettings(storage_retry_s=0.5))
     jobs = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"recovery-{secrets.token_hex(4)}")
     job = jobs.create(owner="erin", model="lanczos", queue=queue, params={}, input=InputInfo(key="unused", bytes=0))
     lease = jobs.lease(job.id, "attempt-1", lease_s=2)

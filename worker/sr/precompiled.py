@@ -30,6 +30,7 @@ import importlib
 import logging
 import os
 import platform
+import sys
 import threading
 import types
 from collections import Counter
@@ -73,6 +74,7 @@ _preloaded: dict[Path, Any] = {}
 _claimed: set[Path] = set()
 _preloader: threading.Thread | None = None
 _PRIMITIVES = (bool, int, float, str, type(None))
+SWITCH_INTERVAL_S = 0.0005  # `sys.setswitchinterval` while the preloader runs (`_preload`)
 
 
 def available() -> bool:
@@ -163,6 +165,11 @@ def wait_preloaded(timeout: float | None = None) -> bool:
 
 
 def _preload(globals_by_path: dict[Path, dict]) -> None:
+    # The engine's build meanwhile moves its weights in thousands of short copies, each releasing the GIL: at Python's
+    # 5 ms switch interval each waits up to that long for this thread to give it back (the build took 4 s longer on
+    # the H200, bench/RESULTS.md). A shorter interval while the thread runs hands it back sooner.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
     try:
         while True:
             with _preloads:
@@ -189,6 +196,7 @@ def _preload(globals_by_path: dict[Path, dict]) -> None:
             _preloading.difference_update(left)
             _claimed.difference_update(left)
             _preloads.notify_all()
+        sys.setswitchinterval(interval)
 
 
 def _take(path: Path) -> tuple[bool, Any]:
@@ -296,6 +304,9 @@ class _Dispatch:
         return function
 
     def _compile(self, path: Path, args: tuple, kwargs: dict) -> Any:
+        # Loading patches Inductor's config, process-wide on torch 2.11: no compile beside the preloader (a start
+        # compiles only what no file holds, so this waits for little)
+        wait_preloaded()
         started = perf_counter()
         try:
             compiler = _compiler(self.forward, **COMPILE)
