@@ -115,9 +115,7 @@ class BlobWindowStore:
 
     def close(self) -> None:
         """Waits for the uploads to end, raising nothing: before the attempt's scratch directory goes, whatever ended
-        it (an upload must not read a file deleted under it, nor land after its end deletes the prefix). The uploads
-        not yet begun are skipped: the attempt is over, and storage that no longer answers would hold it per file."""
-        self.uploads.stop()
+        it (an upload must not read a file deleted under it, nor land after its end deletes the prefix)."""
         self.uploads.wait()
 
     def _keep(self, index: int) -> None:
@@ -173,7 +171,6 @@ class _Uploader:
         self._pending: deque[tuple[Callable[[], None], bool]] = deque()
         self._running = False
         self._failed: BaseException | None = None
-        self._stopped = False  # set by `stop`: the uploads left are skipped
         self.upload_s = 0.0  # the uploads' seconds, on the uploader's thread
 
     def submit(self, task: Callable[[], None], upload: bool = True) -> None:
@@ -189,9 +186,6 @@ class _Uploader:
         with self._changed:
             self._changed.wait_for(lambda: not self._running)
 
-    def stop(self) -> None:
-        self._stopped = True
-
     def raise_if_failed(self) -> None:
         if self._failed is not None:
             raise self._failed
@@ -204,7 +198,7 @@ class _Uploader:
                     self._changed.notify_all()
                     return
                 task, upload = self._pending.popleft()
-            if upload and (self._failed is not None):
+            if upload and self._failed is not None:
                 continue
             started = perf_counter()
             try:
