@@ -6,7 +6,9 @@ downloads the windows kept so far, then uploads each window once it is committed
 so that the engine goes on with the next window meanwhile; once the engine is done the local copies go
 (`release_local`, after the uploads), the attempt's tail needing only the input and the MP4. The tail waits for the
 uploads (`join`) after the encoder's flush and check, before anything that must not race them (the job's end deletes
-the prefix). The key is the job's, not the attempt's (the reaper's sweep deletes what a crash left).
+the prefix). An attempt that ends otherwise (failed, cancelled, its lease lost) does not wait for them (`close`): a
+window not kept is only computed again by the next attempt. The key is the job's, not the attempt's (the reaper's sweep
+deletes what a crash left, or what an upload left in flight landed late).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed
 SUFFIXES = ("u8", "tail.npy", "json")
 # Raised by a transfer's heartbeat (Redis's error once the lease has run out): the attempt must stop
 FATAL = (Cancelled, StaleAttempt, redis.exceptions.RedisError)
+# What an attempt's end (`close`) gives the upload in flight: a store that answers lands a window in about that (see
+# bench/RESULTS.md), so it is kept for a retry and lands before the job's end deletes the prefix; one that hangs holds
+# the worker no longer than that, not each file's timeouts and retries
+CLOSE_WAIT_S = 1.0
 
 
 def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
@@ -114,9 +120,14 @@ class BlobWindowStore:
         return self.uploads.upload_s
 
     def close(self) -> None:
-        """Waits for the uploads to end, raising nothing: before the attempt's scratch directory goes, whatever ended
-        it (an upload must not read a file deleted under it, nor land after its end deletes the prefix)."""
-        self.uploads.wait()
+        """The attempt's end, whatever ended it, raising nothing; after `join` (the success path) nothing is left. The
+        uploads not begun are skipped, the one in flight gets `CLOSE_WAIT_S` and is then left to end with its request
+        (an open file stays readable once deleted; a window whose JSON never lands never replays), and the local files
+        go: the worker moves on to its next job even where storage no longer answers."""
+        self.uploads.stop()
+        if not self.uploads.wait(CLOSE_WAIT_S):  # storage that hangs: the request times out on the uploader's thread
+            log.warning("a kept window's upload outlived its attempt by %g s: left to end on its own", CLOSE_WAIT_S)
+        self.local.clear()
 
     def _keep(self, index: int) -> None:
         """Uploads a committed window's files, its JSON last: one cut short never replays."""
@@ -162,15 +173,17 @@ class _UploadingRecorder:
 
 
 class _Uploader:
-    """Runs what it is handed in order, on one thread at a time that ends once nothing is left (no thread outlives
-    the attempt's work, whichever way the attempt ends). What a task raised is kept for the attempt's thread
-    (`raise_if_failed`), and the uploads after it are skipped; other tasks (the local files' deletion) still run."""
+    """Runs what it is handed in order, on one thread at a time that ends once nothing is left. What a task raised is
+    kept for the attempt's thread (`raise_if_failed`), and the uploads after it are skipped, as are those not begun
+    once `stop`ped (the attempt's end); other tasks (the local files' deletion) still run. No thread outlives the
+    attempt's work but one whose request `close` stopped waiting for: it ends with that request, skipping the rest."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._pending: deque[tuple[Callable[[], None], bool]] = deque()
         self._running = False
         self._failed: BaseException | None = None
+        self._stopped = False  # the attempt has ended: uploads not begun are skipped
         self.upload_s = 0.0  # the uploads' seconds, on the uploader's thread
 
     def submit(self, task: Callable[[], None], upload: bool = True) -> None:
@@ -182,9 +195,14 @@ class _Uploader:
                 context = contextvars.copy_context()
                 threading.Thread(target=context.run, args=(self._run,), name="vsrq-kept-upload", daemon=True).start()
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether the thread has ended (within `timeout_s`)."""
         with self._changed:
-            self._changed.wait_for(lambda: not self._running)
+            return self._changed.wait_for(lambda: not self._running, timeout_s)
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
 
     def raise_if_failed(self) -> None:
         if self._failed is not None:
@@ -198,7 +216,8 @@ class _Uploader:
                     self._changed.notify_all()
                     return
                 task, upload = self._pending.popleft()
-            if upload and self._failed is not None:
+                skipped = upload and (self._failed is not None or self._stopped)
+            if skipped:
                 continue
             started = perf_counter()
             try:

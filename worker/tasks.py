@@ -333,7 +333,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive
             )
         )
-        cleanup.callback(kept.close)  # whatever ends the attempt, its uploads end before its scratch directory goes
+        # whatever ends the attempt: after the tail's join nothing is left; otherwise the uploads not begun are skipped
+        # (storage that hangs must not hold the worker for each one), and the local copies go
+        cleanup.callback(kept.close)
         head["windows_kept"] = monotonic()
         graphs = _graphs_built()
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)

@@ -6,6 +6,7 @@
   another way are never mixed into an output, and the key keeps them apart where the worker gives other bits or the
   input holds other bytes;
 - a blob transfer slower than the lease keeps the lease through its progress callbacks (and loses it without them);
+- an attempt that ends while blob storage hangs leaves its kept windows' queued uploads at once;
 - a job whose Celery message was never sent (the API died between the record and the send) is sent by the reaper.
 """
 
@@ -495,6 +496,8 @@ def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(setting
     assert len(kept_windows(s3, job_id)) == 4 and not uploader_threads()
     assert result.windows_s["kept"] < result.kept_upload_s and result.tail["kept_join"] >= held_s * 0.5
     assert (tmp_path / "output.mp4").exists()
+    store.close()  # the worker's cleanup after the join: nothing left to skip
+    assert len(kept_windows(s3, job_id)) == 4 and not (tmp_path / "windows").exists()
 
     replay = BlobWindowStore(s3, job_id, tmp_path / "replay", "key")
     replayed = upscale_file(tmp_path / "input.mp4", tmp_path / "replayed.mp4", Recording(LanczosUpscaler()), options, store=replay)
@@ -531,3 +534,35 @@ def test_a_lease_lost_during_the_last_window_s_upload_stops_the_attempt_at_the_j
     assert not uploader_threads()
     assert len(kept_windows(s3, job.id)) == 3  # the last window's JSON never went: it never replays
     s3.delete_prefix(work_prefix(job.id))
+
+
+def test_an_attempt_that_ends_while_storage_hangs_leaves_its_window_uploads_at_once(settings, s3, tmp_path):
+    """Blob storage stops answering once the attempt's store is open (its connections accepted, nothing sent back):
+    the engine computes 4 windows and queues their uploads, then the attempt ends without its tail (failed, cancelled
+    or lost). Its cleanup (`close`) skips the uploads not begun, leaves the one in flight after `CLOSE_WAIT_S` and
+    removes the local files: the worker is free at once, not after each window's timeouts and retries. The upload
+    left behind ends with its request, and no window is kept."""
+    video = [np.random.default_rng(2).integers(0, 256, (24, 32, 3), dtype=np.uint8) for _ in range(37)]
+    job_id = f"video_{secrets.token_hex(4)}"
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        # 0.5 s per try, with botocore's standard retries as the worker's: 3 tries for each window's first file
+        hung = {"s3_endpoint_url": f"http://127.0.0.1:{partition.port}", "s3_timeout_s": 0.5}
+        hanging = S3BlobStore.from_settings(settings.model_copy(update=hung))
+        store = BlobWindowStore(hanging, job_id, tmp_path / "w", "key")
+        partition.cut()
+        upscaler = Recording(LanczosUpscaler())
+        upscale_windows(upscaler, iter(video), plan_windows(37, 13, 4), SRRequest(scale=2), lambda _: None, store=store)
+        store.release_local()  # as the attempt's head does once the engine is done
+        assert upscaler.windows == [0, 1, 2, 3] and uploader_threads()  # the uploads hang, the engine did not
+        closing = time.monotonic()
+        store.close()
+        closed_s = time.monotonic() - closing
+    finally:
+        partition.close()  # what is left in flight meets a closed port once its request times out
+    print(f"FIGURE kept_windows_close_hung: {closed_s:.2f} s with 4 windows queued")
+    assert closed_s < 2, "the attempt's end waited for the uploads"
+    assert not (tmp_path / "w").exists()  # the local copies went with the attempt
+    wait_until(lambda: not uploader_threads(), 15, step_s=0.05)  # the rest skipped: no request, no timeout each
+    assert kept_windows(s3, job_id) == []
+    s3.delete_prefix(work_prefix(job_id))
