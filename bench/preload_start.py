@@ -28,7 +28,7 @@ from worker.sr.backends import open_upscaler
 
 checkpoint, cache, setting = sys.argv[1:]
 if setting == "without":
-    precompiled.preload = lambda classes: None  # today's start: the warmup loads each function itself
+    precompiled.preload = lambda classes, devices: None  # today's start: the warmup loads each function itself
 upscaler = open_upscaler(checkpoint, compile_cache_dir=cache, warmup_frames=5, compile="on")
 print(json.dumps({"setting": setting, "ready_s": started.seconds(), **precompiled.stats()}))
 """

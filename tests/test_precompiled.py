@@ -62,7 +62,7 @@ for setting in settings:
     digest = hashlib.sha256(b"".join(output.numpy().tobytes() for output in outputs)).hexdigest()
     twice = sorted(name for name, count in reads.items() if count > 1)
     print(json.dumps({"setting": setting, "output": digest, "traced": traced["unique_graphs"] - graphs, **found,
-                      "built": built, "read_twice": twice}))
+                      "built": built, "read_twice": twice, "read": sorted(reads)}))
 """
 
 
@@ -89,11 +89,16 @@ def test_a_restart_loads_the_compiled_blocks_without_tracing_and_gives_the_same_
     assert first["compiled"] == len(artifacts) and first["loaded"] == 0 and first["fallback"] == 0, first
 
     # A new process: only the directory carries the functions over; Dynamo traces nothing. The preloader loads them
-    # while the engine is built: the blocks' first calls take them, each file read once
+    # while the engine is built: the blocks' first calls take them, each file read once. A worker of another
+    # environment (image, GPU) sharing the directory left a file of its own, which is never opened
+    block, environment, rest = artifacts[0].name.split("-", 2)
+    foreign = artifacts[0].with_name(f"{block}-{'0' * len(environment)}-{rest}")
+    shutil.copy(artifacts[0], foreign)
     [warm], _ = start(tiny_piflow, cache, "on")
     assert (warm["traced"], warm["compiled"], warm["fallback"]) == (0, 0, 0), warm
     assert warm["loaded"] == len(artifacts) and warm["output"] == traced["output"], warm
     assert warm["preloaded"] == warm["built"]["preloaded"] == len(artifacts) and warm["read_twice"] == [], warm
+    assert sorted(Path(name).name for name in warm["read"]) == [path.name for path in artifacts], warm
     assert warm["loading_s"] - warm["built"]["loading_s"] < warm["preloading_s"] / 5, warm  # the calls load nothing
 
     # A corrupt artifact: logged, compiled again (and rewritten), the same bytes; the others still load
@@ -120,14 +125,20 @@ class Block(torch.nn.Module):
         return torch.relu(self.linear(x)) * FACTOR
 """
 EDITED = """
-import json, sys, torch
+import collections, json, sys, torch
 torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default
 sys.path.insert(0, sys.argv[1])
 from block import Block
 from worker.sr import precompiled
 
+reads, load = collections.Counter(), torch.compiler.load_compiled_function
+def counted(file, **options):  # torch's loader, counting the files opened
+    reads[file.name.rsplit("/", 1)[-1]] += 1
+    return load(file, **options)
+torch.compiler.load_compiled_function = counted
+
 precompiled.use(sys.argv[2])
-precompiled.preload([Block])  # as a worker's start does: the file loads on a thread, with the same checks
+precompiled.preload([Block], ["cpu"])  # as a worker's start does: the file loads on a thread, with the same checks
 precompiled.wait_preloaded()
 torch.manual_seed(0)
 block = Block()
@@ -135,28 +146,117 @@ precompiled.compile_block(block)
 with torch.no_grad():
     x = torch.rand(4, 8)
     same = torch.equal(block(x), torch.relu(block.linear(x)) * int(sys.argv[3]))
-print(json.dumps({"same_as_eager": same, "switch_interval": sys.getswitchinterval(), **precompiled.stats()}))
+print(json.dumps({"same_as_eager": same, "switch_interval": sys.getswitchinterval(), "read": reads,
+                  **precompiled.stats()}))
 """
+
+
+def edited(directory: Path, factor: int, env: dict[str, str] = ENV) -> tuple[dict, str]:
+    """`EDITED` in a new process: the block (its forward scaled by `factor`) on the cache `directory / "cache"`."""
+    (directory / "block.py").write_text(BLOCK.replace("FACTOR", str(factor)))
+    done = subprocess.run(
+        [sys.executable, "-c", EDITED, str(directory), str(directory / "cache"), str(factor)],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
 def test_a_function_traced_from_code_changed_since_is_compiled_again(tmp_path):
     """A deploy of new code onto a kept cache: Dynamo's saved guards do not see the change; the sources' checksums do."""
 
-    def run(factor: int) -> dict:
-        (tmp_path / "block.py").write_text(BLOCK.replace("FACTOR", str(factor)))
-        done = subprocess.run(
-            [sys.executable, "-c", EDITED, str(tmp_path), str(tmp_path / "cache"), str(factor)],
-            cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.splitlines()[-1]), done.stderr
-
-    (first, _), (again, _) = run(2), run(2)
+    (first, _), (again, _) = edited(tmp_path, 2), edited(tmp_path, 2)
     assert (first["compiled"], again["loaded"], again["compiled"]) == (1, 1, 0) and again["same_as_eager"], again
     assert again["preloaded"] == 1, again
     assert again["switch_interval"] == 0.005, again  # the preloader's shorter interval ends with it (Python's default)
-    changed, log = run(3)
+    changed, log = edited(tmp_path, 3)
     assert "has changed since" in log, log[-3000:]
     assert changed["compiled"] == 1 and changed["loaded"] == 0 and changed["same_as_eager"], changed
     assert changed["preloaded"] == 0, changed  # the stale file, loaded on the preloader, is not used
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+def test_a_shared_directory_holds_files_of_another_environment_that_are_never_opened(tmp_path):
+    """Workers of other images or devices on one volume: the preloader and the blocks' first calls open only the files
+    of their own environment. The other one here is a CPU of another capability (ATen's kernels capped to DEFAULT)."""
+    foreign, _ = edited(tmp_path, 2, {**ENV, "ATEN_CPU_CAPABILITY": "default"})
+    assert foreign["compiled"] == 1, foreign
+    [theirs] = (tmp_path / "cache").glob("Block-*.aot")
+
+    # This worker's first start: their file (a valid function, of their environment) is neither preloaded nor loaded
+    first, log = edited(tmp_path, 2)
+    assert (first["compiled"], first["loaded"], first["preloaded"], first["read"]) == (1, 0, 0, {}), first
+    assert first["same_as_eager"] and "did not load" not in log, first
+    [mine] = set((tmp_path / "cache").glob("Block-*.aot")) - {theirs}
+    assert mine.name.split("-")[1] != theirs.name.split("-")[1], (mine.name, theirs.name)  # the environment's part
+
+    # Its restart preloads its own file only, and so does theirs
+    again, _ = edited(tmp_path, 2)
+    assert (again["compiled"], again["loaded"], again["preloaded"], again["read"]) == (0, 1, 1, {mine.name: 1}), again
+    assert again["same_as_eager"], again
+    foreign, _ = edited(tmp_path, 2, {**ENV, "ATEN_CPU_CAPABILITY": "default"})
+    assert (foreign["compiled"], foreign["preloaded"], foreign["read"]) == (0, 1, {theirs.name: 1}), foreign
+
+
+# The block's first call arriving while the preloader is on that call's file: torch's loader holds the preloader's
+# thread at the file until the call waits for it (or is done without waiting), then lets it load
+RACE = """
+import json, sys, threading, time, torch
+torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default
+sys.path.insert(0, sys.argv[1])
+from block import Block
+from worker.sr import precompiled
+
+loads, load, loading, go = [], torch.compiler.load_compiled_function, threading.Event(), threading.Event()
+def held(file, **options):
+    if threading.current_thread().name == "vsrq-preload":
+        loading.set()
+        go.wait()
+    function = load(file, **options)
+    loads.append((threading.current_thread().name, file.name.rsplit("/", 1)[-1], function))
+    return function
+torch.compiler.load_compiled_function = held
+
+precompiled.use(sys.argv[2])
+torch.manual_seed(0)
+block = Block()
+precompiled.compile_block(block)
+x = torch.rand(4, 8)
+precompiled.preload([Block], ["cpu"])
+assert loading.wait(60), "the preloader did not reach the file"
+same = []
+def first_call():
+    with torch.no_grad():
+        same.append(torch.equal(block(x), torch.relu(block.linear(x)) * 2))
+caller = threading.Thread(target=first_call, name="caller")
+caller.start()
+deadline = time.monotonic() + 60
+while caller.is_alive() and not precompiled._preloads._waiters and time.monotonic() < deadline:
+    time.sleep(0.01)
+waited = bool(precompiled._preloads._waiters)
+go.set()
+caller.join()
+precompiled.wait_preloaded()
+used = [function for functions in precompiled._functions.values() for function in functions]
+print(json.dumps({"waited": waited, "same_as_eager": same, "loads": [load[:2] for load in loads],
+                  "uses_the_preloaders": [function is loads[0][2] for function in used], **precompiled.stats()}))
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+def test_a_first_call_waits_for_the_file_the_preloader_is_loading(tmp_path):
+    """`_take`: a block's first call wanting the file the preloader is loading waits for it and takes its function;
+    the file is read once."""
+    first, _ = edited(tmp_path, 2)
+    assert first["compiled"] == 1, first
+    [path] = (tmp_path / "cache").glob("Block-*.aot")
+    done = subprocess.run(
+        [sys.executable, "-c", RACE, str(tmp_path), str(tmp_path / "cache")],
+        cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    race = json.loads(done.stdout.splitlines()[-1])
+    assert race["waited"] and race["same_as_eager"] == [True], race
+    assert race["loads"] == [["vsrq-preload", path.name]] and race["uses_the_preloaders"] == [True], race
+    assert (race["loaded"], race["preloaded"], race["compiled"], race["fallback"]) == (1, 1, 0, 0), race

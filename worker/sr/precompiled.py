@@ -4,9 +4,11 @@
 Inductor then loads the graph from the compile cache: most of a warm start's warmup (bench/RESULTS.md). With a
 directory set (`use`, under the compile cache's), `compile_block` sends each call of a block to a function compiled
 ahead of time (torch's experimental `torch.compile(...).aot_compile`) for that call's signature: the block's class,
-the inputs' shapes, strides, dtypes, devices and constants, and the grad mode; the file's name adds torch's,
-diffusers' and Python's versions, the compile options and the device's capability. A loaded function whose traced
-sources have changed since (their checksums; its guards do not see code) is compiled again. Dynamo's guards, saved with each function, tell
+the inputs' shapes, strides, dtypes, devices and constants, and the grad mode. A file's name is
+`{block class}-{environment}-{signature}-{structure}.aot`: the environment is a hash of torch's, diffusers' and
+Python's versions, the compile options and the devices' capability, so that the workers of other images or GPUs
+sharing the directory (a volume) keep files this one never opens. A loaded function whose traced sources have changed
+since (their checksums; its guards do not see code) is compiled again. Dynamo's guards, saved with each function, tell
 apart the block structures met under one signature (a quality lever swaps layers and the attention processor: one
 file per structure). A function found on disk is loaded (no tracing, no guard building); a missing one is compiled
 with `compilation.COMPILE`, saved (atomically: workers may share the directory) and used. The block is an input of
@@ -19,8 +21,9 @@ compile ahead of time. A file that does not load (corrupt, from another torch or
 again; one that cannot be saved is used in this process only. Each cause is logged once: a bad directory never
 fails a job.
 
-`preload` loads the directory's files on a thread while the engine is built (weights on the devices): the warmup then
-takes them instead of loading them (each file is loaded once, by whichever thread gets to it first).
+`preload` loads the directory's files of this environment on the engine's devices on a thread while the engine is
+built (weights on the devices): the warmup then takes them instead of loading them (each file is loaded once, by
+whichever thread gets to it first).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import sys
 import threading
 import types
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from time import perf_counter
@@ -75,6 +78,8 @@ _claimed: set[Path] = set()
 _preloader: threading.Thread | None = None
 _PRIMITIVES = (bool, int, float, str, type(None))
 SWITCH_INTERVAL_S = 0.0005  # `sys.setswitchinterval` while the preloader runs (`_preload`)
+# In every file's name (its environment's hash) and signature hash: another version's naming or hashing never matches
+VERSION = "vsrq-precompiled-2"
 
 
 def available() -> bool:
@@ -132,26 +137,16 @@ def compile_repeated_blocks(model: torch.nn.Module) -> None:
         compile_block(block)
 
 
-def preload(classes: Sequence[type]) -> threading.Thread | None:
-    """Starts a daemon thread loading every function in the directory for a block of `classes` (its file name starts
-    with the class's name), with `_load`'s checks, for the blocks' first calls to take (`_Dispatch._prepare`). None
-    without a directory (`use`) or files; functions of signatures never met stay unused (small)."""
+def preload(classes: Sequence[type], devices: Sequence[str | torch.device]) -> threading.Thread | None:
+    """Starts a daemon thread loading the directory's functions for a block of `classes` on one of `devices` (the
+    engine's), with `_load`'s checks, for the blocks' first calls to take (`_Dispatch._prepare`): the files named with
+    a class and this environment on a device (`_environment`); other environments' files are never opened. None
+    without a directory (`use`); functions of signatures never met stay unused (small)."""
     global _preloader
     if _directory is None:
         return None
-    names = {cls.__name__: cls for cls in classes}
-    order = {name: index for index, name in enumerate(names)}
-    found = [(path, names[name]) for path in _directory.glob("*.aot") if (name := path.name.split("-")[0]) in names]
-    # in `classes`' order: the blocks a call runs first come first
-    found.sort(key=lambda item: (order[item[1].__name__], item[0].name))
-    with _preloads:
-        files = [(path, cls) for path, cls in found if path not in _claimed]
-        _claimed.update(path for path, _ in files)
-        _preload_queue.extend(path for path, _ in files)
-    if not files:
-        return None
-    globals_by_path = {path: cls.forward.__globals__ for path, cls in files}
-    _preloader = threading.Thread(target=_preload, args=(globals_by_path,), name="vsrq-preload", daemon=True)
+    targets = (_directory, tuple(classes), tuple(torch.device(device) for device in devices))
+    _preloader = threading.Thread(target=_preload, args=targets, name="vsrq-preload", daemon=True)
     _preloader.start()
     return _preloader
 
@@ -164,13 +159,28 @@ def wait_preloaded(timeout: float | None = None) -> bool:
     return thread is None or not thread.is_alive()
 
 
-def _preload(globals_by_path: dict[Path, dict]) -> None:
+def _preload(directory: Path, classes: tuple[type, ...], devices: tuple[torch.device, ...]) -> None:
     # The engine's build meanwhile moves its weights in thousands of short copies, each releasing the GIL: at Python's
     # 5 ms switch interval each waits up to that long for this thread to give it back (the build took 4 s longer on
     # the H200, bench/RESULTS.md). A shorter interval while the thread runs hands it back sooner.
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+    globals_by_path: dict[Path, dict] = {}
     try:
+        try:  # a GPU's capability initialises CUDA (~0.5 s): here, beside the weights' load, which then finds it done
+            environments = sorted({_environment([device]) for device in devices})
+        except Exception as error:  # the blocks' first calls load their files themselves
+            _note(f"preload {type(error).__name__}", f"precompiled functions not preloaded ({error!r})")
+            return
+        # in `classes`' order: the blocks a call runs first come first
+        found = [(path, cls) for cls in classes for environment in environments
+                 for path in sorted(directory.glob(f"{cls.__name__}-{environment}-*.aot"))]  # fmt: skip
+        with _preloads:
+            for path, cls in found:
+                if path not in _claimed:  # loaded or claimed by a caller already
+                    _claimed.add(path)
+                    _preload_queue.append(path)
+                    globals_by_path[path] = cls.forward.__globals__
         while True:
             with _preloads:
                 mine = [path for path in _preload_queue if path in globals_by_path]
@@ -268,7 +278,8 @@ class _Dispatch:
         global _compile_failed
         module = self.module
         with _lock:
-            stem = f"{type(module).__name__}-{_digest(signature, module, args, kwargs)}"
+            environment = _environment(_devices(module, args, kwargs))
+            stem = f"{type(module).__name__}-{environment}-{_digest(signature, environment)}"
             if signature not in _searched:
                 _searched.add(signature)
                 loaded = [self._load(path) for path in sorted(self.directory.glob(f"{stem}-*.aot"))]
@@ -441,14 +452,24 @@ def _setting(value: Any, depth: int) -> Any:
     return type(value)
 
 
-def _digest(signature: tuple, module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
-    """The file name's hash: the signature, with classes by qualified name, and what else decides the compiled code
-    (torch, diffusers, Python, the compile options, the device's capability)."""
+def _devices(module: torch.nn.Module, args: tuple, kwargs: dict) -> set[torch.device]:
+    """The devices of a call's tensors and of the block's parameters."""
     tensors = (*args, *kwargs.values(), *module.parameters())
-    devices = {value.device for value in tensors if isinstance(value, torch.Tensor)}
-    environment = (torch.__version__, torch.version.git_version, version("diffusers"), platform.python_version(), repr(COMPILE),
-                   tuple(sorted(_capability(device) for device in devices)))  # fmt: skip
-    return hashlib.sha256(_stable(("vsrq-precompiled-1", environment, signature)).encode()).hexdigest()[:32]
+    return {value.device for value in tensors if isinstance(value, torch.Tensor)}
+
+
+def _environment(devices: Iterable[torch.device]) -> str:
+    """A file name's environment: a hash of what decides the compiled code beside the call (torch, diffusers, Python,
+    the compile options, the devices' capability)."""
+    capabilities = tuple(sorted({_capability(device) for device in devices}))
+    environment = (VERSION, torch.__version__, torch.version.git_version, version("diffusers"),
+                   platform.python_version(), repr(COMPILE), capabilities)  # fmt: skip
+    return hashlib.sha256(_stable(environment).encode()).hexdigest()[:12]
+
+
+def _digest(signature: tuple, environment: str) -> str:
+    """A file name's signature hash: the signature, with classes by qualified name, in its environment."""
+    return hashlib.sha256(_stable((VERSION, environment, signature)).encode()).hexdigest()[:32]
 
 
 def _capability(device: torch.device) -> str:
