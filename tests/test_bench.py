@@ -154,3 +154,18 @@ def test_the_kept_windows_bench_prices_each_window_commit(tmp_path):
     assert (without["kept"], kept["kept"]) == (False, True) and kept["output"] == "128x96x17" and kept["windows"] == 3
     assert without["host_s"]["kept"] == 0 < kept["host_s"]["kept"]  # three windows committed, their uploads handed on
     assert kept["kept_upload_s"] > 0 and kept["join_s"] >= 0 and "kept_upload_s" not in without  # uploaded beside
+
+
+def test_the_decode_in_bench_times_the_first_windows_input_both_ways(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "bench/decode_in.py", "--clips", "W2", "--runs", "1", "--dir", str(tmp_path)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile, path = [json.loads(line) for line in done.stdout.splitlines()]
+    assert profile["part"] == "profile" and path["part"] == "path" and path["tree"] == "this"
+    # the conversion as `read_frames` runs it starts no thread per frame; a context per frame does (33 frames)
+    once, per_frame = profile["rgb_one_context_16_threads_threads"], profile["rgb_context_per_frame_16_threads_threads"]
+    assert once["max"] <= 16 < 33 <= per_frame["min"]
+    assert 0 < path["decoded_s"]["min"] <= path["upscaler_s"]["min"]

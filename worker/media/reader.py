@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import av
 import numpy as np
-from av.video.reformatter import ColorRange, Colorspace
+from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AVError, VideoInfo, decode_declared_picture
@@ -28,13 +28,17 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
     # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled back.
     width, height = (video.height, video.width) if turns % 2 else (video.width, video.height)
     count = 0
+    # One swscale context for the stream: `frame.to_ndarray(format=...)` makes one per frame, and with it swscale's
+    # slice threads (one per core), started and joined for every frame. The conversion is the same either way.
+    reformatter = VideoReformatter()
     try:
         with av.open(str(path)) as container:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
             for frame in _decode(container, stream):
-                pixels = frame.to_ndarray(format=pixel_format, width=width, height=height, **_source_colour(frame))
+                colour = _source_colour(frame)
+                pixels = reformatter.reformat(frame, width, height, pixel_format, **colour).to_ndarray()
                 count += 1
                 if count > video.frames:
                     break

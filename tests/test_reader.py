@@ -1,0 +1,96 @@
+"""Decoding (worker.media.reader): the frames `read_frames` hands on are PyAV's own per-frame conversion of real files,
+bit for bit, and the conversion's threads are started once per stream, not once per frame."""
+
+from __future__ import annotations
+
+import os
+from itertools import islice
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from worker.media.probe import decode_declared_picture, probe
+from worker.media.reader import _source_colour, read_frames
+from worker.media.synthetic import write_clip
+
+# Real files (tests/corpus/manifest.toml) of each kind of conversion: 10-bit HEVC (BT.601 tagged), RGB (argb) and
+# palette pictures, a full-range tagged 190 px wide one, a BT.709 phone clip in 1080p, an untagged odd height. The
+# corpus has no rotated file nor one that changes size: those are written here.
+CORPUS = [
+    "puremagic-test.mkv",
+    "filetype-sample.mov",
+    "pillow-2422.flc",
+    "hachoir-quicktime.mp4",
+    "forensics-VID_20191220_170832.mp4",
+    "kivy-cityCC0.mpg",
+]
+FRAMES = 24  # the first ones of each file
+
+
+def plain_pyav(path: Path, count: int) -> list[np.ndarray]:
+    """The first `count` frames as PyAV gives them: each frame's own `to_ndarray`, turned upright."""
+    video = probe(path).video
+    turns = video.rotation // 90
+    width, height = (video.height, video.width) if turns % 2 else (video.width, video.height)
+    pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
+    with av.open(str(path)) as container:
+        stream = container.streams[video.index]
+        decode_declared_picture(stream)
+        frames = islice(container.decode(stream), count)
+        return [
+            np.rot90(frame.to_ndarray(format=pixel_format, width=width, height=height, **_source_colour(frame)), turns)
+            for frame in frames
+        ]
+
+
+def read(path: Path, count: int) -> list[np.ndarray]:
+    frames = read_frames(path, probe(path).video)
+    try:
+        return list(islice(frames, count))
+    finally:
+        frames.close()
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_frames_are_pyavs_own_conversion_bit_for_bit_on_real_files(corpus_cache, name):
+    path = corpus_cache / name
+    expected = plain_pyav(path, FRAMES)
+    got = read(path, FRAMES)
+    assert len(got) == len(expected) == min(FRAMES, probe(path).video.frames)
+    for index, (frame, reference) in enumerate(zip(got, expected)):
+        assert frame.dtype == reference.dtype and frame.shape == reference.shape, index
+        assert np.array_equal(frame, reference), f"frame {index} differs"
+    if name == "puremagic-test.mkv":
+        assert got[0].dtype == np.uint16
+
+
+@pytest.mark.parametrize("rotation", [90, 270])
+def test_rotated_frames_are_pyavs_own_conversion_turned_upright(tmp_path, rotation):
+    path = write_clip(tmp_path / "rotated.mp4", 9, (48, 80), rotation=rotation)
+    got, expected = read(path, 9), plain_pyav(path, 9)
+    assert [frame.shape for frame in got] == [(80, 48, 3)] * 9
+    assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected, strict=True))
+
+
+def test_a_stream_that_changes_size_mid_way_is_scaled_back_as_pyav_scales_each_frame(tmp_path):
+    # one context for the stream: swscale sets itself up again for the new size, as a fresh context would
+    first, second = write_clip(tmp_path / "a.ts", 6, (48, 64)), write_clip(tmp_path / "b.ts", 6, (64, 96))
+    path = tmp_path / "both.ts"
+    path.write_bytes(first.read_bytes() + second.read_bytes())  # MPEG-TS: the second part's SPS changes the size
+    got, expected = read(path, 12), plain_pyav(path, 12)
+    assert [frame.shape for frame in got] == [(48, 64, 3)] * 12
+    assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected, strict=True))
+
+
+def test_the_conversions_threads_start_once_per_stream_not_once_per_frame(tmp_path):
+    # swscale starts one thread per core for a context (none on one core, where this cannot tell); a context per
+    # frame started and joined them for every frame: thousands per window on a 16-core host
+    path = write_clip(tmp_path / "clip.mp4", 40, (48, 64))
+    cores = len(os.sched_getaffinity(0))
+    before, seen = set(os.listdir("/proc/self/task")), set()
+    for _ in read_frames(path, probe(path).video):
+        seen |= set(os.listdir("/proc/self/task"))
+    started = seen - before
+    assert len(started) <= 2 * cores + 20, f"{len(started)} threads started for 40 frames on {cores} cores"
