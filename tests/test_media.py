@@ -4,6 +4,7 @@ the audio in sync, subtitles and metadata, and a typed error with nothing left b
 from __future__ import annotations
 
 import hashlib
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -302,6 +303,24 @@ def test_the_encoder_holds_back_one_decode_segment_not_its_default_lookahead(tmp
         written[lookahead] = path.read_bytes()
     assert option % LOOKAHEAD in written[LOOKAHEAD]
     assert option % LOOKAHEAD not in written[None] and option % preset_default in written[None]  # medium's own
+
+
+def test_the_rgb_to_yuv_conversions_threads_start_once_per_stream_not_once_per_frame(tmp_path):
+    """swscale starts a thread per core for a conversion context; one context per frame started and joined them for
+    every frame, on the encoder's thread ahead of x264 (16 a frame on the GPU host). Every process id the system
+    hands out while the writer runs is counted (threads included); the fewest of three runs, as other processes
+    may start meanwhile."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("swscale starts no threads on one core")
+    frames, counts = 64, []
+    pixels = pattern(frames, 256, 384)
+    for run in range(3):
+        before = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+        with Mp4Writer(tmp_path / f"{run}.mp4", Fraction(24), (256, 384), preset="ultrafast") as writer:
+            writer.write(pixels)
+        counts.append(int(Path("/proc/sys/kernel/ns_last_pid").read_text()) - before)
+    assert min(counts) < frames, f"{counts} ids handed out while writing {frames} frames on {cores} cores"
 
 
 def test_a_preset_that_looks_less_far_ahead_keeps_its_lookahead(tmp_path):

@@ -15,7 +15,7 @@ from types import TracebackType
 import av
 import numpy as np
 import torch
-from av.video.reformatter import ColorRange, Colorspace
+from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.errors import InvalidRequest
 from worker.frames import quantise
@@ -43,11 +43,12 @@ _AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 _SVT_PRESETS = {"ultrafast": 12, "superfast": 11, "veryfast": 10, "faster": 9, "fast": 8, "medium": 7, "slow": 5, "slower": 4, "veryslow": 2}
 
 
-def yuv_frame(pixel: np.ndarray) -> av.VideoFrame:
-    """One (H, W, 3) uint8 RGB frame as the encoder takes it: BT.709, limited range, 4:2:0."""
-    return av.VideoFrame.from_ndarray(pixel, format="rgb24").reformat(
-        format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
-    )
+def yuv_frame(pixel: np.ndarray, reformatter: VideoReformatter | None = None) -> av.VideoFrame:
+    """One (H, W, 3) uint8 RGB frame as the encoder takes it: BT.709, limited range, 4:2:0. A `reformatter` kept
+    for a stream's frames keeps one swscale context, and its threads (one per core), for all of them."""
+    frame = av.VideoFrame.from_ndarray(pixel, format="rgb24")
+    options = {"format": "yuv420p", "dst_colorspace": Colorspace.ITU709, "dst_color_range": ColorRange.MPEG}
+    return reformatter.reformat(frame, **options) if reformatter is not None else frame.reformat(**options)
 
 
 def _durations(timestamps: Sequence[int], start: int) -> dict[int, int]:
@@ -186,6 +187,9 @@ class Mp4Writer:
         self.encode_seconds = 0.0
         self._queue: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
+        # `frame.reformat` makes a swscale context per frame and starts and joins its threads (16 on a 16-core
+        # host) every time: on the encoder's thread, ahead of x264 (bench/RESULTS.md)
+        self._reformatter = VideoReformatter()
         self._thread = threading.Thread(target=self._encode_loop, name="vsrq-encoder", daemon=True)
         self._thread.start()
 
@@ -213,7 +217,7 @@ class Mp4Writer:
                 for pixel in pixels:
                     if self._on_frame is not None:
                         self._on_frame(index, pixel)
-                    frame = yuv_frame(pixel)
+                    frame = yuv_frame(pixel, self._reformatter)
                     frame.pts = index if self.timestamps is None else self.start + self.timestamps[index]
                     index += 1
                     self._mux_video(self.stream.encode(frame))
