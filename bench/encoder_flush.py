@@ -4,6 +4,9 @@ as a random-weights model's output, and `close()` is timed from the last `write`
 PSNR against the frames written, so that a faster tail's cost in bits or fidelity is on the same line.
 
     python bench/encoder_flush.py --shape W1 --variants base,la8,la4 --out flush.jsonl
+    python bench/encoder_flush.py --source ~/.cache/vsrq/corpus/kivy-cityCC0.mpg --variants la40,base,la8,la4
+
+`--source`: a real clip's first 121 frames, bicubic x2, instead of noise (what a setting costs on real video).
 """
 
 from __future__ import annotations
@@ -43,6 +46,19 @@ def frames_like_model(size: tuple[int, int], count: int, seed: int = 0) -> np.nd
         small = np.clip(base + rng.normal(0, 0.04, base.shape), 0, 1)
         out[index] = small.repeat(2, axis=1).repeat(2, axis=2)
     return out
+
+
+def frames_of(path: Path, count: int = 121) -> np.ndarray:
+    """A real clip's first `count` frames, bicubic x2 (even sizes), (n, 3, H, W) float in [0, 1]."""
+    pixels = []
+    with av.open(str(path)) as container:
+        for frame in container.decode(video=0):
+            pixels.append(frame.to_ndarray(format="rgb24"))
+            if len(pixels) == count:
+                break
+    height, width = (side - side % 2 for side in pixels[0].shape[:2])
+    small = torch.from_numpy(np.stack([p[:height, :width] for p in pixels])).permute(0, 3, 1, 2).float() / 255
+    return torch.nn.functional.interpolate(small, scale_factor=2, mode="bicubic").clamp(0, 1).numpy()
 
 
 def psnr(path: Path, frames: np.ndarray) -> float:
@@ -96,13 +112,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="W1", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--variants", default="base,la8,la4,la0,sync0,la8+sync0")
+    parser.add_argument("--source", type=Path, help="a real clip instead of noise (its own shape, bursts of 16)")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        for shape in args.shape.split(","):
-            size, count, _, _ = SHAPES[shape]
-            frames = frames_like_model(size, count)
+        for shape in [args.source.name] if args.source else args.shape.split(","):
+            if args.source:
+                frames = frames_of(args.source)
+                SHAPES[shape] = (frames.shape[2:], len(frames), [16] * (len(frames) // 16) + [len(frames) % 16], 2.0)
+            else:
+                size, count, _, _ = SHAPES[shape]
+                frames = frames_like_model(size, count)
             for _ in range(args.runs):
                 for variant in args.variants.split(","):
                     line = run(shape, variant, frames, Path(scratch))
