@@ -323,22 +323,6 @@ def test_the_rgb_to_yuv_conversions_threads_start_once_per_stream_not_once_per_f
     assert min(counts) < frames, f"{counts} ids handed out while writing {frames} frames on {cores} cores"
 
 
-def test_probing_decodes_its_one_picture_without_starting_decoder_threads(tmp_path):
-    """The probe (and the output's check) decodes one picture: frame threads would take one packet per core before
-    handing it over (16 frames decoded for one on the GPU host) and start a thread per core. Process ids handed out
-    while probing are counted, the fewest of three runs (other processes may start meanwhile)."""
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("FFmpeg starts no decoder threads on one core")
-    path = write_clip(tmp_path / "clip.mp4", 40, (256, 384))
-    counts = []
-    for _ in range(3):
-        before = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
-        info = probe(path)
-        counts.append(int(Path("/proc/sys/kernel/ns_last_pid").read_text()) - before)
-    assert (info.video.frames, info.video.width, info.video.height) == (40, 384, 256)
-    assert min(counts) == 0, f"{counts} ids handed out while probing"
-
-
 def test_a_preset_that_looks_less_far_ahead_keeps_its_lookahead(tmp_path):
     with Mp4Writer(tmp_path / "fast.mp4", Fraction(24), (64, 96), preset="veryfast") as writer:
         writer.write(pattern(24, 64, 96))

@@ -238,9 +238,7 @@ class _Scan:
 
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
     scan = _Scan()
-    # One picture is decoded: on this thread. Frame threads (one per core) take as many packets before they hand over
-    # the first picture, and start as many threads: the check of W1's output decoded 16 frames for one.
-    stream.codec_context.thread_count = 1
+    stream.thread_type = "AUTO"
     decode_declared_picture(stream)
     try:
         for packet in container.demux():
