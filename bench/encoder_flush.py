@@ -120,7 +120,7 @@ def main() -> None:
         for shape in [args.source.name] if args.source else args.shape.split(","):
             if args.source:
                 frames = frames_of(args.source)
-                SHAPES[shape] = (frames.shape[2:], len(frames), [16] * (len(frames) // 16) + [len(frames) % 16], 2.0)
+                SHAPES[shape] = (frames.shape[2:], len(frames), [16] * (len(frames) // 16) + [len(frames) % 16] * (len(frames) % 16 > 0), 2.0)
             else:
                 size, count, _, _ = SHAPES[shape]
                 frames = frames_like_model(size, count)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # Inductor trusts the CPU's flags for its vector ISAs instead of test-compiling each one (~13 CPU-s per fresh cache
@@ -177,6 +178,7 @@ def test_a_function_traced_from_code_changed_since_is_compiled_again(tmp_path):
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="this CPU's capability is the other one")
 def test_a_shared_directory_holds_files_of_another_environment_that_are_never_opened(tmp_path):
     """Workers of other images or devices on one volume: the preloader and the blocks' first calls open only the files
     of their own environment. The other one here is a CPU of another capability (ATen's kernels capped to DEFAULT)."""

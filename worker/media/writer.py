@@ -233,6 +233,8 @@ class Mp4Writer:
             self._error = error
             while not drained and self._queue.get() is not _DONE:  # unblock a producer waiting on a full queue
                 pass
+        finally:  # its swscale threads (one per core) idle on while a held tail keeps the writer
+            self._reformatter = None
 
     def _mux_video(self, packets: list[av.Packet]) -> None:
         for packet in packets:
