@@ -1,14 +1,16 @@
 """A job's finished windows, kept in blob storage so that the job's next attempt (retried, or requeued after its worker
 died) replays them and computes only the missing ones.
 
-A `DirectoryWindowStore` in the attempt's scratch directory, mirrored to work/{job_id}/windows/: the attempt first
-downloads the windows kept so far, then uploads each window once it is committed, on a thread of its own (`_Uploader`)
-so that the engine goes on with the next window meanwhile; once the engine is done the local copies go
+A `DirectoryWindowStore` in the attempt's scratch directory, mirrored to work/{job_id}/windows/{key digest}/: the
+attempt first downloads the windows kept so far, then uploads each window once it is committed, on a thread of its own
+(`_Uploader`) so that the engine goes on with the next window meanwhile; once the engine is done the local copies go
 (`release_local`, after the uploads), the attempt's tail needing only the input and the MP4. The tail waits for the
 uploads (`join`) after the encoder's flush and check, before anything that must not race them (the job's end deletes
 the prefix). An attempt that ends otherwise (failed, cancelled, its lease lost) does not wait for them (`close`): a
-window not kept is only computed again by the next attempt. The key is the job's, not the attempt's (the reaper's sweep
-deletes what a crash left, or what an upload left in flight landed late).
+window not kept is only computed again by the next attempt. The key is the job's, not the attempt's; each key has a
+prefix of its own, as an upload `close` left in flight may land after the next attempt has begun: under its own key,
+which an attempt with another key never reads (it deletes the older keys' windows as it begins; the job's end, or the
+reaper's sweep, deletes the job's work prefix).
 """
 
 from __future__ import annotations
@@ -74,16 +76,27 @@ class BlobWindowStore:
     ) -> None:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
         outlive an unanswered request)."""
-        self.blobs, self.prefix, self.progress = blobs, f"{work_prefix(job_id)}windows/", progress
+        windows = f"{work_prefix(job_id)}windows/"
+        named = hashlib.sha256(key.encode()).hexdigest()[:16]  # any key, a safe blob name (`windows_key`'s: hex)
+        self.blobs, self.prefix, self.progress = blobs, f"{windows}{named}/", progress
         self.kept_alive, self.directory = kept_alive, directory
         self.local = DirectoryWindowStore(directory, key)
         self.uploads = _Uploader()
-        names = {blob.removeprefix(self.prefix) for blob in blobs.keys(self.prefix)}
+        names, older = set(), set()
+        for blob in blobs.keys(windows):
+            if blob.startswith(self.prefix):
+                names.add(blob.removeprefix(self.prefix))
+            else:  # another key's prefix ("{digits}/"), or a file of the layout before them
+                name = blob.removeprefix(windows)
+                older.add(name[: name.find("/") + 1] or name)
+        for name in older:
+            blobs.delete_prefix(windows + name)
         if MARKER in names and self._read(MARKER) == (directory / MARKER).read_bytes():
             for name in sorted(names - {MARKER}):
-                if f"{name.split('.', 1)[0]}.json" in names:  # files of windows whose upload was cut short stay out
+                stem = name.split(".", 1)[0]
+                if {f"{stem}.u8", f"{stem}.json"} <= names:  # files of windows whose upload was cut short stay out
                     blobs.download(self.prefix + name, directory / name, progress)
-        else:  # nothing kept, or kept for another key: start the prefix over
+        else:  # nothing kept under this key (or its marker says another key of the same digest): start it over
             blobs.delete_prefix(self.prefix)
             self._upload(directory / MARKER)
 
@@ -145,6 +158,9 @@ class BlobWindowStore:
             # botocore wraps what the progress callback (the heartbeat) raised mid-request: still the attempt's end
             if isinstance(wrapped := getattr(error, "kwargs", {}).get("error"), FATAL):
                 raise wrapped from error
+            if isinstance(error, FileNotFoundError) and self.uploads.stopped:  # `close` deleted the local files
+                log.info("window %d not kept: its attempt ended before its upload", index)
+                return
             # storage down: the attempt goes on (its output upload waits it out); only a later attempt would recompute
             # this window
             log.warning("window %d not kept: blob storage unavailable", index, exc_info=True)
@@ -203,6 +219,10 @@ class _Uploader:
     def stop(self) -> None:
         with self._changed:
             self._stopped = True
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
     def raise_if_failed(self) -> None:
         if self._failed is not None:

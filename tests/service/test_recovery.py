@@ -4,7 +4,8 @@
   windows from blob storage, computes only the rest, and writes the same bytes as an uninterrupted job;
 - an attempt that replays every window reports what made them (the tier and its levers); kept windows made in
   another way are never mixed into an output, and the key keeps them apart where the worker gives other bits or the
-  input holds other bytes;
+  input holds other bytes; an upload an ended attempt left in flight, landing once the next one has begun, never
+  reaches an attempt with another key;
 - a blob transfer slower than the lease keeps the lease through its progress callbacks (and loses it without them);
 - an attempt that ends while blob storage hangs leaves its kept windows' queued uploads at once;
 - a job whose Celery message was never sent (the API died between the record and the send) is sent by the reaper.
@@ -197,6 +198,43 @@ def test_kept_windows_in_a_local_store_resume_a_job_and_never_replay_into_anothe
     assert attempt("new options")[0] == [0, 1, 2]  # kept for other options: recomputed, never replayed
 
 
+@pytest.mark.parametrize("late", ["window-00001.json", "window-00001.u8"])
+def test_an_upload_that_lands_after_the_next_attempt_began_never_reaches_another_key(late, s3, tmp_path):
+    """An attempt kept windows for its key (the input's old bytes); the next attempt, with another key, began, and
+    then one of the first attempt's uploads (left in flight by its `close`) landed: a window's JSON alone (the next
+    attempt kept nothing yet), or its pixel file over the window the next attempt kept. The attempt after that, with
+    the new key, never reads it: no crash, no old pixels, the frames are the new input's."""
+    rng = np.random.default_rng(3)
+    old, new = ([rng.integers(0, 256, (24, 32, 3), dtype=np.uint8) for _ in range(30)] for _ in range(2))
+    plan = plan_windows(30, window=13, overlap=4)  # 3 windows
+    job_id = f"video_{secrets.token_hex(4)}"
+
+    def attempt(key: str, video: list[np.ndarray], run: bool = True) -> tuple[list[int], torch.Tensor | None]:
+        upscaler, out = Recording(LanczosUpscaler()), []
+        store = BlobWindowStore(s3, job_id, tmp_path / secrets.token_hex(4), key)
+        if run:
+            sink = lambda frames: out.append(quantise(frames))
+            upscale_windows(upscaler, iter(video), plan, SRRequest(scale=2), sink, store=store)
+            store.join()
+        store.close()
+        return upscaler.windows, torch.cat(out) if out else None
+
+    attempt("old bytes", old)
+    landing = [key for key in s3.keys(work_prefix(job_id)) if key.endswith(late)]
+    uploaded = {}
+    for key in landing:
+        with s3.open(key) as stream:
+            uploaded[key] = stream.read()
+    attempt("new bytes", new, run=late.endswith(".u8"))  # the window's JSON lands alone, or its pixels over the new
+    for key, data in uploaded.items():
+        s3.put(key, io.BytesIO(data))
+
+    computed, resumed = attempt("new bytes", new)
+    _, expected = attempt("expected", new)
+    assert computed == ([] if late.endswith(".u8") else [0, 1, 2]) and torch.equal(resumed, expected)
+    s3.delete_prefix(work_prefix(job_id))
+
+
 HIGH = UpscaleOptions(SRRequest(scale=2, seed=5, quality="high"), window=9, window_overlap=4)
 # What `high` ran on this CPU, computed or replayed: the FP8 GEMMs, FP8 attention emulated (no cuDNN here)
 EMULATED = {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
@@ -309,7 +347,7 @@ def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
     s3.delete_prefix(work_prefix(job_id))
     with pytest.raises(Cancelled):
         attempt("cancelled", cancelled=lambda: len(kept_windows(s3, job_id)) >= 2)
-    name = f"{work_prefix(job_id)}windows/window-{made_otherwise:05d}.json"
+    (name,) = [window for window in kept_windows(s3, job_id) if window.endswith(f"window-{made_otherwise:05d}.json")]
     with s3.open(name) as stream:
         kept = json.load(stream)
     kept["made"]["levers"]["fp8_attention"] = "cudnn_fp8"
@@ -441,7 +479,7 @@ def held_window_upload(settings: Settings, name: str) -> Iterator[tuple[S3BlobSt
     """A blob store whose way to SeaweedFS stalls the upload of the kept window file `name` until released (a slow
     call, for as long as the test needs); released at the end whatever happened."""
     partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
-    marker = f"/windows/{name} ".encode()  # the request line's path
+    marker = f"/{name} ".encode()  # the end of the request line's path
     partition.hold(marker)
     try:
         yield S3BlobStore.from_settings(settings.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{partition.port}"})), partition
@@ -489,7 +527,7 @@ def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(setting
         finishing.join(1.5)
         assert finishing.is_alive() and kept_windows(s3, job_id) == []  # held at the join, after flush and check
         held_s = time.monotonic()
-        partition.release(b"/windows/window-00000.json ")
+        partition.release(b"/window-00000.json ")
         finishing.join(60)
     held_s = time.monotonic() - held_s
     result = finished_with[0]
@@ -528,7 +566,7 @@ def test_a_lease_lost_during_the_last_window_s_upload_stops_the_attempt_at_the_j
         wait_until(lambda: partition.held == 1, 30)
         wait_until(lambda: jobs.reap().get(job.id) == "queued", 30, step_s=0.1)
         jobs.lease(job.id, "attempt-2", lease_s=60)  # the job is another attempt's now
-        partition.release(b"/windows/window-00003.u8 ")
+        partition.release(b"/window-00003.u8 ")
         with pytest.raises((StaleAttempt, redis.exceptions.RedisError)):
             encoding.finish()
     assert not uploader_threads()

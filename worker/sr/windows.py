@@ -162,7 +162,11 @@ class DirectoryWindowStore:
         made = RunInfo.of_kept(kept.get("made"))
         if made is None:
             return None
-        pixels = np.memmap(self._path(index, "u8"), dtype=np.uint8, mode="r", shape=tuple(kept["shape"]))
+        shape, pixels_path = tuple(kept["shape"]), self._path(index, "u8")
+        # a pixel file missing or not the JSON's (files that did not come from one commit): computed again, not a crash
+        if not pixels_path.exists() or pixels_path.stat().st_size != math.prod(shape):
+            return None
+        pixels = np.memmap(pixels_path, dtype=np.uint8, mode="r", shape=shape)
         tail_path = self._path(index, "tail.npy")
         tail = torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None
         return StoredWindow(pixels, tail, made)
