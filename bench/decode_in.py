@@ -1,18 +1,24 @@
 """What a job waits for before the engine's first call: its first window's frames decoded, made RGB and made the
-float tensor the upscaler takes (issue 22's `head_s.first_window_decoded`, `windows_s.frames_in`). One JSON line per
+tensor the upscaler takes (issue 22's `head_s.first_window_decoded`, `windows_s.frames_in`). One JSON line per
 measurement, on W1 and W2 as bench/service.py writes them (and `W1-noisy`, bench/tail.py's grain, which decodes
 slower):
 
   profile  the steps apart, on frames decoded beforehand: the decode alone (PyAV, `thread_type` AUTO); the RGB
            conversion with a swscale context per frame (`frame.to_ndarray(format=...)`) or one per stream, and the
-           threads each way started; the float tensor as `upscale_windows` makes it (fresh pages, as the worker's
-           allocator maps every block of 1 MiB or more anew: worker/heap.py), and the same into pages touched already
+           threads each way started; the float tensor as `upscale_windows` made it before it handed over integers
+           (fresh pages, as the worker's allocator maps every block of 1 MiB or more anew: worker/heap.py), and the
+           same into pages touched already
+  window   the window's tensor as `upscale_windows` hands it to the upscaler (`frames_in` less the decoder wait), from
+           frames decoded beforehand: before (stacked, then the float (F, 3, H, W) in [0, 1]) and now (stacked
+           integers, `worker.sr.windows._video`), alternating; and `worker.frames.unit` on the CPU, the conversion
+           the engine now runs on its device (CPU runs only: a GPU does it in its own time)
   path     the worker's path: `prefetch(read_frames)` into `upscale_windows` with lanczos, from the start until the
            upscaler has the first window (its first `cancelled` check, where the run stops): `upscaler_s`, and when
            the window's last frame left the decoder, `decoded_s`; with --tree, alternating with another tree's code
            (`git archive` of the commit before), each run in a fresh process after one unmeasured run
 
     python bench/decode_in.py --parts profile,path --runs 5
+    python bench/decode_in.py --parts window --clips W1 --runs 10
     mkdir -p /tmp/before && git archive <before> worker | tar -x -C /tmp/before
     python bench/decode_in.py --parts path --runs 5 --tree before=/tmp/before --out r.jsonl
 """
@@ -119,6 +125,36 @@ def _video(pixels, video):
     return video.div_(255.0)
 
 
+def window(path: Path) -> dict:
+    """The window's tensor, before and now, from the same decoded frames (seconds); bytes each hands the device."""
+    import numpy as np
+    import torch
+
+    from worker.frames import unit
+    from worker.media.probe import probe
+    from worker.media.reader import read_frames
+    from worker.sr.windows import _video as window_now
+
+    frames = list(read_frames(path, probe(path).video))
+
+    def window_before(frames):  # `worker.sr.windows._video` before it handed over integers
+        pixels = torch.from_numpy(np.stack(frames))
+        return _video(pixels, torch.empty(pixels.shape[0], 3, *pixels.shape[1:3]))
+
+    figures = {}
+    for name, make in (("before", window_before), ("now", window_now)):
+        started = time.perf_counter()
+        video = make(frames)
+        figures[f"{name}_s"] = time.perf_counter() - started
+        figures[f"{name}_to_device_mb"] = round(video.numel() * video.element_size() / 1e6)
+        if name == "now":
+            started = time.perf_counter()
+            unit(video)
+            figures["unit_on_cpu_s"] = time.perf_counter() - started
+        del video
+    return {name: round(value, 4) if isinstance(value, float) else value for name, value in figures.items()}
+
+
 def path_once(path: Path) -> dict:
     """The worker's path to the upscaler's first window: seconds from the start."""
     from worker.errors import Cancelled
@@ -190,6 +226,10 @@ def main() -> None:
             profile(path)  # one unmeasured: imports, PyAV's and torch's first calls
             runs = [profile(path) for _ in range(args.runs)]
             emit({"part": "profile", "clip": name, **host, **{key: summary([r[key] for r in runs]) for key in runs[0]}})
+        if "window" in parts:
+            window(path)  # one unmeasured
+            runs = [window(path) for _ in range(args.runs)]
+            emit({"part": "window", "clip": name, **host, **{key: summary([r[key] for r in runs]) for key in runs[0]}})
         if "path" in parts:
             trees = {"this": ROOT, **dict(tree.split("=", 1) for tree in args.tree)}
             seconds: dict[str, list[dict]] = {tree: [] for tree in trees}

@@ -169,3 +169,17 @@ def test_the_decode_in_bench_times_the_first_windows_input_both_ways(tmp_path):
     once, per_frame = profile["rgb_one_context_16_threads_threads"], profile["rgb_context_per_frame_16_threads_threads"]
     assert once["max"] <= 16 < 33 <= per_frame["min"]
     assert 0 < path["decoded_s"]["min"] <= path["upscaler_s"]["min"]
+
+
+def test_the_decode_in_bench_times_the_windows_tensor_before_and_now(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "bench/decode_in.py", "--parts", "window", "--clips", "W2", "--runs", "1", "--dir", tmp_path],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (window,) = [json.loads(line) for line in done.stdout.splitlines()]
+    # the upscaler gets the window's uint8 frames (W2: 33 x 384 x 256 x 3), no longer their float32
+    assert window["part"] == "window" and window["before_to_device_mb"]["min"] == 39
+    assert round(window["before_to_device_mb"]["min"] / window["now_to_device_mb"]["max"]) == 4
+    assert window["now_s"]["min"] > 0 and window["unit_on_cpu_s"]["min"] > 0

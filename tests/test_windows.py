@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from worker.errors import Cancelled, InvalidRequest
-from worker.frames import quantise
+from worker.frames import quantise, unit
 from worker.sr.request import RunInfo, SRRequest
 from worker.sr.windows import DirectoryWindowStore, plan_windows, upscale_windows
 
@@ -49,7 +49,7 @@ class Offset:
 
     def upscale(self, video, request, sink, progress=None, cancelled=None):
         self.calls.append(request.noise_key)
-        out = video + 0.1 * request.noise_key[-1]
+        out = unit(video) + 0.1 * request.noise_key[-1]
         for start in range(0, len(out), 3):
             sink(out[start : start + 3])
         return RunInfo((8, 8), (8, 8), len(video), (len(video), 8, 8), 1, ["cpu"])

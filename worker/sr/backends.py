@@ -112,7 +112,7 @@ class Upscaler(Protocol):
 
     def upscale(
         self,
-        video: torch.Tensor,
+        video: torch.Tensor,  # (F, 3, H, W): float in [0, 1], or uint8 / uint16 at full scale (`worker.frames.unit`)
         request: SRRequest,
         sink: FrameSink,
         progress: Callable[[Progress], None] | None = None,

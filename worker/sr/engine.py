@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.errors import Cancelled, InvalidRequest
+from worker.frames import unit
 from worker.sr import checkpoint, compile_cache, fp8_attention, precompiled, quality, tiling
 from worker.sr import split as _split
 from worker.sr.attention import PROCESSORS
@@ -268,7 +269,9 @@ class SREngine:
             # One denoising step: every step runs the same graphs (the timestep is a tensor input), so more would
             # only repeat them
             request = SRRequest(scale=scale, num_inference_steps=1)
-            return self.upscale(torch.zeros(length, 3, height, width), request, lambda _: None, warming=True)
+            # uint8 frames, as a job's windows come
+            video = torch.zeros(length, 3, height, width, dtype=torch.uint8)
+            return self.upscale(video, request, lambda _: None, warming=True)
 
         started, graphs, compiling = perf_counter(), compile_cache.graphs_built(), compile_cache.seconds()
         functions = precompiled.stats()
@@ -326,7 +329,8 @@ class SREngine:
         *,
         warming: bool = False,
     ) -> RunInfo:
-        """Upscale `video` ((F, 3, H, W) float in [0, 1], any F >= 1 and any size) and stream the result to `sink`.
+        """Upscale `video` ((F, 3, H, W): float in [0, 1], or uint8 / uint16 RGB at full scale; any F >= 1 and any
+        size) and stream the result to `sink`.
         `warming`: a warmup's throwaway call, which decodes each decoder call signature once
         (`DecodeEachSignatureOnce`): its frames are not the clip's."""
         request.validate()
@@ -342,8 +346,8 @@ class SREngine:
         tracker = _Tracker(progress, cancelled)
         tiling_scale, _ = tiling.split_scale(request.scale)
 
-        # 1. To the first device, as (1, 3, F, H, W) in [-1, 1]
-        video = (2.0 * video.to(home.device) - 1.0).permute(1, 0, 2, 3).unsqueeze(0)
+        # 1. To the first device, as (1, 3, F, H, W) in [-1, 1]; integer frames cross as they are and become float there
+        video = (2.0 * unit(video, home.device) - 1.0).permute(1, 0, 2, 3).unsqueeze(0)
 
         # 2. The x2.25 route: bilinear x1.125 pre-upscale, then the x2 model
         model_height, model_width = tiling.pre_upscaled_size(height, width, request.scale)

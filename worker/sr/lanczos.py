@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from worker.errors import Cancelled, InvalidRequest
+from worker.frames import unit
 from worker.sr import tiling
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 
@@ -48,7 +49,7 @@ class LanczosUpscaler:
             # Resample each channel as 32-bit float ("F" mode) so no precision is lost before the encoder.
             channels = [
                 np.asarray(Image.fromarray(channel.numpy(), mode="F").resize((out_width, out_height), Image.LANCZOS))
-                for channel in frame.float()
+                for channel in unit(frame).float()
             ]
             sink(torch.from_numpy(np.stack(channels)).clamp(0, 1).unsqueeze(0))
             if progress is not None:
