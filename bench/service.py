@@ -330,7 +330,8 @@ class Jobs:
         return job, time.monotonic()
 
     def check_output(self, job: dict, name: str, directory: Path) -> dict[str, Any]:
-        """Downloads the output and reads it back: the size and frame count the clip promises."""
+        """Downloads the output and reads it back: the size and frame count the clip promises; its SHA-256 (the clips
+        and the seed are fixed: two trees giving other bytes computed or encoded otherwise)."""
         import av
 
         path = self.client.download(job["id"], directory / f"{job['id']}.mp4", sha256=job["output"]["sha256"])
@@ -341,7 +342,7 @@ class Jobs:
             size = (stream.codec_context.width, stream.codec_context.height)
         path.unlink()
         ok = size == (2 * width, 2 * height) and decoded == frames
-        return {"output_ok": ok, "output": f"{size[0]}x{size[1]}x{decoded}"}
+        return {"output_ok": ok, "output": f"{size[0]}x{size[1]}x{decoded}", "output_sha256": job["output"]["sha256"]}
 
     def timeline(self, job_id: str) -> dict[str, Any]:
         """The attempt's events: when it was leased, each stage, its `run` event (engine seconds), its end."""

@@ -34,6 +34,8 @@ def test_the_service_bench_reports_every_figure(tmp_path):
 
     solo = by_phase["solo"]
     assert [job["job"] for job in solo] == ["W2", "W2", "W1"]
+    # the same clip and seed twice: the same bytes (what lets two trees' outputs be compared on the GPU)
+    assert solo[0]["output_sha256"] == solo[1]["output_sha256"] != solo[2]["output_sha256"], solo
     for job in solo + by_phase["queue_job"]:
         assert job["output_ok"], job  # downloaded, read back: twice the size, every frame
         assert 0 < job["engine_s"] < job["leased_to_completed_s"] <= job["post_to_completed_s"], job
