@@ -388,7 +388,8 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         "tail_s": run.get("tail_s", {}),
         # inside the engine's span, not the engine's seconds (worker.tasks `_note_run`): input frames in, windows kept
         "windows_s": run.get("windows_s", {}),
-        # the kept windows' uploads on the store's thread, beside the engine and the tail (their wait is `kept_join`)
+        # the kept windows' uploads on the store's thread, beside the engine and the tail (their wait is `kept_join`):
+        # every window but the job's last, so 0 for a job of one window
         "kept_upload_s": run.get("kept_upload_s"),
     }
 
