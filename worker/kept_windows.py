@@ -14,7 +14,7 @@ reaper's sweep, deletes the job's work prefix).
 
 The job's last window is not kept (`keeps_last`): its frames go straight into the encoder and the job's tail follows
 within about a second, so keeping it (its raw frames written during the engine, 571 MB for W1's one window, then
-uploaded beside the tail's flush and check, which contend with it, and joined before the output's upload: seconds over
+uploaded beside the tail's flush and check, which contend with it, and joined before the job completes: seconds over
 a network, on every job) would only save that one window's recomputation after a kill during the tail. A job of one
 window, most of them, keeps nothing and its tail joins nothing; a longer one killed mid-way still resumes from the
 windows before its last.
