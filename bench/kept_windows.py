@@ -3,9 +3,10 @@ and sizes as the model's output) and a `BlobWindowStore` on a local blob store, 
 line per run: the engine thread's wall seconds, the upscaler's own, `host_s` (input frames made tensors, windows
 committed as the engine's thread waited for them), and with a store `kept_upload_s` (the uploads' seconds on the
 store's uploader, beside the engine) and `join_s` (what was left of them once the windows were done: the worker
-waits for it after the encoder's flush and check, which this bench does not run).
+waits for it after the encoder's flush and check, which this bench does not run). The store keeps every window but
+the job's last (worker/kept_windows.py): a clip of one window keeps nothing, so a window's price takes two.
 
-    python bench/kept_windows.py --size 768x512 --frames 121 --runs 4      # W1's output, 1536x1024x121 (571 MB raw)
+    python bench/kept_windows.py --size 768x512 --frames 226 --runs 4      # two W1-sized windows, the first kept (571 MB raw)
 """
 
 from __future__ import annotations

@@ -384,26 +384,30 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         "split_s": split(at, run),
         # when each step of the head ended, seconds after the lease (worker.tasks `_note_run`), then the engine's span
         "head_s": run.get("head_s", {}) | {"engine": run.get("engine_span_s")},
-        # the tail's steps in seconds (worker.tasks `_complete`): flush, verify, uploading beat, previews, uploads, settle
+        # the tail's steps in seconds (worker.tasks `_complete`): flush, uploading beat, the upload beside verify (and
+        # the pair's span, `verify_upload`), previews, their uploads, settle
         "tail_s": run.get("tail_s", {}),
         # inside the engine's span, not the engine's seconds (worker.tasks `_note_run`): input frames in, windows kept
         "windows_s": run.get("windows_s", {}),
-        # the kept windows' uploads on the store's thread, beside the engine and the tail (their wait is `kept_join`)
+        # the kept windows' uploads on the store's thread, beside the engine and the tail (their wait is `kept_join`):
+        # every window but the job's last, so 0 for a job of one window
         "kept_upload_s": run.get("kept_upload_s"),
     }
 
 
 def split(at: dict[str, float], run: dict[str, Any]) -> dict[str, float]:
-    if not run or "uploading" not in at or "probing" not in at:
+    if not run or "probing" not in at or "windows_kept" not in run.get("head_s", {}):
         return {}
-    upscale_started = at["uploading"] - run["upscale_s"]  # the uploading beat follows upscale_file's return
+    # the upscale (probe to verified file) starts once the kept windows are listed, on the lease's clock as `head_s`;
+    # the output's upload starts before it ends (beside the check): `upload_complete` is what the tail adds after it
+    upscale_started = at["leased"] + run["head_s"]["windows_kept"]
     waited = run.get("turn_waited_s", 0.0)  # an overlapped tail's wait for the tails before it, inside upscale_s
     return {
         "lease": round(at["probing"] - at["leased"], 3),
         "download": round(upscale_started - at["probing"], 3),
         "upscale_not_engine": round(run["upscale_s"] - run["engine_s"] - waited, 3),
         "tail_turn": round(waited, 3),
-        "upload_complete": round(at["completed"] - at["uploading"], 3),
+        "upload_complete": round(at["completed"] - upscale_started - run["upscale_s"], 3),
     }
 
 

@@ -31,8 +31,8 @@ from worker.sr.windows import WindowProgress
 
 log = logging.getLogger("vsrq.worker")
 
-# Progress the job shows: the windows run from 1 to UPSCALED, then the encoder's flush and the check, then the upload;
-# the fenced `complete` sets 100.
+# Progress the job shows: the windows run from 1 to UPSCALED, then the encoder's flush, then the upload (beside the
+# output's check); the fenced `complete` sets 100.
 UPSCALED = 90
 UPLOADING = 95
 T = TypeVar("T")
@@ -143,7 +143,7 @@ class Heartbeat:
         last = finished and event.window == event.windows - 1
         self.send(
             progress=1 + int((UPSCALED - 1) * event.fraction),
-            stage="encoding" if last else "upscaling",  # after the last window: the encoder's flush and the check
+            stage="encoding" if last else "upscaling",  # after the last window: the encoder's flush
             force=finished,
         )
 

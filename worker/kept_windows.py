@@ -11,6 +11,13 @@ window not kept is only computed again by the next attempt. The key is the job's
 prefix of its own, as an upload `close` left in flight may land after the next attempt has begun: under its own key,
 which an attempt with another key never reads (it deletes the older keys' windows as it begins; the job's end, or the
 reaper's sweep, deletes the job's work prefix).
+
+The job's last window is not kept (`keeps_last`): its frames go straight into the encoder and the job's tail follows
+within about a second, so keeping it (its raw frames written during the engine, 571 MB for W1's one window, then
+uploaded beside the tail's flush and check, which contend with it, and joined before the job completes: seconds over
+a network, on every job) would only save that one window's recomputation after a kill during the tail. A job of one
+window, most of them, keeps nothing and its tail joins nothing; a longer one killed mid-way still resumes from the
+windows before its last.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleO
 
 
 class BlobWindowStore:
+    keeps_last = False  # see the module's docstring
+
     def __init__(
         self,
         blobs: BlobStore,
@@ -150,7 +159,7 @@ class BlobWindowStore:
                     path = self.local._path(index, suffix)
                     if self.progress is not None:  # a cancel or a lost lease, seen before a request that may hang
                         self.progress(0)
-                    if path.exists():  # the last window has no tail
+                    if path.exists():  # a window without an overlap has no tail
                         self._upload(path)
         except FATAL:
             raise

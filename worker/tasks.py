@@ -13,18 +13,20 @@ the lease over.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from time import monotonic
-from typing import Any
+from typing import Any, BinaryIO
 
 import redis.exceptions
 from celery.exceptions import Reject
@@ -264,7 +266,8 @@ class _Tail:
     head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
     turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
     completed: bool = False  # its `complete` went through: its job is ended, what remains is housekeeping
-    steps: dict[str, float] = field(default_factory=dict)  # seconds of each step of the tail up to `complete`
+    # each step of the tail up to `complete`: `monotonic()` at its start and end (the upload and the check overlap)
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def silent_s(self) -> float:
         """How long it has shown no sign of life, as the finisher reads it (worker.finisher): never once its job has
@@ -323,6 +326,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
+        #    Not the last: the tail follows it within a second, and keeping it would cost every job's tail its upload
+        #    (worker.kept_windows); a job of one window keeps nothing.
         #    The key names the bytes this attempt read (a URL may serve others each time) and what gives other bits on
         #    another worker (`auto` may pick another decode segment there, a split, or FP8 attention on cuDNN):
         #    windows kept under another key are never replayed.
@@ -341,7 +346,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
         # the raw windows are encoded: once uploaded they go (a held tail must not hold them), the engine not waiting
-        # for the last upload, which `encoding.finish()` joins after the encoder's flush and check
+        # for the last upload (the window before the job's last: that one is not kept), which the tail joins after the
+        # encoder's flush and check
         kept.release_local()
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         head |= encoding.result.head
@@ -406,31 +412,37 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     config = service.worker_settings()
     default_steps = service.upscaler().default_steps
 
-    # 4. The encoder's flush and the read-back check; the poster frame and sprite sheet, then the uploads to this
-    #    attempt's keys: a stale attempt may upload, but only the fenced `complete` promotes
-    result = tail.encoding.finish()
-    steps, at = dict(result.tail), monotonic()  # each step's seconds, for the `run` event (`_note_run`)
-
-    def step(name: str) -> None:
-        nonlocal at
-        steps[name], at = monotonic() - at, monotonic()
-
-    metrics.record_upscale(result)
-    beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(result.source), force=True)
-    step("uploading_beat")
-    with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
-        made = _previews(job.id, result, scratch)
-    step("previews")
-    stored = beat.storage(lambda: _upload(result.output, output_key, beat.transfer))
-    step("upload")
+    # 4. The encoder's flush, then the uploads to this attempt's keys: a stale attempt may upload, but only the fenced
+    #    `complete` promotes. The output's upload runs beside its read-back check, so it need not wait for it: a
+    #    check that fails fails the attempt once the upload has ended, and `end` deletes what landed. The poster
+    #    frame and sprite sheet are made meanwhile, then uploaded.
+    spans: dict[str, tuple[float, float]] = {}  # each step's start and end, for the `run` event (`_note_run`)
+    flushed = tail.encoding.flush()
+    at = monotonic()
+    source = tail.encoding.result.source
+    beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(source), force=True)
+    spans["uploading_beat"] = (at, monotonic())
+    # opened before the check, which renames the file (or deletes it) as the upload reads it
+    with open(flushed, "rb") as file, ThreadPoolExecutor(1, thread_name_prefix="vsrq-output-upload") as beside:
+        upload = beside.submit(contextvars.copy_context().run, _upload_output, file, output_key, beat)
+        result = tail.encoding.check()  # raising, it leaves the block once the upload has ended
+        spans |= result.tail_spans
+        metrics.record_upscale(result)
+        at = monotonic()
+        with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
+            made = _previews(job.id, result, scratch)
+        spans["previews"] = (at, monotonic())
+        stored, spans["upload"] = upload.result()
+    at = monotonic()
     previews = {
         variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
         for variant, path in made.items()
     }
-    step("upload_previews")
+    spans["upload_previews"] = (at, monotonic())
+    at = monotonic()
     beat.settle()  # asked while it uploaded: the output is discarded, not promoted
-    step("settle")
-    tail.steps = steps
+    spans["settle"] = (at, monotonic())
+    tail.spans = spans
 
     # 5. Promote, then drop what earlier attempts left (one killed after its upload, before its `complete`)
     _note_run(lease, result, tail, overlapped)
@@ -471,6 +483,10 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
     """A `run` event with the attempt's engine seconds beside its wall time, before `complete` so a completed job
     has it: what the service costs on top of the model (bench/service.py reads it). Informational: never the
     attempt's end."""
+    spans = dict(tail.spans)
+    if "verify" in spans and "upload" in spans:
+        pair = (spans["verify"], spans["upload"])
+        spans["verify_upload"] = (min(start for start, _ in pair), max(end for _, end in pair))
     detail = {
         "engine_s": round(result.engine_seconds, 3),
         "upscale_s": round(result.seconds, 3),  # probe to verified file
@@ -484,14 +500,18 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
         # inside the engine's span, not its work: the windows' input frames made tensors, the windows' commits to the
-        # kept-windows store as the engine waited for them (`kept`)
+        # kept-windows store as the engine waited for them (`kept`: 0 for a job of one window, whose last is not kept)
         "windows_s": {step: round(seconds, 3) for step, seconds in result.windows_s.items()},
         # beside the engine and the tail, off their path: the seconds the store's uploader spent uploading the windows
+        # (all but the last: 0 for a job of one window)
         "kept_upload_s": round(result.kept_upload_s, 3),
-        # the tail's steps, in seconds: the encoder's flush, `verify`, the wait for the kept windows' last uploads
-        # (`kept_join`), the `uploading` beat, the previews, the output's upload, the previews', `settle` (`complete`
-        # follows this event)
-        "tail_s": {step: round(seconds, 3) for step, seconds in tail.steps.items()},
+        # the tail's steps, in seconds: the encoder's flush, the `uploading` beat, then the output's upload beside
+        # `verify`, the wait for the kept windows' last uploads (`kept_join`) and the previews, the two side by side
+        # (`verify_upload`: the first's start to the last's end), the previews' uploads, `settle` (`complete` follows
+        # this event)
+        "tail_s": {step: round(end - start, 3) for step, (start, end) in spans.items()},
+        # when each step started and ended, as `head_s`
+        "tail_at_s": {step: [round(at - lease.asked_at, 3) for at in span] for step, span in spans.items()},
         # overlapped, how long it waited for the tails before it: part of `upscale_s`, none of its own work
         "turn_waited_s": round(tail.turn_waited_s, 3),
         "windows": result.windows,
@@ -504,6 +524,18 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         lease.store.note(lease.job_id, "run", detail)
     except (JobNotFound, redis.exceptions.RedisError) as error:  # `complete` finds out what this means
         log.warning("%s: could not record the run's timings: %s", lease.job_id, error)
+
+
+def _upload_output(file: BinaryIO, key: str, beat: Heartbeat) -> tuple[BlobInfo, tuple[float, float]]:
+    """The output's upload from its open file, waiting out a storage outage: what was stored, and when it started and
+    ended."""
+    began = monotonic()
+
+    def put() -> BlobInfo:
+        file.seek(0)  # a try again starts over
+        return service.blobs().put(key, file, content_type="video/mp4", progress=beat.transfer)
+
+    return beat.storage(put), (began, monotonic())
 
 
 def _upload(path: Path, key: str, progress: Callable[[int], None], content_type: str = "video/mp4") -> BlobInfo:

@@ -91,6 +91,9 @@ class Result:
     # seconds of each step of `Encoding.finish`: the encoder's flush, the read-back check, the wait for the store's
     # last uploads (`kept_join`)
     tail: dict[str, float] = field(default_factory=dict)
+    # the same steps' `time.monotonic()` at their start and end: a caller that ran something beside them (the
+    # worker's output upload beside the check) reports how they overlapped
+    tail_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
     # the previews' frames, taken as they were encoded: the output is not decoded again for them
     previews: PreviewFrames | None = field(default=None, repr=False, compare=False)
 
@@ -225,22 +228,39 @@ def _marking(frames: Iterator[T], first_window: int, head: dict[str, float]) -> 
 
 class Encoding:
     """An output whose frames are all with the encoder: `finish` flushes it, verifies the file against what it must be
-    and puts it in place; `discard` drops it. One of the two, once, from any thread."""
+    and puts it in place (`flush` then `check`, for a caller that reads the flushed file meanwhile); `discard` drops
+    it. One of them, once, from any thread."""
 
     def __init__(
         self, result: Result, writer: Mp4Writer, promise: Promise, started: float, store: WindowStore | None = None
     ) -> None:
         self.result, self._writer, self._promise, self._started = result, writer, promise, started
         self._store = store
+        self._spans: dict[str, tuple[float, float]] = {}
 
     def finish(self) -> Result:
-        # 5. Flush the encoder, read the file back and check it against the promise, then put it in place atomically
-        partial = self._writer.path
+        self.flush()
+        return self.check()
+
+    def flush(self) -> Path:
+        """5. Flushes the encoder: the finished file, under its hidden name beside the output until `check` puts it in
+        place or deletes it (a file opened before `check` stays readable either way)."""
         began = monotonic()
         try:
             with self._writer:  # leaving it closes the writer (the flush); one that fails deletes the file
                 pass
-            flushed = monotonic()
+        except BaseException:
+            self._writer.path.unlink(missing_ok=True)
+            raise
+        self._spans["flush"] = (began, monotonic())
+        return self._writer.path
+
+    def check(self) -> Result:
+        """6. Once flushed: reads the file back and checks it against the promise, then puts it in place atomically;
+        then waits for the store's uploads."""
+        partial = self._writer.path
+        began = monotonic()
+        try:
             # re-encoded audio is held to what its decoder gave, which the passthrough knows once it is flushed
             passthrough = self._writer.passthrough
             promise = self._promise.decoded(passthrough.placed()) if passthrough is not None else self._promise
@@ -248,19 +268,27 @@ class Encoding:
             os.replace(partial, self.result.output)
         finally:
             partial.unlink(missing_ok=True)
-        tail = {"flush": flushed - began, "verify": monotonic() - flushed}
+        self._spans["verify"] = (began, monotonic())
         kept_upload_s = 0.0
-        if self._store is not None:  # the last windows' uploads ran beside the flush and the check: waited for here,
-            # before the caller ends the job (its end deletes the kept windows)
+        if self._store is not None:  # the last kept window's upload ran beside the flush and the check: waited for
+            # here, before the caller ends the job (its end deletes the kept windows)
             joined = monotonic()
             kept_upload_s = self._store.join()
-            tail["kept_join"] = monotonic() - joined
+            self._spans["kept_join"] = (joined, monotonic())
         return replace(
-            self.result, written=written, seconds=perf_counter() - self._started, tail=tail, kept_upload_s=kept_upload_s
+            self.result,
+            written=written,
+            seconds=perf_counter() - self._started,
+            tail={step: end - start for step, (start, end) in self._spans.items()},
+            tail_spans=dict(self._spans),
+            kept_upload_s=kept_upload_s,
         )
 
     def discard(self) -> None:
-        self._writer.discard()
+        if "flush" in self._spans:  # the writer is closed: only its file is left
+            self._writer.path.unlink(missing_ok=True)
+        else:
+            self._writer.discard()
 
 
 def _check_output(source: Path, output: Path) -> None:

@@ -905,7 +905,10 @@ def _post_quietly(url: str, clip: bytes) -> None:
 
 
 HEAD_STEPS = ("fetched", "windows_kept", "probed", "writer_open", "first_window_decoded")  # in the order they run
-TAIL_STEPS = ("flush", "verify", "kept_join", "uploading_beat", "previews", "upload", "upload_previews", "settle")  # as they run
+# as they start: the output's upload beside `verify`, `kept_join` and the previews (`verify_upload`: the pair's span)
+TAIL_STEPS = (
+    "flush", "uploading_beat", "upload", "verify_upload", "verify", "kept_join", "previews", "upload_previews", "settle"
+)  # fmt: skip
 
 
 def run_detail(jobs: JobStore, job_id: str) -> dict:
@@ -926,8 +929,8 @@ def hold_a_tail(api: str, jobs: JobStore, partition: Partition, clips, worker: P
     """A job and a short one behind it on `worker`; storage is cut once the first job's engine is done, so that its
     tail waits on its upload. Returns (first, short) once `worker` has leased the short one meanwhile: the tail is in
     flight, its task returned and its message was acknowledged. The caller heals the partition."""
-    for _ in range(3):  # the encoder's flush and the check come before the upload: a fraction of a
-        # second to cut storage in, which a busy machine can miss
+    for _ in range(3):  # the encoder's flush comes before the upload: a fraction of a second to cut storage in,
+        # which a busy machine can miss
         tailing, following = create(api, clips["medium"]), create(api, clips["small"])
         held = wait_until(jobs, tailing, lambda job: job.stage in ("encoding", "uploading") or ended(job))
         partition.cut()
@@ -979,11 +982,12 @@ def test_a_queue_runs_with_each_tail_overlapped_by_the_next_job(api, reaper, job
 
 
 def test_a_worker_killed_during_a_tail_loses_no_job_and_leaves_one_output(
-    env, api, reaper, jobs, blobs, clips, logs, s3_cut, tmp_path
+    stack, env, api, reaper, jobs, blobs, clips, logs, s3_cut, tmp_path
 ):
-    """Killed with a tail in flight (its message already acknowledged) and the next job leased: the reaper requeues
-    both once their leases run out, a new worker completes each once. The held tail keeps no raw windows on the
-    worker's disk (only its input and MP4): the new attempt replays them from blob storage."""
+    """Killed with a tail in flight, held on its output's upload (its message already acknowledged), and the next
+    job leased: the reaper requeues both once their leases run out, a new worker completes each once. The held tail
+    keeps no raw windows on the worker's disk once they are kept (only its input and MP4): the new attempt replays
+    them from blob storage."""
     partition, s3 = s3_cut
     lease_s = 4
     scratch = tmp_path / "scratch"  # the workers' temporary directory, where each job's scratch directory goes
@@ -993,16 +997,33 @@ def test_a_worker_killed_during_a_tail_loses_no_job_and_leaves_one_output(
     supervisor = Supervisor(lambda: processes.worker(settings, QUEUE, logs))
     try:
         first = started(supervisor.current)
+        tailing = create(api, clips["medium"])
+        upload = f"PUT /{stack.bucket}/outputs/{tailing}/".encode()  # its output's, not its kept windows'
+        partition.hold(upload)
         try:
-            tailing, following = hold_a_tail(api, jobs, partition, clips, first)
-            # the tail's scratch: the one whose MP4 is flushed (the next job's, storage cut, has none yet)
-            held = [path.parent for path in scratch.glob("vsrq-*/output.mp4")]
-            raw = [path.name for directory in held for path in directory.rglob("window-*")]
+            following = create(api, clips["small"])
+            deadline = time.monotonic() + 120
+            while not partition.held:  # the tail waits on its output's upload; its kept windows' go on
+                assert time.monotonic() < deadline and not ended(jobs.require(tailing)), "the upload was never held"
+                time.sleep(0.05)
+            wait_until(jobs, following, lambda job: job.status == Status.IN_PROGRESS and holder(job, [first]) is first)
+            # the tail's scratch: the one with an MP4 (under its hidden name until its check, beside the held upload,
+            # puts it in place) and the medium clip's input (the next job's is the small one's); its raw windows go
+            # once they are kept
+            held = [
+                path.parent for path in scratch.glob("vsrq-*/*output.mp4*")
+                if (path.parent / "input").exists() and (path.parent / "input").stat().st_size == len(clips["medium"])
+            ]  # fmt: skip
+            while (raw := [path.name for folder in held for path in folder.rglob("window-*")]) and not ended(
+                jobs.require(tailing)
+            ):
+                assert time.monotonic() < deadline, raw
+                time.sleep(0.05)
             first.kill()
             kept = sum(key.endswith(".json") and "window-" in key for key in blobs.keys(f"work/{tailing}/windows/"))
             killed_at = time.time()
         finally:
-            partition.heal()
+            partition.release(upload)
         records = wait_all(jobs, [tailing, following], limit_s=120)
         resumed = [leases(jobs, job_id)[-1] - killed_at for job_id in (tailing, following)]
         assert len(held) == 1 and (held[0] / "input").exists() and raw == [], (held, raw)

@@ -168,6 +168,48 @@ def test_a_killed_worker_s_job_resumes_from_its_kept_windows(
     assert sorted(s3.keys(output_prefix(job.id))) == sorted(resumed.output.keys())
 
 
+def window_files(keys: Iterator[str] | list[str]) -> dict[int, set[str]]:
+    """Window index -> the suffixes of its files (u8, tail.npy, json)."""
+    files: dict[int, set[str]] = {}
+    for key in keys:
+        if found := re.search(r"window-(\d+)\.(.+)$", key):
+            files.setdefault(int(found[1]), set()).add(found[2])
+    return files
+
+
+@pytest.mark.parametrize(("frames", "kept"), [(13, []), (37, [0, 1, 2])])
+def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
+    """The worker's path (`begin_upscale` with the attempt's `BlobWindowStore` on SeaweedFS, `release_local`, the
+    tail's `finish`): a job of one window keeps nothing, neither written on the worker's disk during the engine nor
+    uploaded (its tail joins no upload); one of 4 keeps the first 3, each whole, and not the last."""
+    source = write_clip(tmp_path / "input.mp4", frames, (144, 192), audio_codec="aac")
+    options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)
+    job_id = f"video_{secrets.token_hex(4)}"
+    store = BlobWindowStore(s3, job_id, tmp_path / "windows", "key")
+    encoding = begin_upscale(source, tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
+    written = window_files(path.name for path in (tmp_path / "windows").iterdir())  # the engine is done
+    store.release_local()
+    result = encoding.finish()
+    store.close()
+    uploaded = window_files(s3.keys(work_prefix(job_id)))
+    assert result.windows == (1 if frames == 13 else 4) and result.restored == 0
+    assert sorted(written) == sorted(uploaded) == kept, (written, uploaded)
+    assert all(suffixes == {"u8", "tail.npy", "json"} for suffixes in uploaded.values()), uploaded
+    assert (result.kept_upload_s > 0) == bool(kept) and (result.windows_s["kept"] > 0) == bool(kept), result
+    s3.delete_prefix(work_prefix(job_id))
+
+
+def test_a_job_of_one_window_keeps_nothing_on_a_worker(request, settings, jobs, s3, queue, tmp_path):
+    """Through a real worker (the task's head and tail): a job of one window uploads no window, so its `run` event
+    reports no upload and no commit; a longer job's does."""
+    short = write_clip(tmp_path / "short.mp4", 13, (144, 192), audio_codec="aac").read_bytes()
+    job = create_record(jobs, s3, short, queue)
+    done = completed_on_a_steady_worker(request, jobs, settings, job, restored="0 of 1")
+    [run] = [event.detail for event in jobs.events(done.id) if event.type == "run"]
+    assert run["windows"] == 1 and run["kept_upload_s"] == 0 and run["windows_s"]["kept"] == 0, run
+    assert run["tail_s"]["kept_join"] < 0.05, run  # nothing to wait for
+
+
 def test_kept_windows_in_a_local_store_resume_a_job_and_never_replay_into_another(tmp_path):
     """The same mirror over the local backend, in process: an attempt cancelled after two windows, the next one
     (a fresh scratch directory) computing only the rest; a key for other options starting the prefix over."""
@@ -231,7 +273,8 @@ def test_an_upload_that_lands_after_the_next_attempt_began_never_reaches_another
 
     computed, resumed = attempt("new bytes", new)
     _, expected = attempt("expected", new)
-    assert computed == ([] if late.endswith(".u8") else [0, 1, 2]) and torch.equal(resumed, expected)
+    # the last window is never kept: computed by every attempt
+    assert computed == ([2] if late.endswith(".u8") else [0, 1, 2]) and torch.equal(resumed, expected)
     s3.delete_prefix(work_prefix(job_id))
 
 
@@ -256,6 +299,7 @@ def test_an_attempt_that_replays_every_window_reports_what_made_them(model, engi
 
     def attempt(name: str):
         store = BlobWindowStore(s3, job_id, tmp_path / name, "key")
+        store.keeps_last = True  # every window kept, the last too: as a worker of the version before kept them
         return upscale_file(source, tmp_path / f"{name}.mp4", upscaler, HIGH, store=store)
 
     computed, replayed = attempt("computed"), attempt("replayed")
@@ -272,11 +316,13 @@ def test_a_job_whose_windows_were_all_kept_reports_the_quality_that_made_them(
     """The record of a job whose worker replays every window says what made them: `high` asked of lanczos, kept
     by an attempt that ran `lossless` (lanczos has no faster path), is `lossless` on the job, not `high`."""
     job = create_record(jobs, s3, long_clip, queue, quality="high")
-    # Every window kept, as by an attempt that died just after its last one: the worker's options (WINDOWS) and key
+    # Every window kept, the last too, as by a worker of the version before that one died just after its last
+    # window: the worker's options (WINDOWS) and key
     options = replace(job_options(job.params, LanczosUpscaler.default_steps), window=13, window_overlap=4)
     key = windows_key(job, job.input.sha256, "lanczos", options, LanczosUpscaler())
     (tmp_path / "input.mp4").write_bytes(long_clip)
     store = BlobWindowStore(s3, job.id, tmp_path / "windows", key)
+    store.keeps_last = True
     upscale_file(tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
     assert len(kept_windows(s3, job.id)) == 4
 
@@ -311,7 +357,7 @@ def test_windows_kept_for_other_input_bytes_are_never_replayed(request, settings
     kept_for = windows_key(job, old.sha256, "lanczos", options, LanczosUpscaler())
     store = BlobWindowStore(s3, job.id, tmp_path / "windows", kept_for)
     upscale_file(tmp_path / "old.mp4", tmp_path / "old-output.mp4", LanczosUpscaler(), options, store=store)
-    assert len(kept_windows(s3, job.id)) == 4
+    assert len(kept_windows(s3, job.id)) == 3  # all but the last
     # The key now holds other bytes: the same 37 frames, but not the same pixels
     new = write_clip(tmp_path / "new.mp4", 37, (144, 192), crf=30, audio_codec="aac")
     s3.put(key, io.BytesIO(new.read_bytes()))
@@ -356,7 +402,7 @@ def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
     upscaler, resumed = attempt("resumed")
     assert (upscaler.windows, resumed.restored) == (computed, restored)
     frames = pixels_of(tmp_path / "resumed")
-    assert len(frames) == 3 and frames == pixels_of(tmp_path / "uninterrupted")
+    assert len(frames) == 2 and frames == pixels_of(tmp_path / "uninterrupted")  # the last window is not kept
     assert (tmp_path / "resumed.mp4").read_bytes() == (tmp_path / "uninterrupted.mp4").read_bytes()  # and so the file
     assert (resumed.quality, resumed.levers) == ("high", EMULATED)
     for window in kept_windows(s3, job_id):
@@ -509,7 +555,8 @@ def uploader_threads() -> list[threading.Thread]:
 def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(settings, s3, long_clip, tmp_path):
     """The first window's upload stalls on its way to SeaweedFS: the engine computes every window meanwhile (the
     uploads run beside it), the encoder's flush and check are done, and the output is finished only once every
-    window is kept (the job's end deletes them: none may land after it); the next attempt replays them all."""
+    window it keeps (all but the last) is (the job's end deletes them: none may land after it); the next attempt
+    replays them all."""
     (tmp_path / "input.mp4").write_bytes(long_clip)
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)  # 4 windows
     job_id = f"video_{secrets.token_hex(4)}"
@@ -531,25 +578,25 @@ def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(setting
         finishing.join(60)
     held_s = time.monotonic() - held_s
     result = finished_with[0]
-    assert len(kept_windows(s3, job_id)) == 4 and not uploader_threads()
+    assert len(kept_windows(s3, job_id)) == 3 and not uploader_threads()
     assert result.windows_s["kept"] < result.kept_upload_s and result.tail["kept_join"] >= held_s * 0.5
     assert (tmp_path / "output.mp4").exists()
     store.close()  # the worker's cleanup after the join: nothing left to skip
-    assert len(kept_windows(s3, job_id)) == 4 and not (tmp_path / "windows").exists()
+    assert len(kept_windows(s3, job_id)) == 3 and not (tmp_path / "windows").exists()
 
     replay = BlobWindowStore(s3, job_id, tmp_path / "replay", "key")
     replayed = upscale_file(tmp_path / "input.mp4", tmp_path / "replayed.mp4", Recording(LanczosUpscaler()), options, store=replay)
-    assert replayed.restored == 4
+    assert replayed.restored == 3
     s3.delete_prefix(work_prefix(job_id))
 
 
-def test_a_lease_lost_during_the_last_window_s_upload_stops_the_attempt_at_the_join(
+def test_a_lease_lost_during_the_last_kept_window_s_upload_stops_the_attempt_at_the_join(
     settings, redis_client, s3, queue, long_clip, tmp_path, monkeypatch
 ):
-    """The last window's upload stalls past the time its heartbeats keep the lease (`storage_retry_s`), the lease
-    runs out and another attempt takes the job: the engine is done, but the heartbeat's error reaches the attempt's
-    thread where it waits for the uploads (`Encoding.finish`), so the attempt never completes; the window's JSON
-    never goes, and the upload's thread has ended."""
+    """The last kept window's upload (the one before the job's last) stalls past the time its heartbeats keep the
+    lease (`storage_retry_s`), the lease runs out and another attempt takes the job: the engine is done, but the
+    heartbeat's error reaches the attempt's thread where it waits for the uploads (`Encoding.finish`), so the attempt
+    never completes; the window's JSON never goes, and the upload's thread has ended."""
     # the settings are cached for the process: the test's own, not an environment variable read once
     monkeypatch.setattr(service, "worker_settings", lambda: WorkerSettings(storage_retry_s=0.5))
     jobs = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"recovery-{secrets.token_hex(4)}")
@@ -558,7 +605,7 @@ def test_a_lease_lost_during_the_last_window_s_upload_stops_the_attempt_at_the_j
     beat = Heartbeat(lease, every_s=0.2)
     (tmp_path / "input.mp4").write_bytes(long_clip)
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)  # 4 windows
-    with held_window_upload(settings, "window-00003.u8") as (slow, partition):
+    with held_window_upload(settings, "window-00002.u8") as (slow, partition):
         store = BlobWindowStore(slow, job.id, tmp_path / "windows", "key", beat.transfer, beat.kept_alive)
         encoding = begin_upscale(
             tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, beat.window, beat.cancelled, store
@@ -566,11 +613,11 @@ def test_a_lease_lost_during_the_last_window_s_upload_stops_the_attempt_at_the_j
         wait_until(lambda: partition.held == 1, 30)
         wait_until(lambda: jobs.reap().get(job.id) == "queued", 30, step_s=0.1)
         jobs.lease(job.id, "attempt-2", lease_s=60)  # the job is another attempt's now
-        partition.release(b"/window-00003.u8 ")
+        partition.release(b"/window-00002.u8 ")
         with pytest.raises((StaleAttempt, redis.exceptions.RedisError)):
             encoding.finish()
     assert not uploader_threads()
-    assert len(kept_windows(s3, job.id)) == 3  # the last window's JSON never went: it never replays
+    assert len(kept_windows(s3, job.id)) == 2  # the held window's JSON never went: it never replays
     s3.delete_prefix(work_prefix(job.id))
 
 

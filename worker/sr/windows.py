@@ -128,6 +128,11 @@ class WindowRecorder(Protocol):
 
 
 class WindowStore(Protocol):
+    # Whether the last window is kept: its frames go straight into the encoder and the output follows, so a store whose
+    # keeping costs the output's tail (a blob store's upload, joined before the job ends) leaves it out; a rerun
+    # computes only that window again
+    keeps_last: bool
+
     def load(self, index: int) -> StoredWindow | None: ...
 
     def record(self, index: int) -> WindowRecorder: ...
@@ -144,6 +149,8 @@ class DirectoryWindowStore:
     """Finished windows as raw files in a directory: 8-bit frames (as big as the raw output of those windows) and
     the float overlap tail. `key` names the job (input, model, options): a directory kept for another key is
     emptied, so a stale window can never be replayed into a different job."""
+
+    keeps_last = True  # a local directory (`vsrq upscale --keep-windows`): a rerun replays every window
 
     def __init__(self, directory: str | Path, key: str) -> None:
         self.directory = Path(directory)
@@ -260,7 +267,8 @@ def upscale_windows(
             if progress is not None:
                 progress(WindowProgress(index, len(plan.windows), event.stage, event.done, event.total, tiles))
 
-        blender = _Blender(plan, window, tail, sink, store.record(window.index) if store is not None else None)
+        kept = store is not None and (store.keeps_last or window.index < len(plan.windows) - 1)
+        blender = _Blender(plan, window, tail, sink, store.record(window.index) if kept else None)
         request_window = replace(request, noise_key=(*request.noise_key, window.index))
         taking = perf_counter()
         video = _video(held)

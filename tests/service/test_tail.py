@@ -1,0 +1,112 @@
+"""A job's tail after its engine (worker.tasks `_complete`): the output's upload to the attempt's key runs beside its
+read-back check, and only a job whose check passed and whose upload landed is promoted. A real Celery worker (lanczos)
+for the overlap as the `run` event reports it; this process as the worker (its head and tail, against the session's
+Redis and SeaweedFS) for a check that fails while the upload is held in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from storage.blobs import attempt_output_key, output_prefix
+from worker import service, tasks
+from worker.media.synthetic import write_clip
+
+from ..reliability.processes import Partition
+from .test_recovery import create_record, ended, enqueue, output_sha256, wait_until
+from .test_worker import celery_worker
+
+
+@pytest.fixture(scope="module")
+def queue(redis_client) -> Iterator[str]:
+    name = f"vsrq.tail-{secrets.token_hex(3)}"
+    yield name
+    redis_client.delete(name)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> bytes:
+    """37 frames of 384x288 H.264 with AAC: one window (the worker's default), an output whose check takes a while
+    (tens of milliseconds: the upload's thread has started well before it ends)."""
+    return write_clip(tmp_path_factory.mktemp("tail") / "clip.mp4", 37, (288, 384), audio_codec="aac").read_bytes()
+
+
+def test_the_output_uploads_beside_its_check_and_is_promoted_once(
+    settings, service_env, jobs, s3, queue, clip, tmp_path
+):
+    job = create_record(jobs, s3, clip, queue)
+    with celery_worker(service_env, "lanczos", queue, tmp_path / "worker.log") as log:
+        enqueue(jobs, settings, job)
+        done = wait_until(lambda: ended(jobs, job.id), 120, log)
+    assert (done.status, done.attempt) == ("completed", 1), done
+    [run] = [event.detail for event in jobs.events(job.id) if event.type == "run"]
+    at, seconds = run["tail_at_s"], run["tail_s"]
+    print(f"FIGURE tail_beside: tail_s {seconds}; at {at}")
+    # the upload started once the flush and the `uploading` beat were done, before the check ended
+    assert at["flush"][1] <= at["uploading_beat"][1] <= at["upload"][0] < at["verify"][1], at
+    assert at["verify_upload"] == [min(at["verify"][0], at["upload"][0]), max(at["verify"][1], at["upload"][1])]
+    assert at["upload"][1] <= at["upload_previews"][0] and at["previews"][0] >= at["verify"][1], at
+    assert all(abs(seconds[step] - (end - start)) <= 0.002 for step, (start, end) in at.items()), (seconds, at)
+    # one video under the job's prefix, the promoted one, with its previews: the bytes the check read back
+    assert sorted(s3.keys(output_prefix(job.id))) == sorted(done.output.keys())
+    assert done.output.sha256 == output_sha256(s3, done) and done.output.media.frames == 37
+
+
+@pytest.fixture
+def worker_here(service_env, monkeypatch) -> Iterator[Callable[..., None]]:
+    """This process as a lanczos worker of the session's service, with these `VSRQ_*` settings over it (read once
+    each: `worker.service` caches them until the test ends)."""
+    caches = (service.settings, service.worker_settings, service.jobs, service.blobs, service.upscaler)
+
+    def configure(**env: str) -> None:
+        here = {"VSRQ_WORKER_MODEL": "lanczos", "VSRQ_WORKER_DEVICES": "cpu", "VSRQ_WORKER_PREFETCH_INPUT": "false"}
+        for name, value in {**service_env, **here, **env}.items():
+            monkeypatch.setenv(name, value)
+        for cache in caches:
+            cache.cache_clear()
+
+    yield configure
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_an_output_that_fails_its_check_is_discarded_once_its_upload_ends(
+    worker_here, settings, jobs, s3, queue, clip, tmp_path
+):
+    """The output's check fails (its promise asks for a frame more than the encoder was given) while its upload is
+    held on its way to SeaweedFS: the tail waits for the upload, then the attempt fails with the check's code and
+    message, and the uploaded object is deleted: nothing is left under the job's output prefix."""
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}")
+        job = create_record(jobs, s3, clip, queue)
+        lease = service.jobs().lease(job.id, "test-tail/1", lease_s=30)
+        output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+        put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()  # the upload's request line, not the delete's
+        partition.hold(put)
+        with tasks._attempt(job, lease, output_key):
+            tail = tasks._head(job, lease, output_key)
+        promise = tail.encoding._promise
+        tail.encoding._promise = dataclasses.replace(promise, frames=promise.frames + 1)
+        finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
+        finishing.start()
+        wait_until(lambda: partition.held == 1, 30)
+        time.sleep(1)  # the check's seconds, many times over: it has failed by now
+        assert finishing.is_alive() and jobs.require(job.id).status == "in_progress"  # waiting for the upload
+        partition.release(put)
+        finishing.join(30)
+    finally:
+        partition.close()
+    failed = jobs.require(job.id)
+    assert (failed.status, failed.error.code) == ("failed", "output_mismatch"), failed
+    expected = ".output.mp4.partial is not what was promised: frame count is 37, expected 38"  # as before the change
+    assert failed.error.message.startswith(expected), failed.error
+    assert list(s3.keys(output_prefix(job.id))) == []
