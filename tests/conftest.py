@@ -1,13 +1,20 @@
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
-from worker.sr.checkpoint import write_tiny
-from worker.sr.engine import SREngine
+# Inductor trusts the CPU's flags for its vector ISAs instead of test-compiling each one (~13 CPU-s per fresh cache
+# directory, ~3 s per process; the same ISA is picked): read when torch._inductor.config is first imported, so before
+# the engine's import below. Subprocesses (workers, the compile tests' processes) inherit it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+import torch  # noqa: E402
+
+from worker.sr.checkpoint import write_tiny  # noqa: E402
+from worker.sr.engine import SREngine  # noqa: E402
 
 # `make test` hands whole files to two processes (xdist --dist loadfile --no-loadscope-reorder) in the order the
 # items are collected: the longest files first (their seconds in a clean 2-core CI run's junit report), so that
