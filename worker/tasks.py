@@ -326,8 +326,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
-        #    Not the last: the tail follows it within a second, and keeping it would cost every job's tail its upload
-        #    (worker.kept_windows); a job of one window keeps nothing.
+        #    Not the last where the tail follows it at once: keeping it would cost every job's tail its upload; kept
+        #    where other jobs' tails are held (this one's may wait behind them, and be sent back or lost meanwhile):
+        #    worker.kept_windows. A job of one window with no tail held keeps nothing.
         #    The key names the bytes this attempt read (a URL may serve others each time) and what gives other bits on
         #    another worker (`auto` may pick another decode segment there, a split, or FP8 attention on cuDNN):
         #    windows kept under another key are never replayed.
@@ -335,7 +336,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         windows = windows_key(job, input_sha256, config.model, options, service.upscaler())
         kept = beat.storage(
             lambda: BlobWindowStore(
-                service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive
+                service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive,
+                keeps_last=_finisher.busy(),
             )
         )
         # whatever ends the attempt: after the tail's join nothing is left; otherwise the uploads not begun are skipped
@@ -346,8 +348,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
         # the raw windows are encoded: once uploaded they go (a held tail must not hold them), the engine not waiting
-        # for the last upload (the window before the job's last: that one is not kept), which the tail joins after the
-        # encoder's flush and check
+        # for the last kept window's upload, which the tail joins after the encoder's flush and check
         kept.release_local()
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         head |= encoding.result.head
@@ -500,10 +501,10 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
         # inside the engine's span, not its work: the windows' input frames made tensors, the windows' commits to the
-        # kept-windows store as the engine waited for them (`kept`: 0 for a job of one window, whose last is not kept)
+        # kept-windows store as the engine waited for them (`kept`: 0 for a job of one window that kept not its last)
         "windows_s": {step: round(seconds, 3) for step, seconds in result.windows_s.items()},
         # beside the engine and the tail, off their path: the seconds the store's uploader spent uploading the windows
-        # (all but the last: 0 for a job of one window)
+        # (the last only where other jobs' tails were held: 0 for a job of one window otherwise)
         "kept_upload_s": round(result.kept_upload_s, 3),
         # the tail's steps, in seconds: the encoder's flush, the `uploading` beat, then the output's upload beside
         # `verify`, the wait for the kept windows' last uploads (`kept_join`) and the previews, the two side by side
