@@ -18,8 +18,9 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -415,25 +416,37 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
 
     # 4. The encoder's flush, then the uploads to this attempt's keys: a stale attempt may upload, but only the fenced
     #    `complete` promotes. The output's upload runs beside its read-back check, so it need not wait for it: a
-    #    check that fails fails the attempt once the upload has ended, and `end` deletes what landed. The poster
-    #    frame and sprite sheet are made meanwhile, then uploaded.
+    #    check that fails (or anything else that leaves the block) stops the upload and fails the attempt once the
+    #    upload's thread has ended, and `end` deletes what landed. The poster frame and sprite sheet are made
+    #    meanwhile, then uploaded.
     spans: dict[str, tuple[float, float]] = {}  # each step's start and end, for the `run` event (`_note_run`)
     flushed = tail.encoding.flush()
     at = monotonic()
     source = tail.encoding.result.source
     beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(source), force=True)
     spans["uploading_beat"] = (at, monotonic())
+    stop = threading.Event()  # set: the upload stops at its next progress and is not tried again
     # opened before the check, which renames the file (or deletes it) as the upload reads it
     with open(flushed, "rb") as file, ThreadPoolExecutor(1, thread_name_prefix="vsrq-output-upload") as beside:
-        upload = beside.submit(contextvars.copy_context().run, _upload_output, file, output_key, beat)
-        result = tail.encoding.check()  # raising, it leaves the block once the upload has ended
-        spans |= result.tail_spans
-        metrics.record_upscale(result)
-        at = monotonic()
-        with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
-            made = _previews(job.id, result, scratch)
-        spans["previews"] = (at, monotonic())
-        stored, spans["upload"] = upload.result()
+        upload = beside.submit(contextvars.copy_context().run, _upload_output, file, output_key, beat, stop)
+        try:
+            result = tail.encoding.check()
+            spans |= result.tail_spans
+            if upload.done() and upload.exception() is not None:  # failed already: not worth the previews
+                upload.result()
+            metrics.record_upscale(result)
+            at = monotonic()
+            with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
+                made = _previews(job.id, result, scratch)
+            spans["previews"] = (at, monotonic())
+            stored, spans["upload"] = upload.result()
+        except BaseException as error:
+            # the upload stops at its next progress (boto3 reports every 256 KB), or once botocore's tries of a request
+            # that gets no answer time out, never tried again through an outage; then `end` deletes what landed
+            stop.set()
+            beside.shutdown(cancel_futures=True)
+            _report_upload_lost(job.id, upload, error)
+            raise
     at = monotonic()
     previews = {
         variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
@@ -527,16 +540,44 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         log.warning("%s: could not record the run's timings: %s", lease.job_id, error)
 
 
-def _upload_output(file: BinaryIO, key: str, beat: Heartbeat) -> tuple[BlobInfo, tuple[float, float]]:
-    """The output's upload from its open file, waiting out a storage outage: what was stored, and when it started and
-    ended."""
+class _UploadStopped(Exception):
+    """The output's upload was told to stop: its attempt fails beside it (`_complete`)."""
+
+
+def _upload_output(
+    file: BinaryIO, key: str, beat: Heartbeat, stop: threading.Event
+) -> tuple[BlobInfo, tuple[float, float]]:
+    """The output's upload from its open file, waiting out a storage outage until `stop` is set: what was stored, and
+    when it started and ended."""
     began = monotonic()
 
+    def progress(sent: int) -> None:
+        if stop.is_set():  # raised in boto3's transfer: the request is dropped
+            raise _UploadStopped("the output's upload was stopped")
+        beat.transfer(sent)
+
     def put() -> BlobInfo:
+        if stop.is_set():
+            raise _UploadStopped("the output's upload was stopped")
         file.seek(0)  # a try again starts over
-        return service.blobs().put(key, file, content_type="video/mp4", progress=beat.transfer)
+        try:
+            return service.blobs().put(key, file, content_type="video/mp4", progress=progress)
+        except Exception as error:
+            if stop.is_set():  # botocore wraps what the callback raised mid-request: not an outage to wait out
+                raise _UploadStopped("the output's upload was stopped") from error
+            raise
 
     return beat.storage(put), (began, monotonic())
+
+
+def _report_upload_lost(job_id: str, upload: Future[Any], error: BaseException) -> None:
+    """The attempt ends with `error`, raised beside the output's upload: what the upload raised, if anything else
+    (a cancel, a lost lease, storage down), goes to the log rather than nowhere."""
+    if upload.cancelled() or not upload.done():
+        return
+    lost = upload.exception()
+    if lost is not None and lost is not error and not isinstance(lost, _UploadStopped):
+        log.warning("%s: the output's upload failed too: %s", job_id, lost, exc_info=lost)
 
 
 def _upload(path: Path, key: str, progress: Callable[[int], None], content_type: str = "video/mp4") -> BlobInfo:
