@@ -520,9 +520,10 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # (the last only where other jobs' tails were held: 0 for a job of one window otherwise)
         "kept_upload_s": round(result.kept_upload_s, 3),
         # the tail's steps, in seconds: the encoder's flush, the `uploading` beat, then the output's upload beside
-        # `verify`, the wait for the kept windows' last uploads (`kept_join`) and the previews, the two side by side
-        # (`verify_upload`: the first's start to the last's end), the previews' uploads, `settle` (`complete` follows
-        # this event)
+        # `verify`, the wait for the kept windows' last uploads (`kept_join`) and the previews (which follow `verify`
+        # on the tail's thread); `verify_upload` spans `verify` and the upload alone (the earlier start to the later
+        # end: `kept_join` and the previews are not in it, though they may end after the upload); then the previews'
+        # uploads, `settle` (`complete` follows this event)
         "tail_s": {step: round(end - start, 3) for step, (start, end) in spans.items()},
         # when each step started and ended, as `head_s`
         "tail_at_s": {step: [round(at - lease.asked_at, 3) for at in span] for step, span in spans.items()},
