@@ -434,7 +434,6 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
             spans |= result.tail_spans
             if upload.done() and upload.exception() is not None:  # failed already: not worth the previews
                 upload.result()
-            metrics.record_upscale(result)
             at = monotonic()
             with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
                 made = _previews(job.id, result, scratch)
@@ -447,6 +446,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
             beside.shutdown(cancel_futures=True)
             _report_upload_lost(job.id, upload, error)
             raise
+    metrics.record_upscale(result)  # its gauges (threads alive) once the upload's threads have ended
     at = monotonic()
     previews = {
         variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
