@@ -384,13 +384,14 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         "split_s": split(at, run),
         # when each step of the head ended, seconds after the lease (worker.tasks `_note_run`), then the engine's span
         "head_s": run.get("head_s", {}) | {"engine": run.get("engine_span_s")},
-        # the tail's steps in seconds (worker.tasks `_complete`): flush, uploading beat, the upload beside verify (and
-        # the pair's span, `verify_upload`), previews, their uploads, settle
+        # the tail's steps in seconds (worker.tasks `_complete`): flush, uploading beat, the upload beside verify,
+        # kept_join and previews (`verify_upload`: the span of verify and the upload alone, earlier start to later
+        # end), the previews' uploads, settle
         "tail_s": run.get("tail_s", {}),
         # inside the engine's span, not the engine's seconds (worker.tasks `_note_run`): input frames in, windows kept
         "windows_s": run.get("windows_s", {}),
         # the kept windows' uploads on the store's thread, beside the engine and the tail (their wait is `kept_join`):
-        # every window but the job's last, so 0 for a job of one window
+        # every window but the job's last (unless other tails were held as it began), so 0 for most jobs of one window
         "kept_upload_s": run.get("kept_upload_s"),
     }
 

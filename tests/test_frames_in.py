@@ -87,3 +87,10 @@ def test_lanczos_given_integer_frames_gives_the_bytes_of_their_floats(dtype):
     frames, request = decoded(dtype, size=(10, 14), frames=3), SRRequest(scale=2.25)
     lanczos = LanczosUpscaler()
     assert torch.equal(run(lanczos, stacked(frames), request), run(lanczos, as_float(frames), request))
+
+
+def test_frames_of_another_integer_type_are_a_bug_not_a_request():
+    """Only code makes frames (the reader gives uint8 or uint16): another type is a `TypeError`, never an
+    `InvalidRequest` a job would fail with as if its input were at fault."""
+    with pytest.raises(TypeError, match="uint8 or uint16, got torch.int32"):
+        unit(torch.zeros(1, 3, 2, 2, dtype=torch.int32))

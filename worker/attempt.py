@@ -110,7 +110,7 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None
         # behind another job's stuck tail, the job was not at fault: that attempt is not one of its max attempts
         elif lease.retry(code, message, counts=code != TailStuck.code) == Status.QUEUED:
             send_upscale(app, service.jobs(), job, first=True)
-            return  # the next attempt replays the kept windows
+            return  # the next attempt replays the kept windows (the last one only if its tail could wait)
         forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:
         log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)

@@ -10,9 +10,11 @@ encoder open in host memory and its job's input and MP4 on disk; another is hand
 the next job beside them (`room`'s `fits`). A tail keeps its attempt's lease (its own heartbeats) and ends its job as
 the task would have; what it raises is handled inside it. Its message is acknowledged when the task returns, before
 the job completes: a worker killed during a tail leaves the job `in_progress` with a lease that runs out, and the
-reaper requeues it and sends it a new message, as for a worker killed mid-engine (the kept windows replay, so the
-GPU work is not paid again). A tail stuck in a call that never returns, silent past `tail_stall_s`, is not waited
-for: the jobs behind it go back to the queue and the worker exits for its supervisor to restart it (worker.tasks).
+reaper requeues it and sends it a new message, as for a worker killed mid-engine: the kept windows replay. A job whose
+head started while tails were held keeps its last window too (worker.kept_windows), so its GPU work is not paid again;
+one whose tail ran at once keeps all but its last, which is computed again. A tail stuck in a call that never returns,
+silent past `tail_stall_s`, is not waited for: the jobs behind it go back to the queue and the worker exits for its
+supervisor to restart it (worker.tasks).
 """
 
 from __future__ import annotations

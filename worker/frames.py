@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from worker.errors import InvalidRequest
-
 FULL_SCALE = {torch.uint8: 255.0, torch.uint16: 65535.0}
 
 
@@ -22,7 +20,7 @@ def unit(video: torch.Tensor, device: torch.device | str | None = None) -> torch
     if video.is_floating_point():
         return video.to(device)
     if video.dtype not in FULL_SCALE:
-        raise InvalidRequest(f"frames must be float in [0, 1], uint8 or uint16, got {video.dtype}")
+        raise TypeError(f"frames must be float in [0, 1], uint8 or uint16, got {video.dtype}")  # only code makes them
     # `to` keeps a dense tensor's strides: frames stacked (F, H, W, 3) and viewed as (F, 3, H, W) cross in one copy,
     # and the permute happens in the conversion on the device
     pixels = video.to(device)

@@ -12,12 +12,14 @@ prefix of its own, as an upload `close` left in flight may land after the next a
 which an attempt with another key never reads (it deletes the older keys' windows as it begins; the job's end, or the
 reaper's sweep, deletes the job's work prefix).
 
-The job's last window is not kept (`keeps_last`): its frames go straight into the encoder and the job's tail follows
-within about a second, so keeping it (its raw frames written during the engine, 571 MB for W1's one window, then
-uploaded beside the tail's flush and check, which contend with it, and joined before the job completes: seconds over
-a network, on every job) would only save that one window's recomputation after a kill during the tail. A job of one
-window, most of them, keeps nothing and its tail joins nothing; a longer one killed mid-way still resumes from the
-windows before its last.
+The job's last window is not kept (`keeps_last`) where the job's tail follows it at once: its frames go straight into
+the encoder, so keeping it (its raw frames written during the engine, 571 MB for W1's one window, then uploaded beside
+the tail's flush and check, which contend with it, and joined before the job completes: seconds over a network, on
+every job) would only save that one window's recomputation after a kill during the tail. A job of one window, most of
+them, then keeps nothing and its tail joins nothing; a longer one killed mid-way still resumes from the windows before
+its last. A job whose head starts while the worker holds other jobs' tails (worker.finisher) keeps it: its tail may
+wait its turn behind them for long, and be sent back (a stuck tail ahead) or lost with its worker meanwhile, its
+engine done; the next attempt replays it, not the whole GPU work of a job of one window.
 """
 
 from __future__ import annotations
@@ -72,8 +74,6 @@ def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleO
 
 
 class BlobWindowStore:
-    keeps_last = False  # see the module's docstring
-
     def __init__(
         self,
         blobs: BlobStore,
@@ -82,9 +82,11 @@ class BlobWindowStore:
         key: str,
         progress: Progress | None = None,
         kept_alive: Callable[[], AbstractContextManager[None]] = nullcontext,
+        keeps_last: bool = False,
     ) -> None:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
-        outlive an unanswered request)."""
+        outlive an unanswered request); `keeps_last`: the job's last window is kept too (see the module's docstring)."""
+        self.keeps_last = keeps_last
         windows = f"{work_prefix(job_id)}windows/"
         named = hashlib.sha256(key.encode()).hexdigest()[:16]  # any key, a safe blob name (`windows_key`'s: hex)
         self.blobs, self.prefix, self.progress = blobs, f"{windows}{named}/", progress
@@ -159,7 +161,7 @@ class BlobWindowStore:
                     path = self.local._path(index, suffix)
                     if self.progress is not None:  # a cancel or a lost lease, seen before a request that may hang
                         self.progress(0)
-                    if path.exists():  # a window without an overlap has no tail
+                    if path.exists():  # no `tail.npy` for the job's last window (kept or not), nor any with no overlap
                         self._upload(path)
         except FATAL:
             raise

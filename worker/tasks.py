@@ -18,8 +18,9 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -326,8 +327,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
-        #    Not the last: the tail follows it within a second, and keeping it would cost every job's tail its upload
-        #    (worker.kept_windows); a job of one window keeps nothing.
+        #    Not the last where the tail follows it at once: keeping it would cost every job's tail its upload; kept
+        #    where other jobs' tails are held (this one's may wait behind them, and be sent back or lost meanwhile):
+        #    worker.kept_windows. A job of one window with no tail held keeps nothing.
         #    The key names the bytes this attempt read (a URL may serve others each time) and what gives other bits on
         #    another worker (`auto` may pick another decode segment there, a split, or FP8 attention on cuDNN):
         #    windows kept under another key are never replayed.
@@ -335,7 +337,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         windows = windows_key(job, input_sha256, config.model, options, service.upscaler())
         kept = beat.storage(
             lambda: BlobWindowStore(
-                service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive
+                service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive,
+                keeps_last=_finisher.busy(),
             )
         )
         # whatever ends the attempt: after the tail's join nothing is left; otherwise the uploads not begun are skipped
@@ -346,8 +349,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
         graphs = _graphs_built() - graphs
         # the raw windows are encoded: once uploaded they go (a held tail must not hold them), the engine not waiting
-        # for the last upload (the window before the job's last: that one is not kept), which the tail joins after the
-        # encoder's flush and check
+        # for the last kept window's upload, which the tail joins after the encoder's flush and check
         kept.release_local()
         _report_memory_once()  # here, on the task's thread: the next job resets the peaks while this one's tail runs
         head |= encoding.result.head
@@ -414,25 +416,37 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
 
     # 4. The encoder's flush, then the uploads to this attempt's keys: a stale attempt may upload, but only the fenced
     #    `complete` promotes. The output's upload runs beside its read-back check, so it need not wait for it: a
-    #    check that fails fails the attempt once the upload has ended, and `end` deletes what landed. The poster
-    #    frame and sprite sheet are made meanwhile, then uploaded.
+    #    check that fails (or anything else that leaves the block) stops the upload and fails the attempt once the
+    #    upload's thread has ended, and `end` deletes what landed. The poster frame and sprite sheet are made
+    #    meanwhile, then uploaded.
     spans: dict[str, tuple[float, float]] = {}  # each step's start and end, for the `run` event (`_note_run`)
     flushed = tail.encoding.flush()
     at = monotonic()
     source = tail.encoding.result.source
     beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(source), force=True)
     spans["uploading_beat"] = (at, monotonic())
+    stop = threading.Event()  # set: the upload stops at its next progress and is not tried again
     # opened before the check, which renames the file (or deletes it) as the upload reads it
     with open(flushed, "rb") as file, ThreadPoolExecutor(1, thread_name_prefix="vsrq-output-upload") as beside:
-        upload = beside.submit(contextvars.copy_context().run, _upload_output, file, output_key, beat)
-        result = tail.encoding.check()  # raising, it leaves the block once the upload has ended
-        spans |= result.tail_spans
-        metrics.record_upscale(result)
-        at = monotonic()
-        with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
-            made = _previews(job.id, result, scratch)
-        spans["previews"] = (at, monotonic())
-        stored, spans["upload"] = upload.result()
+        upload = beside.submit(contextvars.copy_context().run, _upload_output, file, output_key, beat, stop)
+        try:
+            result = tail.encoding.check()
+            spans |= result.tail_spans
+            if upload.done() and upload.exception() is not None:  # failed already: not worth the previews
+                upload.result()
+            at = monotonic()
+            with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
+                made = _previews(job.id, result, scratch)
+            spans["previews"] = (at, monotonic())
+            stored, spans["upload"] = upload.result()
+        except BaseException as error:
+            # the upload stops at its next progress (boto3 reports every 256 KB), or once botocore's tries of a request
+            # that gets no answer time out, never tried again through an outage; then `end` deletes what landed
+            stop.set()
+            beside.shutdown(cancel_futures=True)
+            _report_upload_lost(job.id, upload, error)
+            raise
+    metrics.record_upscale(result)  # its gauges (threads alive) once the upload's threads have ended
     at = monotonic()
     previews = {
         variant: beat.storage(lambda: _upload(path, preview_key(output_key, variant), beat.transfer, "image/jpeg"))
@@ -500,15 +514,16 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
         # inside the engine's span, not its work: the windows' input frames made tensors, the windows' commits to the
-        # kept-windows store as the engine waited for them (`kept`: 0 for a job of one window, whose last is not kept)
+        # kept-windows store as the engine waited for them (`kept`: 0 for a job of one window that kept not its last)
         "windows_s": {step: round(seconds, 3) for step, seconds in result.windows_s.items()},
         # beside the engine and the tail, off their path: the seconds the store's uploader spent uploading the windows
-        # (all but the last: 0 for a job of one window)
+        # (the last only where other jobs' tails were held: 0 for a job of one window otherwise)
         "kept_upload_s": round(result.kept_upload_s, 3),
         # the tail's steps, in seconds: the encoder's flush, the `uploading` beat, then the output's upload beside
-        # `verify`, the wait for the kept windows' last uploads (`kept_join`) and the previews, the two side by side
-        # (`verify_upload`: the first's start to the last's end), the previews' uploads, `settle` (`complete` follows
-        # this event)
+        # `verify`, the wait for the kept windows' last uploads (`kept_join`) and the previews (which follow `verify`
+        # on the tail's thread); `verify_upload` spans `verify` and the upload alone (the earlier start to the later
+        # end: `kept_join` and the previews are not in it, though they may end after the upload); then the previews'
+        # uploads, `settle` (`complete` follows this event)
         "tail_s": {step: round(end - start, 3) for step, (start, end) in spans.items()},
         # when each step started and ended, as `head_s`
         "tail_at_s": {step: [round(at - lease.asked_at, 3) for at in span] for step, span in spans.items()},
@@ -526,16 +541,44 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         log.warning("%s: could not record the run's timings: %s", lease.job_id, error)
 
 
-def _upload_output(file: BinaryIO, key: str, beat: Heartbeat) -> tuple[BlobInfo, tuple[float, float]]:
-    """The output's upload from its open file, waiting out a storage outage: what was stored, and when it started and
-    ended."""
+class _UploadStopped(Exception):
+    """The output's upload was told to stop: its attempt fails beside it (`_complete`)."""
+
+
+def _upload_output(
+    file: BinaryIO, key: str, beat: Heartbeat, stop: threading.Event
+) -> tuple[BlobInfo, tuple[float, float]]:
+    """The output's upload from its open file, waiting out a storage outage until `stop` is set: what was stored, and
+    when it started and ended."""
     began = monotonic()
 
+    def progress(sent: int) -> None:
+        if stop.is_set():  # raised in boto3's transfer: the request is dropped
+            raise _UploadStopped("the output's upload was stopped")
+        beat.transfer(sent)
+
     def put() -> BlobInfo:
+        if stop.is_set():
+            raise _UploadStopped("the output's upload was stopped")
         file.seek(0)  # a try again starts over
-        return service.blobs().put(key, file, content_type="video/mp4", progress=beat.transfer)
+        try:
+            return service.blobs().put(key, file, content_type="video/mp4", progress=progress)
+        except Exception as error:
+            if stop.is_set():  # botocore wraps what the callback raised mid-request: not an outage to wait out
+                raise _UploadStopped("the output's upload was stopped") from error
+            raise
 
     return beat.storage(put), (began, monotonic())
+
+
+def _report_upload_lost(job_id: str, upload: Future[Any], error: BaseException) -> None:
+    """The attempt ends with `error`, raised beside the output's upload: what the upload raised, if anything else
+    (a cancel, a lost lease, storage down), goes to the log rather than nowhere."""
+    if upload.cancelled() or not upload.done():
+        return
+    lost = upload.exception()
+    if lost is not None and lost is not error and not isinstance(lost, _UploadStopped):
+        log.warning("%s: the output's upload failed too: %s", job_id, lost, exc_info=lost)
 
 
 def _upload(path: Path, key: str, progress: Callable[[int], None], content_type: str = "video/mp4") -> BlobInfo:

@@ -86,10 +86,10 @@ class Result:
     # to the kept-windows store (`WindowsRun.host_s`)
     windows_s: dict[str, float] = field(default_factory=dict)
     # with a store, the seconds its uploads took on the uploader's thread, beside the engine (known once
-    # `Encoding.finish` joined them)
+    # `Encoding.check` joined them)
     kept_upload_s: float = 0.0
-    # seconds of each step of `Encoding.finish`: the encoder's flush, the read-back check, the wait for the store's
-    # last uploads (`kept_join`)
+    # seconds of each step of `Encoding.flush` and `check` (or `finish`): the encoder's flush, the read-back check,
+    # the wait for the store's last uploads (`kept_join`)
     tail: dict[str, float] = field(default_factory=dict)
     # the same steps' `time.monotonic()` at their start and end: a caller that ran something beside them (the
     # worker's output upload beside the check) reports how they overlapped
@@ -229,7 +229,7 @@ def _marking(frames: Iterator[T], first_window: int, head: dict[str, float]) -> 
 class Encoding:
     """An output whose frames are all with the encoder: `finish` flushes it, verifies the file against what it must be
     and puts it in place (`flush` then `check`, for a caller that reads the flushed file meanwhile); `discard` drops
-    it. One of them, once, from any thread."""
+    it. `finish` (or `flush` then `check`) or `discard`, once, from any thread."""
 
     def __init__(
         self, result: Result, writer: Mp4Writer, promise: Promise, started: float, store: WindowStore | None = None

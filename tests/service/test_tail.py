@@ -16,12 +16,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from storage.blobs import attempt_output_key, output_prefix
+from storage.blobs import attempt_output_key, output_prefix, work_prefix
 from worker import service, tasks
 from worker.media.synthetic import write_clip
 
 from ..reliability.processes import Partition
-from .test_recovery import create_record, ended, enqueue, output_sha256, wait_until
+from .test_recovery import create_record, ended, enqueue, output_sha256, wait_until, window_files
 from .test_worker import celery_worker
 
 
@@ -78,15 +78,22 @@ def worker_here(service_env, monkeypatch) -> Iterator[Callable[..., None]]:
         cache.cache_clear()
 
 
-def test_an_output_that_fails_its_check_is_discarded_once_its_upload_ends(
+def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
     worker_here, settings, jobs, s3, queue, clip, tmp_path
 ):
     """The output's check fails (its promise asks for a frame more than the encoder was given) while its upload is
-    held on its way to SeaweedFS: the tail waits for the upload, then the attempt fails with the check's code and
-    message, and the uploaded object is deleted: nothing is left under the job's output prefix."""
+    held on its way to SeaweedFS, for good: the upload is stopped rather than tried again for `storage_retry_s`.
+    The output (178 KB) is sent before boto3 reports progress (every 256 KB): the request ends once botocore's 3 tries
+    of it time out (`s3_timeout_s`, after a second's wait for `100 Continue`), the attempt fails with the check's code
+    and message, and nothing is left under the job's output prefix."""
+    timeout_s, retry_s = 2, 60
     partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
     try:
-        worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}")
+        worker_here(
+            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
+            VSRQ_S3_TIMEOUT_S=str(timeout_s),
+            VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
+        )
         job = create_record(jobs, s3, clip, queue)
         lease = service.jobs().lease(job.id, "test-tail/1", lease_s=30)
         output_key = attempt_output_key(job.id, lease.attempt, lease.token)
@@ -99,14 +106,57 @@ def test_an_output_that_fails_its_check_is_discarded_once_its_upload_ends(
         finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
         finishing.start()
         wait_until(lambda: partition.held == 1, 30)
-        time.sleep(1)  # the check's seconds, many times over: it has failed by now
-        assert finishing.is_alive() and jobs.require(job.id).status == "in_progress"  # waiting for the upload
-        partition.release(put)
-        finishing.join(30)
+        held = time.monotonic()
+        failed = wait_until(lambda: ended(jobs, job.id), 3 * (timeout_s + 1) + 5)  # far from `storage_retry_s`
+        failed_s = time.monotonic() - held
+        finishing.join(5)
+        assert not finishing.is_alive()
+        left = list(s3.keys(output_prefix(job.id)))
+        partition.cut()  # the held requests are dropped, not sent on, as the forwarder closes
     finally:
         partition.close()
-    failed = jobs.require(job.id)
+    print(f"FIGURE check_failed_upload_held: the job failed {failed_s:.2f} s after its upload was held")
     assert (failed.status, failed.error.code) == ("failed", "output_mismatch"), failed
     expected = ".output.mp4.partial is not what was promised: frame count is 37, expected 38"  # as before the change
     assert failed.error.message.startswith(expected), failed.error
-    assert list(s3.keys(output_prefix(job.id))) == []
+    assert left == []
+
+
+def test_a_job_whose_head_starts_while_a_tail_is_held_keeps_its_last_window(
+    worker_here, settings, jobs, s3, queue, clip
+):
+    """A tail held on the worker's finisher (its output's upload stalled on its way to SeaweedFS) when the next job's
+    head starts: that job's tail will wait its turn behind it, and may be sent back or lost meanwhile, so its last
+    window (for a job of one window, its whole engine) is kept under its work prefix; both jobs then complete, and the
+    job's end deletes what it kept. (A job whose head starts with no tail held keeps none: test_recovery.py.)"""
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}")
+        held, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
+        tails = []
+        for job in (held, behind):
+            lease = service.jobs().lease(job.id, "test-tail/1", lease_s=30)
+            output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+            if job is held:
+                put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()
+                partition.hold(put)
+            with tasks._attempt(job, lease, output_key):
+                tail = tasks._head(job, lease, output_key)
+            tasks._finisher.hand(lambda turn, tail=tail: tasks._finish(tail, overlapped=True, turn=turn), tail.silent_s)
+            tails.append(tail)
+            if job is held:
+                wait_until(lambda: partition.held == 1, 30)
+        # the one window's raw frames and its JSON (written last: it replays), as the held tail still waits
+        kept = wait_until(lambda: window_files(s3.keys(work_prefix(behind.id))), 30)
+        assert kept == {0: {"u8", "json"}} and tasks._finisher.busy(), kept
+        partition.release(put)
+        assert tasks._finisher.wait(60)
+    finally:
+        partition.close()
+    for job in (held, behind):
+        done = jobs.require(job.id)
+        assert done.status == "completed", done
+        assert sorted(s3.keys(output_prefix(job.id))) == sorted(done.output.keys())
+        assert list(s3.keys(work_prefix(job.id))) == []
+    [run] = [event.detail for event in jobs.events(behind.id) if event.type == "run"]
+    assert run["kept_upload_s"] > 0 and run["windows_s"]["kept"] > 0, run

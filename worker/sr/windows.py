@@ -128,9 +128,9 @@ class WindowRecorder(Protocol):
 
 
 class WindowStore(Protocol):
-    # Whether the last window is kept: its frames go straight into the encoder and the output follows, so a store whose
-    # keeping costs the output's tail (a blob store's upload, joined before the job ends) leaves it out; a rerun
-    # computes only that window again
+    # Whether the last window is kept: its frames go straight into the encoder, so a store whose keeping costs the
+    # output's tail (a blob store's upload, joined before the job ends) leaves it out where the tail runs at once
+    # (a rerun computes only that window again), and keeps it where the tail may wait (worker.kept_windows)
     keeps_last: bool
 
     def load(self, index: int) -> StoredWindow | None: ...
