@@ -12,8 +12,8 @@ PSNR against the frames written, so that a faster tail's cost in bits or fidelit
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import tempfile
 import time
 from fractions import Fraction
@@ -23,8 +23,11 @@ import av
 import numpy as np
 import torch
 
-from worker.media import writer as writer_module
-from worker.media.writer import Mp4Writer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: `bench` the package
+
+from bench.lines import emit  # noqa: E402
+from worker.media import writer as writer_module  # noqa: E402
+from worker.media.writer import Mp4Writer  # noqa: E402
 
 # output (height, width, frames), the engine's bursts (frames each) and the seconds between bursts
 SHAPES = {
@@ -127,10 +130,7 @@ def main() -> None:
             for _ in range(args.runs):
                 for variant in args.variants.split(","):
                     line = run(shape, variant, frames, Path(scratch))
-                    print(json.dumps(line), flush=True)
-                    if args.out:
-                        with open(args.out, "a") as out:
-                            out.write(json.dumps(line) + "\n")
+                    emit(line, args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ round trips, milliseconds on the GPU machine. `--blobs local,s3` uploads to each
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import shutil
 import tempfile
 from contextlib import ExitStack
@@ -23,11 +23,14 @@ from time import monotonic
 import av
 import numpy as np
 
-from infra.stack import Stack
-from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore
-from worker.sr.lanczos import LanczosUpscaler
-from worker.upscale import UpscaleOptions, begin_upscale
-from worker.sr.request import SRRequest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: `bench` the package
+
+from bench.lines import emit  # noqa: E402
+from infra.stack import Stack  # noqa: E402
+from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore  # noqa: E402
+from worker.sr.lanczos import LanczosUpscaler  # noqa: E402
+from worker.upscale import UpscaleOptions, begin_upscale  # noqa: E402
+from worker.sr.request import SRRequest  # noqa: E402
 
 
 def noisy_clip(path: Path, width: int, height: int, frames: int, seed: int = 0) -> Path:
@@ -108,10 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             decode = args.decode_previews == "yes" or (args.decode_previews == "alternate" and number % 2 == 1)
             line = {"label": args.label, "input": f"{width}x{height}x{args.frames}", "run": number,
                     "previews": "decoded" if decode else "taken", **run_once(source, scratch, stores, decode)}
-            print(json.dumps(line), flush=True)
-            if args.out:
-                with open(args.out, "a") as out:
-                    out.write(json.dumps(line) + "\n")
+            emit(line, args.out)
             shutil.rmtree(scratch)
 
 

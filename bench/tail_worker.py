@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from time import monotonic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: `bench` the package, not bench.py
 
+from bench.lines import emit  # noqa: E402
 from bench.tail import noisy_clip  # noqa: E402
 from infra.stack import Stack  # noqa: E402
 
@@ -82,10 +82,7 @@ def run_jobs(args: argparse.Namespace, source: Path) -> None:
             "after_flush_s": round(wall - steps["flush"], 3), "tail_s": steps,
             "kept_upload_s": run["kept_upload_s"],
         } | ({"tail_at_s": run["tail_at_s"]} if "tail_at_s" in run else {})  # fmt: skip
-        print(json.dumps(line), flush=True)
-        if args.out:
-            with open(args.out, "a") as out:
-                out.write(json.dumps(line) + "\n")
+        emit(line, args.out)
 
 
 if __name__ == "__main__":
