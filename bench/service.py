@@ -391,7 +391,7 @@ def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[st
         # inside the engine's span, not the engine's seconds (worker.tasks `_note_run`): input frames in, windows kept
         "windows_s": run.get("windows_s", {}),
         # the kept windows' uploads on the store's thread, beside the engine and the tail (their wait is `kept_join`):
-        # every window but the job's last (unless other tails were held as it began), so 0 for most jobs of one window
+        # every window but the job's last (unless other tails were held as its engine ended), so 0 for most jobs of one window
         "kept_upload_s": run.get("kept_upload_s"),
     }
 

@@ -50,8 +50,8 @@ def test_the_service_bench_reports_every_figure(tmp_path):
         assert set(job["windows_s"]) == {"frames_in", "kept"} and job["windows_s"]["kept"] >= 0, job  # a wait, ~0 now
         assert sum(job["windows_s"].values()) <= engine_span - job["engine_s"] + 0.01, job
         assert job["windows"] == 1 and job["kept_upload_s"] >= 0 and job["tail_s"]["kept_join"] >= 0, job
-    # one window each: the last window is not kept where no other job's tail is held as the job's head starts (alone,
-    # tails inline, the first of a queue), so nothing is uploaded nor waited for; behind a held tail it is kept
+    # one window each: the last window is not kept where no other job's tail is held as the job's engine ends (alone,
+    # tails inline, the first of a queue), so nothing is uploaded nor waited for; behind a tail still held then it is
     inline_queue, overlapped_queue = by_phase["queue_job"][:3], by_phase["queue_job"][3:]
     assert all(job["kept_upload_s"] == 0 for job in solo + inline_queue + overlapped_queue[:1])
     assert solo[2]["tiles"] > solo[0]["tiles"]  # W1 tiles, W2 fits one

@@ -11,7 +11,7 @@ the next job beside them (`room`'s `fits`). A tail keeps its attempt's lease (it
 the task would have; what it raises is handled inside it. Its message is acknowledged when the task returns, before
 the job completes: a worker killed during a tail leaves the job `in_progress` with a lease that runs out, and the
 reaper requeues it and sends it a new message, as for a worker killed mid-engine: the kept windows replay. A job whose
-head started while tails were held keeps its last window too (worker.kept_windows), so its GPU work is not paid again;
+engine ended while tails were held keeps its last window too (worker.kept_windows), so its GPU work is not paid again;
 one whose tail ran at once keeps all but its last, which is computed again. A tail stuck in a call that never returns,
 silent past `tail_stall_s`, is not waited for: the jobs behind it go back to the queue and the worker exits for its
 supervisor to restart it (worker.tasks).

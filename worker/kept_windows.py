@@ -12,14 +12,17 @@ prefix of its own, as an upload `close` left in flight may land after the next a
 which an attempt with another key never reads (it deletes the older keys' windows as it begins; the job's end, or the
 reaper's sweep, deletes the job's work prefix).
 
-The job's last window is not kept (`keeps_last`) where the job's tail follows it at once: its frames go straight into
-the encoder, so keeping it (its raw frames written during the engine, 571 MB for W1's one window, then uploaded beside
-the tail's flush and check, which contend with it, and joined before the job completes: seconds over a network, on
-every job) would only save that one window's recomputation after a kill during the tail. A job of one window, most of
-them, then keeps nothing and its tail joins nothing; a longer one killed mid-way still resumes from the windows before
-its last. A job whose head starts while the worker holds other jobs' tails (worker.finisher) keeps it: its tail may
-wait its turn behind them for long, and be sent back (a stuck tail ahead) or lost with its worker meanwhile, its
-engine done; the next attempt replays it, not the whole GPU work of a job of one window.
+The job's last window is kept only where the job's tail may wait (`keep_last`, asked at the window's commit, as the
+engine hands the job's tail over: the worker's finisher still holds other jobs' tails, worker.finisher). Where the
+tail follows at once, its frames go straight into the encoder, so keeping it (its raw frames, 571 MB for W1's one
+window, uploaded beside the tail's flush and check, which contend with it, and joined before the job completes:
+seconds over a network, on every job) would only save that one window's recomputation after a kill during the tail:
+its local copy, written as every window's during the engine, goes and nothing is uploaded. A job of one window, most
+of them, then keeps nothing and its tail joins nothing; a longer one killed mid-way still resumes from the windows
+before its last. Where tails are held, its tail may wait its turn behind them for long, and be sent back (a stuck tail
+ahead) or lost with its worker meanwhile, its engine done: the window is kept and the next attempt replays it, not
+the whole GPU work of a job of one window. Decided at the commit, not as the job's head starts: a tail held then
+(about a second's) has mostly ended by the time the engine is done.
 """
 
 from __future__ import annotations
@@ -82,11 +85,12 @@ class BlobWindowStore:
         key: str,
         progress: Progress | None = None,
         kept_alive: Callable[[], AbstractContextManager[None]] = nullcontext,
-        keeps_last: bool = False,
+        keep_last: Callable[[], bool] = lambda: False,
     ) -> None:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
-        outlive an unanswered request); `keeps_last`: the job's last window is kept too (see the module's docstring)."""
-        self.keeps_last = keeps_last
+        outlive an unanswered request); `keep_last`, asked as the job's last window is committed: whether it is kept
+        too (see the module's docstring)."""
+        self.keep_last = keep_last
         windows = f"{work_prefix(job_id)}windows/"
         named = hashlib.sha256(key.encode()).hexdigest()[:16]  # any key, a safe blob name (`windows_key`'s: hex)
         self.blobs, self.prefix, self.progress = blobs, f"{windows}{named}/", progress
@@ -114,8 +118,8 @@ class BlobWindowStore:
     def load(self, index: int) -> StoredWindow | None:
         return self.local.load(index)
 
-    def record(self, index: int) -> WindowRecorder:
-        return _UploadingRecorder(self, index)
+    def record(self, index: int, last: bool = False) -> WindowRecorder:
+        return _UploadingRecorder(self, index, last)
 
     def drop(self) -> None:
         self.join()  # an upload in flight would land a window after the delete
@@ -186,8 +190,8 @@ class BlobWindowStore:
 
 
 class _UploadingRecorder:
-    def __init__(self, store: BlobWindowStore, index: int) -> None:
-        self.store, self.index = store, index
+    def __init__(self, store: BlobWindowStore, index: int, last: bool) -> None:
+        self.store, self.index, self.last = store, index, last
         self.local = store.local.record(index)
 
     def add(self, pixels: np.ndarray) -> None:
@@ -195,6 +199,9 @@ class _UploadingRecorder:
 
     def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
         self.store.uploads.raise_if_failed()  # an earlier window's upload found the attempt over
+        if self.last and not self.store.keep_last():  # decided now, as the job's tail is handed over
+            self.local.discard()
+            return
         self.local.commit(tail, made)
         self.store.uploads.submit(partial(self.store._keep, self.index))
 

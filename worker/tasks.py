@@ -328,8 +328,8 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
         #    Finished windows are kept under the job's work prefix: an earlier attempt's are replayed, not computed.
         #    Not the last where the tail follows it at once: keeping it would cost every job's tail its upload; kept
-        #    where other jobs' tails are held (this one's may wait behind them, and be sent back or lost meanwhile):
-        #    worker.kept_windows. A job of one window with no tail held keeps nothing.
+        #    where other jobs' tails are still held as it is committed (this one's may wait behind them, and be sent
+        #    back or lost meanwhile): worker.kept_windows. A job of one window with no tail held then keeps nothing.
         #    The key names the bytes this attempt read (a URL may serve others each time) and what gives other bits on
         #    another worker (`auto` may pick another decode segment there, a split, or FP8 attention on cuDNN):
         #    windows kept under another key are never replayed.
@@ -338,7 +338,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         kept = beat.storage(
             lambda: BlobWindowStore(
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive,
-                keeps_last=_finisher.busy(),
+                keep_last=_finisher.busy,
             )
         )
         # whatever ends the attempt: after the tail's join nothing is left; otherwise the uploads not begun are skipped
@@ -514,10 +514,12 @@ def _note_run(lease: Lease, result: UpscaleResult, tail: _Tail, overlapped: bool
         # the encoder opened, the first window's frames decoded (the engine's first call follows)
         "head_s": {step: round(at - lease.asked_at, 3) for step, at in tail.head.items()},
         # inside the engine's span, not its work: the windows' input frames made tensors, the windows' commits to the
-        # kept-windows store as the engine waited for them (`kept`: 0 for a job of one window that kept not its last)
+        # kept-windows store as the engine waited for them (`kept`: ~0 for a job of one window that kept not its last:
+        # its local copy dropped)
         "windows_s": {step: round(seconds, 3) for step, seconds in result.windows_s.items()},
         # beside the engine and the tail, off their path: the seconds the store's uploader spent uploading the windows
-        # (the last only where other jobs' tails were held: 0 for a job of one window otherwise)
+        # (the last only where other jobs' tails were still held as it was committed: 0 for a job of one window
+        # otherwise)
         "kept_upload_s": round(result.kept_upload_s, 3),
         # the tail's steps, in seconds: the encoder's flush, the `uploading` beat, then the output's upload beside
         # `verify`, the wait for the kept windows' last uploads (`kept_join`) and the previews (which follow `verify`

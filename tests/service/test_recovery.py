@@ -180,8 +180,9 @@ def window_files(keys: Iterator[str] | list[str]) -> dict[int, set[str]]:
 @pytest.mark.parametrize(("frames", "kept"), [(13, []), (37, [0, 1, 2])])
 def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
     """The worker's path (`begin_upscale` with the attempt's `BlobWindowStore` on SeaweedFS, `release_local`, the
-    tail's `finish`): a job of one window keeps nothing, neither written on the worker's disk during the engine nor
-    uploaded (its tail joins no upload); one of 4 keeps the first 3, each whole, and not the last."""
+    tail's `finish`): a job of one window keeps nothing, its frames written on the worker's disk during the engine
+    dropped at its commit (no tail held: `keep_last`) and none uploaded (its tail joins no upload); one of 4 keeps the
+    first 3, each whole, and not the last."""
     source = write_clip(tmp_path / "input.mp4", frames, (144, 192), audio_codec="aac")
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)
     job_id = f"video_{secrets.token_hex(4)}"
@@ -195,18 +196,19 @@ def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
     assert result.windows == (1 if frames == 13 else 4) and result.restored == 0
     assert sorted(written) == sorted(uploaded) == kept, (written, uploaded)
     assert all(suffixes == {"u8", "tail.npy", "json"} for suffixes in uploaded.values()), uploaded
-    assert (result.kept_upload_s > 0) == bool(kept) and (result.windows_s["kept"] > 0) == bool(kept), result
+    # every window is committed, the last dropping its local copy (a file's unlink)
+    assert (result.kept_upload_s > 0) == bool(kept) and 0 < result.windows_s["kept"], result
     s3.delete_prefix(work_prefix(job_id))
 
 
 def test_a_job_of_one_window_keeps_nothing_on_a_worker(request, settings, jobs, s3, queue, tmp_path):
     """Through a real worker (the task's head and tail): a job of one window uploads no window, so its `run` event
-    reports no upload and no commit; a longer job's does."""
+    reports no upload, and a commit that only dropped the window's local copy; a longer job's does."""
     short = write_clip(tmp_path / "short.mp4", 13, (144, 192), audio_codec="aac").read_bytes()
     job = create_record(jobs, s3, short, queue)
     done = completed_on_a_steady_worker(request, jobs, settings, job, restored="0 of 1")
     [run] = [event.detail for event in jobs.events(done.id) if event.type == "run"]
-    assert run["windows"] == 1 and run["kept_upload_s"] == 0 and run["windows_s"]["kept"] == 0, run
+    assert run["windows"] == 1 and run["kept_upload_s"] == 0 and run["windows_s"]["kept"] < 0.05, run
     assert run["tail_s"]["kept_join"] < 0.05, run  # nothing to wait for
 
 
@@ -299,7 +301,7 @@ def test_an_attempt_that_replays_every_window_reports_what_made_them(model, engi
 
     def attempt(name: str):
         store = BlobWindowStore(s3, job_id, tmp_path / name, "key")
-        store.keeps_last = True  # every window kept, the last too: as a worker of the version before kept them
+        store.keep_last = lambda: True  # every window kept, the last too: as a worker of the version before kept them
         return upscale_file(source, tmp_path / f"{name}.mp4", upscaler, HIGH, store=store)
 
     computed, replayed = attempt("computed"), attempt("replayed")
@@ -322,7 +324,7 @@ def test_a_job_whose_windows_were_all_kept_reports_the_quality_that_made_them(
     key = windows_key(job, job.input.sha256, "lanczos", options, LanczosUpscaler())
     (tmp_path / "input.mp4").write_bytes(long_clip)
     store = BlobWindowStore(s3, job.id, tmp_path / "windows", key)
-    store.keeps_last = True
+    store.keep_last = lambda: True
     upscale_file(tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
     assert len(kept_windows(s3, job.id)) == 4
 

@@ -122,34 +122,45 @@ def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
     assert left == []
 
 
-def test_a_job_whose_head_starts_while_a_tail_is_held_keeps_its_last_window(
-    worker_here, settings, jobs, s3, queue, clip
+@pytest.mark.parametrize("released", [False, True], ids=["held_at_its_commit", "released_before_its_commit"])
+def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
+    released, worker_here, settings, jobs, s3, queue, clip
 ):
     """A tail held on the worker's finisher (its output's upload stalled on its way to SeaweedFS) when the next job's
-    head starts: that job's tail will wait its turn behind it, and may be sent back or lost meanwhile, so its last
-    window (for a job of one window, its whole engine) is kept under its work prefix; both jobs then complete, and the
-    job's end deletes what it kept. (A job whose head starts with no tail held keeps none: test_recovery.py.)"""
+    head starts. Still held as that job's engine ends (its one window's commit): the job's tail will wait its turn
+    behind it, and may be sent back or lost meanwhile, so its last window (for a job of one window, its whole engine)
+    is kept under its work prefix. Released and ended before (the job's head held at its store's first upload while
+    it ends): the job's tail follows at once, and it keeps nothing. Both jobs then complete, and the job's end deletes
+    what it kept. (A job with no tail held keeps no last window: test_recovery.py.)"""
     partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
     try:
         worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}")
         held, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
-        tails = []
-        for job in (held, behind):
-            lease = service.jobs().lease(job.id, "test-tail/1", lease_s=30)
-            output_key = attempt_output_key(job.id, lease.attempt, lease.token)
-            if job is held:
-                put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()
-                partition.hold(put)
-            with tasks._attempt(job, lease, output_key):
-                tail = tasks._head(job, lease, output_key)
-            tasks._finisher.hand(lambda turn, tail=tail: tasks._finish(tail, overlapped=True, turn=turn), tail.silent_s)
-            tails.append(tail)
-            if job is held:
-                wait_until(lambda: partition.held == 1, 30)
-        # the one window's raw frames and its JSON (written last: it replays), as the held tail still waits
-        kept = wait_until(lambda: window_files(s3.keys(work_prefix(behind.id))), 30)
-        assert kept == {0: {"u8", "json"}} and tasks._finisher.busy(), kept
-        partition.release(put)
+        lease = service.jobs().lease(held.id, "test-tail/1", lease_s=30)
+        put = f"PUT /{settings.s3_bucket}/{attempt_output_key(held.id, lease.attempt, lease.token)} ".encode()
+        partition.hold(put)
+        head(held, lease)
+        wait_until(lambda: partition.held == 1, 30)
+        lease = service.jobs().lease(behind.id, "test-tail/1", lease_s=30)
+        if not released:
+            head(behind, lease)
+            # the one window's raw frames and its JSON (written last: it replays), as the held tail still waits
+            kept = wait_until(lambda: landed(s3.keys(work_prefix(behind.id))), 30)
+            assert kept == {0: {"u8", "json"}} and tasks._finisher.busy(), kept
+            partition.release(put)
+        else:
+            # its store's first upload (its marker), before its engine
+            marker = f"PUT /{settings.s3_bucket}/{work_prefix(behind.id)}".encode()
+            partition.hold(marker)
+            heading = threading.Thread(target=head, args=(behind, lease), daemon=True)
+            heading.start()
+            wait_until(lambda: partition.held == 2, 30)
+            assert tasks._finisher.busy()  # as the head began
+            partition.release(put)
+            assert tasks._finisher.wait(60)
+            partition.release(marker)
+            heading.join(60)
+            assert not heading.is_alive()
         assert tasks._finisher.wait(60)
     finally:
         partition.close()
@@ -159,4 +170,21 @@ def test_a_job_whose_head_starts_while_a_tail_is_held_keeps_its_last_window(
         assert sorted(s3.keys(output_prefix(job.id))) == sorted(done.output.keys())
         assert list(s3.keys(work_prefix(job.id))) == []
     [run] = [event.detail for event in jobs.events(behind.id) if event.type == "run"]
-    assert run["kept_upload_s"] > 0 and run["windows_s"]["kept"] > 0, run
+    if released:  # nothing uploaded; its one window written locally, then dropped at its commit
+        assert run["kept_upload_s"] == 0 and run["tail_s"]["kept_join"] < 0.05, run
+    else:
+        assert run["kept_upload_s"] > 0 and run["windows_s"]["kept"] > 0, run
+
+
+def landed(keys) -> dict[int, set[str]] | None:
+    """The window files once the first window's JSON (uploaded last) is in."""
+    files = window_files(keys)
+    return files if "json" in files.get(0, set()) else None
+
+
+def head(job, lease) -> None:
+    """The job's head on this thread, its tail handed to the worker's finisher (as the task does)."""
+    output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+    with tasks._attempt(job, lease, output_key):
+        tail = tasks._head(job, lease, output_key)
+    tasks._finisher.hand(lambda turn: tasks._finish(tail, overlapped=True, turn=turn), tail.silent_s)

@@ -128,14 +128,12 @@ class WindowRecorder(Protocol):
 
 
 class WindowStore(Protocol):
-    # Whether the last window is kept: its frames go straight into the encoder, so a store whose keeping costs the
-    # output's tail (a blob store's upload, joined before the job ends) leaves it out where the tail runs at once
-    # (a rerun computes only that window again), and keeps it where the tail may wait (worker.kept_windows)
-    keeps_last: bool
-
     def load(self, index: int) -> StoredWindow | None: ...
 
-    def record(self, index: int) -> WindowRecorder: ...
+    # Every window is recorded; `last` (the job's last window, whose frames go straight into the encoder) lets a store
+    # whose keeping costs the output's tail (a blob store's upload, joined before the job ends) decide at its commit
+    # whether to keep it (worker.kept_windows)
+    def record(self, index: int, last: bool = False) -> WindowRecorder: ...
 
     def drop(self) -> None:
         """Forget every kept window (the store stays usable for this key)."""
@@ -149,8 +147,6 @@ class DirectoryWindowStore:
     """Finished windows as raw files in a directory: 8-bit frames (as big as the raw output of those windows) and
     the float overlap tail. `key` names the job (input, model, options): a directory kept for another key is
     emptied, so a stale window can never be replayed into a different job."""
-
-    keeps_last = True  # a local directory (`vsrq upscale --keep-windows`): a rerun replays every window
 
     def __init__(self, directory: str | Path, key: str) -> None:
         self.directory = Path(directory)
@@ -178,7 +174,8 @@ class DirectoryWindowStore:
         tail = torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None
         return StoredWindow(pixels, tail, made)
 
-    def record(self, index: int) -> _DirectoryRecorder:
+    def record(self, index: int, last: bool = False) -> _DirectoryRecorder:
+        # a local directory (`vsrq upscale --keep-windows`) keeps every window, the last too: a rerun replays them all
         return _DirectoryRecorder(self, index)
 
     def drop(self) -> None:
@@ -213,6 +210,10 @@ class _DirectoryRecorder:
         self.partial.replace(self.store._path(self.index, "u8"))
         # Written last: a window counts as kept only once everything it needs is on disk.
         self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape, "made": made.kept()}))
+
+    def discard(self) -> None:
+        """The window is not kept: its frames written so far go."""
+        self.partial.unlink(missing_ok=True)
 
 
 # --- running ------------------------------------------------------------------------------------------------
@@ -267,8 +268,8 @@ def upscale_windows(
             if progress is not None:
                 progress(WindowProgress(index, len(plan.windows), event.stage, event.done, event.total, tiles))
 
-        kept = store is not None and (store.keeps_last or window.index < len(plan.windows) - 1)
-        blender = _Blender(plan, window, tail, sink, store.record(window.index) if kept else None)
+        last = window.index == len(plan.windows) - 1
+        blender = _Blender(plan, window, tail, sink, store.record(window.index, last) if store is not None else None)
         request_window = replace(request, noise_key=(*request.noise_key, window.index))
         taking = perf_counter()
         video = _video(held)
