@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -109,6 +110,14 @@ def serve_api(service_env: dict[str, str], log: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_client(stack: Stack) -> redis.Redis:
     return redis.Redis.from_url(stack.redis_url)
+
+
+@pytest.fixture(scope="module")
+def queue(request, redis_client) -> Iterator[str]:
+    """A Celery queue of the test module's own (vsrq.{module}-{random}), deleted after it."""
+    name = f"vsrq.{request.module.__name__.rsplit('.', 1)[-1].removeprefix('test_')}-{secrets.token_hex(3)}"
+    yield name
+    redis_client.delete(name)
 
 
 @pytest.fixture(scope="session")

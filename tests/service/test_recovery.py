@@ -63,13 +63,6 @@ WINDOWS = {"VSRQ_WORKER_WINDOW": "13", "VSRQ_WORKER_WINDOW_OVERLAP": "4"}
 
 
 @pytest.fixture(scope="module")
-def queue(redis_client) -> Iterator[str]:
-    name = f"vsrq.recovery-{secrets.token_hex(3)}"
-    yield name
-    redis_client.delete(name)
-
-
-@pytest.fixture(scope="module")
 def steady_worker(service_env, queue, tmp_path_factory) -> Iterator[Path]:
     """A worker that is left to finish its jobs: its log."""
     env = {**service_env, **WINDOWS}

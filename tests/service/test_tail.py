@@ -7,7 +7,6 @@ Redis and SeaweedFS) for a check that fails while the upload is held in flight.
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,13 +22,6 @@ from worker.media.synthetic import write_clip
 from ..reliability.processes import Partition
 from .test_recovery import create_record, ended, enqueue, output_sha256, wait_until, window_files
 from .test_worker import celery_worker
-
-
-@pytest.fixture(scope="module")
-def queue(redis_client) -> Iterator[str]:
-    name = f"vsrq.tail-{secrets.token_hex(3)}"
-    yield name
-    redis_client.delete(name)
 
 
 @pytest.fixture(scope="module")
