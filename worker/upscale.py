@@ -88,14 +88,17 @@ class Result:
     # with a store, the seconds its uploads took on the uploader's thread, beside the engine (known once
     # `Encoding.check` joined them)
     kept_upload_s: float = 0.0
-    # seconds of each step of `Encoding.flush` and `check` (or `finish`): the encoder's flush, the read-back check,
-    # the wait for the store's last uploads (`kept_join`)
-    tail: dict[str, float] = field(default_factory=dict)
-    # the same steps' `time.monotonic()` at their start and end: a caller that ran something beside them (the
-    # worker's output upload beside the check) reports how they overlapped
+    # `time.monotonic()` at the start and end of each step of `Encoding.flush` and `check` (or `finish`): the
+    # encoder's flush, the read-back check, the wait for the store's last uploads (`kept_join`); a caller that ran
+    # something beside them (the worker's output upload beside the check) reports how they overlapped
     tail_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
     # the previews' frames, taken as they were encoded: the output is not decoded again for them
     previews: PreviewFrames | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def tail(self) -> dict[str, float]:
+        """Seconds of each step of the tail (`tail_spans`)."""
+        return {step: end - start for step, (start, end) in self.tail_spans.items()}
 
 
 def upscale_file(
@@ -279,7 +282,6 @@ class Encoding:
             self.result,
             written=written,
             seconds=perf_counter() - self._started,
-            tail={step: end - start for step, (start, end) in self._spans.items()},
             tail_spans=dict(self._spans),
             kept_upload_s=kept_upload_s,
         )
