@@ -527,7 +527,7 @@ class Bench:
         self.ensure_worker()
         jobs = Jobs(self.service, self.clips, self.tiny)
         records = []
-        for name in SOLO:
+        for name in self.args.solo.split(","):
             job_id, posted = jobs.submit(name)
             job, seen = jobs.wait(job_id, self.args.job_timeout_s)
             record = {"phase": "solo", **job_record(name, job_id, posted, seen, jobs.timeline(job_id))}
@@ -821,6 +821,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write-full-checkpoint", type=Path, metavar="DIR", help="write a random full-size one, exit")
     parser.add_argument("--devices", default="cuda:0")
     parser.add_argument("--blobs", choices=("local", "s3"), default="local")
+    parser.add_argument("--solo", default=",".join(SOLO), help="the solo phase's jobs, one after another (W2 first)")
     parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
     parser.add_argument("--compile-cache", type=Path, help="worker's (default DIR/compile-cache); `start` empties it")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
