@@ -322,7 +322,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             log.info("%s read its input: %d bytes, sha256 %s (hashed %s)", job.id, digest.bytes, digest.sha256, hashed)
             beat.stop_if_cancelled(input_file=digest, force=True)
         head = {"fetched": monotonic()}
-        scratch_need = _scratch_need(job, source, options.request.scale)
+        scratch_need = _scratch_need(job, source, options)
         _prefetcher.ahead(job, scratch_need)  # the next job's input downloads while this one's engine runs
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
@@ -370,12 +370,12 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         )
 
 
-def _scratch_need(job: JobRecord, source: Path, scale: float) -> int | None:
+def _scratch_need(job: JobRecord, source: Path, options: UpscaleOptions) -> int | None:
     """What this job writes to its scratch disk at most (worker.scratch), estimated once: the room a prefetch must
     leave it, and the room held tails must leave the next job. None where the input does not say (a bound only: never
     the job's end)."""
     try:
-        return scratch_bytes(source, scale)
+        return scratch_bytes(source, options.request.scale, options.window, options.window_overlap)
     except Exception as error:
         log.warning("%s: its scratch not estimated (%s)", job.id, error)
         return None
