@@ -78,6 +78,11 @@ _claimed: set[Path] = set()
 _preloader: threading.Thread | None = None
 _PRIMITIVES = (bool, int, float, str, type(None))
 SWITCH_INTERVAL_S = 0.0005  # `sys.setswitchinterval` while the preloader runs (`_preload`)
+# Preloaders running (`preload` may be called again before the last one ended): the first saves Python's interval,
+# the last puts it back; a second that saved the interval it found would restore the lowered one for good
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
 # In every file's name (its environment's hash) and signature hash: another version's naming or hashing never matches
 VERSION = "vsrq-precompiled-2"
 
@@ -163,8 +168,7 @@ def _preload(directory: Path, classes: tuple[type, ...], devices: tuple[torch.de
     # The engine's build meanwhile moves its weights in thousands of short copies, each releasing the GIL: at Python's
     # 5 ms switch interval each waits up to that long for this thread to give it back (the build took 4 s longer on
     # the H200, bench/RESULTS.md). A shorter interval while the thread runs hands it back sooner.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+    _lower_switch_interval()
     globals_by_path: dict[Path, dict] = {}
     try:
         try:  # a GPU's capability initialises CUDA (~0.5 s): here, beside the weights' load, which then finds it done
@@ -206,7 +210,24 @@ def _preload(directory: Path, classes: tuple[type, ...], devices: tuple[torch.de
             _preloading.difference_update(left)
             _claimed.difference_update(left)
             _preloads.notify_all()
-        sys.setswitchinterval(interval)
+        _restore_switch_interval()
+
+
+def _lower_switch_interval() -> None:
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if not _switch_users:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, SWITCH_INTERVAL_S))
+        _switch_users += 1
+
+
+def _restore_switch_interval() -> None:
+    global _switch_users
+    with _switch_lock:
+        _switch_users -= 1
+        if not _switch_users:
+            sys.setswitchinterval(_switch_saved)
 
 
 def _take(path: Path) -> tuple[bool, Any]:
