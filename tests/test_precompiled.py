@@ -201,6 +201,30 @@ def test_a_shared_directory_holds_files_of_another_environment_that_are_never_op
     assert (foreign["compiled"], foreign["preloaded"], foreign["read"]) == (0, 1, {theirs.name: 1}), foreign
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+def test_a_start_deletes_the_files_of_the_old_naming_and_keeps_every_environment_s(tmp_path):
+    """Files named before the environment was in the name (`{class}-{signature}-{structure}.aot`), which no worker of
+    this version opens, go as a worker starts (its preloader); this environment's file, another environment's (as a
+    shared volume holds) and anything not named so stay."""
+    first, _ = edited(tmp_path, 2)
+    assert first["compiled"] == 1, first
+    cache = tmp_path / "cache"
+    [mine] = cache.glob("Block-*.aot")
+    _, environment, signature, structure = mine.stem.split("-")
+    old = [cache / f"Block-{signature}-{structure}.aot", cache / f"OtherBlock-{'a' * 32}-{'b' * 12}.aot"]
+    for path in old:  # an earlier version's files: this one's bytes, under the names it gave them
+        path.write_bytes(mine.read_bytes())
+    theirs = cache / f"Block-{'c' * 12}-{signature}-{structure}.aot"  # another environment's
+    kept = [theirs, cache / f".Block-{signature}-{structure}.aot.1.2.tmp", cache / "notes.txt"]
+    for path in kept:
+        path.write_bytes(mine.read_bytes())
+
+    again, _ = edited(tmp_path, 2)
+    assert (again["compiled"], again["preloaded"], again["read"]) == (0, 1, {mine.name: 1}), again
+    assert again["same_as_eager"], again
+    assert sorted(cache.iterdir()) == sorted([mine, *kept]), sorted(path.name for path in cache.iterdir())
+
+
 # The block's first call arriving while the preloader is on that call's file: torch's loader holds the preloader's
 # thread at the file until the call waits for it (or is done without waiting), then lets it load
 RACE = """

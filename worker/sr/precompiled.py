@@ -23,7 +23,8 @@ fails a job.
 
 `preload` loads the directory's files of this environment on the engine's devices on a thread while the engine is
 built (weights on the devices): the warmup then takes them instead of loading them (each file is loaded once, by
-whichever thread gets to it first).
+whichever thread gets to it first). It first deletes the files of the naming before (no environment in the name),
+which no worker of this version would ever open; other environments' files stay.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import importlib
 import logging
 import os
 import platform
+import re
 import sys
 import threading
 import types
@@ -85,6 +87,9 @@ _switch_users = 0
 _switch_saved = 0.0
 # In every file's name (its environment's hash) and signature hash: another version's naming or hashing never matches
 VERSION = "vsrq-precompiled-2"
+# A file named before the environment was in the name (vsrq-precompiled-1: `{class}-{signature}-{structure}.aot`),
+# which no worker of this version opens; this version's names have a 12-hex part where that one had 32 hex
+_OLD_NAME = re.compile(r"[A-Za-z_]\w*-[0-9a-f]{32}-[0-9a-f]{12}\.aot")
 
 
 def available() -> bool:
@@ -171,6 +176,7 @@ def _preload(directory: Path, classes: tuple[type, ...], devices: tuple[torch.de
     _lower_switch_interval()
     globals_by_path: dict[Path, dict] = {}
     try:
+        _remove_old_naming(directory)
         try:  # a GPU's capability initialises CUDA (~0.5 s): here, beside the weights' load, which then finds it done
             environments = sorted({_environment([device]) for device in devices})
         except Exception as error:  # the blocks' first calls load their files themselves
@@ -228,6 +234,21 @@ def _restore_switch_interval() -> None:
         _switch_users -= 1
         if not _switch_users:
             sys.setswitchinterval(_switch_saved)
+
+
+def _remove_old_naming(directory: Path) -> None:
+    """Deletes the directory's files of the naming before (`_OLD_NAME`): left by a worker of an earlier version, they
+    would stay unused forever. A file another worker deleted first is skipped; a volume that refuses is logged once."""
+    removed = 0
+    try:
+        for path in directory.glob("*.aot"):
+            if _OLD_NAME.fullmatch(path.name):
+                path.unlink(missing_ok=True)
+                removed += 1
+    except OSError as error:
+        _note(f"old naming {type(error).__name__}", f"precompiled files of the old naming not deleted ({error!r})")
+    if removed:
+        log.info("deleted %d precompiled files of the old naming (no environment in it) in %s", removed, directory)
 
 
 def _take(path: Path) -> tuple[bool, Any]:
