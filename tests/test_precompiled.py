@@ -201,6 +201,30 @@ def test_a_shared_directory_holds_files_of_another_environment_that_are_never_op
     assert (foreign["compiled"], foreign["preloaded"], foreign["read"]) == (0, 1, {theirs.name: 1}), foreign
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+def test_a_start_deletes_the_files_of_the_old_naming_and_keeps_every_environment_s(tmp_path):
+    """Files named before the environment was in the name (`{class}-{signature}-{structure}.aot`), which no worker of
+    this version opens, go as a worker starts (its preloader); this environment's file, another environment's (as a
+    shared volume holds) and anything not named so stay."""
+    first, _ = edited(tmp_path, 2)
+    assert first["compiled"] == 1, first
+    cache = tmp_path / "cache"
+    [mine] = cache.glob("Block-*.aot")
+    _, environment, signature, structure = mine.stem.split("-")
+    old = [cache / f"Block-{signature}-{structure}.aot", cache / f"OtherBlock-{'a' * 32}-{'b' * 12}.aot"]
+    for path in old:  # an earlier version's files: this one's bytes, under the names it gave them
+        path.write_bytes(mine.read_bytes())
+    theirs = cache / f"Block-{'c' * 12}-{signature}-{structure}.aot"  # another environment's
+    kept = [theirs, cache / f".Block-{signature}-{structure}.aot.1.2.tmp", cache / "notes.txt"]
+    for path in kept:
+        path.write_bytes(mine.read_bytes())
+
+    again, _ = edited(tmp_path, 2)
+    assert (again["compiled"], again["preloaded"], again["read"]) == (0, 1, {mine.name: 1}), again
+    assert again["same_as_eager"], again
+    assert sorted(cache.iterdir()) == sorted([mine, *kept]), sorted(path.name for path in cache.iterdir())
+
+
 # The block's first call arriving while the preloader is on that call's file: torch's loader holds the preloader's
 # thread at the file until the call waits for it (or is done without waiting), then lets it load
 RACE = """
@@ -262,3 +286,84 @@ def test_a_first_call_waits_for_the_file_the_preloader_is_loading(tmp_path):
     assert race["waited"] and race["same_as_eager"] == [True], race
     assert race["loads"] == [["vsrq-preload", path.name]] and race["uses_the_preloaders"] == [True], race
     assert (race["loaded"], race["preloaded"], race["compiled"], race["fallback"]) == (1, 1, 0, 0), race
+
+
+# Two block classes, each with its file; two preloaders that overlap, each held at its file until the test lets it
+# load: the first started and ended first, so that the second one alone runs in between
+OVERLAP = """
+import json, sys, threading, torch
+torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default
+sys.path.insert(0, sys.argv[1])
+from blocks import Block, Other
+from worker.sr import precompiled
+
+precompiled.use(sys.argv[2])
+if sys.argv[3] == "compile":
+    with torch.no_grad():
+        for cls in (Block, Other):
+            block = cls()
+            precompiled.compile_block(block)
+            block(torch.rand(4, 8))
+    print(json.dumps(precompiled.stats()))
+    sys.exit()
+
+load, go = torch.compiler.load_compiled_function, {"Block": threading.Event(), "Other": threading.Event()}
+reached = {name: threading.Event() for name in go}
+def held(file, **options):
+    name = file.name.rsplit("/", 1)[-1].split("-")[0]
+    reached[name].set()
+    go[name].wait()
+    return load(file, **options)
+torch.compiler.load_compiled_function = held
+
+seen = {"original": sys.getswitchinterval()}
+first = precompiled.preload([Block], ["cpu"])
+assert reached["Block"].wait(60), "the first preloader did not reach its file"
+second = precompiled.preload([Other], ["cpu"])
+assert reached["Other"].wait(60), "the second preloader did not reach its file"
+seen["both"] = sys.getswitchinterval()
+go["Block"].set()
+first.join(60)
+seen["second"] = sys.getswitchinterval()
+go["Other"].set()
+second.join(60)
+seen["after"] = sys.getswitchinterval()
+print(json.dumps({**seen, "alive": [first.is_alive(), second.is_alive()], **precompiled.stats()}))
+"""
+BLOCKS = """
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class Other(Block):
+    def forward(self, x):
+        return torch.sigmoid(self.linear(x))
+"""
+
+
+def overlap(directory: Path, step: str) -> dict:
+    (directory / "blocks.py").write_text(BLOCKS)
+    done = subprocess.run(
+        [sys.executable, "-c", OVERLAP, str(directory), str(directory / "cache"), step],
+        cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
+def test_overlapping_preloads_put_the_switch_interval_back(tmp_path):
+    """`preload` called again while its first preloader runs: the interval stays lowered while either runs and is
+    Python's own again once both have ended, whichever ends last (the second saved the lowered one)."""
+    assert overlap(tmp_path, "compile")["compiled"] == 2
+    seen = overlap(tmp_path, "preload")
+    assert seen["alive"] == [False, False] and seen["preloaded"] == 2, seen
+    assert (seen["original"], seen["both"], seen["second"], seen["after"]) == (0.005, 0.0005, 0.0005, 0.005), seen

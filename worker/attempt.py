@@ -95,7 +95,9 @@ def _transient(error: botocore.exceptions.ClientError) -> bool:
     return _BOTOCORE_TRANSIENT.is_retryable(context)
 
 
-def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None:
+def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows: bool = True) -> None:
+    """Ends the attempt that `error` stopped: the job failed, cancelled or requeued, and what it leaves deleted (its
+    output; its kept windows once the job has ended, where `windows` says the prefix may hold any)."""
     outcome, code, message = classify(error)
     if code == "internal_error":
         log.exception("%s attempt %d failed", job.id, lease.attempt)
@@ -111,7 +113,8 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception) -> None
         elif lease.retry(code, message, counts=code != TailStuck.code) == Status.QUEUED:
             send_upscale(app, service.jobs(), job, first=True)
             return  # the next attempt replays the kept windows (the last one only if its tail could wait)
-        forget_windows(job.id)  # the job has ended
+        if windows:
+            forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:
         log.warning("%s attempt %d lost the job before it could end it: %s", job.id, lease.attempt, stale.message)
         kept = kept_output(job.id, output_key)

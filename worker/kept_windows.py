@@ -23,6 +23,11 @@ before its last. Where tails are held, its tail may wait its turn behind them fo
 ahead) or lost with its worker meanwhile, its engine done: the window is kept and the next attempt replays it, not
 the whole GPU work of a job of one window. Decided at the commit, not as the job's head starts: a tail held then
 (about a second's) has mostly ended by the time the engine is done.
+
+The job's first attempt knows the prefix empty (`KeptPrefix`): it neither lists it nor starts it over, its marker goes
+with its first window kept, and the job's end deletes the prefix only where a window was handed to the uploader. A job
+of one window on an idle worker then sends no request for its windows at all; a retried attempt lists the prefix, so
+a last window that an earlier attempt kept (its tail held) is replayed.
 """
 
 from __future__ import annotations
@@ -76,6 +81,20 @@ def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleO
     return hashlib.sha256(f"{job.id}\n{input_sha256}\n{model}\n{options!r}\n{signature}".encode()).hexdigest()
 
 
+class KeptPrefix:
+    """Whether the job's kept-windows prefix may hold anything, as one attempt knows it: what an earlier attempt kept
+    (any attempt but the job's first), or what this attempt's store has handed to its uploader (`BlobWindowStore`,
+    set as `store` once made). Where Redis lost acknowledged writes an attempt number repeats: a second first attempt
+    neither replays nor deletes what the first kept, which the storage sweep deletes once the job has ended."""
+
+    def __init__(self, attempt: int) -> None:
+        self.earlier = attempt > 1
+        self.store: BlobWindowStore | None = None
+
+    def may_hold(self) -> bool:
+        return self.earlier or (self.store is not None and self.store.uploading)
+
+
 class BlobWindowStore:
     def __init__(
         self,
@@ -86,34 +105,43 @@ class BlobWindowStore:
         progress: Progress | None = None,
         kept_alive: Callable[[], AbstractContextManager[None]] = nullcontext,
         keep_last: Callable[[], bool] = lambda: False,
+        earlier: bool = True,
     ) -> None:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
         outlive an unanswered request); `keep_last`, asked as the job's last window is committed: whether it is kept
-        too (see the module's docstring)."""
-        self.keep_last = keep_last
+        too (see the module's docstring); `earlier`: whether an earlier attempt may have kept windows (`KeptPrefix`):
+        where none can have, the prefix is not listed and its marker goes with the first window kept."""
+        self.keep_last, self.earlier = keep_last, earlier
         windows = f"{work_prefix(job_id)}windows/"
         named = hashlib.sha256(key.encode()).hexdigest()[:16]  # any key, a safe blob name (`windows_key`'s: hex)
         self.blobs, self.prefix, self.progress = blobs, f"{windows}{named}/", progress
         self.kept_alive, self.directory = kept_alive, directory
         self.local = DirectoryWindowStore(directory, key)
         self.uploads = _Uploader()
+        self.uploading = False  # a file handed to the uploader: the prefix may hold it (`KeptPrefix`)
+        self._marked = earlier  # the marker is in storage; uploaded with the first window where not
+        if earlier:
+            self._resume(windows)
+
+    def _resume(self, windows: str) -> None:
+        """Downloads what an earlier attempt kept under this key; deletes other keys' windows."""
         names, older = set(), set()
-        for blob in blobs.keys(windows):
+        for blob in self.blobs.keys(windows):
             if blob.startswith(self.prefix):
                 names.add(blob.removeprefix(self.prefix))
             else:  # another key's prefix ("{digits}/"), or a file of the layout before them
                 name = blob.removeprefix(windows)
                 older.add(name[: name.find("/") + 1] or name)
         for name in older:
-            blobs.delete_prefix(windows + name)
-        if MARKER in names and self._read(MARKER) == (directory / MARKER).read_bytes():
+            self.blobs.delete_prefix(windows + name)
+        if MARKER in names and self._read(MARKER) == (self.directory / MARKER).read_bytes():
             for name in sorted(names - {MARKER}):
                 stem = name.split(".", 1)[0]
                 if {f"{stem}.u8", f"{stem}.json"} <= names:  # files of windows whose upload was cut short stay out
-                    blobs.download(self.prefix + name, directory / name, progress)
+                    self.blobs.download(self.prefix + name, self.directory / name, self.progress)
         else:  # nothing kept under this key (or its marker says another key of the same digest): start it over
-            blobs.delete_prefix(self.prefix)
-            self._upload(directory / MARKER)
+            self.blobs.delete_prefix(self.prefix)
+            self._upload(self.directory / MARKER)
 
     def load(self, index: int) -> StoredWindow | None:
         return self.local.load(index)
@@ -124,6 +152,8 @@ class BlobWindowStore:
     def drop(self) -> None:
         self.join()  # an upload in flight would land a window after the delete
         self.local.drop()
+        if not (self.earlier or self.uploading):  # nothing kept in storage
+            return
         try:
             with self.kept_alive():
                 self.blobs.delete_prefix(self.prefix)
@@ -161,6 +191,9 @@ class BlobWindowStore:
         """Uploads a committed window's files, its JSON last: one cut short never replays."""
         try:
             with self.kept_alive():
+                if not self._marked:  # the first window this job keeps (no earlier attempt): its key first
+                    self._upload(self.directory / MARKER)
+                    self._marked = True
                 for suffix in SUFFIXES:
                     path = self.local._path(index, suffix)
                     if self.progress is not None:  # a cancel or a lost lease, seen before a request that may hang
@@ -203,6 +236,7 @@ class _UploadingRecorder:
             self.local.discard()
             return
         self.local.commit(tail, made)
+        self.store.uploading = True
         self.store.uploads.submit(partial(self.store._keep, self.index))
 
 

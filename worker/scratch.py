@@ -1,7 +1,12 @@
 """The worker's scratch disk: what a job writes to it at most, and whether the disk has that much left.
 
-A job's scratch directory holds its input, its kept windows as raw RGB while its engine runs, and its MP4 until its
-tail ends; a prefetched input (worker.prefetch) and the held tails' files (worker.finisher) share the disk with it.
+A job's scratch directory holds its input, its kept windows while its engine runs, and its MP4 until its tail ends; a
+prefetched input (worker.prefetch) and the held tails' files (worker.finisher) share the disk with it.
+
+Its peak is as the engine commits the last window: every window's frames as raw RGB are on disk then, also where the
+last is not kept (worker.kept_windows: its frames are written as they come and go only at its commit), with the float
+overlap tail of every window but the last (`tail.npy`, 4 bytes a sample: a window's 16 overlap frames weigh 64 raw
+frames) and the MP4 encoded so far.
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from pathlib import Path
 
 import av
 
+from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, plan_windows
 
-def scratch_bytes(source: Path, scale: float) -> int:
-    """What the running job (its input `source`, upscaled `scale` times) will write to its scratch disk at most: its
-    upscaled frames as raw RGB (kept windows, the encoder's input) and an MP4 of its input's bits per pixel."""
+
+def scratch_bytes(source: Path, scale: float, window: int = DEFAULT_WINDOW, overlap: int = DEFAULT_OVERLAP) -> int:
+    """What the running job (its input `source`, upscaled `scale` times in temporal windows of `window` frames that
+    overlap by `overlap`) will write to its scratch disk at most: its upscaled frames as raw RGB (kept windows, the
+    encoder's input), its windows' float overlap tails, and an MP4 of its input's bits per pixel."""
     with av.open(str(source)) as container:
         stream = container.streams.video[0]
         frames = stream.frames
@@ -23,7 +31,8 @@ def scratch_bytes(source: Path, scale: float) -> int:
             frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
         width, height = stream.codec_context.width, stream.codec_context.height
     pixels = scale * scale
-    return round(frames * width * height * pixels * 3 + source.stat().st_size * pixels)
+    tails = (len(plan_windows(frames, window, overlap).windows) - 1) * overlap * 4  # float32: 4 bytes a sample
+    return round((frames + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)
 
 
 def has_room(directory: Path, need: int) -> bool:

@@ -58,7 +58,7 @@ from worker.errors import TailStuck
 from worker.fetch import fetch
 from worker.finisher import Finisher, Turn
 from worker.heartbeat import UPLOADING, Heartbeat
-from worker.kept_windows import BlobWindowStore, windows_key
+from worker.kept_windows import BlobWindowStore, KeptPrefix, windows_key
 from worker.media.errors import InputNotFound
 from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
@@ -116,8 +116,9 @@ def upscale(self, job_id: str) -> None:
     job = lease.job()
     output_key = attempt_output_key(job.id, lease.attempt, lease.token)
     tail: _Tail | None = None
-    with _attempt(job, lease, output_key):
-        tail = _head(job, lease, output_key)
+    prefix = KeptPrefix(lease.attempt)  # the job's first attempt: no window kept before it
+    with _attempt(job, lease, output_key, prefix):
+        tail = _head(job, lease, output_key, prefix)
     if tail is None:  # the attempt ended before its engine was done
         return
 
@@ -126,7 +127,7 @@ def upscale(self, job_id: str) -> None:
     if not service.worker_settings().overlap_tail:
         _finish(tail)
         return
-    with _attempt(job, lease, output_key):
+    with _attempt(job, lease, output_key, prefix):
         try:
             _wait_for_room(tail)
             observe = signals.observe_later(self.request.id, job.id)
@@ -237,15 +238,16 @@ def _tail_stall_s() -> float:
 
 
 @contextmanager
-def _attempt(job: JobRecord, lease: Lease, output_key: str) -> Iterator[None]:
-    """What ends an attempt that raised, in the task or in its tail."""
+def _attempt(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> Iterator[None]:
+    """What ends an attempt that raised, in the task or in its tail (the job's kept windows deleted where its `prefix`
+    may hold any)."""
     try:
         yield
     except StaleAttempt as error:  # reaped or ended elsewhere: another attempt owns the job now
         log.warning("%s attempt %d lost the job: %s", job.id, lease.attempt, error.message)
         discard_attempt(output_key)  # uploaded before it found out: never promoted, so never kept
     except Exception as error:
-        end(job, lease, output_key, error)
+        end(job, lease, output_key, error, windows=prefix.may_hold())
 
 
 @dataclass
@@ -263,6 +265,7 @@ class _Tail:
     input_s: float  # the input's seconds on the task's path: the download, or the prefetched copy's check and move
     scratch: Path
     scratch_need: int | None  # what the job writes to `scratch` at most (`_scratch_need`)
+    prefix: KeptPrefix  # whether its kept windows may be in storage, for the job's end
     cleanup: ExitStack  # the scratch directory
     head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
     turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
@@ -284,7 +287,7 @@ class _Tail:
             self.cleanup.close()
 
 
-def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
+def _head(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> _Tail:
     config = service.worker_settings()
     default_steps = service.upscaler().default_steps
     options = replace(
@@ -322,7 +325,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             log.info("%s read its input: %d bytes, sha256 %s (hashed %s)", job.id, digest.bytes, digest.sha256, hashed)
             beat.stop_if_cancelled(input_file=digest, force=True)
         head = {"fetched": monotonic()}
-        scratch_need = _scratch_need(job, source, options.request.scale)
+        scratch_need = _scratch_need(job, source, options)
         _prefetcher.ahead(job, scratch_need)  # the next job's input downloads while this one's engine runs
 
         # 3. Probe, upscale window by window into the encoder: heartbeats carry progress and bring back the cancel flag.
@@ -338,9 +341,10 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
         kept = beat.storage(
             lambda: BlobWindowStore(
                 service.blobs(), job.id, Path(scratch, "windows"), windows, beat.transfer, beat.kept_alive,
-                keep_last=_finisher.busy,
+                keep_last=_finisher.busy, earlier=prefix.earlier,
             )
         )
+        prefix.store = kept
         # whatever ends the attempt: after the tail's join nothing is left; otherwise the uploads not begun are skipped
         # (storage that hangs must not hold the worker for each one), and the local copies go
         cleanup.callback(kept.close)
@@ -365,17 +369,18 @@ def _head(job: JobRecord, lease: Lease, output_key: str) -> _Tail:
             input_s,
             scratch,
             scratch_need,
+            prefix,
             cleanup.pop_all(),
             head,
         )
 
 
-def _scratch_need(job: JobRecord, source: Path, scale: float) -> int | None:
+def _scratch_need(job: JobRecord, source: Path, options: UpscaleOptions) -> int | None:
     """What this job writes to its scratch disk at most (worker.scratch), estimated once: the room a prefetch must
     leave it, and the room held tails must leave the next job. None where the input does not say (a bound only: never
     the job's end)."""
     try:
-        return scratch_bytes(source, scale)
+        return scratch_bytes(source, options.request.scale, options.window, options.window_overlap)
     except Exception as error:
         log.warning("%s: its scratch not estimated (%s)", job.id, error)
         return None
@@ -387,7 +392,7 @@ def _finish(
     """The attempt's tail, in the task or on a finisher's thread once `turn` says the tails before it have ended: it
     ends the attempt whatever happens."""
     try:
-        with _attempt(tail.job, tail.lease, tail.output_key), tail.cleanup:
+        with _attempt(tail.job, tail.lease, tail.output_key, tail.prefix), tail.cleanup:
             if turn is not None:
                 _wait_turn(tail, turn)
             _complete(tail, overlapped)
@@ -481,7 +486,8 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         for key in service.blobs().keys(output_prefix(job.id)):
             if key not in promoted_output.keys():
                 discard(key)
-        forget_windows(job.id)
+        if tail.prefix.may_hold():  # a first attempt that kept no window: nothing to list
+            forget_windows(job.id)
     except Exception:  # storage.lifecycle's sweep deletes the leftovers of ended jobs
         log.warning("%s: cleaning up after completion failed", job.id, exc_info=True)
 

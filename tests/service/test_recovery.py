@@ -40,7 +40,7 @@ from storage.config import Settings
 from storage.jobs import InputInfo, JobRecord, JobStore, Lease, StaleAttempt
 from storage.queue import make_celery, send_upscale
 from worker import service
-from worker.errors import Cancelled
+from worker.errors import Cancelled, InvalidRequest
 from worker.frames import quantise
 from worker.heartbeat import Heartbeat
 from worker.kept_windows import BlobWindowStore, windows_key
@@ -194,6 +194,67 @@ def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
     s3.delete_prefix(work_prefix(job_id))
 
 
+def noting_requests(settings: Settings, job_id: str) -> tuple[S3BlobStore, list[str]]:
+    """A store on SeaweedFS that notes each S3 call botocore makes about the job's kept windows (its operation), as
+    it makes it."""
+    blobs, calls = S3BlobStore.from_settings(settings), []
+
+    def note(model, params, **_) -> None:
+        if work_prefix(job_id) in str((params.get("Key"), params.get("Prefix"), params.get("Delete"))):
+            calls.append(model.name)
+
+    blobs.client.meta.events.register("before-parameter-build.s3", note)
+    return blobs, calls
+
+
+@pytest.mark.parametrize("tail_held", [False, True])
+def test_a_first_attempt_of_one_window_sends_no_request_for_its_windows_unless_it_keeps_one(
+    tail_held, settings, jobs, queue, tmp_path, monkeypatch
+):
+    """The worker's path for a job of one window (its `KeptPrefix` from its lease, its store, the engine, the tail's
+    join; the job's end by `end`), each request on SeaweedFS noted. On an idle worker its first attempt lists, marks,
+    uploads and deletes nothing under the job's prefix, also as the job ends. Where another job's tail is held as the
+    window is committed, the window is kept (its marker with it, nothing listed); the job's next attempt finds it and
+    replays it, and the job's end deletes the prefix."""
+    from worker.attempt import end
+    from worker.kept_windows import KeptPrefix
+
+    source = write_clip(tmp_path / "input.mp4", 13, (144, 192), audio_codec="aac")
+    options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)  # one window
+    job = jobs.create(owner="erin", model="lanczos", queue=queue, params={}, input=InputInfo(key="unused", bytes=0))
+    blobs, calls = noting_requests(settings, job.id)
+    monkeypatch.setattr(service, "jobs", lambda: jobs)  # `end`'s stores: the test stack's
+    monkeypatch.setattr(service, "blobs", lambda: blobs)
+
+    def attempt(name: str) -> tuple[KeptPrefix, Lease, int]:
+        lease = jobs.lease(job.id, name, lease_s=60)
+        prefix = KeptPrefix(lease.attempt)
+        prefix.store = BlobWindowStore(
+            blobs, job.id, tmp_path / name, "key", keep_last=lambda: tail_held, earlier=prefix.earlier
+        )
+        encoding = begin_upscale(source, tmp_path / f"{name}.mp4", LanczosUpscaler(), options, store=prefix.store)
+        prefix.store.release_local()
+        result = encoding.finish()
+        prefix.store.close()
+        return prefix, lease, result.restored
+
+    prefix, lease, restored = attempt("first")
+    assert (lease.attempt, restored) == (1, 0)
+    if not tail_held:
+        assert not prefix.may_hold()
+        end(job, lease, "outputs/unused.mp4", InvalidRequest("the job ends here"), windows=prefix.may_hold())
+        assert jobs.require(job.id).status == "failed" and calls == [], calls
+        return
+    assert prefix.may_hold() and calls and set(calls) == {"PutObject"}, calls  # its marker and files: nothing listed
+    assert len(kept_windows(blobs, job.id)) == 1
+    assert lease.retry("device_lost", "lost after its engine") == "queued"  # its tail never ran
+
+    prefix, lease, restored = attempt("second")
+    assert (lease.attempt, restored) == (2, 1) and prefix.may_hold()  # replayed: not computed again
+    end(job, lease, "outputs/unused.mp4", InvalidRequest("the job ends here"), windows=prefix.may_hold())
+    assert jobs.require(job.id).status == "failed" and not any(blobs.keys(work_prefix(job.id)))
+
+
 def test_a_job_of_one_window_keeps_nothing_on_a_worker(request, settings, jobs, s3, queue, tmp_path):
     """Through a real worker (the task's head and tail): a job of one window uploads no window, so its `run` event
     reports no upload, and a commit that only dropped the window's local copy; a longer job's does."""
@@ -320,18 +381,25 @@ def test_a_job_whose_windows_were_all_kept_reports_the_quality_that_made_them(
     store.keep_last = lambda: True
     upscale_file(tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
     assert len(kept_windows(s3, job.id)) == 4
+    sent_back_by_its_first_attempt(jobs, job)
 
-    done = completed_on_a_steady_worker(request, jobs, settings, job, restored="4 of 4")
+    done = completed_on_a_steady_worker(request, jobs, settings, job, restored="4 of 4", attempt=2)
     assert (done.params["quality"], done.output.quality, done.output.quality_levers) == ("high", "lossless", {})
 
 
-def completed_on_a_steady_worker(request, jobs, settings, job, restored: str):
-    """The job sent to a worker of its own, completed by its first attempt with `restored` windows replayed."""
+def sent_back_by_its_first_attempt(jobs: JobStore, job: JobRecord) -> None:
+    """The job leased and requeued, as by the attempt that kept its windows: the worker's is the job's second (a first
+    attempt lists no kept windows: none can be there)."""
+    assert jobs.lease(job.id, "attempt-1", lease_s=60).retry("device_lost", "the attempt that kept windows") == "queued"
+
+
+def completed_on_a_steady_worker(request, jobs, settings, job, restored: str, attempt: int = 1):
+    """The job sent to a worker of its own, completed by its `attempt` with `restored` windows replayed."""
     enqueue(jobs, settings, job)
     log = request.getfixturevalue("steady_worker")
     done = wait_until(lambda: ended(jobs, job.id), 120, log)
     assert done.status == "completed", done
-    pattern = re.compile(rf"{job.id} completed by attempt 1: .*? (\d+ of \d+) windows")
+    pattern = re.compile(rf"{job.id} completed by attempt {attempt}: .*? (\d+ of \d+) windows")
     line = wait_until(lambda: pattern.search(log.read_text()), 30, log)
     assert line[1] == restored, line[0]
     return done
@@ -357,8 +425,9 @@ def test_windows_kept_for_other_input_bytes_are_never_replayed(request, settings
     new = write_clip(tmp_path / "new.mp4", 37, (144, 192), crf=30, audio_codec="aac")
     s3.put(key, io.BytesIO(new.read_bytes()))
     upscale_file(new, tmp_path / "expected.mp4", LanczosUpscaler(), options)
+    sent_back_by_its_first_attempt(jobs, job)
 
-    done = completed_on_a_steady_worker(request, jobs, settings, job, restored="0 of 4")
+    done = completed_on_a_steady_worker(request, jobs, settings, job, restored="0 of 4", attempt=2)
     assert done.input.sha256 == hashlib.sha256(new.read_bytes()).hexdigest()
     assert output_sha256(s3, done) == hashlib.sha256((tmp_path / "expected.mp4").read_bytes()).hexdigest()
     s3.delete(key)

@@ -17,6 +17,7 @@ import pytest
 
 from storage.blobs import attempt_output_key, output_prefix, work_prefix
 from worker import service, tasks
+from worker.kept_windows import KeptPrefix
 from worker.media.synthetic import write_clip
 
 from ..reliability.processes import Partition
@@ -91,8 +92,9 @@ def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
         output_key = attempt_output_key(job.id, lease.attempt, lease.token)
         put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()  # the upload's request line, not the delete's
         partition.hold(put)
-        with tasks._attempt(job, lease, output_key):
-            tail = tasks._head(job, lease, output_key)
+        prefix = KeptPrefix(lease.attempt)
+        with tasks._attempt(job, lease, output_key, prefix):
+            tail = tasks._head(job, lease, output_key, prefix)
         promise = tail.encoding._promise
         tail.encoding._promise = dataclasses.replace(promise, frames=promise.frames + 1)
         finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)

@@ -301,3 +301,24 @@ def test_a_prefetch_leaves_room_for_every_upscaled_frame_of_the_running_job(tmp_
     width, height = frames[0].width, frames[0].height
     needed = len(frames) * (2 * width) * (2 * height) * 3
     assert needed <= scratch_bytes(source, 2) <= 1.2 * needed + 4 * source.stat().st_size
+
+
+def test_the_scratch_estimate_covers_the_kept_windows_and_their_overlap_tails(tmp_path):
+    """A job of three windows, upscaled as the worker does (its local window store: the blob store's peak is the same
+    files, its last window's frames written before they are dropped at its commit) with the MP4 beside them: the
+    estimate covers them, the float overlap tails (64 raw frames' worth each) among them."""
+    from worker.sr.lanczos import LanczosUpscaler
+    from worker.sr.request import SRRequest
+    from worker.sr.windows import DirectoryWindowStore, plan_windows
+    from worker.upscale import UpscaleOptions, upscale_file
+
+    source = write_clip(tmp_path / "clip.mp4", 250, (48, 64))
+    options = UpscaleOptions(request=SRRequest(scale=2))
+    assert len(plan_windows(250, options.window, options.window_overlap).windows) == 3
+    store = DirectoryWindowStore(tmp_path / "windows", "job")
+    upscale_file(source, tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
+    kept = sum(path.stat().st_size for path in (tmp_path / "windows").iterdir())
+    assert {path.suffix for path in (tmp_path / "windows").iterdir()} == {".u8", ".npy", ".json"}
+    written = kept + (tmp_path / "output.mp4").stat().st_size
+    estimate = scratch_bytes(source, 2, options.window, options.window_overlap)
+    assert written <= estimate <= 1.05 * kept + 4 * source.stat().st_size, (written, estimate)

@@ -23,7 +23,8 @@ fails a job.
 
 `preload` loads the directory's files of this environment on the engine's devices on a thread while the engine is
 built (weights on the devices): the warmup then takes them instead of loading them (each file is loaded once, by
-whichever thread gets to it first).
+whichever thread gets to it first). It first deletes the files of the naming before (no environment in the name),
+which no worker of this version would ever open; other environments' files stay.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import importlib
 import logging
 import os
 import platform
+import re
 import sys
 import threading
 import types
@@ -78,8 +80,16 @@ _claimed: set[Path] = set()
 _preloader: threading.Thread | None = None
 _PRIMITIVES = (bool, int, float, str, type(None))
 SWITCH_INTERVAL_S = 0.0005  # `sys.setswitchinterval` while the preloader runs (`_preload`)
+# Preloaders running (`preload` may be called again before the last one ended): the first saves Python's interval,
+# the last puts it back; a second that saved the interval it found would restore the lowered one for good
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
 # In every file's name (its environment's hash) and signature hash: another version's naming or hashing never matches
 VERSION = "vsrq-precompiled-2"
+# A file named before the environment was in the name (vsrq-precompiled-1: `{class}-{signature}-{structure}.aot`),
+# which no worker of this version opens; this version's names have a 12-hex part where that one had 32 hex
+_OLD_NAME = re.compile(r"[A-Za-z_]\w*-[0-9a-f]{32}-[0-9a-f]{12}\.aot")
 
 
 def available() -> bool:
@@ -163,10 +173,10 @@ def _preload(directory: Path, classes: tuple[type, ...], devices: tuple[torch.de
     # The engine's build meanwhile moves its weights in thousands of short copies, each releasing the GIL: at Python's
     # 5 ms switch interval each waits up to that long for this thread to give it back (the build took 4 s longer on
     # the H200, bench/RESULTS.md). A shorter interval while the thread runs hands it back sooner.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+    _lower_switch_interval()
     globals_by_path: dict[Path, dict] = {}
     try:
+        _remove_old_naming(directory)
         try:  # a GPU's capability initialises CUDA (~0.5 s): here, beside the weights' load, which then finds it done
             environments = sorted({_environment([device]) for device in devices})
         except Exception as error:  # the blocks' first calls load their files themselves
@@ -206,7 +216,39 @@ def _preload(directory: Path, classes: tuple[type, ...], devices: tuple[torch.de
             _preloading.difference_update(left)
             _claimed.difference_update(left)
             _preloads.notify_all()
-        sys.setswitchinterval(interval)
+        _restore_switch_interval()
+
+
+def _lower_switch_interval() -> None:
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if not _switch_users:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, SWITCH_INTERVAL_S))
+        _switch_users += 1
+
+
+def _restore_switch_interval() -> None:
+    global _switch_users
+    with _switch_lock:
+        _switch_users -= 1
+        if not _switch_users:
+            sys.setswitchinterval(_switch_saved)
+
+
+def _remove_old_naming(directory: Path) -> None:
+    """Deletes the directory's files of the naming before (`_OLD_NAME`): left by a worker of an earlier version, they
+    would stay unused forever. A file another worker deleted first is skipped; a volume that refuses is logged once."""
+    removed = 0
+    try:
+        for path in directory.glob("*.aot"):
+            if _OLD_NAME.fullmatch(path.name):
+                path.unlink(missing_ok=True)
+                removed += 1
+    except OSError as error:
+        _note(f"old naming {type(error).__name__}", f"precompiled files of the old naming not deleted ({error!r})")
+    if removed:
+        log.info("deleted %d precompiled files of the old naming (no environment in it) in %s", removed, directory)
 
 
 def _take(path: Path) -> tuple[bool, Any]:
