@@ -216,7 +216,9 @@ class Partition:
     (its head) are dropped and the rest flows: a cut that healed mid-request, its body reaching `target` alone; after
     `hang(marker)`, the connection of the next request that holds `marker` is cut for good, the others flow: a call
     that gets no answer before its timeout, however long; after `hold(marker)`, every request that holds `marker`
-    waits, its connection stalled, until `release(marker)`: a slow call, held exactly as long as a test needs."""
+    waits, its connection stalled, until `release(marker)`: a slow call, held exactly as long as a test needs; after
+    `refuse(marker)`, every request that holds `marker` has its connection closed as it arrives, unanswered: a storage
+    server that went down under that call, at once."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
@@ -228,6 +230,8 @@ class Partition:
         self.hung = 0  # connections cut by `hang`
         self._holds: dict[bytes, threading.Event] = {}  # marker: set once released
         self.held = 0  # requests held by `hold`
+        self._refuse: bytes | None = None
+        self.refused = 0  # requests whose connection `refuse` closed
         self.heal()
         self.dropped = 0  # bytes, either way, while cut
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -252,6 +256,9 @@ class Partition:
 
     def release(self, marker: bytes) -> None:
         self._holds.pop(marker).set()
+
+    def refuse(self, marker: bytes) -> None:
+        self._refuse = marker
 
     def heal(self) -> None:
         """Bytes flow again; what was dropped stays lost (a request sent during the cut waits for its timeout)."""
@@ -287,6 +294,12 @@ class Partition:
                 if hung.is_set():
                     self.dropped += len(data)
                     continue
+                if flowing is self._requests and self._refuse and self._refuse in data:
+                    for end in (source, sink):
+                        with contextlib.suppress(OSError):
+                            end.shutdown(socket.SHUT_RDWR)
+                    self.refused += 1  # counted once its caller can see it
+                    return
                 if flowing is self._requests:
                     for marker, released in list(self._holds.items()):
                         if marker in data:

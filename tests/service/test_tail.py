@@ -1,15 +1,22 @@
 """A job's tail after its engine (worker.tasks `_complete`): the output's upload to the attempt's key runs beside its
 read-back check, and only a job whose check passed and whose upload landed is promoted. A real Celery worker (lanczos)
 for the overlap as the `run` event reports it; this process as the worker (its head and tail, against the session's
-Redis and SeaweedFS) for a check that fails while the upload is held in flight.
+Redis and SeaweedFS) for a check that fails while the upload is held in flight, and for an upload that storage refuses
+while the check is held (at its wait for the kept windows' uploads): whichever fails first ends the attempt, and the
+other's error is not lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -17,11 +24,12 @@ import pytest
 
 from storage.blobs import attempt_output_key, output_prefix, work_prefix
 from worker import service, tasks
+from worker.attempt import classify
 from worker.kept_windows import KeptPrefix
 from worker.media.synthetic import write_clip
 
 from ..reliability.processes import Partition
-from .test_recovery import create_record, ended, enqueue, output_sha256, wait_until, window_files
+from .test_recovery import WINDOWS, create_record, ended, enqueue, output_sha256, wait_until, window_files
 from .test_worker import celery_worker
 
 
@@ -179,6 +187,132 @@ def landed(keys) -> dict[int, set[str]] | None:
 def head(job, lease) -> None:
     """The job's head on this thread, its tail handed to the worker's finisher (as the task does)."""
     output_key = attempt_output_key(job.id, lease.attempt, lease.token)
-    with tasks._attempt(job, lease, output_key):
-        tail = tasks._head(job, lease, output_key)
+    prefix = KeptPrefix(lease.attempt)
+    with tasks._attempt(job, lease, output_key, prefix):
+        tail = tasks._head(job, lease, output_key, prefix)
     tasks._finisher.hand(lambda turn: tasks._finish(tail, overlapped=True, turn=turn), tail.silent_s)
+
+
+@pytest.fixture(scope="module")
+def windowed_clip(tmp_path_factory) -> bytes:
+    """22 frames of 128x96 H.264 with AAC: 2 windows of 13 frames (`WINDOWS`), the first kept (1 MB of raw frames, a
+    single PUT)."""
+    return write_clip(tmp_path_factory.mktemp("windowed") / "clip.mp4", 22, (96, 128), audio_codec="aac").read_bytes()
+
+
+@contextmanager
+def upload_refused_check_held(
+    worker_here, settings, jobs, s3, queue, clip: bytes, lease_s: int
+) -> Iterator[tuple[Partition, bytes, tasks._Tail, threading.Thread]]:
+    """A job's tail, run by this process, whose output upload SeaweedFS refuses (its connection closed unanswered)
+    while the check waits for the kept window's upload, held on its way: the partition, the held upload's
+    marker (to release), the tail and its thread, once the upload was refused. One try of it (`AWS_MAX_ATTEMPTS`,
+    storage_retry_s 0: an outage is not waited out) and one attempt of the job (`VSRQ_MAX_ATTEMPTS`: none is sent
+    again)."""
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(
+            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
+            VSRQ_WORKER_STORAGE_RETRY_S="0",
+            AWS_MAX_ATTEMPTS="1",
+            VSRQ_MAX_ATTEMPTS="1",
+            **WINDOWS,
+        )
+        job = create_record(jobs, s3, clip, queue)
+        lease = service.jobs().lease(job.id, "test-tail/1", lease_s=lease_s)
+        output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+        partition.refuse(f"PUT /{settings.s3_bucket}/{output_key} ".encode())
+        kept = b"/window-00000.u8 "  # the kept window's first file: its JSON (and the `join`) wait behind it
+        partition.hold(kept)
+        prefix = KeptPrefix(lease.attempt)
+        with tasks._attempt(job, lease, output_key, prefix):
+            tail = tasks._head(job, lease, output_key, prefix)
+        wait_until(lambda: partition.held == 1, 30)
+        finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
+        finishing.start()
+        wait_until(lambda: partition.refused == 1, 30)
+        yield partition, kept, tail, finishing
+    finally:
+        partition.close()  # releases what it still holds
+
+
+def test_an_upload_refused_during_the_check_fails_the_attempt_before_the_previews(
+    worker_here, settings, jobs, s3, queue, windowed_clip
+):
+    """The output's upload fails (storage refuses it) while its check still runs; the check then passes: the attempt
+    fails at once with storage's error, and no preview is made for an output that will not be promoted."""
+    with upload_refused_check_held(worker_here, settings, jobs, s3, queue, windowed_clip, lease_s=30) as (
+        partition, kept, tail, finishing
+    ):
+        time.sleep(0.5)  # the refusal reaches the upload's thread in milliseconds: its error is in by now
+        with files_written_in(tail.scratch) as written:
+            released = time.monotonic()
+            partition.release(kept)
+            failed = wait_until(lambda: ended(jobs, tail.job.id), 30)
+            failed_s = time.monotonic() - released
+            finishing.join(5)
+    assert not finishing.is_alive()
+    print(f"FIGURE upload_refused_check_held: failed {failed_s:.2f} s after the check's wait was released")
+    [last] = [event.detail["last"] for event in jobs.events(failed.id) if event.type == "failed"]  # its one attempt
+    assert (failed.status, last["code"]) == ("failed", "storage_unavailable"), (failed, last)
+    assert written == set()  # no thumbnail.jpg, no spritesheet.jpg
+    assert list(s3.keys(output_prefix(tail.job.id))) == []
+
+
+def test_an_upload_that_failed_before_the_check_did_is_logged(
+    worker_here, settings, jobs, s3, queue, windowed_clip, caplog
+):
+    """The output's upload fails (storage refuses it), then the check does: its wait for the kept window's upload,
+    held past the lease, ends as that upload finds the lease run out and the job reaped (so no beat can extend it
+    meanwhile). The attempt ends with the check's error (it lost the job); the upload's own, storage's, is logged."""
+    lease_s = 2
+    caplog.set_level(logging.WARNING, logger="vsrq.worker")
+    with upload_refused_check_held(worker_here, settings, jobs, s3, queue, windowed_clip, lease_s) as (
+        partition, kept, tail, finishing
+    ):
+        wait_until(lambda: jobs.reap().get(tail.job.id) == "queued", 2 * lease_s + 10)
+        partition.release(kept)
+        finishing.join(30)
+    assert not finishing.is_alive()
+    job_id = tail.job.id
+    lost = [record for record in caplog.records if "the output's upload failed too" in record.getMessage()]
+    assert len(lost) == 1, caplog.text
+    [record] = lost
+    print(f"FIGURE upload_error_logged: {record.getMessage()}")
+    assert record.getMessage().startswith(f"{job_id}: ")
+    assert classify(record.exc_info[1])[1] == "storage_unavailable", record.exc_info
+    assert f"{job_id} attempt 1 lost the job" in caplog.text  # the check's error ended the attempt
+    assert jobs.require(job_id).status == "queued"  # as the reaper left it
+    assert list(s3.keys(output_prefix(job_id))) == []
+    jobs.cancel(job_id)
+
+
+@contextmanager
+def files_written_in(directory: Path) -> Iterator[set[str]]:
+    """The names of the files opened for writing in `directory` while the block runs, from any thread, as the
+    interpreter's audit events report each `open`."""
+    names: set[str] = set()
+    watch = (directory, names)
+    _watched().append(watch)
+    try:
+        yield names
+    finally:
+        _watched().remove(watch)
+
+
+@cache
+def _watched() -> list[tuple[Path, set[str]]]:
+    """An audit hook, added once (one cannot be removed) and idle while nothing is watched."""
+    watched: list[tuple[Path, set[str]]] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event != "open" or not watched or not isinstance(args[0], (str, bytes, os.PathLike)):  # not an fd's
+            return
+        if isinstance(args[1], str) and set(args[1]) & set("wax+"):
+            path = Path(os.fsdecode(args[0]))
+            for directory, names in watched:
+                if path.parent == directory:
+                    names.add(path.name)
+
+    sys.addaudithook(hook)
+    return watched
