@@ -131,7 +131,7 @@ def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
     """A tail held on the worker's finisher (its output's upload stalled on its way to SeaweedFS) when the next job's
     head starts. Still held as that job's engine ends (its one window's commit): the job's tail will wait its turn
     behind it, and may be sent back or lost meanwhile, so its last window (for a job of one window, its whole engine)
-    is kept under its work prefix. Released and ended before (the job's head held at its store's first upload while
+    is kept under its work prefix. Released and ended before (the job's head held at its input's download while
     it ends): the job's tail follows at once, and it keeps nothing. Both jobs then complete, and the job's end deletes
     what it kept. (A job with no tail held keeps no last window: test_recovery.py.)"""
     partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
@@ -151,16 +151,16 @@ def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
             assert kept == {0: {"u8", "json"}} and tasks._finisher.busy(), kept
             partition.release(put)
         else:
-            # its store's first upload (its marker), before its engine
-            marker = f"PUT /{settings.s3_bucket}/{work_prefix(behind.id)}".encode()
-            partition.hold(marker)
+            # its input's download, before its engine (a first attempt sends nothing for its windows before a commit)
+            download = f" /{settings.s3_bucket}/{behind.input.key} ".encode()
+            partition.hold(download)
             heading = threading.Thread(target=head, args=(behind, lease), daemon=True)
             heading.start()
             wait_until(lambda: partition.held == 2, 30)
             assert tasks._finisher.busy()  # as the head began
             partition.release(put)
             assert tasks._finisher.wait(60)
-            partition.release(marker)
+            partition.release(download)
             heading.join(60)
             assert not heading.is_alive()
         assert tasks._finisher.wait(60)
