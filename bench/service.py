@@ -835,6 +835,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job-timeout-s", type=float, default=900)
     parser.add_argument("--lease-s", type=int, default=120)
     args = parser.parse_args(argv)
+    solo = args.solo.split(",")
+    if len(solo) < 2 or solo[0] != solo[1] or not set(solo) <= set(CLIPS):  # before the stack starts
+        parser.error(f"--solo: of {sorted(CLIPS)}, comma-separated, the first twice (its first and hot times)")
     if args.write_full_checkpoint:
         write_full_checkpoint(args.write_full_checkpoint)
         return

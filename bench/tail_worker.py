@@ -55,6 +55,7 @@ def run_jobs(args: argparse.Namespace, source: Path) -> None:
     from storage.blobs import attempt_output_key, new_upload_id, upload_key
     from storage.jobs import InputInfo
     from worker import service, tasks
+    from worker.kept_windows import KeptPrefix
 
     jobs, blobs = service.jobs(), service.blobs()
     for number in range(args.runs):
@@ -66,8 +67,9 @@ def run_jobs(args: argparse.Namespace, source: Path) -> None:
         job = jobs.create(owner="bench", model="lanczos", queue="vsrq.bench", params=params, input=upload)
         lease = jobs.lease(job.id, "bench/1", lease_s=600)
         job, output_key = lease.job(), attempt_output_key(job.id, lease.attempt, lease.token)
-        with tasks._attempt(job, lease, output_key):
-            tail = tasks._head(job, lease, output_key)
+        prefix = KeptPrefix(lease.attempt)
+        with tasks._attempt(job, lease, output_key, prefix):
+            tail = tasks._head(job, lease, output_key, prefix)
         began = monotonic()
         tasks._finish(tail)
         wall = monotonic() - began

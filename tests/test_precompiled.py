@@ -12,10 +12,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from worker.sr import precompiled
 
 ROOT = Path(__file__).resolve().parents[1]
 # Inductor trusts the CPU's flags for its vector ISAs instead of test-compiling each one (~13 CPU-s per fresh cache
@@ -204,18 +207,22 @@ def test_a_shared_directory_holds_files_of_another_environment_that_are_never_op
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
 def test_a_start_deletes_the_files_of_the_old_naming_and_keeps_every_environment_s(tmp_path):
     """Files named before the environment was in the name (`{class}-{signature}-{structure}.aot`), which no worker of
-    this version opens, go as a worker starts (its preloader); this environment's file, another environment's (as a
-    shared volume holds) and anything not named so stay."""
+    this version opens, go as a worker starts (its preloader) once over a week old; a younger one, this environment's
+    file, another environment's (as a shared volume holds) and anything not named so stay."""
     first, _ = edited(tmp_path, 2)
     assert first["compiled"] == 1, first
     cache = tmp_path / "cache"
     [mine] = cache.glob("Block-*.aot")
     _, environment, signature, structure = mine.stem.split("-")
     old = [cache / f"Block-{signature}-{structure}.aot", cache / f"OtherBlock-{'a' * 32}-{'b' * 12}.aot"]
-    for path in old:  # an earlier version's files: this one's bytes, under the names it gave them
+    week_ago = time.time() - precompiled.OLD_NAMING_AGE_S - 60
+    for path in old:  # an earlier version's files, written over a week ago: this one's bytes, under their names
         path.write_bytes(mine.read_bytes())
+        os.utime(path, (week_ago, week_ago))
     theirs = cache / f"Block-{'c' * 12}-{signature}-{structure}.aot"  # another environment's
-    kept = [theirs, cache / f".Block-{signature}-{structure}.aot.1.2.tmp", cache / "notes.txt"]
+    # an earlier version's file written just now: a worker of that version still shares the volume
+    young = cache / f"YoungBlock-{'d' * 32}-{'e' * 12}.aot"
+    kept = [theirs, young, cache / f".Block-{signature}-{structure}.aot.1.2.tmp", cache / "notes.txt"]
     for path in kept:
         path.write_bytes(mine.read_bytes())
 

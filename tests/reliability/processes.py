@@ -262,7 +262,7 @@ class Partition:
 
     def heal(self) -> None:
         """Bytes flow again; what was dropped stays lost (a request sent during the cut waits for its timeout)."""
-        self._marker = None
+        self._marker = self._refuse = None
         self._requests.set()
         self._replies.set()
 

@@ -228,9 +228,12 @@ def upload_refused_check_held(
         with tasks._attempt(job, lease, output_key, prefix):
             tail = tasks._head(job, lease, output_key, prefix)
         wait_until(lambda: partition.held == 1, 30)
+        raised = threading.Event()  # botocore has raised the refusal in the upload's thread
+        service.blobs().client.meta.events.register("after-call-error.s3.PutObject", lambda **_: raised.set())
         finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
         finishing.start()
         wait_until(lambda: partition.refused == 1, 30)
+        assert raised.wait(30)
         yield partition, kept, tail, finishing
     finally:
         partition.close()  # releases what it still holds
@@ -244,7 +247,7 @@ def test_an_upload_refused_during_the_check_fails_the_attempt_before_the_preview
     with upload_refused_check_held(worker_here, settings, jobs, s3, queue, windowed_clip, lease_s=30) as (
         partition, kept, tail, finishing
     ):
-        time.sleep(0.5)  # the refusal reaches the upload's thread in milliseconds: its error is in by now
+        time.sleep(0.5)  # botocore raised the refusal: the upload's thread hands it to its future in milliseconds
         with files_written_in(tail.scratch) as written:
             released = time.monotonic()
             partition.release(kept)
@@ -316,3 +319,33 @@ def _watched() -> list[tuple[Path, set[str]]]:
 
     sys.addaudithook(hook)
     return watched
+
+
+@pytest.mark.parametrize("check", ["passes", "fails"])
+def test_a_first_attempt_of_one_window_sends_no_request_for_its_windows_on_an_idle_worker(
+    check, worker_here, settings, jobs, s3, queue, clip
+):
+    """The worker's own path (its head, its tail, the job's end): a job of one window on a worker holding no tail
+    lists, marks, uploads and deletes nothing under its work prefix, whether it completes or its check fails (its
+    promise asks for a frame more than the encoder was given). Each S3 call botocore makes is noted."""
+    worker_here()
+    job = create_record(jobs, s3, clip, queue)
+    calls: list[str] = []
+
+    def note(model, params, **_) -> None:
+        if work_prefix(job.id) in str((params.get("Key"), params.get("Prefix"), params.get("Delete"))):
+            calls.append(model.name)
+
+    service.blobs().client.meta.events.register("before-parameter-build.s3", note)
+    lease = service.jobs().lease(job.id, "test-tail/1", lease_s=30)
+    output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+    prefix = KeptPrefix(lease.attempt)
+    with tasks._attempt(job, lease, output_key, prefix):
+        tail = tasks._head(job, lease, output_key, prefix)
+    if check == "fails":
+        promise = tail.encoding._promise
+        tail.encoding._promise = dataclasses.replace(promise, frames=promise.frames + 1)
+    tasks._finish(tail)
+    done = jobs.require(job.id)
+    assert done.status == ("completed" if check == "passes" else "failed"), done
+    assert calls == [], calls

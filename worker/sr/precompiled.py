@@ -37,6 +37,7 @@ import platform
 import re
 import sys
 import threading
+import time
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -90,6 +91,7 @@ VERSION = "vsrq-precompiled-2"
 # A file named before the environment was in the name (vsrq-precompiled-1: `{class}-{signature}-{structure}.aot`),
 # which no worker of this version opens; this version's names have a 12-hex part where that one had 32 hex
 _OLD_NAME = re.compile(r"[A-Za-z_]\w*-[0-9a-f]{32}-[0-9a-f]{12}\.aot")
+OLD_NAMING_AGE_S = 7 * 24 * 3600
 
 
 def available() -> bool:
@@ -237,14 +239,18 @@ def _restore_switch_interval() -> None:
 
 
 def _remove_old_naming(directory: Path) -> None:
-    """Deletes the directory's files of the naming before (`_OLD_NAME`): left by a worker of an earlier version, they
-    would stay unused forever. A file another worker deleted first is skipped; a volume that refuses is logged once."""
-    removed = 0
+    """Deletes the directory's files of the naming before (`_OLD_NAME`) written over `OLD_NAMING_AGE_S` ago: left by
+    a worker of an earlier version, they would stay unused forever. Younger ones stay: an older worker still sharing
+    the volume in a rolling deploy (or a rollback) would compile again what it just wrote. A file another worker
+    deleted first is skipped; a volume that refuses is logged once."""
+    removed, now = 0, time.time()
     try:
         for path in directory.glob("*.aot"):
-            if _OLD_NAME.fullmatch(path.name):
-                path.unlink(missing_ok=True)
+            if _OLD_NAME.fullmatch(path.name) and now - path.stat().st_mtime > OLD_NAMING_AGE_S:
+                path.unlink()
                 removed += 1
+    except FileNotFoundError:
+        pass  # another worker's start got there first
     except OSError as error:
         _note(f"old naming {type(error).__name__}", f"precompiled files of the old naming not deleted ({error!r})")
     if removed:
