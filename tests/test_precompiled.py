@@ -304,15 +304,10 @@ sys.path.insert(0, sys.argv[1])
 from blocks import Block, Other
 from worker.sr import precompiled
 
-precompiled.use(sys.argv[2])
-if sys.argv[3] == "compile":
-    with torch.no_grad():
-        for cls in (Block, Other):
-            block = cls()
-            precompiled.compile_block(block)
-            block(torch.rand(4, 8))
-    print(json.dumps(precompiled.stats()))
-    sys.exit()
+directory = precompiled.use(sys.argv[2])
+environment = precompiled._environment([torch.device("cpu")])
+for cls in (Block, Other):  # files the loader takes its time over, then refuses: the interval is all that is watched
+    (directory / f"{cls.__name__}-{environment}-{'0' * 12}-{'0' * 12}.aot").write_bytes(b"not a function")
 
 load, go = torch.compiler.load_compiled_function, {"Block": threading.Event(), "Other": threading.Event()}
 reached = {name: threading.Event() for name in go}
@@ -356,21 +351,19 @@ class Other(Block):
 """
 
 
-def overlap(directory: Path, step: str) -> dict:
+def overlap(directory: Path) -> dict:
     (directory / "blocks.py").write_text(BLOCKS)
     done = subprocess.run(
-        [sys.executable, "-c", OVERLAP, str(directory), str(directory / "cache"), step],
+        [sys.executable, "-c", OVERLAP, str(directory), str(directory / "cache")],
         cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
 def test_overlapping_preloads_put_the_switch_interval_back(tmp_path):
     """`preload` called again while its first preloader runs: the interval stays lowered while either runs and is
     Python's own again once both have ended, whichever ends last (the second saved the lowered one)."""
-    assert overlap(tmp_path, "compile")["compiled"] == 2
-    seen = overlap(tmp_path, "preload")
-    assert seen["alive"] == [False, False] and seen["preloaded"] == 2, seen
+    seen = overlap(tmp_path)
+    assert seen["alive"] == [False, False] and seen["preloaded"] == 0, seen  # both files tried, and refused
     assert (seen["original"], seen["both"], seen["second"], seen["after"]) == (0.005, 0.0005, 0.0005, 0.005), seen
