@@ -367,3 +367,16 @@ def test_overlapping_preloads_put_the_switch_interval_back(tmp_path):
     seen = overlap(tmp_path)
     assert seen["alive"] == [False, False] and seen["preloaded"] == 0, seen  # both files tried, and refused
     assert (seen["original"], seen["both"], seen["second"], seen["after"]) == (0.005, 0.0005, 0.0005, 0.005), seen
+
+
+def test_old_naming_files_another_worker_deleted_first_are_skipped_not_an_end_to_the_cleanup(tmp_path):
+    """Two workers start on one volume: a week-old file of the old naming that the other deleted between this one's
+    listing and its look at it (here: a link to nothing) is skipped, and the other old files still go."""
+    week_ago = time.time() - precompiled.OLD_NAMING_AGE_S - 60
+    names = [f"{cls}-{digit * 32}-{'e' * 12}.aot" for cls, digit in (("ABlock", "a"), ("BBlock", "b"), ("CBlock", "c"))]
+    (tmp_path / names[0]).symlink_to(tmp_path / "gone.aot")  # listed first (sorted), then not there
+    for name in names[1:]:
+        (tmp_path / name).write_bytes(b"an earlier version's function")
+        os.utime(tmp_path / name, (week_ago, week_ago))
+    precompiled._remove_old_naming(tmp_path)
+    assert [path.name for path in tmp_path.iterdir()] == [names[0]]  # the link, never a file of this naming

@@ -31,8 +31,7 @@ def scratch_bytes(source: Path, scale: float, window: int = DEFAULT_WINDOW, over
             frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
         width, height = stream.codec_context.width, stream.codec_context.height
     pixels = scale * scale
-    windows = len(plan_windows(frames, window, overlap).windows) if frames > 0 else 1  # none known: the MP4 alone
-    tails = (windows - 1) * overlap * 4  # float32: 4 bytes a sample
+    tails = (len(plan_windows(frames, window, overlap).windows) - 1) * overlap * 4  # float32: 4 bytes a sample
     return round((frames + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)
 
 

@@ -151,7 +151,8 @@ def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
             assert kept == {0: {"u8", "json"}} and tasks._finisher.busy(), kept
             partition.release(put)
         else:
-            # its input's download, before its engine (a first attempt sends nothing for its windows before a commit)
+            # its input's download (its HEAD), before its engine: a first attempt sends nothing for its windows
+            # before a commit
             download = f" /{settings.s3_bucket}/{behind.input.key} ".encode()
             partition.hold(download)
             heading = threading.Thread(target=head, args=(behind, lease), daemon=True)
@@ -329,6 +330,7 @@ def test_a_first_attempt_of_one_window_sends_no_request_for_its_windows_on_an_id
     lists, marks, uploads and deletes nothing under its work prefix, whether it completes or its check fails (its
     promise asks for a frame more than the encoder was given). Each S3 call botocore makes is noted."""
     worker_here()
+    assert not tasks._finisher.busy()  # no tail held: its window is not kept
     job = create_record(jobs, s3, clip, queue)
     calls: list[str] = []
 

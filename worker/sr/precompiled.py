@@ -239,18 +239,23 @@ def _restore_switch_interval() -> None:
 
 
 def _remove_old_naming(directory: Path) -> None:
-    """Deletes the directory's files of the naming before (`_OLD_NAME`) written over `OLD_NAMING_AGE_S` ago: left by
-    a worker of an earlier version, they would stay unused forever. Younger ones stay: an older worker still sharing
-    the volume in a rolling deploy (or a rollback) would compile again what it just wrote. A file another worker
-    deleted first is skipped; a volume that refuses is logged once."""
+    """Deletes the directory's files of the naming before (`_OLD_NAME`) neither written nor read for
+    `OLD_NAMING_AGE_S`: left by a worker of an earlier version, they would stay unused forever. Others stay: an older
+    worker still sharing the volume (a rolling deploy, a recent rollback) would compile again what it uses. Reads
+    move a file's atime at least daily under Linux's default `relatime`; under `noatime` its writing time decides. A
+    file another worker deleted first is skipped; a volume that refuses is logged once."""
     removed, now = 0, time.time()
     try:
-        for path in directory.glob("*.aot"):
-            if _OLD_NAME.fullmatch(path.name) and now - path.stat().st_mtime > OLD_NAMING_AGE_S:
-                path.unlink()
-                removed += 1
-    except FileNotFoundError:
-        pass  # another worker's start got there first
+        for path in sorted(directory.glob("*.aot")):
+            if not _OLD_NAME.fullmatch(path.name):
+                continue
+            try:
+                seen = path.stat()
+                if now - max(seen.st_mtime, seen.st_atime) > OLD_NAMING_AGE_S:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # another worker's start got there first
+                continue
     except OSError as error:
         _note(f"old naming {type(error).__name__}", f"precompiled files of the old naming not deleted ({error!r})")
     if removed:
