@@ -92,7 +92,7 @@ class KeptPrefix:
         self.store: BlobWindowStore | None = None
 
     def may_hold(self) -> bool:
-        return self.earlier or (self.store is not None and self.store.uploading)
+        return self.earlier if self.store is None else self.store.may_hold()
 
 
 class BlobWindowStore:
@@ -143,6 +143,10 @@ class BlobWindowStore:
             self.blobs.delete_prefix(self.prefix)
             self._upload(self.directory / MARKER)
 
+    def may_hold(self) -> bool:
+        """Whether the prefix may hold windows: an earlier attempt's, or one this store handed to its uploader."""
+        return self.earlier or self.uploading
+
     def load(self, index: int) -> StoredWindow | None:
         return self.local.load(index)
 
@@ -152,7 +156,7 @@ class BlobWindowStore:
     def drop(self) -> None:
         self.join()  # an upload in flight would land a window after the delete
         self.local.drop()
-        if not (self.earlier or self.uploading):  # nothing kept in storage
+        if not self.may_hold():  # nothing kept in storage
             return
         try:
             with self.kept_alive():

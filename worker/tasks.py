@@ -560,20 +560,21 @@ def _upload_output(
     when it started and ended."""
     began = monotonic()
 
+    def stop_if_told(cause: BaseException | None = None) -> None:
+        if stop.is_set():
+            raise _UploadStopped("the output's upload was stopped") from cause
+
     def progress(sent: int) -> None:
-        if stop.is_set():  # raised in boto3's transfer: the request is dropped
-            raise _UploadStopped("the output's upload was stopped")
+        stop_if_told()  # raised in boto3's transfer: the request is dropped
         beat.transfer(sent)
 
     def put() -> BlobInfo:
-        if stop.is_set():
-            raise _UploadStopped("the output's upload was stopped")
+        stop_if_told()
         file.seek(0)  # a try again starts over
         try:
             return service.blobs().put(key, file, content_type="video/mp4", progress=progress)
         except Exception as error:
-            if stop.is_set():  # botocore wraps what the callback raised mid-request: not an outage to wait out
-                raise _UploadStopped("the output's upload was stopped") from error
+            stop_if_told(error)  # botocore wraps what the callback raised mid-request: not an outage to wait out
             raise
 
     return beat.storage(put), (began, monotonic())

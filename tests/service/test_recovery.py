@@ -197,14 +197,20 @@ def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
 def noting_requests(settings: Settings, job_id: str) -> tuple[S3BlobStore, list[str]]:
     """A store on SeaweedFS that notes each S3 call botocore makes about the job's kept windows (its operation), as
     it makes it."""
-    blobs, calls = S3BlobStore.from_settings(settings), []
+    blobs = S3BlobStore.from_settings(settings)
+    return blobs, note_requests(blobs, job_id)
+
+
+def note_requests(blobs: S3BlobStore, job_id: str) -> list[str]:
+    """The S3 calls `blobs`' client makes from now on about the job's work prefix (their operations), as made."""
+    calls: list[str] = []
 
     def note(model, params, **_) -> None:
         if work_prefix(job_id) in str((params.get("Key"), params.get("Prefix"), params.get("Delete"))):
             calls.append(model.name)
 
     blobs.client.meta.events.register("before-parameter-build.s3", note)
-    return blobs, calls
+    return calls
 
 
 @pytest.mark.parametrize("tail_held", [False, True])

@@ -29,7 +29,9 @@ from worker.kept_windows import KeptPrefix
 from worker.media.synthetic import write_clip
 
 from ..reliability.processes import Partition
-from .test_recovery import WINDOWS, create_record, ended, enqueue, output_sha256, wait_until, window_files
+from .test_recovery import (
+    WINDOWS, create_record, ended, enqueue, note_requests, output_sha256, wait_until, window_files
+)  # fmt: skip
 from .test_worker import celery_worker
 
 
@@ -332,13 +334,7 @@ def test_a_first_attempt_of_one_window_sends_no_request_for_its_windows_on_an_id
     worker_here()
     assert not tasks._finisher.busy()  # no tail held: its window is not kept
     job = create_record(jobs, s3, clip, queue)
-    calls: list[str] = []
-
-    def note(model, params, **_) -> None:
-        if work_prefix(job.id) in str((params.get("Key"), params.get("Prefix"), params.get("Delete"))):
-            calls.append(model.name)
-
-    service.blobs().client.meta.events.register("before-parameter-build.s3", note)
+    calls = note_requests(service.blobs(), job.id)  # the worker's own store
     lease = service.jobs().lease(job.id, "test-tail/1", lease_s=30)
     output_key = attempt_output_key(job.id, lease.attempt, lease.token)
     prefix = KeptPrefix(lease.attempt)
