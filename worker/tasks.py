@@ -151,9 +151,9 @@ def _finish_tails(**_: Any) -> None:
     heartbeat_s = service.worker_settings().heartbeat_s
     while not _finisher.wait(heartbeat_s):
         if (silent_s := _finisher.silent_s()) >= _tail_stall_s():
-            # the tails waiting their turn behind it see it stuck within a beat and send their jobs back: not left to
-            # their leases and the reaper
-            _finisher.wait_behind(2 * heartbeat_s)
+            # the tails waiting their turn behind it see it stuck within a beat and send their jobs back once their
+            # kept windows have landed (`_land_kept_windows`): not left to their leases and the reaper
+            _finisher.wait_behind(2 * heartbeat_s + _tail_stall_s())
             log.error(
                 "the last job's tail is stuck (no heartbeat for %.0f s): exiting without it (status %d), its job is "
                 "requeued once its lease runs out", silent_s, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
@@ -191,7 +191,18 @@ def _stop_if_stuck(tail: _Tail, stall_s: float) -> None:
             extra={"reason": TAIL_STUCK},
         )  # fmt: skip
         worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown, once its task (if any) has returned
+        _land_kept_windows(tail, stall_s)
         raise TailStuck(f"The worker could not finish its previous job (no heartbeat for {silent_s:.0f} s).")
+
+
+def _land_kept_windows(tail: _Tail, limit_s: float) -> None:
+    """A job sent back because of a stuck tail ahead keeps what its engine made: the windows handed to its uploader
+    (its last among them, kept because its tail was to wait) land before it is requeued, for up to `limit_s`, so that
+    its next attempt replays them. The attempt's end alone gives them `CLOSE_WAIT_S` (about one window's upload to a
+    store nearby) and then deletes the local files the upload in flight still needs (the window's JSON goes last)."""
+    store = tail.prefix.store
+    if store is not None and not store.wait(limit_s):
+        log.warning("%s: its kept windows' uploads outlived %.0f s: left to end on their own", tail.job.id, limit_s)
 
 
 def _refuse_behind_a_stuck_tail(job_id: str, headers: dict[str, Any]) -> bool:
