@@ -280,15 +280,18 @@ class _Tail:
     cleanup: ExitStack  # the scratch directory
     head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
     turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
-    completed: bool = False  # its `complete` went through: its job is ended, what remains is housekeeping
+    # its `complete` went through, or an error ended its attempt: what remains is housekeeping (the job's end, the
+    # deletion of its files), which sends no heartbeats
+    ended: bool = False
     # each step of the tail up to `complete`: `monotonic()` at its start and end (the upload and the check overlap)
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def silent_s(self) -> float:
-        """How long it has shown no sign of life, as the finisher reads it (worker.finisher): never once its job has
-        completed, since its cleanup and metrics send no heartbeats (a storage outage may hold them a while) and a tail
-        behind it must not take that for a stuck call and throw its finished encoding away."""
-        return 0.0 if self.completed else self.beat.silent_s()
+        """How long it has shown no sign of life, as the finisher reads it (worker.finisher): never once its attempt
+        has ended (completed, failed, cancelled or requeued), since its cleanup and metrics send no heartbeats (a
+        storage outage may hold them a while) and a tail behind it must not take that for a stuck call and throw its
+        finished encoding away."""
+        return 0.0 if self.ended else self.beat.silent_s()
 
     def drop(self) -> None:
         """The tail will not run (the attempt ended while it waited its turn)."""
@@ -404,9 +407,13 @@ def _finish(
     ends the attempt whatever happens."""
     try:
         with _attempt(tail.job, tail.lease, tail.output_key, tail.prefix), tail.cleanup:
-            if turn is not None:
-                _wait_turn(tail, turn)
-            _complete(tail, overlapped)
+            try:
+                if turn is not None:
+                    _wait_turn(tail, turn)
+                _complete(tail, overlapped)
+            except BaseException:
+                tail.ended = True  # `_attempt` ends it, then its output's deletes may wait out a storage outage
+                raise
     finally:
         observe()
 
@@ -488,7 +495,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         quality_levers=result.levers,
     )
     lease.complete(promoted_output)
-    tail.completed = True
+    tail.ended = True
     log.info(
         "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
         job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,

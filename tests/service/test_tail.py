@@ -412,3 +412,51 @@ def test_a_job_sent_back_behind_a_stuck_tail_keeps_its_last_window_for_its_next_
     [run] = [event.detail for event in jobs.events(behind.id) if event.type == "run"]
     assert (done.status, done.attempt, run["restored"]) == ("completed", 2, 1), (done, run)
     assert list(s3.keys(work_prefix(behind.id))) == []
+
+
+def test_a_tail_whose_job_was_cancelled_is_not_taken_for_a_stuck_one_as_it_cleans_up(
+    worker_here, settings, jobs, s3, queue, clip, monkeypatch
+):
+    """A job cancelled during its tail: its attempt ends (`cancelled`) and deletes its output, each delete held by
+    storage until its try times out (VSRQ_S3_TIMEOUT_S, botocore's 3 tries), past VSRQ_WORKER_TAIL_STALL_S. The job
+    has ended, so that tail's silence says nothing (as a completed one's, test_faults.py): the tail waiting its turn
+    behind it is not sent back as `worker_tail_stuck` nor its worker stopped, and completes on its first attempt."""
+    from celery.worker import state as worker_state
+
+    from storage.queue import make_celery
+    from worker import attempt
+
+    stopping = worker_state.should_stop
+    monkeypatch.setattr(worker_state, "should_stop", stopping)  # `_stop_if_stuck` would set it
+    monkeypatch.setattr(attempt, "app", make_celery(settings))  # a job sent back: on the test stack's broker
+    stall_s = 2
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(
+            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
+            VSRQ_S3_TIMEOUT_S="2",
+            VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
+        )
+        assert not tasks._finisher.busy()
+        cancelled, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
+        lease = service.jobs().lease(cancelled.id, "test-tail/1", lease_s=30)
+        put = f"PUT /{settings.s3_bucket}/{attempt_output_key(cancelled.id, lease.attempt, lease.token)} ".encode()
+        deletes = f"DELETE /{settings.s3_bucket}/{output_prefix(cancelled.id)}".encode()
+        partition.hold(put)
+        partition.hold(deletes)
+        head(cancelled, lease)
+        wait_until(lambda: partition.held == 1, 30)
+        head(behind, service.jobs().lease(behind.id, "test-tail/1", lease_s=30))  # its tail waits its turn
+        jobs.cancel(cancelled.id)
+        partition.release(put)
+        wait_until(lambda: partition.held >= 2, 30)  # the cancelled attempt's deletes of its output
+        time.sleep(2 * stall_s + 1)
+        partition.release(deletes)
+        assert tasks._finisher.wait(60)
+    finally:
+        partition.close()
+    assert jobs.require(cancelled.id).status == "cancelled"
+    done = jobs.require(behind.id)
+    reasons = [event.detail["reason"]["code"] for event in jobs.events(behind.id) if event.type == "requeued"]
+    assert (done.status, done.attempt, reasons) == ("completed", 1, []), (done, reasons)
+    assert worker_state.should_stop is stopping
