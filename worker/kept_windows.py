@@ -181,6 +181,10 @@ class BlobWindowStore:
         self.uploads.raise_if_failed()
         return self.uploads.upload_s
 
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for the uploads committed so far, raising nothing: whether they have ended."""
+        return self.uploads.wait(timeout_s)
+
     def close(self) -> None:
         """The attempt's end, whatever ended it, raising nothing; after `join` (the success path) nothing is left. The
         uploads not begun are skipped, the one in flight gets `CLOSE_WAIT_S` and is then left to end with its request

@@ -151,9 +151,9 @@ def _finish_tails(**_: Any) -> None:
     heartbeat_s = service.worker_settings().heartbeat_s
     while not _finisher.wait(heartbeat_s):
         if (silent_s := _finisher.silent_s()) >= _tail_stall_s():
-            # the tails waiting their turn behind it see it stuck within a beat and send their jobs back: not left to
-            # their leases and the reaper
-            _finisher.wait_behind(2 * heartbeat_s)
+            # the tails waiting their turn behind it see it stuck within a beat and send their jobs back once their
+            # kept windows have landed (`_land_kept_windows`): not left to their leases and the reaper
+            _finisher.wait_behind(2 * heartbeat_s + _tail_stall_s())
             log.error(
                 "the last job's tail is stuck (no heartbeat for %.0f s): exiting without it (status %d), its job is "
                 "requeued once its lease runs out", silent_s, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
@@ -191,7 +191,18 @@ def _stop_if_stuck(tail: _Tail, stall_s: float) -> None:
             extra={"reason": TAIL_STUCK},
         )  # fmt: skip
         worker_state.should_stop = EX_SOFTWARE  # Celery's warm shutdown, once its task (if any) has returned
+        _land_kept_windows(tail, stall_s)
         raise TailStuck(f"The worker could not finish its previous job (no heartbeat for {silent_s:.0f} s).")
+
+
+def _land_kept_windows(tail: _Tail, limit_s: float) -> None:
+    """A job sent back because of a stuck tail ahead keeps what its engine made: the windows handed to its uploader
+    (its last among them, kept because its tail was to wait) land before it is requeued, for up to `limit_s`, so that
+    its next attempt replays them. The attempt's end alone gives them `CLOSE_WAIT_S` (about one window's upload to a
+    store nearby) and then deletes the local files the upload in flight still needs (the window's JSON goes last)."""
+    store = tail.prefix.store
+    if store is not None and not store.wait(limit_s):
+        log.warning("%s: its kept windows' uploads outlived %.0f s: left to end on their own", tail.job.id, limit_s)
 
 
 def _refuse_behind_a_stuck_tail(job_id: str, headers: dict[str, Any]) -> bool:
@@ -269,15 +280,18 @@ class _Tail:
     cleanup: ExitStack  # the scratch directory
     head: dict[str, float]  # `monotonic()` when each step of the head ended (`_note_run`)
     turn_waited_s: float = 0.0  # overlapped, how long it waited for the tails before it
-    completed: bool = False  # its `complete` went through: its job is ended, what remains is housekeeping
+    # its `complete` went through, or an error ended its attempt: what remains is housekeeping (the job's end, the
+    # deletion of its files), which sends no heartbeats
+    ended: bool = False
     # each step of the tail up to `complete`: `monotonic()` at its start and end (the upload and the check overlap)
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def silent_s(self) -> float:
-        """How long it has shown no sign of life, as the finisher reads it (worker.finisher): never once its job has
-        completed, since its cleanup and metrics send no heartbeats (a storage outage may hold them a while) and a tail
-        behind it must not take that for a stuck call and throw its finished encoding away."""
-        return 0.0 if self.completed else self.beat.silent_s()
+        """How long it has shown no sign of life, as the finisher reads it (worker.finisher): never once its attempt
+        has ended (completed, failed, cancelled or requeued), since its cleanup and metrics send no heartbeats (a
+        storage outage may hold them a while) and a tail behind it must not take that for a stuck call and throw its
+        finished encoding away."""
+        return 0.0 if self.ended else self.beat.silent_s()
 
     def drop(self) -> None:
         """The tail will not run (the attempt ended while it waited its turn)."""
@@ -393,9 +407,13 @@ def _finish(
     ends the attempt whatever happens."""
     try:
         with _attempt(tail.job, tail.lease, tail.output_key, tail.prefix), tail.cleanup:
-            if turn is not None:
-                _wait_turn(tail, turn)
-            _complete(tail, overlapped)
+            try:
+                if turn is not None:
+                    _wait_turn(tail, turn)
+                _complete(tail, overlapped)
+            except BaseException:
+                tail.ended = True  # `_attempt` ends it, then its output's deletes may wait out a storage outage
+                raise
     finally:
         observe()
 
@@ -477,7 +495,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         quality_levers=result.levers,
     )
     lease.complete(promoted_output)
-    tail.completed = True
+    tail.ended = True
     log.info(
         "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
         job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,

@@ -347,3 +347,116 @@ def test_a_first_attempt_of_one_window_sends_no_request_for_its_windows_on_an_id
     done = jobs.require(job.id)
     assert done.status == ("completed" if check == "passes" else "failed"), done
     assert calls == [], calls
+
+
+def test_a_job_sent_back_behind_a_stuck_tail_keeps_its_last_window_for_its_next_attempt(
+    worker_here, settings, jobs, s3, queue, clip, monkeypatch
+):
+    """A tail stuck ahead (its output's upload held on its way to SeaweedFS, silent past VSRQ_WORKER_TAIL_STALL_S)
+    as the next job's engine ends: that job's last window (its one window: its whole engine) is kept, since its tail
+    would wait, and the job goes back to the queue (`worker_tail_stuck`) from the task (`_wait_for_room`) while the
+    window's upload is still on its way (held 1.5 s: a slow network). The window lands whole (its JSON too) before the
+    job is requeued, and the job's next attempt replays it instead of computing it again."""
+    from celery.worker import state as worker_state
+
+    from storage.queue import make_celery
+    from worker import attempt
+
+    monkeypatch.setattr(worker_state, "should_stop", worker_state.should_stop)  # `_stop_if_stuck` sets it
+    monkeypatch.setattr(attempt, "app", make_celery(settings))  # the job sent back on the test stack's broker
+    stall_s = 3
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(
+            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
+            VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
+            VSRQ_WORKER_STORAGE_RETRY_S="1",  # the stuck tail's lease is kept this long into its upload, then silent
+        )
+        assert not tasks._finisher.busy()
+        stuck, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
+        lease = service.jobs().lease(stuck.id, "test-tail/1", lease_s=60)
+        put = f"PUT /{settings.s3_bucket}/{attempt_output_key(stuck.id, lease.attempt, lease.token)} ".encode()
+        partition.hold(put)
+        head(stuck, lease)
+        wait_until(lambda: partition.held == 1, 30)
+        # the next job's task, leased before the stall, its input's download held until the tail ahead is stuck
+        download = f" /{settings.s3_bucket}/{behind.input.key} ".encode()
+        # its one window's raw frames (49 MB: a multipart upload, begun and its parts held), the JSON after them (the
+        # stuck job kept no window: no tail was held as its engine ended)
+        kept = b"/window-00000.u8?"
+        partition.hold(download)
+        partition.hold(kept)
+        task = threading.Thread(target=tasks.upscale, args=(behind.id,), daemon=True)
+        task.start()
+        wait_until(lambda: partition.held == 2, 30)
+        wait_until(lambda: tasks._finisher.silent_s() > stall_s + 0.5, 30)
+        partition.release(download)
+        wait_until(lambda: partition.held >= 3, 30)
+        time.sleep(1.5)  # the window's upload on its way, past the second an ended attempt gives it
+        partition.release(kept)
+        task.join(60)
+        assert not task.is_alive()
+        sent_back = jobs.require(behind.id)
+        files = window_files(s3.keys(work_prefix(behind.id)))
+        partition.release(put)
+        assert tasks._finisher.wait(60)
+    finally:
+        partition.close()
+    reasons = [event.detail["reason"]["code"] for event in jobs.events(behind.id) if event.type == "requeued"]
+    assert (sent_back.status, reasons) == ("queued", ["worker_tail_stuck"]), (sent_back, reasons)
+    assert files == {0: {"u8", "json"}}, files
+    lease = service.jobs().lease(behind.id, "test-tail/2", lease_s=60)
+    head(behind, lease)
+    assert tasks._finisher.wait(60)
+    done = jobs.require(behind.id)
+    [run] = [event.detail for event in jobs.events(behind.id) if event.type == "run"]
+    assert (done.status, done.attempt, run["restored"]) == ("completed", 2, 1), (done, run)
+    assert list(s3.keys(work_prefix(behind.id))) == []
+
+
+def test_a_tail_whose_job_was_cancelled_is_not_taken_for_a_stuck_one_as_it_cleans_up(
+    worker_here, settings, jobs, s3, queue, clip, monkeypatch
+):
+    """A job cancelled during its tail: its attempt ends (`cancelled`) and deletes its output, each delete held by
+    storage until its try times out (VSRQ_S3_TIMEOUT_S, botocore's 3 tries), past VSRQ_WORKER_TAIL_STALL_S. The job
+    has ended, so that tail's silence says nothing (as a completed one's, test_faults.py): the tail waiting its turn
+    behind it is not sent back as `worker_tail_stuck` nor its worker stopped, and completes on its first attempt."""
+    from celery.worker import state as worker_state
+
+    from storage.queue import make_celery
+    from worker import attempt
+
+    stopping = worker_state.should_stop
+    monkeypatch.setattr(worker_state, "should_stop", stopping)  # `_stop_if_stuck` would set it
+    monkeypatch.setattr(attempt, "app", make_celery(settings))  # a job sent back: on the test stack's broker
+    stall_s = 2
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(
+            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
+            VSRQ_S3_TIMEOUT_S="2",
+            VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
+        )
+        assert not tasks._finisher.busy()
+        cancelled, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
+        lease = service.jobs().lease(cancelled.id, "test-tail/1", lease_s=30)
+        put = f"PUT /{settings.s3_bucket}/{attempt_output_key(cancelled.id, lease.attempt, lease.token)} ".encode()
+        deletes = f"DELETE /{settings.s3_bucket}/{output_prefix(cancelled.id)}".encode()
+        partition.hold(put)
+        partition.hold(deletes)
+        head(cancelled, lease)
+        wait_until(lambda: partition.held == 1, 30)
+        head(behind, service.jobs().lease(behind.id, "test-tail/1", lease_s=30))  # its tail waits its turn
+        jobs.cancel(cancelled.id)
+        partition.release(put)
+        wait_until(lambda: partition.held >= 2, 30)  # the cancelled attempt's deletes of its output
+        time.sleep(2 * stall_s + 1)
+        partition.release(deletes)
+        assert tasks._finisher.wait(60)
+    finally:
+        partition.close()
+    assert jobs.require(cancelled.id).status == "cancelled"
+    done = jobs.require(behind.id)
+    reasons = [event.detail["reason"]["code"] for event in jobs.events(behind.id) if event.type == "requeued"]
+    assert (done.status, done.attempt, reasons) == ("completed", 1, []), (done, reasons)
+    assert worker_state.should_stop is stopping
