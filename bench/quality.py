@@ -11,13 +11,14 @@ and, each lever set in turn (lossless, fp8_linear, fp8_attention, both):
             warm-up then --repeat timed calls): seconds per call, speed-up against lossless, and the prediction's
             relative L2 error against lossless's
   pipeline  the whole engine (eager) on the test pattern (worker.media.synthetic.pattern) at --workload (W2 by
-            default: 33 frames of 256x384 at x2, one tile): seconds of one warm call, and the output's per-frame
-            PSNR and SSIM against lossless (mean and worst frame)
+            default: 33 frames of 256x384 at x2, one tile), or on the first --frames frames of a real clip
+            (--source, x2): seconds of one warm call, and the output's per-frame PSNR and SSIM against lossless
+            (mean and worst frame)
 Every line is printed and appended to --out as soon as it is measured, so a run cut short keeps what it finished;
 a phase that would start after --budget-s seconds (counted from the start of the process) is skipped with a line
 saying so. Eager unless `--compile` (the dit phase only: the transformer's repeated blocks compiled as the worker
 compiles them; each lever set's first call builds its graph, `first_call_s`), and `--levers` picks and orders the
-dit phase's lever sets (lossless first).
+lever sets (lossless first).
 `fp8_attention` says which attention ran (`cudnn_fp8`, or `fp8_emulated` when nvidia-cudnn-frontend is missing or
 its graph does not build: then the timing is the emulation's, not a speed figure). `--tiny` runs the same phases on
 the CPU with the tiny configuration, so CI keeps this script working.
@@ -170,15 +171,19 @@ def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
         run.emit(record)
 
 
-def pipeline(run: Run, parts: dict, workload: str) -> None:
-    """The whole engine on the test pattern per lever set: a warm call's seconds (after an untimed one), the output
-    against lossless's."""
-    height, width, frames, scale = TINY_WORKLOAD if run.tiny else WORKLOADS[workload]
+def pipeline(run: Run, parts: dict, workload: str, source: Path | None = None, frames: int = 49) -> None:
+    """The whole engine on the test pattern or a real clip per lever set: a warm call's seconds (after an untimed
+    one), the output against lossless's."""
+    height, width, length, scale = TINY_WORKLOAD if run.tiny else WORKLOADS[workload]
     prune_upscaler(parts["latent_upscaler"])
     replica = Components(run.device, parts["transformer"], parts["vae"], parts["scheduler"], parts["latent_upscaler"])
-    video = pattern(frames, height, width)
+    if source is None:
+        video = pattern(length, height, width)
+    else:
+        video, scale, workload = _clip(source, frames), 2, source.name
     baseline = None
-    for name, levers in LEVER_SETS.items():
+    for name in run.levers:
+        levers = LEVER_SETS[name]
         if not run.within_budget(f"pipeline:{name}"):
             return
         engine = SREngine([replica], compile_transformer=False, compile_decoder=False, high_levers=levers)
@@ -196,13 +201,27 @@ def pipeline(run: Run, parts: dict, workload: str) -> None:
             run.emit({"phase": "pipeline", "levers": name, "error": f"{type(error).__name__}: {error}"[:500]})
             continue
         output = torch.cat(chunks)
-        record = {"phase": "pipeline", "workload": "tiny" if run.tiny else workload, "levers": name, "quality": info.quality,
+        record = {"phase": "pipeline", "workload": "tiny" if run.tiny and source is None else workload, "levers": name, "quality": info.quality,
                   "ran": info.levers, "tiles": info.tiles, "frames": info.frames, "seconds": round(seconds, 3)}  # fmt: skip
         if baseline is None:
             baseline, baseline_s = output, seconds
         else:
             record |= {"speedup_vs_lossless": round(baseline_s / seconds, 3)} | similarity.summary(output.to(run.device), baseline)
         run.emit(record)
+
+
+def _clip(source: Path, frames: int) -> torch.Tensor:
+    """The first `frames` frames of a real clip as (F, 3, H, W) floats in [0, 1], as the worker decodes them (RGB)."""
+    import av
+    import numpy as np
+
+    with av.open(str(source)) as container:
+        decoded = []
+        for frame in container.decode(video=0):
+            decoded.append(frame.to_ndarray(format="rgb24"))
+            if len(decoded) == frames:
+                break
+    return torch.from_numpy(np.stack(decoded)).permute(0, 3, 1, 2).float() / 255
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,9 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=190.0, help="no phase starts after this many seconds")
     parser.add_argument("--repeat", type=int, default=3, help="timed DiT calls per lever set, after one warm-up")
     parser.add_argument("--workload", default="W2", choices=sorted(WORKLOADS), help="the pipeline phase's clip")
+    parser.add_argument("--source", type=Path, help="the pipeline phase on this real clip (x2) instead of --workload")
+    parser.add_argument("--frames", type=int, default=49, help="the real clip's first frames the pipeline phase runs")
     parser.add_argument("--tiny", action="store_true", help="the tiny configuration on the CPU (CI)")
     parser.add_argument("--compile", action="store_true", help="the dit phase with the blocks compiled, as the worker")
-    parser.add_argument("--levers", default=",".join(LEVER_SETS), help="the dit phase's lever sets, in this order")
+    parser.add_argument("--levers", default=",".join(LEVER_SETS), help="the lever sets, in this order")
     args = parser.parse_args(argv)
     phases = args.phases.split(",")
     unknown = set(phases) - {"attention", "dit", "pipeline"}
@@ -244,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if "dit" in phases:
         dit(run, parts["transformer"], args.repeat)
     if "pipeline" in phases and run.within_budget("pipeline"):
-        pipeline(run, parts, args.workload)
+        pipeline(run, parts, args.workload, args.source, args.frames)
     run.emit({"phase": "done"})
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from bench.quality import main
 
 
@@ -41,3 +43,18 @@ def test_a_spent_budget_skips_the_phases_and_says_so(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["phase"] for r in records] == ["setup", "attention", "dit:lossless", "pipeline", "done"]
     assert all("past --budget-s 0" in r["skipped"] for r in records[1:4])
+
+
+def test_the_pipeline_phase_reads_a_real_clip_as_the_worker_sees_it(corpus_cache):
+    # --source: the GPU run measures `high` against `lossless` on a real clip; its frames must be the clip's own
+    import av
+    import numpy as np
+
+    from bench.quality import _clip
+
+    source = corpus_cache / "puremagic-test.3g2"  # 176x144 H.263 from a phone, more than 5 frames
+    video = _clip(source, 5)
+    assert video.shape == (5, 3, 144, 176) and video.dtype == torch.float32
+    with av.open(str(source)) as container:
+        fifth = [frame for _, frame in zip(range(5), container.decode(video=0))][-1].to_ndarray(format="rgb24")
+    assert torch.equal((video[4] * 255).round().to(torch.uint8), torch.from_numpy(np.ascontiguousarray(fifth.transpose(2, 0, 1))))
