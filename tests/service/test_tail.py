@@ -139,12 +139,7 @@ def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
     partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
     try:
         worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}")
-        held, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
-        lease = service.jobs().lease(held.id, "test-tail/1", lease_s=30)
-        put = f"PUT /{settings.s3_bucket}/{attempt_output_key(held.id, lease.attempt, lease.token)} ".encode()
-        partition.hold(put)
-        head(held, lease)
-        wait_until(lambda: partition.held == 1, 30)
+        held, behind, put = held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s=30)
         lease = service.jobs().lease(behind.id, "test-tail/1", lease_s=30)
         if not released:
             head(behind, lease)
@@ -185,6 +180,18 @@ def landed(keys) -> dict[int, set[str]] | None:
     """The window files once the first window's JSON (uploaded last) is in."""
     files = window_files(keys)
     return files if "json" in files.get(0, set()) else None
+
+
+def held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s: float):
+    """Two jobs; the first leased and its head run, its tail on the finisher with its output's upload held by
+    `partition`: (that job, the next one, the held request)."""
+    first, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
+    lease = service.jobs().lease(first.id, "test-tail/1", lease_s=lease_s)
+    put = f"PUT /{settings.s3_bucket}/{attempt_output_key(first.id, lease.attempt, lease.token)} ".encode()
+    partition.hold(put)
+    head(first, lease)
+    wait_until(lambda: partition.held == 1, 30)
+    return first, behind, put
 
 
 def head(job, lease) -> None:
@@ -373,12 +380,7 @@ def test_a_job_sent_back_behind_a_stuck_tail_keeps_its_last_window_for_its_next_
             VSRQ_WORKER_STORAGE_RETRY_S="1",  # the stuck tail's lease is kept this long into its upload, then silent
         )
         assert not tasks._finisher.busy()
-        stuck, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
-        lease = service.jobs().lease(stuck.id, "test-tail/1", lease_s=60)
-        put = f"PUT /{settings.s3_bucket}/{attempt_output_key(stuck.id, lease.attempt, lease.token)} ".encode()
-        partition.hold(put)
-        head(stuck, lease)
-        wait_until(lambda: partition.held == 1, 30)
+        stuck, behind, put = held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s=60)
         # the next job's task, leased before the stall, its input's download held until the tail ahead is stuck
         download = f" /{settings.s3_bucket}/{behind.input.key} ".encode()
         # its one window's raw frames (49 MB: a multipart upload, begun and its parts held), the JSON after them (the
@@ -438,14 +440,9 @@ def test_a_tail_whose_job_was_cancelled_is_not_taken_for_a_stuck_one_as_it_clean
             VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
         )
         assert not tasks._finisher.busy()
-        cancelled, behind = create_record(jobs, s3, clip, queue), create_record(jobs, s3, clip, queue)
-        lease = service.jobs().lease(cancelled.id, "test-tail/1", lease_s=30)
-        put = f"PUT /{settings.s3_bucket}/{attempt_output_key(cancelled.id, lease.attempt, lease.token)} ".encode()
+        cancelled, behind, put = held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s=30)
         deletes = f"DELETE /{settings.s3_bucket}/{output_prefix(cancelled.id)}".encode()
-        partition.hold(put)
-        partition.hold(deletes)
-        head(cancelled, lease)
-        wait_until(lambda: partition.held == 1, 30)
+        partition.hold(deletes)  # the attempt's deletes of its output, once it is cancelled
         head(behind, service.jobs().lease(behind.id, "test-tail/1", lease_s=30))  # its tail waits its turn
         jobs.cancel(cancelled.id)
         partition.release(put)
