@@ -166,11 +166,30 @@ def edited(directory: Path, factor: int, env: dict[str, str] = ENV) -> tuple[dic
     return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
 
+@pytest.fixture(scope="module")
+def compiled_block(tmp_path_factory) -> tuple[Path, dict]:
+    """`edited(directory, 2)` on an empty directory, once for the tests that start from it: the directory (the block's
+    module, the cache with its one compiled file) and what the process said. Each test works on a copy of its own."""
+    directory = tmp_path_factory.mktemp("compiled-block")
+    first, _ = edited(directory, 2)
+    assert first["compiled"] == 1 and first["loaded"] == 0, first
+    return directory, first
+
+
+def started_from(compiled_block: tuple[Path, dict], directory: Path) -> dict:
+    """Makes `directory` what `edited(directory, 2)` leaves on an empty one, from a copy of `compiled_block`'s (a
+    process of its own takes ~7 s on 2 cores, mostly importing torch's compiler): that first start's result."""
+    source, first = compiled_block
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    return first
+
+
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
-def test_a_function_traced_from_code_changed_since_is_compiled_again(tmp_path):
+def test_a_function_traced_from_code_changed_since_is_compiled_again(compiled_block, tmp_path):
     """A deploy of new code onto a kept cache: Dynamo's saved guards do not see the change; the sources' checksums do."""
 
-    (first, _), (again, _) = edited(tmp_path, 2), edited(tmp_path, 2)
+    first = started_from(compiled_block, tmp_path)
+    again, _ = edited(tmp_path, 2)
     assert (first["compiled"], again["loaded"], again["compiled"]) == (1, 1, 0) and again["same_as_eager"], again
     assert again["preloaded"] == 1, again
     assert again["switch_interval"] == 0.005, again  # the preloader's shorter interval ends with it (Python's default)
@@ -205,11 +224,11 @@ def test_a_shared_directory_holds_files_of_another_environment_that_are_never_op
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
-def test_a_start_deletes_the_files_of_the_old_naming_and_keeps_every_environment_s(tmp_path):
+def test_a_start_deletes_the_files_of_the_old_naming_and_keeps_every_environment_s(compiled_block, tmp_path):
     """Files named before the environment was in the name (`{class}-{signature}-{structure}.aot`), which no worker of
     this version opens, go as a worker starts (its preloader) once over a week old; a younger one, this environment's
     file, another environment's (as a shared volume holds) and anything not named so stay."""
-    first, _ = edited(tmp_path, 2)
+    first = started_from(compiled_block, tmp_path)
     assert first["compiled"] == 1, first
     cache = tmp_path / "cache"
     [mine] = cache.glob("Block-*.aot")
@@ -278,10 +297,10 @@ print(json.dumps({"waited": waited, "same_as_eager": same, "loads": [load[:2] fo
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
-def test_a_first_call_waits_for_the_file_the_preloader_is_loading(tmp_path):
+def test_a_first_call_waits_for_the_file_the_preloader_is_loading(compiled_block, tmp_path):
     """`_take`: a block's first call wanting the file the preloader is loading waits for it and takes its function;
     the file is read once."""
-    first, _ = edited(tmp_path, 2)
+    first = started_from(compiled_block, tmp_path)
     assert first["compiled"] == 1, first
     [path] = (tmp_path / "cache").glob("Block-*.aot")
     done = subprocess.run(

@@ -21,6 +21,8 @@ from pathlib import Path
 import psutil
 import requests
 
+from tests.service.conftest import WORKER_THREADS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -111,7 +113,7 @@ def worker(env: dict[str, str], queue: str, logs: Path, model: str = "lanczos") 
         "-Q", queue, "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat",
         "--loglevel", "info",
     ]  # fmt: skip
-    settings = {**env, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
+    settings = {**env, **WORKER_THREADS, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
     return Process(name, command, settings, logs / f"{name}.log")
 
 

@@ -538,8 +538,9 @@ def test_a_worker_cut_off_from_the_job_store_loses_no_message(stack, api, reaper
     # and sends the message again, past Celery's default of 3 retries.
     partition = Partition(("127.0.0.1", stack.ports["redis"]))
     store = f"redis://127.0.0.1:{partition.port}/0"
-    # each try waits out the Redis timeout: 1 s, as the job store outage test's worker
-    worker = workers(VSRQ_REDIS_URL=store, VSRQ_BROKER_URL=stack.redis_url, VSRQ_REDIS_TIMEOUT_S="1")
+    # each try waits out the Redis timeout three times (redis-py's retries), then its message comes back 2 s later:
+    # five tries took 25 s at a 1 s timeout; any timeout shows the message kept
+    worker = workers(VSRQ_REDIS_URL=store, VSRQ_BROKER_URL=stack.redis_url, VSRQ_REDIS_TIMEOUT_S="0.5")
     try:
         started(worker)
         partition.cut()

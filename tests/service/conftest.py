@@ -35,6 +35,12 @@ KEYS = {name: f"sk-test-{name}-{'0' * 16}" for name in ("alice", "bob", "carol",
 # Standard Webhooks secrets: whsec_ + base64 of 32 bytes
 WEBHOOK_SECRETS = {name: "whsec_" + base64.b64encode(f"hooks of {name}".ljust(32).encode()).decode() for name in KEYS}
 MODELS = {"k6-vsr": "vsrq.k6", "lanczos": "vsrq.cpu"}
+# The environment of every worker process the tests start: one OpenMP thread. Workers, the test process and the other
+# pytest process share the machine's cores (2 in CI), where torch's OpenMP threads, one per core in each worker, spin
+# waiting for each other: two lanczos jobs on the long clip of the fault tests took 11.7 s side by side with the
+# default, 5.9 s with one thread each, the same bytes out. (Only the workers: one thread doubled the in-process compile
+# tests' time.)
+WORKER_THREADS = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")

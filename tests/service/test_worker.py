@@ -39,7 +39,7 @@ from worker.reaper import reap_once
 from worker.scratch import scratch_bytes
 from worker.sr.checkpoint import write_tiny
 
-from .conftest import ROOT, auth, broker_messages
+from .conftest import ROOT, WORKER_THREADS, auth, broker_messages
 
 TERMINAL = ("completed", "failed", "cancelled")
 
@@ -47,7 +47,7 @@ TERMINAL = ("completed", "failed", "cancelled")
 @contextmanager
 def celery_worker(env: dict[str, str], model: str, queue: str, log: Path) -> Iterator[Path]:
     """A solo worker of `model` on `queue`, as the Procfile runs one: yields its log file."""
-    env = {**os.environ, **env, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
+    env = {**os.environ, **env, **WORKER_THREADS, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
