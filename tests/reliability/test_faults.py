@@ -560,6 +560,8 @@ def test_a_worker_cut_off_from_the_job_store_loses_no_message(stack, api, reaper
     )
     assert job.status == Status.COMPLETED, job.error
     assert "Traceback" not in worker.text()  # a line per failure that says what happened, no stack dumps
+    # the worker's own tries kept the message: the reaper, which would send a lost one again, never had to
+    assert [line for line in reaper.text().splitlines() if job_id in line and ("sent" in line or "expired" in line)] == []
 
 
 def test_a_lease_whose_reply_is_lost_is_taken_over_by_the_message_sent_again(stack, api, reaper, jobs, clips, workers):
