@@ -421,3 +421,38 @@ def test_a_chapter_over_before_the_first_frame_is_not_promised_nor_written():
     chapters = [Chapter(0.0, 1.5, "Intro"), Chapter(1.5, 4.0, "Main"), Chapter(4.0, 6.0, "End")]
     assert output_chapters(chapters, 2.0) == [(0.0, 2.0, "Main"), (2.0, 4.0, "End")]
     assert output_chapters(chapters, 0.0) == [(0.0, 1.5, "Intro"), (1.5, 4.0, "Main"), (4.0, 6.0, "End")]
+
+
+U, W = 1 << 16, 1 << 30  # 1.0 in a display matrix's 16.16 and 2.30 fixed-point entries
+# name: display matrix (FFmpeg's layout, as av_display_matrix_flip writes a mirror), the turns and mirror to upright
+MIRRORS = {
+    "mirrored": ([-U, 0, 0, 0, U, 0, 0, 0, W], 0, True),  # a front camera's, or `ffmpeg -display_hflip`
+    "upside down": ([U, 0, 0, 0, -U, 0, 0, 0, W], 2, True),  # `-display_vflip`: a mirror of the picture turned 180
+    "turned 90 and mirrored": ([0, -U, 0, -U, 0, 0, 0, 0, W], 1, True),
+}
+
+
+@pytest.mark.parametrize("case", list(MIRRORS))
+def test_a_display_matrix_that_mirrors_is_applied_as_players_apply_it(tmp_path, case):
+    """A display matrix may flip as well as turn (its determinant is negative). PyAV's `frame.rotation` reads a
+    mirror as a turn: a mirrored clip came back upside down and mirrored, an upside-down one not turned at all."""
+    matrix, turns, mirrored = MIRRORS[case]
+    source = tmp_path / "in.mp4"
+    stored = (pattern(5, 48, 80).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    with av.open(str(source), "w") as container:
+        stream = container.add_stream("libx264", rate=24, options={"crf": "12"})
+        stream.width, stream.height, stream.pix_fmt = 80, 48, "yuv420p"
+        stream.set_display_matrix(matrix)
+        for index, pixels in enumerate(stored):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    upright = np.rot90(stored[0], turns)
+    upright = np.fliplr(upright) if mirrored else upright
+    back = read_back(output)
+    assert (back.height, back.width, back.rotation) == (upright.shape[0] * 2, upright.shape[1] * 2, 0)
+    halved = back.first.reshape(upright.shape[0], 2, upright.shape[1], 2, 3).mean(axis=(1, 3))
+    assert np.abs(halved - upright).mean() < 8  # the wrong turn or mirror is off by ~60 on this gradient

@@ -349,8 +349,9 @@ def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, r
                 f"the input ({video.width}x{video.height}) is smaller than one model tile: it ran padded to "
                 f"{padded_width}x{padded_height} (mirrored edges) and was cropped back"
             )
-    if video.rotation:
-        notes.append(f"the source is displayed rotated {video.rotation} degrees: frames were turned upright, the flag cleared")
+    if video.rotation or video.mirrored:
+        how = " and ".join([f"rotated {video.rotation} degrees"] * bool(video.rotation) + ["mirrored"] * video.mirrored)
+        notes.append(f"the source is displayed {how}: frames were turned upright, the flag cleared")
     others = [s.index for s in info.other_video]
     if others:
         notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "

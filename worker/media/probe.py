@@ -9,12 +9,14 @@ duration before reading a packet, the frame count while counting.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
 import av
+from av.sidedata.sidedata import Type as SideData
 
 from worker.media.errors import (
     InputCorrupt,
@@ -58,6 +60,7 @@ class VideoInfo:
     # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
     sar: Fraction = Fraction(1)
     interlaced: bool = False  # the first frame is coded as two fields
+    mirrored: bool = False  # after the turn by `rotation`, flipped left to right for display
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
 
@@ -140,7 +143,8 @@ class MediaInfo:
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
             + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
-            + (f", rotated {video.rotation} degrees for display" if video.rotation else ""),
+            + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
+            + (", mirrored for display" if video.mirrored else ""),
         ]
         lines += [
             f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
@@ -295,9 +299,25 @@ def _sample_aspect(stream: av.VideoStream, rotation: int) -> Fraction:
     return 1 / sar if rotation in (90, 270) else sar
 
 
+def _orientation(frame: av.VideoFrame) -> tuple[int, bool]:
+    """(degrees counter-clockwise, mirrored): how the frame's display matrix turns it, then flips it left to right,
+    as ffmpeg and players apply it. A matrix that mirrors has a negative determinant; `frame.rotation` reads such
+    a matrix as a turn (a mirror as 180 degrees, an upside-down mirror as none), so the turn is read from the
+    matrix with its mirror undone."""
+    data = frame.side_data.get(SideData.DISPLAYMATRIX)
+    if data is None:
+        return 0, False
+    a, b, _, c, d, *_ = struct.unpack("=9i", bytes(data))
+    mirrored = a * d - b * c < 0
+    if mirrored:  # av_display_matrix_flip negates the first column: negated again, a rotation is left
+        a, c = -a, -c
+    degrees = -math.degrees(math.atan2(b, a))  # av_display_rotation_get
+    return round(degrees / 90) * 90 % 360, mirrored
+
+
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
     frame = scan.first_frame
-    rotation = round(frame.rotation / 90) * 90 % 360
+    rotation, mirrored = _orientation(frame)
     width, height = (frame.height, frame.width) if rotation in (90, 270) else (frame.width, frame.height)
     _check_pixels(width, height, path, limits)
     frames = len(scan.timestamps)
@@ -335,6 +355,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         language=stream.language,
         sar=_sample_aspect(stream, rotation),
         interlaced=bool(frame.interlaced_frame),
+        mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
     )
 
