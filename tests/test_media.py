@@ -256,6 +256,16 @@ def _unknown_codec(path: Path) -> Path:
     return path
 
 
+def _joined(path: Path, later_first: bool) -> Path:
+    """Two recordings joined end to end (`cat a.ts b.ts`), each with its own clock: the second's timestamps start
+    over (the same times again), or start before the first's (it ran back)."""
+    first = write_clip(path.with_name("a.ts"), FRAMES, SIZE, Fraction(25), audio_codec="aac",
+                       timestamps=[250 * later_first + i for i in range(FRAMES)], time_base=Fraction(1, 25))  # fmt: skip
+    second = write_clip(path.with_name("b.ts"), FRAMES, SIZE, Fraction(25), audio_codec="aac")
+    path.write_bytes(first.read_bytes() + second.read_bytes())
+    return path
+
+
 BAD = {
     "not a video": ("clip.mp4", lambda p: p.write_text("hello, this is not a video\n" * 40), "input_unreadable", Limits()),
     "zero bytes": ("clip.mp4", lambda p: p.write_bytes(b""), "input_empty", Limits()),
@@ -272,6 +282,9 @@ BAD = {
     "too many frames": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_frames=20)),
     "too long": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_seconds=0.5)),
     "too big a file": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_bytes=1000)),
+    # failed only when muxing the output (after all the work), as an internal error
+    "joined, times repeat": ("clip.ts", lambda p: _joined(p, False), "input_corrupt", Limits()),
+    "joined, times run back": ("clip.ts", lambda p: _joined(p, True), "input_corrupt", Limits()),
 }
 
 

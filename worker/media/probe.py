@@ -35,6 +35,8 @@ AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the 
 # FFmpeg's AVColorSpace / AVColorRange values, named for people.
 MATRICES = {0: "rgb", 1: "bt709", 2: "unspecified", 4: "fcc", 5: "bt470bg", 6: "smpte170m", 7: "smpte240m", 9: "bt2020nc", 10: "bt2020c"}
 RANGES = {0: "unspecified", 1: "limited", 2: "full"}
+# Frames a decoder may hold back to put them in presentation order (H.264's and HEVC's largest picture buffer).
+REORDER = 16
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     if frames < limits.min_frames:
         raise InputTooShort(f"{path.name} has {frames} frame(s): a still image, not a video (at least {limits.min_frames})")
     time_base = stream.time_base or Fraction(1, 90000)
+    _check_order(scan.timestamps, time_base, path)
     fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
     if limits.max_fps is not None and fps > limits.max_fps:
         raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
@@ -358,6 +361,26 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
     )
+
+
+def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> None:
+    """Each frame's presentation time (decode order) is its own and, beyond a decoder's reordering, later than the
+    frames decoded before it. Recordings joined end to end (`cat a.ts b.ts`) start their clock over: frames then
+    repeat times or run back, which no MP4 can hold (its muxer refused them after all the upscaling was done)."""
+    if None in pts:  # raw streams: timed by their declared rate
+        return
+    latest = None  # the latest time of the frames decoded more than REORDER before this one
+    for index in range(REORDER + 1, len(pts)):
+        earlier = pts[index - REORDER - 1]
+        latest = earlier if latest is None else max(latest, earlier)
+        if pts[index] <= latest:
+            raise InputCorrupt(
+                f"{path.name}: frame {index + 1}'s timestamp ({float(pts[index] * time_base):.3f} s) comes before "
+                f"frames decoded earlier ({float(latest * time_base):.3f} s): its clock starts over, as in recordings "
+                "joined end to end; join them with a tool that re-times them, or send them one by one"
+            )
+    if len(set(pts)) < len(pts):
+        raise InputCorrupt(f"{path.name}: {len(pts) - len(set(pts))} frame(s) repeat another frame's timestamp")
 
 
 def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) -> tuple[Fraction, bool, list[int]]:
