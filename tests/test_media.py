@@ -469,3 +469,16 @@ def test_a_display_matrix_that_mirrors_is_applied_as_players_apply_it(tmp_path, 
     assert (back.height, back.width, back.rotation) == (upright.shape[0] * 2, upright.shape[1] * 2, 0)
     halved = back.first.reshape(upright.shape[0], 2, upright.shape[1], 2, 3).mean(axis=(1, 3))
     assert np.abs(halved - upright).mean() < 8  # the wrong turn or mirror is off by ~60 on this gradient
+
+
+def test_a_variable_rate_clips_last_frame_lasts_as_the_source_says_not_an_average_frame(tmp_path):
+    """A screen recording: frames only when something moves, a 5 s pause, the last frame 40 ms. It lasted an
+    average frame (0.59 s), which lengthened the video and lowered its average rate by 10 %."""
+    stamps = [0, 40, 80, 120, 5120, 5160, 5200, 5240, 5280, 5320]  # ms
+    source = write_clip(tmp_path / "in.mp4", len(stamps), (48, 80), Fraction(25), timestamps=stamps, time_base=Fraction(1, 1000))
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(source)) as before, av.open(str(output)) as after:
+        assert abs(after.streams.video[0].average_rate / before.streams.video[0].average_rate - 1) <= 0.01
+    assert np.allclose(frame_times(output), np.array(stamps) / 1000, atol=1e-3)
+    assert abs(result.written.video.duration - 5.36) <= 0.001

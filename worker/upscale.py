@@ -310,7 +310,8 @@ def _video_timing(video: VideoInfo, delay: float) -> dict:
     the source's audio starts `delay` seconds before the first frame, the frames start that late, on a time base
     fine enough to place them to the 90 kHz tick and to keep a constant rate exact."""
     if not video.cfr:
-        return {"timestamps": video.timestamps, "time_base": video.time_base, "start": round(delay / video.time_base)}
+        start = round(delay / video.time_base)
+        return {"timestamps": video.timestamps, "time_base": video.time_base, "start": start, "last_duration": video.last_frame}
     if delay <= 0:
         return {"timestamps": None, "time_base": None}
     fps = Fraction(video.fps)

@@ -65,6 +65,8 @@ class VideoInfo:
     mirrored: bool = False  # after the turn by `rotation`, flipped left to right for display
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
+    # Variable rate only: how long the last frame lasts in `time_base`, as its packet says (0: it does not say).
+    last_frame: int = 0
 
     @property
     def end(self) -> float:
@@ -237,6 +239,7 @@ class _Scan:
     first_frame: av.VideoFrame | None = None
     video_packets: int = 0  # every packet, including those an edit list discards
     timestamps: list[int | None] = field(default_factory=list)  # presented frames, decode order
+    last_duration: int = 0  # the packet duration of the last frame presented
     extents: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # audio -> (start, end, longest packet)
     end: float = 0.0  # latest packet end over all streams, seconds
     keyframe_seen: bool = False
@@ -266,6 +269,8 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
             scan.keyframe_seen = scan.keyframe_seen or packet.is_keyframe
             if scan.keyframe_seen and not packet.is_discard:
+                if packet.pts is not None and all(t is None or packet.pts > t for t in scan.timestamps[-REORDER - 1 :]):
+                    scan.last_duration = packet.duration or 0  # the latest frame so far (B-frames come back earlier)
                 scan.timestamps.append(packet.pts)
                 if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
                     raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
@@ -331,9 +336,14 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     if limits.max_fps is not None and fps > limits.max_fps:
         raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
     first = timestamps[0] if timestamps else 0
+    # The last frame of a variable rate lasts as its packet says (a screen recording's last frame after a pause is
+    # not as long as an average one), else as long as an average one.
+    last_frame = scan.last_duration if not cfr and scan.last_duration > 0 else 0
     if cfr:
         duration = frames / fps
-    else:  # the last frame lasts as long as an average one
+    elif last_frame:
+        duration = float((timestamps[-1] - first + last_frame) * time_base)
+    else:
         duration = float((timestamps[-1] - first) * time_base) * frames / (frames - 1)
     if limits.max_seconds is not None and duration > limits.max_seconds:
         raise InputTooLarge(f"{path.name} lasts {duration:.0f} s; the limit is {limits.max_seconds:.0f} s")
@@ -360,6 +370,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         interlaced=bool(frame.interlaced_frame),
         mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
+        last_frame=last_frame,
     )
 
 
