@@ -482,3 +482,17 @@ def test_a_variable_rate_clips_last_frame_lasts_as_the_source_says_not_an_averag
         assert abs(after.streams.video[0].average_rate / before.streams.video[0].average_rate - 1) <= 0.01
     assert np.allclose(frame_times(output), np.array(stamps) / 1000, atol=1e-3)
     assert abs(result.written.video.duration - 5.36) <= 0.001
+
+
+def test_mp3_below_16_khz_is_re_encoded_as_mp4_cannot_hold_it(tmp_path):
+    """MPEG-2.5 MP3 (8, 11.025, 12 kHz: voice recorders, old phones) is no MP4 codec: FFmpeg's muxer refuses it. It
+    was copied, and the job failed at the output's first audio packet (av.error.ArgumentError), as an internal error."""
+    source = write_clip(tmp_path / "in.avi", 12, SIZE, video_codec="mpeg4", audio_codec="libmp3lame", sample_rate=8000, layout="mono")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    back = read_back(output)
+    [track] = back.audio
+    assert (back.frames, track.codec, track.sample_rate, track.channels) == (12, "aac", 8000, 1)
+    with av.open(str(source)) as container:  # what its decoder gives (in AVI, the encoder's priming too)
+        seconds = sum(frame.samples for frame in container.decode(audio=0)) / 8000
+    assert abs(track.seconds - seconds) <= 1024 / 8000  # all of the sound, to one AAC frame
