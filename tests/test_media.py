@@ -496,3 +496,15 @@ def test_mp3_below_16_khz_is_re_encoded_as_mp4_cannot_hold_it(tmp_path):
     with av.open(str(source)) as container:  # what its decoder gives (in AVI, the encoder's priming too)
         seconds = sum(frame.samples for frame in container.decode(audio=0)) / 8000
     assert abs(track.seconds - seconds) <= 1024 / 8000  # all of the sound, to one AAC frame
+
+
+def test_matroska_whose_sound_starts_before_zero_is_not_taken_for_a_cut_file(tmp_path):
+    """MP3 at 8 kHz (a voice recorder's) starts its first packet 138 ms before 0 (the encoder's priming); Matroska's
+    declared duration counts from there. Its end, 0.51 s, looked 0.13 s short of 0.64 s: refused as truncated."""
+    source = write_clip(tmp_path / "in.mkv", 12, SIZE, audio_codec="libmp3lame", sample_rate=8000, layout="mono")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    back = read_back(output)
+    [track] = back.audio
+    assert (back.frames, track.sample_rate, track.channels) == (12, 8000, 1)
+    assert abs(track.seconds - 0.5) <= 1024 / 8000  # all of the sound, to one AAC frame

@@ -242,6 +242,7 @@ class _Scan:
     last_duration: int = 0  # the packet duration of the last frame presented
     extents: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # audio -> (start, end, longest packet)
     end: float = 0.0  # latest packet end over all streams, seconds
+    first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
 
 
@@ -257,7 +258,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if packet.pts is not None and packet.time_base is not None:
                 start = float(packet.pts * packet.time_base)
                 end = start + float((packet.duration or 0) * packet.time_base)
-                scan.end = max(scan.end, end)
+                scan.end, scan.first = max(scan.end, end), min(scan.first, start)
                 if owner.type == "audio" and not packet.is_discard:
                     first, last, longest = scan.extents.get(owner.index, (start, end, 0.0))
                     scan.extents[owner.index] = (min(first, start), max(last, end), max(longest, end - start))
@@ -284,10 +285,12 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     declared = stream.frames if "mp4" in container.format.name else 0
     if declared and scan.video_packets < declared:
         raise InputCorrupt(f"{path.name} is truncated: its index lists {declared} frames, the file holds {scan.video_packets}")
-    # Matroska declares its duration in the header: a file that ends well before it was cut short.
-    if "matroska" in container.format.name and container.duration and scan.end < container.duration / 1e6 - 0.1:
+    # Matroska declares its duration in the header: a file that ends well before it was cut short. The duration counts
+    # from the earliest packet, which a codec's priming puts before 0 (MP3 at 8 kHz: 138 ms).
+    held = scan.end - scan.first
+    if "matroska" in container.format.name and container.duration and held < container.duration / 1e6 - 0.1:
         raise InputCorrupt(
-            f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {scan.end:.2f} s"
+            f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {held:.2f} s"
         )
     return scan
 
