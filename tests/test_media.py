@@ -256,6 +256,16 @@ def _unknown_codec(path: Path) -> Path:
     return path
 
 
+def _joined(path: Path, later_first: bool) -> Path:
+    """Two recordings joined end to end (`cat a.ts b.ts`), each with its own clock: the second's timestamps start
+    over (the same times again), or start before the first's (it ran back)."""
+    first = write_clip(path.with_name("a.ts"), FRAMES, SIZE, Fraction(25), audio_codec="aac",
+                       timestamps=[250 * later_first + i for i in range(FRAMES)], time_base=Fraction(1, 25))  # fmt: skip
+    second = write_clip(path.with_name("b.ts"), FRAMES, SIZE, Fraction(25), audio_codec="aac")
+    path.write_bytes(first.read_bytes() + second.read_bytes())
+    return path
+
+
 BAD = {
     "not a video": ("clip.mp4", lambda p: p.write_text("hello, this is not a video\n" * 40), "input_unreadable", Limits()),
     "zero bytes": ("clip.mp4", lambda p: p.write_bytes(b""), "input_empty", Limits()),
@@ -272,6 +282,9 @@ BAD = {
     "too many frames": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_frames=20)),
     "too long": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_seconds=0.5)),
     "too big a file": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_bytes=1000)),
+    # failed only when muxing the output (after all the work), as an internal error
+    "joined, times repeat": ("clip.ts", lambda p: _joined(p, False), "input_corrupt", Limits()),
+    "joined, times run back": ("clip.ts", lambda p: _joined(p, True), "input_corrupt", Limits()),
 }
 
 
@@ -421,3 +434,77 @@ def test_a_chapter_over_before_the_first_frame_is_not_promised_nor_written():
     chapters = [Chapter(0.0, 1.5, "Intro"), Chapter(1.5, 4.0, "Main"), Chapter(4.0, 6.0, "End")]
     assert output_chapters(chapters, 2.0) == [(0.0, 2.0, "Main"), (2.0, 4.0, "End")]
     assert output_chapters(chapters, 0.0) == [(0.0, 1.5, "Intro"), (1.5, 4.0, "Main"), (4.0, 6.0, "End")]
+
+
+U, W = 1 << 16, 1 << 30  # 1.0 in a display matrix's 16.16 and 2.30 fixed-point entries
+# name: display matrix (FFmpeg's layout, as av_display_matrix_flip writes a mirror), the turns and mirror to upright
+MIRRORS = {
+    "mirrored": ([-U, 0, 0, 0, U, 0, 0, 0, W], 0, True),  # a front camera's, or `ffmpeg -display_hflip`
+    "upside down": ([U, 0, 0, 0, -U, 0, 0, 0, W], 2, True),  # `-display_vflip`: a mirror of the picture turned 180
+    "turned 90 and mirrored": ([0, -U, 0, -U, 0, 0, 0, 0, W], 1, True),
+}
+
+
+@pytest.mark.parametrize("case", list(MIRRORS))
+def test_a_display_matrix_that_mirrors_is_applied_as_players_apply_it(tmp_path, case):
+    """A display matrix may flip as well as turn (its determinant is negative). PyAV's `frame.rotation` reads a
+    mirror as a turn: a mirrored clip came back upside down and mirrored, an upside-down one not turned at all."""
+    matrix, turns, mirrored = MIRRORS[case]
+    source = tmp_path / "in.mp4"
+    stored = (pattern(5, 48, 80).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    with av.open(str(source), "w") as container:
+        stream = container.add_stream("libx264", rate=24, options={"crf": "12"})
+        stream.width, stream.height, stream.pix_fmt = 80, 48, "yuv420p"
+        stream.set_display_matrix(matrix)
+        for index, pixels in enumerate(stored):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    upright = np.rot90(stored[0], turns)
+    upright = np.fliplr(upright) if mirrored else upright
+    back = read_back(output)
+    assert (back.height, back.width, back.rotation) == (upright.shape[0] * 2, upright.shape[1] * 2, 0)
+    halved = back.first.reshape(upright.shape[0], 2, upright.shape[1], 2, 3).mean(axis=(1, 3))
+    assert np.abs(halved - upright).mean() < 8  # the wrong turn or mirror is off by ~60 on this gradient
+
+
+def test_a_variable_rate_clips_last_frame_lasts_as_the_source_says_not_an_average_frame(tmp_path):
+    """A screen recording: frames only when something moves, a 5 s pause, the last frame 40 ms. It lasted an
+    average frame (0.59 s), which lengthened the video and lowered its average rate by 10 %."""
+    stamps = [0, 40, 80, 120, 5120, 5160, 5200, 5240, 5280, 5320]  # ms
+    source = write_clip(tmp_path / "in.mp4", len(stamps), (48, 80), Fraction(25), timestamps=stamps, time_base=Fraction(1, 1000))
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(source)) as before, av.open(str(output)) as after:
+        assert abs(after.streams.video[0].average_rate / before.streams.video[0].average_rate - 1) <= 0.01
+    assert np.allclose(frame_times(output), np.array(stamps) / 1000, atol=1e-3)
+    assert abs(result.written.video.duration - 5.36) <= 0.001
+
+
+def test_mp3_below_16_khz_is_re_encoded_as_mp4_cannot_hold_it(tmp_path):
+    """MPEG-2.5 MP3 (8, 11.025, 12 kHz: voice recorders, old phones) is no MP4 codec: FFmpeg's muxer refuses it. It
+    was copied, and the job failed at the output's first audio packet (av.error.ArgumentError), as an internal error."""
+    source = write_clip(tmp_path / "in.avi", 12, SIZE, video_codec="mpeg4", audio_codec="libmp3lame", sample_rate=8000, layout="mono")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    back = read_back(output)
+    [track] = back.audio
+    assert (back.frames, track.codec, track.sample_rate, track.channels) == (12, "aac", 8000, 1)
+    with av.open(str(source)) as container:  # what its decoder gives (in AVI, the encoder's priming too)
+        seconds = sum(frame.samples for frame in container.decode(audio=0)) / 8000
+    assert abs(track.seconds - seconds) <= 1024 / 8000  # all of the sound, to one AAC frame
+
+
+def test_matroska_whose_sound_starts_before_zero_is_not_taken_for_a_cut_file(tmp_path):
+    """MP3 at 8 kHz (a voice recorder's) starts its first packet 138 ms before 0 (the encoder's priming); Matroska's
+    declared duration counts from there. Its end, 0.51 s, looked 0.13 s short of 0.64 s: refused as truncated."""
+    source = write_clip(tmp_path / "in.mkv", 12, SIZE, audio_codec="libmp3lame", sample_rate=8000, layout="mono")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    back = read_back(output)
+    [track] = back.audio
+    assert (back.frames, track.sample_rate, track.channels) == (12, 8000, 1)
+    assert abs(track.seconds - 0.5) <= 1024 / 8000  # all of the sound, to one AAC frame

@@ -310,7 +310,8 @@ def _video_timing(video: VideoInfo, delay: float) -> dict:
     the source's audio starts `delay` seconds before the first frame, the frames start that late, on a time base
     fine enough to place them to the 90 kHz tick and to keep a constant rate exact."""
     if not video.cfr:
-        return {"timestamps": video.timestamps, "time_base": video.time_base, "start": round(delay / video.time_base)}
+        start = round(delay / video.time_base)
+        return {"timestamps": video.timestamps, "time_base": video.time_base, "start": start, "last_duration": video.last_frame}
     if delay <= 0:
         return {"timestamps": None, "time_base": None}
     fps = Fraction(video.fps)
@@ -349,8 +350,9 @@ def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, r
                 f"the input ({video.width}x{video.height}) is smaller than one model tile: it ran padded to "
                 f"{padded_width}x{padded_height} (mirrored edges) and was cropped back"
             )
-    if video.rotation:
-        notes.append(f"the source is displayed rotated {video.rotation} degrees: frames were turned upright, the flag cleared")
+    if video.rotation or video.mirrored:
+        how = " and ".join([f"rotated {video.rotation} degrees"] * bool(video.rotation) + ["mirrored"] * video.mirrored)
+        notes.append(f"the source is displayed {how}: frames were turned upright, the flag cleared")
     others = [s.index for s in info.other_video]
     if others:
         notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "

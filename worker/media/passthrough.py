@@ -27,6 +27,8 @@ from worker.media.errors import InputCorrupt
 from worker.media.probe import AudioInfo, AVError, MediaInfo
 
 COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
+# MP3 below 16 kHz (MPEG-2.5: 8, 11.025, 12 kHz) is no MP4 codec: FFmpeg's muxer refuses its packets.
+MP3_MIN_RATE = 16000
 TEXT_SUBTITLES = frozenset({"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text"})
 AAC_BITRATE_PER_CHANNEL = 96_000
 # Source metadata that describes the old file rather than its content.
@@ -56,7 +58,8 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
         elif audio.duration <= 0:
             carried.append(Carried(audio.index, "audio", "drop", f"{audio.codec}, holds no samples"))
         else:
-            carried.append(Carried(audio.index, "audio", "copy" if audio.codec in COPY_AUDIO else "aac", audio.codec))
+            copy = audio.codec in COPY_AUDIO and not (audio.codec == "mp3" and audio.sample_rate < MP3_MIN_RATE)
+            carried.append(Carried(audio.index, "audio", "copy" if copy else "aac", audio.codec))
     for subtitle in info.subtitles:
         text = subtitle.codec in TEXT_SUBTITLES
         carried.append(

@@ -9,12 +9,14 @@ duration before reading a packet, the frame count while counting.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
 import av
+from av.sidedata.sidedata import Type as SideData
 
 from worker.media.errors import (
     InputCorrupt,
@@ -33,6 +35,8 @@ AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the 
 # FFmpeg's AVColorSpace / AVColorRange values, named for people.
 MATRICES = {0: "rgb", 1: "bt709", 2: "unspecified", 4: "fcc", 5: "bt470bg", 6: "smpte170m", 7: "smpte240m", 9: "bt2020nc", 10: "bt2020c"}
 RANGES = {0: "unspecified", 1: "limited", 2: "full"}
+# Frames a decoder may hold back to put them in presentation order (H.264's and HEVC's largest picture buffer).
+REORDER = 16
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,11 @@ class VideoInfo:
     # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
     sar: Fraction = Fraction(1)
     interlaced: bool = False  # the first frame is coded as two fields
+    mirrored: bool = False  # after the turn by `rotation`, flipped left to right for display
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
+    # Variable rate only: how long the last frame lasts in `time_base`, as its packet says (0: it does not say).
+    last_frame: int = 0
 
     @property
     def end(self) -> float:
@@ -140,7 +147,8 @@ class MediaInfo:
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
             + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
-            + (f", rotated {video.rotation} degrees for display" if video.rotation else ""),
+            + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
+            + (", mirrored for display" if video.mirrored else ""),
         ]
         lines += [
             f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
@@ -231,8 +239,10 @@ class _Scan:
     first_frame: av.VideoFrame | None = None
     video_packets: int = 0  # every packet, including those an edit list discards
     timestamps: list[int | None] = field(default_factory=list)  # presented frames, decode order
+    last_duration: int = 0  # the packet duration of the last frame presented
     extents: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # audio -> (start, end, longest packet)
     end: float = 0.0  # latest packet end over all streams, seconds
+    first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
 
 
@@ -248,7 +258,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if packet.pts is not None and packet.time_base is not None:
                 start = float(packet.pts * packet.time_base)
                 end = start + float((packet.duration or 0) * packet.time_base)
-                scan.end = max(scan.end, end)
+                scan.end, scan.first = max(scan.end, end), min(scan.first, start)
                 if owner.type == "audio" and not packet.is_discard:
                     first, last, longest = scan.extents.get(owner.index, (start, end, 0.0))
                     scan.extents[owner.index] = (min(first, start), max(last, end), max(longest, end - start))
@@ -260,6 +270,8 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
             scan.keyframe_seen = scan.keyframe_seen or packet.is_keyframe
             if scan.keyframe_seen and not packet.is_discard:
+                if packet.pts is not None and all(t is None or packet.pts > t for t in scan.timestamps[-REORDER - 1 :]):
+                    scan.last_duration = packet.duration or 0  # the latest frame so far (B-frames come back earlier)
                 scan.timestamps.append(packet.pts)
                 if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
                     raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
@@ -273,10 +285,12 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     declared = stream.frames if "mp4" in container.format.name else 0
     if declared and scan.video_packets < declared:
         raise InputCorrupt(f"{path.name} is truncated: its index lists {declared} frames, the file holds {scan.video_packets}")
-    # Matroska declares its duration in the header: a file that ends well before it was cut short.
-    if "matroska" in container.format.name and container.duration and scan.end < container.duration / 1e6 - 0.1:
+    # Matroska declares its duration in the header: a file that ends well before it was cut short. The duration counts
+    # from the earliest packet, which a codec's priming puts before 0 (MP3 at 8 kHz: 138 ms).
+    held = scan.end - scan.first
+    if "matroska" in container.format.name and container.duration and held < container.duration / 1e6 - 0.1:
         raise InputCorrupt(
-            f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {scan.end:.2f} s"
+            f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {held:.2f} s"
         )
     return scan
 
@@ -295,22 +309,44 @@ def _sample_aspect(stream: av.VideoStream, rotation: int) -> Fraction:
     return 1 / sar if rotation in (90, 270) else sar
 
 
+def _orientation(frame: av.VideoFrame) -> tuple[int, bool]:
+    """(degrees counter-clockwise, mirrored): how the frame's display matrix turns it, then flips it left to right,
+    as ffmpeg and players apply it. A matrix that mirrors has a negative determinant; `frame.rotation` reads such
+    a matrix as a turn (a mirror as 180 degrees, an upside-down mirror as none), so the turn is read from the
+    matrix with its mirror undone."""
+    data = frame.side_data.get(SideData.DISPLAYMATRIX)
+    if data is None:
+        return 0, False
+    a, b, _, c, d, *_ = struct.unpack("=9i", bytes(data))
+    mirrored = a * d - b * c < 0
+    if mirrored:  # av_display_matrix_flip negates the first column: negated again, a rotation is left
+        a, c = -a, -c
+    degrees = -math.degrees(math.atan2(b, a))  # av_display_rotation_get
+    return round(degrees / 90) * 90 % 360, mirrored
+
+
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
     frame = scan.first_frame
-    rotation = round(frame.rotation / 90) * 90 % 360
+    rotation, mirrored = _orientation(frame)
     width, height = (frame.height, frame.width) if rotation in (90, 270) else (frame.width, frame.height)
     _check_pixels(width, height, path, limits)
     frames = len(scan.timestamps)
     if frames < limits.min_frames:
         raise InputTooShort(f"{path.name} has {frames} frame(s): a still image, not a video (at least {limits.min_frames})")
     time_base = stream.time_base or Fraction(1, 90000)
+    _check_order(scan.timestamps, time_base, path)
     fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
     if limits.max_fps is not None and fps > limits.max_fps:
         raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
     first = timestamps[0] if timestamps else 0
+    # The last frame of a variable rate lasts as its packet says (a screen recording's last frame after a pause is
+    # not as long as an average one), else as long as an average one.
+    last_frame = scan.last_duration if not cfr and scan.last_duration > 0 else 0
     if cfr:
         duration = frames / fps
-    else:  # the last frame lasts as long as an average one
+    elif last_frame:
+        duration = float((timestamps[-1] - first + last_frame) * time_base)
+    else:
         duration = float((timestamps[-1] - first) * time_base) * frames / (frames - 1)
     if limits.max_seconds is not None and duration > limits.max_seconds:
         raise InputTooLarge(f"{path.name} lasts {duration:.0f} s; the limit is {limits.max_seconds:.0f} s")
@@ -335,8 +371,30 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         language=stream.language,
         sar=_sample_aspect(stream, rotation),
         interlaced=bool(frame.interlaced_frame),
+        mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
+        last_frame=last_frame,
     )
+
+
+def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> None:
+    """Each frame's presentation time (decode order) is its own and, beyond a decoder's reordering, later than the
+    frames decoded before it. Recordings joined end to end (`cat a.ts b.ts`) start their clock over: frames then
+    repeat times or run back, which no MP4 can hold (its muxer refused them after all the upscaling was done)."""
+    if None in pts:  # raw streams: timed by their declared rate
+        return
+    latest = None  # the latest time of the frames decoded more than REORDER before this one
+    for index in range(REORDER + 1, len(pts)):
+        earlier = pts[index - REORDER - 1]
+        latest = earlier if latest is None else max(latest, earlier)
+        if pts[index] <= latest:
+            raise InputCorrupt(
+                f"{path.name}: frame {index + 1}'s timestamp ({float(pts[index] * time_base):.3f} s) comes before "
+                f"frames decoded earlier ({float(latest * time_base):.3f} s): its clock starts over, as in recordings "
+                "joined end to end; join them with a tool that re-times them, or send them one by one"
+            )
+    if len(set(pts)) < len(pts):
+        raise InputCorrupt(f"{path.name}: {len(pts) - len(set(pts))} frame(s) repeat another frame's timestamp")
 
 
 def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) -> tuple[Fraction, bool, list[int]]:

@@ -1,5 +1,5 @@
-"""Decode a video as a stream of RGB frames, as they are meant to be seen: rotation applied, colour converted with
-the stream's own matrix and range. Memory stays at one frame (plus whatever a consumer buffers)."""
+"""Decode a video as a stream of RGB frames, as they are meant to be seen: rotation and mirror applied, colour
+converted with the stream's own matrix and range. Memory stays at one frame (plus whatever a consumer buffers)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
                 count += 1
                 if count > video.frames:
                     break
-                yield np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
+                upright = np.rot90(pixels, turns) if turns else pixels
+                upright = np.fliplr(upright) if video.mirrored else upright
+                yield np.ascontiguousarray(upright) if upright is not pixels else pixels
     except AVError as error:
         raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
     if count != video.frames:

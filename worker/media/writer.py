@@ -51,12 +51,13 @@ def yuv_frame(pixel: np.ndarray, reformatter: VideoReformatter | None = None) ->
     return reformatter.reformat(frame, **options) if reformatter is not None else frame.reformat(**options)
 
 
-def _durations(timestamps: Sequence[int], start: int) -> dict[int, int]:
-    """Each frame's presentation time (with `start`) -> how long it lasts; the last lasts as long as an average one."""
+def _durations(timestamps: Sequence[int], start: int, last: int | None = None) -> dict[int, int]:
+    """Each frame's presentation time (with `start`) -> how long it lasts; the last lasts `last`, or as long as an
+    average one."""
     ordered = sorted(timestamps)
     if len(ordered) < 2:
         return {}
-    last = max(1, round((ordered[-1] - ordered[0]) / (len(ordered) - 1)))
+    last = last or max(1, round((ordered[-1] - ordered[0]) / (len(ordered) - 1)))
     return {start + t: (following - t) for t, following in zip(ordered, ordered[1:])} | {start + ordered[-1]: last}
 
 
@@ -113,7 +114,7 @@ class Mp4Writer:
 
     Frames are timed at `fps` or, for variable-rate video, at `timestamps` (in `time_base`, from 0), the first one
     `start` ticks of `time_base` into the file (the source's audio started earlier). Every packet carries its frame's
-    duration (the last frame: an average one), so the MP4's track duration and average rate are the source's. A
+    duration (the last frame: `last_duration` ticks, else an average one), so the MP4's track duration and average rate are the source's. A
     `passthrough` muxes the source's audio and subtitles alongside, as the video advances; `chapters` are kept. `sample_aspect_ratio` is
     the source's pixel shape, kept so that the picture is displayed as wide as the source's.
 
@@ -143,6 +144,7 @@ class Mp4Writer:
         language: str | None = None,
         colour: tuple[int, int] = (BT709, BT709),
         start: int = 0,
+        last_duration: int | None = None,
         sample_aspect_ratio: Fraction = Fraction(1),
         chapters: Sequence[tuple[float, float, str | None]] = (),
         on_frame: Callable[[int, np.ndarray], None] | None = None,
@@ -154,7 +156,7 @@ class Mp4Writer:
             raise ValueError("a delayed start needs timestamps (a time base finer than the frame rate)")
         self.timestamps, self.passthrough, self.start = timestamps, passthrough, start
         self._on_frame = on_frame
-        self._durations = _durations(timestamps, start) if timestamps is not None else {}
+        self._durations = _durations(timestamps, start, last_duration) if timestamps is not None else {}
         self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
         self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": "+faststart"})
         self.container.metadata.update(metadata or {})
