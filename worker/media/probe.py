@@ -313,8 +313,16 @@ def _orientation(frame: av.VideoFrame) -> tuple[int, bool]:
     """(degrees counter-clockwise, mirrored): how the frame's display matrix turns it, then flips it left to right,
     as ffmpeg and players apply it. A matrix that mirrors has a negative determinant; `frame.rotation` reads such
     a matrix as a turn (a mirror as 180 degrees, an upside-down mirror as none), so the turn is read from the
-    matrix with its mirror undone."""
-    data = frame.side_data.get(SideData.DISPLAYMATRIX)
+    matrix with its mirror undone.
+
+    Read off a 2x2 copy (which keeps the side data): PyAV's side data and the frame it is read from hold each other,
+    so that frame, and the decoder's buffer pool its pixels come from, would wait for the cyclic collector: the
+    worker's resident memory grew job after job (tests/service/test_worker_memory.py)."""
+    try:
+        copy = frame.reformat(width=2, height=2)
+    except (*AVError, ValueError):  # a format swscale cannot shrink: the turn PyAV reads, no mirror
+        return round(frame.rotation / 90) * 90 % 360, False
+    data = copy.side_data.get(SideData.DISPLAYMATRIX)
     if data is None:
         return 0, False
     a, b, _, c, d, *_ = struct.unpack("=9i", bytes(data))
