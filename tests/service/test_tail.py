@@ -173,7 +173,7 @@ def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
     if released:  # nothing uploaded; its one window written locally, then dropped at its commit
         assert run["kept_upload_s"] == 0 and run["tail_s"]["kept_join"] < 0.05, run
     else:
-        assert run["kept_upload_s"] > 0 and run["windows_s"]["kept"] > 0, run
+        assert run["kept_upload_s"] > 0, run  # its upload ran (the commit's own time rounds to 0 ms on a fast box)
 
 
 def landed(keys) -> dict[int, set[str]] | None:
