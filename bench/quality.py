@@ -211,16 +211,16 @@ def pipeline(run: Run, parts: dict, workload: str, source: Path | None = None, f
 
 
 def _clip(source: Path, frames: int) -> torch.Tensor:
-    """The first `frames` frames of a real clip as (F, 3, H, W) floats in [0, 1], as the worker decodes them (RGB)."""
-    import av
+    """The first `frames` frames of a real clip as (F, 3, H, W) floats in [0, 1], as the worker reads them (turned
+    upright, converted with the stream's own colour matrix and range)."""
+    from itertools import islice
+
     import numpy as np
 
-    with av.open(str(source)) as container:
-        decoded = []
-        for frame in container.decode(video=0):
-            decoded.append(frame.to_ndarray(format="rgb24"))
-            if len(decoded) == frames:
-                break
+    from worker.media.probe import probe
+    from worker.media.reader import read_frames
+
+    decoded = list(islice(read_frames(source, probe(source).video), frames))
     return torch.from_numpy(np.stack(decoded)).permute(0, 3, 1, 2).float() / 255
 
 
