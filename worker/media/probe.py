@@ -239,7 +239,8 @@ class _Scan:
     first_frame: av.VideoFrame | None = None
     video_packets: int = 0  # every packet, including those an edit list discards
     timestamps: list[int | None] = field(default_factory=list)  # presented frames, decode order
-    last_duration: int = 0  # the packet duration of the last frame presented
+    latest: int | None = None  # the latest presentation time so far (B-frames come back earlier)
+    last_duration: int = 0  # the packet duration of the frame presented last, at `latest`
     extents: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # audio -> (start, end, longest packet)
     end: float = 0.0  # latest packet end over all streams, seconds
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
@@ -270,8 +271,8 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
             scan.keyframe_seen = scan.keyframe_seen or packet.is_keyframe
             if scan.keyframe_seen and not packet.is_discard:
-                if packet.pts is not None and all(t is None or packet.pts > t for t in scan.timestamps[-REORDER - 1 :]):
-                    scan.last_duration = packet.duration or 0  # the latest frame so far (B-frames come back earlier)
+                if packet.pts is not None and (scan.latest is None or packet.pts > scan.latest):
+                    scan.latest, scan.last_duration = packet.pts, packet.duration or 0
                 scan.timestamps.append(packet.pts)
                 if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
                     raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")

@@ -44,7 +44,7 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
                     break
                 upright = np.rot90(pixels, turns) if turns else pixels
                 upright = np.fliplr(upright) if video.mirrored else upright
-                yield np.ascontiguousarray(upright) if upright is not pixels else pixels
+                yield np.ascontiguousarray(upright)  # `pixels` itself where nothing turned or flipped it
     except AVError as error:
         raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
     if count != video.frames:
