@@ -311,7 +311,7 @@ def _video_timing(video: VideoInfo, delay: float) -> dict:
     fine enough to place them to the 90 kHz tick and to keep a constant rate exact."""
     if not video.cfr:
         start = round(delay / video.time_base)
-        return {"timestamps": video.timestamps, "time_base": video.time_base, "start": start, "last_duration": video.last_frame}
+        return {"timestamps": video.timestamps, "time_base": video.time_base, "start": start, "last_duration": video.last_duration}
     if delay <= 0:
         return {"timestamps": None, "time_base": None}
     fps = Fraction(video.fps)

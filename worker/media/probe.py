@@ -66,7 +66,7 @@ class VideoInfo:
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
     # Variable rate only: how long the last frame lasts in `time_base`, as its packet says (0: it does not say).
-    last_frame: int = 0
+    last_duration: int = 0
 
     @property
     def end(self) -> float:
@@ -350,11 +350,11 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     first = timestamps[0] if timestamps else 0
     # The last frame of a variable rate lasts as its packet says (a screen recording's last frame after a pause is
     # not as long as an average one), else as long as an average one.
-    last_frame = scan.last_duration if not cfr and scan.last_duration > 0 else 0
+    last_duration = scan.last_duration if not cfr and scan.last_duration > 0 else 0
     if cfr:
         duration = frames / fps
-    elif last_frame:
-        duration = float((timestamps[-1] - first + last_frame) * time_base)
+    elif last_duration:
+        duration = float((timestamps[-1] - first + last_duration) * time_base)
     else:
         duration = float((timestamps[-1] - first) * time_base) * frames / (frames - 1)
     if limits.max_seconds is not None and duration > limits.max_seconds:
@@ -382,7 +382,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         interlaced=bool(frame.interlaced_frame),
         mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
-        last_frame=last_frame,
+        last_duration=last_duration,
     )
 
 
