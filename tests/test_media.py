@@ -508,3 +508,18 @@ def test_matroska_whose_sound_starts_before_zero_is_not_taken_for_a_cut_file(tmp
     [track] = back.audio
     assert (back.frames, track.sample_rate, track.channels) == (12, 8000, 1)
     assert abs(track.seconds - 0.5) <= 1024 / 8000  # all of the sound, to one AAC frame
+
+
+def test_an_mp4_whose_edit_list_skips_whole_gops_is_not_taken_for_a_cut_file(tmp_path):
+    """A trim kept without re-encoding (`ffmpeg -ss 1.2 -c copy`, QuickTime's): the first GOP's 30 frames stay in
+    the file, the edit list starts the media after them, and the demuxer skips them unread. 30 of the 60 frames the
+    index lists looked like a file cut short: refused as input_corrupt."""
+    stamps = [i - 30 for i in range(60)]  # FFmpeg's muxer writes frames before 0 as an edit that skips them
+    source = write_clip(tmp_path / "in.mp4", 60, (48, 80), Fraction(25), timestamps=stamps, time_base=Fraction(1, 25),
+                        audio_codec="aac", video_options={"x264-params": "keyint=30"})  # fmt: skip
+    with av.open(str(source)) as container:
+        assert container.streams.video[0].frames == 60
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert np.allclose(frame_times(output), frame_times(source), atol=1e-3) and len(frame_times(source)) == 30
+    assert read_back(output).audio  # the sound is carried
