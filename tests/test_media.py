@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -192,6 +193,21 @@ def test_target_resolution_downscales_after_sr(tmp_path, target, mode, size):
     upscale_file(source, output, LanczosUpscaler(), options)
     back = read_back(output)
     assert (back.width, back.height, back.frames) == (*size, 5)
+
+
+@pytest.mark.parametrize(("sar", "target", "size"), [(Fraction(64, 45), "256x192", (180, 120)), (Fraction(8, 9), "256x256", (288, 192))])
+def test_a_fit_target_boxes_non_square_pixels_as_they_are_displayed(tmp_path, sar, target, size):
+    """The box was laid over stored pixels. A 16:9 PAL DVD's shape (64:45 pixels; x2: 288x192, shown 410 wide) fit
+    into 256x192 came back 256x170, shown 364 wide: wider than the box. A 4:3 NTSC DVD's (8:9; x2: 288x192, shown
+    256 wide) was shrunk to 256x170 in a 256x256 box it already fitted. The box now holds the picture as shown."""
+    source = write_clip(tmp_path / "in.mp4", 5, (96, 144), sample_aspect_ratio=sar)
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), replace(FAST, target=Target.parse(target, "fit")))
+    written = probe(output).video
+    box = tuple(map(int, target.split("x")))
+    assert ((written.width, written.height), written.sar) == (size, sar)
+    assert written.width * sar <= box[0] + 2 and written.height <= box[1]  # displayed within the box, to rounding
+    assert written.display_aspect == probe(source).video.display_aspect
 
 
 def test_target_resolution_never_upscales(tmp_path):

@@ -148,7 +148,7 @@ def begin_upscale(
     if options.admit is not None:
         options.admit(cost)
     if options.target is not None:
-        upscaler = Resized(upscaler, options.target)
+        upscaler = Resized(upscaler, options.target, video.sar)
     size = upscaler.output_size(video.height, video.width, options.request.scale)
     plan = plan_windows(video.frames, options.window, options.window_overlap)
     carried = plan_streams(info)
