@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -539,3 +540,43 @@ def test_an_mp4_whose_edit_list_skips_whole_gops_is_not_taken_for_a_cut_file(tmp
     upscale_file(source, output, LanczosUpscaler(), FAST)
     assert np.allclose(frame_times(output), frame_times(source), atol=1e-3) and len(frame_times(source)) == 30
     assert read_back(output).audio  # the sound is carried
+
+
+def _cut(path: Path, cuts: list[tuple[float, float]]) -> Path:
+    """Give every track of an MP4 (moov last, one media edit) the edits `cuts`, (start, end) seconds of its media: a
+    clip cut in QuickTime without re-encoding plays those parts one after another."""
+    from worker.media import edit_list
+
+    data = bytearray(path.read_bytes())
+    with open(path, "rb") as handle:
+        _, start, end = next(box for box in edit_list._boxes(handle, 0, len(data)) if box[0] == b"moov")
+    assert end == len(data)
+    moov = data[start:]
+    movie_scale = edit_list._movie_timescale(moov)
+    for trak in reversed(list(edit_list._children(moov, 8, len(moov), b"trak"))):
+        _, mdhd, _ = next(edit_list._children(moov, trak[1], trak[2], b"mdhd"))
+        media_scale = struct.unpack_from(">I", moov, mdhd + 12)[0]
+        edts = next(edit_list._children(moov, trak[1], trak[2], b"edts"))
+        elst, payload, elst_end = next(edit_list._children(moov, trak[1], trak[2], b"elst"))
+        first = struct.unpack_from(">i", moov, payload + 12)[0]  # the one edit's media start (B-frames' delay)
+        entries = b"".join(struct.pack(">IiHH", round((b - a) * movie_scale), first + round(a * media_scale), 1, 0) for a, b in cuts)
+        box = struct.pack(">I4sII", 16 + len(entries), b"elst", 0, len(cuts)) + entries
+        grown = len(box) - (elst_end - elst)
+        moov[elst:elst_end] = box
+        for parent in (edts[0], trak[0], 0):  # edts, trak, moov
+            struct.pack_into(">I", moov, parent, struct.unpack_from(">I", moov, parent)[0] + grown)
+    path.write_bytes(data[:start] + moov)
+    return path
+
+
+def test_copied_sound_of_an_mp4_cut_by_several_edits_skips_each_later_edits_lead_in(tmp_path):
+    """FFmpeg reads a later edit's lead-in (packets the decoder needs, marked to discard) timed before sound already
+    read: copied, the muxer refused its times running back (EINVAL), an internal error for the user's file."""
+    source = write_clip(tmp_path / "in.mp4", 60, (48, 80), Fraction(25), audio_codec="aac")
+    _cut(source, [(0.0, 0.8), (1.6, 2.4)])
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert [c.action for c in result.carried] == ["copy"]
+    assert np.allclose(frame_times(output), frame_times(source), atol=1e-3) and len(frame_times(source)) == 40
+    [track] = read_back(output).audio
+    assert abs(track.seconds - 1.6) <= 1024 / 48000  # both parts' sound, once each

@@ -164,10 +164,16 @@ class _Handler:
 
 class _Copy(_Handler):
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
+        self.muxed = False
         return output.add_stream_from_template(self.source)
 
     def take(self, packet: av.Packet) -> None:
         if packet.size == 0 or packet.pts is None:
+            return
+        if packet.is_discard and self.muxed:
+            # An MP4 edit list of several edits (a clip cut in QuickTime without re-encoding): each later edit's
+            # lead-in comes marked to discard, timed back before sound already muxed. Its sound is cut by the edit;
+            # copied, its times ran back and the muxer refused them (EINVAL: an internal error).
             return
         start = self.passthrough.output_time(packet)
         duration = float((packet.duration or 0) * packet.time_base)
@@ -182,6 +188,7 @@ class _Copy(_Handler):
             packet.dts -= shift
         packet.stream = self.output
         self.output.container.mux(packet)
+        self.muxed = True
 
 
 class _ToAac(_Handler):
