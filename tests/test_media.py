@@ -21,7 +21,7 @@ from worker.media.limits import Limits
 from worker.media.probe import probe
 from worker.media.reader import read_frames
 from worker.media.resize import Target
-from worker.media.synthetic import pattern, tone, write_clip
+from worker.media.synthetic import _write_audio, pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
@@ -580,3 +580,30 @@ def test_copied_sound_of_an_mp4_cut_by_several_edits_skips_each_later_edits_lead
     assert np.allclose(frame_times(output), frame_times(source), atol=1e-3) and len(frame_times(source)) == 40
     [track] = read_back(output).audio
     assert abs(track.seconds - 1.6) <= 1024 / 48000  # both parts' sound, once each
+
+
+@pytest.mark.parametrize(("defaults", "expected"), [((False, True), [False, True]), ((True, True), [True, False])])
+def test_the_audio_track_players_pick_is_the_sources_default_one(tmp_path, defaults, expected):
+    """A dub first, the original language marked default: players of the MP4 played the dub, the first track, as
+    the default was not carried. Matroska marks every track default unless told: still one track plays."""
+    source = tmp_path / "in.mkv"
+    with av.open(str(source), "w") as container:
+        video = container.add_stream("libx264", rate=25)
+        video.width, video.height, video.pix_fmt = 80, 48, "yuv420p"
+        tracks = []
+        for (language, codec), default in zip([("eng", "aac"), ("jpn", "pcm_s16le")], defaults):  # copied, re-encoded
+            tracks.append(container.add_stream(codec, rate=48000, layout="stereo"))
+            tracks[-1].metadata["language"] = language
+            tracks[-1].disposition = av.stream.Disposition.default if default else av.stream.Disposition(0)
+        for index, pixels in enumerate(pattern(10, 48, 80)):
+            frame = av.VideoFrame.from_ndarray((pixels.permute(1, 2, 0).numpy() * 255).astype(np.uint8), format="rgb24")
+            frame.pts = index
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        for track in tracks:
+            _write_audio(container, track, tone(0.4), "stereo")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        picked = [(s.language, bool(s.disposition & av.stream.Disposition.default)) for s in container.streams.audio]
+    assert picked == list(zip(["eng", "jpn"], expected))

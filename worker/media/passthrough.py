@@ -100,11 +100,18 @@ class Passthrough:
     def add_streams(self, output: av.container.OutputContainer) -> None:
         """Create the output streams: before the output's header is written."""
         kinds = {"copy": _Copy, "aac": _ToAac, "mov_text": _ToMovText}
+        marked = set()  # kinds whose default track is chosen
         for stream in self.streams:
             handler = kinds[self._actions[stream.index]](stream, output, self)
             for key in ("language", "title"):
                 if stream.metadata.get(key):
                     handler.output.metadata[key] = stream.metadata[key]
+            # The track players pick of several (a film's original language marked default after its dub): the MP4
+            # muxer enables the default tracks of each kind, else the first one; unmarked, it was always the first.
+            # One per kind: Matroska marks every track default unless told, and MP4 players play every enabled one.
+            if stream.disposition & av.stream.Disposition.default and stream.type not in marked:
+                handler.output.disposition = av.stream.Disposition.default
+                marked.add(stream.type)
             self.handlers[stream.index] = handler
 
     def mux_until(self, seconds: float | None) -> None:
