@@ -211,6 +211,15 @@ def test_a_fit_target_boxes_non_square_pixels_as_they_are_displayed(tmp_path, sa
     assert written.display_aspect == probe(source).video.display_aspect
 
 
+def test_an_exact_target_is_the_size_shown_in_square_pixels(tmp_path):
+    """An exact 256x144 of a 16:9 PAL DVD's shape kept its 64:45 pixels: the 256x144 picture was shown 364 wide."""
+    source = write_clip(tmp_path / "in.mp4", 5, (96, 144), sample_aspect_ratio=Fraction(64, 45))
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), replace(FAST, target=Target.parse("256x144", "exact")))
+    written = probe(output).video
+    assert (written.width, written.height, written.sar) == (256, 144, 1)
+
+
 def test_target_resolution_never_upscales(tmp_path):
     source = write_clip(tmp_path / "in.mp4", 5, SIZE)
     options = UpscaleOptions(request=SRRequest(scale=2), target=Target.parse("fullhd", "exact"))

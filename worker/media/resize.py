@@ -2,9 +2,10 @@
 
 `fit` keeps the aspect ratio inside the target box, as the picture is displayed: a video of non-square pixels keeps
 them and is boxed at its displayed width (a 16:9 DVD's 720 pixels are shown 1024 wide); `exact` resizes to the box
-itself. Named targets follow the video's orientation (`hd` is 1280x720 for landscape, 720x1280 for portrait); `WxH`
-is taken as written. Sizes are even, as 4:2:0 video needs. The resize runs on the upscaler's frames in float, on its
-device, before quantisation (worker/resized.py wraps an upscaler with it).
+itself, in square pixels, so that it is the size shown. Named targets follow the video's orientation (`hd` is
+1280x720 for landscape, 720x1280 for portrait); `WxH` is taken as written. Sizes are even, as 4:2:0 video needs.
+The resize runs on the upscaler's frames in float, on its device, before quantisation (worker/resized.py wraps an
+upscaler with it).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class Target:
             return _even(box_height), _even(box_width)
         ratio = min(1.0, box_width / float(shown), box_height / height)
         return (height, width) if ratio == 1.0 else (_even(height * ratio), _even(width * ratio))
+
+    def pixel_aspect(self, sar: Fraction) -> Fraction:
+        """The output's pixel shape for a video of pixels `sar` wide: `fit` keeps them; `exact` fills the box as it is
+        displayed, in square pixels (kept, a 16:9 DVD's 64:45 showed an exact 1280x720 1820 pixels wide)."""
+        return sar if self.mode == "fit" else Fraction(1)
 
 
 def _even(size: float) -> int:
