@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from worker.media.limits import Limits
 from worker.media.probe import probe
 from worker.media.reader import read_frames
 from worker.media.resize import Target
-from worker.media.synthetic import pattern, tone, write_clip
+from worker.media.synthetic import _write_audio, pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
@@ -192,6 +194,30 @@ def test_target_resolution_downscales_after_sr(tmp_path, target, mode, size):
     upscale_file(source, output, LanczosUpscaler(), options)
     back = read_back(output)
     assert (back.width, back.height, back.frames) == (*size, 5)
+
+
+@pytest.mark.parametrize(("sar", "target", "size"), [(Fraction(64, 45), "256x192", (180, 120)), (Fraction(8, 9), "256x256", (288, 192))])
+def test_a_fit_target_boxes_non_square_pixels_as_they_are_displayed(tmp_path, sar, target, size):
+    """The box was laid over stored pixels. A 16:9 PAL DVD's shape (64:45 pixels; x2: 288x192, shown 410 wide) fit
+    into 256x192 came back 256x170, shown 364 wide: wider than the box. A 4:3 NTSC DVD's (8:9; x2: 288x192, shown
+    256 wide) was shrunk to 256x170 in a 256x256 box it already fitted. The box now holds the picture as shown."""
+    source = write_clip(tmp_path / "in.mp4", 5, (96, 144), sample_aspect_ratio=sar)
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), replace(FAST, target=Target.parse(target, "fit")))
+    written = probe(output).video
+    box = tuple(map(int, target.split("x")))
+    assert ((written.width, written.height), written.sar) == (size, sar)
+    assert written.width * sar <= box[0] + 2 and written.height <= box[1]  # displayed within the box, to rounding
+    assert written.display_aspect == probe(source).video.display_aspect
+
+
+def test_an_exact_target_is_the_size_shown_in_square_pixels(tmp_path):
+    """An exact 256x144 of a 16:9 PAL DVD's shape kept its 64:45 pixels: the 256x144 picture was shown 364 wide."""
+    source = write_clip(tmp_path / "in.mp4", 5, (96, 144), sample_aspect_ratio=Fraction(64, 45))
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), replace(FAST, target=Target.parse("256x144", "exact")))
+    written = probe(output).video
+    assert (written.width, written.height, written.sar) == (256, 144, 1)
 
 
 def test_target_resolution_never_upscales(tmp_path):
@@ -508,3 +534,85 @@ def test_matroska_whose_sound_starts_before_zero_is_not_taken_for_a_cut_file(tmp
     [track] = back.audio
     assert (back.frames, track.sample_rate, track.channels) == (12, 8000, 1)
     assert abs(track.seconds - 0.5) <= 1024 / 8000  # all of the sound, to one AAC frame
+
+
+def test_an_mp4_whose_edit_list_skips_whole_gops_is_not_taken_for_a_cut_file(tmp_path):
+    """A trim kept without re-encoding (`ffmpeg -ss 1.2 -c copy`, QuickTime's): the first GOP's 30 frames stay in
+    the file, the edit list starts the media after them, and the demuxer skips them unread. 30 of the 60 frames the
+    index lists looked like a file cut short: refused as input_corrupt."""
+    stamps = [i - 30 for i in range(60)]  # FFmpeg's muxer writes frames before 0 as an edit that skips them
+    source = write_clip(tmp_path / "in.mp4", 60, (48, 80), Fraction(25), timestamps=stamps, time_base=Fraction(1, 25),
+                        audio_codec="aac", video_options={"x264-params": "keyint=30"})  # fmt: skip
+    with av.open(str(source)) as container:
+        assert container.streams.video[0].frames == 60
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert np.allclose(frame_times(output), frame_times(source), atol=1e-3) and len(frame_times(source)) == 30
+    assert read_back(output).audio  # the sound is carried
+
+
+def _cut(path: Path, cuts: list[tuple[float, float]]) -> Path:
+    """Give every track of an MP4 (moov last, one media edit) the edits `cuts`, (start, end) seconds of its media: a
+    clip cut in QuickTime without re-encoding plays those parts one after another."""
+    from worker.media import edit_list
+
+    data = bytearray(path.read_bytes())
+    with open(path, "rb") as handle:
+        _, start, end = next(box for box in edit_list._boxes(handle, 0, len(data)) if box[0] == b"moov")
+    assert end == len(data)
+    moov = data[start:]
+    movie_scale = edit_list._movie_timescale(moov)
+    for trak in reversed(list(edit_list._children(moov, 8, len(moov), b"trak"))):
+        _, mdhd, _ = next(edit_list._children(moov, trak[1], trak[2], b"mdhd"))
+        media_scale = struct.unpack_from(">I", moov, mdhd + 12)[0]
+        edts = next(edit_list._children(moov, trak[1], trak[2], b"edts"))
+        elst, payload, elst_end = next(edit_list._children(moov, trak[1], trak[2], b"elst"))
+        first = struct.unpack_from(">i", moov, payload + 12)[0]  # the one edit's media start (B-frames' delay)
+        entries = b"".join(struct.pack(">IiHH", round((b - a) * movie_scale), first + round(a * media_scale), 1, 0) for a, b in cuts)
+        box = struct.pack(">I4sII", 16 + len(entries), b"elst", 0, len(cuts)) + entries
+        grown = len(box) - (elst_end - elst)
+        moov[elst:elst_end] = box
+        for parent in (edts[0], trak[0], 0):  # edts, trak, moov
+            struct.pack_into(">I", moov, parent, struct.unpack_from(">I", moov, parent)[0] + grown)
+    path.write_bytes(data[:start] + moov)
+    return path
+
+
+def test_copied_sound_of_an_mp4_cut_by_several_edits_skips_each_later_edits_lead_in(tmp_path):
+    """FFmpeg reads a later edit's lead-in (packets the decoder needs, marked to discard) timed before sound already
+    read: copied, the muxer refused its times running back (EINVAL), an internal error for the user's file."""
+    source = write_clip(tmp_path / "in.mp4", 60, (48, 80), Fraction(25), audio_codec="aac")
+    _cut(source, [(0.0, 0.8), (1.6, 2.4)])
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert [c.action for c in result.carried] == ["copy"]
+    assert np.allclose(frame_times(output), frame_times(source), atol=1e-3) and len(frame_times(source)) == 40
+    [track] = read_back(output).audio
+    assert abs(track.seconds - 1.6) <= 1024 / 48000  # both parts' sound, once each
+
+
+@pytest.mark.parametrize(("defaults", "expected"), [((False, True), [False, True]), ((True, True), [True, False])])
+def test_the_audio_track_players_pick_is_the_sources_default_one(tmp_path, defaults, expected):
+    """A dub first, the original language marked default: players of the MP4 played the dub, the first track, as
+    the default was not carried. Matroska marks every track default unless told: still one track plays."""
+    source = tmp_path / "in.mkv"
+    with av.open(str(source), "w") as container:
+        video = container.add_stream("libx264", rate=25)
+        video.width, video.height, video.pix_fmt = 80, 48, "yuv420p"
+        tracks = []
+        for (language, codec), default in zip([("eng", "aac"), ("jpn", "pcm_s16le")], defaults):  # copied, re-encoded
+            tracks.append(container.add_stream(codec, rate=48000, layout="stereo"))
+            tracks[-1].metadata["language"] = language
+            tracks[-1].disposition = av.stream.Disposition.default if default else av.stream.Disposition(0)
+        for index, pixels in enumerate(pattern(10, 48, 80)):
+            frame = av.VideoFrame.from_ndarray((pixels.permute(1, 2, 0).numpy() * 255).astype(np.uint8), format="rgb24")
+            frame.pts = index
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        for track in tracks:
+            _write_audio(container, track, tone(0.4), "stereo")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        picked = [(s.language, bool(s.disposition & av.stream.Disposition.default)) for s in container.streams.audio]
+    assert picked == list(zip(["eng", "jpn"], expected))

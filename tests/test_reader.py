@@ -75,16 +75,35 @@ def test_rotated_frames_are_pyavs_own_conversion_turned_upright(tmp_path, rotati
     assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected, strict=True))
 
 
+def joined(tmp_path: Path, second: tuple[int, int]) -> Path:
+    """6 frames of 64x48, then 6 of `second` (height, width) in one MPEG-TS stream: the second part's SPS changes the
+    size; its clock goes on from the first's (one that starts over is refused: probe._check_order)."""
+    first = write_clip(tmp_path / "a.ts", 6, (48, 64))
+    then = write_clip(tmp_path / "b.ts", 6, second, timestamps=range(10, 16), time_base=Fraction(1, 24))
+    path = tmp_path / "both.ts"
+    path.write_bytes(first.read_bytes() + then.read_bytes())
+    return path
+
+
 def test_a_stream_that_changes_size_mid_way_is_scaled_back_as_pyav_scales_each_frame(tmp_path):
     # one context for the stream: swscale sets itself up again for the new size, as a fresh context would
-    # the second part's clock goes on from the first's (one that starts over is refused: probe._check_order)
-    first = write_clip(tmp_path / "a.ts", 6, (48, 64))
-    second = write_clip(tmp_path / "b.ts", 6, (64, 96), timestamps=range(10, 16), time_base=Fraction(1, 24))
-    path = tmp_path / "both.ts"
-    path.write_bytes(first.read_bytes() + second.read_bytes())  # MPEG-TS: the second part's SPS changes the size
+    path = joined(tmp_path, (72, 96))  # the same 4:3 shape, larger
     got, expected = read(path, 12), plain_pyav(path, 12)
     assert [frame.shape for frame in got] == [(48, 64, 3)] * 12
     assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected, strict=True))
+
+
+def test_a_part_of_another_shape_keeps_its_shape_between_black_bars(tmp_path):
+    """4:3, then 16:9 (a recording whose source changed, a phone turned): the 16:9 part was stretched over the 4:3
+    picture, squashed to 3/4 of its width. Players show it whole between bars; so does the output now."""
+    path = joined(tmp_path, (54, 96))
+    got = read(path, 12)
+    with av.open(str(path)) as container:
+        later = [frame.to_ndarray(format="rgb24", width=64, height=36, **_source_colour(frame)) for frame in container.decode(video=0)][6:]
+    assert [frame.shape for frame in got] == [(48, 64, 3)] * 12
+    assert all(np.array_equal(frame[6:42], inner) for frame, inner in zip(got[6:], later, strict=True))
+    assert all(not frame[:6].any() and not frame[42:].any() for frame in got[6:])  # black above and below
+    assert all(np.array_equal(frame, reference) for frame, reference in zip(got[:6], plain_pyav(path, 6)))
 
 
 def test_the_conversions_threads_start_once_per_stream_not_once_per_frame(tmp_path):

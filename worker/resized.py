@@ -4,6 +4,7 @@ frame resizing, so that media knows frames and sizes, not the model."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 
@@ -12,14 +13,15 @@ from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 
 
 class Resized:
-    """An upscaler whose output is resized to `target` (same interface as the upscaler it wraps)."""
+    """An upscaler whose output is resized to `target` (same interface as the upscaler it wraps), for a video of
+    pixels `sar` wide: the target boxes the picture as displayed."""
 
-    def __init__(self, upscaler, target: Target) -> None:
-        self.upscaler, self.target = upscaler, target
+    def __init__(self, upscaler, target: Target, sar: Fraction = Fraction(1)) -> None:
+        self.upscaler, self.target, self.sar = upscaler, target, sar
         self.devices = upscaler.devices
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
-        return self.target.size(*self.upscaler.output_size(height, width, scale))
+        return self.target.size(*self.upscaler.output_size(height, width, scale), self.sar)
 
     def upscale(
         self,

@@ -147,14 +147,16 @@ def begin_upscale(
     cost = options.limits.check_output(*upscaler.output_size(video.height, video.width, options.request.scale), video.frames)
     if options.admit is not None:
         options.admit(cost)
+    sar = video.sar  # the output's pixel shape
     if options.target is not None:
-        upscaler = Resized(upscaler, options.target)
+        upscaler = Resized(upscaler, options.target, video.sar)
+        sar = options.target.pixel_aspect(video.sar)
     size = upscaler.output_size(video.height, video.width, options.request.scale)
     plan = plan_windows(video.frames, options.window, options.window_overlap)
     carried = plan_streams(info)
     clock = output_clock(info, carried)
     timing = _video_timing(video, video.start - clock)
-    promise = Promise.of(info, size, carried, clock)
+    promise = Promise.of(info, size, carried, clock, sar)
 
     # 4. Decode ahead (one window), upscale window by window, encode as frames arrive, mux the carried streams;
     #    all into a hidden file next to the output. The writer stays open for `finish`.
@@ -177,7 +179,7 @@ def begin_upscale(
                     metadata=output_metadata(info),
                     language=video.language,
                     colour=(_tag(video.color_primaries), _tag(video.color_trc)),
-                    sample_aspect_ratio=video.sar,
+                    sample_aspect_ratio=sar,
                     chapters=output_chapters(info.chapters, clock),
                     on_frame=previews.take,
                 )

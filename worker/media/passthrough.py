@@ -100,11 +100,18 @@ class Passthrough:
     def add_streams(self, output: av.container.OutputContainer) -> None:
         """Create the output streams: before the output's header is written."""
         kinds = {"copy": _Copy, "aac": _ToAac, "mov_text": _ToMovText}
+        marked = set()  # kinds whose default track is chosen
         for stream in self.streams:
             handler = kinds[self._actions[stream.index]](stream, output, self)
             for key in ("language", "title"):
                 if stream.metadata.get(key):
                     handler.output.metadata[key] = stream.metadata[key]
+            # The track players pick of several (a film's original language marked default after its dub): the MP4
+            # muxer enables the default tracks of each kind, else the first one; unmarked, it was always the first.
+            # One per kind: Matroska marks every track default unless told, and MP4 players play every enabled one.
+            if stream.disposition & av.stream.Disposition.default and stream.type not in marked:
+                handler.output.disposition = av.stream.Disposition.default
+                marked.add(stream.type)
             self.handlers[stream.index] = handler
 
     def mux_until(self, seconds: float | None) -> None:
@@ -164,10 +171,16 @@ class _Handler:
 
 class _Copy(_Handler):
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
+        self.muxed = False
         return output.add_stream_from_template(self.source)
 
     def take(self, packet: av.Packet) -> None:
         if packet.size == 0 or packet.pts is None:
+            return
+        if packet.is_discard and self.muxed:
+            # An MP4 edit list of several edits (a clip cut in QuickTime without re-encoding): each later edit's
+            # lead-in comes marked to discard, timed back before sound already muxed. Its sound is cut by the edit;
+            # copied, its times ran back and the muxer refused them (EINVAL: an internal error).
             return
         start = self.passthrough.output_time(packet)
         duration = float((packet.duration or 0) * packet.time_base)
@@ -182,6 +195,7 @@ class _Copy(_Handler):
             packet.dts -= shift
         packet.stream = self.output
         self.output.container.mux(packet)
+        self.muxed = True
 
 
 class _ToAac(_Handler):

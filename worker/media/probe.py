@@ -285,7 +285,9 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     # MP4/MOV index every sample, so fewer packets than indexed means a cut file (AVI headers count empty chunks).
     declared = stream.frames if "mp4" in container.format.name else 0
     if declared and scan.video_packets < declared:
-        raise InputCorrupt(f"{path.name} is truncated: its index lists {declared} frames, the file holds {scan.video_packets}")
+        held = _packets_held(path, stream.index)
+        if held < declared:
+            raise InputCorrupt(f"{path.name} is truncated: its index lists {declared} frames, the file holds {held}")
     # Matroska declares its duration in the header: a file that ends well before it was cut short. The duration counts
     # from the earliest packet, which a codec's priming puts before 0 (MP3 at 8 kHz: 138 ms).
     held = scan.end - scan.first
@@ -294,6 +296,17 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {held:.2f} s"
         )
     return scan
+
+
+def _packets_held(path: Path, index: int) -> int:
+    """The stream's packets in the file, its edit list ignored. An edit that starts the media a GOP or more in (a trim
+    kept without re-encoding: `ffmpeg -ss … -c copy`, QuickTime's) makes the demuxer skip those samples unread, so
+    fewer packets than the index lists is no sign of a cut file until they are counted without it."""
+    try:
+        with av.open(str(path), options={"ignore_editlist": "1"}) as container:
+            return sum(1 for packet in container.demux(container.streams[index]) if packet.size)
+    except AVError as error:
+        raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
 
 
 def decode_declared_picture(stream: av.VideoStream) -> None:

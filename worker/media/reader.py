@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,8 +26,10 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
     scale) for sources deeper than 8 bits. Raises `InputCorrupt` if decoding fails or yields another frame count."""
     pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
     turns = video.rotation // 90
-    # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled back.
+    # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled back, its
+    # parts of another shape kept in shape (`_inside`).
     width, height = (video.height, video.width) if turns % 2 else (video.width, video.height)
+    first: Fraction | None = None  # the first frame's shape as shown (width x pixel aspect / height)
     count = 0
     # One swscale context for the stream: `frame.to_ndarray(format=...)` makes one per frame, and with it swscale's
     # slice threads (one per core), started and joined for every frame. The conversion is the same either way.
@@ -38,7 +41,15 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
             decode_declared_picture(stream)
             for frame in _decode(container, stream):
                 colour = _source_colour(frame)
-                pixels = reformatter.reformat(frame, width, height, pixel_format, **colour).to_ndarray()
+                shape = _shape(frame, stream)
+                first = shape if first is None else first
+                resized = (frame.width, frame.height) != (width, height)
+                inner = _inside(width, height, shape / first) if resized else None
+                if inner is None:
+                    pixels = reformatter.reformat(frame, width, height, pixel_format, **colour).to_ndarray()
+                else:
+                    pixels = reformatter.reformat(frame, *inner, pixel_format, **colour).to_ndarray()
+                    pixels = _boxed(pixels, width, height)
                 count += 1
                 if count > video.frames:
                     break
@@ -49,6 +60,32 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
         raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
     if count != video.frames:
         raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
+
+
+def _shape(frame: av.VideoFrame, stream: av.VideoStream) -> Fraction:
+    """The frame's shape as shown: width x pixel aspect (the decoder's, as of this frame) / height."""
+    sar = stream.codec_context.sample_aspect_ratio
+    return frame.width * (Fraction(sar) if sar and sar > 0 else 1) / Fraction(frame.height)
+
+
+def _inside(width: int, height: int, relative: Fraction) -> tuple[int, int] | None:
+    """Where a frame of another size goes in the `width` x `height` picture: None (all of it) where its shape is the
+    first frame's (a stream that switches between 1080p and 720p, or a 16:9 DVD's 720x576 and HD), else the largest
+    (width, height) inside it that keeps its shape (`relative`: its shape over the first frame's), bars round it.
+    Stretched to the whole picture, a recording that turns from landscape to portrait came back squashed."""
+    if abs(relative - 1) <= Fraction(1, 100):
+        return None
+    if relative > 1:  # wider: bars above and below
+        return width, max(1, round(height / relative))
+    return max(1, round(width * relative)), height
+
+
+def _boxed(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
+    """`pixels` in the middle of a black `width` x `height` picture."""
+    boxed = np.zeros((height, width, pixels.shape[2]), pixels.dtype)
+    top, left = (height - pixels.shape[0]) // 2, (width - pixels.shape[1]) // 2
+    boxed[top : top + pixels.shape[0], left : left + pixels.shape[1]] = pixels
+    return boxed
 
 
 def _decode(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:

@@ -1,15 +1,18 @@
 """A target resolution after super-resolution, like SGLang's `sr_target_resolution`: downscale only.
 
-`fit` keeps the aspect ratio inside the target box; `exact` resizes to the box itself. Named targets follow the
-video's orientation (`hd` is 1280x720 for landscape, 720x1280 for portrait); `WxH` is taken as written. Sizes are
-even, as 4:2:0 video needs. The resize runs on the upscaler's frames in float, on its device, before quantisation
-(worker/resized.py wraps an upscaler with it).
+`fit` keeps the aspect ratio inside the target box, as the picture is displayed: a video of non-square pixels keeps
+them and is boxed at its displayed width (a 16:9 DVD's 720 pixels are shown 1024 wide); `exact` resizes to the box
+itself, in square pixels, so that it is the size shown. Named targets follow the video's orientation (`hd` is
+1280x720 for landscape, 720x1280 for portrait); `WxH` is taken as written. Sizes are even, as 4:2:0 video needs.
+The resize runs on the upscaler's frames in float, on its device, before quantisation (worker/resized.py wraps an
+upscaler with it).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +42,12 @@ class Target:
             raise InvalidRequest(f"target resolution must be one of {', '.join(NAMED)} or WxH, got {text!r}")
         return cls(int(match[1]), int(match[2]), mode=mode)
 
-    def size(self, height: int, width: int) -> tuple[int, int]:
-        """(height, width) for an upscaled `height` x `width` video; never larger than it."""
+    def size(self, height: int, width: int, sar: Fraction = Fraction(1)) -> tuple[int, int]:
+        """(height, width) for an upscaled `height` x `width` video of pixels `sar` wide (width : height); never
+        larger than it."""
         box_width, box_height = self.width, self.height
-        if self.named and (height > width) != (box_height > box_width):
+        shown = width * sar  # the width players display
+        if self.named and (height > shown) != (box_height > box_width):
             box_width, box_height = box_height, box_width
         if self.mode == "exact":
             if box_width > width or box_height > height:
@@ -51,8 +56,13 @@ class Target:
                     "the target resolution only downscales (use a larger scale or the fit mode)"
                 )
             return _even(box_height), _even(box_width)
-        ratio = min(1.0, box_width / width, box_height / height)
+        ratio = min(1.0, box_width / float(shown), box_height / height)
         return (height, width) if ratio == 1.0 else (_even(height * ratio), _even(width * ratio))
+
+    def pixel_aspect(self, sar: Fraction) -> Fraction:
+        """The output's pixel shape for a video of pixels `sar` wide: `fit` keeps them; `exact` fills the box as it is
+        displayed, in square pixels (kept, a 16:9 DVD's 64:45 showed an exact 1280x720 1820 pixels wide)."""
+        return sar if self.mode == "fit" else Fraction(1)
 
 
 def _even(size: float) -> int:

@@ -39,10 +39,11 @@ class Promise:
     chapters: int = 0
 
     @classmethod
-    def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...], clock: float = 0.0) -> Promise:
+    def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...], clock: float = 0.0,
+           sar: Fraction | None = None) -> Promise:  # fmt: skip
         """What upscaling `source` to `size` (height, width) with `carried` streams must produce on an output clock
-        that starts `clock` seconds into the source: every frame, the source's timing and pixel shape, each carried
-        audio stream whole, at its own offset from the video."""
+        that starts `clock` seconds into the source: every frame, the source's timing and pixel shape (or `sar`), each
+        carried audio stream whole, at its own offset from the video."""
         video = source.video
         audio = []
         for stream in source.audio:
@@ -53,7 +54,8 @@ class Promise:
                 slack = stream.packet_seconds / 2 if action == "copy" else 0.0
                 audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack, stream.index))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
-        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, video.sar,
+        sar = video.sar if sar is None else sar
+        return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, sar,
                    video.start - clock, len(output_chapters(source.chapters, clock)))  # fmt: skip
 
 
