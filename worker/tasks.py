@@ -322,7 +322,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> 
             try:
                 input_from = "prefetch"  # downloaded while the previous job ran, if storage still holds that blob
                 known = job.input.sha256 if job.input.owned_by_job else None  # the bytes the API hashed
-                prefetched = _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known)
+                with beat.kept_alive():  # its check that storage still holds the blob (a HEAD) may wait out
+                    # botocore's timeouts and tries, longer than the lease
+                    prefetched = _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known)
                 if prefetched is None:
                     input_from = "storage"
                     beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))

@@ -1396,6 +1396,27 @@ def test_a_prefetch_stuck_on_a_dead_connection_does_not_hold_its_job(
     assert "moved no bytes" in worker.text()
 
 
+def test_a_prefetched_input_s_check_slower_than_the_lease_keeps_its_job(
+    stack, api, reaper, jobs, blobs, clips, workers, s3_cut
+):
+    """The next job's input prefetched, then the HEAD that checks storage still holds that blob, as the job starts,
+    gets no answer for longer than the lease (`s3_timeout_s` past `LEASE_S`; botocore's next try is answered): the
+    job keeps its lease meanwhile (the reaper, every 0.5 s, requeues nothing) and completes at its first attempt on
+    the prefetched input."""
+    partition, through = s3_cut
+    first, second = create(api, clips["long"]), create(api, clips["small"])
+    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": str(LEASE_S + 3)}))
+    prefetched(worker, second)  # its own HEADs done: the next one is `take`'s
+    partition.hang(f"HEAD /{stack.bucket}/{input_key(jobs, second)} ".encode())
+    records = wait_all(jobs, [first, second], limit_s=90)
+    requeued = requeues(jobs, second)
+    print(f"FIGURE prefetch_check_past_the_lease: {[(job.status.value, job.attempt) for job in records]}, the "
+          f"second's requeues {requeued}")  # fmt: skip
+    assert partition.hung == 1
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, (records, requeued)
+    assert run_detail(jobs, second)["input"] == "prefetch"
+
+
 def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(
     stack, api, reaper, jobs, blobs, clips, workers, s3_cut
 ):
