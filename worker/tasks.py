@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -465,6 +465,10 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
             made = _previews(job.id, result, scratch)
         spans["previews"] = (at, monotonic())
+        # a cancel or a lost lease is seen here, beat by beat (the upload's keep-alive brings it back): the upload sees
+        # it only at its next progress, which a request storage does not answer holds for botocore's tries
+        while not wait([upload], beat.every_s).done:
+            beat.stop_if_known_cancelled()
         stored, spans["upload"] = upload.result()
     except BaseException as error:
         # the upload stops at its next progress (boto3 reports every 256 KB), or once botocore's tries of a request
