@@ -316,7 +316,7 @@ def test_a_first_call_waits_for_the_file_the_preloader_is_loading(compiled_block
 
 # Two block classes, each with its file; two preloaders that overlap, each held at its file until the test lets it
 # load: the first started and ended first, so that the second one alone runs in between
-OVERLAP = """
+PRELOADS = """
 import json, sys, threading, torch
 torch._dynamo.config.enable_aot_compile = False  # torch 2.11's default
 sys.path.insert(0, sys.argv[1])
@@ -337,6 +337,8 @@ def held(file, **options):
     return load(file, **options)
 torch.compiler.load_compiled_function = held
 
+"""
+OVERLAP = PRELOADS + """
 seen = {"original": sys.getswitchinterval()}
 first = precompiled.preload([Block], ["cpu"])
 assert reached["Block"].wait(60), "the first preloader did not reach its file"
@@ -350,6 +352,19 @@ go["Other"].set()
 second.join(60)
 seen["after"] = sys.getswitchinterval()
 print(json.dumps({**seen, "alive": [first.is_alive(), second.is_alive()], **precompiled.stats()}))
+"""
+# The same two preloaders, the second let through while the first is still held at its file: what `wait_preloaded`
+# says meanwhile, and once the first is let through too
+WAIT = PRELOADS + """
+first = precompiled.preload([Block], ["cpu"])
+assert reached["Block"].wait(60), "the first preloader did not reach its file"
+second = precompiled.preload([Other], ["cpu"])
+go["Other"].set()
+second.join(60)
+seen = {"second_alive": second.is_alive(), "waited": precompiled.wait_preloaded(1), "first_alive": first.is_alive()}
+go["Block"].set()
+seen["waited_after"] = precompiled.wait_preloaded(60)
+print(json.dumps(seen))
 """
 # Two block classes for the preloader's globs: their files are refused before any of their code would run
 BLOCKS = """
@@ -365,10 +380,10 @@ class Other(torch.nn.Module):
 """
 
 
-def overlap(directory: Path) -> dict:
+def overlap(directory: Path, script: str = OVERLAP) -> dict:
     (directory / "blocks.py").write_text(BLOCKS)
     done = subprocess.run(
-        [sys.executable, "-c", OVERLAP, str(directory), str(directory / "cache")],
+        [sys.executable, "-c", script, str(directory), str(directory / "cache")],
         cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -381,6 +396,15 @@ def test_overlapping_preloads_put_the_switch_interval_back(tmp_path):
     seen = overlap(tmp_path)
     assert seen["alive"] == [False, False] and seen["preloaded"] == 0, seen  # both files tried, and refused
     assert (seen["original"], seen["both"], seen["second"], seen["after"]) == (0.005, 0.0005, 0.0005, 0.005), seen
+
+
+def test_waiting_for_the_preloader_waits_for_every_preload_still_running(tmp_path):
+    """`preload` called again while its first preloader runs (several engines in one process): `wait_preloaded`
+    (which a compile waits on, since loading patches Inductor's config process-wide) says the preloaders are done only
+    once the first has ended too, not as soon as the latest has."""
+    seen = overlap(tmp_path, WAIT)
+    assert (seen["second_alive"], seen["first_alive"]) == (False, True), seen
+    assert (seen["waited"], seen["waited_after"]) == (False, True), seen
 
 
 def test_old_naming_files_another_worker_deleted_first_are_skipped_not_an_end_to_the_cleanup(tmp_path):

@@ -155,6 +155,15 @@ class Heartbeat:
         if self.send(**beat):
             raise Cancelled("the job was cancelled")
 
+    def stop_if_known_cancelled(self) -> None:
+        """Raises `Cancelled` when a beat already delivered brought the owner's cancel back, and what a beat found
+        (the attempt lost, Redis out of reach past the lease), sending none: a caller waiting on a transfer beside it
+        (whose `kept_alive` beats) must not keep the lease past what that keep-alive gives, nor end a call that never
+        returns without showing it stuck (silent, `silent_s`) once the keep-alive has stopped."""
+        self._raise_if_lost()
+        if self.cancel_requested:
+            raise Cancelled("the job was cancelled")
+
     def settle(self) -> None:
         """Before the attempt completes: delivers what is still undelivered, retrying while the lease holds, and raises
         `Cancelled` when the owner asked to cancel. Unlike `send`, it never goes on without a delivered beat: a cancel

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -322,7 +322,9 @@ def _head(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> 
             try:
                 input_from = "prefetch"  # downloaded while the previous job ran, if storage still holds that blob
                 known = job.input.sha256 if job.input.owned_by_job else None  # the bytes the API hashed
-                prefetched = _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known)
+                with beat.kept_alive():  # its check that storage still holds the blob (a HEAD) may wait out
+                    # botocore's timeouts and tries, longer than the lease
+                    prefetched = _prefetcher.take(job.input.key, source, beat.stop_if_cancelled, known)
                 if prefetched is None:
                     input_from = "storage"
                     beat.storage(lambda: service.blobs().download(job.input.key, source, beat.transfer))
@@ -439,9 +441,10 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
 
     # 4. The encoder's flush, then the uploads to this attempt's keys: a stale attempt may upload, but only the fenced
     #    `complete` promotes. The output's upload runs beside its read-back check, so it need not wait for it: a
-    #    check that fails (or anything else that leaves the block) stops the upload and fails the attempt once the
-    #    upload's thread has ended, and `end` deletes what landed. The poster frame and sprite sheet are made
-    #    meanwhile, then uploaded.
+    #    check that fails (or anything else that leaves the block) stops the upload and fails the attempt at once, not
+    #    once the upload's thread has ended (botocore's tries of a request that gets no answer can outlast the lease);
+    #    `end` deletes what landed, and the stopped upload what lands after it. The poster frame and sprite sheet are
+    #    made meanwhile, then uploaded.
     spans: dict[str, tuple[float, float]] = {}  # each step's start and end, for the `run` event (`_note_run`)
     flushed = tail.encoding.flush()
     at = monotonic()
@@ -449,26 +452,32 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(source), force=True)
     spans["uploading_beat"] = (at, monotonic())
     stop = threading.Event()  # set: the upload stops at its next progress and is not tried again
-    # opened before the check, which renames the file (or deletes it) as the upload reads it
-    with open(flushed, "rb") as file, ThreadPoolExecutor(1, thread_name_prefix="vsrq-output-upload") as beside:
-        upload = beside.submit(contextvars.copy_context().run, _upload_output, file, output_key, beat, stop)
-        try:
-            result = tail.encoding.check()
-            spans |= result.tail_spans
-            if upload.done() and upload.exception() is not None:  # failed already: not worth the previews
-                upload.result()
-            at = monotonic()
-            with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
-                made = _previews(job.id, result, scratch)
-            spans["previews"] = (at, monotonic())
-            stored, spans["upload"] = upload.result()
-        except BaseException as error:
-            # the upload stops at its next progress (boto3 reports every 256 KB), or once botocore's tries of a request
-            # that gets no answer time out, never tried again through an outage; then `end` deletes what landed
-            stop.set()
-            beside.shutdown(cancel_futures=True)
-            _report_upload_lost(job.id, upload, error)
-            raise
+    # opened before the check, which renames the file (or deletes it) as the upload reads it; closed by the upload
+    file = open(flushed, "rb")
+    beside = ThreadPoolExecutor(1, thread_name_prefix="vsrq-output-upload")
+    upload = beside.submit(contextvars.copy_context().run, _upload_output, file, output_key, beat, stop)
+    try:
+        result = tail.encoding.check()
+        spans |= result.tail_spans
+        if upload.done() and upload.exception() is not None:  # failed already: not worth the previews
+            upload.result()
+        at = monotonic()
+        with beat.kept_alive():  # decoding a long 4K output (the fallback) takes a while
+            made = _previews(job.id, result, scratch)
+        spans["previews"] = (at, monotonic())
+        # a cancel or a lost lease is seen here, beat by beat (the upload's keep-alive brings it back): the upload sees
+        # it only at its next progress, which a request storage does not answer holds for botocore's tries
+        while not wait([upload], beat.every_s).done:
+            beat.stop_if_known_cancelled()
+        stored, spans["upload"] = upload.result()
+    except BaseException as error:
+        # the upload stops at its next progress (boto3 reports every 256 KB), or once botocore's tries of a request
+        # that gets no answer time out (3 x s3_timeout_s), never tried again through an outage: not waited for here
+        stop.set()
+        beside.shutdown(wait=False)
+        _report_upload_lost(job.id, upload, error)
+        raise
+    beside.shutdown()
     metrics.record_upscale(result)  # its gauges (threads alive) once the upload's threads have ended
     at = monotonic()
     previews = {
@@ -574,8 +583,9 @@ class _UploadStopped(Exception):
 def _upload_output(
     file: BinaryIO, key: str, beat: Heartbeat, stop: threading.Event
 ) -> tuple[BlobInfo, tuple[float, float]]:
-    """The output's upload from its open file, waiting out a storage outage until `stop` is set: what was stored, and
-    when it started and ended."""
+    """The output's upload from its open file (closed once it ends), waiting out a storage outage until `stop` is set:
+    what was stored, and when it started and ended. Stopped, its attempt may have ended (and deleted its output)
+    before its request did: what it may have landed is deleted here once the request has ended."""
     began = monotonic()
 
     def stop_if_told(cause: BaseException | None = None) -> None:
@@ -595,17 +605,27 @@ def _upload_output(
             stop_if_told(error)  # botocore wraps what the callback raised mid-request: not an outage to wait out
             raise
 
-    return beat.storage(put), (began, monotonic())
+    try:
+        with file:
+            stored = beat.storage(put)
+    finally:
+        if stop.is_set():  # a request that was sent whole may land though it raised (boto3 reports its progress
+            discard(key)  # once the bytes are sent)
+    stop_if_told()
+    return stored, (began, monotonic())
 
 
 def _report_upload_lost(job_id: str, upload: Future[Any], error: BaseException) -> None:
     """The attempt ends with `error`, raised beside the output's upload: what the upload raised, if anything else
-    (a cancel, a lost lease, storage down), goes to the log rather than nowhere."""
-    if upload.cancelled() or not upload.done():
-        return
-    lost = upload.exception()
-    if lost is not None and lost is not error and not isinstance(lost, _UploadStopped):
-        log.warning("%s: the output's upload failed too: %s", job_id, lost, exc_info=lost)
+    (a cancel, a lost lease, storage down), goes to the log rather than nowhere, also once it ends after the
+    attempt."""
+
+    def report(ended: Future[Any]) -> None:
+        lost = None if ended.cancelled() else ended.exception()
+        if lost is not None and lost is not error and not isinstance(lost, _UploadStopped):
+            log.warning("%s: the output's upload failed too: %s", job_id, lost, exc_info=lost)
+
+    upload.add_done_callback(report)
 
 
 def _upload(path: Path, key: str, progress: Callable[[int], None], content_type: str = "video/mp4") -> BlobInfo:

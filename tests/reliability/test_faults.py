@@ -1076,10 +1076,38 @@ def test_a_cancel_during_a_tail_ends_the_job_and_the_next_one_completes(
         partition.heal()
     [done] = wait_all(jobs, [following], limit_s=120)
     print(f"FIGURE cancel_in_a_tail: {cancelled.status} {latency:.2f} s after the request; next job {done.status}")
-    # seen between the upload's tries, as in an inline tail: a request storage never answers runs to its timeout
-    # first (1 s, 3 tries, with backoff; 7.3 s on a loaded 2-core machine)
+    # seen by the tail within a beat or two of its upload's keep-alive, as in an inline tail: not held by the request
+    # storage never answers (1 s, 3 tries, with backoff: 7.3 s on a loaded 2-core machine, when the tail waited for it)
     assert cancelled.status == Status.CANCELLED and cancelled.output is None and latency <= 15
     assert outputs(blobs, tailing) == []
+    assert (done.status, done.attempt) == (Status.COMPLETED, 1)
+
+
+def test_a_cancel_during_a_tail_is_not_held_by_a_request_storage_never_answers(
+    api, reaper, jobs, blobs, clips, workers, s3_cut
+):
+    """A cancel while the tail's output upload gets no answer (storage cut, as a paused SeaweedFS leaves it) and
+    botocore's tries of it take long (`s3_timeout_s` 5: 3 tries, 18 s and more): the job is cancelled within a couple
+    of heartbeats, not once those tries have ended; the job behind it completes at its first attempt, and once the
+    stopped upload's tries are over (storage healed: the next one lands) nothing is left under the job's outputs."""
+    partition, s3 = s3_cut
+    timeout_s = 5
+    worker = started(workers(**{**s3, "VSRQ_S3_TIMEOUT_S": str(timeout_s)}))
+    try:
+        tailing, following = hold_a_tail(api, jobs, partition, clips, worker)
+        asked = time.monotonic()
+        response = requests.post(f"{api}/v1/videos/{tailing}/cancel", headers=AUTH, timeout=30)
+        assert response.status_code == 200, response.text
+        cancelled = wait_until(jobs, tailing, ended, limit_s=60)
+        latency = time.monotonic() - asked
+    finally:
+        partition.heal()
+    [done] = wait_all(jobs, [following], limit_s=120)
+    time.sleep(max(0.0, asked + 3 * (timeout_s + 1) + 2 - time.monotonic()))  # the stopped upload's tries are over
+    left = outputs(blobs, tailing)
+    print(f"FIGURE cancel_in_a_hung_tail: {cancelled.status} {latency:.2f} s after the request; next job {done.status}")
+    assert cancelled.status == Status.CANCELLED and cancelled.output is None and latency <= 5, latency
+    assert left == []
     assert (done.status, done.attempt) == (Status.COMPLETED, 1)
 
 
@@ -1394,6 +1422,27 @@ def test_a_prefetch_stuck_on_a_dead_connection_does_not_hold_its_job(
     assert [job.status for job in records] == [Status.COMPLETED] * 2, records
     assert run_detail(jobs, second)["input"] == "storage"
     assert "moved no bytes" in worker.text()
+
+
+def test_a_prefetched_input_s_check_slower_than_the_lease_keeps_its_job(
+    stack, api, reaper, jobs, blobs, clips, workers, s3_cut
+):
+    """The next job's input prefetched, then the HEAD that checks storage still holds that blob, as the job starts,
+    gets no answer for longer than the lease (`s3_timeout_s` past `LEASE_S`; botocore's next try is answered): the
+    job keeps its lease meanwhile (the reaper, every 0.5 s, requeues nothing) and completes at its first attempt on
+    the prefetched input."""
+    partition, through = s3_cut
+    first, second = create(api, clips["long"]), create(api, clips["small"])
+    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": str(LEASE_S + 3)}))
+    prefetched(worker, second)  # its own HEADs done: the next one is `take`'s
+    partition.hang(f"HEAD /{stack.bucket}/{input_key(jobs, second)} ".encode())
+    records = wait_all(jobs, [first, second], limit_s=90)
+    requeued = requeues(jobs, second)
+    print(f"FIGURE prefetch_check_past_the_lease: {[(job.status.value, job.attempt) for job in records]}, the "
+          f"second's requeues {requeued}")  # fmt: skip
+    assert partition.hung == 1
+    assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 1)] * 2, (records, requeued)
+    assert run_detail(jobs, second)["input"] == "prefetch"
 
 
 def test_a_prefetched_input_is_never_run_for_a_cancelled_job_nor_served_stale(

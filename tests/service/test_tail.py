@@ -86,9 +86,9 @@ def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
 ):
     """The output's check fails (its promise asks for a frame more than the encoder was given) while its upload is
     held on its way to SeaweedFS, for good: the upload is stopped rather than tried again for `storage_retry_s`.
-    The output (178 KB) is sent before boto3 reports progress (every 256 KB): the request ends once botocore's 3 tries
-    of it time out (`s3_timeout_s`, after a second's wait for `100 Continue`), the attempt fails with the check's code
-    and message, and nothing is left under the job's output prefix."""
+    The output (178 KB) is sent before boto3 reports progress (every 256 KB): the attempt fails with the check's code
+    and message without waiting for botocore's 3 tries of the request to time out (`s3_timeout_s`, after a second's
+    wait for `100 Continue`), and nothing is left under the job's output prefix."""
     timeout_s, retry_s = 2, 60
     partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
     try:
@@ -124,6 +124,61 @@ def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
     expected = ".output.mp4.partial is not what was promised: frame count is 37, expected 38"  # as before the change
     assert failed.error.message.startswith(expected), failed.error
     assert left == []
+
+
+def test_an_attempt_that_failed_beside_its_hung_upload_ends_before_its_lease_can_lapse(
+    worker_here, settings, jobs, s3, queue, clip
+):
+    """The output's check fails while its upload hangs on its way to SeaweedFS, and botocore's 3 tries of that
+    request (`s3_timeout_s` each, after a second's wait for `100 Continue`) outlast the upload's keep-alive
+    (`storage_retry_s`) and the lease after it, as at the defaults with a lease under a minute (3 x 61 s against
+    120 s of keep-alive): the attempt fails with the check's error at once rather than once those tries have ended,
+    by when the reaper (run here as often as it runs) would have requeued the job and the failure would be lost to a
+    retry. The request, let through after the attempt ended, lands: the stopped upload deletes it."""
+    timeout_s, retry_s, lease_s = 2, 1, 2
+    job = create_record(jobs, s3, clip, queue)
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(
+            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
+            VSRQ_S3_TIMEOUT_S=str(timeout_s),
+            VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
+        )
+        lease = service.jobs().lease(job.id, "test-tail/1", lease_s=lease_s)
+        output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+        put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()
+        partition.hold(put)
+        prefix = KeptPrefix(lease.attempt)
+        with tasks._attempt(job, lease, output_key, prefix):
+            tail = tasks._head(job, lease, output_key, prefix)
+        promise = tail.encoding._promise
+        tail.encoding._promise = dataclasses.replace(promise, frames=promise.frames + 1)
+        finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
+        finishing.start()
+        wait_until(lambda: partition.held == 1, 30)
+        held = time.monotonic()
+        requeued = {}
+        while finishing.is_alive() and time.monotonic() - held < 3 * (timeout_s + 1) + 5:
+            requeued |= jobs.reap()
+            time.sleep(0.1)
+        ended_s = time.monotonic() - held
+        assert not finishing.is_alive()
+        stored = []  # the upload's answers from SeaweedFS
+        service.blobs().client.meta.events.register(
+            "after-call.s3.PutObject", lambda http_response, **_: stored.append(http_response.status_code)
+        )
+        partition.release(put)  # the held request reaches SeaweedFS and lands, after its attempt ended
+        wait_until(lambda: not any(t.name.startswith("vsrq-output-upload") for t in threading.enumerate()), 30)
+        left = list(s3.keys(output_prefix(job.id)))
+        after = jobs.require(job.id)
+    finally:
+        partition.close()
+        if jobs.require(job.id).status == "queued":
+            jobs.cancel(job.id)
+    print(f"FIGURE failed_beside_hung_upload: the attempt ended {ended_s:.2f} s after its upload was held; {requeued}")
+    assert requeued == {} and (after.status, after.error.code, after.attempt) == ("failed", "output_mismatch", 1)
+    assert ended_s < lease_s, ended_s
+    assert stored == [200] and left == [], stored
 
 
 @pytest.mark.parametrize("released", [False, True], ids=["held_at_its_commit", "released_before_its_commit"])

@@ -78,7 +78,8 @@ _preload_queue: list[Path] = []
 _preloading: set[Path] = set()
 _preloaded: dict[Path, Any] = {}
 _claimed: set[Path] = set()
-_preloader: threading.Thread | None = None
+# every preloader started (`preload` may be called again before an earlier one ended): `wait_preloaded` waits for all
+_preloaders: list[threading.Thread] = []
 _PRIMITIVES = (bool, int, float, str, type(None))
 SWITCH_INTERVAL_S = 0.0005  # `sys.setswitchinterval` while the preloader runs (`_preload`)
 # Preloaders running (`preload` may be called again before the last one ended): the first saves Python's interval,
@@ -154,21 +155,21 @@ def preload(classes: Sequence[type], devices: Sequence[str | torch.device]) -> t
     engine's), with `_load`'s checks, for the blocks' first calls to take (`_Dispatch._prepare`): the files named with
     a class and this environment on a device (`_environment`); other environments' files are never opened. None
     without a directory (`use`); functions of signatures never met stay unused (small)."""
-    global _preloader
     if _directory is None:
         return None
     targets = (_directory, tuple(classes), tuple(torch.device(device) for device in devices))
-    _preloader = threading.Thread(target=_preload, args=targets, name="vsrq-preload", daemon=True)
-    _preloader.start()
-    return _preloader
+    preloader = threading.Thread(target=_preload, args=targets, name="vsrq-preload", daemon=True)
+    preloader.start()
+    _preloaders[:] = [thread for thread in _preloaders if thread.is_alive()] + [preloader]
+    return preloader
 
 
 def wait_preloaded(timeout: float | None = None) -> bool:
-    """Whether the preloader (if any) is done, waiting up to `timeout` seconds for it."""
-    thread = _preloader
-    if thread is not None:
-        thread.join(timeout)
-    return thread is None or not thread.is_alive()
+    """Whether every preloader is done (none started: True), waiting up to `timeout` seconds for them in all."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in list(_preloaders):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in list(_preloaders))
 
 
 def _preload(directory: Path, classes: tuple[type, ...], devices: tuple[torch.device, ...]) -> None:
