@@ -446,12 +446,6 @@ def test_a_variable_rate_phone_clip_keeps_its_average_rate_and_all_of_its_sound(
     assert abs(track.seconds - seconds) <= 1024 / 48000  # within one AAC frame of all of it
 
 
-def test_interlaced_video_is_said_to_be_upscaled_as_woven_frames(tmp_path):
-    source = write_clip(tmp_path / "in.mp4", 5, (96, 144), video_options={"x264-params": "interlaced=1:tff=1"})
-    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
-    assert result.source.video.interlaced and any("interlaced" in note for note in result.notes)
-
-
 def test_a_chapter_over_before_the_first_frame_is_not_promised_nor_written():
     """Video that starts 2 s into the source's clock (audio first, or an edit): a chapter ending by then marks nothing
     in the output; one under way starts at the output's 0. The promise counts what the writer writes."""

@@ -51,6 +51,7 @@ import torch
 from storage.blobs import BlobStore, Progress, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
 from worker.errors import Cancelled
+from worker.media.reader import READING
 from worker.sr.request import RunInfo
 from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
 from worker.upscale import UpscaleOptions
@@ -74,11 +75,13 @@ CLOSE_WAIT_S = 1.0
 def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
     """What the kept windows were computed from: a window kept for other input bytes (a URL that served others this
     attempt, a referenced key written again), under another model, other options or an upscaler that gives other bits
-    (`signature`: e.g. another decode segment, split or FP8 attention backend) never replays.
+    (`signature`: e.g. another decode segment, split or FP8 attention backend) or frames read another way (`READING`:
+    a worker from before interlaced frames were deinterlaced) never replays.
     What gives the same bits (where the weights live, the decode order) is not in it: a requeued job keeps its
     windows on a worker that offloads."""
     signature = upscaler.signature(options.request)
-    return hashlib.sha256(f"{job.id}\n{input_sha256}\n{model}\n{options!r}\n{signature}".encode()).hexdigest()
+    named = f"{job.id}\n{input_sha256}\n{model}\n{options!r}\n{signature}\n{READING}"
+    return hashlib.sha256(named.encode()).hexdigest()
 
 
 class KeptPrefix:

@@ -18,7 +18,7 @@ from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, plan_streams
 from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
-from worker.media.reader import prefetch, read_frames
+from worker.media.reader import Fields, prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
 from worker.media.writer import BT709, Mp4Writer, encoder_for
@@ -162,8 +162,8 @@ def begin_upscale(
     #    all into a hidden file next to the output. The writer stays open for `finish`.
     partial = output.with_name(f".{output.name}.partial")
 
-    def write_windows() -> tuple[Mp4Writer, WindowsRun, PreviewFrames]:
-        previews = PreviewFrames(video.frames)
+    def write_windows() -> tuple[Mp4Writer, WindowsRun, PreviewFrames, Fields]:
+        previews, fields = PreviewFrames(video.frames), Fields()
         with ExitStack() as on_error:
             on_error.callback(partial.unlink, missing_ok=True)
             writer = on_error.enter_context(
@@ -185,20 +185,20 @@ def begin_upscale(
                 )
             )
             head["writer_open"] = monotonic()
-            with closing(prefetch(read_frames(source, video), plan.length)) as frames:
+            with closing(prefetch(read_frames(source, video, fields), plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
             on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
-        return writer, run, previews
+        return writer, run, previews, fields
 
     engine_started = monotonic()
     try:
-        writer, run, previews = write_windows()
+        writer, run, previews, fields = write_windows()
     except KeptWindowsDisagree as error:  # the output would mix windows made in two ways: it starts over without
         # the kept ones (never replayed again), in this attempt rather than the job's next
         log.warning("kept windows dropped, every window computed again: %s", error)
         store.drop()
-        writer, run, previews = write_windows()
+        writer, run, previews, fields = write_windows()
     # What made the pixels: the windows' own runs, also those replayed from an earlier attempt's
     first = run.made[0] if run.made else None
     result = Result(
@@ -210,7 +210,7 @@ def begin_upscale(
         tiles=first.tiles if first else 0,
         devices=tuple(first.devices) if first else (),
         carried=carried,
-        notes=_notes(info, carried, first, options.request, snap),
+        notes=_notes(info, carried, first, options.request, snap, fields),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
         engine_span=(engine_started, monotonic()),
@@ -337,7 +337,9 @@ def _tag(value: int) -> int:
     return value if value not in (0, 2) else BT709
 
 
-def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, request: SRRequest, snap: int) -> tuple[str, ...]:
+def _notes(
+    info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, request: SRRequest, snap: int, fields: Fields
+) -> tuple[str, ...]:
     video: VideoInfo = info.video
     scale = request.scale
     notes = []
@@ -359,9 +361,13 @@ def _notes(info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, r
     if others:
         notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "
                      f"{', '.join(f'#{i}' for i in others)} left out")
-    if video.interlaced:
-        notes.append("the source is interlaced: its frames were upscaled as they are stored, both fields woven together "
-                     "(not deinterlaced), so motion shows combing as in the source")
+    # Counted by the reader, not taken from the probe (which decodes the first frame only): a broadcast or a DVD may
+    # start progressive and turn interlaced, or mix the two
+    if fields.interlaced:
+        order = {"tff": "top field first", "bff": "bottom field first"}.get(fields.parity, "each frame's field order")
+        share = f" ({fields.interlaced} of its {video.frames} frames)" if fields.interlaced < video.frames else ""
+        notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each source "
+                     "frame at its time, so the output is progressive")
     if video.color_trc in HDR_TRANSFERS:
         notes.append(f"the source is HDR ({HDR_TRANSFERS[video.color_trc]} transfer): it was upscaled in 8-bit "
                      "BT.709-matrix video with its transfer tag kept, not tone-mapped")

@@ -21,10 +21,11 @@ COVERAGE = """
   WebM), AV1 (an AVIF image sequence in ISO BMFF, with its alpha plane as a second AV1 track), Theora, MPEG-1/2
   (program and transport streams, DVD, a bare MPEG-1 elementary stream), MPEG-4 Part 2, H.263, Sorenson H.263
   (FLV), VP6, WMV1, WMV3, Microsoft RLE (palette), QuickTime Animation (RGB), Autodesk FLIC (palette).
-  **Not found**: H.264 4:4:4, 10-bit or interlaced (the one AVCHD file is cut to 8 KiB before a decodable frame),
-  HEVC 10-bit (pillow-heif's 10-bit HEIFs are stills), MJPEG (the camera MOV is cut before its frames), ProRes,
-  DNxHD, FFV1. The reported Theora 214x160 file was not located; its class (a picture cropped off the left of the
-  coded frame) is covered by tests/test_media.py with an H.264 stream that crops 6 columns.
+  Interlaced: one file, hachoir-sample.ts (a DVB broadcast's MPEG-2, 2 frames, top field first; the one AVCHD file
+  is cut to 8 KiB before a decodable frame). **Not found**: H.264 4:4:4, 10-bit or interlaced, HEVC 10-bit
+  (pillow-heif's 10-bit HEIFs are stills), MJPEG (the camera MOV is cut before its frames), ProRes, DNxHD, FFV1.
+  The reported Theora 214x160 file was not located; its class (a picture cropped off the left of the coded frame)
+  is covered by tests/test_media.py with an H.264 stream that crops 6 columns.
 - Containers found: MP4, MOV, ISO BMFF (AVIF sequence), Matroska, WebM, Ogg, AVI, MPEG-TS, MPEG-PS (.mpg), MPEG-1
   elementary stream, FLV, FLIC, 3GPP2, ASF/WMV, RealMedia (audio only). **Not found** playable: M2TS, 3GP, MXF.
 - Audio found with video: AAC (incl. a stream running past the last frame, and HLS segments whose audio starts

@@ -61,7 +61,7 @@ class VideoInfo:
     language: str | None
     # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
     sar: Fraction = Fraction(1)
-    interlaced: bool = False  # the first frame is coded as two fields
+    interlaced: bool = False  # the first frame is coded as two fields (the reader counts them all: reader.Fields)
     mirrored: bool = False  # after the turn by `rotation`, flipped left to right for display
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)

@@ -1,11 +1,13 @@
-"""Decode a video as a stream of RGB frames, as they are meant to be seen: rotation and mirror applied, colour
-converted with the stream's own matrix and range. Memory stays at one frame (plus whatever a consumer buffers)."""
+"""Decode a video as a stream of RGB frames, as they are meant to be seen: interlaced frames deinterlaced, rotation
+and mirror applied, colour converted with the stream's own matrix and range. Memory stays at one frame (plus whatever
+a consumer buffers, and the one frame the deinterlacer looks ahead)."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import TypeVar
@@ -19,11 +21,26 @@ from worker.media.probe import AVError, VideoInfo, decode_declared_picture
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
+# FFmpeg's AVFieldOrder, by the field shown first: TT and BT show the top one first, BB and TB the bottom one.
+PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
+# How frames are read, for what is keyed on the frames read (kept windows): windows computed from interlaced frames
+# read otherwise (as stored, before deinterlacing) are never replayed beside these.
+READING = "interlaced frames deinterlaced: bwdif send_frame"
 
 
-def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
+@dataclass
+class Fields:
+    """What `read_frames` did about interlacing, counted as it reads: the frames flagged interlaced (each one
+    deinterlaced) and the field order they were read in ("auto": each frame's own flag)."""
+
+    interlaced: int = 0
+    parity: str | None = None
+
+
+def read_frames(path: str | Path, video: VideoInfo, fields: Fields | None = None) -> Iterator[np.ndarray]:
     """Every frame of the probed `video` stream in presentation order, (H, W, 3) RGB: uint8, or uint16 (full 16-bit
-    scale) for sources deeper than 8 bits. Raises `InputCorrupt` if decoding fails or yields another frame count."""
+    scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`fields` counts them).
+    Raises `InputCorrupt` if decoding fails or yields another frame count."""
     pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
     turns = video.rotation // 90
     # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled back, its
@@ -39,7 +56,7 @@ def read_frames(path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
-            for frame in _decode(container, stream):
+            for frame in _deinterlaced(_decode(container, stream), stream, fields or Fields()):
                 colour = _source_colour(frame)
                 shape = _shape(frame, stream)
                 first = shape if first is None else first
@@ -96,6 +113,70 @@ def _decode(container: av.container.InputContainer, stream: av.VideoStream) -> I
         if packet.size:
             yield from packet.decode()
     yield from stream.decode(None)
+
+
+def _deinterlaced(frames: Iterator[av.VideoFrame], stream: av.VideoStream, fields: Fields) -> Iterator[av.VideoFrame]:
+    """`frames`, those flagged interlaced deinterlaced by libavfilter's bwdif: upscaled as stored, two fields woven
+    from two instants, every moving edge would be magnified into combs. One frame out for each frame in (`send_frame`:
+    the first field's instant, the other field's lines interpolated in space and time), so the count, and with it
+    every window, the sound's sync and the output's timing, stay the source's. Only interlaced frames are touched
+    (`deint=interlaced`); frames before the first one pass as decoded, so progressive sources meet no filter.
+
+    bwdif also reads the frames before and after: each comes out once the next one went in, the last one at the
+    flush. Jobs always decode from the first frame (kept windows are skipped, not sought to), so a window's frames
+    are the same in every attempt. Parity is the field order the stream declares (its parser reads it from the
+    bitstream): FFmpeg's H.264 decoder leaves frames of x264's top-first MBAFF streams unmarked, which bwdif's own
+    `auto` reads as bottom first. Where the stream declares none (DV; a stream that starts progressive), `auto`
+    takes each frame's own flag, which DV's and MPEG-2's decoders set from each picture's header."""
+    graph: av.filter.Graph | None = None
+    shape = None
+    for frame in frames:
+        if graph is not None and (frame.width, frame.height, frame.format.name) != shape:
+            yield from _drained(graph)  # the filter cannot change size: a new one takes the new size
+            graph = None
+        fields.interlaced += frame.interlaced_frame
+        if graph is None and not frame.interlaced_frame:
+            yield frame
+            continue
+        if graph is None:
+            fields.parity = PARITY.get(stream.codec_context.field_order, "auto")
+            graph, shape = _bwdif(frame, fields.parity), (frame.width, frame.height, frame.format.name)
+        graph.push(frame)
+        yield from _ready(graph)
+    if graph is not None:
+        yield from _drained(graph)
+
+
+def _bwdif(frame: av.VideoFrame, parity: str) -> av.filter.Graph:
+    graph = av.filter.Graph()
+    source = graph.add(
+        "buffer",
+        video_size=f"{frame.width}x{frame.height}",
+        pix_fmt=frame.format.name,
+        time_base=str(frame.time_base or "1/90000"),  # raw streams have none: the reader uses no timestamps
+        # The frames' own colour tags, so that the buffer does not see each frame as a change of format
+        colorspace=str(frame.colorspace),
+        range=str(frame.color_range),
+    )
+    deinterlace = graph.add("bwdif", f"mode=send_frame:parity={parity}:deint=interlaced")
+    sink = graph.add("buffersink")
+    source.link_to(deinterlace)
+    deinterlace.link_to(sink)
+    graph.configure()
+    return graph
+
+
+def _ready(graph: av.filter.Graph) -> Iterator[av.VideoFrame]:
+    while True:
+        try:
+            yield graph.vpull()
+        except (BlockingIOError, EOFError):  # it waits for the next frame, or it is done
+            return
+
+
+def _drained(graph: av.filter.Graph) -> Iterator[av.VideoFrame]:
+    graph.push(None)
+    yield from _ready(graph)
 
 
 def _source_colour(frame: av.VideoFrame) -> dict:
