@@ -1295,7 +1295,7 @@ def test_a_job_store_outage_past_the_stall_is_not_taken_for_a_stuck_tail(
     worker = workers(
         VSRQ_REDIS_URL=f"redis://127.0.0.1:{store.port}/0",
         VSRQ_BROKER_URL=stack.redis_url,
-        VSRQ_REDIS_TIMEOUT_S="1",
+        VSRQ_REDIS_TIMEOUT_S="0.5",  # each delivery past the cut waits out 3 of these, then 2 s: 11 s of outage at 1 s
         VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{s3.port}",
         VSRQ_LEASE_S="30",  # the tail's lease outlasts the outage: its silence is all that could end it
         VSRQ_WORKER_TAIL_STALL_S="2",
