@@ -1428,12 +1428,13 @@ def test_a_prefetched_input_s_check_slower_than_the_lease_keeps_its_job(
     stack, api, reaper, jobs, blobs, clips, workers, s3_cut
 ):
     """The next job's input prefetched, then the HEAD that checks storage still holds that blob, as the job starts,
-    gets no answer for longer than the lease (`s3_timeout_s` past `LEASE_S`; botocore's next try is answered): the
+    gets no answer for longer than the lease (`s3_timeout_s` past the lease; botocore's next try is answered): the
     job keeps its lease meanwhile (the reaper, every 0.5 s, requeues nothing) and completes at its first attempt on
     the prefetched input."""
     partition, through = s3_cut
+    lease_s = 4  # the worker's own, shorter than the module's: the unanswered HEAD outlasts it sooner
     first, second = create(api, clips["long"]), create(api, clips["small"])
-    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": str(LEASE_S + 3)}))
+    worker = started(workers(**{**through, "VSRQ_LEASE_S": str(lease_s), "VSRQ_S3_TIMEOUT_S": str(lease_s + 3)}))
     prefetched(worker, second)  # its own HEADs done: the next one is `take`'s
     partition.hang(f"HEAD /{stack.bucket}/{input_key(jobs, second)} ".encode())
     records = wait_all(jobs, [first, second], limit_s=90)
