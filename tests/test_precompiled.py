@@ -201,21 +201,23 @@ def test_a_function_traced_from_code_changed_since_is_compiled_again(compiled_bl
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor's CPU code needs a C++ compiler")
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="this CPU's capability is the other one")
-def test_a_shared_directory_holds_files_of_another_environment_that_are_never_opened(tmp_path):
+def test_a_shared_directory_holds_files_of_another_environment_that_are_never_opened(compiled_block, tmp_path):
     """Workers of other images or devices on one volume: the preloader and the blocks' first calls open only the files
-    of their own environment. The other one here is a CPU of another capability (ATen's kernels capped to DEFAULT)."""
-    foreign, _ = edited(tmp_path, 2, {**ENV, "ATEN_CPU_CAPABILITY": "default"})
-    assert foreign["compiled"] == 1, foreign
-    [theirs] = (tmp_path / "cache").glob("Block-*.aot")
+    of their own environment. The other one here is a CPU of another capability (ATen's kernels capped to DEFAULT),
+    started on the directory this worker's first start left (`compiled_block`'s: one process fewer than starting it
+    again)."""
+    first = started_from(compiled_block, tmp_path)
+    assert first["compiled"] == 1, first
+    [mine] = (tmp_path / "cache").glob("Block-*.aot")
 
-    # This worker's first start: their file (a valid function, of their environment) is neither preloaded nor loaded
-    first, log = edited(tmp_path, 2)
-    assert (first["compiled"], first["loaded"], first["preloaded"], first["read"]) == (1, 0, 0, {}), first
-    assert first["same_as_eager"] and "did not load" not in log, first
-    [mine] = set((tmp_path / "cache").glob("Block-*.aot")) - {theirs}
+    # Their first start: this worker's file (a valid function, of this environment) is neither preloaded nor loaded
+    foreign, log = edited(tmp_path, 2, {**ENV, "ATEN_CPU_CAPABILITY": "default"})
+    assert (foreign["compiled"], foreign["loaded"], foreign["preloaded"], foreign["read"]) == (1, 0, 0, {}), foreign
+    assert foreign["same_as_eager"] and "did not load" not in log, foreign
+    [theirs] = set((tmp_path / "cache").glob("Block-*.aot")) - {mine}
     assert mine.name.split("-")[1] != theirs.name.split("-")[1], (mine.name, theirs.name)  # the environment's part
 
-    # Its restart preloads its own file only, and so does theirs
+    # This worker's restart preloads its own file only, and so does theirs
     again, _ = edited(tmp_path, 2)
     assert (again["compiled"], again["loaded"], again["preloaded"], again["read"]) == (0, 1, 1, {mine.name: 1}), again
     assert again["same_as_eager"], again

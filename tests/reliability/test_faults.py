@@ -1087,11 +1087,11 @@ def test_a_cancel_during_a_tail_is_not_held_by_a_request_storage_never_answers(
     api, reaper, jobs, blobs, clips, workers, s3_cut
 ):
     """A cancel while the tail's output upload gets no answer (storage cut, as a paused SeaweedFS leaves it) and
-    botocore's tries of it take long (`s3_timeout_s` 5: 3 tries, 18 s and more): the job is cancelled within a couple
+    botocore's tries of it take long (`s3_timeout_s` 3: 3 tries, 12 s and more): the job is cancelled within a couple
     of heartbeats, not once those tries have ended; the job behind it completes at its first attempt, and once the
     stopped upload's tries are over (storage healed: the next one lands) nothing is left under the job's outputs."""
     partition, s3 = s3_cut
-    timeout_s = 5
+    timeout_s = 3  # its tries (12 s) well past the 5 s the cancel is allowed; the test then waits them out
     worker = started(workers(**{**s3, "VSRQ_S3_TIMEOUT_S": str(timeout_s)}))
     try:
         tailing, following = hold_a_tail(api, jobs, partition, clips, worker)
@@ -1295,7 +1295,7 @@ def test_a_job_store_outage_past_the_stall_is_not_taken_for_a_stuck_tail(
     worker = workers(
         VSRQ_REDIS_URL=f"redis://127.0.0.1:{store.port}/0",
         VSRQ_BROKER_URL=stack.redis_url,
-        VSRQ_REDIS_TIMEOUT_S="1",
+        VSRQ_REDIS_TIMEOUT_S="0.5",  # each delivery past the cut waits out 3 of these, then 2 s: 11 s of outage at 1 s
         VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{s3.port}",
         VSRQ_LEASE_S="30",  # the tail's lease outlasts the outage: its silence is all that could end it
         VSRQ_WORKER_TAIL_STALL_S="2",
@@ -1428,12 +1428,13 @@ def test_a_prefetched_input_s_check_slower_than_the_lease_keeps_its_job(
     stack, api, reaper, jobs, blobs, clips, workers, s3_cut
 ):
     """The next job's input prefetched, then the HEAD that checks storage still holds that blob, as the job starts,
-    gets no answer for longer than the lease (`s3_timeout_s` past `LEASE_S`; botocore's next try is answered): the
+    gets no answer for longer than the lease (`s3_timeout_s` past the lease; botocore's next try is answered): the
     job keeps its lease meanwhile (the reaper, every 0.5 s, requeues nothing) and completes at its first attempt on
     the prefetched input."""
     partition, through = s3_cut
+    lease_s = 4  # the worker's own, shorter than the module's: the unanswered HEAD outlasts it sooner
     first, second = create(api, clips["long"]), create(api, clips["small"])
-    worker = started(workers(**{**through, "VSRQ_S3_TIMEOUT_S": str(LEASE_S + 3)}))
+    worker = started(workers(**{**through, "VSRQ_LEASE_S": str(lease_s), "VSRQ_S3_TIMEOUT_S": str(lease_s + 3)}))
     prefetched(worker, second)  # its own HEADs done: the next one is `take`'s
     partition.hang(f"HEAD /{stack.bucket}/{input_key(jobs, second)} ".encode())
     records = wait_all(jobs, [first, second], limit_s=90)
