@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 # for one machine and Python (torch's CPU wheels are per Python version)
 LOCK ?= infra/lock/test.txt
 LOCK_FOR := x86_64 3.11
+# Elsewhere (Debian 13's Python 3.13, Ubuntu 24.04's 3.12, macOS) setup installs pyproject.toml's ranges at the lock's
+# versions, torch's CPU build from TORCH_INDEX where it answers, else PyPI's (CUDA) build: infra/install_ranges.py
+LOCK_FITS := $(shell $(PYTHON) infra/preflight.py --lock-for $(LOCK_FOR) --fits 2>/dev/null && echo yes)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup demo test lock corpus
 setup: $(VENV)/.installed
@@ -15,8 +19,12 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) infra/preflight.py --venv $(VENV) --lock-for $(LOCK_FOR)
 	$(PYTHON) -m venv $(VENV)
+ifeq ($(LOCK_FITS),yes)
 	$(PY) -m pip install -q --require-hashes --no-deps -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+else
+	$(PYTHON) -m infra.install_ranges --venv $(VENV) --lock $(LOCK) --torch-index $(TORCH_INDEX)
+endif
 	touch $@
 
 demo: setup

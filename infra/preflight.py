@@ -1,9 +1,11 @@
-"""What `make setup` needs, checked before a minute of installing: a Python it can use, `venv` with `ensurepip`, a
-machine the lock file is for, and room on the disk. Standard library only: it runs on the machine's own Python.
+"""What `make setup` needs, checked before a minute of installing: a Python it can use, `venv` with `ensurepip`, and
+room on the disk; and whether the lock file is for this machine (if not, setup installs from the ranges instead:
+infra/install_ranges.py). Standard library only: it runs on the machine's own Python.
 
-    python3 infra/preflight.py [--venv .venv] [--lock-for x86_64 3.11]
+    python3 infra/preflight.py [--venv .venv] [--lock-for x86_64 3.11]   # exit code 1 if there is a problem
+    python3 infra/preflight.py --lock-for x86_64 3.11 --fits             # exit code 0 if the lock is for this one
 
-Each problem is one line saying what to do; exit code 1 if there is any.
+Each problem is one line saying what to do.
 """
 
 from __future__ import annotations
@@ -20,8 +22,25 @@ MIN_PYTHON = (3, 11)
 NEEDED_BYTES = 3 * 1024**3
 
 
-def problems(venv: Path, lock_for: tuple[str, str] | None = None) -> list[str]:
-    """`lock_for`: the (machine, Python) the lock file pins its packages for (Linux), if it is for one."""
+def here() -> tuple[str, str, str]:
+    return platform.system(), platform.machine(), f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def lock_fits(lock_for: tuple[str, str]) -> bool:
+    """`lock_for`: the (machine, Python) the lock file pins its packages for, on Linux."""
+    return ("Linux", *lock_for) == here()
+
+
+def other_machine(lock_for: tuple[str, str]) -> str:
+    """What setup does where the lock is not for this machine: not a problem, said before it starts."""
+    return (
+        f"the lock pins its packages for Linux {' '.join(lock_for)}, this is {' '.join(here())}: installing "
+        f"pyproject.toml's ranges at the lock's versions instead (infra/install_ranges.py; "
+        f"`make setup PYTHON=python{lock_for[1]}` for the lock itself, if you have that Python)"
+    )
+
+
+def problems(venv: Path) -> list[str]:
     found = []
     version = ".".join(map(str, sys.version_info[:3]))
     if sys.version_info[:2] < MIN_PYTHON:
@@ -36,15 +55,6 @@ def problems(venv: Path, lock_for: tuple[str, str] | None = None) -> list[str]:
             found.append(
                 f"Python {version} has no usable venv/ensurepip ({probe.stderr.strip().splitlines()[-1]}): on "
                 f"Debian/Ubuntu `apt-get install python{sys.version_info[0]}.{sys.version_info[1]}-venv`"
-            )
-        here = (platform.system(), platform.machine(), f"{sys.version_info[0]}.{sys.version_info[1]}")
-        if lock_for and ("Linux", *lock_for) != here:
-            found.append(
-                f"the lock file pins its packages for Linux {' '.join(lock_for)} (torch's CPU build), this is "
-                f"{' '.join(here)}: make setup PYTHON=python{lock_for[1]} if you have it, or "
-                "install from the ranges instead, `python3 -m venv .venv && .venv/bin/pip install -e '.[test]'` "
-                "(on Linux that takes torch's CUDA build, several GB, unless pip is pointed at "
-                "https://download.pytorch.org/whl/cpu)"
             )
     room = shutil.disk_usage(_existing(venv.resolve())).free
     if room < NEEDED_BYTES:
@@ -65,10 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 infra/preflight.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", type=Path, default=Path(".venv"))
     parser.add_argument("--lock-for", nargs=2, metavar=("MACHINE", "PYTHON"), help="e.g. x86_64 3.11")
+    parser.add_argument("--fits", action="store_true", help="only say (exit code) whether the lock is for this one")
     args = parser.parse_args(argv)
-    found = problems(args.venv, tuple(args.lock_for) if args.lock_for else None)
+    lock_for = tuple(args.lock_for) if args.lock_for else None
+    if args.fits:
+        return 0 if lock_for and lock_fits(lock_for) else 1
+    found = problems(args.venv)
     for problem in found:
         print(f"make setup: {problem}", file=sys.stderr)
+    if not found and lock_for and not lock_fits(lock_for):
+        print(f"make setup: {other_machine(lock_for)}", file=sys.stderr)
     return 1 if found else 0
 
 

