@@ -610,3 +610,36 @@ def test_the_audio_track_players_pick_is_the_sources_default_one(tmp_path, defau
     with av.open(str(output)) as container:
         picked = [(s.language, bool(s.disposition & av.stream.Disposition.default)) for s in container.streams.audio]
     assert picked == list(zip(["eng", "jpn"], expected))
+
+
+@pytest.mark.parametrize("through", ["video", "audio"])
+def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_sound(tmp_path, through):
+    """A recording that stopped mid-write (a phone app or OBS writing fragmented MP4, crashing): the file ends inside
+    a packet, which the demuxer hands over cut short. Counted as a frame, it never decoded, and frame threads dropped
+    the frames beside it: input_corrupt once the upscaling was done. Copied, its sound did not decode."""
+    source = tmp_path / "in.mp4"
+    with av.open(str(source), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"}) as container:
+        video = container.add_stream("libx264", rate=30, options={"g": "10"})
+        video.width, video.height, video.pix_fmt = 80, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=48000, layout="stereo")
+        for index, frame in enumerate(pattern(40, 48, 80)):
+            pixels = (frame.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+            image = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            image.pts = index
+            container.mux(video.encode(image))
+        container.mux(video.encode())
+        _write_audio(container, audio, tone(40 / 30), "stereo")
+    with av.open(str(source)) as container:  # fragments of 10 frames, each its video's samples, then its audio's
+        packets = [(packet.stream.type, packet.pos, packet.size) for packet in container.demux() if packet.size]
+    videos = [packet for packet in packets if packet[0] == "video"]
+    if through == "video":
+        _, position, size = videos[25]  # the third fragment's sixth frame
+    else:
+        _, position, size = [packet for packet in packets if packet[0] == "audio" and packet[1] < videos[20][1]][-1]
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(source.read_bytes()[: position + size // 2])
+    output = tmp_path / "out.mp4"
+    upscale_file(cut, output, LanczosUpscaler(), FAST)
+    assert read_back(output).frames == (25 if through == "video" else 20)
+    with av.open(str(output)) as container:
+        assert sum(frame.samples for frame in container.decode(audio=0)) > 0  # every packet decodes

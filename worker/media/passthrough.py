@@ -24,7 +24,7 @@ import av
 import numpy as np
 
 from worker.media.errors import InputCorrupt
-from worker.media.probe import AudioInfo, AVError, MediaInfo
+from worker.media.probe import AudioInfo, AVError, MediaInfo, cut_off
 
 COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
 # MP3 below 16 kHz (MPEG-2.5: 8, 11.025, 12 kHz) is no MP4 codec: FFmpeg's muxer refuses its packets.
@@ -87,7 +87,7 @@ class Passthrough:
     output's clock starts in the source) and, where `end` is given, cut at `end` seconds of output time."""
 
     def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float | None = None) -> None:
-        self.path, self.format = info.path, info.format
+        self.path, self.format, self.size = info.path, info.format, info.size_bytes
         self.offset, self.end = offset, end
         self.container = av.open(str(info.path), metadata_errors="replace")
         wanted = {c.index: c.action for c in carried if c.action != "drop"}
@@ -123,6 +123,8 @@ class Passthrough:
                     packet = next(self._packets, None)
             if packet is None:
                 break
+            if cut_off(packet, self.size):  # the probe left it out of the streams' extents too
+                continue
             if seconds is not None and packet.pts is not None and self.output_time(packet) >= seconds:
                 self._pending = packet
                 return

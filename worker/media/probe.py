@@ -247,13 +247,22 @@ class _Scan:
     keyframe_seen: bool = False
 
 
+def cut_off(packet: av.Packet, size: int) -> bool:
+    """Whether `packet` is the one the end of a `size`-byte file cuts through (a recording that stopped mid-write: a
+    phone or OBS crashing, a fragmented MP4 copied while it grew). The demuxer hands over the bytes there are and
+    flags the packet corrupt. It holds no whole frame: counted, the video came up frames short only once decoded
+    (frame threads drop the frames decoded beside it), after the upscaling; copied, its sound does not decode."""
+    return packet.is_corrupt and packet.pos >= 0 and packet.pos + packet.size >= size
+
+
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
     scan = _Scan()
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
+    size = path.stat().st_size
     try:
         for packet in container.demux():
-            if packet.size == 0:
+            if packet.size == 0 or cut_off(packet, size):
                 continue
             owner = packet.stream
             if packet.pts is not None and packet.time_base is not None:
