@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import subprocess
+import sys
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -643,3 +645,26 @@ def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_s
     assert read_back(output).frames == (25 if through == "video" else 20)
     with av.open(str(output)) as container:
         assert sum(frame.samples for frame in container.decode(audio=0)) > 0  # every packet decodes
+
+
+def test_eight_channel_sound_re_encoded_keeps_every_channel(tmp_path):
+    """7.1 sound that MP4 cannot hold as it is (a Blu-ray rip's TrueHD or DTS, a camera's PCM) is re-encoded to AAC.
+    PyAV counts 9 planes in an 8-channel planar frame: reading the decoded sound crashed the worker (SIGSEGV), so the
+    job runs in a process of its own here. Each channel's tone must come back on its own channel."""
+    source = write_clip(tmp_path / "in.mov", 24, SIZE, Fraction(24), audio_codec="pcm_s16le", layout="7.1")
+    output = tmp_path / "out.mp4"
+    command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(output), "--model", "lanczos",
+               "--scale", "2", "--preset", "ultrafast"]  # fmt: skip
+    result = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with av.open(str(output)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "7.1")
+        packed = av.AudioResampler(format="flt", layout="7.1", rate=48000)
+        frames = [f for frame in container.decode(stream) for f in packed.resample(frame)]
+        samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
+    spectrum = np.abs(np.fft.rfft(samples[2048:2048 + 24000], axis=0))
+    peaks = np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]
+    wanted = 440 * 1.5 ** np.arange(8)  # `tone`: a fifth higher on each further channel
+    lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
+    assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks

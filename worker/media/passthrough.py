@@ -218,7 +218,11 @@ class _ToAac(_Handler):
         channels = av.AudioLayout(self.layout).nb_channels
         stream = output.add_stream("aac", rate=self.rate, layout=self.layout)
         stream.codec_context.bit_rate = AAC_BITRATE_PER_CHANNEL * channels
-        self.resampler = av.AudioResampler(format="fltp", layout=self.layout, rate=self.rate)
+        # Samples go through numpy interleaved ("flt"), not planar: PyAV (18.1) counts 9 planes in an 8-channel
+        # planar frame, so a 7.1 track (a Blu-ray rip's TrueHD or DTS, a camera's 8 PCM channels) crashed the worker
+        # (SIGSEGV reading the ninth) and could not be encoded (IndexError making the frame). The encoder converts.
+        self.resampler = av.AudioResampler(format="flt", layout=self.layout, rate=self.rate)
+        self.channels = channels
         self.buffer = np.zeros((channels, 0), np.float32)
         self.timed = self.passthrough.format != "ogg"
         source = self.source
@@ -250,7 +254,8 @@ class _ToAac(_Handler):
 
     def _place(self, frames: list[av.AudioFrame], at: int | None) -> None:
         """Append decoded samples due at output sample `at` (None: right after the previous ones)."""
-        samples = np.concatenate([self.buffer[:, :0], *(frame.to_ndarray() for frame in frames)], axis=1)
+        planes = (frame.to_ndarray().reshape(-1, self.channels).T for frame in frames)  # (channels, samples)
+        samples = np.concatenate([self.buffer[:, :0], *planes], axis=1)
         if not samples.shape[1]:
             return
         self.longest = max(self.longest, samples.shape[1])
@@ -275,7 +280,8 @@ class _ToAac(_Handler):
             self._encode(self.FRAME)
 
     def _encode(self, count: int) -> None:
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(self.buffer[:, :count]), format="fltp", layout=self.layout)
+        interleaved = np.ascontiguousarray(self.buffer[:, :count].T).reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(interleaved, format="flt", layout=self.layout)
         frame.sample_rate, frame.pts, frame.time_base = self.rate, self.encoded, Fraction(1, self.rate)
         self.buffer = self.buffer[:, count:]
         self.encoded += count
