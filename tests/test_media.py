@@ -668,3 +668,27 @@ def test_eight_channel_sound_re_encoded_keeps_every_channel(tmp_path):
     wanted = 440 * 1.5 ** np.arange(8)  # `tone`: a fifth higher on each further channel
     lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
     assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks
+
+
+def test_a_matroska_file_that_starts_at_an_open_gops_keyframe_keeps_the_frames_it_shows(tmp_path):
+    """x265 closes no GOP by default: its keyframes (CRA) are followed by frames shown before them that refer back to
+    the GOP before. A file that starts at one (split at a keyframe, a recording started mid-stream) holds 3 such
+    frames the decoder drops; counted, the job failed as input_corrupt once every frame had been upscaled."""
+    whole = write_clip(tmp_path / "whole.mkv", 120, (64, 96), Fraction(30), video_codec="libx265",
+                       video_options={"x265-params": "log-level=error:keyint=30:scenecut=0"})  # fmt: skip
+    source = tmp_path / "in.mkv"
+    with av.open(str(whole)) as original, av.open(str(source), "w") as split:
+        stream = split.add_stream_from_template(original.streams.video[0])
+        keyframes = 0
+        for packet in original.demux(video=0):
+            keyframes += packet.is_keyframe
+            if keyframes >= 2 and packet.size:  # from the second keyframe on
+                packet.stream = stream
+                split.mux(packet)
+    with av.open(str(source)) as container:  # the oracle: what FFmpeg shows, and what the file holds
+        shown = frame_times(source)
+        held = sum(1 for packet in container.demux(video=0) if packet.size)
+    assert (len(shown), held) == (90, 93)
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert np.allclose(frame_times(output), np.array(shown) - shown[0], atol=1e-3)
