@@ -692,3 +692,21 @@ def test_a_matroska_file_that_starts_at_an_open_gops_keyframe_keeps_the_frames_i
     output = tmp_path / "out.mp4"
     upscale_file(source, output, LanczosUpscaler(), FAST)
     assert np.allclose(frame_times(output), np.array(shown) - shown[0], atol=1e-3)
+
+
+def test_side_channel_5_1_re_encoded_declares_which_channel_is_which(tmp_path):
+    """FFmpeg decodes DTS, TrueHD and 6-channel PCM as 5.1(side), which AAC has no channel configuration for: its
+    encoder wrote a program config element that reads back as "6 channels", positions unknown, so players guessed.
+    The output is AAC's own 5.1, the side channels on its back ones, each tone on its own channel."""
+    source = write_clip(tmp_path / "in.mov", 24, SIZE, Fraction(24), audio_codec="pcm_s16le", layout="5.1(side)")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "5.1")
+        samples = np.concatenate([frame.to_ndarray() for frame in container.decode(stream)], axis=1)
+    spectrum = np.abs(np.fft.rfft(samples[:, 2048 : 2048 + 24000], axis=1))
+    peaks = np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=1)]
+    wanted = 440 * 1.5 ** np.arange(6)  # `tone`: a fifth higher on each further channel
+    lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
+    assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks

@@ -323,16 +323,32 @@ class _ToAac(_Handler):
 
 
 def aac_format(sample_rate: int, layout: str, channels: int) -> tuple[int, str]:
-    """(rate, layout) of the AAC a source is re-encoded to: its own wherever FFmpeg's AAC encoder takes them, else
-    48 kHz and the standard layout of as many channels."""
+    """(rate, layout) of the AAC a source is re-encoded to: its own wherever FFmpeg's AAC encoder takes them and
+    the file says which channel is which, else 48 kHz and the standard layout of as many channels."""
     rate = sample_rate if sample_rate in av.codec.Codec("aac", "w").audio_rates else 48000
-    context = av.codec.CodecContext.create("aac", "w")
-    context.sample_rate, context.layout, context.format = rate, layout, "fltp"
-    try:
-        context.open()
+    written = _written(rate, layout)
+    if written == av.AudioLayout(layout).name:
         return rate, layout
-    except AVError:
-        return rate, _DEFAULT_LAYOUTS.get(channels, "stereo")
+    standard = _DEFAULT_LAYOUTS.get(channels)
+    return rate, standard or (layout if written is not None else "stereo")
+
+
+def _written(rate: int, layout: str) -> str | None:
+    """The layout AAC of `layout` reads back as (None: the encoder refuses it). Layouts outside AAC's channel
+    configurations are written with a program config element, and some come back as "6 channels", positions
+    unknown: 5.1(side), what FFmpeg decodes DTS, TrueHD and 6-channel PCM as (a Blu-ray rip, a camera), so players
+    guessed where each channel goes. Their standard layout (5.1) is declared; the resampler moves the sides back."""
+    encoder = av.codec.CodecContext.create("aac", "w")
+    encoder.sample_rate, encoder.format = rate, "fltp"
+    try:
+        encoder.layout = layout
+        encoder.open()
+        decoder = av.codec.CodecContext.create("aac", "r")
+        decoder.extradata = encoder.extradata
+        decoder.open()
+    except (*AVError, ValueError):
+        return None
+    return decoder.layout.name
 
 
 def audio_output(audio: AudioInfo, action: str) -> tuple[str, int, int]:
