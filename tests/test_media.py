@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import subprocess
+import sys
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -610,3 +612,101 @@ def test_the_audio_track_players_pick_is_the_sources_default_one(tmp_path, defau
     with av.open(str(output)) as container:
         picked = [(s.language, bool(s.disposition & av.stream.Disposition.default)) for s in container.streams.audio]
     assert picked == list(zip(["eng", "jpn"], expected))
+
+
+@pytest.mark.parametrize("through", ["video", "audio"])
+def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_sound(tmp_path, through):
+    """A recording that stopped mid-write (a phone app or OBS writing fragmented MP4, crashing): the file ends inside
+    a packet, which the demuxer hands over cut short. Counted as a frame, it never decoded, and frame threads dropped
+    the frames beside it: input_corrupt once the upscaling was done. Copied, its sound did not decode."""
+    source = tmp_path / "in.mp4"
+    with av.open(str(source), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"}) as container:
+        video = container.add_stream("libx264", rate=30, options={"g": "10"})
+        video.width, video.height, video.pix_fmt = 80, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=48000, layout="stereo")
+        for index, frame in enumerate(pattern(40, 48, 80)):
+            pixels = (frame.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+            image = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            image.pts = index
+            container.mux(video.encode(image))
+        container.mux(video.encode())
+        _write_audio(container, audio, tone(40 / 30), "stereo")
+    with av.open(str(source)) as container:  # fragments of 10 frames, each its video's samples, then its audio's
+        packets = [(packet.stream.type, packet.pos, packet.size) for packet in container.demux() if packet.size]
+    videos = [packet for packet in packets if packet[0] == "video"]
+    if through == "video":
+        _, position, size = videos[25]  # the third fragment's sixth frame
+    else:
+        _, position, size = [packet for packet in packets if packet[0] == "audio" and packet[1] < videos[20][1]][-1]
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(source.read_bytes()[: position + size // 2])
+    output = tmp_path / "out.mp4"
+    upscale_file(cut, output, LanczosUpscaler(), FAST)
+    assert read_back(output).frames == (25 if through == "video" else 20)
+    with av.open(str(output)) as container:
+        assert sum(frame.samples for frame in container.decode(audio=0)) > 0  # every packet decodes
+
+
+def test_eight_channel_sound_re_encoded_keeps_every_channel(tmp_path):
+    """7.1 sound that MP4 cannot hold as it is (a Blu-ray rip's TrueHD or DTS, a camera's PCM) is re-encoded to AAC.
+    PyAV counts 9 planes in an 8-channel planar frame: reading the decoded sound crashed the worker (SIGSEGV), so the
+    job runs in a process of its own here. Each channel's tone must come back on its own channel."""
+    source = write_clip(tmp_path / "in.mov", 24, SIZE, Fraction(24), audio_codec="pcm_s16le", layout="7.1")
+    output = tmp_path / "out.mp4"
+    command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(output), "--model", "lanczos",
+               "--scale", "2", "--preset", "ultrafast"]  # fmt: skip
+    result = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with av.open(str(output)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "7.1")
+        packed = av.AudioResampler(format="flt", layout="7.1", rate=48000)
+        frames = [f for frame in container.decode(stream) for f in packed.resample(frame)]
+        samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
+    spectrum = np.abs(np.fft.rfft(samples[2048:2048 + 24000], axis=0))
+    peaks = np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]
+    wanted = 440 * 1.5 ** np.arange(8)  # `tone`: a fifth higher on each further channel
+    lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
+    assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks
+
+
+def test_a_matroska_file_that_starts_at_an_open_gops_keyframe_keeps_the_frames_it_shows(tmp_path):
+    """x265 closes no GOP by default: its keyframes (CRA) are followed by frames shown before them that refer back to
+    the GOP before. A file that starts at one (split at a keyframe, a recording started mid-stream) holds 3 such
+    frames the decoder drops; counted, the job failed as input_corrupt once every frame had been upscaled."""
+    whole = write_clip(tmp_path / "whole.mkv", 120, (64, 96), Fraction(30), video_codec="libx265",
+                       video_options={"x265-params": "log-level=error:keyint=30:scenecut=0"})  # fmt: skip
+    source = tmp_path / "in.mkv"
+    with av.open(str(whole)) as original, av.open(str(source), "w") as split:
+        stream = split.add_stream_from_template(original.streams.video[0])
+        keyframes = 0
+        for packet in original.demux(video=0):
+            keyframes += packet.is_keyframe
+            if keyframes >= 2 and packet.size:  # from the second keyframe on
+                packet.stream = stream
+                split.mux(packet)
+    with av.open(str(source)) as container:  # the oracle: what FFmpeg shows, and what the file holds
+        shown = frame_times(source)
+        held = sum(1 for packet in container.demux(video=0) if packet.size)
+    assert (len(shown), held) == (90, 93)
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert np.allclose(frame_times(output), np.array(shown) - shown[0], atol=1e-3)
+
+
+def test_side_channel_5_1_re_encoded_declares_which_channel_is_which(tmp_path):
+    """FFmpeg decodes DTS, TrueHD and 6-channel PCM as 5.1(side), which AAC has no channel configuration for: its
+    encoder wrote a program config element that reads back as "6 channels", positions unknown, so players guessed.
+    The output is AAC's own 5.1, the side channels on its back ones, each tone on its own channel."""
+    source = write_clip(tmp_path / "in.mov", 24, SIZE, Fraction(24), audio_codec="pcm_s16le", layout="5.1(side)")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "5.1")
+        samples = np.concatenate([frame.to_ndarray() for frame in container.decode(stream)], axis=1)
+    spectrum = np.abs(np.fft.rfft(samples[:, 2048 : 2048 + 24000], axis=1))
+    peaks = np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=1)]
+    wanted = 440 * 1.5 ** np.arange(6)  # `tone`: a fifth higher on each further channel
+    lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
+    assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks

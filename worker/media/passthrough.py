@@ -24,7 +24,7 @@ import av
 import numpy as np
 
 from worker.media.errors import InputCorrupt
-from worker.media.probe import AudioInfo, AVError, MediaInfo
+from worker.media.probe import AudioInfo, AVError, MediaInfo, cut_off
 
 COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
 # MP3 below 16 kHz (MPEG-2.5: 8, 11.025, 12 kHz) is no MP4 codec: FFmpeg's muxer refuses its packets.
@@ -87,7 +87,7 @@ class Passthrough:
     output's clock starts in the source) and, where `end` is given, cut at `end` seconds of output time."""
 
     def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float | None = None) -> None:
-        self.path, self.format = info.path, info.format
+        self.path, self.format, self.size = info.path, info.format, info.size_bytes
         self.offset, self.end = offset, end
         self.container = av.open(str(info.path), metadata_errors="replace")
         wanted = {c.index: c.action for c in carried if c.action != "drop"}
@@ -123,6 +123,8 @@ class Passthrough:
                     packet = next(self._packets, None)
             if packet is None:
                 break
+            if cut_off(packet, self.size):  # the probe left it out of the streams' extents too
+                continue
             if seconds is not None and packet.pts is not None and self.output_time(packet) >= seconds:
                 self._pending = packet
                 return
@@ -216,7 +218,11 @@ class _ToAac(_Handler):
         channels = av.AudioLayout(self.layout).nb_channels
         stream = output.add_stream("aac", rate=self.rate, layout=self.layout)
         stream.codec_context.bit_rate = AAC_BITRATE_PER_CHANNEL * channels
-        self.resampler = av.AudioResampler(format="fltp", layout=self.layout, rate=self.rate)
+        # Samples go through numpy interleaved ("flt"), not planar: PyAV (18.1) counts 9 planes in an 8-channel
+        # planar frame, so a 7.1 track (a Blu-ray rip's TrueHD or DTS, a camera's 8 PCM channels) crashed the worker
+        # (SIGSEGV reading the ninth) and could not be encoded (IndexError making the frame). The encoder converts.
+        self.resampler = av.AudioResampler(format="flt", layout=self.layout, rate=self.rate)
+        self.channels = channels
         self.buffer = np.zeros((channels, 0), np.float32)
         self.timed = self.passthrough.format != "ogg"
         source = self.source
@@ -248,7 +254,8 @@ class _ToAac(_Handler):
 
     def _place(self, frames: list[av.AudioFrame], at: int | None) -> None:
         """Append decoded samples due at output sample `at` (None: right after the previous ones)."""
-        samples = np.concatenate([self.buffer[:, :0], *(frame.to_ndarray() for frame in frames)], axis=1)
+        planes = (frame.to_ndarray().reshape(-1, self.channels).T for frame in frames)  # (channels, samples)
+        samples = np.concatenate([self.buffer[:, :0], *planes], axis=1)
         if not samples.shape[1]:
             return
         self.longest = max(self.longest, samples.shape[1])
@@ -273,7 +280,8 @@ class _ToAac(_Handler):
             self._encode(self.FRAME)
 
     def _encode(self, count: int) -> None:
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(self.buffer[:, :count]), format="fltp", layout=self.layout)
+        interleaved = np.ascontiguousarray(self.buffer[:, :count].T).reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(interleaved, format="flt", layout=self.layout)
         frame.sample_rate, frame.pts, frame.time_base = self.rate, self.encoded, Fraction(1, self.rate)
         self.buffer = self.buffer[:, count:]
         self.encoded += count
@@ -315,16 +323,32 @@ class _ToAac(_Handler):
 
 
 def aac_format(sample_rate: int, layout: str, channels: int) -> tuple[int, str]:
-    """(rate, layout) of the AAC a source is re-encoded to: its own wherever FFmpeg's AAC encoder takes them, else
-    48 kHz and the standard layout of as many channels."""
+    """(rate, layout) of the AAC a source is re-encoded to: its own wherever FFmpeg's AAC encoder takes them and
+    the file says which channel is which, else 48 kHz and the standard layout of as many channels."""
     rate = sample_rate if sample_rate in av.codec.Codec("aac", "w").audio_rates else 48000
-    context = av.codec.CodecContext.create("aac", "w")
-    context.sample_rate, context.layout, context.format = rate, layout, "fltp"
-    try:
-        context.open()
+    written = _written(rate, layout)
+    if written == av.AudioLayout(layout).name:
         return rate, layout
-    except AVError:
-        return rate, _DEFAULT_LAYOUTS.get(channels, "stereo")
+    standard = _DEFAULT_LAYOUTS.get(channels)
+    return rate, standard or (layout if written is not None else "stereo")
+
+
+def _written(rate: int, layout: str) -> str | None:
+    """The layout AAC of `layout` reads back as (None: the encoder refuses it). Layouts outside AAC's channel
+    configurations are written with a program config element, and some come back as "6 channels", positions
+    unknown: 5.1(side), what FFmpeg decodes DTS, TrueHD and 6-channel PCM as (a Blu-ray rip, a camera), so players
+    guessed where each channel goes. Their standard layout (5.1) is declared; the resampler moves the sides back."""
+    encoder = av.codec.CodecContext.create("aac", "w")
+    encoder.sample_rate, encoder.format = rate, "fltp"
+    try:
+        encoder.layout = layout
+        encoder.open()
+        decoder = av.codec.CodecContext.create("aac", "r")
+        decoder.extradata = encoder.extradata
+        decoder.open()
+    except (*AVError, ValueError):
+        return None
+    return decoder.layout.name
 
 
 def audio_output(audio: AudioInfo, action: str) -> tuple[str, int, int]:

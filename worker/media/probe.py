@@ -245,15 +245,25 @@ class _Scan:
     end: float = 0.0  # latest packet end over all streams, seconds
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
+    key_pts: int | None = None  # the first keyframe's presentation time
+
+
+def cut_off(packet: av.Packet, size: int) -> bool:
+    """Whether `packet` is the one the end of a `size`-byte file cuts through (a recording that stopped mid-write: a
+    phone or OBS crashing, a fragmented MP4 copied while it grew). The demuxer hands over the bytes there are and
+    flags the packet corrupt. It holds no whole frame: counted, the video came up frames short only once decoded
+    (frame threads drop the frames decoded beside it), after the upscaling; copied, its sound does not decode."""
+    return packet.is_corrupt and packet.pos >= 0 and packet.pos + packet.size >= size
 
 
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
     scan = _Scan()
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
+    size = path.stat().st_size
     try:
         for packet in container.demux():
-            if packet.size == 0:
+            if packet.size == 0 or cut_off(packet, size):
                 continue
             owner = packet.stream
             if packet.pts is not None and packet.time_base is not None:
@@ -269,7 +279,8 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if scan.first_frame is None:
                 scan.first_frame = next(iter(packet.decode()), None)
             # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
-            scan.keyframe_seen = scan.keyframe_seen or packet.is_keyframe
+            if not scan.keyframe_seen and packet.is_keyframe:
+                scan.keyframe_seen, scan.key_pts = True, packet.pts
             if scan.keyframe_seen and not packet.is_discard:
                 if packet.pts is not None and (scan.latest is None or packet.pts > scan.latest):
                     scan.latest, scan.last_duration = packet.pts, packet.duration or 0
@@ -282,6 +293,10 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
         raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
     if scan.first_frame is None:
         raise InputCorrupt(f"{path.name} holds no decodable video frame")
+    leading = {t for t in scan.timestamps if t is not None and scan.key_pts is not None and t < scan.key_pts}
+    if leading:
+        dropped = leading - _decoded_times(path, stream.index, leading)
+        scan.timestamps = [t for t in scan.timestamps if t not in dropped]
     # MP4/MOV index every sample, so fewer packets than indexed means a cut file (AVI headers count empty chunks).
     declared = stream.frames if "mp4" in container.format.name else 0
     if declared and scan.video_packets < declared:
@@ -296,6 +311,35 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {held:.2f} s"
         )
     return scan
+
+
+def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
+    """The presentation times the decoder outputs from the start of a stream whose first keyframe is followed by
+    `leading` frames shown before it. A file that starts at an open GOP's keyframe (x265's CRA by default, x264's
+    `open-gop`: a Matroska file split or a recording started mid-stream) holds the leading frames that refer back
+    to the GOP before it, which is not there; the decoder drops those (HEVC's RASL) and shows the rest. Counted, the
+    frames came up short only once decoded, after the upscaling (input_corrupt). Decoded as the reader decodes,
+    up to a reorder buffer past the last leading frame."""
+    size = path.stat().st_size
+    shown: set[int] = set()
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams[index]
+            stream.thread_type = "AUTO"
+            decode_declared_picture(stream)
+            left, after = len(leading), 0
+            for packet in container.demux(stream):
+                if not packet.size or cut_off(packet, size):
+                    continue
+                shown.update(frame.pts for frame in packet.decode())
+                left -= packet.pts in leading
+                after += left <= 0
+                if after > REORDER:
+                    break
+            shown.update(frame.pts for frame in stream.decode(None))
+    except AVError as error:
+        raise InputCorrupt(f"{path.name}: its first frames cannot be decoded ({_reason(error)})") from None
+    return shown
 
 
 def _packets_held(path: Path, index: int) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.media.errors import InputCorrupt
-from worker.media.probe import AVError, VideoInfo, decode_declared_picture
+from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
@@ -56,7 +56,8 @@ def read_frames(path: str | Path, video: VideoInfo, fields: Fields | None = None
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
-            for frame in _deinterlaced(_decode(container, stream), stream, fields or Fields()):
+            frames = _decode(container, stream, Path(path).stat().st_size)
+            for frame in _deinterlaced(frames, stream, fields or Fields()):
                 colour = _source_colour(frame)
                 shape = _shape(frame, stream)
                 first = shape if first is None else first
@@ -105,12 +106,12 @@ def _boxed(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
     return boxed
 
 
-def _decode(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
-    """Every frame of `stream`. Empty packets are skipped, not sent: Ogg stores a Theora frame that repeats the one
-    before as a 0-byte packet, which the decoder takes for the end of the stream (every later packet: EINVAL).
-    The probe counts frames the same way, as ffprobe does."""
+def _decode(container: av.container.InputContainer, stream: av.VideoStream, size: int) -> Iterator[av.VideoFrame]:
+    """Every frame of `stream` (a file of `size` bytes). Empty packets are skipped, not sent: Ogg stores a Theora
+    frame that repeats the one before as a 0-byte packet, which the decoder takes for the end of the stream (every
+    later packet: EINVAL). So is the packet a cut file ends in (`cut_off`). The probe counts frames the same way."""
     for packet in container.demux(stream):
-        if packet.size:
+        if packet.size and not cut_off(packet, size):
             yield from packet.decode()
     yield from stream.decode(None)
 

@@ -114,7 +114,8 @@ def write_clip(
 def _write_audio(container: av.container.OutputContainer, stream: av.AudioStream, samples: np.ndarray, layout: str) -> None:
     context = stream.codec_context
     resampler = av.AudioResampler(format=context.format, layout=layout, rate=context.sample_rate, frame_size=context.frame_size or 1024)
-    frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout=layout)
+    # interleaved: PyAV cannot make a planar frame of 8 channels (worker.media.passthrough._ToAac says why)
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples.T).reshape(1, -1), format="flt", layout=layout)
     frame.sample_rate, frame.pts, frame.time_base = context.sample_rate, 0, Fraction(1, context.sample_rate)
     for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
         container.mux(stream.encode(chunk))
