@@ -78,7 +78,7 @@ def profile(path: Path) -> dict:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
-            return list(_decode(container, stream))
+            return list(_decode(container, stream, path.stat().st_size))
 
     figures = {}
     started = time.perf_counter()
