@@ -97,19 +97,7 @@ def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
             VSRQ_S3_TIMEOUT_S=str(timeout_s),
             VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
         )
-        job = create_record(jobs, s3, clip, queue)
-        lease = service.jobs().lease(job.id, "test-tail/1", lease_s=30)
-        output_key = attempt_output_key(job.id, lease.attempt, lease.token)
-        put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()  # the upload's request line, not the delete's
-        partition.hold(put)
-        prefix = KeptPrefix(lease.attempt)
-        with tasks._attempt(job, lease, output_key, prefix):
-            tail = tasks._head(job, lease, output_key, prefix)
-        promise = tail.encoding._promise
-        tail.encoding._promise = dataclasses.replace(promise, frames=promise.frames + 1)
-        finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
-        finishing.start()
-        wait_until(lambda: partition.held == 1, 30)
+        job, finishing, _ = check_failing_beside_held_upload(partition, settings, jobs, s3, queue, clip, lease_s=30)
         held = time.monotonic()
         failed = wait_until(lambda: ended(jobs, job.id), 3 * (timeout_s + 1) + 5)  # far from `storage_retry_s`
         failed_s = time.monotonic() - held
@@ -136,7 +124,6 @@ def test_an_attempt_that_failed_beside_its_hung_upload_ends_before_its_lease_can
     by when the reaper (run here as often as it runs) would have requeued the job and the failure would be lost to a
     retry. The request, let through after the attempt ended, lands: the stopped upload deletes it."""
     timeout_s, retry_s, lease_s = 2, 1, 2
-    job = create_record(jobs, s3, clip, queue)
     partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
     try:
         worker_here(
@@ -144,18 +131,7 @@ def test_an_attempt_that_failed_beside_its_hung_upload_ends_before_its_lease_can
             VSRQ_S3_TIMEOUT_S=str(timeout_s),
             VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
         )
-        lease = service.jobs().lease(job.id, "test-tail/1", lease_s=lease_s)
-        output_key = attempt_output_key(job.id, lease.attempt, lease.token)
-        put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()
-        partition.hold(put)
-        prefix = KeptPrefix(lease.attempt)
-        with tasks._attempt(job, lease, output_key, prefix):
-            tail = tasks._head(job, lease, output_key, prefix)
-        promise = tail.encoding._promise
-        tail.encoding._promise = dataclasses.replace(promise, frames=promise.frames + 1)
-        finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
-        finishing.start()
-        wait_until(lambda: partition.held == 1, 30)
+        job, finishing, put = check_failing_beside_held_upload(partition, settings, jobs, s3, queue, clip, lease_s)
         held = time.monotonic()
         requeued = {}
         while finishing.is_alive() and time.monotonic() - held < 3 * (timeout_s + 1) + 5:
@@ -247,6 +223,26 @@ def held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s: floa
     head(first, lease)
     wait_until(lambda: partition.held == 1, 30)
     return first, behind, put
+
+
+def check_failing_beside_held_upload(partition, settings, jobs, s3, queue, clip, lease_s: float):
+    """A job leased and its head run, its tail on a thread of its own with its output's upload held by `partition`
+    and a check that will fail (its promise asks for a frame more than the encoder was given): (the job, the tail's
+    thread, the held request)."""
+    job = create_record(jobs, s3, clip, queue)
+    lease = service.jobs().lease(job.id, "test-tail/1", lease_s=lease_s)
+    output_key = attempt_output_key(job.id, lease.attempt, lease.token)
+    put = f"PUT /{settings.s3_bucket}/{output_key} ".encode()  # the upload's request line, not the delete's
+    partition.hold(put)
+    prefix = KeptPrefix(lease.attempt)
+    with tasks._attempt(job, lease, output_key, prefix):
+        tail = tasks._head(job, lease, output_key, prefix)
+    promise = tail.encoding._promise
+    tail.encoding._promise = dataclasses.replace(promise, frames=promise.frames + 1)
+    finishing = threading.Thread(target=tasks._finish, args=(tail,), daemon=True)
+    finishing.start()
+    wait_until(lambda: partition.held == 1, 30)
+    return job, finishing, put
 
 
 def head(job, lease) -> None:
