@@ -145,13 +145,19 @@ def forget_windows(job_id: str) -> None:
 
 
 def discard_attempt(output_key: str) -> None:
-    """An attempt's output that will not be promoted: the video and the previews made of it."""
+    """An attempt's output that will not be promoted: the video and the previews made of it. Storage that fails one
+    delete is not asked for the next: each would wait out botocore's tries (3 x `s3_timeout_s`) after the job ended,
+    holding the tail behind it; the storage sweep deletes what is left."""
     for key in (output_key, *(preview_key(output_key, variant) for variant in PREVIEWS)):
-        discard(key)
+        if not discard(key):
+            return
 
 
-def discard(key: str) -> None:
+def discard(key: str) -> bool:
+    """Whether `key` is gone (storage down: the reaper's storage sweep, storage.lifecycle, deletes what is left)."""
     try:
         service.blobs().delete(key)
-    except Exception:  # storage down: the reaper's storage sweep (storage.lifecycle) deletes what is left
+    except Exception:
         log.warning("could not delete %s", key, exc_info=True)
+        return False
+    return True

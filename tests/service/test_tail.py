@@ -9,6 +9,7 @@ other's error is not lost.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import sys
@@ -22,9 +23,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from storage.blobs import attempt_output_key, output_prefix, work_prefix
+from storage.blobs import PREVIEWS, attempt_output_key, output_prefix, preview_key, work_prefix
 from worker import service, tasks
-from worker.attempt import classify
+from worker.attempt import classify, discard_attempt
 from worker.kept_windows import KeptPrefix
 from worker.media.synthetic import write_clip
 
@@ -155,6 +156,33 @@ def test_an_attempt_that_failed_beside_its_hung_upload_ends_before_its_lease_can
     assert requeued == {} and (after.status, after.error.code, after.attempt) == ("failed", "output_mismatch", 1)
     assert ended_s < lease_s, ended_s
     assert stored == [200] and left == [], stored
+
+
+def test_an_attempt_s_output_is_not_deleted_key_by_key_from_storage_that_does_not_answer(worker_here, settings, s3):
+    """An ended attempt deletes its output and previews. With storage not answering, each delete waits out botocore's
+    tries (3 x `s3_timeout_s`), after the job ended and holding any tail behind it: once one has failed, the others
+    are left to the storage sweep, one request's tries in all instead of one per key."""
+    timeout_s = 1
+    output_key = attempt_output_key("video_" + os.urandom(12).hex(), 1, "t" * 16)
+    keys = [output_key, *(preview_key(output_key, variant) for variant in PREVIEWS)]
+    for key in keys:
+        s3.put(key, io.BytesIO(b"x"))
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}", VSRQ_S3_TIMEOUT_S=str(timeout_s))
+        deletes: list[str] = []
+        service.blobs().client.meta.events.register(
+            "before-call.s3.DeleteObject", lambda params, **_: deletes.append(params["url_path"])
+        )
+        partition.cut()
+        started = time.monotonic()
+        discard_attempt(output_key)
+        ended_s = time.monotonic() - started
+    finally:
+        partition.close()
+    print(f"FIGURE discard_unanswered: {len(deletes)} delete call(s), {ended_s:.1f} s")
+    assert len(deletes) == 1 and ended_s < 2 * 3 * timeout_s, (deletes, ended_s)  # one call, its 3 tries
+    assert sorted(s3.keys(output_key.rsplit("/", 1)[0])) == sorted(keys)  # for the sweep
 
 
 @pytest.mark.parametrize("released", [False, True], ids=["held_at_its_commit", "released_before_its_commit"])
