@@ -82,6 +82,18 @@ def worker_here(service_env, monkeypatch) -> Iterator[Callable[..., None]]:
         cache.cache_clear()
 
 
+def storage_through(settings, worker_here, **env: str) -> Partition:
+    """A partition in front of the session's SeaweedFS, and this process as a worker (`worker_here`, with `env`) whose
+    storage is reached through it."""
+    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    try:
+        worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}", **env)
+    except BaseException:
+        partition.close()
+        raise
+    return partition
+
+
 def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
     worker_here, settings, jobs, s3, queue, clip, tmp_path
 ):
@@ -91,13 +103,13 @@ def test_an_output_that_fails_its_check_stops_its_upload_and_is_discarded(
     and message without waiting for botocore's 3 tries of the request to time out (`s3_timeout_s`, after a second's
     wait for `100 Continue`), and nothing is left under the job's output prefix."""
     timeout_s, retry_s = 2, 60
-    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    partition = storage_through(
+        settings,
+        worker_here,
+        VSRQ_S3_TIMEOUT_S=str(timeout_s),
+        VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
+    )
     try:
-        worker_here(
-            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
-            VSRQ_S3_TIMEOUT_S=str(timeout_s),
-            VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
-        )
         job, finishing, _ = check_failing_beside_held_upload(partition, settings, jobs, s3, queue, clip, lease_s=30)
         held = time.monotonic()
         failed = wait_until(lambda: ended(jobs, job.id), 3 * (timeout_s + 1) + 5)  # far from `storage_retry_s`
@@ -125,13 +137,13 @@ def test_an_attempt_that_failed_beside_its_hung_upload_ends_before_its_lease_can
     by when the reaper (run here as often as it runs) would have requeued the job and the failure would be lost to a
     retry. The request, let through after the attempt ended, lands: the stopped upload deletes it."""
     timeout_s, retry_s, lease_s = 2, 1, 2
-    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    partition = storage_through(
+        settings,
+        worker_here,
+        VSRQ_S3_TIMEOUT_S=str(timeout_s),
+        VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
+    )
     try:
-        worker_here(
-            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
-            VSRQ_S3_TIMEOUT_S=str(timeout_s),
-            VSRQ_WORKER_STORAGE_RETRY_S=str(retry_s),
-        )
         job, finishing, put = check_failing_beside_held_upload(partition, settings, jobs, s3, queue, clip, lease_s)
         held = time.monotonic()
         requeued = {}
@@ -167,9 +179,8 @@ def test_an_attempt_s_output_is_not_deleted_key_by_key_from_storage_that_does_no
     keys = [output_key, *(preview_key(output_key, variant) for variant in PREVIEWS)]
     for key in keys:
         s3.put(key, io.BytesIO(b"x"))
-    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    partition = storage_through(settings, worker_here, VSRQ_S3_TIMEOUT_S=str(timeout_s))
     try:
-        worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}", VSRQ_S3_TIMEOUT_S=str(timeout_s))
         deletes: list[str] = []
         service.blobs().client.meta.events.register(
             "before-call.s3.DeleteObject", lambda params, **_: deletes.append(params["url_path"])
@@ -195,9 +206,8 @@ def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
     is kept under its work prefix. Released and ended before (the job's head held at its input's download while
     it ends): the job's tail follows at once, and it keeps nothing. Both jobs then complete, and the job's end deletes
     what it kept. (A job with no tail held keeps no last window: test_recovery.py.)"""
-    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    partition = storage_through(settings, worker_here)
     try:
-        worker_here(VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}")
         held, behind, put = held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s=30)
         lease = service.jobs().lease(behind.id, "test-tail/1", lease_s=30)
         if not released:
@@ -298,15 +308,15 @@ def upload_refused_check_held(
     marker (to release), the tail and its thread, once the upload was refused. One try of it (`AWS_MAX_ATTEMPTS`,
     storage_retry_s 0: an outage is not waited out) and one attempt of the job (`VSRQ_MAX_ATTEMPTS`: none is sent
     again)."""
-    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    partition = storage_through(
+        settings,
+        worker_here,
+        VSRQ_WORKER_STORAGE_RETRY_S="0",
+        AWS_MAX_ATTEMPTS="1",
+        VSRQ_MAX_ATTEMPTS="1",
+        **WINDOWS,
+    )
     try:
-        worker_here(
-            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
-            VSRQ_WORKER_STORAGE_RETRY_S="0",
-            AWS_MAX_ATTEMPTS="1",
-            VSRQ_MAX_ATTEMPTS="1",
-            **WINDOWS,
-        )
         job = create_record(jobs, s3, clip, queue)
         lease = service.jobs().lease(job.id, "test-tail/1", lease_s=lease_s)
         output_key = attempt_output_key(job.id, lease.attempt, lease.token)
@@ -451,13 +461,13 @@ def test_a_job_sent_back_behind_a_stuck_tail_keeps_its_last_window_for_its_next_
     monkeypatch.setattr(worker_state, "should_stop", worker_state.should_stop)  # `_stop_if_stuck` sets it
     monkeypatch.setattr(attempt, "app", make_celery(settings))  # the job sent back on the test stack's broker
     stall_s = 3
-    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    partition = storage_through(
+        settings,
+        worker_here,
+        VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
+        VSRQ_WORKER_STORAGE_RETRY_S="1",  # the stuck tail's lease is kept this long into its upload, then silent
+    )
     try:
-        worker_here(
-            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
-            VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
-            VSRQ_WORKER_STORAGE_RETRY_S="1",  # the stuck tail's lease is kept this long into its upload, then silent
-        )
         assert not tasks._finisher.busy()
         stuck, behind, put = held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s=60)
         # the next job's task, leased before the stall, its input's download held until the tail ahead is stuck
@@ -511,13 +521,13 @@ def test_a_tail_whose_job_was_cancelled_is_not_taken_for_a_stuck_one_as_it_clean
     monkeypatch.setattr(worker_state, "should_stop", stopping)  # `_stop_if_stuck` would set it
     monkeypatch.setattr(attempt, "app", make_celery(settings))  # a job sent back: on the test stack's broker
     stall_s = 2
-    partition = Partition(("127.0.0.1", urlsplit(settings.s3_endpoint_url).port))
+    partition = storage_through(
+        settings,
+        worker_here,
+        VSRQ_S3_TIMEOUT_S="2",
+        VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
+    )
     try:
-        worker_here(
-            VSRQ_S3_ENDPOINT_URL=f"http://127.0.0.1:{partition.port}",
-            VSRQ_S3_TIMEOUT_S="2",
-            VSRQ_WORKER_TAIL_STALL_S=str(stall_s),
-        )
         assert not tasks._finisher.busy()
         cancelled, behind, put = held_at_its_output(partition, settings, jobs, s3, queue, clip, lease_s=30)
         deletes = f"DELETE /{settings.s3_bucket}/{output_prefix(cancelled.id)}".encode()
