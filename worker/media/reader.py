@@ -130,9 +130,9 @@ def _deinterlaced(frames: Iterator[av.VideoFrame], stream: av.VideoStream, field
     `auto` reads as bottom first. Where the stream declares none (DV; a stream that starts progressive), `auto`
     takes each frame's own flag, which DV's and MPEG-2's decoders set from each picture's header."""
     graph: av.filter.Graph | None = None
-    shape = None
+    configured = None  # the (width, height, pixel format) the graph was made for
     for frame in frames:
-        if graph is not None and (frame.width, frame.height, frame.format.name) != shape:
+        if graph is not None and (frame.width, frame.height, frame.format.name) != configured:
             yield from _drained(graph)  # the filter cannot change size: a new one takes the new size
             graph = None
         fields.interlaced += frame.interlaced_frame
@@ -141,7 +141,7 @@ def _deinterlaced(frames: Iterator[av.VideoFrame], stream: av.VideoStream, field
             continue
         if graph is None:
             fields.parity = PARITY.get(stream.codec_context.field_order, "auto")
-            graph, shape = _bwdif(frame, fields.parity), (frame.width, frame.height, frame.format.name)
+            graph, configured = _bwdif(frame, fields.parity), (frame.width, frame.height, frame.format.name)
         graph.push(frame)
         yield from _ready(graph)
     if graph is not None:
