@@ -5,6 +5,7 @@ loopback, as `vsrq dev` runs it; a real Celery worker runs lanczos; Redis and Se
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
@@ -28,6 +29,7 @@ from .conftest import ROOT, serve_api
 from .test_worker import TERMINAL, celery_worker
 
 COMPAT_KEY = f"sk-test-compat-{'0' * 16}"
+PAGER_KEY = f"sk-test-pager-{'0' * 16}"  # a key of its own: its listing holds only the jobs its test made
 QUEUE, IDLE_QUEUE = "vsrq.compat", "vsrq.compat-idle"  # IDLE_QUEUE has no worker: its jobs stay queued
 POLL_AFTER_MS = 200
 
@@ -37,7 +39,7 @@ def anonymous_api(service_env, tmp_path_factory) -> Iterator[str]:
     env = {
         **service_env,
         "VSRQ_AUTH": "none",
-        "VSRQ_API_KEYS": json.dumps([{"id": "compat", "token": COMPAT_KEY}]),
+        "VSRQ_API_KEYS": json.dumps([{"id": "compat", "token": COMPAT_KEY}, {"id": "pager", "token": PAGER_KEY}]),
         "VSRQ_MODELS": json.dumps({"lanczos": QUEUE, "k6-vsr": IDLE_QUEUE}),  # lanczos first: the default
         "VSRQ_POLL_AFTER_MS": str(POLL_AFTER_MS),
     }
@@ -251,3 +253,21 @@ def test_served_models_are_listed_the_openai_way(anonymous_api, sdk):
     assert sdk.models.retrieve("lanczos").model_extra["default"] is True
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("sora-2")
+
+
+def test_openai_async_sdk_deletes_the_jobs_of_the_pages_it_iterates(anonymous_api, in_mp4):
+    """`async for video in client.videos.list(): await client.videos.delete(video.id)`: the SDK asks for each next
+    page `after` the id it has just deleted, which must still mark its place."""
+    upload = ("in.mp4", in_mp4.read_bytes(), "video/mp4")
+
+    async def create_then_delete_all() -> tuple[list[str], list[str], list]:
+        async with openai.AsyncOpenAI(base_url=f"{anonymous_api}/v1", api_key=PAGER_KEY, max_retries=0) as client:
+            # queued on the idle queue: deletable, and nobody runs them
+            created = [
+                (await client.videos.create(prompt="x", input_reference=upload, model="k6-vsr")).id for _ in range(5)
+            ]
+            deleted = [(await client.videos.delete(video.id)).id async for video in client.videos.list(limit=2)]
+            return created, deleted, (await client.videos.list()).data
+
+    created, deleted, left = asyncio.run(create_then_delete_all())
+    assert deleted == created[::-1] and left == []  # newest first, every page
