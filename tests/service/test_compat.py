@@ -220,6 +220,16 @@ def test_openai_sdk_errors_read_well_and_are_not_retried_in_vain(anonymous_api, 
     error = refused.value
     assert (error.code, error.param, error.type) == ("generation_only_field", "seconds", "invalid_request_error")
     assert "not super-resolution" in error.message
+    # the SDK keeps only the body's `error`: the reasons, per field, are in its message
+    assert "seconds: the output keeps the input's frames" in error.message
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(
+            prompt="x", input_reference=("in.mp4", clip, "video/mp4"), extra_body={"sr_resolution_scale": 3, "seed": -2}
+        )
+    error = refused.value
+    assert (error.code, error.param) == ("invalid_request", "sr_resolution_scale")
+    assert "sr_resolution_scale: " in error.message and "must be one of 2, 2.25 or 4, got 3" in error.message
+    assert "seed: " in error.message and "seed: " in error.body["message"]
 
     # a job nobody runs yet: the poll hint, then a 409 the SDK is told not to retry
     queued = sdk.videos.with_raw_response.create(
