@@ -94,6 +94,10 @@ _NOOP = {
     "generator_device": {"cpu", "cuda"},
     "profile": {"false", "0"},
     "profile_all_stages": {"false", "0"},
+    # 1: no guidance (diffusers' convention), SGLang's own default for K6 SR, which clients may send as they found it
+    "guidance_scale": {"1"},
+    "guidance_scale_2": {"1"},
+    "true_cfg_scale": {"1"},
 }
 # Paths on the server's disk, which SGLang reads or writes: refused.
 SERVER_PATHS = frozenset(

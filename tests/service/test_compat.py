@@ -139,7 +139,7 @@ def test_sgl_fields_are_honoured_or_refused_by_name(anonymous_api, in_mp4):
 
     honoured = create(
         model="k6-vsr", prompt="ignored", seed="-1", sr_target_resolution="none", upscaling_scale="4",
-        enable_upscaling="true", n="1", enable_frame_interpolation="false",
+        enable_upscaling="true", n="1", enable_frame_interpolation="false", guidance_scale="1.0",
         extra_params=json.dumps({"sr_tiles_batch_size": 2}),
     ).json()  # fmt: skip
     params = honoured["params"]
