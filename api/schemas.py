@@ -246,6 +246,7 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     flattens a nested object into a multipart form.
     """
     fields = _merge_nested(_unflatten_form(fields))
+    _reference_object(fields)
     url_field = _url_input(fields, references)
     paths = sorted(SERVER_PATHS & fields.keys())
     if paths or isinstance(fields.get("input_reference"), str):
@@ -335,6 +336,30 @@ def _merge_nested(fields: dict[str, Any]) -> dict[str, Any]:
     if any(name in fields for name in NESTED):  # nested twice over: one level is what SGLang merges
         raise ApiError(400, "malformed_extra_body", f"`{'`, `'.join(NESTED)}` may not nest in each other.")
     return fields
+
+
+def _reference_object(fields: dict[str, Any]) -> None:
+    """OpenAI's `input_reference` object, {"image_url": an https URL} or {"file_id": an upload's id} (its SDK sends it
+    in a form as `input_reference[image_url]`), as the URL or the `upload_id` it names."""
+    reference = fields.get("input_reference")
+    if not isinstance(reference, dict):
+        return
+    given = {name: value for name, value in reference.items() if value not in (None, "")}
+    if len(given) != 1 or not given.keys() <= {"image_url", "file_id"} or not isinstance([*given.values()][0], str):
+        raise ApiError(
+            422,
+            "invalid_request",
+            "`input_reference` as an object names the video with one of `image_url` (an https URL) or `file_id` "
+            "(the id POST /v1/uploads answered).",
+            errors=[{"field": "input_reference", "code": "invalid_reference", "message": "one of image_url, file_id"}],
+        )
+    del fields["input_reference"]
+    if "image_url" in given:
+        fields["input_reference"] = given["image_url"]  # as SGLang's input_reference given as a URL
+    elif fields.get("upload_id") not in (None, ""):
+        raise ApiError(422, "missing_video", "Name the upload once: in `upload_id` or `input_reference.file_id`.")
+    else:
+        fields["upload_id"] = given["file_id"]
 
 
 def _url_input(fields: dict[str, Any], references: bool) -> str:

@@ -281,3 +281,23 @@ def test_openai_async_sdk_deletes_the_jobs_of_the_pages_it_iterates(anonymous_ap
 
     created, deleted, left = asyncio.run(create_then_delete_all())
     assert deleted == created[::-1] and left == []  # newest first, every page
+
+
+def test_openai_input_reference_object_names_an_upload_or_a_url(anonymous_api, lanczos_worker, in_mp4, sdk):
+    """OpenAI's `input_reference` object: {"file_id": ...} (here an upload's id) or {"image_url": ...} (an https URL).
+    The SDK's own check refuses a dict in the `input_reference` argument, so it rides in `extra_body`, sent as
+    `input_reference[file_id]` form fields."""
+    with open(in_mp4, "rb") as video:
+        upload = requests.post(f"{anonymous_api}/v1/uploads", files={"file": video}, timeout=30).json()
+    done = sdk.videos.create_and_poll(
+        prompt="x", model="lanczos", extra_body={"input_reference": {"file_id": upload["id"]}, "sr_resolution_scale": 2}
+    )
+    assert (done.status, done.size, done.model_extra["input"]["upload_id"]) == ("completed", "96x64", upload["id"])
+
+    url = {"image_url": "https://93.184.215.14/in.mp4"}  # public: fetched only once a worker runs it
+    queued = sdk.videos.create(prompt="x", model="k6-vsr", extra_body={"input_reference": url})
+    assert queued.status == "queued" and queued.model_extra["input"]["upload_id"] is None
+    requests.post(f"{anonymous_api}/v1/videos/{queued.id}/cancel", timeout=10)  # nobody runs the idle queue
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(prompt="x", extra_body={"input_reference": {"image_url": "http://93.184.215.14/in.mp4"}})
+    assert refused.value.param == "input_reference" and "https" in refused.value.message
