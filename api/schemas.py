@@ -313,8 +313,14 @@ def _unflatten_form(fields: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ApiError(400, "malformed_form", f"`{name}` nests under a field that is not an object.")
-        if keys[-1] == "":  # `name[]`: a list, as the SDK sends arrays
-            raise ApiError(422, "unknown_field", f"`{name}`: no field of this API takes a list.")
+        if keys[-1] == "":  # `name[]`: a list, as the SDK sends arrays (`seed=[1, 2]`: SGLang's seeds, one output each)
+            field = ".".join(keys[:-1])
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"`{field}` is a list (sent as `{name}`): no field of this API takes one; send one job per value.",
+                errors=[{"field": field, "code": "list_not_accepted", "message": "one value, not a list"}],
+            )
         if keys[-1] in node:
             raise ApiError(400, "malformed_form", f"`{name}` is given twice.")
         node[keys[-1]] = value

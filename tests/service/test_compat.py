@@ -230,6 +230,9 @@ def test_openai_sdk_errors_read_well_and_are_not_retried_in_vain(anonymous_api, 
     assert (error.code, error.param) == ("invalid_request", "sr_resolution_scale")
     assert "sr_resolution_scale: " in error.message and "must be one of 2, 2.25 or 4, got 3" in error.message
     assert "seed: " in error.message and "seed: " in error.body["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as refused:  # SGLang's list of seeds, as the SDK sends lists
+        sdk.videos.create(prompt="x", input_reference=("in.mp4", clip, "video/mp4"), extra_body={"seed": [1, 2]})
+    assert (refused.value.code, refused.value.param) == ("invalid_request", "seed")  # as a JSON body's list
 
     # a job nobody runs yet: the poll hint, then a 409 the SDK is told not to retry
     queued = sdk.videos.with_raw_response.create(
