@@ -81,8 +81,13 @@ class Problem(BaseModel):
     @model_validator(mode="after")
     def _openai_error(self) -> Problem:
         if self.error is None:
+            # OpenAI's SDK keeps only `error` (as `e.body`, its message as `e.message`): the field errors go in it, or
+            # a detail that says "see `errors`" would point its user at nothing
+            fields = "; ".join(
+                f"{item.field}: {item.message}" if item.field else item.message for item in self.errors or []
+            )
             self.error = OpenAIError(
-                message=self.detail,
+                message=f"{self.detail} {fields}" if fields else self.detail,
                 type=_OPENAI_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error"),
                 code=self.code,
                 param=self.errors[0].field if self.errors else None,

@@ -94,6 +94,10 @@ _NOOP = {
     "generator_device": {"cpu", "cuda"},
     "profile": {"false", "0"},
     "profile_all_stages": {"false", "0"},
+    # 1: no guidance (diffusers' convention), SGLang's own default for K6 SR, which clients may send as they found it
+    "guidance_scale": {"1"},
+    "guidance_scale_2": {"1"},
+    "true_cfg_scale": {"1"},
 }
 # Paths on the server's disk, which SGLang reads or writes: refused.
 SERVER_PATHS = frozenset(
@@ -242,6 +246,7 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     flattens a nested object into a multipart form.
     """
     fields = _merge_nested(_unflatten_form(fields))
+    _reference_object(fields)
     url_field = _url_input(fields, references)
     paths = sorted(SERVER_PATHS & fields.keys())
     if paths or isinstance(fields.get("input_reference"), str):
@@ -308,8 +313,14 @@ def _unflatten_form(fields: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ApiError(400, "malformed_form", f"`{name}` nests under a field that is not an object.")
-        if keys[-1] == "":  # `name[]`: a list, as the SDK sends arrays
-            raise ApiError(422, "unknown_field", f"`{name}`: no field of this API takes a list.")
+        if keys[-1] == "":  # `name[]`: a list, as the SDK sends arrays (`seed=[1, 2]`: SGLang's seeds, one output each)
+            field = ".".join(keys[:-1])
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"`{field}` is a list (sent as `{name}`): no field of this API takes one; send one job per value.",
+                errors=[{"field": field, "code": "list_not_accepted", "message": "one value, not a list"}],
+            )
         if keys[-1] in node:
             raise ApiError(400, "malformed_form", f"`{name}` is given twice.")
         node[keys[-1]] = value
@@ -331,6 +342,30 @@ def _merge_nested(fields: dict[str, Any]) -> dict[str, Any]:
     if any(name in fields for name in NESTED):  # nested twice over: one level is what SGLang merges
         raise ApiError(400, "malformed_extra_body", f"`{'`, `'.join(NESTED)}` may not nest in each other.")
     return fields
+
+
+def _reference_object(fields: dict[str, Any]) -> None:
+    """OpenAI's `input_reference` object, {"image_url": an https URL} or {"file_id": an upload's id} (its SDK sends it
+    in a form as `input_reference[image_url]`), as the URL or the `upload_id` it names."""
+    reference = fields.get("input_reference")
+    if not isinstance(reference, dict):
+        return
+    given = {name: value for name, value in reference.items() if value not in (None, "")}
+    if len(given) != 1 or not given.keys() <= {"image_url", "file_id"} or not isinstance([*given.values()][0], str):
+        raise ApiError(
+            422,
+            "invalid_request",
+            "`input_reference` as an object names the video with one of `image_url` (an https URL) or `file_id` "
+            "(the id POST /v1/uploads answered).",
+            errors=[{"field": "input_reference", "code": "invalid_reference", "message": "one of image_url, file_id"}],
+        )
+    del fields["input_reference"]
+    if "image_url" in given:
+        fields["input_reference"] = given["image_url"]  # as SGLang's input_reference given as a URL
+    elif fields.get("upload_id") not in (None, ""):
+        raise ApiError(422, "missing_video", "Name the upload once: in `upload_id` or `input_reference.file_id`.")
+    else:
+        fields["upload_id"] = given["file_id"]
 
 
 def _url_input(fields: dict[str, Any], references: bool) -> str:

@@ -329,7 +329,7 @@ _PRELUDE = (
     + "}\n"
     + """
 local JOB, EVENTS, QUEUE, LEASES, SEQ, ALL = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11]
-local OUTBOX, WEBHOOKS, UNSENT = KEYS[12], KEYS[13], KEYS[14]
+local OUTBOX, WEBHOOKS, UNSENT, CURSOR = KEYS[12], KEYS[13], KEYS[14], KEYS[15]
 local function fail(code, message) error({err = code .. ' ' .. message}) end
 local function now()
   local t = redis.call('TIME')
@@ -534,12 +534,15 @@ end
 fail('invalid_transition', 'a ' .. current .. ' job cannot be cancelled')
 """
 
-# A running job is never deleted under its worker: cancel it first.
+# A running job is never deleted under its worker: cancel it first. ARGV: how long its id stays a listing cursor
+# (CURSOR): a client deleting the jobs of the page it iterates (OpenAI's SDK: `for v in client.videos.list():
+# client.videos.delete(v.id)`) asks for the next page after the last id it deleted.
 _DELETE = """
 local current = status()
 if current == 'in_progress' then fail('job_active', 'the job is in progress: cancel it, then delete it') end
 local id = field('id')
 for _, key in ipairs({QUEUE, LEASES, ALL, UNSENT, KEYS[VIEW[current]]}) do redis.call('ZREM', key, id) end
+redis.call('SET', CURSOR, field('owner') .. ' ' .. field('seq'), 'EX', ARGV[1])
 redis.call('DEL', JOB, EVENTS)
 return 1
 """
@@ -569,6 +572,8 @@ def open_redis(settings: Settings) -> Redis:
 
 # Job ids become parts of Redis key names: an id of another shape (`<real id>:events`) never reaches one.
 JOB_ID = re.compile(r"video_[0-9a-f]{24}")
+# How long a deleted job's id still continues a listing: far longer than a client takes to page through its jobs.
+DELETED_CURSOR_TTL_S = 24 * 3600
 
 
 def new_job_id() -> str:
@@ -617,6 +622,10 @@ class JobStore:
     def _unsent_key(self) -> str:
         return f"{self.prefix}:unsent"
 
+    def _cursor_key(self, job_id: str) -> str:
+        """A deleted job's place in its owner's listing: "{owner} {seq}" (a string, so `records` never sees it)."""
+        return f"{self._job_key(job_id)}:cursor"
+
     def _keys(self, job_id: str) -> list[str]:
         # owner and queue never change, so reading them before the script cannot race with it
         owner, queue = self.redis.hmget(self._job_key(job_id), "owner", "queue")
@@ -633,6 +642,7 @@ class JobStore:
             self._owner_key(owner, "all"),
             *outbox_keys(self.prefix),
             self._unsent_key,
+            self._cursor_key(job_id),
         ]
 
     def _run(self, script: str, job_id: str, *args: Any) -> Any:
@@ -739,6 +749,8 @@ class JobStore:
             raise InvalidCursor(f"no job {after} to continue after")
         else:
             cursor = self.redis.hmget(self._job_key(after), "owner", "seq")
+            if cursor[0] is None and (deleted := self.redis.get(self._cursor_key(after))) is not None:
+                cursor = deleted.split(b" ")
             if cursor[0] is None or cursor[0].decode() != owner:
                 raise InvalidCursor(f"no job {after} to continue after")
             low, high = ("-inf", f"({int(cursor[1])}") if order == "desc" else (f"({int(cursor[1])}", "+inf")
@@ -839,8 +851,9 @@ class JobStore:
         return self.require(job_id)
 
     def delete(self, job_id: str) -> None:
-        """Removes the record (not its blobs: the caller deletes those). Raises `JobActive` while it runs."""
-        self._run("delete", job_id)
+        """Removes the record (not its blobs: the caller deletes those). Raises `JobActive` while it runs. Its id
+        stays a valid `after` of `page` for DELETED_CURSOR_TTL_S."""
+        self._run("delete", job_id, DELETED_CURSOR_TTL_S)
 
     def note(self, job_id: str, kind: str, detail: dict[str, Any]) -> None:
         """Appends an event that changes nothing (a webhook delivery attempt). Raises `JobNotFound` once deleted."""

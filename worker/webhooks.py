@@ -107,7 +107,12 @@ def _payload(started: Started, box: Outbox, jobs: JobStore) -> bytes | None:
     if job is None:
         return None
     body = {
+        # Standard Webhooks' type / timestamp / data, and OpenAI's event fields (id, object, created_at) that its SDK's
+        # `webhooks.unwrap` reads: the id is the webhook-id, the same on every retry, so receivers dedupe on either
+        "id": started.event_id,
+        "object": "event",
         "type": started.event.type,
+        "created_at": int(started.event.at),
         "timestamp": datetime.fromtimestamp(started.event.at, UTC).isoformat().replace("+00:00", "Z"),
         "data": jobs.view(job).model_dump(mode="json"),
     }

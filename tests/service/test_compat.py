@@ -5,6 +5,7 @@ loopback, as `vsrq dev` runs it; a real Celery worker runs lanczos; Redis and Se
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
@@ -28,6 +29,7 @@ from .conftest import ROOT, serve_api
 from .test_worker import TERMINAL, celery_worker
 
 COMPAT_KEY = f"sk-test-compat-{'0' * 16}"
+PAGER_KEY = f"sk-test-pager-{'0' * 16}"  # a key of its own: its listing holds only the jobs its test made
 QUEUE, IDLE_QUEUE = "vsrq.compat", "vsrq.compat-idle"  # IDLE_QUEUE has no worker: its jobs stay queued
 POLL_AFTER_MS = 200
 
@@ -37,7 +39,7 @@ def anonymous_api(service_env, tmp_path_factory) -> Iterator[str]:
     env = {
         **service_env,
         "VSRQ_AUTH": "none",
-        "VSRQ_API_KEYS": json.dumps([{"id": "compat", "token": COMPAT_KEY}]),
+        "VSRQ_API_KEYS": json.dumps([{"id": "compat", "token": COMPAT_KEY}, {"id": "pager", "token": PAGER_KEY}]),
         "VSRQ_MODELS": json.dumps({"lanczos": QUEUE, "k6-vsr": IDLE_QUEUE}),  # lanczos first: the default
         "VSRQ_POLL_AFTER_MS": str(POLL_AFTER_MS),
     }
@@ -137,7 +139,7 @@ def test_sgl_fields_are_honoured_or_refused_by_name(anonymous_api, in_mp4):
 
     honoured = create(
         model="k6-vsr", prompt="ignored", seed="-1", sr_target_resolution="none", upscaling_scale="4",
-        enable_upscaling="true", n="1", enable_frame_interpolation="false",
+        enable_upscaling="true", n="1", enable_frame_interpolation="false", guidance_scale="1.0",
         extra_params=json.dumps({"sr_tiles_batch_size": 2}),
     ).json()  # fmt: skip
     params = honoured["params"]
@@ -218,6 +220,19 @@ def test_openai_sdk_errors_read_well_and_are_not_retried_in_vain(anonymous_api, 
     error = refused.value
     assert (error.code, error.param, error.type) == ("generation_only_field", "seconds", "invalid_request_error")
     assert "not super-resolution" in error.message
+    # the SDK keeps only the body's `error`: the reasons, per field, are in its message
+    assert "seconds: the output keeps the input's frames" in error.message
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(
+            prompt="x", input_reference=("in.mp4", clip, "video/mp4"), extra_body={"sr_resolution_scale": 3, "seed": -2}
+        )
+    error = refused.value
+    assert (error.code, error.param) == ("invalid_request", "sr_resolution_scale")
+    assert "sr_resolution_scale: " in error.message and "must be one of 2, 2.25 or 4, got 3" in error.message
+    assert "seed: " in error.message and "seed: " in error.body["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as refused:  # SGLang's list of seeds, as the SDK sends lists
+        sdk.videos.create(prompt="x", input_reference=("in.mp4", clip, "video/mp4"), extra_body={"seed": [1, 2]})
+    assert (refused.value.code, refused.value.param) == ("invalid_request", "seed")  # as a JSON body's list
 
     # a job nobody runs yet: the poll hint, then a 409 the SDK is told not to retry
     queued = sdk.videos.with_raw_response.create(
@@ -251,3 +266,41 @@ def test_served_models_are_listed_the_openai_way(anonymous_api, sdk):
     assert sdk.models.retrieve("lanczos").model_extra["default"] is True
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("sora-2")
+
+
+def test_openai_async_sdk_deletes_the_jobs_of_the_pages_it_iterates(anonymous_api, in_mp4):
+    """`async for video in client.videos.list(): await client.videos.delete(video.id)`: the SDK asks for each next
+    page `after` the id it has just deleted, which must still mark its place."""
+    upload = ("in.mp4", in_mp4.read_bytes(), "video/mp4")
+
+    async def create_then_delete_all() -> tuple[list[str], list[str], list]:
+        async with openai.AsyncOpenAI(base_url=f"{anonymous_api}/v1", api_key=PAGER_KEY, max_retries=0) as client:
+            # queued on the idle queue: deletable, and nobody runs them
+            created = [
+                (await client.videos.create(prompt="x", input_reference=upload, model="k6-vsr")).id for _ in range(5)
+            ]
+            deleted = [(await client.videos.delete(video.id)).id async for video in client.videos.list(limit=2)]
+            return created, deleted, (await client.videos.list()).data
+
+    created, deleted, left = asyncio.run(create_then_delete_all())
+    assert deleted == created[::-1] and left == []  # newest first, every page
+
+
+def test_openai_input_reference_object_names_an_upload_or_a_url(anonymous_api, lanczos_worker, in_mp4, sdk):
+    """OpenAI's `input_reference` object: {"file_id": ...} (here an upload's id) or {"image_url": ...} (an https URL).
+    The SDK's own check refuses a dict in the `input_reference` argument, so it rides in `extra_body`, sent as
+    `input_reference[file_id]` form fields."""
+    with open(in_mp4, "rb") as video:
+        upload = requests.post(f"{anonymous_api}/v1/uploads", files={"file": video}, timeout=30).json()
+    done = sdk.videos.create_and_poll(
+        prompt="x", model="lanczos", extra_body={"input_reference": {"file_id": upload["id"]}, "sr_resolution_scale": 2}
+    )
+    assert (done.status, done.size, done.model_extra["input"]["upload_id"]) == ("completed", "96x64", upload["id"])
+
+    url = {"image_url": "https://93.184.215.14/in.mp4"}  # public: fetched only once a worker runs it
+    queued = sdk.videos.create(prompt="x", model="k6-vsr", extra_body={"input_reference": url})
+    assert queued.status == "queued" and queued.model_extra["input"]["upload_id"] is None
+    requests.post(f"{anonymous_api}/v1/videos/{queued.id}/cancel", timeout=10)  # nobody runs the idle queue
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(prompt="x", extra_body={"input_reference": {"image_url": "http://93.184.215.14/in.mp4"}})
+    assert refused.value.param == "input_reference" and "https" in refused.value.message

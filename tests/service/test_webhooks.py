@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 import standardwebhooks
@@ -301,6 +302,11 @@ def test_a_failed_job_sends_video_failed(hooks_api, upscaler, webhook_worker, re
     verify(call.body, call.headers, [SECRET])
     payload = json.loads(call.body)
     assert (payload["type"], payload["data"]["error"]["code"]) == ("video.failed", "input_unreadable")
+    # a receiver verifies with the reference library as its docs show, or with OpenAI's SDK, and reads OpenAI's event
+    assert standardwebhooks.Webhook(SECRET).verify(call.body, call.headers) == payload
+    event = openai.OpenAI(api_key="unused", webhook_secret=SECRET).webhooks.unwrap(call.body, call.headers)
+    assert (event.id, event.type, event.data.id) == (call.headers["webhook-id"], "video.failed", job_id)
+    assert event.object == "event" and event.created_at == payload["data"]["completed_at"]
     assert webhook_events(jobs, job_id, 1)[0]["outcome"] == "delivered"
 
 
