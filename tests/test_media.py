@@ -710,3 +710,23 @@ def test_side_channel_5_1_re_encoded_declares_which_channel_is_which(tmp_path):
     wanted = 440 * 1.5 ** np.arange(6)  # `tone`: a fifth higher on each further channel
     lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
     assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks
+
+
+def test_a_stream_that_grows_mid_way_is_upscaled_at_its_largest_parts_size(tmp_path):
+    """A screen recorder following a window, a live stream switching quality: 160x120, then 320x240, in one MPEG-TS
+    stream. Sized from the first part, the output was 320x240 at x2: the later part came back no larger than the
+    source's. Now it is 640x480, the later part at its full resolution, and the job says why."""
+    first = write_clip(tmp_path / "a.ts", 12, (120, 160))
+    then = write_clip(tmp_path / "b.ts", 12, (240, 320), timestamps=range(14, 26), time_base=Fraction(1, 24))
+    source = tmp_path / "in.ts"
+    source.write_bytes(first.read_bytes() + then.read_bytes())
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    back = read_back(output)
+    assert (back.width, back.height, back.frames) == (640, 480, 24)
+    assert any("changes size mid-way (160x120, 320x240)" in note for note in result.notes), result.notes
+    with av.open(str(source)) as container:
+        later = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)][-1].astype(float)
+    with av.open(str(output)) as container:
+        last = [frame for frame in container.decode(video=0)][-1].to_ndarray(format="rgb24", width=320, height=240)
+    assert np.abs(last - later).mean() < 2.8  # 3.5 through 160x120

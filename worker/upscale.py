@@ -357,6 +357,10 @@ def _notes(
     if video.rotation or video.mirrored:
         how = " and ".join([f"rotated {video.rotation} degrees"] * bool(video.rotation) + ["mirrored"] * video.mirrored)
         notes.append(f"the source is displayed {how}: frames were turned upright, the flag cleared")
+    if video.sizes:
+        notes.append(f"the source changes size mid-way ({', '.join(f'{w}x{h}' for w, h in video.sizes)}): the output "
+                     f"is sized for its largest part, the others scaled to fill it as players show them (in their "
+                     f"own shape, bars round a part of another)")
     others = [s.index for s in info.other_video]
     if others:
         notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "

@@ -67,6 +67,11 @@ class VideoInfo:
     timestamps: tuple[int, ...] = field(default=(), repr=False)
     # Variable rate only: how long the last frame lasts in `time_base`, as its packet says (0: it does not say).
     last_duration: int = 0
+    # A stream that changes size mid-way: each size its keyframes were seen at, (width, height) as stored, in order
+    # of appearance. `width` and `height` are then the largest part's (most pixels), and `canvas_shape` its shape as
+    # stored (width x the decoder's pixel aspect / height), which the reader fits every other part into.
+    sizes: tuple[tuple[int, int], ...] = ()
+    canvas_shape: Fraction | None = None
 
     @property
     def end(self) -> float:
@@ -148,7 +153,8 @@ class MediaInfo:
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
             + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
             + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
-            + (", mirrored for display" if video.mirrored else ""),
+            + (", mirrored for display" if video.mirrored else "")
+            + (f", changes size ({', '.join(f'{w}x{h}' for w, h in video.sizes)})" if video.sizes else ""),
         ]
         lines += [
             f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
@@ -246,6 +252,9 @@ class _Scan:
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
     key_pts: int | None = None  # the first keyframe's presentation time
+    # stored (width, height) -> the shape it is shown at (width x the decoder's pixel aspect / height), in order seen
+    sizes: dict[tuple[int, int], Fraction] = field(default_factory=dict)
+    sampled: float | None = None  # seconds: the last keyframe decoded for its size
 
 
 def cut_off(packet: av.Packet, size: int) -> bool:
@@ -278,6 +287,9 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             scan.video_packets += 1
             if scan.first_frame is None:
                 scan.first_frame = next(iter(packet.decode()), None)
+                _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
+            elif packet.is_keyframe and _sampled(scan, stream, packet):
+                _sized(scan, stream, _decoded_key(stream, packet))
             # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
             if not scan.keyframe_seen and packet.is_keyframe:
                 scan.keyframe_seen, scan.key_pts = True, packet.pts
@@ -289,6 +301,9 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
                     raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
         if scan.first_frame is None:  # a decoder with a delay may hold short streams until it is flushed
             scan.first_frame = next(iter(stream.decode(None)), None)
+            _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
+        else:
+            _sized(scan, stream, _decoded_key(stream, None))
     except AVError as error:
         raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
     if scan.first_frame is None:
@@ -311,6 +326,40 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             f"{path.name} is truncated: it declares {container.duration / 1e6:.2f} s, the file holds {held:.2f} s"
         )
     return scan
+
+
+def _sampled(scan: _Scan, stream: av.VideoStream, packet: av.Packet) -> bool:
+    """Whether to decode this keyframe for its size. A stream changes size only at a keyframe (H.264's and HEVC's
+    new SPS comes with an IDR: a screen recorder following a window, a live stream switching quality), and decoded
+    alone a keyframe costs one frame a GOP. Codecs whose every frame is a keyframe (MJPEG, ProRes, DV) would be
+    decoded whole: one a second of them."""
+    if not stream.codec_context.codec.intra_only:
+        return True
+    if packet.pts is None or packet.time_base is None:
+        return False
+    seconds = float(packet.pts * packet.time_base)
+    if scan.sampled is not None and abs(seconds - scan.sampled) < 1:
+        return False
+    scan.sampled = seconds
+    return True
+
+
+def _decoded_key(stream: av.VideoStream, packet: av.Packet | None) -> list[av.VideoFrame]:
+    """The frames the decoder hands over for the keyframe `packet` (None: those it still holds), sent without the
+    frames between it and the last one sent. Only their sizes are wanted: a keyframe that does not decode alone (an
+    open GOP's, concealed) is no reason to refuse a file the reader decodes in order."""
+    try:
+        return stream.decode(packet)
+    except AVError:
+        return []
+
+
+def _sized(scan: _Scan, stream: av.VideoStream, frames: list[av.VideoFrame]) -> None:
+    for frame in frames:
+        if (frame.width, frame.height) not in scan.sizes:
+            sar = stream.codec_context.sample_aspect_ratio  # the decoder's, as of this frame (the reader's `_shape`)
+            shape = frame.width * (Fraction(sar) if sar and sar > 0 else 1) / Fraction(frame.height)
+            scan.sizes[frame.width, frame.height] = shape
 
 
 def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
@@ -394,7 +443,12 @@ def _orientation(frame: av.VideoFrame) -> tuple[int, bool]:
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
     frame = scan.first_frame
     rotation, mirrored = _orientation(frame)
-    width, height = (frame.height, frame.width) if rotation in (90, 270) else (frame.width, frame.height)
+    # Sized for the part with the most pixels: sized from the first part, a recording that turned from 320x240 to
+    # 640x480 lost half its later part's resolution before the upscaling. Smaller parts are scaled up to it, as a
+    # player shows them full screen (reader.read_frames), in their own shape.
+    stored = max(scan.sizes, key=lambda size: size[0] * size[1], default=(frame.width, frame.height))
+    canvas_shape = scan.sizes[stored] if stored != (frame.width, frame.height) else None
+    width, height = (stored[1], stored[0]) if rotation in (90, 270) else stored
     _check_pixels(width, height, path, limits)
     frames = len(scan.timestamps)
     if frames < limits.min_frames:
@@ -440,6 +494,8 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
         last_duration=last_duration,
+        sizes=tuple(scan.sizes) if len(scan.sizes) > 1 else (),
+        canvas_shape=canvas_shape,
     )
 
 

@@ -43,10 +43,11 @@ def read_frames(path: str | Path, video: VideoInfo, fields: Fields | None = None
     Raises `InputCorrupt` if decoding fails or yields another frame count."""
     pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
     turns = video.rotation // 90
-    # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled back, its
-    # parts of another shape kept in shape (`_inside`).
+    # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled to the size
+    # of its largest part (probe: `VideoInfo.sizes`), its parts of another shape kept in shape (`_inside`).
     width, height = (video.height, video.width) if turns % 2 else (video.width, video.height)
-    first: Fraction | None = None  # the first frame's shape as shown (width x pixel aspect / height)
+    first = video.canvas_shape  # the shape of the part the picture is sized for (as shown: width x pixel aspect /
+    # height), else the first frame's
     count = 0
     # One swscale context for the stream: `frame.to_ndarray(format=...)` makes one per frame, and with it swscale's
     # slice threads (one per core), started and joined for every frame. The conversion is the same either way.
@@ -88,8 +89,8 @@ def _shape(frame: av.VideoFrame, stream: av.VideoStream) -> Fraction:
 
 def _inside(width: int, height: int, relative: Fraction) -> tuple[int, int] | None:
     """Where a frame of another size goes in the `width` x `height` picture: None (all of it) where its shape is the
-    first frame's (a stream that switches between 1080p and 720p, or a 16:9 DVD's 720x576 and HD), else the largest
-    (width, height) inside it that keeps its shape (`relative`: its shape over the first frame's), bars round it.
+    picture's (a stream that switches between 1080p and 720p, or a 16:9 DVD's 720x576 and HD), else the largest
+    (width, height) inside it that keeps its shape (`relative`: its shape over the picture's), bars round it.
     Stretched to the whole picture, a recording that turns from landscape to portrait came back squashed."""
     if abs(relative - 1) <= Fraction(1, 100):
         return None
