@@ -614,12 +614,8 @@ def test_the_audio_track_players_pick_is_the_sources_default_one(tmp_path, defau
     assert picked == list(zip(["eng", "jpn"], expected))
 
 
-@pytest.mark.parametrize("through", ["video", "audio"])
-def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_sound(tmp_path, through):
-    """A recording that stopped mid-write (a phone app or OBS writing fragmented MP4, crashing): the file ends inside
-    a packet, which the demuxer hands over cut short. Counted as a frame, it never decoded, and frame threads dropped
-    the frames beside it: input_corrupt once the upscaling was done. Copied, its sound did not decode."""
-    source = tmp_path / "in.mp4"
+def _fragmented(source: Path) -> Path:
+    """40 frames and their sound in a fragmented MP4 as a phone app or OBS writes it: a fragment every 10 frames."""
     with av.open(str(source), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"}) as container:
         video = container.add_stream("libx264", rate=30, options={"g": "10"})
         video.width, video.height, video.pix_fmt = 80, 48, "yuv420p"
@@ -631,6 +627,15 @@ def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_s
             container.mux(video.encode(image))
         container.mux(video.encode())
         _write_audio(container, audio, tone(40 / 30), "stereo")
+    return source
+
+
+@pytest.mark.parametrize("through", ["video", "audio"])
+def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_sound(tmp_path, through):
+    """A recording that stopped mid-write (a phone app or OBS writing fragmented MP4, crashing): the file ends inside
+    a packet, which the demuxer hands over cut short. Counted as a frame, it never decoded, and frame threads dropped
+    the frames beside it: input_corrupt once the upscaling was done. Copied, its sound did not decode."""
+    source = _fragmented(tmp_path / "in.mp4")
     with av.open(str(source)) as container:  # fragments of 10 frames, each its video's samples, then its audio's
         packets = [(packet.stream.type, packet.pos, packet.size) for packet in container.demux() if packet.size]
     videos = [packet for packet in packets if packet[0] == "video"]
@@ -730,3 +735,26 @@ def test_a_stream_that_grows_mid_way_is_upscaled_at_its_largest_parts_size(tmp_p
     with av.open(str(output)) as container:
         last = [frame for frame in container.decode(video=0)][-1].to_ndarray(format="rgb24", width=320, height=240)
     assert np.abs(last - later).mean() < 2.8  # 3.5 through 160x120
+
+
+# bytes into it: its video's tfhd, its video's trun (the samples' sizes), its audio's trun
+@pytest.mark.parametrize("into", [44, 130, 290])
+def test_a_fragmented_mp4_cut_inside_a_fragments_header_keeps_the_whole_fragments_before_it(tmp_path, into):
+    """A recording that stopped while it wrote the next fragment's header (`moof`): FFmpeg reads every fragment's
+    header as it opens such a file, failed on the cut one, and the job was refused input_unreadable, though the
+    fragments before it are whole. Now they are read one by one as demuxed, and the cut one ends the file."""
+    source = _fragmented(tmp_path / "in.mp4")
+    data, boxes, position = source.read_bytes(), [], 0
+    while position < len(data):
+        size, kind = struct.unpack(">I4s", data[position : position + 8])
+        boxes.append((kind, position, size))
+        position += size
+    _, start, _ = [box for box in boxes if box[0] == b"moof"][2]  # the third fragment's header
+    cut, whole = tmp_path / "cut.mp4", tmp_path / "whole.mp4"
+    cut.write_bytes(data[: start + into])
+    whole.write_bytes(data[:start])  # the oracle: the same file cut between fragments, which was always read
+    for path in (cut, whole):
+        upscale_file(path, path.with_suffix(".out.mp4"), LanczosUpscaler(), FAST)
+    back = read_back(cut.with_suffix(".out.mp4"))
+    assert back.frames == 20
+    assert back.audio == read_back(whole.with_suffix(".out.mp4")).audio  # the sound of the two whole fragments

@@ -25,6 +25,7 @@ import numpy as np
 
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AudioInfo, AVError, MediaInfo, cut_off
+from worker.media.source import open_input
 
 COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
 # MP3 below 16 kHz (MPEG-2.5: 8, 11.025, 12 kHz) is no MP4 codec: FFmpeg's muxer refuses its packets.
@@ -89,7 +90,7 @@ class Passthrough:
     def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float | None = None) -> None:
         self.path, self.format, self.size = info.path, info.format, info.size_bytes
         self.offset, self.end = offset, end
-        self.container = av.open(str(info.path), metadata_errors="replace")
+        self.container = open_input(info.path, metadata_errors="replace")
         wanted = {c.index: c.action for c in carried if c.action != "drop"}
         self.streams = [self.container.streams[index] for index in wanted]
         self.handlers: dict[int, _Handler] = {}

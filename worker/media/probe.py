@@ -29,6 +29,7 @@ from worker.media.errors import (
     InputUnsupportedCodec,
 )
 from worker.media.limits import Limits
+from worker.media.source import open_input
 
 AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
 
@@ -176,7 +177,7 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
     if limits.max_bytes is not None and size > limits.max_bytes:
         raise InputTooLarge(f"{path.name} is {size / 2**30:.1f} GiB; the limit is {limits.max_bytes / 2**30:.1f} GiB")
     try:
-        container = av.open(str(path), metadata_errors="replace")
+        container = open_input(path, metadata_errors="replace")
     except AVError as error:
         raise InputUnreadable(f"{path.name} is not a video file FFmpeg can read ({_reason(error)})") from None
     with container:
@@ -372,7 +373,7 @@ def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
     size = path.stat().st_size
     shown: set[int] = set()
     try:
-        with av.open(str(path)) as container:
+        with open_input(path) as container:
             stream = container.streams[index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
@@ -396,7 +397,7 @@ def _packets_held(path: Path, index: int) -> int:
     kept without re-encoding: `ffmpeg -ss … -c copy`, QuickTime's) makes the demuxer skip those samples unread, so
     fewer packets than the index lists is no sign of a cut file until they are counted without it."""
     try:
-        with av.open(str(path), options={"ignore_editlist": "1"}) as container:
+        with open_input(path, options={"ignore_editlist": "1"}) as container:
             return sum(1 for packet in container.demux(container.streams[index]) if packet.size)
     except AVError as error:
         raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None

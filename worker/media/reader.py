@@ -18,6 +18,7 @@ from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
+from worker.media.source import open_input
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
@@ -53,7 +54,7 @@ def read_frames(path: str | Path, video: VideoInfo, fields: Fields | None = None
     # slice threads (one per core), started and joined for every frame. The conversion is the same either way.
     reformatter = VideoReformatter()
     try:
-        with av.open(str(path)) as container:
+        with open_input(path) as container:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
