@@ -758,3 +758,36 @@ def test_a_fragmented_mp4_cut_inside_a_fragments_header_keeps_the_whole_fragment
     back = read_back(cut.with_suffix(".out.mp4"))
     assert back.frames == 20
     assert back.audio == read_back(whole.with_suffix(".out.mp4")).audio  # the sound of the two whole fragments
+
+
+def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
+    """A camera's or an editor's MP4 with a timecode track (tmcd) and cover art (covr, a poster file browsers show):
+    both were left out without a word. The picture is copied byte for byte, the timecode written again for the
+    output's first frame, as ffprobe reads each back."""
+    base = write_clip(tmp_path / "base.mp4", 24, (64, 96), Fraction(24), audio_codec="aac")
+    poster = Image.fromarray(np.full((32, 32, 3), 200, np.uint8))
+    jpeg = tmp_path / "poster.jpg"
+    poster.save(jpeg, "JPEG")
+    source = tmp_path / "in.mp4"
+    with av.open(str(base)) as original, av.open(str(source), "w") as edited:
+        streams = {stream.index: edited.add_stream_from_template(stream) for stream in original.streams}
+        streams[0].metadata["timecode"] = "01:02:03:04"  # FFmpeg's muxer writes it as a tmcd track
+        cover = edited.add_stream("mjpeg")
+        cover.width, cover.height, cover.pix_fmt = 32, 32, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        for packet in original.demux():
+            if packet.dts is not None:
+                packet.stream = streams[packet.stream.index]
+                edited.mux(packet)
+        picture = av.Packet(jpeg.read_bytes())
+        picture.stream, picture.pts, picture.dts, picture.time_base = cover, 0, 0, Fraction(1, 90000)
+        edited.mux(picture)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        assert container.streams.video[0].metadata.get("timecode") == "01:02:03:04"
+        assert [s.metadata.get("timecode") for s in container.streams.data] == ["01:02:03:04"]
+        covers = [s for s in container.streams.video if s.disposition & av.stream.Disposition.attached_pic]
+        assert len(covers) == 1
+        assert [bytes(p) for p in container.demux(covers[0]) if p.size] == [jpeg.read_bytes()]
+    assert {c.describe() for c in result.carried} >= {"cover art #3 (mjpeg): copied", "data #2 (timecode 01:02:03:04): kept as the output's timecode"}

@@ -182,6 +182,7 @@ def begin_upscale(
                     sample_aspect_ratio=sar,
                     chapters=output_chapters(info.chapters, clock),
                     on_frame=previews.take,
+                    timecode=video.timecode if any(c.action == "timecode" for c in carried) else None,
                 )
             )
             head["writer_open"] = monotonic()

@@ -73,6 +73,7 @@ class VideoInfo:
     # stored (width x the decoder's pixel aspect / height), which the reader fits every other part into.
     sizes: tuple[tuple[int, int], ...] = ()
     canvas_shape: Fraction | None = None
+    timecode: str | None = None  # the first frame's SMPTE timecode, as ffprobe reads it (an MOV's tmcd track)
 
     @property
     def end(self) -> float:
@@ -125,6 +126,13 @@ class OtherVideo:
 
 
 @dataclass(frozen=True)
+class DataInfo:
+    index: int
+    timecode: str | None  # a timecode track's (tmcd) first timecode
+    handler: str | None  # what its maker calls it: "TimeCodeHandler", "GoPro MET" (telemetry), …
+
+
+@dataclass(frozen=True)
 class MediaInfo:
     path: Path
     format: str
@@ -135,6 +143,8 @@ class MediaInfo:
     metadata: dict[str, str]
     other_video: tuple[OtherVideo, ...] = ()  # video streams besides the one upscaled (cover art aside)
     chapters: tuple[Chapter, ...] = ()
+    covers: tuple[OtherVideo, ...] = ()  # cover art: one picture each (an MP4's covr, a Matroska attachment's)
+    data: tuple[DataInfo, ...] = ()  # tracks of neither sound, picture nor text: timecode, telemetry
 
     def to_dict(self) -> dict:
         """JSON-ready (timestamps left out)."""
@@ -199,7 +209,16 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
             Chapter(float(c["start"] * c["time_base"]), float(c["end"] * c["time_base"]), c["metadata"].get("title"))
             for c in container.chapters()
         )
-        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters)
+        covers = tuple(
+            OtherVideo(s.index, _codec(s)) for s in container.streams.video if s.disposition & av.stream.Disposition.attached_pic
+        )
+        # Tracks of MP4/MOV only: the data streams FFmpeg shows in MPEG-PS (a DVD's navigation packets) and FLV (its
+        # script data) are the container's own workings, not content a user put there
+        tracks = container.streams.data if "mov" in container.format.name else ()
+        data = tuple(DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name")) for s in tracks)
+        return MediaInfo(
+            path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers, data
+        )
 
 
 def _codec(stream: av.stream.Stream) -> str:
@@ -497,6 +516,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         last_duration=last_duration,
         sizes=tuple(scan.sizes) if len(scan.sizes) > 1 else (),
         canvas_shape=canvas_shape,
+        timecode=stream.metadata.get("timecode"),
     )
 
 

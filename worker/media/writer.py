@@ -116,7 +116,8 @@ class Mp4Writer:
     `start` ticks of `time_base` into the file (the source's audio started earlier). Every packet carries its frame's
     duration (the last frame: `last_duration` ticks, else an average one), so the MP4's track duration and average rate are the source's. A
     `passthrough` muxes the source's audio and subtitles alongside, as the video advances; `chapters` are kept. `sample_aspect_ratio` is
-    the source's pixel shape, kept so that the picture is displayed as wide as the source's.
+    the source's pixel shape, kept so that the picture is displayed as wide as the source's; `timecode` (SMPTE,
+    "01:00:00:00") is its first frame's.
 
     `on_frame(index, pixels)` sees each frame, (H, W, 3) uint8 RGB, on the encoder's thread just before it is
     encoded (the previews take theirs there: worker.media.previews.PreviewFrames).
@@ -148,6 +149,7 @@ class Mp4Writer:
         sample_aspect_ratio: Fraction = Fraction(1),
         chapters: Sequence[tuple[float, float, str | None]] = (),
         on_frame: Callable[[int, np.ndarray], None] | None = None,
+        timecode: str | None = None,
     ) -> None:
         height, width = size
         encoder = encoder_for(codec)
@@ -183,6 +185,8 @@ class Mp4Writer:
         context.color_primaries, context.color_trc = colour
         if language:
             self.stream.metadata["language"] = language
+        if timecode:  # the MP4 muxer writes it as a timecode track (tmcd) for this stream, counted at its rate
+            self.stream.metadata["timecode"] = timecode
         if passthrough is not None:
             passthrough.add_streams(self.container)
         self.frames = 0
