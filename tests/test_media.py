@@ -21,7 +21,7 @@ from tests.mediatools import read_back
 from worker.errors import PermanentError
 from worker.media.limits import Limits
 from worker.media.probe import probe
-from worker.media.reader import read_frames
+from worker.media.reader import _source_colour, read_frames
 from worker.media.resize import Target
 from worker.media.synthetic import _write_audio, pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
@@ -791,3 +791,61 @@ def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
         assert len(covers) == 1
         assert [bytes(p) for p in container.demux(covers[0]) if p.size] == [jpeg.read_bytes()]
     assert {c.describe() for c in result.carried} >= {"cover art #3 (mjpeg): copied", "data #2 (timecode 01:02:03:04): kept as the output's timecode"}
+
+
+def _n_vop(bits: int = 5) -> bytes:
+    """An MPEG-4 Part 2 VOP that codes nothing (vop_coded 0): the chunk a packed stream puts where a B-frame was.
+    P type, time increment 0 in `bits` bits (those of the encoder's time base, 1/24), then next_start_code stuffing."""
+    value = "01" + "0" + "1" + "0" * bits + "1" + "0"
+    value += "0" + "1" * (-(len(value) + 1) % 8)
+    return b"\x00\x00\x01\xb6" + int(value, 2).to_bytes(len(value) // 8, "big")
+
+
+def _packed_avi(path: Path, frames: int, divx_flag: bool) -> Path:
+    """MPEG-4 Part 2 in AVI with packed B-frames, as DivX 5 and old XviD wrote them: decode order I0 P2 B1 P4 B3 …
+    stored as chunks I0 | P2+B1 | N-VOP | P4+B3 | N-VOP …, one chunk a frame time. `divx_flag`: the user data that
+    tells FFmpeg's decoder so ("DivX503b1393p"); a remuxed or re-tagged file has none."""
+    encoder = av.codec.CodecContext.create("mpeg4", "w")
+    encoder.width, encoder.height, encoder.pix_fmt = 96, 64, "yuv420p"
+    encoder.time_base, encoder.framerate, encoder.max_b_frames, encoder.gop_size = Fraction(1, 24), Fraction(24), 1, 12
+    packets = []
+    for index, pixels in enumerate(pattern(frames, 64, 96)):
+        frame = av.VideoFrame.from_ndarray((pixels.permute(1, 2, 0).numpy() * 255).astype(np.uint8), format="rgb24")
+        frame = frame.reformat(format="yuv420p")
+        frame.pts = index
+        packets += [(bytes(p), p.is_keyframe, p.pts) for p in encoder.encode(frame)]
+    packets += [(bytes(p), p.is_keyframe, p.pts) for p in encoder.encode(None)]
+    chunks, index = [], 0
+    while index < len(packets):
+        data, key, pts = packets[index]
+        if index + 1 < len(packets) and packets[index + 1][2] < pts:  # a B-frame shown before this one: packed
+            chunks += [(data + packets[index + 1][0], key), (_n_vop(), False)]
+            index += 2
+        else:
+            chunks.append((data, key))
+            index += 1
+    with av.open(str(path), "w", format="avi") as container:
+        stream = container.add_stream("mpeg4", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        stream.codec_context.extradata = encoder.extradata
+        for number, (data, key) in enumerate(chunks):
+            packet = av.Packet((b"\x00\x00\x01\xb2DivX503b1393p" if divx_flag and number == 0 else b"") + data)
+            packet.stream, packet.pts, packet.dts, packet.time_base, packet.is_keyframe = stream, number, number, Fraction(1, 24), key
+            container.mux(packet)
+    return path
+
+
+def test_packed_b_frames_in_avi_without_the_divx_flag_are_read_whole(tmp_path):
+    """Without the DivX flag FFmpeg's decoder dropped every packed B-frame (13 of 24 frames), and the job failed as
+    input_corrupt ("decoded 13 frames, the container holds 24") once the upscaling was done, with nothing a user could
+    do. Unpacked first (mpeg4_unpack_bframes), every frame is read: the frames FFmpeg decodes from the flagged file."""
+    source = _packed_avi(tmp_path / "in.avi", 24, divx_flag=False)
+    flagged = _packed_avi(tmp_path / "flagged.avi", 24, divx_flag=True)
+    with av.open(str(flagged)) as container:  # the oracle: FFmpeg's decoder reordering them itself
+        expected = [frame.to_ndarray(format="rgb24", **_source_colour(frame)) for frame in container.decode(video=0)]
+    got = list(read_frames(source, probe(source).video))
+    assert len(got) == len(expected) == 24
+    assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected))
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert read_back(output).frames == 24

@@ -29,7 +29,7 @@ from worker.media.errors import (
     InputUnsupportedCodec,
 )
 from worker.media.limits import Limits
-from worker.media.source import open_input
+from worker.media.source import open_input, unpacker
 
 AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
 
@@ -289,6 +289,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     scan = _Scan()
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
+    unpack = unpacker(stream)
     size = path.stat().st_size
     try:
         for packet in container.demux():
@@ -305,11 +306,6 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if owner.index != stream.index:
                 continue
             scan.video_packets += 1
-            if scan.first_frame is None:
-                scan.first_frame = next(iter(packet.decode()), None)
-                _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
-            elif packet.is_keyframe and _sampled(scan, stream, packet):
-                _sized(scan, stream, _decoded_key(stream, packet))
             # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
             if not scan.keyframe_seen and packet.is_keyframe:
                 scan.keyframe_seen, scan.key_pts = True, packet.pts
@@ -319,8 +315,14 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
                 scan.timestamps.append(packet.pts)
                 if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
                     raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
+            # Decoded last: `unpack` takes the packet's contents
+            if scan.first_frame is None:
+                scan.first_frame = next((frame for sent in unpack(packet) for frame in stream.decode(sent)), None)
+                _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
+            elif packet.is_keyframe and _sampled(scan, stream, packet):
+                _sized(scan, stream, _decoded_key(stream, packet))
         if scan.first_frame is None:  # a decoder with a delay may hold short streams until it is flushed
-            scan.first_frame = next(iter(stream.decode(None)), None)
+            scan.first_frame = next((frame for sent in [*unpack(None), None] for frame in stream.decode(sent)), None)
             _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
         else:
             _sized(scan, stream, _decoded_key(stream, None))
@@ -396,12 +398,13 @@ def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
             stream = container.streams[index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
+            unpack = unpacker(stream)
             left, after = len(leading), 0
             for packet in container.demux(stream):
                 if not packet.size or cut_off(packet, size):
                     continue
-                shown.update(frame.pts for frame in packet.decode())
                 left -= packet.pts in leading
+                shown.update(frame.pts for sent in unpack(packet) for frame in stream.decode(sent))  # takes the packet
                 after += left <= 0
                 if after > REORDER:
                     break
