@@ -20,6 +20,7 @@ from PIL import Image
 from tests.mediatools import read_back
 from worker.errors import PermanentError
 from worker.media.limits import Limits
+from worker.media.passthrough import aac_format
 from worker.media.probe import probe
 from worker.media.reader import _source_colour, read_frames
 from worker.media.resize import Target
@@ -849,3 +850,34 @@ def test_packed_b_frames_in_avi_without_the_divx_flag_are_read_whole(tmp_path):
     output = tmp_path / "out.mp4"
     upscale_file(source, output, LanczosUpscaler(), FAST)
     assert read_back(output).frames == 24
+
+
+def test_6_1_sound_re_encoded_declares_which_channel_is_which(tmp_path):
+    """6.1 (a DTS-ES track, 7-channel PCM from a camera or a WAV) has no AAC channel configuration: its encoder wrote
+    a program config element that reads back as "7 channels", positions unknown, so players guessed. The output is
+    AAC's 7.1, each channel in its place and the back centre between the two back channels, as a 7.1 system plays it."""
+    source = write_clip(tmp_path / "in.mov", 24, SIZE, Fraction(24), audio_codec="pcm_s16le", layout="6.1")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "7.1")
+        packed = av.AudioResampler(format="flt", layout="7.1", rate=48000)
+        frames = [f for frame in container.decode(stream) for f in packed.resample(frame)]
+        samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
+    spectrum = np.abs(np.fft.rfft(samples[2048 : 2048 + 24000], axis=0))
+    peaks = dict(zip(["FL", "FR", "FC", "LFE", "BL", "BR", "SL", "SR"], np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]))
+    tones = dict(zip(["FL", "FR", "FC", "LFE", "BC", "SL", "SR"], 440 * 1.5 ** np.arange(7)))  # `tone`: 6.1's order
+    for channel in ("FL", "FR", "FC", "SL", "SR"):  # AAC keeps only the lowest frequencies of the LFE channel
+        assert peaks[channel] == pytest.approx(tones[channel], rel=0.01), (channel, peaks)
+    assert peaks["BL"] == pytest.approx(tones["BC"], rel=0.01) and peaks["BR"] == pytest.approx(tones["BC"], rel=0.01), peaks
+    back = spectrum[:, 4:6].max(axis=0)
+    assert back[0] == pytest.approx(back[1], rel=0.05)  # the back centre in the middle
+
+
+@pytest.mark.parametrize(("layout", "declared"), [("3.1", "5.1"), ("4.1", "5.1"), ("6.0", "7.1"), ("6.1", "7.1"),
+                                                  ("5.1(side)", "5.1"), ("quad(side)", "quad"), ("5.1", "5.1")])  # fmt: skip
+def test_sound_re_encoded_to_aac_gets_the_smallest_declared_layout_with_room_for_every_channel(layout, declared):
+    """The standard layout of as many channels dropped what it has no place for: 3.1's and 4.1's LFE (quad, 5.0: the
+    resampler mixes no LFE), a whole channel of 6.0 (5.1: its LFE left silent)."""
+    assert aac_format(48000, layout, av.AudioLayout(layout).nb_channels) == (48000, declared)

@@ -38,6 +38,8 @@ AAC_BITRATE_PER_CHANNEL = 96_000
 # Source metadata that describes the old file rather than its content.
 _TECHNICAL_METADATA = frozenset({"major_brand", "minor_version", "compatible_brands", "encoder", "duration"})
 _DEFAULT_LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
+# The layouts AAC declares which channel is which (its channel configurations), fewest channels first
+_AAC_LAYOUTS = ("mono", "stereo", "2.1", "3.0", "quad", "4.0", "5.0", "5.1", "7.1")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,9 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
             carried.append(Carried(audio.index, "audio", "drop", f"{audio.codec}, holds no samples"))
         else:
             copy = audio.codec in COPY_AUDIO and not (audio.codec == "mp3" and audio.sample_rate < MP3_MIN_RATE)
-            carried.append(Carried(audio.index, "audio", "copy" if copy else "aac", audio.codec))
+            layout = None if copy else aac_format(audio.sample_rate, audio.layout, audio.channels)[1]
+            moved = f", {audio.layout} as {layout}" if layout and layout != audio.layout else ""  # 6.1 as 7.1
+            carried.append(Carried(audio.index, "audio", "copy" if copy else "aac", audio.codec + moved))
     for subtitle in info.subtitles:
         text = subtitle.codec in TEXT_SUBTITLES
         carried.append(
@@ -361,7 +365,27 @@ def aac_format(sample_rate: int, layout: str, channels: int) -> tuple[int, str]:
     if written == av.AudioLayout(layout).name:
         return rate, layout
     standard = _DEFAULT_LAYOUTS.get(channels)
-    return rate, standard or (layout if written is not None else "stereo")
+    return rate, _holding(rate, layout) or standard or (layout if written is not None else "stereo")
+
+
+def _holding(rate: int, layout: str) -> str | None:
+    """The smallest layout AAC declares that has room for each of `layout`'s channels: as many besides the LFE, and
+    an LFE where it has one. The resampler puts each channel where it goes, or between its neighbours (a 6.1's back
+    centre on both back channels, as a 7.1 system plays it). AAC declares no 7-channel layout: 6.1 (DTS-ES, 7-channel
+    PCM) read back as "7 channels", positions unknown; and the standard layout of as many channels dropped an LFE
+    (3.1 as quad) or had none for it."""
+    try:
+        names = [channel.name for channel in av.AudioLayout(layout).channels]
+    except ValueError:
+        return None
+    if "NONE" in names:  # "7 channels": which is which unknown; the resampler takes them as the standard layout
+        return _holding(rate, _DEFAULT_LAYOUTS[len(names)]) if len(names) in _DEFAULT_LAYOUTS else None
+    lfe = "LFE" in names
+    for candidate in _AAC_LAYOUTS:
+        held = [channel.name for channel in av.AudioLayout(candidate).channels]
+        if len(held) - ("LFE" in held) >= len(names) - lfe and ("LFE" in held) >= lfe and _written(rate, candidate) == candidate:
+            return candidate
+    return None
 
 
 def _written(rate: int, layout: str) -> str | None:
