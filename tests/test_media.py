@@ -881,3 +881,52 @@ def test_sound_re_encoded_to_aac_gets_the_smallest_declared_layout_with_room_for
     """The standard layout of as many channels dropped what it has no place for: 3.1's and 4.1's LFE (quad, 5.0: the
     resampler mixes no LFE), a whole channel of 6.0 (5.1: its LFE left silent)."""
     assert aac_format(48000, layout, av.AudioLayout(layout).nb_channels) == (48000, declared)
+
+
+def _simple_blocks(data: bytes) -> list[tuple[int, int]]:
+    """(offset of its 16-bit relative timestamp, track number) of every SimpleBlock of a Matroska file."""
+
+    def number(at: int, marker: bool = False) -> tuple[int, int]:  # an EBML variable-size integer, and its length
+        length = 9 - data[at].bit_length()
+        value = data[at] if marker else data[at] & (0xFF >> length)
+        for byte in data[at + 1 : at + length]:
+            value = value << 8 | byte
+        return value, length
+
+    found = []
+
+    def walk(at: int, end: int) -> None:
+        while at < end:
+            element, length = number(at, marker=True)
+            size, size_length = number(at + length)
+            body = at + length + size_length
+            if element in (0x18538067, 0x1F43B675):  # Segment, Cluster
+                walk(body, min(body + size, len(data)))
+            elif element == 0xA3:  # SimpleBlock
+                track, track_length = number(body)
+                found.append((body + track_length, track))
+            at = body + size
+
+    walk(0, len(data))
+    return found
+
+
+def test_a_lone_timestamp_that_runs_back_is_retimed_not_taken_for_a_restarted_clock(tmp_path):
+    """A variable-rate Matroska file whose muxer wrote one frame's time 0.6 s early, the frames after it going on:
+    refused as input_corrupt, "its clock starts over, as in recordings joined end to end", which it does not. That
+    frame is now timed between its neighbours (its true time, here) and the job says so."""
+    times = VFR + [VFR[-1] + 33 * i for i in range(1, 25)]
+    whole = write_clip(tmp_path / "whole.mkv", len(times), SIZE, Fraction(30), timestamps=times, time_base=Fraction(1, 1000),
+                       audio_codec="aac", video_options={"bf": "0"})  # fmt: skip
+    data = bytearray(whole.read_bytes())
+    at = [offset for offset, track in _simple_blocks(data) if track == 1][30]
+    struct.pack_into(">h", data, at, struct.unpack_from(">h", data, at)[0] - 600)
+    source = tmp_path / "in.mkv"
+    source.write_bytes(bytes(data))
+    with av.open(str(source)) as container:  # the oracle: what the file declares
+        declared = [packet.pts for packet in container.demux(video=0) if packet.size]
+    assert declared[30] == times[30] - 600 and declared[31] == times[31]
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert np.allclose(frame_times(output), np.array(times) / 1000, atol=1e-3)
+    assert any("timed between its neighbours" in note for note in result.notes), result.notes

@@ -376,6 +376,9 @@ def _notes(
     if video.color_trc in HDR_TRANSFERS:
         notes.append(f"the source is HDR ({HDR_TRANSFERS[video.color_trc]} transfer): it was upscaled in 8-bit "
                      "BT.709-matrix video with its transfer tag kept, not tone-mapped")
+    if video.retimed:
+        notes.append(f"{video.retimed} frame(s) carried a timestamp earlier than the frames before them while the "
+                     "frames after went on (a muxer's error): each was timed between its neighbours")
     if not video.cfr:
         notes.append(f"variable frame rate (average {float(video.fps):.3f} fps): every frame keeps its timestamp")
     notes += [c.describe() for c in carried if c.action == "drop"]

@@ -74,6 +74,7 @@ class VideoInfo:
     sizes: tuple[tuple[int, int], ...] = ()
     canvas_shape: Fraction | None = None
     timecode: str | None = None  # the first frame's SMPTE timecode, as ffprobe reads it (an MOV's tmcd track)
+    retimed: int = 0  # frames whose timestamp ran back alone, put between their neighbours' (probe._check_order)
 
     @property
     def end(self) -> float:
@@ -477,7 +478,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     if frames < limits.min_frames:
         raise InputTooShort(f"{path.name} has {frames} frame(s): a still image, not a video (at least {limits.min_frames})")
     time_base = stream.time_base or Fraction(1, 90000)
-    _check_order(scan.timestamps, time_base, path)
+    retimed = _check_order(scan.timestamps, time_base, path)
     fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
     if limits.max_fps is not None and fps > limits.max_fps:
         raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
@@ -520,19 +521,32 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         sizes=tuple(scan.sizes) if len(scan.sizes) > 1 else (),
         canvas_shape=canvas_shape,
         timecode=stream.metadata.get("timecode"),
+        retimed=retimed,
     )
 
 
-def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> None:
+def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
     """Each frame's presentation time (decode order) is its own and, beyond a decoder's reordering, later than the
     frames decoded before it. Recordings joined end to end (`cat a.ts b.ts`) start their clock over: frames then
-    repeat times or run back, which no MP4 can hold (its muxer refused them after all the upscaling was done)."""
+    repeat times or run back, which no MP4 can hold (its muxer refused them after all the upscaling was done).
+
+    A lone frame whose time runs back while the frames after it go on (a muxer's slip: one bad timestamp) is no
+    restart: it was refused as one. Its time is put between the frames decoded beside it, in place (frames come out
+    of the decoder in their own order; only which times they get changes); returns how many were."""
     if None in pts:  # raw streams: timed by their declared rate
-        return
+        return 0
+    retimed = 0
     latest = None  # the latest time of the frames decoded more than REORDER before this one
     for index in range(REORDER + 1, len(pts)):
         earlier = pts[index - REORDER - 1]
         latest = earlier if latest is None else max(latest, earlier)
+        if pts[index] <= latest and index + 1 < len(pts) and pts[index + 1] > max(latest, pts[index - 1]):
+            before, after = max(pts[index - REORDER - 1 : index]), pts[index + 1]
+            between = (before + after) // 2 if after - before > 1 else None
+            if between is not None and between not in pts:
+                pts[index] = between
+                retimed += 1
+                continue
         if pts[index] <= latest:
             raise InputCorrupt(
                 f"{path.name}: frame {index + 1}'s timestamp ({float(pts[index] * time_base):.3f} s) comes before "
@@ -541,6 +555,7 @@ def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> None
             )
     if len(set(pts)) < len(pts):
         raise InputCorrupt(f"{path.name}: {len(pts) - len(set(pts))} frame(s) repeat another frame's timestamp")
+    return retimed
 
 
 def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) -> tuple[Fraction, bool, list[int]]:
