@@ -930,3 +930,31 @@ def test_a_lone_timestamp_that_runs_back_is_retimed_not_taken_for_a_restarted_cl
     result = upscale_file(source, output, LanczosUpscaler(), FAST)
     assert np.allclose(frame_times(output), np.array(times) / 1000, atol=1e-3)
     assert any("timed between its neighbours" in note for note in result.notes), result.notes
+
+
+def _hdr10(path: Path) -> tuple[list[float], tuple[int, int]]:
+    """The first frame's HDR10 metadata as FFmpeg decodes it: the mastering display (red, green, blue, white point x
+    and y, then minimum and maximum luminance) and the content light level (MaxCLL, MaxFALL)."""
+    with av.open(str(path)) as container:
+        frame = next(container.decode(video=0))
+        found = {str(data.type): bytes(data) for data in frame.side_data}
+    fields = struct.unpack("=22i", found["Type.MASTERING_DISPLAY_METADATA"][:88])
+    assert fields[20:] == (1, 1)  # it has primaries and luminance
+    return [fields[i] / fields[i + 1] for i in range(0, 20, 2)], struct.unpack("=2I", found["Type.CONTENT_LIGHT_LEVEL"][:8])
+
+
+@pytest.mark.parametrize("codec", ["h264", "hevc", "av1"])
+def test_hdr10_mastering_display_and_light_levels_are_kept(tmp_path, codec):
+    """An HDR10 clip (10-bit HEVC, BT.2020, PQ) carries the display it was graded on and its light levels, which
+    players tone-map by. The output kept its primaries and transfer but dropped these, as ffprobe read it back."""
+    hdr10 = ("colorprim=bt2020:transfer=smpte2084:colormatrix=bt2020nc:hdr10=1:max-cll=1000,400:"
+             "master-display=G(13250,34500)B(7500,3000)R(34000,16000)WP(15635,16450)L(10000000,1)")  # fmt: skip
+    source = write_clip(tmp_path / "in.mp4", 9, (64, 96), Fraction(24), video_codec="libx265", pix_fmt="yuv420p10le",
+                        video_options={"x265-params": "log-level=error:" + hdr10})  # fmt: skip
+    (mastering, light), expected = _hdr10(source), [0.68, 0.32, 0.265, 0.69, 0.15, 0.06, 0.3127, 0.329, 0.0001, 1000]
+    assert np.allclose(mastering, expected) and light == (1000, 400)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), replace(FAST, codec=codec))
+    written, written_light = _hdr10(output)
+    assert np.allclose(written, mastering, rtol=1e-3, atol=1e-4) and written_light == light  # AV1: fixed point
+    assert any("mastering display and light levels kept" in note for note in result.notes), result.notes

@@ -183,6 +183,8 @@ def begin_upscale(
                     chapters=output_chapters(info.chapters, clock),
                     on_frame=previews.take,
                     timecode=video.timecode if any(c.action == "timecode" for c in carried) else None,
+                    mastering=video.mastering,
+                    light_level=video.light_level,
                 )
             )
             head["writer_open"] = monotonic()
@@ -374,8 +376,9 @@ def _notes(
         notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each source "
                      "frame at its time, so the output is progressive")
     if video.color_trc in HDR_TRANSFERS:
+        kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""
         notes.append(f"the source is HDR ({HDR_TRANSFERS[video.color_trc]} transfer): it was upscaled in 8-bit "
-                     "BT.709-matrix video with its transfer tag kept, not tone-mapped")
+                     f"BT.709-matrix video with its transfer tag{kept} kept, not tone-mapped")
     if video.retimed:
         notes.append(f"{video.retimed} frame(s) carried a timestamp earlier than the frames before them while the "
                      "frames after went on (a muxer's error): each was timed between its neighbours")

@@ -75,6 +75,9 @@ class VideoInfo:
     canvas_shape: Fraction | None = None
     timecode: str | None = None  # the first frame's SMPTE timecode, as ffprobe reads it (an MOV's tmcd track)
     retimed: int = 0  # frames whose timestamp ran back alone, put between their neighbours' (probe._check_order)
+    # HDR10's static metadata, as the first frame carries it (`_hdr10`)
+    mastering: str | None = None  # the mastering display: "G(x,y)B(x,y)R(x,y)WP(x,y)L(max,min)", HEVC SEI's units
+    light_level: tuple[int, int] | None = None  # MaxCLL, MaxFALL (cd/m²)
 
     @property
     def end(self) -> float:
@@ -464,9 +467,32 @@ def _orientation(frame: av.VideoFrame) -> tuple[int, bool]:
     return round(degrees / 90) * 90 % 360, mirrored
 
 
+def _hdr10(frame: av.VideoFrame) -> tuple[str | None, tuple[int, int] | None]:
+    """(mastering display, (MaxCLL, MaxFALL)) of an HDR10 frame: what players tone-map PQ by. The mastering display
+    is written as x265's `master-display` takes it: chromaticities in 0.00002, luminance in 0.0001 cd/m², green, blue,
+    red (HEVC's SEI order; FFmpeg keeps red, green, blue). Read off a 2x2 copy, as `_orientation` reads its matrix."""
+    try:
+        copy = frame.reformat(width=2, height=2)
+    except (*AVError, ValueError):
+        return None, None
+    mastering = light = None
+    data = copy.side_data.get(SideData.MASTERING_DISPLAY_METADATA)
+    if data is not None:
+        fields = struct.unpack("=22i", bytes(data)[:88])
+        value = [Fraction(fields[i], fields[i + 1]) if fields[i + 1] else Fraction(0) for i in range(0, 20, 2)]
+        if fields[20] and fields[21]:  # it has both primaries and luminance
+            (rx, ry, gx, gy, bx, by, wx, wy), (low, high) = (round(v * 50000) for v in value[:8]), (round(v * 10000) for v in value[8:])
+            mastering = f"G({gx},{gy})B({bx},{by})R({rx},{ry})WP({wx},{wy})L({high},{low})"
+    data = copy.side_data.get(SideData.CONTENT_LIGHT_LEVEL)
+    if data is not None:
+        light = struct.unpack("=2I", bytes(data)[:8])
+    return mastering, light
+
+
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
     frame = scan.first_frame
     rotation, mirrored = _orientation(frame)
+    mastering, light_level = _hdr10(frame)
     # Sized for the part with the most pixels: sized from the first part, a recording that turned from 320x240 to
     # 640x480 lost half its later part's resolution before the upscaling. Smaller parts are scaled up to it, as a
     # player shows them full screen (reader.read_frames), in their own shape.
@@ -522,6 +548,8 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         canvas_shape=canvas_shape,
         timecode=stream.metadata.get("timecode"),
         retimed=retimed,
+        mastering=mastering,
+        light_level=light_level,
     )
 
 
