@@ -283,8 +283,14 @@ class Encoding:
             joined = monotonic()
             kept_upload_s = self._store.join()
             self._spans["kept_join"] = (joined, monotonic())
+        notes = self.result.notes
+        if self._promise.timecode and written.video.timecode != self._promise.timecode:
+            # FFmpeg's muxer skips a timecode it cannot count at the output's rate (drop-frame at a rate not 29.97's
+            # multiple): said, not refused after all the work
+            notes += (f"the source's timecode ({self._promise.timecode}) could not be written at the output's rate: left out",)
         return replace(
             self.result,
+            notes=notes,
             written=written,
             seconds=perf_counter() - self._started,
             tail_spans=dict(self._spans),
