@@ -25,8 +25,9 @@ _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
 # FFmpeg's AVFieldOrder, by the field shown first: TT and BT show the top one first, BB and TB the bottom one.
 PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
 # How frames are read, for what is keyed on the frames read (kept windows): windows computed from interlaced frames
-# read otherwise (as stored, before deinterlacing) are never replayed beside these.
-READING = "interlaced frames deinterlaced: bwdif send_frame"
+# read otherwise (as stored, before deinterlacing), from a stream that changes size read at its first part's size, or
+# from packed B-frames read packed (every B-frame dropped), are never replayed beside these.
+READING = "interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked"
 
 
 @dataclass
