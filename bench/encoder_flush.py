@@ -86,8 +86,8 @@ def run(shape: str, variant: str, frames: np.ndarray, scratch: Path) -> dict:
             extra["threads"] = part[7:]
     options = writer_module._encoder_options
     if extra:  # x264 params beside the writer's own
-        def with_extra(encoder, crf, preset, la):
-            made = options(encoder, crf, preset, la)
+        def with_extra(encoder, crf, preset, la, hdr10=None):
+            made = options(encoder, crf, preset, la, hdr10)
             key = f"{encoder[3:]}-params"
             made[key] = ":".join(filter(None, [made.get(key, ""), *(f"{k}={v}" for k, v in extra.items())]))
             return made

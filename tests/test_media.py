@@ -20,8 +20,9 @@ from PIL import Image
 from tests.mediatools import read_back
 from worker.errors import PermanentError
 from worker.media.limits import Limits
+from worker.media.passthrough import aac_format
 from worker.media.probe import probe
-from worker.media.reader import read_frames
+from worker.media.reader import _source_colour, read_frames
 from worker.media.resize import Target
 from worker.media.synthetic import _write_audio, pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
@@ -614,12 +615,8 @@ def test_the_audio_track_players_pick_is_the_sources_default_one(tmp_path, defau
     assert picked == list(zip(["eng", "jpn"], expected))
 
 
-@pytest.mark.parametrize("through", ["video", "audio"])
-def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_sound(tmp_path, through):
-    """A recording that stopped mid-write (a phone app or OBS writing fragmented MP4, crashing): the file ends inside
-    a packet, which the demuxer hands over cut short. Counted as a frame, it never decoded, and frame threads dropped
-    the frames beside it: input_corrupt once the upscaling was done. Copied, its sound did not decode."""
-    source = tmp_path / "in.mp4"
+def _fragmented(source: Path) -> Path:
+    """40 frames and their sound in a fragmented MP4 as a phone app or OBS writes it: a fragment every 10 frames."""
     with av.open(str(source), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"}) as container:
         video = container.add_stream("libx264", rate=30, options={"g": "10"})
         video.width, video.height, video.pix_fmt = 80, 48, "yuv420p"
@@ -631,6 +628,15 @@ def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_s
             container.mux(video.encode(image))
         container.mux(video.encode())
         _write_audio(container, audio, tone(40 / 30), "stereo")
+    return source
+
+
+@pytest.mark.parametrize("through", ["video", "audio"])
+def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_sound(tmp_path, through):
+    """A recording that stopped mid-write (a phone app or OBS writing fragmented MP4, crashing): the file ends inside
+    a packet, which the demuxer hands over cut short. Counted as a frame, it never decoded, and frame threads dropped
+    the frames beside it: input_corrupt once the upscaling was done. Copied, its sound did not decode."""
+    source = _fragmented(tmp_path / "in.mp4")
     with av.open(str(source)) as container:  # fragments of 10 frames, each its video's samples, then its audio's
         packets = [(packet.stream.type, packet.pos, packet.size) for packet in container.demux() if packet.size]
     videos = [packet for packet in packets if packet[0] == "video"]
@@ -710,3 +716,245 @@ def test_side_channel_5_1_re_encoded_declares_which_channel_is_which(tmp_path):
     wanted = 440 * 1.5 ** np.arange(6)  # `tone`: a fifth higher on each further channel
     lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
     assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks
+
+
+def test_a_stream_that_grows_mid_way_is_upscaled_at_its_largest_parts_size(tmp_path):
+    """A screen recorder following a window, a live stream switching quality: 160x120, then 320x240, in one MPEG-TS
+    stream. Sized from the first part, the output was 320x240 at x2: the later part came back no larger than the
+    source's. Now it is 640x480, the later part at its full resolution, and the job says why."""
+    first = write_clip(tmp_path / "a.ts", 12, (120, 160))
+    then = write_clip(tmp_path / "b.ts", 12, (240, 320), timestamps=range(14, 26), time_base=Fraction(1, 24))
+    source = tmp_path / "in.ts"
+    source.write_bytes(first.read_bytes() + then.read_bytes())
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    back = read_back(output)
+    assert (back.width, back.height, back.frames) == (640, 480, 24)
+    assert any("changes size mid-way (160x120, 320x240)" in note for note in result.notes), result.notes
+    with av.open(str(source)) as container:
+        later = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)][-1].astype(float)
+    with av.open(str(output)) as container:
+        last = [frame for frame in container.decode(video=0)][-1].to_ndarray(format="rgb24", width=320, height=240)
+    assert np.abs(last - later).mean() < 2.8  # 3.5 through 160x120
+
+
+# bytes into it: its video's tfhd, its video's trun (the samples' sizes), its audio's trun
+@pytest.mark.parametrize("into", [44, 130, 290])
+def test_a_fragmented_mp4_cut_inside_a_fragments_header_keeps_the_whole_fragments_before_it(tmp_path, into):
+    """A recording that stopped while it wrote the next fragment's header (`moof`): FFmpeg reads every fragment's
+    header as it opens such a file, failed on the cut one, and the job was refused input_unreadable, though the
+    fragments before it are whole. Now they are read one by one as demuxed, and the cut one ends the file."""
+    source = _fragmented(tmp_path / "in.mp4")
+    data, boxes, position = source.read_bytes(), [], 0
+    while position < len(data):
+        size, kind = struct.unpack(">I4s", data[position : position + 8])
+        boxes.append((kind, position, size))
+        position += size
+    _, start, _ = [box for box in boxes if box[0] == b"moof"][2]  # the third fragment's header
+    cut, whole = tmp_path / "cut.mp4", tmp_path / "whole.mp4"
+    cut.write_bytes(data[: start + into])
+    whole.write_bytes(data[:start])  # the oracle: the same file cut between fragments, which was always read
+    for path in (cut, whole):
+        upscale_file(path, path.with_suffix(".out.mp4"), LanczosUpscaler(), FAST)
+    back = read_back(cut.with_suffix(".out.mp4"))
+    assert back.frames == 20
+    assert back.audio == read_back(whole.with_suffix(".out.mp4")).audio  # the sound of the two whole fragments
+
+
+def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
+    """A camera's or an editor's MP4 with a timecode track (tmcd) and cover art (covr, a poster file browsers show):
+    both were left out without a word. The picture is copied byte for byte, the timecode written again for the
+    output's first frame, as ffprobe reads each back."""
+    base = write_clip(tmp_path / "base.mp4", 24, (64, 96), Fraction(24), audio_codec="aac")
+    poster = Image.fromarray(np.full((32, 32, 3), 200, np.uint8))
+    jpeg = tmp_path / "poster.jpg"
+    poster.save(jpeg, "JPEG")
+    source = tmp_path / "in.mp4"
+    with av.open(str(base)) as original, av.open(str(source), "w") as edited:
+        streams = {stream.index: edited.add_stream_from_template(stream) for stream in original.streams}
+        streams[0].metadata["timecode"] = "01:02:03:04"  # FFmpeg's muxer writes it as a tmcd track
+        cover = edited.add_stream("mjpeg")
+        cover.width, cover.height, cover.pix_fmt = 32, 32, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        for packet in original.demux():
+            if packet.dts is not None:
+                packet.stream = streams[packet.stream.index]
+                edited.mux(packet)
+        picture = av.Packet(jpeg.read_bytes())
+        picture.stream, picture.pts, picture.dts, picture.time_base = cover, 0, 0, Fraction(1, 90000)
+        edited.mux(picture)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        assert container.streams.video[0].metadata.get("timecode") == "01:02:03:04"
+        assert [s.metadata.get("timecode") for s in container.streams.data] == ["01:02:03:04"]
+        covers = [s for s in container.streams.video if s.disposition & av.stream.Disposition.attached_pic]
+        assert len(covers) == 1
+        assert [bytes(p) for p in container.demux(covers[0]) if p.size] == [jpeg.read_bytes()]
+    assert {c.describe() for c in result.carried} >= {"cover art #3 (mjpeg): copied", "data #2 (timecode 01:02:03:04): kept as the output's timecode"}
+
+
+def _n_vop(bits: int = 5) -> bytes:
+    """An MPEG-4 Part 2 VOP that codes nothing (vop_coded 0): the chunk a packed stream puts where a B-frame was.
+    P type, time increment 0 in `bits` bits (those of the encoder's time base, 1/24), then next_start_code stuffing."""
+    value = "01" + "0" + "1" + "0" * bits + "1" + "0"
+    value += "0" + "1" * (-(len(value) + 1) % 8)
+    return b"\x00\x00\x01\xb6" + int(value, 2).to_bytes(len(value) // 8, "big")
+
+
+def _packed_avi(path: Path, frames: int, divx_flag: bool) -> Path:
+    """MPEG-4 Part 2 in AVI with packed B-frames, as DivX 5 and old XviD wrote them: decode order I0 P2 B1 P4 B3 …
+    stored as chunks I0 | P2+B1 | N-VOP | P4+B3 | N-VOP …, one chunk a frame time. `divx_flag`: the user data that
+    tells FFmpeg's decoder so ("DivX503b1393p"); a remuxed or re-tagged file has none."""
+    encoder = av.codec.CodecContext.create("mpeg4", "w")
+    encoder.width, encoder.height, encoder.pix_fmt = 96, 64, "yuv420p"
+    encoder.time_base, encoder.framerate, encoder.max_b_frames, encoder.gop_size = Fraction(1, 24), Fraction(24), 1, 12
+    packets = []
+    for index, pixels in enumerate(pattern(frames, 64, 96)):
+        frame = av.VideoFrame.from_ndarray((pixels.permute(1, 2, 0).numpy() * 255).astype(np.uint8), format="rgb24")
+        frame = frame.reformat(format="yuv420p")
+        frame.pts = index
+        packets += [(bytes(p), p.is_keyframe, p.pts) for p in encoder.encode(frame)]
+    packets += [(bytes(p), p.is_keyframe, p.pts) for p in encoder.encode(None)]
+    chunks, index = [], 0
+    while index < len(packets):
+        data, key, pts = packets[index]
+        if index + 1 < len(packets) and packets[index + 1][2] < pts:  # a B-frame shown before this one: packed
+            chunks += [(data + packets[index + 1][0], key), (_n_vop(), False)]
+            index += 2
+        else:
+            chunks.append((data, key))
+            index += 1
+    with av.open(str(path), "w", format="avi") as container:
+        stream = container.add_stream("mpeg4", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        stream.codec_context.extradata = encoder.extradata
+        for number, (data, key) in enumerate(chunks):
+            packet = av.Packet((b"\x00\x00\x01\xb2DivX503b1393p" if divx_flag and number == 0 else b"") + data)
+            packet.stream, packet.pts, packet.dts, packet.time_base, packet.is_keyframe = stream, number, number, Fraction(1, 24), key
+            container.mux(packet)
+    return path
+
+
+def test_packed_b_frames_in_avi_without_the_divx_flag_are_read_whole(tmp_path):
+    """Without the DivX flag FFmpeg's decoder dropped every packed B-frame (13 of 24 frames), and the job failed as
+    input_corrupt ("decoded 13 frames, the container holds 24") once the upscaling was done, with nothing a user could
+    do. Unpacked first (mpeg4_unpack_bframes), every frame is read: the frames FFmpeg decodes from the flagged file."""
+    source = _packed_avi(tmp_path / "in.avi", 24, divx_flag=False)
+    flagged = _packed_avi(tmp_path / "flagged.avi", 24, divx_flag=True)
+    with av.open(str(flagged)) as container:  # the oracle: FFmpeg's decoder reordering them itself
+        expected = [frame.to_ndarray(format="rgb24", **_source_colour(frame)) for frame in container.decode(video=0)]
+    got = list(read_frames(source, probe(source).video))
+    assert len(got) == len(expected) == 24
+    assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected))
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert read_back(output).frames == 24
+
+
+def test_6_1_sound_re_encoded_declares_which_channel_is_which(tmp_path):
+    """6.1 (a DTS-ES track, 7-channel PCM from a camera or a WAV) has no AAC channel configuration: its encoder wrote
+    a program config element that reads back as "7 channels", positions unknown, so players guessed. The output is
+    AAC's 7.1, each channel in its place and the back centre between the two back channels, as a 7.1 system plays it."""
+    source = write_clip(tmp_path / "in.mov", 24, SIZE, Fraction(24), audio_codec="pcm_s16le", layout="6.1")
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "7.1")
+        packed = av.AudioResampler(format="flt", layout="7.1", rate=48000)
+        frames = [f for frame in container.decode(stream) for f in packed.resample(frame)]
+        samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
+    spectrum = np.abs(np.fft.rfft(samples[2048 : 2048 + 24000], axis=0))
+    peaks = dict(zip(["FL", "FR", "FC", "LFE", "BL", "BR", "SL", "SR"], np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]))
+    tones = dict(zip(["FL", "FR", "FC", "LFE", "BC", "SL", "SR"], 440 * 1.5 ** np.arange(7)))  # `tone`: 6.1's order
+    for channel in ("FL", "FR", "FC", "SL", "SR"):  # AAC keeps only the lowest frequencies of the LFE channel
+        assert peaks[channel] == pytest.approx(tones[channel], rel=0.01), (channel, peaks)
+    assert peaks["BL"] == pytest.approx(tones["BC"], rel=0.01) and peaks["BR"] == pytest.approx(tones["BC"], rel=0.01), peaks
+    back = spectrum[:, 4:6].max(axis=0)
+    assert back[0] == pytest.approx(back[1], rel=0.05)  # the back centre in the middle
+
+
+@pytest.mark.parametrize(("layout", "declared"), [("3.1", "5.1"), ("4.1", "5.1"), ("6.0", "7.1"), ("6.1", "7.1"),
+                                                  ("5.1(side)", "5.1"), ("quad(side)", "quad"), ("5.1", "5.1")])  # fmt: skip
+def test_sound_re_encoded_to_aac_gets_the_smallest_declared_layout_with_room_for_every_channel(layout, declared):
+    """The standard layout of as many channels dropped what it has no place for: 3.1's and 4.1's LFE (quad, 5.0: the
+    resampler mixes no LFE), a whole channel of 6.0 (5.1: its LFE left silent)."""
+    assert aac_format(48000, layout, av.AudioLayout(layout).nb_channels) == (48000, declared)
+
+
+def _simple_blocks(data: bytes) -> list[tuple[int, int]]:
+    """(offset of its 16-bit relative timestamp, track number) of every SimpleBlock of a Matroska file."""
+
+    def number(at: int, marker: bool = False) -> tuple[int, int]:  # an EBML variable-size integer, and its length
+        length = 9 - data[at].bit_length()
+        value = data[at] if marker else data[at] & (0xFF >> length)
+        for byte in data[at + 1 : at + length]:
+            value = value << 8 | byte
+        return value, length
+
+    found = []
+
+    def walk(at: int, end: int) -> None:
+        while at < end:
+            element, length = number(at, marker=True)
+            size, size_length = number(at + length)
+            body = at + length + size_length
+            if element in (0x18538067, 0x1F43B675):  # Segment, Cluster
+                walk(body, min(body + size, len(data)))
+            elif element == 0xA3:  # SimpleBlock
+                track, track_length = number(body)
+                found.append((body + track_length, track))
+            at = body + size
+
+    walk(0, len(data))
+    return found
+
+
+def test_a_lone_timestamp_that_runs_back_is_retimed_not_taken_for_a_restarted_clock(tmp_path):
+    """A variable-rate Matroska file whose muxer wrote one frame's time 0.6 s early, the frames after it going on:
+    refused as input_corrupt, "its clock starts over, as in recordings joined end to end", which it does not. That
+    frame is now timed between its neighbours (its true time, here) and the job says so."""
+    times = VFR + [VFR[-1] + 33 * i for i in range(1, 25)]
+    whole = write_clip(tmp_path / "whole.mkv", len(times), SIZE, Fraction(30), timestamps=times, time_base=Fraction(1, 1000),
+                       audio_codec="aac", video_options={"bf": "0"})  # fmt: skip
+    data = bytearray(whole.read_bytes())
+    at = [offset for offset, track in _simple_blocks(data) if track == 1][30]
+    struct.pack_into(">h", data, at, struct.unpack_from(">h", data, at)[0] - 600)
+    source = tmp_path / "in.mkv"
+    source.write_bytes(bytes(data))
+    with av.open(str(source)) as container:  # the oracle: what the file declares
+        declared = [packet.pts for packet in container.demux(video=0) if packet.size]
+    assert declared[30] == times[30] - 600 and declared[31] == times[31]
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert np.allclose(frame_times(output), np.array(times) / 1000, atol=1e-3)
+    assert any("timed between its neighbours" in note for note in result.notes), result.notes
+
+
+def _hdr10(path: Path) -> tuple[list[float], tuple[int, int]]:
+    """The first frame's HDR10 metadata as FFmpeg decodes it: the mastering display (red, green, blue, white point x
+    and y, then minimum and maximum luminance) and the content light level (MaxCLL, MaxFALL)."""
+    with av.open(str(path)) as container:
+        frame = next(container.decode(video=0))
+        found = {str(data.type): bytes(data) for data in frame.side_data}
+    fields = struct.unpack("=22i", found["Type.MASTERING_DISPLAY_METADATA"][:88])
+    assert fields[20:] == (1, 1)  # it has primaries and luminance
+    return [fields[i] / fields[i + 1] for i in range(0, 20, 2)], struct.unpack("=2I", found["Type.CONTENT_LIGHT_LEVEL"][:8])
+
+
+@pytest.mark.parametrize("codec", ["h264", "hevc", "av1"])
+def test_hdr10_mastering_display_and_light_levels_are_kept(tmp_path, codec):
+    """An HDR10 clip (10-bit HEVC, BT.2020, PQ) carries the display it was graded on and its light levels, which
+    players tone-map by. The output kept its primaries and transfer but dropped these, as ffprobe read it back."""
+    hdr10 = ("colorprim=bt2020:transfer=smpte2084:colormatrix=bt2020nc:hdr10=1:max-cll=1000,400:"
+             "master-display=G(13250,34500)B(7500,3000)R(34000,16000)WP(15635,16450)L(10000000,1)")  # fmt: skip
+    source = write_clip(tmp_path / "in.mp4", 9, (64, 96), Fraction(24), video_codec="libx265", pix_fmt="yuv420p10le",
+                        video_options={"x265-params": "log-level=error:" + hdr10})  # fmt: skip
+    (mastering, light), expected = _hdr10(source), [0.68, 0.32, 0.265, 0.69, 0.15, 0.06, 0.3127, 0.329, 0.0001, 1000]
+    assert np.allclose(mastering, expected) and light == (1000, 400)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), replace(FAST, codec=codec))
+    written, written_light = _hdr10(output)
+    assert np.allclose(written, mastering, rtol=1e-3, atol=1e-4) and written_light == light  # AV1: fixed point
+    assert any("mastering display and light levels kept" in note for note in result.notes), result.notes

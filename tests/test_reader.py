@@ -85,25 +85,45 @@ def joined(tmp_path: Path, second: tuple[int, int]) -> Path:
     return path
 
 
-def test_a_stream_that_changes_size_mid_way_is_scaled_back_as_pyav_scales_each_frame(tmp_path):
+@pytest.mark.parametrize("second", [(36, 48), (72, 96)])  # the same 4:3 shape, smaller then larger
+def test_a_stream_that_changes_size_mid_way_is_scaled_to_its_largest_part_as_pyav_scales_each_frame(tmp_path, second):
+    """The picture is the largest part's: sized from the first part, a screen recording or a live stream that went
+    from 64x48 to 96x72 lost a third of its later part's resolution before the upscaling."""
     # one context for the stream: swscale sets itself up again for the new size, as a fresh context would
-    path = joined(tmp_path, (72, 96))  # the same 4:3 shape, larger
+    path = joined(tmp_path, second)
+    largest = max((48, 64), second)
+    assert (probe(path).video.height, probe(path).video.width) == largest
     got, expected = read(path, 12), plain_pyav(path, 12)
-    assert [frame.shape for frame in got] == [(48, 64, 3)] * 12
+    assert [frame.shape for frame in got] == [(*largest, 3)] * 12
     assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected, strict=True))
 
 
-def test_a_part_of_another_shape_keeps_its_shape_between_black_bars(tmp_path):
-    """4:3, then 16:9 (a recording whose source changed, a phone turned): the 16:9 part was stretched over the 4:3
-    picture, squashed to 3/4 of its width. Players show it whole between bars; so does the output now."""
-    path = joined(tmp_path, (54, 96))
-    got = read(path, 12)
+def _converted(path: Path, parts: slice, height: int, width: int) -> list[np.ndarray]:
     with av.open(str(path)) as container:
-        later = [frame.to_ndarray(format="rgb24", width=64, height=36, **_source_colour(frame)) for frame in container.decode(video=0)][6:]
+        frames = list(container.decode(video=0))[parts]
+        return [frame.to_ndarray(format="rgb24", width=width, height=height, **_source_colour(frame)) for frame in frames]
+
+
+def test_a_smaller_part_of_another_shape_keeps_its_shape_between_black_bars(tmp_path):
+    """4:3, then a smaller 16:9 (a recording whose source changed, a phone turned): the 16:9 part was stretched over
+    the 4:3 picture, squashed to 3/4 of its width. Players show it whole between bars; so does the output now."""
+    path = joined(tmp_path, (36, 64))
+    got = read(path, 12)
     assert [frame.shape for frame in got] == [(48, 64, 3)] * 12
-    assert all(np.array_equal(frame[6:42], inner) for frame, inner in zip(got[6:], later, strict=True))
+    assert all(np.array_equal(frame[6:42], inner) for frame, inner in zip(got[6:], _converted(path, slice(6, None), 36, 64), strict=True))
     assert all(not frame[:6].any() and not frame[42:].any() for frame in got[6:])  # black above and below
     assert all(np.array_equal(frame, reference) for frame, reference in zip(got[:6], plain_pyav(path, 6)))
+
+
+def test_a_larger_part_of_another_shape_sizes_the_picture_and_the_first_part_keeps_its_shape(tmp_path):
+    """4:3 at 64x48, then 16:9 at 96x54: the picture is the 16:9 part's, whole; the 4:3 part is shown as large as
+    it fits (72x54), between bars left and right, as a player shows it full screen."""
+    path = joined(tmp_path, (54, 96))
+    got = read(path, 12)
+    assert [frame.shape for frame in got] == [(54, 96, 3)] * 12
+    assert all(np.array_equal(frame[:, 12:84], inner) for frame, inner in zip(got[:6], _converted(path, slice(0, 6), 54, 72), strict=True))
+    assert all(not frame[:, :12].any() and not frame[:, 84:].any() for frame in got[:6])  # black left and right
+    assert all(np.array_equal(frame, reference) for frame, reference in zip(got[6:], _converted(path, slice(6, None), 54, 96), strict=True))
 
 
 def test_the_conversions_threads_start_once_per_stream_not_once_per_frame(tmp_path):

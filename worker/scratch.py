@@ -14,8 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import av
-
+from worker.media.source import open_input
 from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, plan_windows
 
 
@@ -23,7 +22,7 @@ def scratch_bytes(source: Path, scale: float, window: int = DEFAULT_WINDOW, over
     """What the running job (its input `source`, upscaled `scale` times in temporal windows of `window` frames that
     overlap by `overlap`) will write to its scratch disk at most: its upscaled frames as raw RGB (kept windows, the
     encoder's input), its windows' float overlap tails, and an MP4 of its input's bits per pixel."""
-    with av.open(str(source)) as container:
+    with open_input(source) as container:
         stream = container.streams.video[0]
         frames = stream.frames
         if not frames:  # not in the header (a fragmented MP4, a Matroska file): from its duration

@@ -182,6 +182,9 @@ def begin_upscale(
                     sample_aspect_ratio=sar,
                     chapters=output_chapters(info.chapters, clock),
                     on_frame=previews.take,
+                    timecode=video.timecode if any(c.action == "timecode" for c in carried) else None,
+                    mastering=video.mastering,
+                    light_level=video.light_level,
                 )
             )
             head["writer_open"] = monotonic()
@@ -280,8 +283,14 @@ class Encoding:
             joined = monotonic()
             kept_upload_s = self._store.join()
             self._spans["kept_join"] = (joined, monotonic())
+        notes = self.result.notes
+        if self._promise.timecode and written.video.timecode != self._promise.timecode:
+            # FFmpeg's muxer skips a timecode it cannot count at the output's rate (drop-frame at a rate not 29.97's
+            # multiple): said, not refused after all the work
+            notes += (f"the source's timecode ({self._promise.timecode}) could not be written at the output's rate: left out",)
         return replace(
             self.result,
+            notes=notes,
             written=written,
             seconds=perf_counter() - self._started,
             tail_spans=dict(self._spans),
@@ -357,6 +366,10 @@ def _notes(
     if video.rotation or video.mirrored:
         how = " and ".join([f"rotated {video.rotation} degrees"] * bool(video.rotation) + ["mirrored"] * video.mirrored)
         notes.append(f"the source is displayed {how}: frames were turned upright, the flag cleared")
+    if video.sizes:
+        notes.append(f"the source changes size mid-way ({', '.join(f'{w}x{h}' for w, h in video.sizes)}): the output "
+                     f"is sized for its largest part, the others scaled to fill it as players show them (in their "
+                     f"own shape, bars round a part of another)")
     others = [s.index for s in info.other_video]
     if others:
         notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "
@@ -369,8 +382,12 @@ def _notes(
         notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each source "
                      "frame at its time, so the output is progressive")
     if video.color_trc in HDR_TRANSFERS:
+        kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""
         notes.append(f"the source is HDR ({HDR_TRANSFERS[video.color_trc]} transfer): it was upscaled in 8-bit "
-                     "BT.709-matrix video with its transfer tag kept, not tone-mapped")
+                     f"BT.709-matrix video with its transfer tag{kept} kept, not tone-mapped")
+    if video.retimed:
+        notes.append(f"{video.retimed} frame(s) carried a timestamp earlier than the frames before them while the "
+                     "frames after went on (a muxer's error): each was timed between its neighbours")
     if not video.cfr:
         notes.append(f"variable frame rate (average {float(video.fps):.3f} fps): every frame keeps its timestamp")
     notes += [c.describe() for c in carried if c.action == "drop"]

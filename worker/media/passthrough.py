@@ -2,7 +2,9 @@
 
 Audio MP4 holds (AAC, MP3, AC-3, E-AC-3, ALAC, FLAC, Opus) is copied packet for packet; anything else is decoded
 and re-encoded to AAC at its own sample rate and channel layout. Text subtitles become mov_text (the one subtitle
-format MP4 players read); bitmap subtitles cannot live in MP4 and are left out, which the plan says.
+format MP4 players read); bitmap subtitles cannot live in MP4 and are left out, which the plan says. Cover art in a
+format MP4's `covr` holds (JPEG, PNG, BMP) is copied; a timecode track is written again by the muxer from the
+video's timecode (the writer's `timecode`); other data tracks (a camera's telemetry) are left out, which the plan says.
 
 Timing: the output's clock starts at the earliest of the video and the carried audio, so every stream keeps its
 offset from the others, and nothing is cut: audio that starts before the first frame or runs past the last one is
@@ -25,15 +27,19 @@ import numpy as np
 
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AudioInfo, AVError, MediaInfo, cut_off
+from worker.media.source import open_input
 
 COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
 # MP3 below 16 kHz (MPEG-2.5: 8, 11.025, 12 kHz) is no MP4 codec: FFmpeg's muxer refuses its packets.
 MP3_MIN_RATE = 16000
 TEXT_SUBTITLES = frozenset({"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text"})
+COVER_ART = frozenset({"mjpeg", "png", "bmp"})  # what FFmpeg's MP4 muxer writes as `covr`
 AAC_BITRATE_PER_CHANNEL = 96_000
 # Source metadata that describes the old file rather than its content.
 _TECHNICAL_METADATA = frozenset({"major_brand", "minor_version", "compatible_brands", "encoder", "duration"})
 _DEFAULT_LAYOUTS = {1: "mono", 2: "stereo", 3: "2.1", 4: "quad", 5: "5.0", 6: "5.1", 7: "6.1", 8: "7.1"}
+# The layouts AAC declares which channel is which (its channel configurations), fewest channels first
+_AAC_LAYOUTS = ("mono", "stereo", "2.1", "3.0", "quad", "4.0", "5.0", "5.1", "7.1")
 
 
 @dataclass(frozen=True)
@@ -41,12 +47,13 @@ class Carried:
     """What happens to one source stream."""
 
     index: int
-    kind: str  # "audio" or "subtitle"
-    action: str  # "copy", "aac", "mov_text" or "drop"
+    kind: str  # "audio", "subtitle", "cover art" or "data"
+    action: str  # "copy", "aac", "mov_text", "timecode" (written again from the video's) or "drop"
     detail: str  # for people: the codec, or why it is dropped
 
     def describe(self) -> str:
-        verb = {"copy": "copied", "aac": "re-encoded to AAC", "mov_text": "converted to mov_text", "drop": "left out"}
+        verb = {"copy": "copied", "aac": "re-encoded to AAC", "mov_text": "converted to mov_text", "drop": "left out",
+                "timecode": "kept as the output's timecode"}  # fmt: skip
         return f"{self.kind} #{self.index} ({self.detail}): {verb[self.action]}"
 
 
@@ -59,12 +66,23 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
             carried.append(Carried(audio.index, "audio", "drop", f"{audio.codec}, holds no samples"))
         else:
             copy = audio.codec in COPY_AUDIO and not (audio.codec == "mp3" and audio.sample_rate < MP3_MIN_RATE)
-            carried.append(Carried(audio.index, "audio", "copy" if copy else "aac", audio.codec))
+            layout = None if copy else aac_format(audio.sample_rate, audio.layout, audio.channels)[1]
+            moved = f", {audio.layout} as {layout}" if layout and layout != audio.layout else ""  # 6.1 as 7.1
+            carried.append(Carried(audio.index, "audio", "copy" if copy else "aac", audio.codec + moved))
     for subtitle in info.subtitles:
         text = subtitle.codec in TEXT_SUBTITLES
         carried.append(
             Carried(subtitle.index, "subtitle", "mov_text" if text else "drop", subtitle.codec + ("" if text else ", a bitmap format MP4 cannot hold"))
         )
+    for cover in info.covers:
+        art = cover.codec in COVER_ART
+        carried.append(Carried(cover.index, "cover art", "copy" if art else "drop", cover.codec + ("" if art else ", a format MP4 cover art cannot hold")))
+    for data in info.data:
+        if data.timecode and info.video.timecode:
+            carried.append(Carried(data.index, "data", "timecode", f"timecode {info.video.timecode}"))
+        else:
+            what = data.handler or "unknown"
+            carried.append(Carried(data.index, "data", "drop", f"{what}, a data track only its maker's software reads"))
     return tuple(carried)
 
 
@@ -89,8 +107,8 @@ class Passthrough:
     def __init__(self, info: MediaInfo, carried: tuple[Carried, ...], offset: float, end: float | None = None) -> None:
         self.path, self.format, self.size = info.path, info.format, info.size_bytes
         self.offset, self.end = offset, end
-        self.container = av.open(str(info.path), metadata_errors="replace")
-        wanted = {c.index: c.action for c in carried if c.action != "drop"}
+        self.container = open_input(info.path, metadata_errors="replace")
+        wanted = {c.index: c.action if c.kind != "cover art" else "cover" for c in carried if c.action not in ("drop", "timecode")}
         self.streams = [self.container.streams[index] for index in wanted]
         self.handlers: dict[int, _Handler] = {}
         self._actions = wanted
@@ -99,7 +117,7 @@ class Passthrough:
 
     def add_streams(self, output: av.container.OutputContainer) -> None:
         """Create the output streams: before the output's header is written."""
-        kinds = {"copy": _Copy, "aac": _ToAac, "mov_text": _ToMovText}
+        kinds = {"copy": _Copy, "aac": _ToAac, "mov_text": _ToMovText, "cover": _Cover}
         marked = set()  # kinds whose default track is chosen
         for stream in self.streams:
             handler = kinds[self._actions[stream.index]](stream, output, self)
@@ -109,7 +127,7 @@ class Passthrough:
             # The track players pick of several (a film's original language marked default after its dub): the MP4
             # muxer enables the default tracks of each kind, else the first one; unmarked, it was always the first.
             # One per kind: Matroska marks every track default unless told, and MP4 players play every enabled one.
-            if stream.disposition & av.stream.Disposition.default and stream.type not in marked:
+            if stream.disposition & av.stream.Disposition.default and stream.type not in marked and not isinstance(handler, _Cover):
                 handler.output.disposition = av.stream.Disposition.default
                 marked.add(stream.type)
             self.handlers[stream.index] = handler
@@ -196,6 +214,23 @@ class _Copy(_Handler):
         if packet.dts is not None:
             packet.dts -= shift
         packet.stream = self.output
+        self.output.container.mux(packet)
+        self.muxed = True
+
+
+class _Cover(_Handler):
+    """Cover art: its one picture, which the MP4 muxer writes as `covr` (players and file browsers show it)."""
+
+    def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
+        stream = output.add_stream_from_template(self.source)
+        stream.disposition = av.stream.Disposition.attached_pic
+        self.muxed = False
+        return stream
+
+    def take(self, packet: av.Packet) -> None:
+        if self.muxed or not packet.size:
+            return
+        packet.stream, packet.pts, packet.dts = self.output, 0, 0
         self.output.container.mux(packet)
         self.muxed = True
 
@@ -330,7 +365,27 @@ def aac_format(sample_rate: int, layout: str, channels: int) -> tuple[int, str]:
     if written == av.AudioLayout(layout).name:
         return rate, layout
     standard = _DEFAULT_LAYOUTS.get(channels)
-    return rate, standard or (layout if written is not None else "stereo")
+    return rate, _holding(rate, layout) or standard or (layout if written is not None else "stereo")
+
+
+def _holding(rate: int, layout: str) -> str | None:
+    """The smallest layout AAC declares that has room for each of `layout`'s channels: as many besides the LFE, and
+    an LFE where it has one. The resampler puts each channel where it goes, or between its neighbours (a 6.1's back
+    centre on both back channels, as a 7.1 system plays it). AAC declares no 7-channel layout: 6.1 (DTS-ES, 7-channel
+    PCM) read back as "7 channels", positions unknown; and the standard layout of as many channels dropped an LFE
+    (3.1 as quad) or had none for it."""
+    try:
+        names = [channel.name for channel in av.AudioLayout(layout).channels]
+    except ValueError:
+        return None
+    if "NONE" in names:  # "7 channels": which is which unknown; the resampler takes them as the standard layout
+        return _holding(rate, _DEFAULT_LAYOUTS[len(names)]) if len(names) in _DEFAULT_LAYOUTS else None
+    lfe = "LFE" in names
+    for candidate in _AAC_LAYOUTS:
+        held = [channel.name for channel in av.AudioLayout(candidate).channels]
+        if len(held) - ("LFE" in held) >= len(names) - lfe and ("LFE" in held) >= lfe and _written(rate, candidate) == candidate:
+            return candidate
+    return None
 
 
 def _written(rate: int, layout: str) -> str | None:

@@ -29,6 +29,7 @@ from worker.media.errors import (
     InputUnsupportedCodec,
 )
 from worker.media.limits import Limits
+from worker.media.source import open_input, unpacker
 
 AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
 
@@ -67,6 +68,16 @@ class VideoInfo:
     timestamps: tuple[int, ...] = field(default=(), repr=False)
     # Variable rate only: how long the last frame lasts in `time_base`, as its packet says (0: it does not say).
     last_duration: int = 0
+    # A stream that changes size mid-way: each size its keyframes were seen at, (width, height) as stored, in order
+    # of appearance. `width` and `height` are then the largest part's (most pixels), and `canvas_shape` its shape as
+    # stored (width x the decoder's pixel aspect / height), which the reader fits every other part into.
+    sizes: tuple[tuple[int, int], ...] = ()
+    canvas_shape: Fraction | None = None
+    timecode: str | None = None  # the first frame's SMPTE timecode, as ffprobe reads it (an MOV's tmcd track)
+    retimed: int = 0  # frames whose timestamp ran back alone, put between their neighbours' (probe._check_order)
+    # HDR10's static metadata, as the first frame carries it (`_hdr10`)
+    mastering: str | None = None  # the mastering display: "G(x,y)B(x,y)R(x,y)WP(x,y)L(max,min)", HEVC SEI's units
+    light_level: tuple[int, int] | None = None  # MaxCLL, MaxFALL (cd/m²)
 
     @property
     def end(self) -> float:
@@ -119,6 +130,13 @@ class OtherVideo:
 
 
 @dataclass(frozen=True)
+class DataInfo:
+    index: int
+    timecode: str | None  # a timecode track's (tmcd) first timecode
+    handler: str | None  # what its maker calls it: "TimeCodeHandler", "GoPro MET" (telemetry), …
+
+
+@dataclass(frozen=True)
 class MediaInfo:
     path: Path
     format: str
@@ -129,6 +147,8 @@ class MediaInfo:
     metadata: dict[str, str]
     other_video: tuple[OtherVideo, ...] = ()  # video streams besides the one upscaled (cover art aside)
     chapters: tuple[Chapter, ...] = ()
+    covers: tuple[OtherVideo, ...] = ()  # cover art: one picture each (an MP4's covr, a Matroska attachment's)
+    data: tuple[DataInfo, ...] = ()  # tracks of neither sound, picture nor text: timecode, telemetry
 
     def to_dict(self) -> dict:
         """JSON-ready (timestamps left out)."""
@@ -148,7 +168,8 @@ class MediaInfo:
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
             + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
             + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
-            + (", mirrored for display" if video.mirrored else ""),
+            + (", mirrored for display" if video.mirrored else "")
+            + (f", changes size ({', '.join(f'{w}x{h}' for w, h in video.sizes)})" if video.sizes else ""),
         ]
         lines += [
             f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
@@ -170,7 +191,7 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
     if limits.max_bytes is not None and size > limits.max_bytes:
         raise InputTooLarge(f"{path.name} is {size / 2**30:.1f} GiB; the limit is {limits.max_bytes / 2**30:.1f} GiB")
     try:
-        container = av.open(str(path), metadata_errors="replace")
+        container = open_input(path, metadata_errors="replace")
     except AVError as error:
         raise InputUnreadable(f"{path.name} is not a video file FFmpeg can read ({_reason(error)})") from None
     with container:
@@ -192,7 +213,16 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
             Chapter(float(c["start"] * c["time_base"]), float(c["end"] * c["time_base"]), c["metadata"].get("title"))
             for c in container.chapters()
         )
-        return MediaInfo(path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters)
+        covers = tuple(
+            OtherVideo(s.index, _codec(s)) for s in container.streams.video if s.disposition & av.stream.Disposition.attached_pic
+        )
+        # Tracks of MP4/MOV only: the data streams FFmpeg shows in MPEG-PS (a DVD's navigation packets) and FLV (its
+        # script data) are the container's own workings, not content a user put there
+        tracks = container.streams.data if "mov" in container.format.name else ()
+        data = tuple(DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name")) for s in tracks)
+        return MediaInfo(
+            path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers, data
+        )
 
 
 def _codec(stream: av.stream.Stream) -> str:
@@ -246,6 +276,9 @@ class _Scan:
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
     key_pts: int | None = None  # the first keyframe's presentation time
+    # stored (width, height) -> the shape it is shown at (width x the decoder's pixel aspect / height), in order seen
+    sizes: dict[tuple[int, int], Fraction] = field(default_factory=dict)
+    sampled: float | None = None  # seconds: the last keyframe decoded for its size
 
 
 def cut_off(packet: av.Packet, size: int) -> bool:
@@ -260,6 +293,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     scan = _Scan()
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
+    unpack = unpacker(stream)
     size = path.stat().st_size
     try:
         for packet in container.demux():
@@ -276,8 +310,6 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if owner.index != stream.index:
                 continue
             scan.video_packets += 1
-            if scan.first_frame is None:
-                scan.first_frame = next(iter(packet.decode()), None)
             # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
             if not scan.keyframe_seen and packet.is_keyframe:
                 scan.keyframe_seen, scan.key_pts = True, packet.pts
@@ -287,8 +319,17 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
                 scan.timestamps.append(packet.pts)
                 if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
                     raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
+            # Decoded last: `unpack` takes the packet's contents
+            if scan.first_frame is None:
+                scan.first_frame = next((frame for sent in unpack(packet) for frame in stream.decode(sent)), None)
+                _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
+            elif packet.is_keyframe and _sampled(scan, stream, packet):
+                _sized(scan, stream, _decoded_key(stream, packet))
         if scan.first_frame is None:  # a decoder with a delay may hold short streams until it is flushed
-            scan.first_frame = next(iter(stream.decode(None)), None)
+            scan.first_frame = next((frame for sent in [*unpack(None), None] for frame in stream.decode(sent)), None)
+            _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
+        else:
+            _sized(scan, stream, _decoded_key(stream, None))
     except AVError as error:
         raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
     if scan.first_frame is None:
@@ -313,6 +354,40 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     return scan
 
 
+def _sampled(scan: _Scan, stream: av.VideoStream, packet: av.Packet) -> bool:
+    """Whether to decode this keyframe for its size. A stream changes size only at a keyframe (H.264's and HEVC's
+    new SPS comes with an IDR: a screen recorder following a window, a live stream switching quality), and decoded
+    alone a keyframe costs one frame a GOP. Codecs whose every frame is a keyframe (MJPEG, ProRes, DV) would be
+    decoded whole: one a second of them."""
+    if not stream.codec_context.codec.intra_only:
+        return True
+    if packet.pts is None or packet.time_base is None:
+        return False
+    seconds = float(packet.pts * packet.time_base)
+    if scan.sampled is not None and abs(seconds - scan.sampled) < 1:
+        return False
+    scan.sampled = seconds
+    return True
+
+
+def _decoded_key(stream: av.VideoStream, packet: av.Packet | None) -> list[av.VideoFrame]:
+    """The frames the decoder hands over for the keyframe `packet` (None: those it still holds), sent without the
+    frames between it and the last one sent. Only their sizes are wanted: a keyframe that does not decode alone (an
+    open GOP's, concealed) is no reason to refuse a file the reader decodes in order."""
+    try:
+        return stream.decode(packet)
+    except AVError:
+        return []
+
+
+def _sized(scan: _Scan, stream: av.VideoStream, frames: list[av.VideoFrame]) -> None:
+    for frame in frames:
+        if (frame.width, frame.height) not in scan.sizes:
+            sar = stream.codec_context.sample_aspect_ratio  # the decoder's, as of this frame (the reader's `_shape`)
+            shape = frame.width * (Fraction(sar) if sar and sar > 0 else 1) / Fraction(frame.height)
+            scan.sizes[frame.width, frame.height] = shape
+
+
 def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
     """The presentation times the decoder outputs from the start of a stream whose first keyframe is followed by
     `leading` frames shown before it. A file that starts at an open GOP's keyframe (x265's CRA by default, x264's
@@ -323,16 +398,17 @@ def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
     size = path.stat().st_size
     shown: set[int] = set()
     try:
-        with av.open(str(path)) as container:
+        with open_input(path) as container:
             stream = container.streams[index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
+            unpack = unpacker(stream)
             left, after = len(leading), 0
             for packet in container.demux(stream):
                 if not packet.size or cut_off(packet, size):
                     continue
-                shown.update(frame.pts for frame in packet.decode())
                 left -= packet.pts in leading
+                shown.update(frame.pts for sent in unpack(packet) for frame in stream.decode(sent))  # takes the packet
                 after += left <= 0
                 if after > REORDER:
                     break
@@ -347,7 +423,7 @@ def _packets_held(path: Path, index: int) -> int:
     kept without re-encoding: `ffmpeg -ss … -c copy`, QuickTime's) makes the demuxer skip those samples unread, so
     fewer packets than the index lists is no sign of a cut file until they are counted without it."""
     try:
-        with av.open(str(path), options={"ignore_editlist": "1"}) as container:
+        with open_input(path, options={"ignore_editlist": "1"}) as container:
             return sum(1 for packet in container.demux(container.streams[index]) if packet.size)
     except AVError as error:
         raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
@@ -391,16 +467,44 @@ def _orientation(frame: av.VideoFrame) -> tuple[int, bool]:
     return round(degrees / 90) * 90 % 360, mirrored
 
 
+def _hdr10(frame: av.VideoFrame) -> tuple[str | None, tuple[int, int] | None]:
+    """(mastering display, (MaxCLL, MaxFALL)) of an HDR10 frame: what players tone-map PQ by. The mastering display
+    is written as x265's `master-display` takes it: chromaticities in 0.00002, luminance in 0.0001 cd/m², green, blue,
+    red (HEVC's SEI order; FFmpeg keeps red, green, blue). Read off a 2x2 copy, as `_orientation` reads its matrix."""
+    try:
+        copy = frame.reformat(width=2, height=2)
+    except (*AVError, ValueError):
+        return None, None
+    mastering = light = None
+    data = copy.side_data.get(SideData.MASTERING_DISPLAY_METADATA)
+    if data is not None:
+        fields = struct.unpack("=22i", bytes(data)[:88])
+        value = [Fraction(fields[i], fields[i + 1]) if fields[i + 1] else Fraction(0) for i in range(0, 20, 2)]
+        if fields[20] and fields[21]:  # it has both primaries and luminance
+            (rx, ry, gx, gy, bx, by, wx, wy), (low, high) = (round(v * 50000) for v in value[:8]), (round(v * 10000) for v in value[8:])
+            mastering = f"G({gx},{gy})B({bx},{by})R({rx},{ry})WP({wx},{wy})L({high},{low})"
+    data = copy.side_data.get(SideData.CONTENT_LIGHT_LEVEL)
+    if data is not None:
+        light = struct.unpack("=2I", bytes(data)[:8])
+    return mastering, light
+
+
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
     frame = scan.first_frame
     rotation, mirrored = _orientation(frame)
-    width, height = (frame.height, frame.width) if rotation in (90, 270) else (frame.width, frame.height)
+    mastering, light_level = _hdr10(frame)
+    # Sized for the part with the most pixels: sized from the first part, a recording that turned from 320x240 to
+    # 640x480 lost half its later part's resolution before the upscaling. Smaller parts are scaled up to it, as a
+    # player shows them full screen (reader.read_frames), in their own shape.
+    stored = max(scan.sizes, key=lambda size: size[0] * size[1], default=(frame.width, frame.height))
+    canvas_shape = scan.sizes[stored] if stored != (frame.width, frame.height) else None
+    width, height = (stored[1], stored[0]) if rotation in (90, 270) else stored
     _check_pixels(width, height, path, limits)
     frames = len(scan.timestamps)
     if frames < limits.min_frames:
         raise InputTooShort(f"{path.name} has {frames} frame(s): a still image, not a video (at least {limits.min_frames})")
     time_base = stream.time_base or Fraction(1, 90000)
-    _check_order(scan.timestamps, time_base, path)
+    retimed = _check_order(scan.timestamps, time_base, path)
     fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
     if limits.max_fps is not None and fps > limits.max_fps:
         raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
@@ -440,19 +544,37 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
         last_duration=last_duration,
+        sizes=tuple(scan.sizes) if len(scan.sizes) > 1 else (),
+        canvas_shape=canvas_shape,
+        timecode=stream.metadata.get("timecode"),
+        retimed=retimed,
+        mastering=mastering,
+        light_level=light_level,
     )
 
 
-def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> None:
+def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
     """Each frame's presentation time (decode order) is its own and, beyond a decoder's reordering, later than the
     frames decoded before it. Recordings joined end to end (`cat a.ts b.ts`) start their clock over: frames then
-    repeat times or run back, which no MP4 can hold (its muxer refused them after all the upscaling was done)."""
+    repeat times or run back, which no MP4 can hold (its muxer refused them after all the upscaling was done).
+
+    A lone frame whose time runs back while the frames after it go on (a muxer's slip: one bad timestamp) is no
+    restart: it was refused as one. Its time is put between the frames decoded beside it, in place (frames come out
+    of the decoder in their own order; only which times they get changes); returns how many were."""
     if None in pts:  # raw streams: timed by their declared rate
-        return
+        return 0
+    retimed = 0
     latest = None  # the latest time of the frames decoded more than REORDER before this one
     for index in range(REORDER + 1, len(pts)):
         earlier = pts[index - REORDER - 1]
         latest = earlier if latest is None else max(latest, earlier)
+        if pts[index] <= latest and index + 1 < len(pts) and pts[index + 1] > max(latest, pts[index - 1]):
+            before, after = max(pts[index - REORDER - 1 : index]), pts[index + 1]
+            between = (before + after) // 2 if after - before > 1 else None
+            if between is not None and between not in pts:
+                pts[index] = between
+                retimed += 1
+                continue
         if pts[index] <= latest:
             raise InputCorrupt(
                 f"{path.name}: frame {index + 1}'s timestamp ({float(pts[index] * time_base):.3f} s) comes before "
@@ -461,6 +583,7 @@ def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> None
             )
     if len(set(pts)) < len(pts):
         raise InputCorrupt(f"{path.name}: {len(pts) - len(set(pts))} frame(s) repeat another frame's timestamp")
+    return retimed
 
 
 def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) -> tuple[Fraction, bool, list[int]]:

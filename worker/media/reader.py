@@ -18,14 +18,16 @@ from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
+from worker.media.source import open_input, unpacker
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
 # FFmpeg's AVFieldOrder, by the field shown first: TT and BT show the top one first, BB and TB the bottom one.
 PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
 # How frames are read, for what is keyed on the frames read (kept windows): windows computed from interlaced frames
-# read otherwise (as stored, before deinterlacing) are never replayed beside these.
-READING = "interlaced frames deinterlaced: bwdif send_frame"
+# read otherwise (as stored, before deinterlacing), from a stream that changes size read at its first part's size, or
+# from packed B-frames read packed (every B-frame dropped), are never replayed beside these.
+READING = "interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked"
 
 
 @dataclass
@@ -43,16 +45,17 @@ def read_frames(path: str | Path, video: VideoInfo, fields: Fields | None = None
     Raises `InputCorrupt` if decoding fails or yields another frame count."""
     pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
     turns = video.rotation // 90
-    # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled back, its
-    # parts of another shape kept in shape (`_inside`).
+    # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled to the size
+    # of its largest part (probe: `VideoInfo.sizes`), its parts of another shape kept in shape (`_inside`).
     width, height = (video.height, video.width) if turns % 2 else (video.width, video.height)
-    first: Fraction | None = None  # the first frame's shape as shown (width x pixel aspect / height)
+    first = video.canvas_shape  # the shape of the part the picture is sized for (as shown: width x pixel aspect /
+    # height), else the first frame's
     count = 0
     # One swscale context for the stream: `frame.to_ndarray(format=...)` makes one per frame, and with it swscale's
     # slice threads (one per core), started and joined for every frame. The conversion is the same either way.
     reformatter = VideoReformatter()
     try:
-        with av.open(str(path)) as container:
+        with open_input(path) as container:
             stream = container.streams[video.index]
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
@@ -88,8 +91,8 @@ def _shape(frame: av.VideoFrame, stream: av.VideoStream) -> Fraction:
 
 def _inside(width: int, height: int, relative: Fraction) -> tuple[int, int] | None:
     """Where a frame of another size goes in the `width` x `height` picture: None (all of it) where its shape is the
-    first frame's (a stream that switches between 1080p and 720p, or a 16:9 DVD's 720x576 and HD), else the largest
-    (width, height) inside it that keeps its shape (`relative`: its shape over the first frame's), bars round it.
+    picture's (a stream that switches between 1080p and 720p, or a 16:9 DVD's 720x576 and HD), else the largest
+    (width, height) inside it that keeps its shape (`relative`: its shape over the picture's), bars round it.
     Stretched to the whole picture, a recording that turns from landscape to portrait came back squashed."""
     if abs(relative - 1) <= Fraction(1, 100):
         return None
@@ -109,10 +112,15 @@ def _boxed(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
 def _decode(container: av.container.InputContainer, stream: av.VideoStream, size: int) -> Iterator[av.VideoFrame]:
     """Every frame of `stream` (a file of `size` bytes). Empty packets are skipped, not sent: Ogg stores a Theora
     frame that repeats the one before as a 0-byte packet, which the decoder takes for the end of the stream (every
-    later packet: EINVAL). So is the packet a cut file ends in (`cut_off`). The probe counts frames the same way."""
+    later packet: EINVAL). So is the packet a cut file ends in (`cut_off`). The probe counts frames the same way.
+    Packed B-frames are unpacked first (`unpacker`)."""
+    unpack = unpacker(stream)
     for packet in container.demux(stream):
         if packet.size and not cut_off(packet, size):
-            yield from packet.decode()
+            for sent in unpack(packet):
+                yield from stream.decode(sent)
+    for sent in unpack(None):
+        yield from stream.decode(sent)
     yield from stream.decode(None)
 
 

@@ -37,6 +37,8 @@ class Promise:
     sar: Fraction = Fraction(1)
     video_start: float = 0.0  # seconds of output time of the first frame
     chapters: int = 0
+    covers: int = 0
+    timecode: str | None = None
 
     @classmethod
     def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...], clock: float = 0.0,
@@ -55,8 +57,10 @@ class Promise:
                 audio.append(AudioPromise(*audio_output(stream, action), first, max(0.0, end - first), slack, stream.index))
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
         sar = video.sar if sar is None else sar
+        covers = sum(c.kind == "cover art" and c.action != "drop" for c in carried)
+        timecode = video.timecode if any(c.action == "timecode" for c in carried) else None
         return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, sar,
-                   video.start - clock, len(output_chapters(source.chapters, clock)))  # fmt: skip
+                   video.start - clock, len(output_chapters(source.chapters, clock)), covers, timecode)  # fmt: skip
 
 
     def decoded(self, placed: dict[int, tuple[float, float]]) -> Promise:
@@ -102,6 +106,7 @@ def verify(path: str | Path, promise: Promise) -> MediaInfo:
         check(f"audio {number} start", f"{max(got.start, 0.0):.3f} s", f"{expected.start:.3f} s", ok)
     check("subtitle stream count", len(written.subtitles), promise.subtitles, len(written.subtitles) == promise.subtitles)
     check("chapter count", len(written.chapters), promise.chapters, len(written.chapters) == promise.chapters)
+    check("cover art count", len(written.covers), promise.covers, len(written.covers) == promise.covers)
     if problems:
         raise OutputMismatch(f"{Path(path).name} is not what was promised: " + "; ".join(problems))
     return written

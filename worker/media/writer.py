@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
@@ -89,12 +90,40 @@ def _x264_asm() -> str | None:
     return "AVX2" if _AVX512 <= flags else None  # every AVX-512 CPU has what x264's AVX2 needs (FMA3, BMI2)
 
 
-def _encoder_options(encoder: str, crf: int, preset: str, lookahead: int | None) -> dict[str, str]:
+def _hdr10_params(encoder: str, mastering: str | None, light_level: tuple[int, int] | None) -> dict[str, str]:
+    """HDR10's static metadata as each encoder's own parameters write it (SEI in H.264 and HEVC, metadata OBUs in AV1).
+    PyAV cannot hand an encoder the side data FFmpeg's CLI passes it: without these, a PQ source's output told
+    players nothing of the display it was graded on, and they tone-mapped it by guess."""
+    params = {}
+    if encoder == "libsvtav1":  # the same fields in plain units: chromaticities, cd/m²
+        if mastering:
+            numbers = [int(n) for n in re.findall(r"\d+", mastering)]
+            chroma, (high, low) = [f"{n / 50000:.4f}" for n in numbers[:8]], (numbers[8] / 10000, numbers[9] / 10000)
+            params["mastering-display"] = "G({},{})B({},{})R({},{})WP({},{})".format(*chroma) + f"L({high:.4f},{low:.4f})"
+        if light_level:
+            params["content-light"] = "{},{}".format(*light_level)
+        return params
+    if mastering:
+        params["master-display" if encoder == "libx265" else "mastering-display"] = mastering
+    if light_level:
+        params["max-cll" if encoder == "libx265" else "cll"] = "{},{}".format(*light_level)
+    if params and encoder == "libx265":
+        params["hdr10"] = "1"
+    return params
+
+
+def _encoder_options(
+    encoder: str, crf: int, preset: str, lookahead: int | None, hdr10: Mapping[str, str] | None = None
+) -> dict[str, str]:
     if encoder == "libsvtav1":
         os.environ.setdefault("SVT_LOG", "1")  # errors only (it prints its whole configuration otherwise)
-        return {"crf": str(crf), "preset": str(_SVT_PRESETS.get(preset, preset))}
+        options = {"crf": str(crf), "preset": str(_SVT_PRESETS.get(preset, preset))}
+        if hdr10:
+            options["svtav1-params"] = ":".join(f"{key}={value}" for key, value in hdr10.items())
+        return options
     options = {"crf": str(crf), "preset": preset}
     params = {"log-level": "error"} if encoder == "libx265" else {}
+    params |= dict(hdr10 or {})
     if encoder == "libx264" and (asm := _x264_asm()):
         params["asm"] = asm  # same frames, same bytes (`_x264_asm`)
     own = _PRESET_LOOKAHEAD[encoder].get(preset, 60)  # slower presets: x264 60, x265 40 to 60
@@ -116,7 +145,9 @@ class Mp4Writer:
     `start` ticks of `time_base` into the file (the source's audio started earlier). Every packet carries its frame's
     duration (the last frame: `last_duration` ticks, else an average one), so the MP4's track duration and average rate are the source's. A
     `passthrough` muxes the source's audio and subtitles alongside, as the video advances; `chapters` are kept. `sample_aspect_ratio` is
-    the source's pixel shape, kept so that the picture is displayed as wide as the source's.
+    the source's pixel shape, kept so that the picture is displayed as wide as the source's; `timecode` (SMPTE,
+    "01:00:00:00") is its first frame's; `mastering` and `light_level` are
+    its HDR10 metadata (probe.VideoInfo's).
 
     `on_frame(index, pixels)` sees each frame, (H, W, 3) uint8 RGB, on the encoder's thread just before it is
     encoded (the previews take theirs there: worker.media.previews.PreviewFrames).
@@ -148,6 +179,9 @@ class Mp4Writer:
         sample_aspect_ratio: Fraction = Fraction(1),
         chapters: Sequence[tuple[float, float, str | None]] = (),
         on_frame: Callable[[int, np.ndarray], None] | None = None,
+        timecode: str | None = None,
+        mastering: str | None = None,
+        light_level: tuple[int, int] | None = None,
     ) -> None:
         height, width = size
         encoder = encoder_for(codec)
@@ -166,7 +200,8 @@ class Mp4Writer:
                  "metadata": {"title": title} if title else {}}
                 for number, (start, end, title) in enumerate(chapters, 1)
             ])  # fmt: skip
-        self.stream = self.container.add_stream(encoder, rate=fps, options=_encoder_options(encoder, crf, preset, lookahead))
+        hdr10 = _hdr10_params(encoder, mastering, light_level)
+        self.stream = self.container.add_stream(encoder, rate=fps, options=_encoder_options(encoder, crf, preset, lookahead, hdr10))
         self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, "yuv420p"
         self.stream.codec_context.thread_type = thread_type
         if sample_aspect_ratio != 1:
@@ -183,6 +218,8 @@ class Mp4Writer:
         context.color_primaries, context.color_trc = colour
         if language:
             self.stream.metadata["language"] = language
+        if timecode:  # the MP4 muxer writes it as a timecode track (tmcd) for this stream, counted at its rate
+            self.stream.metadata["timecode"] = timecode
         if passthrough is not None:
             passthrough.add_streams(self.container)
         self.frames = 0
