@@ -257,7 +257,8 @@ def test_workers_killed_mid_job_lose_no_job(stack, env, api, reaper, jobs, blobs
     attempt's output upload is held until its kill: no job ends before the test's poll has seen it at its point (the
     medium clip's tail, the 90 point, lasts 0.2-0.5 s: a busy test process missed it). The worker is paused before it
     is killed, and the jobs it holds are read then: one whose engine is done takes its next message while its tail
-    runs, and its kill waits while it holds a job killed once already, or a message whose job it has not leased."""
+    runs, and its kill waits while it holds a job killed once already, or a message whose job it has not leased (that
+    job would wait VSRQ_LOST_UNACKED_S, minutes: tests/service/test_lost_messages.py proves it)."""
     rng = random.Random(20261130)
     # each kill costs a worker start (seconds of CPU): one point per stage the kill can land in, both ends included
     # (progress 1-89 is all the engine's windows: more points there prove the same recovery again)
