@@ -183,6 +183,10 @@ class Settings(BaseSettings):
     # A queued job whose message no queue and no consumer has held this long (a consumer killed as it took it, and at
     # least two of the reaper's passes) gets another: a live consumer holds one outside both for microseconds
     lost_message_grace_s: float = Field(30, ge=0)
+    # A queued job whose message a consumer took this long ago and still holds unacknowledged: that consumer died
+    # before its lease (a worker leases first thing), and kombu gives it back only after the visibility timeout
+    # (hours): it counts as lost too (worker.lost). Older than a worker's longest wait before its lease (a few seconds)
+    lost_unacked_s: float = Field(300, gt=0)
     longest_job_s: int = Field(12 * 3600, ge=60)  # Celery's visibility timeout is set above this
     # Overrides kombu's Redis transport options, e.g. {"visibility_timeout": 5, "unacked_restore_interval": 1,
     # "unacked_restore_throttle": 1} to see an unacknowledged message redelivered in seconds.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Iterable
 
 from celery import Celery
@@ -97,23 +98,33 @@ def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str
     return ids
 
 
-def held_job_ids(app: Celery, queues: Iterable[str], depth: int = 1000) -> set[str]:
+def held_job_ids(
+    app: Celery, queues: Iterable[str], depth: int = 1000, taken_within_s: float | None = None
+) -> set[str]:
     """The jobs whose `vsrq.upscale` message the broker holds: waiting in the lists of `queues` (the `depth` messages
     taken next, per list) or taken by a consumer that has not acknowledged it (kombu's `unacked` hash, every queue's),
     read in one transaction, so that no message moving from one to the other in between is missed. What is not here is
     a message nobody holds but a consumer between its BRPOP's reply and its write to `unacked` (microseconds, unless
-    it is paused there), or a lost one: a consumer killed in between (the reaper, worker.lost)."""
+    it is paused there), or a lost one: a consumer killed in between (the reaper, worker.lost). `taken_within_s`: a
+    message a consumer took longer ago than this is not counted (its consumer's clock: kombu's `unacked_index`)."""
     options = app.conf.broker_transport_options or {}
-    unacked = options.get("global_keyprefix", "") + options.get("unacked_key", Channel.unacked_key)
+    prefix = options.get("global_keyprefix", "")
+    unacked = prefix + options.get("unacked_key", Channel.unacked_key)
+    index = prefix + options.get("unacked_index_key", Channel.unacked_index_key)
     with app.pool.acquire(block=True) as connection:
-        # neither LRANGE nor HVALS is prefixed by kombu's client: the keys carry it already
+        # neither LRANGE nor HGETALL is prefixed by kombu's client: the keys carry it already
         with connection.default_channel.client.pipeline(transaction=True) as pipe:
             for key in _list_keys(app, queues):
                 pipe.lrange(key, -depth, -1)
-            pipe.hvals(unacked)
-            *lists, taken = pipe.execute()
+            pipe.hgetall(unacked)
+            pipe.zrange(index, 0, -1, withscores=True)
+            *lists, taken, taken_at = pipe.execute()
     ids = {_upscale_job_id(raw) for items in lists for raw in items}
-    for raw in taken:  # kombu writes [message, exchange, routing key] there
+    since = None if taken_within_s is None else time.time() - taken_within_s
+    taken_at = dict(taken_at)
+    for tag, raw in taken.items():  # kombu writes [message, exchange, routing key] there
+        if since is not None and taken_at.get(tag, since) < since:
+            continue
         try:
             envelope = json.loads(raw)[0]
         except Exception:  # not kombu's: skipped

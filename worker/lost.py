@@ -8,6 +8,11 @@ between BRPOP's reply and its next write, so a grace of seconds only delays a lo
 (SIGSTOP, swapping) gets a duplicate, which is harmless: the first delivery leases the job, and a message for a job
 that is not queued is dropped (worker.tasks).
 
+A consumer killed after its write to `unacked`, before its task leased the job (a worker whose tail runs takes its next
+message meanwhile), leaves the message there until kombu's visibility timeout, set above the longest job: hours. A
+worker leases its job first thing once it has the message, so one in `unacked` whose job is still queued `unacked_s`
+after it was taken is counted as not held (then lost after the grace, as above).
+
 The looks are this process's own, not kept in Redis: a reaper that restarts, or a Redis that lost writes, starts its
 grace again rather than taking an old sighting for a second look. Several reapers may each send one; see above.
 """
@@ -26,10 +31,14 @@ class LostMessages:
     """`queues`: the served ones (a job of another has no worker to lose its message to); `front`: how many of each
     queue's first jobs are looked at per pass: a message a consumer takes is the front of its queue, and the jobs
     behind a lost one are leased and leave the queue, so lost jobs gather there; `depth`: how many messages of each list
-    are read (bounded cost; a job whose message waits deeper is taken for lost: one harmless duplicate)."""
+    are read (bounded cost; a job whose message waits deeper is taken for lost: one harmless duplicate); `unacked_s`:
+    how long ago a consumer may have taken a queued job's message and still hold it (None: for as long as `unacked`
+    keeps it)."""
 
-    def __init__(self, queues: list[str], grace_s: float, front: int = 100, depth: int = 1000) -> None:
-        self.queues, self.grace_s, self.front, self.depth = queues, grace_s, front, depth
+    def __init__(
+        self, queues: list[str], grace_s: float, front: int = 100, depth: int = 1000, unacked_s: float | None = None
+    ) -> None:
+        self.queues, self.grace_s, self.front, self.depth, self.unacked_s = queues, grace_s, front, depth, unacked_s
         self._missing_since: dict[str, float] = {}  # job id -> when a look first found no message for it
 
     def due(self, jobs: JobStore, celery: Celery) -> list[JobRecord]:
@@ -37,7 +46,7 @@ class LostMessages:
         the caller to send one each (they start their grace again)."""
         # the jobs first, then the broker: a message sent after the jobs were read is not needed by any of them
         candidates = [job_id for queue in self.queues for job_id in jobs.sent_front(queue, self.front)]
-        held = held_job_ids(celery, self.queues, self.depth) if candidates else set()
+        held = held_job_ids(celery, self.queues, self.depth, self.unacked_s) if candidates else set()
         now = monotonic()
         # a job found with a message, or no longer at the front, is forgotten: its next loss is a new one
         self._missing_since = {

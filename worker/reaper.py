@@ -83,7 +83,8 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     log.info("reaping every %g s, sweeping storage every %g s", interval, settings.sweep_interval_s)
     next_sweep = monotonic()
-    lost = LostMessages(list(dict.fromkeys(settings.models.values())), settings.lost_message_grace_s)
+    queues = list(dict.fromkeys(settings.models.values()))
+    lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)
     reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
         try:

@@ -9,6 +9,7 @@ its figures on one line starting `FIGURE `:
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import hashlib
 import io
@@ -244,13 +245,20 @@ def p95(values: list[float]) -> float:
 # -- 1. workers killed ---------------------------------------------------------------------------------------------
 
 
-def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips, logs):
+def test_workers_killed_mid_job_lose_no_job(stack, env, api, reaper, jobs, blobs, clips, logs):
     """4 jobs, each one's worker SIGKILLed at its own point of its progress: 0 (while it probes), 30 and 60 (in the
-    engine's windows) and 90 (the encoder's flush and the check), in a seeded random order; supervisors start new
-    workers.
+    engine's windows) and 90 (the encoder's flush, the check and the upload), in a seeded random order; supervisors
+    start new workers.
 
     Two jobs run at a time on three workers, so that a worker is free when a killed job comes back: the time from the
-    kill to the next attempt is then the service's recovery, not a wait in the queue."""
+    kill to the next attempt is then the service's recovery, not a wait in the queue.
+
+    Each job is killed once (its second attempt is its last: MAX_ATTEMPTS) however the processes race. A first
+    attempt's output upload is held until its kill: no job ends before the test's poll has seen it at its point (the
+    medium clip's tail, the 90 point, lasts 0.2-0.5 s: a busy test process missed it). The worker is paused before it
+    is killed, and the jobs it holds are read then: one whose engine is done takes its next message while its tail
+    runs, and its kill waits while it holds a job killed once already, or a message whose job it has not leased (that
+    job would wait VSRQ_LOST_UNACKED_S, minutes: tests/service/test_lost_messages.py proves it)."""
     rng = random.Random(20261130)
     # each kill costs a worker start (seconds of CPU): one point per stage the kill can land in, both ends included
     # (progress 1-89 is all the engine's windows: more points there prove the same recovery again)
@@ -258,9 +266,9 @@ def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips
     points = [round(90 * n / (count - 1)) for n in range(count)]
     rng.shuffle(points)
     lease_s = 4  # the workers' own, shorter than the module's: recovery is lease-bound, and 4 of them run here
-    supervisors = [
-        Supervisor(lambda: processes.worker({**env, "VSRQ_LEASE_S": str(lease_s)}, QUEUE, logs)) for _ in range(3)
-    ]
+    partition = Partition(("127.0.0.1", stack.ports["s3"]))
+    through = {"VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}", "VSRQ_LEASE_S": str(lease_s)}
+    supervisors = [Supervisor(lambda: processes.worker({**env, **through}, QUEUE, logs)) for _ in range(3)]
     try:
         for supervisor in supervisors:
             started(supervisor.current)
@@ -268,37 +276,83 @@ def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips
         targets: dict[str, int] = {}  # 0: while it probes; 90: the encoder's flush and the check, after the last window
         killed: dict[str, tuple[float, int]] = {}  # job -> (when, progress at the kill)
         dead: dict[str, float] = {}  # worker (host/pid) -> when it was killed
+        holding: set[str] = set()  # jobs whose first attempt's output upload is held
+        let_go: set[str] = set()  # jobs let go unkilled (see `kill`): their point is tried again with a new job
+        put_off: list[str] = []  # why each kill was put off
+
+        def upload(job_id: str) -> bytes:
+            return f"PUT /{stack.bucket}/outputs/{job_id}/attempt-1-".encode()
+
+        def release(job_id: str) -> None:
+            if job_id in holding:
+                holding.discard(job_id)
+                partition.release(upload(job_id))
 
         def lost_before(job_id: str) -> bool:
-            """Whether one of the job's attempts died with a worker killed for another job: a worker in one job's tail
-            has leased the next, and a lease written as the kill came is in no snapshot. That is its one kill."""
-            by = [e.detail.get("worker") for e in jobs.events(job_id) if e.type == "leased"]
-            at = next((dead[worker] for worker in by if worker in dead), None)
+            """Whether one of the job's attempts died with a worker killed for another job: that is its one kill. Not
+            the attempt that completed it (its worker killed later, for another job)."""
+            job = jobs.require(job_id)
+            by = [(e.attempt, e.detail.get("worker")) for e in jobs.events(job_id) if e.type == "leased"]
+            lost = [w for n, w in by if w in dead and not (job.status == Status.COMPLETED and n == job.attempt)]
+            at = next((dead[worker] for worker in lost), None)
             if at is not None:
                 killed.setdefault(job_id, (at, 0))
+                release(job_id)
             return at is not None
 
+        def taken(queued: set[str]) -> bool:
+            """Whether a consumer took a queued job's message and has not leased the job yet. Within the lease: a
+            killed attempt's message stays in kombu's `unacked` hash, and its job is queued again a lease later."""
+            since = time.time() - lease_s
+            tags = [tag for tag, at in jobs.redis.zrange("unacked_index", 0, -1, withscores=True) if at > since]
+            raws = jobs.redis.hmget("unacked", tags) if tags else []
+            return any(raw and job_id.encode() in raw for raw in raws for job_id in queued)
+
+        def kill(victim: Process, job: JobRecord) -> None:
+            """Kills `victim` for `job` unless it holds what must not die with it: a job killed once already, or a
+            message whose job it has not leased yet. Paused first: the jobs read then are all it holds."""
+            victim.pause()
+            time.sleep(0.1)  # what it sent Redis before the stop has landed
+            records = [jobs.require(job_id) for job_id in ids]
+            held = [r for r in records if r.status == Status.IN_PROGRESS and r.worker == job.worker]
+            twice = [r.id for r in held if r.id in killed]
+            queued = {r.id for r in records if r.status == Status.QUEUED}
+            if job.id not in {r.id for r in held} or twice or taken(queued):
+                victim.resume()
+                put_off.append("moved" if job.id not in {r.id for r in held} else "twice" if twice else "taken")
+                if twice and job.progress >= 90:  # leased behind this tail, whose upload is held: it would wait
+                    release(job.id)  # for good; this job ends unkilled, and its point is tried again
+                    let_go.add(job.id)
+                return
+            victim.kill()
+            at = dead[job.worker] = time.time()
+            for record in held:  # every job the worker holds dies with it: the one behind a tail in its flush too
+                killed[record.id] = (at, record.progress)
+                release(record.id)
+
         deadline = time.monotonic() + 600
-        while len(ids) < count or not all(ended(jobs.require(job_id)) for job_id in ids):
+        while points or not all(ended(jobs.require(job_id)) for job_id in ids):
             assert time.monotonic() < deadline, f"killed {len(killed)}; {[jobs.require(i).status for i in ids]}"
-            if len(ids) < count and sum(not ended(jobs.require(job_id)) for job_id in ids) < 2:
+            if points and sum(not ended(jobs.require(job_id)) for job_id in ids) < 2:
                 ids.append(create(api, clips["medium"]))
-                targets[ids[-1]] = points[len(ids) - 1]
+                partition.hold(upload(ids[-1]))  # long before its engine is done: its head takes a second
+                holding.add(ids[-1])
+                targets[ids[-1]] = points.pop(0)
             for job_id in ids:
                 job = jobs.require(job_id)
-                if job_id in killed or job.status != Status.IN_PROGRESS or job.progress < targets[job_id]:
+                if job_id in killed:
                     continue
-                if lost_before(job_id):
+                if job_id in let_go:
+                    if ended(job) and job_id in targets and len(targets) < count + 3:
+                        points.append(targets.pop(job_id))  # ended on its first attempt: its point again
+                    continue
+                if job.status != Status.IN_PROGRESS or job.progress < targets[job_id] or lost_before(job_id):
                     continue
                 victim = holder(job, [supervisor.current for supervisor in supervisors])
                 if victim is not None:
-                    # every job the worker holds dies with it: the one behind a tail in its flush is killed once too
-                    held = [jobs.require(i) for i in ids if i not in killed]
-                    victim.kill()
-                    at = dead[job.worker] = time.time()
-                    victims = [r for r in held if r.status == Status.IN_PROGRESS and r.worker == job.worker]
-                    killed |= {r.id: (at, r.progress) for r in victims}
+                    kill(victim, job)
             time.sleep(0.02)
+        ids = [job_id for job_id in ids if job_id in targets]  # less those let go, whose point was tried again
         for job_id in ids:
             if job_id not in killed:
                 lost_before(job_id)
@@ -314,7 +368,8 @@ def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips
             f"FIGURE worker_killed: completed {completed}/{len(ids)}, killed {len(killed)} (progress at kill "
             f"{sorted(p for _, p in killed.values())}), outputs per job min {min(per_job)} max {max(per_job)}, "
             f"kill->requeued max {max(requeued):.1f} s, kill->resumed max {max(resumed):.1f} s median "
-            f"{statistics.median(resumed):.1f} s (lease {lease_s} s), workers restarted {restarts}"
+            f"{statistics.median(resumed):.1f} s (lease {lease_s} s), workers restarted {restarts}; kills put off "
+            f"{dict(collections.Counter(put_off))}, points tried again {len(let_go)}"
         )
         assert len(killed) == len(ids), [(i, targets[i], history(jobs, i)) for i in ids if i not in killed]
         assert completed == len(ids), [(job.id, job.error, history(jobs, job.id)) for job in records if job.error]
@@ -326,6 +381,7 @@ def test_workers_killed_mid_job_lose_no_job(env, api, reaper, jobs, blobs, clips
         for supervisor in supervisors:
             supervisor.stop_watching()
         stop_idle(jobs, [process for supervisor in supervisors for process in supervisor.history])
+        partition.close()
 
 
 def test_a_long_job_killed_mid_way_resumes_from_its_kept_windows(env, api, reaper, jobs, blobs, clips, logs):

@@ -165,10 +165,13 @@ def test_expired_leases_are_reaped_and_quarantined_after_max_attempts(jobs: JobS
     jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=2, prefix="vsrq-reap-" + secrets.token_hex(4))
     job, alive = make(jobs), make(jobs)
     lease = jobs.lease(job.id, "dies", lease_s=1)
-    kept = jobs.lease(alive.id, "beats", lease_s=1)
+    kept = jobs.lease(alive.id, "beats", lease_s=2)
     assert jobs.expired_leases() == []
-    time.sleep(0.6)
-    kept.heartbeat(progress=5)  # extends its lease by another second
+    time.sleep(1.5)
+    kept.heartbeat(progress=5)  # extends its lease by another 2 s
+    beat = time.monotonic()  # Redis extended it before this
+    # past its first lease: the extension holds it. Read 1.4 s before the extension runs out: a loaded machine's
+    # pause between the two calls (0.4 s of 0.6 s of margin broke it before) is not a lease that ran out
     time.sleep(0.6)
     assert jobs.expired_leases() == [job.id]
     assert jobs.reap() == {job.id: Status.QUEUED}
@@ -178,7 +181,7 @@ def test_expired_leases_are_reaped_and_quarantined_after_max_attempts(jobs: JobS
 
     second = jobs.lease(job.id, "dies-again", lease_s=1)
     assert second.attempt == 2
-    time.sleep(1.2)
+    time.sleep(max(1.2, beat + 2.2 - time.monotonic()))  # past both leases
     assert set(jobs.reap()) == {job.id, alive.id}  # both silent now; the second is on its first attempt
     failed = jobs.require(job.id)
     assert (failed.status, failed.error.code) == (Status.FAILED, "too_many_attempts")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import subprocess
+import sys
 import time
 
 import pytest
@@ -69,3 +71,65 @@ def test_only_the_job_whose_message_a_dead_consumer_took_gets_another(
     assert overview(store, WorkerRegistry(redis_client, prefix=store.prefix), [queue]).lost_messages_resent == 1
     assert store.require(unsent.id).status == "queued" and [job.id for job in store.unsent(0)] == [unsent.id]
     redis_client.delete(*redis_client.keys(f"{prefix}{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
+
+
+# A consumer that takes the next message into `unacked` (basic_get, not acknowledged) and says so, then waits to be
+# killed: a worker SIGKILLed between its write to `unacked` and its lease (its tail's, or a host's, death).
+_TAKE_AND_WAIT = """
+import sys, time
+from kombu import Connection
+with Connection(sys.argv[1]) as connection, connection.SimpleQueue(sys.argv[2], no_ack=False) as consumer:
+    message = consumer.get(timeout=30)
+    print(message.payload[0][0], flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_message_taken_by_a_consumer_killed_before_its_lease_is_sent_again(
+    settings: Settings, redis_client, caplog
+):
+    """kombu keeps a message a consumer took, and never acknowledged, in `unacked` until its visibility timeout (above
+    the longest job: hours); a worker leases its job first thing. The job of one taken `unacked_s` ago and still
+    queued gets another message (after the grace's two looks); one taken by a live consumer since does not."""
+    unacked_s = 3.0
+    store = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"vsrq-lost-{secrets.token_hex(4)}")
+    app = make_celery(settings)
+    queue = f"vsrq.lost-{secrets.token_hex(3)}"
+    dead, held = (
+        store.create(owner="lost", model="lanczos", queue=queue, params={}, input=InputInfo(key="k")) for _ in range(2)
+    )
+    looks = LostMessages([queue], GRACE_S, unacked_s=unacked_s)
+
+    def look() -> None:
+        assert reap_once(store, app, enqueue_grace_s=3600, lost=looks) == {}
+
+    send_upscale(app, store, dead)
+    command = [sys.executable, "-c", _TAKE_AND_WAIT, settings.celery_broker_url, queue]
+    consumer = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert consumer.stdout.readline().strip() == dead.id  # in `unacked` now
+    finally:
+        consumer.kill()  # SIGKILL: nothing given back
+        consumer.wait()
+    taken_at = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="vsrq.reaper"):
+        look()  # taken just now: held
+        assert not [record for record in caplog.records if "sent again" in record.getMessage()]
+        time.sleep(max(0.0, taken_at + unacked_s - time.monotonic()))
+        send_upscale(app, store, held)
+        with app.connection_for_read() as connection, connection.SimpleQueue(queue, no_ack=False) as live:
+            taken = live.get_nowait()  # a live consumer's, just taken
+            try:
+                assert taken.decode()[0] == [held.id]
+                look()  # `dead`'s taken `unacked_s` ago: not held, a first look
+                time.sleep(GRACE_S)
+                look()  # and a second, its grace later: sent again, at the front
+                assert next_job_ids(app, [queue], limit=10) == [dead.id]
+            finally:
+                taken.ack()
+    resent = [record for record in caplog.records if "sent again" in record.getMessage()]
+    assert [record.job_id for record in resent] == [dead.id]
+    for tag, raw in redis_client.hgetall("unacked").items():  # the dead consumer's: kept for hours otherwise
+        if dead.id.encode() in raw:
+            redis_client.hdel("unacked", tag), redis_client.zrem("unacked_index", tag)
+    redis_client.delete(*redis_client.keys(f"{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
