@@ -35,7 +35,13 @@ POLL_AFTER_MS = 200
 
 
 @pytest.fixture(scope="module")
-def anonymous_api(service_env, tmp_path_factory) -> Iterator[str]:
+def anonymous_api_log(tmp_path_factory) -> Path:
+    """gunicorn's output: the API's log lines (JSON, the default format)."""
+    return tmp_path_factory.mktemp("compat") / "gunicorn.log"
+
+
+@pytest.fixture(scope="module")
+def anonymous_api(service_env, anonymous_api_log) -> Iterator[str]:
     env = {
         **service_env,
         "VSRQ_AUTH": "none",
@@ -43,7 +49,7 @@ def anonymous_api(service_env, tmp_path_factory) -> Iterator[str]:
         "VSRQ_MODELS": json.dumps({"lanczos": QUEUE, "k6-vsr": IDLE_QUEUE}),  # lanczos first: the default
         "VSRQ_POLL_AFTER_MS": str(POLL_AFTER_MS),
     }
-    with serve_api(env, tmp_path_factory.mktemp("compat") / "gunicorn.log") as url:
+    with serve_api(env, anonymous_api_log) as url:
         yield url
 
 
@@ -304,3 +310,36 @@ def test_openai_input_reference_object_names_an_upload_or_a_url(anonymous_api, l
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         sdk.videos.create(prompt="x", extra_body={"input_reference": {"image_url": "http://93.184.215.14/in.mp4"}})
     assert refused.value.param == "input_reference" and "https" in refused.value.message
+
+
+def _log_lines(log: Path, request_id: str) -> list[dict]:
+    """The API's JSON log lines that carry `request_id`: gunicorn writes its access line once the answer is sent."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        found = [line for line in lines if line.get("request_id") == request_id]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_a_request_id_the_sdk_reports_is_the_one_in_the_api_log(anonymous_api, anonymous_api_log, sdk, in_mp4):
+    """A user quotes `e.request_id` to an operator, who greps the API's log for it."""
+    clip = ("in.mp4", in_mp4.read_bytes(), "video/mp4")
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(prompt="x", input_reference=clip, seconds="8")
+    request_id = refused.value.request_id
+    assert request_id and request_id.startswith("req_")
+    assert refused.value.response.json()["request_id"] == request_id  # in the problem body too
+    access = [line for line in _log_lines(anonymous_api_log, request_id) if line["logger"] == "gunicorn.access"]
+    assert len(access) == 1 and '"POST /v1/videos HTTP/1.1" 422' in access[0]["message"], access
+
+    # one the client sent is kept when it is sane, replaced when it is not; a success carries one too
+    models = sdk.models.with_raw_response.list(extra_headers={"X-Request-Id": "trace-7f3a.1"})
+    assert models.headers["x-request-id"] == "trace-7f3a.1" == models.request_id
+    assert _log_lines(anonymous_api_log, "trace-7f3a.1")
+    for insane in ("two words", "x" * 200, "a\"b"):
+        response = requests.get(f"{anonymous_api}/v1/models", headers={"X-Request-Id": insane}, timeout=10)
+        assert response.headers["x-request-id"].startswith("req_")
+    ids = {requests.get(f"{anonymous_api}/v1/models", timeout=10).headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3
