@@ -6,7 +6,9 @@ loopback, as `vsrq dev` runs it; a real Celery worker runs lanczos; Redis and Se
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
+import http.client
 import io
 import json
 import os
@@ -343,3 +345,51 @@ def test_a_request_id_the_sdk_reports_is_the_one_in_the_api_log(anonymous_api, a
         assert response.headers["x-request-id"].startswith("req_")
     ids = {requests.get(f"{anonymous_api}/v1/models", timeout=10).headers["x-request-id"] for _ in range(3)}
     assert len(ids) == 3
+
+
+def test_the_sdk_waits_out_an_upload_in_flight_under_its_idempotency_key(anonymous_api, sdk, in_mp4):
+    """A create repeated (by the SDK's own retry, or a second process) while the first is still uploading: the 409 says
+    how long to wait, and the SDK's retries, waiting that long, get the first request's job."""
+    key, boundary, clip = secrets.token_hex(8), secrets.token_hex(8), in_mp4.read_bytes()
+    fields = b"".join(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+        for name, value in (("prompt", "x"), ("model", "k6-vsr"))  # the SDK's fields, so the requests are the same
+    )
+    body = (
+        fields
+        + f'--{boundary}\r\nContent-Disposition: form-data; name="input_reference"; filename="in.mp4"\r\n'.encode()
+        + b"Content-Type: video/mp4\r\n\r\n" + clip + f"\r\n--{boundary}--\r\n".encode()
+    )
+    pieces, pause = 6, 0.5  # the first request takes ~3 s to send
+    host, port = anonymous_api.removeprefix("http://").split(":")
+    first = http.client.HTTPConnection(host, int(port), timeout=30)
+    first.putrequest("POST", "/v1/videos")
+    for name, value in (("Content-Type", f"multipart/form-data; boundary={boundary}"),
+                        ("Content-Length", str(len(body))), ("Idempotency-Key", key)):  # fmt: skip
+        first.putheader(name, value)
+    first.endheaders()
+    sent = time.monotonic()
+
+    def trickle() -> dict:
+        size = -(-len(body) // pieces)
+        for at in range(0, len(body), size):
+            first.send(body[at : at + size])
+            time.sleep(pause)
+        return json.loads(first.getresponse().read())
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        original = pool.submit(trickle)
+        time.sleep(pause)
+        upload = ("in.mp4", clip, "video/mp4")
+        busy = requests.post(
+            f"{anonymous_api}/v1/videos", data={"prompt": "x", "model": "k6-vsr"},
+            files={"input_reference": upload}, headers={"Idempotency-Key": key}, timeout=10,
+        )  # fmt: skip
+        assert busy.status_code == 409 and busy.json()["code"] == "idempotency_in_flight"
+        assert 1 <= int(busy.headers["Retry-After"]) <= 60
+        again = sdk.videos.create(
+            prompt="x", input_reference=upload, model="k6-vsr", extra_headers={"Idempotency-Key": key}
+        )  # the SDK's default two retries
+        job = original.result()
+    assert again.id == job["id"] and time.monotonic() - sent >= pieces * pause
+    requests.post(f"{anonymous_api}/v1/videos/{job['id']}/cancel", timeout=10)  # nobody runs the idle queue
