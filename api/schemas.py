@@ -84,13 +84,20 @@ GENERATION_ONLY: dict[str, str] = {
     "action_view_point": _NOT_OFFERED,
     "action_normalization": _NOT_OFFERED,
 }
-# Values of those fields that ask for nothing this service does not already do: accepted.
+# Values of those fields that ask for nothing this service does not already do: accepted. SGLang's own defaults are
+# among them, so that a client sending every field at its default (as `VideoGenerationsRequest().model_dump()` does)
+# is served: frame interpolation's factor and scale mean nothing while it is off, as SGLang's SR ignores them then.
 _NOOP = {
     "n": {"1"},
     "num_outputs_per_prompt": {"1"},
     "enable_teacache": {"false", "0"},
     "enable_frame_interpolation": {"false", "0"},
-    "enable_upscaling": {"true", "1"},
+    "frame_interpolation_exp": {"1"},
+    "frame_interpolation_scale": {"1"},
+    # true: upscaling is what this service does; false: no post-generation upscaler on top, which none runs here
+    "enable_upscaling": {"true", "1", "false", "0"},
+    "output_quality": {"default"},  # the encoder's default quality: output_crf's default
+    "seconds": {"4"},  # SGLang's and OpenAI's default, which SGLang's SR ignores too: the output keeps the input's
     "generator_device": {"cpu", "cuda"},
     "profile": {"false", "0"},
     "profile_all_stages": {"false", "0"},
@@ -99,12 +106,14 @@ _NOOP = {
     "guidance_scale_2": {"1"},
     "true_cfg_scale": {"1"},
 }
-# Paths on the server's disk, which SGLang reads or writes: refused.
+SGLANG_UPSCALING_SCALE = "4"  # `upscaling_scale`'s default in SGLang's request
+# Paths on the server's disk, which SGLang reads or writes: refused (null or empty: not given).
 SERVER_PATHS = frozenset(
     {"video_path", "output_path", "perf_dump_path", "upscaling_model_path", "frame_interpolation_model_path"}
 )
 # Names an input URL may come under: ours, SGLang's, and OpenAI's `input_reference` given as text.
 URL_FIELDS = ("video_url", "reference_url", "input_reference", "video_path")
+_EMPTY_MEANS_UNSET = SERVER_PATHS | set(URL_FIELDS)
 NESTED = ("extra_body", "extra_json", "extra_params")  # objects whose fields are merged into the request
 REFERENCES = ("upload_id", "input_key", "video_url")  # a JSON create names its input with exactly one
 
@@ -246,6 +255,8 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     flattens a nested object into a multipart form.
     """
     fields = _merge_nested(_unflatten_form(fields))
+    # SGLang's paths and input names left null or empty (a client sending its whole request model) name nothing
+    fields = {name: value for name, value in fields.items() if name not in _EMPTY_MEANS_UNSET or value not in (None, "")}
     _reference_object(fields)
     url_field = _url_input(fields, references)
     paths = sorted(SERVER_PATHS & fields.keys())
@@ -395,6 +406,16 @@ def _upscaling_scale(fields: dict[str, Any]) -> None:
     scale = fields.pop("upscaling_scale", None)
     if scale in (None, ""):
         return
+    if _plain(fields.get("enable_upscaling")) in ("false", "0"):
+        # SGLang's upscaler off: its factor is inert at SGLang's default, and contradicts the request at another
+        if _plain(scale) == SGLANG_UPSCALING_SCALE:
+            return
+        raise ApiError(
+            422,
+            "invalid_request",
+            "`upscaling_scale` is set while `enable_upscaling` is false: send the scale as `sr_resolution_scale`.",
+            errors=[{"field": "upscaling_scale", "code": "conflict", "message": "set while enable_upscaling is false"}],
+        )
     if fields.get("sr_resolution_scale") not in (None, "") and str(fields["sr_resolution_scale"]) != str(scale):
         raise ApiError(
             422,

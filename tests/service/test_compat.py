@@ -155,8 +155,8 @@ def test_sgl_fields_are_honoured_or_refused_by_name(anonymous_api, in_mp4):
     assert params["sr_tiles_batch_size"] == 2
     assert 0 <= params["seed"] < 2**31  # drawn, and reported
     refusals = (
-        ("seconds", "4"), ("enable_frame_interpolation", "true"), ("frame_interpolation_exp", "1"),
-        ("diffusers_kwargs", "{}"), ("enable_upscaling", "false"), ("guidance_scale", "5"),
+        ("seconds", "8"), ("enable_frame_interpolation", "true"), ("frame_interpolation_exp", "2"),
+        ("diffusers_kwargs", "{}"), ("output_quality", "maximum"), ("guidance_scale", "5"),
     )  # fmt: skip
     for field, value in refusals:
         refused = create(model="k6-vsr", **{field: value})
@@ -393,3 +393,41 @@ def test_the_sdk_waits_out_an_upload_in_flight_under_its_idempotency_key(anonymo
         job = original.result()
     assert again.id == job["id"] and time.monotonic() - sent >= pieces * pause
     requests.post(f"{anonymous_api}/v1/videos/{job['id']}/cancel", timeout=10)  # nobody runs the idle queue
+
+
+# SGLang's VideoGenerationsRequest (multimodal_gen/runtime/entrypoints/openai/protocol.py) as a client fills it in:
+# every field at its default, the unset ones as null, which is what `model_dump()` of it sends
+SGLANG_DEFAULTS = {
+    "input_reference": None, "reference_url": None, "video_path": None, "n": 1, "num_outputs_per_prompt": None,
+    "seconds": 4, "size": "", "fps": None, "num_frames": None, "seed": None, "generator_device": "cuda",
+    "width": None, "height": None, "num_inference_steps": None, "guidance_scale": None, "guidance_scale_2": None,
+    "true_cfg_scale": None, "negative_prompt": None, "max_sequence_length": None, "flow_shift": None,
+    "enable_teacache": False, "enable_frame_interpolation": False, "frame_interpolation_exp": 1,
+    "frame_interpolation_scale": 1.0, "frame_interpolation_model_path": None, "enable_upscaling": False,
+    "upscaling_model_path": None, "upscaling_scale": 4, "output_quality": "default", "output_compression": None,
+    "output_path": None, "diffusers_kwargs": None, "perf_dump_path": None,
+}  # fmt: skip
+
+
+def test_sglang_defaults_sent_as_they_are_ask_for_nothing(anonymous_api, in_mp4):
+    """A client sending every SGLang default (JSON with nulls, or a form of the set ones) gets its job; a value other
+    than the default still gets 422 naming its field."""
+    url = "https://93.184.215.14/in.mp4"  # public: fetched only once a worker runs it
+    request = {**SGLANG_DEFAULTS, "prompt": "", "video_url": url, "model": "k6-vsr", "sr_resolution_scale": 2}
+    as_json = requests.post(f"{anonymous_api}/v1/videos", json=request, timeout=30)
+    assert as_json.status_code == 200, as_json.text
+    assert as_json.json()["params"]["sr_resolution_scale"] == 2  # upscaling_scale 4 means nothing with upscaling off
+    form = {name: str(value).lower() if isinstance(value, bool) else str(value)
+            for name, value in request.items() if value not in (None, "") and name != "video_url"}  # fmt: skip
+    with open(in_mp4, "rb") as video:
+        files = {"video_reference": ("in.mp4", video, "video/mp4")}
+        as_form = requests.post(f"{anonymous_api}/v1/videos", data=form, files=files, timeout=30)
+    assert as_form.status_code == 200, as_form.text
+    for job in (as_json.json(), as_form.json()):  # nobody runs the idle queue
+        requests.post(f"{anonymous_api}/v1/videos/{job['id']}/cancel", timeout=10)
+
+    for field, value in (("upscaling_scale", 2), ("frame_interpolation_scale", 2.0), ("output_quality", "high")):
+        refused = requests.post(f"{anonymous_api}/v1/videos", json={**request, field: value}, timeout=30)
+        body = refused.json()
+        assert refused.status_code == 422 and body["errors"][0]["field"] == field, body
+        assert field in body["error"]["message"]
