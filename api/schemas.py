@@ -258,6 +258,7 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     # SGLang's paths and input names left null or empty (a client sending its whole request model) name nothing
     fields = {name: value for name, value in fields.items() if name not in _EMPTY_MEANS_UNSET or value not in (None, "")}
     _reference_object(fields)
+    _refuse_inline_or_listed(fields)
     url_field = _url_input(fields, references)
     paths = sorted(SERVER_PATHS & fields.keys())
     if paths or isinstance(fields.get("input_reference"), str):
@@ -377,6 +378,30 @@ def _reference_object(fields: dict[str, Any]) -> None:
         raise ApiError(422, "missing_video", "Name the upload once: in `upload_id` or `input_reference.file_id`.")
     else:
         fields["upload_id"] = given["file_id"]
+
+
+def _refuse_inline_or_listed(fields: dict[str, Any]) -> None:
+    """A list of inputs, or a video inline as a `data:` URL, under a name that takes a URL or a path: each refused for
+    what it is (without this, both fell through to "a path on the server"). Inline videos are refused rather than
+    decoded: a JSON body is held whole in memory and capped at 1 MiB (base64 adds a third), while a file sent as
+    multipart streams to storage up to the upload limit; OpenAI's SDK sends its `input_reference` file that way."""
+    for name in URL_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, list):
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"`{name}` is a list: one job per video. Name one https URL, or upload the file.",
+                errors=[{"field": name, "code": "list_not_accepted", "message": "one value, not a list"}],
+            )
+        if isinstance(value, str) and value.lstrip()[:5].lower() == "data:":
+            raise ApiError(
+                422,
+                "data_url_not_accepted",
+                f"`{name}` carries the video inline as a data: URL, which is not accepted: send the file as the "
+                "multipart file `video_reference` (or POST /v1/uploads, then `upload_id`), or name an https URL.",
+                errors=[{"field": name, "code": "data_url_not_accepted", "message": "send the file as multipart"}],
+            )
 
 
 def _url_input(fields: dict[str, Any], references: bool) -> str:

@@ -6,6 +6,7 @@ loopback, as `vsrq dev` runs it; a real Celery worker runs lanczos; Redis and Se
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import hashlib
 import http.client
@@ -431,3 +432,22 @@ def test_sglang_defaults_sent_as_they_are_ask_for_nothing(anonymous_api, in_mp4)
         body = refused.json()
         assert refused.status_code == 422 and body["errors"][0]["field"] == field, body
         assert field in body["error"]["message"]
+
+
+def test_a_list_or_a_data_url_for_the_video_is_refused_for_what_it_is(anonymous_api, sdk, in_mp4):
+    """Neither is a path on the server, and the answer must not say so."""
+    url = "https://93.184.215.14/in.mp4"
+    listed = requests.post(f"{anonymous_api}/v1/videos", json={"prompt": "x", "video_path": [url]}, timeout=30)
+    body = listed.json()
+    assert (listed.status_code, body["errors"][0]["field"], body["errors"][0]["code"]) == (
+        422, "video_path", "list_not_accepted"
+    )  # fmt: skip
+    assert "server" not in body["detail"] and "one job per video" in body["detail"]
+
+    inline = "data:video/mp4;base64," + base64.b64encode(in_mp4.read_bytes()).decode()
+    for fields in ({"video_path": inline}, {"input_reference": {"image_url": inline}}):
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            sdk.videos.create(prompt="x", extra_body=fields)  # OpenAI's object, as the SDK sends it
+        error = refused.value
+        assert error.code == "data_url_not_accepted" and error.param == next(iter(fields)), error.message
+        assert "server" not in error.message and "/v1/uploads" in error.message
