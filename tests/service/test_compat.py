@@ -376,7 +376,10 @@ def test_the_sdk_waits_out_an_upload_in_flight_under_its_idempotency_key(anonymo
         for at in range(0, len(body), size):
             first.send(body[at : at + size])
             time.sleep(pause)
-        return json.loads(first.getresponse().read())
+        try:
+            return json.loads(first.getresponse().read())
+        finally:
+            first.close()  # a kept-alive connection left open holds up gunicorn's shutdown
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         original = pool.submit(trickle)
