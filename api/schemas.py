@@ -113,7 +113,7 @@ SERVER_PATHS = frozenset(
 )
 # Names an input URL may come under: ours, SGLang's, and OpenAI's `input_reference` given as text.
 URL_FIELDS = ("video_url", "reference_url", "input_reference", "video_path")
-_EMPTY_MEANS_UNSET = SERVER_PATHS | set(URL_FIELDS)
+_UNSET_IF_EMPTY = SERVER_PATHS | set(URL_FIELDS)
 NESTED = ("extra_body", "extra_json", "extra_params")  # objects whose fields are merged into the request
 REFERENCES = ("upload_id", "input_key", "video_url")  # a JSON create names its input with exactly one
 
@@ -256,7 +256,7 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     """
     fields = _merge_nested(_unflatten_form(fields))
     # SGLang's paths and input names left null or empty (a client sending its whole request model) name nothing
-    fields = {name: value for name, value in fields.items() if name not in _EMPTY_MEANS_UNSET or value not in (None, "")}
+    fields = {name: value for name, value in fields.items() if value not in (None, "") or name not in _UNSET_IF_EMPTY}
     _reference_object(fields)
     _refuse_inline_or_listed(fields)
     url_field = _url_input(fields, references)

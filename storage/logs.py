@@ -55,7 +55,8 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
 
 class ContextFilter(logging.Filter):
     """On the handler, so it sees every record that reaches it (a logger's filter misses its children's): adds
-    `job_id` and `request_id` and renders the message once, without secrets. `secrets` are the configured ones, redacted verbatim."""
+    `job_id` and `request_id` and renders the message once, without secrets. `secrets` are the configured ones,
+    redacted verbatim."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         super().__init__()
