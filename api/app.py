@@ -10,7 +10,7 @@ import logging
 from flask import Flask, g, request
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from api import body, errors, health, metrics, models, openapi, uploads, videos, web
+from api import body, errors, health, metrics, models, openapi, request_id, uploads, videos, web
 from api.idempotency import Idempotency
 from api.ratelimit import RateLimiter
 from api.services import Services
@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         idempotency=Idempotency(redis, settings.idempotency_ttl_s, settings.idempotency_in_flight_ttl_s),
         limiter=RateLimiter(redis),
     )
+    request_id.register(app)  # first: every answer and every line logged for it carries the id
     errors.register(app)
     body.register(app)
     if settings.trusted_proxies:  # the client's address, as the proxies in front saw it (api/auth.py throttles by it)

@@ -13,7 +13,7 @@ from typing import Any
 
 import botocore.exceptions
 import redis.exceptions
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from werkzeug.exceptions import HTTPException
 
@@ -77,6 +77,9 @@ class Problem(BaseModel):
     instance: str = Field(description="the request path")
     errors: list[FieldError] | None = Field(None, description="per-field problems, when there are some")
     error: OpenAIError | None = Field(None, description="the same, as OpenAI's SDK reads an error")
+    request_id: str | None = Field(
+        None, description="the answer's `x-request-id`, which the API's log lines for this request carry"
+    )
 
     @model_validator(mode="after")
     def _openai_error(self) -> Problem:
@@ -125,9 +128,12 @@ def problem(
         detail=detail,
         instance=request.path,
         errors=errors or None,
+        request_id=g.get("request_id"),
     )
     response = Response(
-        body.model_dump_json(exclude=None if errors else {"errors"}), status=status, mimetype="application/problem+json"
+        body.model_dump_json(exclude={name for name in ("errors", "request_id") if getattr(body, name) is None}),
+        status=status,
+        mimetype="application/problem+json",
     )
     if status == 409 and code not in RETRY_FIXES:
         response.headers["x-should-retry"] = "false"

@@ -205,7 +205,7 @@ def write_problem(sock: socket.socket, status: int, reason: str, message: str) -
         code=code,
         detail=f"The request is malformed: {message}." if message and status < 500 else reason,
         instance="",  # the request line may be what could not be read
-    ).model_dump_json(exclude={"errors"}).encode()
+    ).model_dump_json(exclude={"errors", "request_id"}).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/problem+json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"

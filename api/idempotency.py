@@ -3,6 +3,11 @@ succeeds, its response is kept for 24 h with a fingerprint of the request. A rep
 the same response replayed; a repeat while the first is still running gets 409; a repeat with a different request
 gets 422. Requests that fail are not remembered, so the caller can fix and retry under the same key.
 
+The 409 carries `Retry-After`: as long again as the first request has run so far (an upload that took 20 s is not
+likely done in 1), from 1 s to 60 s and never past the moment its claim lapses. A client that doubles nothing itself
+(OpenAI's SDK retries twice, waiting what the header says) thus waits out a first request up to about 4 times as long
+as it had run when the repeat came, instead of giving up after two half-second backoffs.
+
 Keys are per API key: one caller's key never replays another caller's response.
 """
 
@@ -10,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -19,10 +26,12 @@ from redis import Redis
 from api.errors import ApiError
 
 HEADER = "Idempotency-Key"
+MAX_RETRY_AFTER_S = 60  # OpenAI's SDK gives up at once on one over 120 s
 
 
 class Remembered(BaseModel):
     state: Literal["in_flight", "done"]
+    started_at: float | None = None  # in flight: when the first request claimed the key (epoch seconds)
     fingerprint: str | None = None
     status: int | None = None
     body: Any = None
@@ -54,7 +63,8 @@ class Idempotency:
         expires on its own, so a request that died does not block its key for a day."""
         name = self._key(owner, key)
         while True:
-            if self.redis.set(name, Remembered(state="in_flight").model_dump_json(), nx=True, ex=self.in_flight_ttl_s):
+            claim = Remembered(state="in_flight", started_at=time.time()).model_dump_json()
+            if self.redis.set(name, claim, nx=True, ex=self.in_flight_ttl_s):
                 return None
             raw = self.redis.get(name)
             if raw is not None:  # else it expired between the two calls: claim again
@@ -64,16 +74,27 @@ class Idempotency:
         done = Remembered(state="done", fingerprint=fingerprint, status=status, body=body)
         self.redis.set(self._key(owner, key), done.model_dump_json(), ex=self.ttl_s)
 
+    def retry_after_s(self, remembered: Remembered) -> int:
+        """Seconds a repeat of an in-flight request should wait (see the module's docstring)."""
+        if remembered.started_at is None:  # claimed by an API of an earlier version
+            return 1
+        elapsed = max(0.0, time.time() - remembered.started_at)
+        lapses_in = self.in_flight_ttl_s - elapsed
+        return max(1, min(math.ceil(elapsed), MAX_RETRY_AFTER_S, math.ceil(lapses_in)))
+
     def release(self, owner: str, key: str) -> None:
         self.redis.delete(self._key(owner, key))
 
-    @staticmethod
-    def check_replay(remembered: Remembered, request_fingerprint: Callable[[], str]) -> Remembered:
+    def check_replay(self, remembered: Remembered, request_fingerprint: Callable[[], str]) -> Remembered:
         """What to answer a repeat with: the remembered response, or the error that says why not. The repeat's
         fingerprint (which may mean reading its whole body) is computed only when there is one to compare with."""
         if remembered.state == "in_flight":
+            wait = self.retry_after_s(remembered)
             raise ApiError(
-                409, "idempotency_in_flight", f"A request with this `{HEADER}` is still being processed; retry later."
+                409,
+                "idempotency_in_flight",
+                f"A request with this `{HEADER}` is still being processed; retry in {wait} s.",
+                headers={"Retry-After": str(wait)},
             )
         if remembered.fingerprint != request_fingerprint():
             raise ApiError(422, "idempotency_key_reused", f"This `{HEADER}` was used for a different request.")

@@ -84,13 +84,20 @@ GENERATION_ONLY: dict[str, str] = {
     "action_view_point": _NOT_OFFERED,
     "action_normalization": _NOT_OFFERED,
 }
-# Values of those fields that ask for nothing this service does not already do: accepted.
+# Values of those fields that ask for nothing this service does not already do: accepted. SGLang's own defaults are
+# among them, so that a client sending every field at its default (as `VideoGenerationsRequest().model_dump()` does)
+# is served: frame interpolation's factor and scale mean nothing while it is off, as SGLang's SR ignores them then.
 _NOOP = {
     "n": {"1"},
     "num_outputs_per_prompt": {"1"},
     "enable_teacache": {"false", "0"},
     "enable_frame_interpolation": {"false", "0"},
-    "enable_upscaling": {"true", "1"},
+    "frame_interpolation_exp": {"1"},
+    "frame_interpolation_scale": {"1"},
+    # true: upscaling is what this service does; false: no post-generation upscaler on top, which none runs here
+    "enable_upscaling": {"true", "1", "false", "0"},
+    "output_quality": {"default"},  # the encoder's default quality: output_crf's default
+    "seconds": {"4"},  # SGLang's and OpenAI's default, which SGLang's SR ignores too: the output keeps the input's
     "generator_device": {"cpu", "cuda"},
     "profile": {"false", "0"},
     "profile_all_stages": {"false", "0"},
@@ -99,12 +106,14 @@ _NOOP = {
     "guidance_scale_2": {"1"},
     "true_cfg_scale": {"1"},
 }
-# Paths on the server's disk, which SGLang reads or writes: refused.
+SGLANG_UPSCALING_SCALE = "4"  # `upscaling_scale`'s default in SGLang's request
+# Paths on the server's disk, which SGLang reads or writes: refused (null or empty: not given).
 SERVER_PATHS = frozenset(
     {"video_path", "output_path", "perf_dump_path", "upscaling_model_path", "frame_interpolation_model_path"}
 )
 # Names an input URL may come under: ours, SGLang's, and OpenAI's `input_reference` given as text.
 URL_FIELDS = ("video_url", "reference_url", "input_reference", "video_path")
+_UNSET_IF_EMPTY = SERVER_PATHS | set(URL_FIELDS)
 NESTED = ("extra_body", "extra_json", "extra_params")  # objects whose fields are merged into the request
 REFERENCES = ("upload_id", "input_key", "video_url")  # a JSON create names its input with exactly one
 
@@ -246,7 +255,10 @@ def create_request(fields: dict[str, Any], *, references: bool) -> CreateRequest
     flattens a nested object into a multipart form.
     """
     fields = _merge_nested(_unflatten_form(fields))
+    # SGLang's paths and input names left null or empty (a client sending its whole request model) name nothing
+    fields = {name: value for name, value in fields.items() if value not in (None, "") or name not in _UNSET_IF_EMPTY}
     _reference_object(fields)
+    _refuse_inline_or_listed(fields)
     url_field = _url_input(fields, references)
     paths = sorted(SERVER_PATHS & fields.keys())
     if paths or isinstance(fields.get("input_reference"), str):
@@ -368,6 +380,30 @@ def _reference_object(fields: dict[str, Any]) -> None:
         fields["upload_id"] = given["file_id"]
 
 
+def _refuse_inline_or_listed(fields: dict[str, Any]) -> None:
+    """A list of inputs, or a video inline as a `data:` URL, under a name that takes a URL or a path: each refused for
+    what it is (without this, both fell through to "a path on the server"). Inline videos are refused rather than
+    decoded: a JSON body is held whole in memory and capped at 1 MiB (base64 adds a third), while a file sent as
+    multipart streams to storage up to the upload limit; OpenAI's SDK sends its `input_reference` file that way."""
+    for name in URL_FIELDS:
+        value = fields.get(name)
+        if isinstance(value, list):
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"`{name}` is a list: one job per video. Name one https URL, or upload the file.",
+                errors=[{"field": name, "code": "list_not_accepted", "message": "one value, not a list"}],
+            )
+        if isinstance(value, str) and value.lstrip()[:5].lower() == "data:":
+            raise ApiError(
+                422,
+                "data_url_not_accepted",
+                f"`{name}` carries the video inline as a data: URL, which is not accepted: send the file as the "
+                "multipart file `video_reference` (or POST /v1/uploads, then `upload_id`), or name an https URL.",
+                errors=[{"field": name, "code": "data_url_not_accepted", "message": "send the file as multipart"}],
+            )
+
+
 def _url_input(fields: dict[str, Any], references: bool) -> str:
     """Moves an input URL given under SGLang's or OpenAI's names to `video_url`; returns the name it came under."""
     given = [
@@ -395,6 +431,16 @@ def _upscaling_scale(fields: dict[str, Any]) -> None:
     scale = fields.pop("upscaling_scale", None)
     if scale in (None, ""):
         return
+    if _plain(fields.get("enable_upscaling")) in ("false", "0"):
+        # SGLang's upscaler off: its factor is inert at SGLang's default, and contradicts the request at another
+        if _plain(scale) == SGLANG_UPSCALING_SCALE:
+            return
+        raise ApiError(
+            422,
+            "invalid_request",
+            "`upscaling_scale` is set while `enable_upscaling` is false: send the scale as `sr_resolution_scale`.",
+            errors=[{"field": "upscaling_scale", "code": "conflict", "message": "set while enable_upscaling is false"}],
+        )
     if fields.get("sr_resolution_scale") not in (None, "") and str(fields["sr_resolution_scale"]) != str(scale):
         raise ApiError(
             422,

@@ -103,6 +103,7 @@ def dev(args: argparse.Namespace) -> int:
             f"{stack.root}\n"
             f"  export VSRQ_TOKEN={stack.token}\n"
             f"  export VSRQ_API_URL={stack.url} OPENAI_BASE_URL={stack.url}/v1 OPENAI_API_KEY=$VSRQ_TOKEN\n"
+            f"  export OPENAI_WEBHOOK_SECRET={stack.secret}  # webhooks are signed with it: OpenAI().webhooks.unwrap\n"
             "No key is needed from this machine (auth is off on loopback): SGLang's request works as is,\n"
             f'  curl -sS --fail-with-body {stack.url}/v1/videos -F "video_reference=@IN.mp4;type=video/mp4" '
             "-F sr_resolution_scale=2\n"

@@ -148,13 +148,14 @@ class DevStack:
             time.sleep(0.5)
 
     def state(self) -> dict:
-        """What the client side needs to reach this stack (client.devstate): the API, its key, the Redis and storage
-        `vsrq status` reads."""
+        """What the client side needs to reach this stack (client.devstate): the API, its key, the secret its webhooks
+        are signed with, the Redis and storage `vsrq status` reads."""
         exports = {
             "VSRQ_API_URL": self.url,
             "VSRQ_TOKEN": self.token,
             "OPENAI_BASE_URL": f"{self.url}/v1",
             "OPENAI_API_KEY": self.token,
+            "OPENAI_WEBHOOK_SECRET": self.secret,  # what OpenAI(webhook_secret=...) takes when not given one
             **{name: value for name, value in self.stack.env().items() if name.startswith("VSRQ_")},
             "VSRQ_MODELS": json.dumps({self.served: QUEUE}),
         }

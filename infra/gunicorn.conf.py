@@ -34,6 +34,7 @@ graceful_timeout = 60
 # SO_REUSEPORT, so a new master binds at once even while an old worker is still finishing.
 reuse_port = True
 accesslog = "-"
+logger_class = "api.request_id.AccessLog"  # the access line carries the request id
 errorlog = "-"
 logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings_secrets(_settings))
 

@@ -25,6 +25,7 @@ from storage.config import Settings
 
 LogFormat = Literal["json", "text"]
 current_job: ContextVar[str | None] = ContextVar("vsrq_job_id", default=None)
+current_request: ContextVar[str | None] = ContextVar("vsrq_request_id", default=None)
 
 # Secrets that could reach a message through an URL, a header or an error: shown as [redacted].
 _PATTERNS = (
@@ -54,7 +55,8 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
 
 class ContextFilter(logging.Filter):
     """On the handler, so it sees every record that reaches it (a logger's filter misses its children's): adds
-    `job_id` and renders the message once, without secrets. `secrets` are the configured ones, redacted verbatim."""
+    `job_id` and `request_id` and renders the message once, without secrets. `secrets` are the configured ones,
+    redacted verbatim."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         super().__init__()
@@ -63,6 +65,8 @@ class ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "job_id", None) is None:
             record.job_id = current_job.get()
+        if getattr(record, "request_id", None) is None:
+            record.request_id = current_request.get()
         record.msg, record.args = redact(record.getMessage(), self.secrets), None
         if record.exc_info and not record.exc_text:  # a traceback can quote a URL or a header too
             record.exc_text = redact(logging.Formatter().formatException(record.exc_info), self.secrets)
@@ -79,17 +83,19 @@ class JsonLineFormatter(JsonFormatter):
 
     def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]) -> None:
         super().add_fields(log_data, record, message_dict)
-        if log_data.get("job_id") is None:  # lines about no job carry no "job_id": null
-            log_data.pop("job_id", None)
+        for name in ("job_id", "request_id"):  # lines about no job carry no "job_id": null
+            if log_data.get(name) is None:
+                log_data.pop(name, None)
 
 
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s%(job)s: %(message)s")
+        super().__init__("%(asctime)s %(levelname)s %(name)s%(job)s%(request)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        job_id = getattr(record, "job_id", None)
+        job_id, request_id = getattr(record, "job_id", None), getattr(record, "request_id", None)
         record.job = f" [{job_id}]" if job_id else ""
+        record.request = f" [{request_id}]" if request_id else ""
         return super().format(record)
 
 

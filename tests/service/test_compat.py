@@ -6,7 +6,10 @@ loopback, as `vsrq dev` runs it; a real Celery worker runs lanczos; Redis and Se
 from __future__ import annotations
 
 import asyncio
+import base64
+import concurrent.futures
 import hashlib
+import http.client
 import io
 import json
 import os
@@ -35,7 +38,13 @@ POLL_AFTER_MS = 200
 
 
 @pytest.fixture(scope="module")
-def anonymous_api(service_env, tmp_path_factory) -> Iterator[str]:
+def anonymous_api_log(tmp_path_factory) -> Path:
+    """gunicorn's output: the API's log lines (JSON, the default format)."""
+    return tmp_path_factory.mktemp("compat") / "gunicorn.log"
+
+
+@pytest.fixture(scope="module")
+def anonymous_api(service_env, anonymous_api_log) -> Iterator[str]:
     env = {
         **service_env,
         "VSRQ_AUTH": "none",
@@ -43,7 +52,7 @@ def anonymous_api(service_env, tmp_path_factory) -> Iterator[str]:
         "VSRQ_MODELS": json.dumps({"lanczos": QUEUE, "k6-vsr": IDLE_QUEUE}),  # lanczos first: the default
         "VSRQ_POLL_AFTER_MS": str(POLL_AFTER_MS),
     }
-    with serve_api(env, tmp_path_factory.mktemp("compat") / "gunicorn.log") as url:
+    with serve_api(env, anonymous_api_log) as url:
         yield url
 
 
@@ -147,8 +156,8 @@ def test_sgl_fields_are_honoured_or_refused_by_name(anonymous_api, in_mp4):
     assert params["sr_tiles_batch_size"] == 2
     assert 0 <= params["seed"] < 2**31  # drawn, and reported
     refusals = (
-        ("seconds", "4"), ("enable_frame_interpolation", "true"), ("frame_interpolation_exp", "1"),
-        ("diffusers_kwargs", "{}"), ("enable_upscaling", "false"), ("guidance_scale", "5"),
+        ("seconds", "8"), ("enable_frame_interpolation", "true"), ("frame_interpolation_exp", "2"),
+        ("diffusers_kwargs", "{}"), ("output_quality", "maximum"), ("guidance_scale", "5"),
     )  # fmt: skip
     for field, value in refusals:
         refused = create(model="k6-vsr", **{field: value})
@@ -304,3 +313,144 @@ def test_openai_input_reference_object_names_an_upload_or_a_url(anonymous_api, l
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         sdk.videos.create(prompt="x", extra_body={"input_reference": {"image_url": "http://93.184.215.14/in.mp4"}})
     assert refused.value.param == "input_reference" and "https" in refused.value.message
+
+
+def _log_lines(log: Path, request_id: str) -> list[dict]:
+    """The API's JSON log lines that carry `request_id`: gunicorn writes its access line once the answer is sent."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        found = [line for line in lines if line.get("request_id") == request_id]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_a_request_id_the_sdk_reports_is_the_one_in_the_api_log(anonymous_api, anonymous_api_log, sdk, in_mp4):
+    """A user quotes `e.request_id` to an operator, who greps the API's log for it."""
+    clip = ("in.mp4", in_mp4.read_bytes(), "video/mp4")
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(prompt="x", input_reference=clip, seconds="8")
+    request_id = refused.value.request_id
+    assert request_id and request_id.startswith("req_")
+    assert refused.value.response.json()["request_id"] == request_id  # in the problem body too
+    access = [line for line in _log_lines(anonymous_api_log, request_id) if line["logger"] == "gunicorn.access"]
+    assert len(access) == 1 and '"POST /v1/videos HTTP/1.1" 422' in access[0]["message"], access
+
+    # one the client sent is kept when it is sane, replaced when it is not; a success carries one too
+    models = sdk.models.with_raw_response.list(extra_headers={"X-Request-Id": "trace-7f3a.1"})
+    assert models.headers["x-request-id"] == "trace-7f3a.1" == models.request_id
+    assert _log_lines(anonymous_api_log, "trace-7f3a.1")
+    for insane in ("two words", "x" * 200, "a\"b"):
+        response = requests.get(f"{anonymous_api}/v1/models", headers={"X-Request-Id": insane}, timeout=10)
+        assert response.headers["x-request-id"].startswith("req_")
+    ids = {requests.get(f"{anonymous_api}/v1/models", timeout=10).headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3
+
+
+def test_the_sdk_waits_out_an_upload_in_flight_under_its_idempotency_key(anonymous_api, sdk, in_mp4):
+    """A create repeated (by the SDK's own retry, or a second process) while the first is still uploading: the 409 says
+    how long to wait, and the SDK's retries, waiting that long, get the first request's job."""
+    key, boundary, clip = secrets.token_hex(8), secrets.token_hex(8), in_mp4.read_bytes()
+    fields = b"".join(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+        for name, value in (("prompt", "x"), ("model", "k6-vsr"))  # the SDK's fields, so the requests are the same
+    )
+    body = (
+        fields
+        + f'--{boundary}\r\nContent-Disposition: form-data; name="input_reference"; filename="in.mp4"\r\n'.encode()
+        + b"Content-Type: video/mp4\r\n\r\n" + clip + f"\r\n--{boundary}--\r\n".encode()
+    )
+    pieces, pause = 6, 0.5  # the first request takes ~3 s to send
+    host, port = anonymous_api.removeprefix("http://").split(":")
+    first = http.client.HTTPConnection(host, int(port), timeout=30)
+    first.putrequest("POST", "/v1/videos")
+    for name, value in (("Content-Type", f"multipart/form-data; boundary={boundary}"),
+                        ("Content-Length", str(len(body))), ("Idempotency-Key", key)):  # fmt: skip
+        first.putheader(name, value)
+    first.endheaders()
+    sent = time.monotonic()
+
+    def trickle() -> dict:
+        size = -(-len(body) // pieces)
+        for at in range(0, len(body), size):
+            first.send(body[at : at + size])
+            time.sleep(pause)
+        try:
+            return json.loads(first.getresponse().read())
+        finally:
+            first.close()  # a kept-alive connection left open holds up gunicorn's shutdown
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        original = pool.submit(trickle)
+        time.sleep(pause)
+        upload = ("in.mp4", clip, "video/mp4")
+        busy = requests.post(
+            f"{anonymous_api}/v1/videos", data={"prompt": "x", "model": "k6-vsr"},
+            files={"input_reference": upload}, headers={"Idempotency-Key": key}, timeout=10,
+        )  # fmt: skip
+        assert busy.status_code == 409 and busy.json()["code"] == "idempotency_in_flight"
+        assert 1 <= int(busy.headers["Retry-After"]) <= 60
+        again = sdk.videos.create(
+            prompt="x", input_reference=upload, model="k6-vsr", extra_headers={"Idempotency-Key": key}
+        )  # the SDK's default two retries
+        job = original.result()
+    assert again.id == job["id"] and time.monotonic() - sent >= pieces * pause
+    requests.post(f"{anonymous_api}/v1/videos/{job['id']}/cancel", timeout=10)  # nobody runs the idle queue
+
+
+# SGLang's VideoGenerationsRequest (multimodal_gen/runtime/entrypoints/openai/protocol.py) as a client fills it in:
+# every field at its default, the unset ones as null, which is what `model_dump()` of it sends
+SGLANG_DEFAULTS = {
+    "input_reference": None, "reference_url": None, "video_path": None, "n": 1, "num_outputs_per_prompt": None,
+    "seconds": 4, "size": "", "fps": None, "num_frames": None, "seed": None, "generator_device": "cuda",
+    "width": None, "height": None, "num_inference_steps": None, "guidance_scale": None, "guidance_scale_2": None,
+    "true_cfg_scale": None, "negative_prompt": None, "max_sequence_length": None, "flow_shift": None,
+    "enable_teacache": False, "enable_frame_interpolation": False, "frame_interpolation_exp": 1,
+    "frame_interpolation_scale": 1.0, "frame_interpolation_model_path": None, "enable_upscaling": False,
+    "upscaling_model_path": None, "upscaling_scale": 4, "output_quality": "default", "output_compression": None,
+    "output_path": None, "diffusers_kwargs": None, "perf_dump_path": None,
+}  # fmt: skip
+
+
+def test_sglang_defaults_sent_as_they_are_ask_for_nothing(anonymous_api, in_mp4):
+    """A client sending every SGLang default (JSON with nulls, or a form of the set ones) gets its job; a value other
+    than the default still gets 422 naming its field."""
+    url = "https://93.184.215.14/in.mp4"  # public: fetched only once a worker runs it
+    request = {**SGLANG_DEFAULTS, "prompt": "", "video_url": url, "model": "k6-vsr", "sr_resolution_scale": 2}
+    as_json = requests.post(f"{anonymous_api}/v1/videos", json=request, timeout=30)
+    assert as_json.status_code == 200, as_json.text
+    assert as_json.json()["params"]["sr_resolution_scale"] == 2  # upscaling_scale 4 means nothing with upscaling off
+    form = {name: str(value).lower() if isinstance(value, bool) else str(value)
+            for name, value in request.items() if value not in (None, "") and name != "video_url"}  # fmt: skip
+    with open(in_mp4, "rb") as video:
+        files = {"video_reference": ("in.mp4", video, "video/mp4")}
+        as_form = requests.post(f"{anonymous_api}/v1/videos", data=form, files=files, timeout=30)
+    assert as_form.status_code == 200, as_form.text
+    for job in (as_json.json(), as_form.json()):  # nobody runs the idle queue
+        requests.post(f"{anonymous_api}/v1/videos/{job['id']}/cancel", timeout=10)
+
+    for field, value in (("upscaling_scale", 2), ("frame_interpolation_scale", 2.0), ("output_quality", "high")):
+        refused = requests.post(f"{anonymous_api}/v1/videos", json={**request, field: value}, timeout=30)
+        body = refused.json()
+        assert refused.status_code == 422 and body["errors"][0]["field"] == field, body
+        assert field in body["error"]["message"]
+
+
+def test_a_list_or_a_data_url_for_the_video_is_refused_for_what_it_is(anonymous_api, sdk, in_mp4):
+    """Neither is a path on the server, and the answer must not say so."""
+    url = "https://93.184.215.14/in.mp4"
+    listed = requests.post(f"{anonymous_api}/v1/videos", json={"prompt": "x", "video_path": [url]}, timeout=30)
+    body = listed.json()
+    assert (listed.status_code, body["errors"][0]["field"], body["errors"][0]["code"]) == (
+        422, "video_path", "list_not_accepted"
+    )  # fmt: skip
+    assert "server" not in body["detail"] and "one job per video" in body["detail"]
+
+    inline = "data:video/mp4;base64," + base64.b64encode(in_mp4.read_bytes()).decode()
+    for fields in ({"video_path": inline}, {"input_reference": {"image_url": inline}}):
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            sdk.videos.create(prompt="x", extra_body=fields)  # OpenAI's object, as the SDK sends it
+        error = refused.value
+        assert error.code == "data_url_not_accepted" and error.param == next(iter(fields)), error.message
+        assert "server" not in error.message and "/v1/uploads" in error.message

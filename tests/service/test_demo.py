@@ -13,13 +13,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import av
+import openai
 import psutil
 import redis
 import requests
 
 from infra.stack import free_ports
+from storage.signatures import signed_headers
 from worker.media.synthetic import write_clip
 
 from .conftest import as_a_shell_starts_it
@@ -62,12 +65,13 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_shell_starts_it,
     )  # fmt: skip
     try:
-        banner = [dev.stdout.readline() for _ in range(2)]
+        banner = [dev.stdout.readline() for _ in range(4)]
         assert banner[0].startswith(f"vsrq dev: API http://127.0.0.1:{port}, serving lanczos"), banner
         token = banner[1].split("VSRQ_TOKEN=")[1].strip()
         url = f"http://127.0.0.1:{port}"
         state = json.loads((tmp_path / "config" / "vsrq" / "dev.json").read_text())
         assert (state["url"], state["token"], state["env"]["OPENAI_BASE_URL"]) == (url, token, f"{url}/v1")
+        _webhook_secret_as_openai_takes_it(banner[3], state, url, dev.pid)
         models = requests.get(f"{url}/v1/models", timeout=10).json()  # no key: auth is off on loopback
         assert [model["id"] for model in models["data"]] == ["lanczos"]
         clip = write_clip(tmp_path / "in.mp4", num_frames=9, size=(32, 48))
@@ -98,6 +102,24 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
     leftovers = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
     assert not (tmp_path / "config" / "vsrq" / "dev.json").exists()  # gone with the stack
+
+
+def _webhook_secret_as_openai_takes_it(line: str, state: dict, url: str, dev_pid: int) -> None:
+    """The banner's export, and the state file's, is the secret the stack signs webhooks with (its webhook worker's
+    key), in the form OpenAI's SDK reads from OPENAI_WEBHOOK_SECRET: its `webhooks.unwrap` verifies a delivery."""
+    export = line.split("#")[0].split()
+    assert export[0] == "export" and export[1].startswith("OPENAI_WEBHOOK_SECRET="), line
+    secret = export[1].split("=", 1)[1]
+    assert state["env"]["OPENAI_WEBHOOK_SECRET"] == secret
+    signer = f"hooks-{dev_pid}@localhost"  # the webhook worker's name (infra/dev.py)
+    hooks = next(p for p in psutil.process_iter(["cmdline"]) if signer in (p.info["cmdline"] or []))
+    (key,) = json.loads(hooks.environ()["VSRQ_API_KEYS"])
+    body = json.dumps({"id": "evt_1", "object": "event", "type": "video.completed", "created_at": 1,
+                       "data": {"id": "video_1"}}).encode()  # fmt: skip
+    headers = signed_headers([key["webhook_secret"]], "evt_1", int(time.time()), body)
+    with mock.patch.dict(os.environ, {"OPENAI_WEBHOOK_SECRET": secret}):
+        client = openai.OpenAI(api_key="EMPTY", base_url=f"{url}/v1")
+    assert client.webhooks.unwrap(body, headers).data.id == "video_1"
 
 
 # How each supervised process of `vsrq dev` shows in its command line
