@@ -24,7 +24,7 @@ from worker.media.passthrough import aac_format
 from worker.media.probe import probe
 from worker.media.reader import _source_colour, read_frames
 from worker.media.resize import Target
-from worker.media.synthetic import _write_audio, pattern, tone, write_clip
+from worker.media.synthetic import _write_audio, gradient_clip, pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
@@ -958,3 +958,38 @@ def test_hdr10_mastering_display_and_light_levels_are_kept(tmp_path, codec):
     written, written_light = _hdr10(output)
     assert np.allclose(written, mastering, rtol=1e-3, atol=1e-4) and written_light == light  # AV1: fixed point
     assert any("mastering display and light levels kept" in note for note in result.notes), result.notes
+
+
+def _luma_levels(path: Path) -> tuple[str, int]:
+    """The first frame's pixel format and the distinct luma codes along its middle row (the ramp's direction)."""
+    with av.open(str(path)) as container:
+        frame = next(container.decode(video=0))
+    dtype = np.uint16 if frame.format.name.endswith("10le") else np.uint8
+    plane = frame.planes[0]
+    rows = np.frombuffer(bytes(plane), dtype).reshape(-1, plane.line_size // np.dtype(dtype).itemsize)
+    return frame.format.name, len(np.unique(rows[frame.height // 2, : frame.width]))
+
+
+@pytest.mark.parametrize(("transfer", "trc", "codec"), [("hlg", 18, "hevc"), ("pq", 16, "hevc"), ("pq", 16, "av1")])
+def test_a_10_bit_hdr_source_is_upscaled_and_written_at_10_bits(tmp_path, transfer, trc, codec):
+    """An iPhone's HLG video or an HDR10 (PQ) one, 10-bit BT.2020: the output was 8-bit, its smooth ramps cut into
+    at most 219 bands (visible in an HDR sky). Now it is 10-bit, tagged as the source, and keeps the ramp's levels."""
+    source = gradient_clip(tmp_path / "in.mp4", transfer=transfer)
+    assert _luma_levels(source) == ("yuv420p10le", 512)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), replace(FAST, codec=codec))
+    video = probe(output).video
+    assert (video.pix_fmt, video.bit_depth) == ("yuv420p10le", 10)
+    assert (video.color_primaries, video.color_trc, video.color_matrix) == (9, trc, 9)  # BT.2020 non-constant
+    pix_fmt, levels = _luma_levels(output)
+    assert pix_fmt == "yuv420p10le" and levels > 256, levels
+    assert any("written at 10 bits" in note for note in result.notes), result.notes
+
+
+def test_a_10_bit_source_asked_in_h264_is_written_at_8_bits_and_says_why(tmp_path):
+    """x264 here has High 10, but most hardware decoders (every Apple device) do not play it: an h264 output stays
+    8-bit, and the job's notes say so and which codecs keep 10 bits."""
+    source = gradient_clip(tmp_path / "in.mp4", transfer="hlg")
+    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), replace(FAST, codec="h264"))
+    assert probe(tmp_path / "out.mp4").video.bit_depth == 8
+    assert any("written at 8 bits" in note and "hevc" in note for note in result.notes), result.notes

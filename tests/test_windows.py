@@ -189,3 +189,25 @@ def test_a_kept_window_whose_pixel_file_is_missing_or_short_is_computed_again(pi
     replayed = collect(resumed, iter(video), plan, store=DirectoryWindowStore(tmp_path / "windows", "job"))
     assert torch.equal(quantise(replayed), quantise(uninterrupted))  # the encoder's frames
     assert [key[-1] for key in resumed.calls] == [1]
+
+
+def test_16_bit_windows_are_kept_whole_and_8_bit_ones_never_replay_into_a_10_bit_output(tmp_path):
+    """A 10-bit output's frames are quantised to 16 bits; its kept windows keep them so (8 bits would band the
+    resumed part of the output), and windows kept at 8 bits are computed again rather than replayed into it."""
+    video = [np.full((8, 8, 3), 1000 * (i + 1), np.uint16) for i in range(30)]
+    plan = plan_windows(30, window=13, overlap=4)  # 3 windows
+    deep = {"dtype": torch.uint16}
+    uninterrupted = quantise(collect(Offset(), iter(video), plan, **deep), torch.uint16)
+    stored = DirectoryWindowStore(tmp_path / "deep", "job")
+    with pytest.raises(Cancelled):
+        collect(Offset(), iter(video), plan, store=stored, cancelled=lambda: len(list(stored.directory.glob("window-*.json"))) == 2, **deep)
+    resumed = Offset()
+    replayed = collect(resumed, iter(video), plan, store=DirectoryWindowStore(tmp_path / "deep", "job"), **deep)
+    assert [key[-1] for key in resumed.calls] == [2]  # two windows replayed
+    assert torch.equal(quantise(replayed, torch.uint16), uninterrupted)  # to the last of 16 bits
+
+    shallow = DirectoryWindowStore(tmp_path / "shallow", "job")
+    collect(Offset(), iter(video), plan, store=shallow)  # kept at 8 bits
+    again = Offset()
+    collect(again, iter(video), plan, store=DirectoryWindowStore(tmp_path / "shallow", "job"), **deep)
+    assert [key[-1] for key in again.calls] == [0, 1, 2]

@@ -2,8 +2,8 @@
 
 In: (F, 3, H, W), float in [0, 1] or integer RGB at full scale (uint8, or uint16 for deeper sources) as the reader
 decodes them; `unit` makes either the float an upscaler computes on, where it computes. Out: (n, 3, H, W) float32 in
-[0, 1], on the CPU; `quantise` is the one place they become 8-bit: the encoder and the window store must round
-identically, or a resumed job would not reproduce an uninterrupted one.
+[0, 1], on the CPU; `quantise` is the one place they become integers (8-bit, or 16-bit where the output is deeper):
+the encoder and the window store must round identically, or a resumed job would not reproduce an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ def unit(video: torch.Tensor, device: torch.device | str | None = None) -> torch
     return values.div_(torch.full((), FULL_SCALE[video.dtype], device=pixels.device))
 
 
-def quantise(frames: torch.Tensor) -> torch.Tensor:
-    """(n, H, W, 3) uint8 on the frames' device, contiguous: the encoder's RGB-to-YUV conversion reads a strided
-    frame at a third of the speed."""
-    return (frames * 255.0).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+def quantise(frames: torch.Tensor, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """(n, H, W, 3) `dtype` (uint8, or uint16 at full 16-bit scale for a 10-bit output: 8 bits would band its
+    gradients) on the frames' device, contiguous: the encoder's RGB-to-YUV conversion reads a strided frame at a
+    third of the speed."""
+    scale = FULL_SCALE[dtype]
+    return (frames * scale).round_().clamp_(0, scale).to(dtype).permute(0, 2, 3, 1).contiguous()
 
 
 def dequantise(pixels: torch.Tensor) -> torch.Tensor:
-    """The inverse on 8-bit values: `quantise(dequantise(p)) == p` exactly."""
-    return pixels.permute(0, 3, 1, 2).float() / 255.0
+    """The inverse, at the pixels' own scale: `quantise(dequantise(p), p.dtype) == p` exactly."""
+    return pixels.permute(0, 3, 1, 2).float() / FULL_SCALE[pixels.dtype]

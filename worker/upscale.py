@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+
+import torch
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field, replace
@@ -21,7 +23,7 @@ from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
 from worker.media.reader import Fields, prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
-from worker.media.writer import BT709, Mp4Writer, encoder_for
+from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, encoder_for, output_depth
 from worker.resized import Resized
 from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
@@ -156,7 +158,8 @@ def begin_upscale(
     carried = plan_streams(info)
     clock = output_clock(info, carried)
     timing = _video_timing(video, video.start - clock)
-    promise = Promise.of(info, size, carried, clock, sar)
+    depth = output_depth(video.bit_depth, options.codec)
+    promise = replace(Promise.of(info, size, carried, clock, sar), bit_depth=depth)
 
     # 4. Decode ahead (one window), upscale window by window, encode as frames arrive, mux the carried streams;
     #    all into a hidden file next to the output. The writer stays open for `finish`.
@@ -185,12 +188,16 @@ def begin_upscale(
                     timecode=video.timecode if any(c.action == "timecode" for c in carried) else None,
                     mastering=video.mastering,
                     light_level=video.light_level,
+                    depth=depth,
                 )
             )
             head["writer_open"] = monotonic()
             with closing(prefetch(read_frames(source, video, fields), plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
-                run = upscale_windows(upscaler, frames, plan, options.request, writer.write, progress, cancelled, store)
+                run = upscale_windows(
+                    upscaler, frames, plan, options.request, writer.write, progress, cancelled, store,
+                    torch.uint16 if depth > 8 else torch.uint8,
+                )  # fmt: skip
             on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
         return writer, run, previews, fields
 
@@ -213,7 +220,7 @@ def begin_upscale(
         tiles=first.tiles if first else 0,
         devices=tuple(first.devices) if first else (),
         carried=carried,
-        notes=_notes(info, carried, first, options.request, snap, fields),
+        notes=_notes(info, carried, first, options.request, snap, fields, options.codec),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
         engine_span=(engine_started, monotonic()),
@@ -347,7 +354,13 @@ def _tag(value: int) -> int:
 
 
 def _notes(
-    info: MediaInfo, carried: tuple[Carried, ...], run: RunInfo | None, request: SRRequest, snap: int, fields: Fields
+    info: MediaInfo,
+    carried: tuple[Carried, ...],
+    run: RunInfo | None,
+    request: SRRequest,
+    snap: int,
+    fields: Fields,
+    codec: str = "h264",
 ) -> tuple[str, ...]:
     video: VideoInfo = info.video
     scale = request.scale
@@ -381,10 +394,19 @@ def _notes(
         share = f" ({fields.interlaced} of its {video.frames} frames)" if fields.interlaced < video.frames else ""
         notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each source "
                      "frame at its time, so the output is progressive")
+    deep = output_depth(video.bit_depth, codec) > 8
     if video.color_trc in HDR_TRANSFERS:
         kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""
-        notes.append(f"the source is HDR ({HDR_TRANSFERS[video.color_trc]} transfer): it was upscaled in 8-bit "
-                     f"BT.709-matrix video with its transfer tag{kept} kept, not tone-mapped")
+        how = "10-bit" if deep else "8-bit BT.709-matrix"
+        notes.append(f"the source is HDR ({HDR_TRANSFERS[video.color_trc]} transfer): it was upscaled in {how} "
+                     f"video with its transfer tag{kept} kept, not tone-mapped")
+    if video.bit_depth > 8 and not deep:
+        codecs = " or ".join(sorted(DEEP_CODECS))
+        notes.append(f"the source is {video.bit_depth}-bit but {codec} was asked for: it was written at 8 bits, which "
+                     f"may band smooth gradients (H.264's 10-bit profile, High 10, plays on few devices: none of "
+                     f"Apple's, few hardware decoders); ask for {codecs} to keep 10 bits")
+    elif deep:
+        notes.append(f"the source is {video.bit_depth}-bit: it was upscaled and written at 10 bits (yuv420p10le)")
     if video.retimed:
         notes.append(f"{video.retimed} frame(s) carried a timestamp earlier than the frames before them while the "
                      "frames after went on (a muxer's error): each was timed between its neighbours")

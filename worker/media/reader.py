@@ -26,8 +26,10 @@ _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
 PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
 # How frames are read, for what is keyed on the frames read (kept windows): windows computed from interlaced frames
 # read otherwise (as stored, before deinterlacing), from a stream that changes size read at its first part's size, or
-# from packed B-frames read packed (every B-frame dropped), are never replayed beside these.
-READING = "interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked"
+# from packed B-frames read packed (every B-frame dropped), or from a source deeper than 8 bits kept at 8 bits (before
+# 10-bit outputs), are never replayed beside these.
+READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked; "
+           "deeper sources kept at 16 bits")
 
 
 @dataclass

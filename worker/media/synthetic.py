@@ -111,6 +111,31 @@ def write_clip(
     return path
 
 
+# x265's tags of the two HDR transfers: HLG (an iPhone's HDR video) and PQ (HDR10), both BT.2020
+HDR_TAGS = {
+    "hlg": "colorprim=bt2020:transfer=arib-std-b67:colormatrix=bt2020nc",
+    "pq": "colorprim=bt2020:transfer=smpte2084:colormatrix=bt2020nc",
+}
+
+
+def gradient_clip(path: str | Path, num_frames: int = 9, size: tuple[int, int] = (32, 512), transfer: str = "hlg") -> Path:
+    """A grey ramp over the whole range, left to right, in 10-bit HEVC tagged BT.2020 with the `transfer` ("hlg",
+    "pq"): one code per pixel at 512 px, where 8 bits hold 219; what banding is measured on."""
+    height, width = size
+    ramp = np.linspace(0, 65535, width).round().astype(np.uint16)
+    pixels = np.ascontiguousarray(np.broadcast_to(ramp[None, :, None], (height, width, 3)))
+    with av.open(str(path), "w") as container:
+        params = f"log-level=error:{HDR_TAGS[transfer]}"
+        stream = container.add_stream("libx265", rate=Fraction(24), options={"crf": "4", "x265-params": params})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p10le"
+        for index in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb48le")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return Path(path)
+
+
 def _write_audio(container: av.container.OutputContainer, stream: av.AudioStream, samples: np.ndarray, layout: str) -> None:
     context = stream.codec_context
     resampler = av.AudioResampler(format=context.format, layout=layout, rate=context.sample_rate, frame_size=context.frame_size or 1024)

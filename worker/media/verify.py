@@ -39,6 +39,7 @@ class Promise:
     chapters: int = 0
     covers: int = 0
     timecode: str | None = None
+    bit_depth: int = 8  # the video's bits per sample (writer.output_depth)
 
     @classmethod
     def of(cls, source: MediaInfo, size: tuple[int, int], carried: tuple[Carried, ...], clock: float = 0.0,
@@ -91,6 +92,7 @@ def verify(path: str | Path, promise: Promise) -> MediaInfo:
     fps_ok = video.fps == promise.fps if promise.cfr else abs(video.fps / promise.fps - 1) <= 0.01
     check("frame rate", video.fps, promise.fps, fps_ok)
     check("pixel aspect", video.sar, promise.sar, video.sar == promise.sar)
+    check("bit depth", video.bit_depth, promise.bit_depth, video.bit_depth == promise.bit_depth)
     check("video start", f"{video.start:.3f} s", f"{promise.video_start:.3f} s", abs(video.start - promise.video_start) <= frame / 2)
     check("duration", f"{video.duration:.3f} s", f"{promise.duration:.3f} s", abs(video.duration - promise.duration) <= frame)
     check("audio stream count", len(written.audio), len(promise.audio), len(written.audio) == len(promise.audio))

@@ -25,6 +25,10 @@ from worker.media.passthrough import Passthrough
 
 _DONE = None
 BT709 = 1  # AVCOL_SPC_BT709 / AVCOL_PRI_BT709 / AVCOL_TRC_BT709
+BT2020 = 9  # AVCOL_PRI_BT2020 / AVCOL_SPC_BT2020_NCL
+# The codecs whose output may be 10-bit (yuv420p10le): what a deeper source is written in. H.264's High 10 is left
+# out though x264 has it: hardware decoders (every Apple device, most phones and TVs) do not play it (`output_depth`).
+DEEP_CODECS = frozenset({"hevc", "av1"})
 # Our codec names -> FFmpeg encoders, best first.
 ENCODERS = {"h264": ("libx264",), "hevc": ("libx265",), "av1": ("libsvtav1",)}
 # SVT-AV1 takes numbered presets; x264's names map onto its speed scale.
@@ -44,12 +48,30 @@ _AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 _SVT_PRESETS = {"ultrafast": 12, "superfast": 11, "veryfast": 10, "faster": 9, "fast": 8, "medium": 7, "slow": 5, "slower": 4, "veryslow": 2}
 
 
-def yuv_frame(pixel: np.ndarray, reformatter: VideoReformatter | None = None) -> av.VideoFrame:
-    """One (H, W, 3) uint8 RGB frame as the encoder takes it: BT.709, limited range, 4:2:0. A `reformatter` kept
-    for a stream's frames keeps one swscale context, and its threads (one per core), for all of them."""
-    frame = av.VideoFrame.from_ndarray(pixel, format="rgb24")
-    options = {"format": "yuv420p", "dst_colorspace": Colorspace.ITU709, "dst_color_range": ColorRange.MPEG}
+def output_depth(bit_depth: int, codec: str) -> int:
+    """The output's bits per sample for a source of `bit_depth` written in `codec`: 10 where the source has more
+    than 8 and the codec is one of DEEP_CODECS (8 bits band an HDR sky or gradient visibly), else 8."""
+    return 10 if bit_depth > 8 and codec in DEEP_CODECS else 8
+
+
+def yuv_frame(
+    pixel: np.ndarray, reformatter: VideoReformatter | None = None, matrix: int = BT709
+) -> av.VideoFrame:
+    """One (H, W, 3) RGB frame as the encoder takes it: limited range, 4:2:0, with the BT.709 matrix (or BT.2020's,
+    `matrix`); uint8 makes yuv420p, uint16 (full 16-bit scale) yuv420p10le. A `reformatter` kept for a stream's
+    frames keeps one swscale context, and its threads (one per core), for all of them."""
+    deep = pixel.dtype == np.uint16
+    frame = av.VideoFrame.from_ndarray(pixel, format="rgb48le" if deep else "rgb24")
+    space = Colorspace.BT2020 if matrix == BT2020 else Colorspace.ITU709
+    options = {"format": "yuv420p10le" if deep else "yuv420p", "dst_colorspace": space, "dst_color_range": ColorRange.MPEG}
     return reformatter.reformat(frame, **options) if reformatter is not None else frame.reformat(**options)
+
+
+def eight_bit(pixel: np.ndarray) -> np.ndarray:
+    """(H, W, 3) RGB as uint8, rounded from uint16's full scale (x / 257): what previews take."""
+    if pixel.dtype == np.uint8:
+        return pixel
+    return ((pixel.astype(np.uint32) + 128) // 257).astype(np.uint8)
 
 
 def _durations(timestamps: Sequence[int], start: int, last: int | None = None) -> dict[int, int]:
@@ -136,7 +158,8 @@ def _encoder_options(
 
 class Mp4Writer:
     """MP4 writer (H.264 by default, or HEVC / AV1; yuv420p BT.709; +faststart); `write` takes (n, 3, H, W) float
-    frames in [0, 1] on any device.
+    frames in [0, 1] on any device. `depth` 10 (HEVC and AV1 only) writes yuv420p10le from frames quantised to 16
+    bits, with the BT.2020 matrix where the primaries are BT.2020 (HDR10's and HLG's: what their players expect).
 
     `lookahead` (x264/x265 `rc-lookahead`, frames; None: the preset's, 40 for `medium`) bounds how many frames the
     encoder holds back, i.e. how much encoding is left after the last frame arrives; it never raises a preset's.
@@ -149,7 +172,7 @@ class Mp4Writer:
     "01:00:00:00") is its first frame's; `mastering` and `light_level` are
     its HDR10 metadata (probe.VideoInfo's).
 
-    `on_frame(index, pixels)` sees each frame, (H, W, 3) uint8 RGB, on the encoder's thread just before it is
+    `on_frame(index, pixels)` sees each frame, (H, W, 3) uint8 RGB (rounded from 16 bits at depth 10), on the encoder's thread just before it is
     encoded (the previews take theirs there: worker.media.previews.PreviewFrames).
 
     `write` only quantises and queues; a background thread encodes and muxes. A failure there surfaces at the next
@@ -182,9 +205,12 @@ class Mp4Writer:
         timecode: str | None = None,
         mastering: str | None = None,
         light_level: tuple[int, int] | None = None,
+        depth: int = 8,
     ) -> None:
         height, width = size
         encoder = encoder_for(codec)
+        if depth not in (8, 10) or (depth == 10 and codec not in DEEP_CODECS):
+            raise ValueError(f"{codec} is written at 8 bits here, not {depth}")
         self.path = Path(path)
         if start and timestamps is None:
             raise ValueError("a delayed start needs timestamps (a time base finer than the frame rate)")
@@ -202,7 +228,9 @@ class Mp4Writer:
             ])  # fmt: skip
         hdr10 = _hdr10_params(encoder, mastering, light_level)
         self.stream = self.container.add_stream(encoder, rate=fps, options=_encoder_options(encoder, crf, preset, lookahead, hdr10))
-        self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, "yuv420p"
+        self.stream.width, self.stream.height = width, height
+        self.stream.pix_fmt = "yuv420p10le" if depth == 10 else "yuv420p"
+        self._dtype = torch.uint16 if depth == 10 else torch.uint8
         self.stream.codec_context.thread_type = thread_type
         if sample_aspect_ratio != 1:
             self.stream.codec_context.sample_aspect_ratio = sample_aspect_ratio
@@ -211,10 +239,11 @@ class Mp4Writer:
         # Constant rate: frame i at i / fps. Variable: at its own timestamp.
         self.time_base = 1 / Fraction(fps) if timestamps is None else time_base
         self.stream.codec_context.time_base = self.time_base
-        # Frames are converted with the BT.709 matrix to limited range and tagged so; primaries and transfer are the
-        # source's (the RGB values were never converted between them).
+        # Frames are converted with the BT.709 matrix (10-bit BT.2020 ones with BT.2020's) to limited range and tagged
+        # so; primaries and transfer are the source's (the RGB values were never converted between them).
+        self._matrix = BT2020 if depth == 10 and colour[0] == BT2020 else BT709
         context = self.stream.codec_context
-        context.colorspace, context.color_range = BT709, ColorRange.MPEG
+        context.colorspace, context.color_range = self._matrix, ColorRange.MPEG
         context.color_primaries, context.color_trc = colour
         if language:
             self.stream.metadata["language"] = language
@@ -234,7 +263,7 @@ class Mp4Writer:
 
     def write(self, frames: torch.Tensor) -> None:
         self._raise_if_failed()
-        pixels = quantise(frames).cpu().numpy()
+        pixels = quantise(frames, self._dtype).cpu().numpy()
         self._queue.put(pixels)
         self.frames += len(pixels)
 
@@ -255,8 +284,8 @@ class Mp4Writer:
                 started = perf_counter()
                 for pixel in pixels:
                     if self._on_frame is not None:
-                        self._on_frame(index, pixel)
-                    frame = yuv_frame(pixel, self._reformatter)
+                        self._on_frame(index, eight_bit(pixel))
+                    frame = yuv_frame(pixel, self._reformatter, self._matrix)
                     frame.pts = index if self.timestamps is None else self.start + self.timestamps[index]
                     index += 1
                     self._mux_video(self.stream.encode(frame))

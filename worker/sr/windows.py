@@ -116,7 +116,8 @@ class KeptWindowsDisagree(Exception):
 
 @dataclass(frozen=True)
 class StoredWindow:
-    pixels: np.ndarray  # (n, H, W, 3) uint8: the window's finished frames, exactly as the encoder got them
+    pixels: np.ndarray  # (n, H, W, 3) uint8 (uint16 for a 10-bit output): the window's finished frames, exactly as
+    # the encoder got them
     tail: torch.Tensor | None  # (overlap, 3, H, W) float32: its last frames before the crossfade, None if last
     made: RunInfo  # what computed it (no timings)
 
@@ -144,8 +145,8 @@ class WindowStore(Protocol):
 
 
 class DirectoryWindowStore:
-    """Finished windows as raw files in a directory: 8-bit frames (as big as the raw output of those windows) and
-    the float overlap tail. `key` names the job (input, model, options): a directory kept for another key is
+    """Finished windows as raw files in a directory: the frames as the encoder got them, 8-bit or 16-bit (as big as
+    the raw output of those windows; the JSON names the sample type) and the float overlap tail. `key` names the job (input, model, options): a directory kept for another key is
     emptied, so a stale window can never be replayed into a different job."""
 
     def __init__(self, directory: str | Path, key: str) -> None:
@@ -166,10 +167,11 @@ class DirectoryWindowStore:
         if made is None:
             return None
         shape, pixels_path = tuple(kept["shape"]), self._path(index, "u8")
+        dtype = np.dtype(kept.get("dtype", "uint8"))  # kept before 16-bit windows: 8-bit
         # a pixel file missing or not the JSON's (files that did not come from one commit): computed again, not a crash
-        if not pixels_path.exists() or pixels_path.stat().st_size != math.prod(shape):
+        if not pixels_path.exists() or pixels_path.stat().st_size != math.prod(shape) * dtype.itemsize:
             return None
-        pixels = np.memmap(pixels_path, dtype=np.uint8, mode="r", shape=shape)
+        pixels = np.memmap(pixels_path, dtype=dtype, mode="r", shape=shape)
         tail_path = self._path(index, "tail.npy")
         tail = torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None
         return StoredWindow(pixels, tail, made)
@@ -198,18 +200,20 @@ class _DirectoryRecorder:
         self.partial = store._path(index, "u8.partial")
         self.partial.unlink(missing_ok=True)  # left by an attempt that died in this window
         self.shape: list[int] | None = None
+        self.dtype = "uint8"
 
     def add(self, pixels: np.ndarray) -> None:
         with self.partial.open("ab") as file:
             file.write(np.ascontiguousarray(pixels).tobytes())
         self.shape = [(self.shape[0] if self.shape else 0) + len(pixels), *pixels.shape[1:]]
+        self.dtype = pixels.dtype.name
 
     def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
         if tail is not None:
             np.save(self.store._path(self.index, "tail.npy"), tail.cpu().numpy())
         self.partial.replace(self.store._path(self.index, "u8"))
         # Written last: a window counts as kept only once everything it needs is on disk.
-        self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape, "made": made.kept()}))
+        self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape, "dtype": self.dtype, "made": made.kept()}))
 
     def discard(self) -> None:
         """The window is not kept: its frames written so far go."""
@@ -228,9 +232,11 @@ def upscale_windows(
     progress: Callable[[WindowProgress], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     store: WindowStore | None = None,
+    dtype: torch.dtype = torch.uint8,
 ) -> WindowsRun:
     """Upscale `plan.frames` frames ((H, W, 3) uint8 or uint16 RGB arrays, in order) window by window; `sink` gets
-    the output frames in order, like an upscaler's sink."""
+    the output frames in order, like an upscaler's sink. `dtype` is what the encoder quantises them to (uint16 for a
+    10-bit output): the store keeps them so, and replays only windows kept so."""
     source = iter(frames)
     held: list[np.ndarray] = []  # input frames [held_from, held_from + len(held))
     held_from = 0
@@ -254,6 +260,7 @@ def upscale_windows(
         if (
             stored is not None
             and len(stored.pixels) == plan.finished_frames(window)
+            and stored.pixels.dtype == torch.empty((), dtype=dtype).numpy().dtype
             and all(stored.made.made_like(before) for before in made)
         ):
             for start in range(0, len(stored.pixels), 8):
@@ -269,7 +276,7 @@ def upscale_windows(
                 progress(WindowProgress(index, len(plan.windows), event.stage, event.done, event.total, tiles))
 
         last = window.index == len(plan.windows) - 1
-        blender = _Blender(plan, window, tail, sink, store.record(window.index, last) if store is not None else None)
+        blender = _Blender(plan, window, tail, sink, store.record(window.index, last) if store is not None else None, dtype)
         request_window = replace(request, noise_key=(*request.noise_key, window.index))
         taking = perf_counter()
         video = _video(held)
@@ -314,8 +321,9 @@ class _Blender:
         previous_tail: torch.Tensor | None,
         sink: FrameSink,
         recorder: WindowRecorder | None,
+        dtype: torch.dtype = torch.uint8,
     ) -> None:
-        self.plan, self.window, self.previous_tail = plan, window, previous_tail
+        self.plan, self.window, self.previous_tail, self.dtype = plan, window, previous_tail, dtype
         self.sink, self.recorder = sink, recorder
         self.head = plan.overlap if previous_tail is not None else 0
         self.finished = plan.finished_frames(window)
@@ -337,7 +345,7 @@ class _Blender:
         if keep:
             self.sink(frames[:keep])
             if self.recorder is not None:
-                self.recorder.add(quantise(frames[:keep]).cpu().numpy())
+                self.recorder.add(quantise(frames[:keep], self.dtype).cpu().numpy())
 
     def finish(self, made: RunInfo) -> torch.Tensor | None:
         if self.position != self.window.frames:
