@@ -348,6 +348,26 @@ def test_a_request_id_the_sdk_reports_is_the_one_in_the_api_log(anonymous_api, a
     assert len(ids) == 3
 
 
+def test_the_request_that_created_a_job_is_found_from_its_id(anonymous_api, anonymous_api_log, sdk, jobs, in_mp4):
+    """A user quotes a job's id, not the request id of its create: the job's `created` event names that request (the
+    one the SDK was answered with, or the client's own), whose lines the operator then greps in the API's log."""
+    clip = ("in.mp4", in_mp4.read_bytes(), "video/mp4")
+    made = sdk.videos.create(prompt="x", input_reference=clip, model="k6-vsr")
+    trace = {"X-Request-Id": f"trace-{secrets.token_hex(4)}"}
+    traced = sdk.videos.create(prompt="x", input_reference=clip, model="k6-vsr", extra_headers=trace)
+    try:
+        for job in (made, traced):
+            [created] = [event for event in jobs.events(job.id) if event.type == "created"]
+            request_id = created.detail["request_id"]
+            assert request_id == job._request_id, (created, job._request_id)  # the create's x-request-id
+            access = [line for line in _log_lines(anonymous_api_log, request_id) if line["logger"] == "gunicorn.access"]
+            assert len(access) == 1 and '"POST /v1/videos HTTP/1.1" 200' in access[0]["message"], access
+        assert made._request_id.startswith("req_") and traced._request_id == trace["X-Request-Id"]
+    finally:
+        for job in (made, traced):
+            requests.post(f"{anonymous_api}/v1/videos/{job.id}/cancel", timeout=10)  # nobody runs the idle queue
+
+
 def test_the_sdk_waits_out_an_upload_in_flight_under_its_idempotency_key(anonymous_api, sdk, in_mp4):
     """A create repeated (by the SDK's own retry, or a second process) while the first is still uploading: the 409 says
     how long to wait, and the SDK's retries, waiting that long, get the first request's job."""
