@@ -12,8 +12,11 @@ close (gunicorn's, up to 2 s) off the event loop.
 gunicorn answers some requests before Flask ever sees them (a control byte in a header, a malformed request line,
 headers too large) with an HTML page. It has no hook for those pages: `Worker.handle_error` picks the status, logs
 and writes the access log, then writes the page through `gunicorn.util.write_error`. That one function is replaced
-in the worker process, so gunicorn keeps choosing the status and only the body changes. Its HTTP/1 head gets a
-`Keep-Alive: timeout=N` the same way (`advertising_keepalive`).
+in the worker process, so gunicorn keeps choosing the status and only the body changes. Each such answer carries a
+request id, as the app's do (api/request_id.py): in its `X-Request-Id` header, in its problem body, and on the lines
+gunicorn logs about it, its access line included (`handle_error` runs under it as the log context), so a user who
+quotes it is found. Always a new one, never the client's: the request's headers are what could not be read.
+gunicorn's HTTP/1 head gets a `Keep-Alive: timeout=N` the same way (`advertising_keepalive`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ from gunicorn.http import wsgi
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from api.errors import Problem
+from api.request_id import HEADER as REQUEST_ID_HEADER
+from api.request_id import new_id
 from storage.config import Settings
+from storage.logs import current_request
 
 # How long the rest of a body that was answered unread (401, 413, 429, 408) is read for, to keep the connection alive:
 # only what has arrived already. A request thread waiting for more (it was 0.1 s) was thread-pool exhaustion: 16
@@ -50,6 +56,14 @@ class ProblemWorker(ThreadWorker):
         settings = Settings()
         self.pacing = (settings.body_idle_timeout_s, settings.body_grace_s, settings.body_min_bytes_per_s)
         super().init_process()  # runs the worker loop: never returns
+
+    def handle_error(self, req: Any, client: socket.socket, addr: Any, exc: BaseException) -> None:
+        """gunicorn's, under a new request id: its log lines, its access line and `write_problem`'s answer carry it."""
+        token = current_request.set(new_id())
+        try:
+            super().handle_error(req, client, addr, exc)
+        finally:
+            current_request.reset(token)
 
     def accept(self, listener: socket.socket) -> None:
         """gthread's accept, with a paced connection that waits for its first bytes on the event loop, as a kept-alive
@@ -198,6 +212,7 @@ def write_problem(sock: socket.socket, status: int, reason: str, message: str) -
     """`gunicorn.util.write_error`'s signature: `reason` is the status's phrase, `message` gunicorn's detail (empty
     for its 500)."""
     code = "internal_error" if status >= 500 else reason.lower().replace(" ", "_")  # bad_request, uri_too_long...
+    request_id = current_request.get() or new_id()  # set by ProblemWorker.handle_error, gunicorn's only caller
     body = Problem(
         type=f"urn:vsrq:problem:{code}",
         title=reason,
@@ -205,9 +220,10 @@ def write_problem(sock: socket.socket, status: int, reason: str, message: str) -
         code=code,
         detail=f"The request is malformed: {message}." if message and status < 500 else reason,
         instance="",  # the request line may be what could not be read
-    ).model_dump_json(exclude={"errors", "request_id"}).encode()
+        request_id=request_id,
+    ).model_dump_json(exclude={"errors"}).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/problem+json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id}\r\n\r\n"
     )
     util.write_nonblock(sock, head.encode("latin-1") + body)

@@ -26,6 +26,8 @@ from pydantic.json_schema import models_json_schema
 
 from api.errors import Problem
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
+from api.request_id import HEADER as REQUEST_ID_HEADER
+from api.request_id import SANE as SANE_REQUEST_ID
 from api.schemas import SGLANG_IGNORED, CreateRequest, JobOptions, ListQuery, UpscaleParams
 from api.services import services
 from storage.config import Settings
@@ -155,6 +157,45 @@ def _job_operation(
 
 def _header(description: str) -> dict[str, Any]:
     return {"description": description, "schema": {"type": "string"}}
+
+
+# Every answer the app gives carries the request id (api/request_id.py), and every operation takes a client's own:
+# declared on each operation, so generated clients expose both, and Schemathesis checks the header on every answer it
+# gets. The header is a component (one description, not one per answer); the parameter is written out in each
+# operation, as its others are, for readers that look parameters up by name.
+_REQUEST_ID_HEADER = {
+    "description": "this request's id, which the API's log lines for it and a problem body's `request_id` carry: "
+    "quote it to an operator. The client's `X-Request-Id` when it was sane, else `req_` and 32 hex digits",
+    "required": True,
+    "schema": {"type": "string", "pattern": f"^{SANE_REQUEST_ID}$"},
+}
+_REQUEST_ID_PARAMETER = {
+    "name": REQUEST_ID_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "your own id for this request (a proxy's, a tracer's), kept as the answer's `X-Request-Id` when "
+    "it is 1 to 128 characters of letters, digits and `._:/+=@-`, starting with a letter or a digit; any other "
+    "value is replaced, never refused",
+    "schema": {"type": "string"},  # no pattern: a value off it is replaced, and Schemathesis would expect a 4xx
+}
+
+
+def _with_request_id(paths: dict[str, Any]) -> dict[str, Any]:
+    header = {REQUEST_ID_HEADER: {"$ref": f"#/components/headers/{REQUEST_ID_HEADER}"}}
+    return {
+        path: {
+            method: {
+                **operation,
+                "parameters": [*operation.get("parameters", ()), _REQUEST_ID_PARAMETER],
+                "responses": {
+                    status: {**response, "headers": {**response.get("headers", {}), **header}}
+                    for status, response in operation["responses"].items()
+                },
+            }
+            for method, operation in item.items()
+        }
+        for path, item in paths.items()
+    }
 
 
 def _page(operation_id: str, summary: str) -> dict[str, Any]:
@@ -390,7 +431,8 @@ def document(settings: Settings) -> dict[str, Any]:
             "version": version("vsrq"),
             "summary": "Video super-resolution jobs (Kandinsky 6 VSR), in SGLang's /v1/videos shape",
             "description": "Send the API key as `Authorization: Bearer <key>`. A key sees only its own jobs and "
-            "uploads. Errors are RFC 9457 problem+json with a stable `code`. Try it in the web app at `/`.",
+            "uploads. Errors are RFC 9457 problem+json with a stable `code`. Every answer carries `X-Request-Id`: "
+            "quote it when you report a problem. Try it in the web app at `/`.",
         },
         "tags": [
             {"name": "videos", "description": "super-resolution jobs"},
@@ -399,9 +441,10 @@ def document(settings: Settings) -> dict[str, Any]:
             {"name": "service", "description": "health, metrics and this document"},
         ],
         "security": [{"bearer": []}],
-        "paths": paths,
+        "paths": _with_request_id(paths),
         "components": {
             "schemas": schemas,
+            "headers": {REQUEST_ID_HEADER: _REQUEST_ID_HEADER},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}},
         },
     }

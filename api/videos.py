@@ -190,6 +190,7 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
         input=source,
         metadata=create.options.metadata,
         webhook_url=create.options.webhook_url,
+        request_id=g.get("request_id"),
     )
     try:
         send_upscale(services().celery, jobs, job)

@@ -667,7 +667,10 @@ class JobStore:
         metadata: dict[str, Any] | None = None,
         webhook_url: str | None = None,
         job_id: str | None = None,
+        request_id: str | None = None,
     ) -> JobRecord:
+        """`request_id`: the id of the API request that creates it, kept on its `created` event. A user quotes the
+        job's id, while the API's log lines for that request carry only the request's (api/request_id.py)."""
         job_id = job_id or new_job_id()
         seq = self.redis.incr(self._seq_key)
         created_at = _redis_now(self.redis)
@@ -685,7 +688,8 @@ class JobStore:
             created_at=created_at,
             updated_at=created_at,
         )
-        event = JobEvent(type="created", at=created_at, attempt=0, status=Status.QUEUED)
+        detail = {"request_id": request_id} if request_id else {}
+        event = JobEvent(type="created", at=created_at, attempt=0, status=Status.QUEUED, detail=detail)
         with self.redis.pipeline(transaction=True) as tx:
             tx.hset(self._job_key(job_id), mapping=_to_hash(job))
             tx.rpush(f"{self._job_key(job_id)}:events", event.model_dump_json())

@@ -653,6 +653,20 @@ def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_s
         assert sum(frame.samples for frame in container.decode(audio=0)) > 0  # every packet decodes
 
 
+def _aac_7_1_spectrum(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """An output whose sound must be AAC 7.1: the magnitude spectrum of half a second of it (bins, channels), and
+    each channel's loudest frequency in Hz. The sound is resampled to packed floats before it is read, as PyAV counts
+    9 planes in an 8-channel planar frame."""
+    with av.open(str(path)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "7.1")
+        packed = av.AudioResampler(format="flt", layout="7.1", rate=48000)
+        frames = [f for frame in container.decode(stream) for f in packed.resample(frame)]
+        samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
+    spectrum = np.abs(np.fft.rfft(samples[2048 : 2048 + 24000], axis=0))  # 0.5 s, clear of the onset
+    return spectrum, np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]
+
+
 def test_eight_channel_sound_re_encoded_keeps_every_channel(tmp_path):
     """7.1 sound that MP4 cannot hold as it is (a Blu-ray rip's TrueHD or DTS, a camera's PCM) is re-encoded to AAC.
     PyAV counts 9 planes in an 8-channel planar frame: reading the decoded sound crashed the worker (SIGSEGV), so the
@@ -663,14 +677,7 @@ def test_eight_channel_sound_re_encoded_keeps_every_channel(tmp_path):
                "--scale", "2", "--preset", "ultrafast"]  # fmt: skip
     result = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    with av.open(str(output)) as container:
-        stream = container.streams.audio[0]
-        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "7.1")
-        packed = av.AudioResampler(format="flt", layout="7.1", rate=48000)
-        frames = [f for frame in container.decode(stream) for f in packed.resample(frame)]
-        samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
-    spectrum = np.abs(np.fft.rfft(samples[2048:2048 + 24000], axis=0))
-    peaks = np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]
+    _, peaks = _aac_7_1_spectrum(output)
     wanted = 440 * 1.5 ** np.arange(8)  # `tone`: a fifth higher on each further channel
     lfe = 3  # AAC keeps only the lowest frequencies of the LFE channel
     assert np.allclose(np.delete(peaks, lfe), np.delete(wanted, lfe), rtol=0.01), peaks
@@ -859,14 +866,8 @@ def test_6_1_sound_re_encoded_declares_which_channel_is_which(tmp_path):
     source = write_clip(tmp_path / "in.mov", 24, SIZE, Fraction(24), audio_codec="pcm_s16le", layout="6.1")
     output = tmp_path / "out.mp4"
     upscale_file(source, output, LanczosUpscaler(), FAST)
-    with av.open(str(output)) as container:
-        stream = container.streams.audio[0]
-        assert (stream.codec_context.name, stream.codec_context.layout.name) == ("aac", "7.1")
-        packed = av.AudioResampler(format="flt", layout="7.1", rate=48000)
-        frames = [f for frame in container.decode(stream) for f in packed.resample(frame)]
-        samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
-    spectrum = np.abs(np.fft.rfft(samples[2048 : 2048 + 24000], axis=0))
-    peaks = dict(zip(["FL", "FR", "FC", "LFE", "BL", "BR", "SL", "SR"], np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]))
+    spectrum, peaks_hz = _aac_7_1_spectrum(output)
+    peaks = dict(zip(["FL", "FR", "FC", "LFE", "BL", "BR", "SL", "SR"], peaks_hz))  # AAC 7.1's order
     tones = dict(zip(["FL", "FR", "FC", "LFE", "BC", "SL", "SR"], 440 * 1.5 ** np.arange(7)))  # `tone`: 6.1's order
     for channel in ("FL", "FR", "FC", "SL", "SR"):  # AAC keeps only the lowest frequencies of the LFE channel
         assert peaks[channel] == pytest.approx(tones[channel], rel=0.01), (channel, peaks)

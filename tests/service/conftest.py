@@ -74,9 +74,15 @@ def settings(service_env: dict[str, str]) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def api(service_env: dict[str, str], tmp_path_factory) -> Iterator[str]:
+def api_log(tmp_path_factory) -> Path:
+    """gunicorn's output for `api`: the API's log lines (JSON, the default format)."""
+    return tmp_path_factory.mktemp("gunicorn") / "gunicorn.log"
+
+
+@pytest.fixture(scope="session")
+def api(service_env: dict[str, str], api_log: Path) -> Iterator[str]:
     """The API under gunicorn, as the Procfile runs it: its base URL."""
-    with serve_api(service_env, tmp_path_factory.mktemp("gunicorn") / "gunicorn.log") as url:
+    with serve_api(service_env, api_log) as url:
         yield url
 
 
@@ -150,6 +156,17 @@ def as_a_shell_starts_it() -> None:
     whether an interrupt reaches the command under test."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def log_lines(log: Path, request_id: str) -> list[dict]:
+    """The API's JSON log lines that carry `request_id`: gunicorn writes its access line once the answer is sent."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        found = [line for line in lines if line.get("request_id") == request_id]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 def auth(name: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ from PIL import Image
 
 from infra.stack import free_ports
 
-from .conftest import ROOT, serve_api
+from .conftest import ROOT, log_lines, serve_api
 from .test_worker import TERMINAL, celery_worker
 
 COMPAT_KEY = f"sk-test-compat-{'0' * 16}"
@@ -315,17 +315,6 @@ def test_openai_input_reference_object_names_an_upload_or_a_url(anonymous_api, l
     assert refused.value.param == "input_reference" and "https" in refused.value.message
 
 
-def _log_lines(log: Path, request_id: str) -> list[dict]:
-    """The API's JSON log lines that carry `request_id`: gunicorn writes its access line once the answer is sent."""
-    deadline = time.monotonic() + 5
-    while True:
-        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
-        found = [line for line in lines if line.get("request_id") == request_id]
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
-
-
 def test_a_request_id_the_sdk_reports_is_the_one_in_the_api_log(anonymous_api, anonymous_api_log, sdk, in_mp4):
     """A user quotes `e.request_id` to an operator, who greps the API's log for it."""
     clip = ("in.mp4", in_mp4.read_bytes(), "video/mp4")
@@ -334,18 +323,38 @@ def test_a_request_id_the_sdk_reports_is_the_one_in_the_api_log(anonymous_api, a
     request_id = refused.value.request_id
     assert request_id and request_id.startswith("req_")
     assert refused.value.response.json()["request_id"] == request_id  # in the problem body too
-    access = [line for line in _log_lines(anonymous_api_log, request_id) if line["logger"] == "gunicorn.access"]
+    access = [line for line in log_lines(anonymous_api_log, request_id) if line["logger"] == "gunicorn.access"]
     assert len(access) == 1 and '"POST /v1/videos HTTP/1.1" 422' in access[0]["message"], access
 
     # one the client sent is kept when it is sane, replaced when it is not; a success carries one too
     models = sdk.models.with_raw_response.list(extra_headers={"X-Request-Id": "trace-7f3a.1"})
     assert models.headers["x-request-id"] == "trace-7f3a.1" == models.request_id
-    assert _log_lines(anonymous_api_log, "trace-7f3a.1")
+    assert log_lines(anonymous_api_log, "trace-7f3a.1")
     for insane in ("two words", "x" * 200, "a\"b"):
         response = requests.get(f"{anonymous_api}/v1/models", headers={"X-Request-Id": insane}, timeout=10)
         assert response.headers["x-request-id"].startswith("req_")
     ids = {requests.get(f"{anonymous_api}/v1/models", timeout=10).headers["x-request-id"] for _ in range(3)}
     assert len(ids) == 3
+
+
+def test_the_request_that_created_a_job_is_found_from_its_id(anonymous_api, anonymous_api_log, sdk, jobs, in_mp4):
+    """A user quotes a job's id, not the request id of its create: the job's `created` event names that request (the
+    one the SDK was answered with, or the client's own), whose lines the operator then greps in the API's log."""
+    clip = ("in.mp4", in_mp4.read_bytes(), "video/mp4")
+    made = sdk.videos.create(prompt="x", input_reference=clip, model="k6-vsr")
+    trace = {"X-Request-Id": f"trace-{secrets.token_hex(4)}"}
+    traced = sdk.videos.create(prompt="x", input_reference=clip, model="k6-vsr", extra_headers=trace)
+    try:
+        for job in (made, traced):
+            [created] = [event for event in jobs.events(job.id) if event.type == "created"]
+            request_id = created.detail["request_id"]
+            assert request_id == job._request_id, (created, job._request_id)  # the create's x-request-id
+            access = [line for line in log_lines(anonymous_api_log, request_id) if line["logger"] == "gunicorn.access"]
+            assert len(access) == 1 and '"POST /v1/videos HTTP/1.1" 200' in access[0]["message"], access
+        assert made._request_id.startswith("req_") and traced._request_id == trace["X-Request-Id"]
+    finally:
+        for job in (made, traced):
+            requests.post(f"{anonymous_api}/v1/videos/{job.id}/cancel", timeout=10)  # nobody runs the idle queue
 
 
 def test_the_sdk_waits_out_an_upload_in_flight_under_its_idempotency_key(anonymous_api, sdk, in_mp4):

@@ -1,5 +1,6 @@
-"""Requests gunicorn refuses before Flask sees them get problem+json with a stable code, from the real gunicorn the
-API runs under (api/gunicorn_worker.py), sent over a raw socket since HTTP clients refuse to send such bytes."""
+"""Requests gunicorn refuses before Flask sees them get problem+json with a stable code and a request id, from the real
+gunicorn the API runs under (api/gunicorn_worker.py), sent over a raw socket since HTTP clients refuse to send such
+bytes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from gunicorn.config import Config
 
 from api.gunicorn_worker import PacedConn
 
-from .conftest import KEYS, UPLOAD_LIMIT
+from .conftest import KEYS, UPLOAD_LIMIT, log_lines
 
 
 def raw_request(api: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -39,15 +40,25 @@ def raw_request(api: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
         (b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Note: a\x01b\r\n\r\n", 400, "bad_request"),  # control byte
         (b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX\x7fNote: ab\r\n\r\n", 400, "bad_request"),  # in a name
         (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", 414, "uri_too_long"),
+        (  # a header line longer than gunicorn's limit
+            b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Note: " + b"a" * 9000 + b"\r\n\r\n",
+            431,
+            "request_header_fields_too_large",
+        ),
     ],
 )
-def test_gunicorns_own_errors_are_problems(api, request_bytes, status, code):
+def test_gunicorns_own_errors_are_problems(api, api_log, request_bytes, status, code):
     answered, headers, body = raw_request(api, request_bytes)
     assert (answered, headers["content-type"]) == (status, "application/problem+json"), body
     assert int(headers["content-length"]) == len(body)
     problem = json.loads(body)
     assert (problem["status"], problem["code"], problem["type"]) == (status, code, f"urn:vsrq:problem:{code}")
     assert problem["detail"].startswith("The request is malformed: ")
+    # a request id to quote, as the app's answers have: in the header, the body and gunicorn's line about it
+    request_id = headers["x-request-id"]
+    assert request_id.startswith("req_") and problem["request_id"] == request_id
+    logged = log_lines(api_log, request_id)
+    assert any(line["message"].startswith("Invalid request from ip=") for line in logged), logged
 
 
 def test_a_good_request_on_the_same_server_still_reaches_flask(api):

@@ -61,6 +61,35 @@ def test_requests_are_described_by_the_models_the_api_validates_with(document, s
     assert public == {"/", "/docs", "/docs/", "/openapi.json", "/healthz", "/livez", "/metrics"}
 
 
+def test_every_answer_declares_its_request_id_and_every_operation_takes_the_clients(document, api):
+    """Generated clients read `X-Request-Id` (the id to quote in a support ticket) only where the document declares it:
+    on every response of every operation, and as a header a client may send."""
+
+    def resolved(item: dict) -> dict:  # "#/components/headers/X-Request-Id"
+        if "$ref" not in item:
+            return item
+        _, _, kind, name = item["$ref"].split("/")
+        return document["components"][kind][name]
+
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            parameters = [resolved(parameter) for parameter in operation.get("parameters", [])]
+            assert {"name": "X-Request-Id", "in": "header", "required": False} in [
+                {name: parameter[name] for name in ("name", "in", "required")} for parameter in parameters
+            ], (path, method)
+            for status, response in operation["responses"].items():
+                header = resolved(response.get("headers", {}).get("X-Request-Id", {"required": False}))
+                assert header["required"], (path, method, status)
+    # the header's declared shape holds both ids the API answers with: its own, and a sane one the client sent
+    declared = document["paths"]["/healthz"]["get"]["responses"]["200"]["headers"]["X-Request-Id"]
+    pattern = re.compile(resolved(declared)["schema"]["pattern"])
+    own = requests.get(f"{api}/openapi.json", timeout=30).headers["X-Request-Id"]
+    sent = requests.get(f"{api}/openapi.json", headers={"X-Request-Id": "trace-7f3a.1"}, timeout=30)
+    assert pattern.search(own) and own.startswith("req_")
+    assert sent.headers["X-Request-Id"] == "trace-7f3a.1" and pattern.search("trace-7f3a.1")
+    assert not pattern.search("a b") and not pattern.search("x" * 129)
+
+
 def test_the_docs_page_is_served_from_this_api_alone(api):
     page = requests.get(f"{api}/docs", timeout=30)  # redirected to /docs/
     assert page.status_code == 200 and "text/html" in page.headers["Content-Type"]
