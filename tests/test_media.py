@@ -210,8 +210,33 @@ def test_a_fit_target_boxes_non_square_pixels_as_they_are_displayed(tmp_path, sa
     written = probe(output).video
     box = tuple(map(int, target.split("x")))
     assert ((written.width, written.height), written.sar) == (size, sar)
-    assert written.width * sar <= box[0] + 2 and written.height <= box[1]  # displayed within the box, to rounding
+    assert written.width * sar <= box[0] and written.height <= box[1]  # displayed within the box
     assert written.display_aspect == probe(source).video.display_aspect
+
+
+@pytest.mark.parametrize(
+    ("rotation", "sar", "target", "mode", "size"),
+    [
+        (90, Fraction(1), "299x399", "fit", (298, 392)),  # upright x2: 380x500, the width bound
+        (90, Fraction(1), "379x499", "fit", (378, 498)),  # both sides bound
+        (270, Fraction(1), "299x399", "exact", (298, 398)),
+        (0, Fraction(64, 45), "212x144", "fit", (148, 98)),  # x2: 288x192 shown 410 wide
+    ],
+)
+def test_a_target_box_is_never_overshot_by_rounding_to_even(tmp_path, rotation, sar, target, mode, size):
+    """Sizes are rounded to even (4:2:0) to the nearest: a phone's clip (stored landscape, turned upright) in a
+    299x399 box came back 300 wide, and 300x400 exact; a DVD's 64:45 pixels 150 wide in a 212-wide box were shown
+    213 wide. The picture is now fit into the largest even box inside the box, then rounded."""
+    stored = SIZE if sar == 1 else (96, 144)
+    source = write_clip(tmp_path / "in.mp4", 5, stored, rotation=rotation, sample_aspect_ratio=sar)
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), replace(FAST, target=Target.parse(target, mode)))
+    written = probe(output).video
+    box_width, box_height = map(int, target.split("x"))
+    assert (written.width, written.height, written.rotation) == (*size, 0)
+    assert written.width * written.sar <= box_width and written.height <= box_height
+    if mode == "fit":  # the picture's shape kept, to a pixel shown
+        assert abs((written.display_aspect - probe(source).video.display_aspect) * written.height) < 2
 
 
 def test_an_exact_target_is_the_size_shown_in_square_pixels(tmp_path):
