@@ -819,6 +819,32 @@ def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
     assert {c.describe() for c in result.carried} >= {"cover art #3 (mjpeg): copied", "data #2 (timecode 01:02:03:04): kept as the output's timecode"}
 
 
+def test_a_drop_frame_timecode_the_muxer_cannot_count_at_the_outputs_rate_is_left_out_and_said(tmp_path):
+    """A camera's variable-rate MP4 (29.97 nominal, frames dropped: 20 a second on average) with a drop-frame
+    timecode, counted at 30 as its muxer wrote it. The output keeps the variable rate, at which FFmpeg's muxer cannot
+    count drop-frame (only multiples of 30000/1001 can): it leaves the timecode out. The job completes, and its notes
+    say so, rather than failing at the read-back after all the work."""
+    times = [i + i // 2 for i in range(24)]  # in 1/30 s: every third frame dropped
+    base = write_clip(tmp_path / "base.mp4", len(times), (64, 96), Fraction(30000, 1001), timestamps=times,
+                      time_base=Fraction(1, 30))  # fmt: skip
+    source = tmp_path / "in.mp4"
+    with av.open(str(base)) as original, av.open(str(source), "w") as edited:
+        stream = edited.add_stream_from_template(original.streams.video[0])
+        stream.metadata["timecode"] = "01:00:00;02"
+        for packet in original.demux():
+            if packet.dts is not None:
+                packet.stream = stream
+                edited.mux(packet)
+    with av.open(str(source)) as container:  # the oracle: the source has its timecode track
+        assert [s.metadata.get("timecode") for s in container.streams.data] == ["01:00:00;02"]
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert not probe(source).video.cfr
+    with av.open(str(output)) as container:
+        assert "timecode" not in container.streams.video[0].metadata and not container.streams.data
+    assert "the source's timecode (01:00:00;02) could not be written at the output's rate: left out" in result.notes
+
+
 def _n_vop(bits: int = 5) -> bytes:
     """An MPEG-4 Part 2 VOP that codes nothing (vop_coded 0): the chunk a packed stream puts where a B-frame was.
     P type, time increment 0 in `bits` bits (those of the encoder's time base, 1/24), then next_start_code stuffing."""
