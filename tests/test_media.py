@@ -819,30 +819,44 @@ def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
     assert {c.describe() for c in result.carried} >= {"cover art #3 (mjpeg): copied", "data #2 (timecode 01:02:03:04): kept as the output's timecode"}
 
 
-def test_a_drop_frame_timecode_the_muxer_cannot_count_at_the_outputs_rate_is_left_out_and_said(tmp_path):
-    """A camera's variable-rate MP4 (29.97 nominal, frames dropped: 20 a second on average) with a drop-frame
-    timecode, counted at 30 as its muxer wrote it. The output keeps the variable rate, at which FFmpeg's muxer cannot
-    count drop-frame (only multiples of 30000/1001 can): it leaves the timecode out. The job completes, and its notes
-    say so, rather than failing at the read-back after all the work."""
-    times = [i + i // 2 for i in range(24)]  # in 1/30 s: every third frame dropped
+@pytest.mark.parametrize(
+    ("timecode", "written", "carried"),
+    [
+        ("01:00:00;02", None, "data #1 (timecode 01:00:00;02, drop-frame at 30 a second, which the output's rate "
+         "(20.29 fps) does not count): left out"),
+        ("01:00:00:25", "01:00:00:17", "data #1 (timecode 01:00:00:25 as 01:00:00:17, counted at 20 a second as the "
+         "output's rate (20.29 fps) is, not 30): kept as the output's timecode"),
+    ],
+)  # fmt: skip
+def test_a_timecode_counted_otherwise_than_the_outputs_rate_names_the_same_time_or_is_left_out(
+    tmp_path, timecode, written, carried
+):
+    """A camera's variable-rate MP4 (29.97 nominal, every third frame dropped) with a timecode its muxer counted at
+    30. The output keeps the variable rate, and FFmpeg's muxer counts the timecode at its average (20): drop-frame it
+    cannot count (it left it out, and a note said so after the work), and 01:00:00:25 it wrote as 01:00:01:05, 0.4 s
+    late, while the note said it was left out. The timecode is now written counted at 20, naming the source's time
+    (25/30 s: 17/20), and drop-frame at 30 is left out as the job is planned, saying why."""
+    times = [i + i // 2 for i in range(24)]  # in 1/30 s
     base = write_clip(tmp_path / "base.mp4", len(times), (64, 96), Fraction(30000, 1001), timestamps=times,
                       time_base=Fraction(1, 30))  # fmt: skip
     source = tmp_path / "in.mp4"
     with av.open(str(base)) as original, av.open(str(source), "w") as edited:
         stream = edited.add_stream_from_template(original.streams.video[0])
-        stream.metadata["timecode"] = "01:00:00;02"
+        stream.metadata["timecode"] = timecode  # FFmpeg's muxer writes it as a tmcd track, counted at 30
         for packet in original.demux():
             if packet.dts is not None:
                 packet.stream = stream
                 edited.mux(packet)
     with av.open(str(source)) as container:  # the oracle: the source has its timecode track
-        assert [s.metadata.get("timecode") for s in container.streams.data] == ["01:00:00;02"]
+        assert [s.metadata.get("timecode") for s in container.streams.data] == [timecode]
+    assert not probe(source).video.cfr
     output = tmp_path / "out.mp4"
     result = upscale_file(source, output, LanczosUpscaler(), FAST)
-    assert not probe(source).video.cfr
     with av.open(str(output)) as container:
-        assert "timecode" not in container.streams.video[0].metadata and not container.streams.data
-    assert "the source's timecode (01:00:00;02) could not be written at the output's rate: left out" in result.notes
+        assert container.streams.video[0].metadata.get("timecode") == written
+        assert [s.metadata.get("timecode") for s in container.streams.data] == ([written] if written else [])
+    assert [c.describe() for c in result.carried if c.kind == "data"] == [carried]
+    assert not any("could not be written" in note for note in result.notes), result.notes  # nothing found late
 
 
 def _n_vop(bits: int = 5) -> bytes:

@@ -17,7 +17,7 @@ from typing import TypeVar
 from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
 from worker.media.limits import Limits
-from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, plan_streams
+from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, output_timecode, plan_streams
 from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
 from worker.media.reader import Fields, prefetch, read_frames
@@ -185,7 +185,7 @@ def begin_upscale(
                     sample_aspect_ratio=sar,
                     chapters=output_chapters(info.chapters, clock),
                     on_frame=previews.take,
-                    timecode=video.timecode if any(c.action == "timecode" for c in carried) else None,
+                    timecode=output_timecode(info, carried),
                     mastering=video.mastering,
                     light_level=video.light_level,
                     depth=depth,
