@@ -72,6 +72,18 @@ def test_missing_model_exits_3_without_traceback_or_output(tmp_path):
     assert not (tmp_path / "out.mp4").exists()
 
 
+def test_an_hevc_output_smaller_than_x265_takes_is_refused_not_a_crash(tmp_path):
+    """A 256x128 clip fit into a 48x24 box, in HEVC: x265 corrupted the heap and the process aborted (exit -6,
+    "corrupted size vs. prev_size"); as a job, its worker died on every attempt. It is refused before any work."""
+    source = write_clip(tmp_path / "in.mp4", num_frames=5, size=(64, 128))
+    output = tmp_path / "out.mp4"
+    box = ["--codec", "hevc", "--target-resolution", "48x24"]
+    result = vsrq("upscale", str(source), "-o", str(output), "--model", "lanczos", *box)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "hevc is written at 64x64 or more here, and the output would be 48x24" in result.stderr
+    assert "Traceback" not in result.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["in.mp4"]
+
+
 def test_checkpoint_tiny_writes_a_loadable_checkpoint(tmp_path):
     result = vsrq("checkpoint", "tiny", str(tmp_path / "ck"), "--variant", "flowmatch", "--no-latent-upscaler")
     assert result.returncode == 0, result.stderr

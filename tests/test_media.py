@@ -210,8 +210,33 @@ def test_a_fit_target_boxes_non_square_pixels_as_they_are_displayed(tmp_path, sa
     written = probe(output).video
     box = tuple(map(int, target.split("x")))
     assert ((written.width, written.height), written.sar) == (size, sar)
-    assert written.width * sar <= box[0] + 2 and written.height <= box[1]  # displayed within the box, to rounding
+    assert written.width * sar <= box[0] and written.height <= box[1]  # displayed within the box
     assert written.display_aspect == probe(source).video.display_aspect
+
+
+@pytest.mark.parametrize(
+    ("rotation", "sar", "target", "mode", "size"),
+    [
+        (90, Fraction(1), "299x399", "fit", (298, 392)),  # upright x2: 380x500, the width bound
+        (90, Fraction(1), "379x499", "fit", (378, 498)),  # both sides bound
+        (270, Fraction(1), "299x399", "exact", (298, 398)),
+        (0, Fraction(64, 45), "212x144", "fit", (148, 98)),  # x2: 288x192 shown 410 wide
+    ],
+)
+def test_a_target_box_is_never_overshot_by_rounding_to_even(tmp_path, rotation, sar, target, mode, size):
+    """Sizes are rounded to even (4:2:0) to the nearest: a phone's clip (stored landscape, turned upright) in a
+    299x399 box came back 300 wide, and 300x400 exact; a DVD's 64:45 pixels 150 wide in a 212-wide box were shown
+    213 wide. The picture is now fit into the largest even box inside the box, then rounded."""
+    stored = SIZE if sar == 1 else (96, 144)
+    source = write_clip(tmp_path / "in.mp4", 5, stored, rotation=rotation, sample_aspect_ratio=sar)
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), replace(FAST, target=Target.parse(target, mode)))
+    written = probe(output).video
+    box_width, box_height = map(int, target.split("x"))
+    assert (written.width, written.height, written.rotation) == (*size, 0)
+    assert written.width * written.sar <= box_width and written.height <= box_height
+    if mode == "fit":  # the picture's shape kept, to a pixel shown
+        assert abs((written.display_aspect - probe(source).video.display_aspect) * written.height) < 2
 
 
 def test_an_exact_target_is_the_size_shown_in_square_pixels(tmp_path):
@@ -799,6 +824,46 @@ def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
         assert len(covers) == 1
         assert [bytes(p) for p in container.demux(covers[0]) if p.size] == [jpeg.read_bytes()]
     assert {c.describe() for c in result.carried} >= {"cover art #3 (mjpeg): copied", "data #2 (timecode 01:02:03:04): kept as the output's timecode"}
+
+
+@pytest.mark.parametrize(
+    ("timecode", "written", "carried"),
+    [
+        ("01:00:00;02", None, "data #1 (timecode 01:00:00;02, drop-frame at 30 a second, which the output's rate "
+         "(20.29 fps) does not count): left out"),
+        ("01:00:00:25", "01:00:00:17", "data #1 (timecode 01:00:00:25 as 01:00:00:17, counted at 20 a second as the "
+         "output's rate (20.29 fps) is, not 30): kept as the output's timecode"),
+    ],
+)  # fmt: skip
+def test_a_timecode_counted_otherwise_than_the_outputs_rate_names_the_same_time_or_is_left_out(
+    tmp_path, timecode, written, carried
+):
+    """A camera's variable-rate MP4 (29.97 nominal, every third frame dropped) with a timecode its muxer counted at
+    30. The output keeps the variable rate, and FFmpeg's muxer counts the timecode at its average (20): drop-frame it
+    cannot count (it left it out, and a note said so after the work), and 01:00:00:25 it wrote as 01:00:01:05, 0.4 s
+    late, while the note said it was left out. The timecode is now written counted at 20, naming the source's time
+    (25/30 s: 17/20), and drop-frame at 30 is left out as the job is planned, saying why."""
+    times = [i + i // 2 for i in range(24)]  # in 1/30 s
+    base = write_clip(tmp_path / "base.mp4", len(times), (64, 96), Fraction(30000, 1001), timestamps=times,
+                      time_base=Fraction(1, 30))  # fmt: skip
+    source = tmp_path / "in.mp4"
+    with av.open(str(base)) as original, av.open(str(source), "w") as edited:
+        stream = edited.add_stream_from_template(original.streams.video[0])
+        stream.metadata["timecode"] = timecode  # FFmpeg's muxer writes it as a tmcd track, counted at 30
+        for packet in original.demux():
+            if packet.dts is not None:
+                packet.stream = stream
+                edited.mux(packet)
+    with av.open(str(source)) as container:  # the oracle: the source has its timecode track
+        assert [s.metadata.get("timecode") for s in container.streams.data] == [timecode]
+    assert not probe(source).video.cfr
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        assert container.streams.video[0].metadata.get("timecode") == written
+        assert [s.metadata.get("timecode") for s in container.streams.data] == ([written] if written else [])
+    assert [c.describe() for c in result.carried if c.kind == "data"] == [carried]
+    assert not any("could not be written" in note for note in result.notes), result.notes  # nothing found late
 
 
 def _n_vop(bits: int = 5) -> bytes:

@@ -17,13 +17,13 @@ from typing import TypeVar
 from worker.errors import InvalidRequest
 from worker.media.errors import OutputUnwritable
 from worker.media.limits import Limits
-from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, plan_streams
+from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, output_timecode, plan_streams
 from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
 from worker.media.reader import Fields, prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
-from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, encoder_for, output_depth
+from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_size, encoder_for, output_depth
 from worker.resized import Resized
 from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
@@ -147,13 +147,14 @@ def begin_upscale(
     snap = getattr(upscaler, "snap", 1)  # the model's alignment, to tell tile padding from alignment padding
     # what the model computes, before any downscale to a target: checked before a frame is upscaled
     cost = options.limits.check_output(*upscaler.output_size(video.height, video.width, options.request.scale), video.frames)
-    if options.admit is not None:
-        options.admit(cost)
     sar = video.sar  # the output's pixel shape
     if options.target is not None:
         upscaler = Resized(upscaler, options.target, video.sar)
         sar = options.target.pixel_aspect(video.sar)
     size = upscaler.output_size(video.height, video.width, options.request.scale)
+    check_size(options.codec, size)
+    if options.admit is not None:  # charged once nothing refuses the job
+        options.admit(cost)
     plan = plan_windows(video.frames, options.window, options.window_overlap)
     carried = plan_streams(info)
     clock = output_clock(info, carried)
@@ -185,7 +186,7 @@ def begin_upscale(
                     sample_aspect_ratio=sar,
                     chapters=output_chapters(info.chapters, clock),
                     on_frame=previews.take,
-                    timecode=video.timecode if any(c.action == "timecode" for c in carried) else None,
+                    timecode=output_timecode(info, carried),
                     mastering=video.mastering,
                     light_level=video.light_level,
                     depth=depth,

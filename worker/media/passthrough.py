@@ -28,6 +28,7 @@ import numpy as np
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AudioInfo, AVError, MediaInfo, cut_off
 from worker.media.source import open_input
+from worker.media.timecode import output_count, recount
 
 COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
 # MP3 below 16 kHz (MPEG-2.5: 8, 11.025, 12 kHz) is no MP4 codec: FFmpeg's muxer refuses its packets.
@@ -79,11 +80,30 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
         carried.append(Carried(cover.index, "cover art", "copy" if art else "drop", cover.codec + ("" if art else ", a format MP4 cover art cannot hold")))
     for data in info.data:
         if data.timecode and info.video.timecode:
-            carried.append(Carried(data.index, "data", "timecode", f"timecode {info.video.timecode}"))
+            text, fps = info.video.timecode, info.video.fps
+            written = recount(text, data.count, fps) if data.count else text
+            rate = f"the output's rate ({float(fps):.4g} fps)"
+            if written is None:
+                why = f"drop-frame at {data.count.frames} a second, which {rate} does not count"
+                carried.append(Carried(data.index, "data", "drop", f"timecode {text}, {why}"))
+            elif written != text:
+                how = f"counted at {output_count(fps)} a second as {rate} is, not {data.count.frames}"
+                carried.append(Carried(data.index, "data", "timecode", f"timecode {text} as {written}, {how}"))
+            else:
+                carried.append(Carried(data.index, "data", "timecode", f"timecode {text}"))
         else:
             what = data.handler or "unknown"
             carried.append(Carried(data.index, "data", "drop", f"{what}, a data track only its maker's software reads"))
     return tuple(carried)
+
+
+def output_timecode(info: MediaInfo, carried: tuple[Carried, ...]) -> str | None:
+    """The timecode the output's first frame is given: the source's, counted at the output's rate (`recount`), where
+    it is carried."""
+    if not any(c.action == "timecode" for c in carried):
+        return None
+    count = next((d.count for d in info.data if d.timecode and d.count), None)
+    return recount(info.video.timecode, count, info.video.fps) if count else info.video.timecode
 
 
 def output_clock(info: MediaInfo, carried: tuple[Carried, ...]) -> float:

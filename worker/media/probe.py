@@ -30,6 +30,7 @@ from worker.media.errors import (
 )
 from worker.media.limits import Limits
 from worker.media.source import open_input, unpacker
+from worker.media.timecode import Count, timecode_counts
 
 AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
 
@@ -134,6 +135,7 @@ class DataInfo:
     index: int
     timecode: str | None  # a timecode track's (tmcd) first timecode
     handler: str | None  # what its maker calls it: "TimeCodeHandler", "GoPro MET" (telemetry), …
+    count: Count | None = None  # what the timecode counts at (its frames a second, drop-frame), where it was read
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,11 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         # Tracks of MP4/MOV only: the data streams FFmpeg shows in MPEG-PS (a DVD's navigation packets) and FLV (its
         # script data) are the container's own workings, not content a user put there
         tracks = container.streams.data if "mov" in container.format.name else ()
-        data = tuple(DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name")) for s in tracks)
+        counts = timecode_counts(path) if any(s.metadata.get("timecode") for s in tracks) else {}
+        data = tuple(
+            DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name"), counts.get(s.id))
+            for s in tracks
+        )
         return MediaInfo(
             path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers, data
         )

@@ -3,13 +3,15 @@
 `fit` keeps the aspect ratio inside the target box, as the picture is displayed: a video of non-square pixels keeps
 them and is boxed at its displayed width (a 16:9 DVD's 720 pixels are shown 1024 wide); `exact` resizes to the box
 itself, in square pixels, so that it is the size shown. Named targets follow the video's orientation (`hd` is
-1280x720 for landscape, 720x1280 for portrait); `WxH` is taken as written. Sizes are even, as 4:2:0 video needs.
+1280x720 for landscape, 720x1280 for portrait); `WxH` is taken as written. Sizes are even, as 4:2:0 video needs,
+and never pass the box (an odd side gets the even size below it).
 The resize runs on the upscaler's frames in float, on its device, before quantisation (worker/resized.py wraps an
 upscaler with it).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -55,9 +57,13 @@ class Target:
                     f"target {box_width}x{box_height} is larger than the upscaled {width}x{height}: "
                     "the target resolution only downscales (use a larger scale or the fit mode)"
                 )
-            return _even(box_height), _even(box_width)
-        ratio = min(1.0, box_width / float(shown), box_height / height)
-        return (height, width) if ratio == 1.0 else (_even(height * ratio), _even(width * ratio))
+            return _even_within(box_height), _even_within(box_width)
+        if shown <= box_width and height <= box_height:
+            return height, width
+        # Into the largest even box inside it: the nearest even size then never passes it, where the box itself could
+        # be passed by a pixel (a side of 4k + 3: 299 rounded to 300) or by a non-square pixel's share
+        ratio = min(1.0, _even_within(box_width / sar) / width, _even_within(box_height) / height)
+        return _even(height * ratio), _even(width * ratio)
 
     def pixel_aspect(self, sar: Fraction) -> Fraction:
         """The output's pixel shape for a video of pixels `sar` wide: `fit` keeps them; `exact` fills the box as it is
@@ -67,6 +73,11 @@ class Target:
 
 def _even(size: float) -> int:
     return max(2, 2 * round(size / 2))
+
+
+def _even_within(size: float) -> int:
+    """The largest even size within `size` (at least 2)."""
+    return max(2, 2 * math.floor(size / 2))
 
 
 def resize_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

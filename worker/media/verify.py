@@ -9,7 +9,7 @@ from pathlib import Path
 from worker.errors import PermanentError
 from worker.media.errors import OutputMismatch
 from worker.media.limits import Limits
-from worker.media.passthrough import Carried, audio_output
+from worker.media.passthrough import Carried, audio_output, output_timecode
 from worker.media.probe import MediaInfo, output_chapters, probe
 
 
@@ -59,7 +59,7 @@ class Promise:
         subtitles = sum(c.kind == "subtitle" and c.action != "drop" for c in carried)
         sar = video.sar if sar is None else sar
         covers = sum(c.kind == "cover art" and c.action != "drop" for c in carried)
-        timecode = video.timecode if any(c.action == "timecode" for c in carried) else None
+        timecode = output_timecode(source, carried)
         return cls(video.frames, size[1], size[0], video.fps, video.cfr, video.duration, tuple(audio), subtitles, sar,
                    video.start - clock, len(output_chapters(source.chapters, clock)), covers, timecode)  # fmt: skip
 

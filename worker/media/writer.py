@@ -84,6 +84,22 @@ def _durations(timestamps: Sequence[int], start: int, last: int | None = None) -
     return {start + t: (following - t) for t, following in zip(ordered, ordered[1:])} | {start + ordered[-1]: last}
 
 
+# The smallest side written per codec. x265 as PyAV bundles it corrupts the heap, and the process aborts, on frames
+# smaller than its 64-pixel coding tree units in some shapes (8 pixels high or wide; 40 to 48 wide up to 32 high,
+# deterministically): a worker would die on every attempt of such a job, so HEVC below 64x64 is refused instead.
+MIN_SIDE = {"hevc": 64}
+
+
+def check_size(codec: str, size: tuple[int, int]) -> None:
+    """Refuse (InvalidRequest) an output of `size` (height, width) smaller than `codec` is written at (MIN_SIDE)."""
+    least = MIN_SIDE.get(codec, 0)
+    if min(size) < least:
+        raise InvalidRequest(
+            f"{codec} is written at {least}x{least} or more here, and the output would be {size[1]}x{size[0]}: "
+            "use h264 or av1, or a larger scale or target"
+        )
+
+
 def encoder_for(codec: str) -> str:
     """The FFmpeg encoder this PyAV build has for `codec` ("h264", "hevc", "av1")."""
     if codec not in ENCODERS:

@@ -1,0 +1,123 @@
+"""What an MP4's or MOV's timecode track (tmcd) counts at: FFmpeg reads it into the timecode's text, PyAV shows only
+the text.
+
+A timecode names a frame, HH:MM:SS:FF, counted at its track's own number of frames a second (drop-frame flagged).
+FFmpeg's MP4 muxer writes the output's again from the text, counted at the output video's rate: where that counts
+otherwise (a variable-rate clip's average rate, not the camera's 30), the text names another time, or with frames
+past that count another text altogether (01:00:00:25 at 30 came out 01:00:01:05 at 20). `recount` gives the text
+that names the source's time at the output's count; drop-frame at another count is left out
+(worker.media.passthrough).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+# Boxes on the way from the file to a track's sample descriptions
+_CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"stbl"}
+_DROP_FRAME = 0x1  # the tmcd sample description's flags
+
+
+@dataclass(frozen=True)
+class Count:
+    frames: int  # a second's frames it counts: 30 for 29.97 video
+    drop_frame: bool
+
+
+def output_count(fps: Fraction) -> int:
+    """The frames a second FFmpeg's muxer counts an output's timecode at: the video's rate rounded, half up."""
+    return (fps.numerator + fps.denominator // 2) // fps.denominator
+
+
+def recount(text: str, count: Count, fps: Fraction) -> str | None:
+    """`text`, a timecode counted `count`, as the text that names the same time (to the nearest frame) counted at
+    the output's rate: itself where the counts agree (or it is no timecode's text: the muxer's to refuse), None for
+    drop-frame at another count (its frames skip labels by rules of their own)."""
+    counted = output_count(fps)
+    match = re.fullmatch(r"(\d+):(\d+):(\d+)[:;.](\d+)", text)
+    if counted == count.frames or match is None or counted <= 0:
+        return text
+    if count.drop_frame:
+        return None
+    hours, minutes, seconds, frames = map(int, match.groups())
+    total = ((hours * 60 + minutes) * 60 + seconds) * counted + round(frames * counted / count.frames)
+    seconds, frames = divmod(total, counted)
+    minutes, seconds = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    digits = 2 if counted <= 100 else len(str(counted - 1))  # as FFmpeg writes the frames
+    return f"{hours % 24:02d}:{minutes:02d}:{seconds:02d}:{frames:0{digits}d}"
+
+
+def timecode_counts(path: str | Path) -> dict[int, Count]:
+    """Track ID -> its count, for each timecode track of the file; {} where it has none, or no moov box to read."""
+    with open(path, "rb") as handle:
+        try:
+            end = handle.seek(0, 2)
+            moov = next((box for box in _top_level(handle, end) if box[0] == b"moov"), None)
+            if moov is None:
+                return {}
+            _, start, stop = moov
+            handle.seek(start)
+            return _counts(handle.read(stop - start))
+        except struct.error:  # a box cut short: no counts, so the timecode is written as its text, as before
+            return {}
+
+
+def _counts(data: bytes) -> dict[int, Count]:
+    counts = {}
+    for trak in _children(data, 8, len(data), b"trak"):
+        tkhd = next(_children(data, *trak, b"tkhd"), None)
+        stsd = next(_children(data, *trak, b"stsd"), None)
+        if tkhd is None or stsd is None or stsd[1] - stsd[0] < 24:
+            continue
+        track = struct.unpack_from(">I", data, tkhd[0] + (20 if data[tkhd[0]] == 1 else 12))[0]
+        entry = stsd[0] + 8  # after the version, flags and entry count
+        size, kind = struct.unpack_from(">I4s", data, entry)
+        if kind != b"tmcd" or size < 34 or entry + 34 > stsd[1]:
+            continue
+        # the entry's 8-byte header, 6 reserved bytes and its data reference, 4 reserved bytes; then these
+        flags, timescale, duration, frames = struct.unpack_from(">IIIB", data, entry + 20)
+        if not frames and duration:
+            frames = output_count(Fraction(timescale, duration))
+        if frames:
+            counts[track] = Count(frames, bool(flags & _DROP_FRAME))
+    return counts
+
+
+def _top_level(handle, end: int):
+    """(type, start, end) of the file's top-level boxes."""
+    position = 0
+    while position + 8 <= end:
+        handle.seek(position)
+        size, kind = struct.unpack(">I4s", handle.read(8))
+        if size == 1:
+            size = struct.unpack(">Q", handle.read(8))[0]
+        elif size == 0:
+            size = end - position
+        if size < 8:
+            return
+        yield kind, position, position + size
+        position += size
+
+
+def _children(data: bytes, start: int, end: int, kind: bytes):
+    """(payload start, end) of every `kind` box inside [start, end), descending into the containers on the way."""
+    position = start
+    while position + 8 <= end:
+        size, box = struct.unpack_from(">I4s", data, position)
+        header = 8
+        if size == 1:
+            size, header = struct.unpack_from(">Q", data, position + 8)[0], 16
+        elif size == 0:
+            size = end - position
+        if size < header or position + size > end:
+            return
+        if box == kind:
+            yield position + header, position + size
+        elif box in _CONTAINERS:
+            yield from _children(data, position + header, position + size, kind)
+        position += size
