@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import re
 import secrets
@@ -269,7 +270,9 @@ def test_storage_answers_are_retried_unless_another_try_gets_the_same(status, co
 
 
 @pytest.mark.parametrize("completed", [True, False])
-def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(jobs, s3, monkeypatch, completed):
+def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(
+    jobs, s3, monkeypatch, caplog, completed
+):
     """A `complete` that went through with its reply lost (a timeout) ends the attempt as a retry: it finds the job
     completed by itself and must not delete the output the job points at. An attempt reaped meanwhile deletes it."""
     from storage.jobs import OutputInfo
@@ -287,8 +290,13 @@ def test_an_attempt_that_lost_its_job_keeps_its_output_only_if_the_job_is_its(jo
     else:  # its lease expired meanwhile: requeued for another attempt
         time.sleep(1.2)
         assert jobs.reap() == {job.id: "queued"}
-    end(job, lease, key, redis_py.TimeoutError("the reply to complete never came"))
+    caplog.set_level(logging.INFO, logger="vsrq.worker")
+    cause = redis_py.TimeoutError("the reply to complete never came")
+    end(job, lease, key, cause)
     assert s3.exists(key) is completed
+    # the retry's line carries its cause: a retry that keeps coming back is diagnosed from the worker's log
+    [line] = [record for record in caplog.records if "retry (redis_unavailable)" in record.getMessage()]
+    assert line.exc_info[1] is cause
 
 
 @pytest.mark.parametrize("container", ["mp4", "mkv"])  # Matroska states no frame count: counted from its duration
