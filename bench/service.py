@@ -25,6 +25,12 @@ Phases (each appends JSON lines to --out as soon as it is measured; bench/RESULT
              worker.prefetch): the same figures side by side, and where each job's input came from
   input_step the input step on a job's path, for inputs of 1 to 128 MiB on the bench's blob storage: a download
              (prefetch off) against the prefetched copy's HEAD and move (prefetch on), in this process
+  world      real files nobody here made (`--world`: the corpus' clips of WORLD by default, `make corpus`), each
+             submitted on an empty queue, then all again: each file's first job (its size and length new to the
+             worker) over its hot one, graphs built, the service's overhead, and the output read back against the
+             input (twice its size, every frame, its sound); with --world-kill FILE, that file's job once more, the
+             worker killed (kill -9) as soon as it has kept a window and started again beside a reaper: how long the
+             job took to recover, the windows the next attempt restored, and its bytes against the uninterrupted run
   reference  the diffusers `Kandinsky6SRPipeline` run serially on the queue's clips in this process, once the worker
              is stopped (bench.bench's reference configuration): the same throughput, side by side
 Blobs: `--blobs local` (a directory: what the GPU machine runs, SeaweedFS' wheel does not travel there) or `s3`
@@ -87,6 +93,19 @@ TINY_WINDOW = {"VSRQ_WORKER_WINDOW": "9", "VSRQ_WORKER_WINDOW_OVERLAP": "2"}
 # after the last job with the peak after the first of each shape).
 MIX = ["W2", "portrait", "square", "W1", "W2", "long", "portrait", "1080p", "W2", "square"]
 SOLO = ["W2", "W2", "W1"]
+# The world phase's files (tests/corpus/manifest.toml, in $VSRQ_CORPUS_DIR or ~/.cache/vsrq/corpus after `make
+# corpus`): codecs, containers and sizes no synthetic clip has, each a few seconds of a full-size worker's time
+WORLD = (
+    "devede-base_ntsc.mpg",  # DVD MPEG-2, 720x480 with non-square pixels, MP2 sound
+    "puremagic-test.mkv",  # HEVC in Matroska, 720x480
+    "mecavideo-Force_constante.avi",  # MPEG-4 Part 2 with packed B-frames in AVI, 400x300
+    "filetype-sample.mov",  # QuickTime RLE with alpha, 320x240: smaller than one tile, so it runs padded
+    "puremagic-test.3g2",  # H.263 and AAC, 176x144
+    "puremagic-test.wmv",  # WMV3 and WMA 2
+    "hachoir-quicktime.mp4",  # MPEG-4 Part 2, portrait 190x240, 149 frames: two windows
+    "ebml-test.webm",  # VP8 and Vorbis, 320x240, 182 frames
+    "muxjs-sintel-captions.ts",  # H.264 in MPEG-TS with CEA-608 captions, 400x170, 240 frames
+)
 # worker.sr.backends' line once the warmup is over
 WARM_LINE = re.compile(
     r"warm after (?P<seconds>[\d.]+) s \(.*"
@@ -274,6 +293,12 @@ class Service:
                 values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return values
 
+    def start_reaper(self, interval_s: float = 1.0) -> None:
+        """The reaper (worker.reaper), which requeues a killed worker's job once its lease runs out."""
+        if "reaper" not in self._processes:
+            env = self.env() | {"VSRQ_REAP_INTERVAL_S": str(interval_s)}
+            self._spawn("reaper", [sys.executable, "-m", "worker.reaper"], env)
+
     def stop(self) -> None:
         self.kill_worker()
         stop_processes(self._processes, 30)
@@ -355,6 +380,21 @@ class Jobs:
             if event.type == "run":
                 run = event.detail
         return {"at": at, "run": run}
+
+
+def read_back(path: Path) -> dict[str, Any]:
+    """A file as PyAV reads it, independently of the worker's probe: its first video stream's stored size, the
+    frames it decodes to, and whether it has sound."""
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        frames = sum(1 for _ in container.decode(stream))
+        return {
+            "size": (stream.codec_context.width, stream.codec_context.height),
+            "frames": frames,
+            "sound": bool(container.streams.audio),
+        }
 
 
 def job_record(name: str, job_id: str, posted: float, seen: float, line: dict[str, Any]) -> dict[str, Any]:
@@ -548,6 +588,97 @@ class Bench:
     def queue(self) -> None:
         self.ensure_worker()
         self.emit(self._queue())
+
+    def world(self) -> None:
+        """Real files on an empty queue, each twice (all firsts, then all again); then, given --world-kill, one job
+        killed mid-way with its worker."""
+        self.ensure_worker()
+        files = world_files(self.args)
+        jobs = Jobs(self.service, files, self.tiny)
+        inputs = {name: read_back(path) for name, path in files.items()}
+        records: dict[str, list[dict[str, Any]]] = {}
+        for round_ in ("first", "hot"):
+            for name in files:
+                job_id, posted = jobs.submit(name)
+                job, seen = jobs.wait(job_id, self.args.job_timeout_s)
+                record = {"phase": "world_job", "round": round_, **self._world_record(jobs, name, job, posted, seen)}
+                record |= {"input": inputs[name]}
+                records.setdefault(name, []).append(record)
+                self.emit(record)
+        completed = {name: pair for name, pair in records.items() if all(r["status"] == "completed" for r in pair)}
+        self.emit({
+            "phase": "world",
+            "files": len(files),
+            "completed_both": len(completed),
+            "outputs_ok": sum(all(r["output_ok"] for r in pair) for pair in completed.values()),
+            "same_bytes_twice": sum(pair[0]["output_sha256"] == pair[1]["output_sha256"] for pair in completed.values()),
+            # item 6 of issue 22, per file: the first job of a size over its hot one (POST -> completed)
+            "first_over_hot_s": {
+                name: round(first["post_to_completed_s"] - hot["post_to_completed_s"], 3)
+                for name, (first, hot) in completed.items()
+            },
+            "graphs_built_first": {name: pair[0]["graphs_built"] for name, pair in completed.items()},
+            "overhead_s_hot": {name: pair[1]["overhead_s"] for name, pair in completed.items()},
+            "failed": {name: [r.get("error") for r in pair] for name, pair in records.items() if name not in completed},
+        })  # fmt: skip
+        if self.args.world_kill:
+            self._world_kill(jobs, self.args.world_kill, records[self.args.world_kill][-1])
+
+    def _world_record(self, jobs: Jobs, name: str, job: dict, posted: float, seen: float) -> dict[str, Any]:
+        """One world job: its figures and its output against its input, or the error the user was given."""
+        if job["status"] != "completed":
+            return {"job": name, "id": job["id"], "status": job["status"], "error": job.get("error")}
+        record = {"status": "completed", **job_record(name, job["id"], posted, seen, jobs.timeline(job["id"]))}
+        path = jobs.client.download(job["id"], self.root / f"{job['id']}.mp4", sha256=job["output"]["sha256"])
+        output, source = read_back(path), read_back(jobs.clips[name])
+        path.unlink()
+        width, height = source["size"]
+        expected = {"size": (2 * width, 2 * height), "frames": source["frames"], "sound": source["sound"]}
+        return record | {
+            "output": output,
+            "output_ok": output == expected,
+            "output_sha256": job["output"]["sha256"],
+            "restored": jobs.timeline(job["id"])["run"].get("restored"),
+        }
+
+    def _world_kill(self, jobs: Jobs, name: str, uninterrupted: dict[str, Any]) -> None:
+        """`name` once more: its worker killed once the job has kept a window, a worker started again; the reaper
+        requeues the job when its lease runs out, and the next attempt restores the kept windows."""
+        from unittest import mock
+
+        from storage.blobs import open_blob_store, work_prefix
+
+        self.service.start_reaper()
+        with mock.patch.dict(os.environ, self.service.env()):
+            blobs = open_blob_store(Settings(_env_file=None))
+        job_id, posted = jobs.submit(name)
+        windows = f"{work_prefix(job_id)}windows/"
+        deadline = time.monotonic() + self.args.job_timeout_s
+        while not any(key.endswith(".json") and "window-" in key for key in blobs.keys(windows)):
+            if time.monotonic() > deadline or jobs.client.get(job_id)["status"] in TERMINAL:
+                raise RuntimeError(f"{job_id} kept no window to be killed after; see {self.service.worker_log}")
+            time.sleep(0.05)
+        kept = sum(key.endswith(".json") and "window-" in key for key in blobs.keys(windows))
+        killed = time.monotonic()
+        self.service.kill_worker()
+        restart = self.service.start_worker(self.args.start_timeout_s)
+        job, seen = jobs.wait(job_id, self.args.job_timeout_s)
+        record = self._world_record(jobs, name, job, posted, seen)
+        self.emit({
+            "phase": "world_kill",
+            "job": name,
+            "status": job["status"],
+            "attempt": self.service.jobs.require(job_id).attempt,
+            "windows_kept_at_kill": kept,
+            "restored": record.get("restored"),
+            "windows": record.get("windows"),
+            "kill_to_completed_s": round(seen - killed, 2),
+            "restart_ready_s": restart["ready_s"],
+            "lease_s": self.service.lease_s,
+            "uninterrupted_post_to_completed_s": uninterrupted.get("post_to_completed_s"),
+            "same_bytes_as_uninterrupted": record.get("output_sha256") == uninterrupted.get("output_sha256"),
+            "output_ok": record.get("output_ok"),
+        })  # fmt: skip
 
     def overlap(self) -> None:
         """The queue with tails inline, then overlapped: each on a worker started for it."""
@@ -761,6 +892,16 @@ class Bench:
         self.emit(record)
 
 
+def world_files(args: argparse.Namespace) -> dict[str, Path]:
+    """The world phase's files by name, from --world-dir (default: the corpus' directory)."""
+    directory = args.world_dir or Path(os.environ.get("VSRQ_CORPUS_DIR") or Path.home() / ".cache" / "vsrq" / "corpus")
+    names = args.world.split(",")
+    missing = [name for name in names if not (directory / name).is_file()]
+    if missing:
+        raise SystemExit(f"{directory}: no {', '.join(missing)} (`make corpus` fetches them)")
+    return {name: directory / name for name in names}
+
+
 def gauges(values: dict[str, float]) -> dict[str, float]:
     """The worker's memory, threads and graphs after a job, from its /metrics."""
     picked = {
@@ -822,6 +963,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", default="cuda:0")
     parser.add_argument("--blobs", choices=("local", "s3"), default="local")
     parser.add_argument("--solo", default=",".join(SOLO), help="the solo phase's jobs, one after another (W2 first)")
+    parser.add_argument("--world", default=",".join(WORLD), help="the world phase's files, comma-separated")
+    parser.add_argument("--world-dir", type=Path, help="where they are (default: $VSRQ_CORPUS_DIR or the corpus cache)")
+    parser.add_argument("--world-kill", metavar="FILE", help="one of them run again, its worker killed mid-way")
     parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
     parser.add_argument("--compile-cache", type=Path, help="worker's (default DIR/compile-cache); `start` empties it")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
@@ -838,6 +982,8 @@ def main(argv: list[str] | None = None) -> None:
     solo = args.solo.split(",")
     if len(solo) < 2 or solo[0] != solo[1] or not set(solo) <= set(CLIPS):  # before the stack starts
         parser.error(f"--solo: of {sorted(CLIPS)}, comma-separated, the first twice (its first and hot times)")
+    if args.world_kill and args.world_kill not in args.world.split(","):
+        parser.error("--world-kill: one of --world's files")
     if args.write_full_checkpoint:
         write_full_checkpoint(args.write_full_checkpoint)
         return
