@@ -337,13 +337,14 @@ def output_megapixel_frames(name: str, tiny: bool) -> float:
 class Jobs:
     """Submits through the API as a user's client does, and reads the job records' events (Redis clock) back."""
 
-    def __init__(self, service: Service, clips: dict[str, Path], tiny: bool) -> None:
-        self.service, self.clips, self.tiny = service, clips, tiny
+    def __init__(self, service: Service, clips: dict[str, Path], tiny: bool, quality: str = "lossless") -> None:
+        self.service, self.clips, self.tiny, self.quality = service, clips, tiny, quality
         self.client = Client(service.url, service.token)
 
     def submit(self, name: str) -> tuple[str, float]:
         posted = time.monotonic()
-        job = self.client.create_from_file(self.clips[name], {"model": MODEL, "sr_resolution_scale": "2"})
+        params = {"model": MODEL, "sr_resolution_scale": "2", "quality": self.quality}
+        job = self.client.create_from_file(self.clips[name], params)
         return job["id"], posted
 
     def wait(self, job_id: str, timeout_s: float, poll_s: float = 0.05) -> tuple[dict, float]:
@@ -534,7 +535,7 @@ class Bench:
         self.attempt_seconds: dict[str, list[float]] = {}  # per clip: its queue jobs' leased -> completed
 
     def emit(self, record: dict[str, Any]) -> None:
-        record |= {"blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny}
+        record |= {"quality": self.args.quality, "blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny}
         record["date"] = time.strftime("%Y-%m-%d %H:%M")
         line = json.dumps(record)
         print(line, flush=True)
@@ -565,7 +566,7 @@ class Bench:
 
     def solo(self) -> None:
         self.ensure_worker()
-        jobs = Jobs(self.service, self.clips, self.tiny)
+        jobs = Jobs(self.service, self.clips, self.tiny, self.args.quality)
         records = []
         for name in self.args.solo.split(","):
             job_id, posted = jobs.submit(name)
@@ -594,7 +595,7 @@ class Bench:
         killed mid-way with its worker."""
         self.ensure_worker()
         files = world_files(self.args)
-        jobs = Jobs(self.service, files, self.tiny)
+        jobs = Jobs(self.service, files, self.tiny, self.args.quality)
         inputs = {name: read_back(path) for name, path in files.items()}
         records: dict[str, list[dict[str, Any]]] = {}
         for round_ in ("first", "hot"):
@@ -770,7 +771,7 @@ class Bench:
 
     def _queue(self) -> dict[str, Any]:
         """The mixed queue submitted at once to the running worker: each job's record emitted, the queue's returned."""
-        jobs = Jobs(self.service, self.clips, self.tiny)
+        jobs = Jobs(self.service, self.clips, self.tiny, self.args.quality)
         sampler = GpuSampler().start()
         mix = (MIX * (self.args.jobs // len(MIX) + 1))[: self.args.jobs]
         submitted: list[tuple[str, str, float]] = []
@@ -966,6 +967,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", default=",".join(WORLD), help="the world phase's files, comma-separated")
     parser.add_argument("--world-dir", type=Path, help="where they are (default: $VSRQ_CORPUS_DIR or the corpus cache)")
     parser.add_argument("--world-kill", metavar="FILE", help="one of them run again, its worker killed mid-way")
+    parser.add_argument("--quality", choices=("lossless", "high"), default="lossless", help="every job's `quality`")
     parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
     parser.add_argument("--compile-cache", type=Path, help="worker's (default DIR/compile-cache); `start` empties it")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
