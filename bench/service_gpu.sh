@@ -21,6 +21,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 {
   if [ -f .whl-packed/site.tar.xz ]; then  # bench/service_pack.sh: the same packages, unpacked ahead
     rm -rf /tmp/site && mkdir -p /tmp/site && tar -xJf .whl-packed/site.tar.xz -C /tmp/site --strip-components=1
+    # wheels put beside it (nvidia-cudnn-frontend for `--quality high`'s FP8 attention: the image has none)
+    if compgen -G ".whl-packed/*.whl" > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-packed/*.whl
+    fi
   else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   fi
