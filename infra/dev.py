@@ -71,6 +71,10 @@ class DevStack:
             "VSRQ_WORKER_DEVICES": self.devices,
             "VSRQ_WORKER_QUEUE": QUEUE,
             "VSRQ_LOG_FORMAT": os.environ.get("VSRQ_LOG_FORMAT", "text"),  # read by people here
+            # a developer's webhook receiver and input server run on this machine too; the stack itself listens on
+            # loopback only, so no one else can point it there (an explicit setting wins)
+            "VSRQ_WEBHOOK_ALLOW_LOOPBACK": os.environ.get("VSRQ_WEBHOOK_ALLOW_LOOPBACK", "true"),
+            "VSRQ_FETCH_ALLOW_LOOPBACK": os.environ.get("VSRQ_FETCH_ALLOW_LOOPBACK", "true"),
         }
 
     def start(self, timeout_s: float = 120) -> DevStack:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,12 +21,14 @@ import openai
 import psutil
 import redis
 import requests
+import trustme
 
 from infra.stack import free_ports
 from storage.signatures import signed_headers
 from worker.media.synthetic import write_clip
 
 from .conftest import as_a_shell_starts_it
+from .receiver import Receiver
 
 
 def test_demo_runs_the_main_job_through_the_embedded_stack(tmp_path):
@@ -50,6 +53,7 @@ def test_demo_runs_the_main_job_through_the_embedded_stack(tmp_path):
 def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_path):
     """`vsrq dev` on the lanczos model, as a user runs it:
     - it serves SGLang's request without a key and says how to reach it (banner, state file, `vsrq status`);
+    - the job's webhook reaches a receiver on this machine, signed with the secret the banner exports;
     - its worker, web server and reaper each SIGKILLed in turn (with their children): right after each kill a client
       sends a job, retrying while nothing listens, as a user would; the job completes within 10 s of the kill (issue
       27's promise; asserted < 15 s for a loaded CI box); for the reaper, which no job needs, its first pass after
@@ -60,6 +64,12 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
     port = free_ports(1)[0]
     # its state file goes to this test's own config directory; `vsrq status` below finds the stack through it alone
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("VSRQ_")}, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    ca = trustme.CA()  # the developer's receiver, on this machine: its certificate's CA given to the stack
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    env["VSRQ_WEBHOOK_CA_BUNDLE"] = str(tmp_path / "ca.pem")
+    receiver = Receiver(ca.issue_cert("localhost", "127.0.0.1"))
+    threading.Thread(target=receiver.server.serve_forever, daemon=True).start()
+    hook = receiver.path()
     dev = subprocess.Popen(
         [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_shell_starts_it,
@@ -76,9 +86,8 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
         assert [model["id"] for model in models["data"]] == ["lanczos"]
         clip = write_clip(tmp_path / "in.mp4", num_frames=9, size=(32, 48))
         with open(clip, "rb") as video:  # SGLang's form, no header
-            job = requests.post(
-                f"{url}/v1/videos", files={"video_reference": video}, data={"sr_resolution_scale": "2"}, timeout=30
-            ).json()
+            form = {"sr_resolution_scale": "2", "webhook_url": receiver.url(hook)}
+            job = requests.post(f"{url}/v1/videos", files={"video_reference": video}, data=form, timeout=30).json()
         assert job["model"] == "lanczos", job  # the model the worker runs, not a name it does not
         api = requests.Session()
         api.headers["Authorization"] = f"Bearer {token}"
@@ -88,6 +97,10 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
             job = api.get(f"{url}/v1/videos/{job['id']}").json()  # the key sees the anonymous job: one owner
         assert job["status"] == "completed", job
         assert (job["output"]["media"]["width"], job["output"]["model"]) == (96, "lanczos")
+        [delivery] = receiver.wait(hook, 1)
+        with mock.patch.dict(os.environ, {"OPENAI_WEBHOOK_SECRET": state["env"]["OPENAI_WEBHOOK_SECRET"]}):
+            event = openai.OpenAI(api_key="EMPTY", base_url=f"{url}/v1").webhooks.unwrap(delivery.body, delivery.headers)
+        assert (event.type, event.data.id) == ("video.completed", job["id"])
         status = subprocess.run(
             [sys.executable, "-m", "client.cli", "status", "--json"], capture_output=True, text=True, env=env, timeout=60
         )
@@ -97,6 +110,7 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
         _kill_each_and_see_it_serve_again(dev.pid, url, api, redis.Redis.from_url(state["env"]["VSRQ_REDIS_URL"]),
                                           clip.read_bytes(), tmp_path)  # fmt: skip
     finally:
+        receiver.server.shutdown()
         dev.send_signal(signal.SIGINT)
         assert dev.wait(60) == 0
     leftovers = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
