@@ -4,6 +4,7 @@ Celery worker (`--pool solo`) on a checkpoint directory; mixed jobs submitted, p
     python bench/service.py --write-full-checkpoint /tmp/k6-random          # the real classes and configs, random
     python bench/service.py --checkpoint /tmp/k6-random --phases start,solo,queue,reference --out r.jsonl
     python bench/service.py --tiny --out r.jsonl                             # CPU, tiny checkpoint and clips (CI)
+    python bench/service.py --checkpoint lanczos --devices cpu --phases world  # CPU, real files, classical model
 
 Phases (each appends JSON lines to --out as soon as it is measured; bench/RESULTS.md says what they showed):
   start      worker start, process start -> ready (weights loaded, warmed up for every tile size): cold (an empty

@@ -91,3 +91,27 @@ def test_the_service_bench_reports_every_figure(tmp_path):
     assert [clip["job"] for clip in by_phase["reference_clip"]] == ["W2", "portrait", "square"]  # cheapest first
     assert reference["skipped_for_time"] == [] and reference["reference_s"] > 0 and reference["vsrq_over_reference"] > 0
     assert reference["vsrq_over_reference_on_clips_it_ran"] > 0
+
+
+def test_the_world_phase_upscales_real_files_and_recovers_a_killed_job(tmp_path):
+    """bench/service.py's world phase on the CPU, its worker on the lanczos model (the diffusion model's tiles are too
+    many on a CPU for files this size): a real file (H.264 and AAC in MPEG-TS with captions, three windows) through
+    the real stack twice, then once more with its worker killed once it kept a window."""
+    out = tmp_path / "world.jsonl"
+    name = "muxjs-sintel-captions.ts"
+    main(["--checkpoint", "lanczos", "--devices", "cpu", "--phases", "world", "--world", name, "--world-kill",
+          name, "--lease-s", "6", "--dir", str(tmp_path / "bench"), "--out", str(out)])  # fmt: skip
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    jobs = [record for record in records if record["phase"] == "world_job"]
+    assert [(job["round"], job["job"]) for job in jobs] == [("first", name), ("hot", name)]
+    for job in jobs:  # read back by PyAV: twice the stored size, every frame, the sound kept
+        assert job["status"] == "completed" and job["output_ok"], job
+    assert jobs[0]["input"] == {"size": [400, 170], "frames": 240, "sound": True} and jobs[0]["windows"] == 3
+    [world] = [record for record in records if record["phase"] == "world"]
+    assert (world["completed_both"], world["outputs_ok"], world["same_bytes_twice"]) == (1, 1, 1), world
+    assert set(world["first_over_hot_s"]) == {name} and world["failed"] == {}
+    [kill] = [record for record in records if record["phase"] == "world_kill"]
+    # the second attempt restored what the first kept, and made the uninterrupted run's bytes
+    assert (kill["status"], kill["attempt"], kill["output_ok"]) == ("completed", 2, True), kill
+    assert kill["restored"] >= kill["windows_kept_at_kill"] >= 1, kill  # a window's marker is written last
+    assert kill["same_bytes_as_uninterrupted"], kill
