@@ -576,19 +576,19 @@ def test_an_mp4_whose_edit_list_skips_whole_gops_is_not_taken_for_a_cut_file(tmp
 def _cut(path: Path, cuts: list[tuple[float, float]]) -> Path:
     """Give every track of an MP4 (moov last, one media edit) the edits `cuts`, (start, end) seconds of its media: a
     clip cut in QuickTime without re-encoding plays those parts one after another."""
-    from worker.media import edit_list
+    from worker.media import edit_list, mp4_boxes
 
     data = bytearray(path.read_bytes())
     with open(path, "rb") as handle:
-        _, start, end = next(box for box in edit_list._boxes(handle, 0, len(data)) if box[0] == b"moov")
+        _, start, end = next(box for box in mp4_boxes.top_level(handle, 0, len(data)) if box[0] == b"moov")
     assert end == len(data)
     moov = data[start:]
     movie_scale = edit_list._movie_timescale(moov)
-    for trak in reversed(list(edit_list._children(moov, 8, len(moov), b"trak"))):
-        _, mdhd, _ = next(edit_list._children(moov, trak[1], trak[2], b"mdhd"))
+    for trak in reversed(list(mp4_boxes.children(moov, 8, len(moov), b"trak"))):
+        _, mdhd, _ = next(mp4_boxes.children(moov, trak[1], trak[2], b"mdhd"))
         media_scale = struct.unpack_from(">I", moov, mdhd + 12)[0]
-        edts = next(edit_list._children(moov, trak[1], trak[2], b"edts"))
-        elst, payload, elst_end = next(edit_list._children(moov, trak[1], trak[2], b"elst"))
+        edts = next(mp4_boxes.children(moov, trak[1], trak[2], b"edts"))
+        elst, payload, elst_end = next(mp4_boxes.children(moov, trak[1], trak[2], b"elst"))
         first = struct.unpack_from(">i", moov, payload + 12)[0]  # the one edit's media start (B-frames' delay)
         entries = b"".join(struct.pack(">IiHH", round((b - a) * movie_scale), first + round(a * media_scale), 1, 0) for a, b in cuts)
         box = struct.pack(">I4sII", 16 + len(entries), b"elst", 0, len(cuts)) + entries

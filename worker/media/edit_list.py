@@ -1,17 +1,16 @@
 """MP4 edit lists FFmpeg's muxer cannot write: a track that starts late (an empty edit) and skips its encoder's
 priming too. Apple's own AAC files carry the same two entries; FFmpeg's demuxer, browsers and QuickTime read them.
 
-The written file's `elst` boxes are rewritten in place (same sizes), after the muxer has closed it. No Python MP4
-library both reads FFmpeg's 64-bit boxes and edits `elst` without rewriting the file, and the change is two fields.
+The written file's `elst` boxes are rewritten in place (same sizes), after the muxer has closed it (the boxes are
+walked by worker.media.mp4_boxes): the change is two fields.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
-_CONTAINERS = {b"moov", b"trak", b"edts", b"mdia"}
+from worker.media.mp4_boxes import children, top_level
 
 
 def skip(path: str | Path, edits: list[tuple[int, int]]) -> None:
@@ -22,14 +21,14 @@ def skip(path: str | Path, edits: list[tuple[int, int]]) -> None:
         return
     wanted = dict(edits)
     with open(path, "r+b") as handle:
-        moov = next((box for box in _boxes(handle, 0, handle.seek(0, 2)) if box[0] == b"moov"), None)
+        moov = next((box for box in top_level(handle, 0, handle.seek(0, 2)) if box[0] == b"moov"), None)
         if moov is None:
             raise ValueError(f"{Path(path).name} has no moov box")
         _, start, end = moov
         handle.seek(start)
         data = bytearray(handle.read(end - start))
         movie_scale = _movie_timescale(data)
-        for trak in _children(data, 0, len(data), b"trak"):
+        for trak in children(data, 0, len(data), b"trak"):
             track = _track_id(data, trak)
             if track in wanted:
                 _shift(data, trak, wanted.pop(track), movie_scale)
@@ -39,55 +38,22 @@ def skip(path: str | Path, edits: list[tuple[int, int]]) -> None:
         handle.write(data)
 
 
-def _boxes(handle, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
-    """(type, start, end) of the top-level boxes between two file offsets."""
-    position = start
-    while position + 8 <= end:
-        handle.seek(position)
-        size, kind = struct.unpack(">I4s", handle.read(8))
-        if size == 1:
-            size = struct.unpack(">Q", handle.read(8))[0]
-        elif size == 0:
-            size = end - position
-        if size < 8:
-            return
-        yield kind, position, position + size
-        position += size
-
-
-def _children(data: bytearray, start: int, end: int, kind: bytes) -> Iterator[tuple[int, int, int]]:
-    """(start, payload start, end) of every `kind` box inside [start, end), descending into container boxes."""
-    position = start
-    while position + 8 <= end:
-        size, box = struct.unpack_from(">I4s", data, position)
-        header = 8
-        if size == 1:
-            size, header = struct.unpack_from(">Q", data, position + 8)[0], 16
-        if size < header:
-            return
-        if box == kind:
-            yield position, position + header, position + size
-        elif box in _CONTAINERS:
-            yield from _children(data, position + header, position + size, kind)
-        position += size
-
-
 def _movie_timescale(data: bytearray) -> int:
-    _, payload, _ = next(_children(data, 8, len(data), b"mvhd"))
+    _, payload, _ = next(children(data, 8, len(data), b"mvhd"))
     version = data[payload]
     return struct.unpack_from(">I", data, payload + (20 if version == 1 else 12))[0]
 
 
 def _track_id(data: bytearray, trak: tuple[int, int, int]) -> int:
-    _, payload, _ = next(_children(data, trak[1], trak[2], b"tkhd"))
+    _, payload, _ = next(children(data, trak[1], trak[2], b"tkhd"))
     version = data[payload]
     return struct.unpack_from(">I", data, payload + (20 if version == 1 else 12))[0]
 
 
 def _shift(data: bytearray, trak: tuple[int, int, int], samples: int, movie_scale: int) -> None:
-    _, mdhd, _ = next(_children(data, trak[1], trak[2], b"mdhd"))
+    _, mdhd, _ = next(children(data, trak[1], trak[2], b"mdhd"))
     media_scale = struct.unpack_from(">I", data, mdhd + (20 if data[mdhd] == 1 else 12))[0]
-    elst = next(_children(data, trak[1], trak[2], b"elst"), None)
+    elst = next(children(data, trak[1], trak[2], b"elst"), None)
     if elst is None:
         raise ValueError("the track has no edit list")
     _, payload, _ = elst

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-# Boxes on the way from the file to a track's sample descriptions
-_CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"stbl"}
+from worker.media.mp4_boxes import children, top_level
+
 _DROP_FRAME = 0x1  # the tmcd sample description's flags
 
 
@@ -57,7 +57,7 @@ def timecode_counts(path: str | Path) -> dict[int, Count]:
     with open(path, "rb") as handle:
         try:
             end = handle.seek(0, 2)
-            moov = next((box for box in _top_level(handle, end) if box[0] == b"moov"), None)
+            moov = next((box for box in top_level(handle, 0, end) if box[0] == b"moov"), None)
             if moov is None:
                 return {}
             _, start, stop = moov
@@ -69,15 +69,15 @@ def timecode_counts(path: str | Path) -> dict[int, Count]:
 
 def _counts(data: bytes) -> dict[int, Count]:
     counts = {}
-    for trak in _children(data, 8, len(data), b"trak"):
-        tkhd = next(_children(data, *trak, b"tkhd"), None)
-        stsd = next(_children(data, *trak, b"stsd"), None)
-        if tkhd is None or stsd is None or stsd[1] - stsd[0] < 24:
+    for _, trak, trak_end in children(data, 8, len(data), b"trak"):
+        tkhd = next(children(data, trak, trak_end, b"tkhd"), None)
+        stsd = next(children(data, trak, trak_end, b"stsd"), None)
+        if tkhd is None or stsd is None or stsd[2] - stsd[1] < 24:
             continue
-        track = struct.unpack_from(">I", data, tkhd[0] + (20 if data[tkhd[0]] == 1 else 12))[0]
-        entry = stsd[0] + 8  # after the version, flags and entry count
+        track = struct.unpack_from(">I", data, tkhd[1] + (20 if data[tkhd[1]] == 1 else 12))[0]
+        entry = stsd[1] + 8  # after the version, flags and entry count
         size, kind = struct.unpack_from(">I4s", data, entry)
-        if kind != b"tmcd" or size < 34 or entry + 34 > stsd[1]:
+        if kind != b"tmcd" or size < 34 or entry + 34 > stsd[2]:
             continue
         # the entry's 8-byte header, 6 reserved bytes and its data reference, 4 reserved bytes; then these
         flags, timescale, duration, frames = struct.unpack_from(">IIIB", data, entry + 20)
@@ -86,38 +86,3 @@ def _counts(data: bytes) -> dict[int, Count]:
         if frames:
             counts[track] = Count(frames, bool(flags & _DROP_FRAME))
     return counts
-
-
-def _top_level(handle, end: int):
-    """(type, start, end) of the file's top-level boxes."""
-    position = 0
-    while position + 8 <= end:
-        handle.seek(position)
-        size, kind = struct.unpack(">I4s", handle.read(8))
-        if size == 1:
-            size = struct.unpack(">Q", handle.read(8))[0]
-        elif size == 0:
-            size = end - position
-        if size < 8:
-            return
-        yield kind, position, position + size
-        position += size
-
-
-def _children(data: bytes, start: int, end: int, kind: bytes):
-    """(payload start, end) of every `kind` box inside [start, end), descending into the containers on the way."""
-    position = start
-    while position + 8 <= end:
-        size, box = struct.unpack_from(">I4s", data, position)
-        header = 8
-        if size == 1:
-            size, header = struct.unpack_from(">Q", data, position + 8)[0], 16
-        elif size == 0:
-            size = end - position
-        if size < header or position + size > end:
-            return
-        if box == kind:
-            yield position + header, position + size
-        elif box in _CONTAINERS:
-            yield from _children(data, position + header, position + size, kind)
-        position += size

@@ -1,0 +1,47 @@
+"""An MP4's (ISO BMFF) boxes, walked for the few fields PyAV does not expose: the edit lists vsrq patches
+(worker.media.edit_list) and the timecode tracks' counts it reads (worker.media.timecode). No Python MP4 library
+both reads FFmpeg's 64-bit boxes and edits a box in place, and the walk is twenty lines."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import BinaryIO
+
+# Boxes on the way from a movie to the ones read: its tracks, their edit lists, media, and sample descriptions
+CONTAINERS = {b"moov", b"trak", b"edts", b"mdia", b"minf", b"stbl"}
+
+
+def top_level(handle: BinaryIO, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(type, start, end) of the boxes between two file offsets, one after another."""
+    position = start
+    while position + 8 <= end:
+        handle.seek(position)
+        size, kind = struct.unpack(">I4s", handle.read(8))
+        if size == 1:
+            size = struct.unpack(">Q", handle.read(8))[0]
+        elif size == 0:
+            size = end - position
+        if size < 8:
+            return
+        yield kind, position, position + size
+        position += size
+
+
+def children(data: bytes | bytearray, start: int, end: int, kind: bytes) -> Iterator[tuple[int, int, int]]:
+    """(start, payload start, end) of every `kind` box inside [start, end), descending into the containers."""
+    position = start
+    while position + 8 <= end:
+        size, box = struct.unpack_from(">I4s", data, position)
+        header = 8
+        if size == 1:
+            size, header = struct.unpack_from(">Q", data, position + 8)[0], 16
+        elif size == 0:
+            size = end - position
+        if size < header or position + size > end:
+            return
+        if box == kind:
+            yield position, position + header, position + size
+        elif box in CONTAINERS:
+            yield from children(data, position + header, position + size, kind)
+        position += size
