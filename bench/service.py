@@ -603,7 +603,8 @@ class Bench:
             for name in files:
                 job_id, posted = jobs.submit(name)
                 job, seen = jobs.wait(job_id, self.args.job_timeout_s)
-                record = {"phase": "world_job", "round": round_, **self._world_record(jobs, name, job, posted, seen)}
+                record = {"phase": "world_job", "round": round_, **self._world_record(jobs, name, job, posted, seen,
+                                                                                          inputs[name])}
                 record |= {"input": inputs[name]}
                 records.setdefault(name, []).append(record)
                 self.emit(record)
@@ -624,15 +625,18 @@ class Bench:
             "failed": {name: [r.get("error") for r in pair] for name, pair in records.items() if name not in completed},
         })  # fmt: skip
         if self.args.world_kill:
-            self._world_kill(jobs, self.args.world_kill, records[self.args.world_kill][-1])
+            self._world_kill(jobs, self.args.world_kill, records[self.args.world_kill][-1], inputs[self.args.world_kill])
 
-    def _world_record(self, jobs: Jobs, name: str, job: dict, posted: float, seen: float) -> dict[str, Any]:
+    def _world_record(
+        self, jobs: Jobs, name: str, job: dict, posted: float, seen: float, source: dict[str, Any]
+    ) -> dict[str, Any]:
         """One world job: its figures and its output against its input, or the error the user was given."""
         if job["status"] != "completed":
             return {"job": name, "id": job["id"], "status": job["status"], "error": job.get("error")}
-        record = {"status": "completed", **job_record(name, job["id"], posted, seen, jobs.timeline(job["id"]))}
+        line = jobs.timeline(job["id"])
+        record = {"status": "completed", **job_record(name, job["id"], posted, seen, line)}
         path = jobs.client.download(job["id"], self.root / f"{job['id']}.mp4", sha256=job["output"]["sha256"])
-        output, source = read_back(path), read_back(jobs.clips[name])
+        output = read_back(path)
         path.unlink()
         width, height = source["size"]
         expected = {"size": (2 * width, 2 * height), "frames": source["frames"], "sound": source["sound"]}
@@ -640,10 +644,10 @@ class Bench:
             "output": output,
             "output_ok": output == expected,
             "output_sha256": job["output"]["sha256"],
-            "restored": jobs.timeline(job["id"])["run"].get("restored"),
+            "restored": line["run"].get("restored"),
         }
 
-    def _world_kill(self, jobs: Jobs, name: str, uninterrupted: dict[str, Any]) -> None:
+    def _world_kill(self, jobs: Jobs, name: str, uninterrupted: dict[str, Any], source: dict[str, Any]) -> None:
         """`name` once more: its worker killed once the job has kept a window, a worker started again; the reaper
         requeues the job when its lease runs out, and the next attempt restores the kept windows."""
         from unittest import mock
@@ -655,23 +659,27 @@ class Bench:
             blobs = open_blob_store(Settings(_env_file=None))
         job_id, posted = jobs.submit(name)
         windows = f"{work_prefix(job_id)}windows/"
+
+        def kept() -> int:  # a window's marker is written last
+            return sum(key.endswith(".json") and "window-" in key for key in blobs.keys(windows))
+
         deadline = time.monotonic() + self.args.job_timeout_s
-        while not any(key.endswith(".json") and "window-" in key for key in blobs.keys(windows)):
+        while not kept():
             if time.monotonic() > deadline or jobs.client.get(job_id)["status"] in TERMINAL:
                 raise RuntimeError(f"{job_id} kept no window to be killed after; see {self.service.worker_log}")
             time.sleep(0.05)
-        kept = sum(key.endswith(".json") and "window-" in key for key in blobs.keys(windows))
+        kept_at_kill = kept()
         killed = time.monotonic()
         self.service.kill_worker()
         restart = self.service.start_worker(self.args.start_timeout_s)
         job, seen = jobs.wait(job_id, self.args.job_timeout_s)
-        record = self._world_record(jobs, name, job, posted, seen)
+        record = self._world_record(jobs, name, job, posted, seen, source)
         self.emit({
             "phase": "world_kill",
             "job": name,
             "status": job["status"],
             "attempt": self.service.jobs.require(job_id).attempt,
-            "windows_kept_at_kill": kept,
+            "windows_kept_at_kill": kept_at_kill,
             "restored": record.get("restored"),
             "windows": record.get("windows"),
             "kill_to_completed_s": round(seen - killed, 2),
