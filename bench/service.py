@@ -117,7 +117,8 @@ WARM_LINE = re.compile(
 )
 # worker.sr.engine's line per warmed-up tile shape
 SHAPE_LINE = re.compile(
-    r"warmed up (?P<shape>\w+) tiles \((?P<tile>\d+x\d+), (?P<frames>\d+) frames, (?P<tiles>\d+) tiles\) in "
+    r"warmed up (?P<shape>\w+) tiles \((?P<tile>\d+x\d+), (?P<frames>\d+) frames, (?P<tiles>\d+) tiles"
+    r"(?:, (?P<quality>\w+))?\) in "
     r"(?P<seconds>[\d.]+) s: (?P<traced>\d+) graphs traced, (?P<from_cache>\d+) of them from the compile cache, "
     r"(?P<compiled>\d+) compiled; (?P<building_s>[\d.]+) s building them \(Dynamo tracing (?P<tracing_s>[\d.]+) s, "
     r"guards (?P<guards_s>[\d.]+) s, Inductor (?P<inductor_s>[\d.]+) s\)"
@@ -339,12 +340,14 @@ class Jobs:
     """Submits through the API as a user's client does, and reads the job records' events (Redis clock) back."""
 
     def __init__(self, service: Service, clips: dict[str, Path], tiny: bool, quality: str = "lossless") -> None:
-        self.service, self.clips, self.tiny, self.quality = service, clips, tiny, quality
+        # "mixed" names the queue's alternation (queue_tiers); a job without a tier of its own is lossless then
+        self.service, self.clips, self.tiny = service, clips, tiny
+        self.quality = "lossless" if quality == "mixed" else quality
         self.client = Client(service.url, service.token)
 
-    def submit(self, name: str) -> tuple[str, float]:
+    def submit(self, name: str, quality: str | None = None) -> tuple[str, float]:
         posted = time.monotonic()
-        params = {"model": MODEL, "sr_resolution_scale": "2", "quality": self.quality}
+        params = {"model": MODEL, "sr_resolution_scale": "2", "quality": quality or self.quality}
         job = self.client.create_from_file(self.clips[name], params)
         return job["id"], posted
 
@@ -536,7 +539,8 @@ class Bench:
         self.attempt_seconds: dict[str, list[float]] = {}  # per clip: its queue jobs' leased -> completed
 
     def emit(self, record: dict[str, Any]) -> None:
-        record |= {"quality": self.args.quality, "blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny}
+        record.setdefault("quality", self.args.quality)  # a mixed queue's jobs say their own
+        record |= {"blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny}
         record["date"] = time.strftime("%Y-%m-%d %H:%M")
         line = json.dumps(record)
         print(line, flush=True)
@@ -783,21 +787,24 @@ class Bench:
         jobs = Jobs(self.service, self.clips, self.tiny, self.args.quality)
         sampler = GpuSampler().start()
         mix = (MIX * (self.args.jobs // len(MIX) + 1))[: self.args.jobs]
+        tiers = queue_tiers(mix, self.args.quality)
         submitted: list[tuple[str, str, float]] = []
         begin = time.monotonic()
-        for name in mix:  # all at once: the queue is never empty while they run
-            submitted.append((name, *jobs.submit(name)))
+        for name, tier in zip(mix, tiers):  # all at once: the queue is never empty while they run
+            submitted.append((name, *jobs.submit(name, tier)))
         after: list[dict[str, Any]] = []  # the worker's gauges after each job
+        records: list[dict[str, Any]] = []
         self.queue_jobs, self.attempt_seconds = [], {}
-        for name, job_id, posted in submitted:
+        for (name, job_id, posted), tier in zip(submitted, tiers):
             job, seen = jobs.wait(job_id, self.args.job_timeout_s)
             after.append(self.service.metrics())
             line = jobs.timeline(job_id)
-            record = {"phase": "queue_job", **job_record(name, job_id, posted, seen, line)}
+            record = {"phase": "queue_job", **job_record(name, job_id, posted, seen, line), "quality": tier}
             completed = job["status"] == "completed"
             record |= jobs.check_output(job, name, self.root) if completed else {"status": job["status"]}
             record |= {"memory": gauges(after[-1])}
             self.emit(record)
+            records.append(record)
             self.queue_jobs.append(name)
             self.attempt_seconds.setdefault(name, []).append(record["leased_to_completed_s"])
         end = time.monotonic()
@@ -842,7 +849,12 @@ class Bench:
             "idle_s_by_cause": {cause: round(seconds, 3) for cause, seconds in idle.items()},
             "output_megapixel_frames": round(megapixel_frames, 2),
             "megapixel_frames_per_gpu_hour": round(megapixel_frames / busy_wall * 3600, 1),
-            "stability": stability(mix, after, [line["run"].get("graphs_built") for line in lines]),
+            # a shape is a clip at a tier: `high`'s levers make graphs of their own
+            "stability": stability([f"{name}@{tier}" for name, tier in zip(mix, tiers)], after,
+                                   [line["run"].get("graphs_built") for line in lines]),
+            "tiers": Counter(tiers),
+            # lossless jobs of one clip, some after a `high` one of its shape: all the same bytes (None: none ran twice)
+            "lossless_same_bytes": same_bytes(records, "lossless"),
         }
 
     def attempt_seconds_flat(self) -> list[float]:
@@ -926,6 +938,29 @@ def gauges(values: dict[str, float]) -> dict[str, float]:
     return {key: round(value, 3) if isinstance(value, float) else value for key, value in picked.items()}
 
 
+def queue_tiers(mix: list[str], quality: str) -> list[str]:
+    """Each queue job's quality: `quality`, or for "mixed" a clip's occurrences in turn lossless, high, lossless...
+    (so a lossless job of a shape also runs after a high one of it)."""
+    if quality != "mixed":
+        return [quality] * len(mix)
+    seen: Counter[str] = Counter()
+    tiers = []
+    for name in mix:
+        tiers.append(("lossless", "high")[seen[name] % 2])
+        seen[name] += 1
+    return tiers
+
+
+def same_bytes(records: list[dict[str, Any]], quality: str) -> bool | None:
+    """Whether every clip's completed jobs at `quality` gave one output (None: no clip completed twice at it)."""
+    outputs: dict[str, list[str]] = {}
+    for record in records:
+        if record["quality"] == quality and "output_sha256" in record:
+            outputs.setdefault(record["job"], []).append(record["output_sha256"])
+    repeated = [hashes for hashes in outputs.values() if len(hashes) > 1]
+    return all(len(set(hashes)) == 1 for hashes in repeated) if repeated else None
+
+
 def stability(mix: list[str], after: list[dict[str, float]], graphs: list[int | None]) -> dict[str, Any]:
     """Memory after the last job against the highest after the first job of each shape; graphs built by a job of a
     shape seen before; threads and pinned memory from the first job to the last."""
@@ -976,7 +1011,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", default=",".join(WORLD), help="the world phase's files, comma-separated")
     parser.add_argument("--world-dir", type=Path, help="where they are (default: $VSRQ_CORPUS_DIR or the corpus cache)")
     parser.add_argument("--world-kill", metavar="FILE", help="one of them run again, its worker killed mid-way")
-    parser.add_argument("--quality", choices=("lossless", "high"), default="lossless", help="every job's `quality`")
+    parser.add_argument("--quality", choices=("lossless", "high", "mixed"), default="lossless",
+                        help="every job's `quality`; mixed: the queue's clips alternate lossless and high (other "
+                        "phases: lossless)")
     parser.add_argument("--jobs", type=int, default=len(MIX), help="jobs in the mixed queue")
     parser.add_argument("--compile-cache", type=Path, help="worker's (default DIR/compile-cache); `start` empties it")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",

@@ -386,7 +386,8 @@ def test_the_warmup_denoises_once_and_jobs_of_its_length_build_no_transformer_gr
         assert len(steps) == 1  # one tile, one step (9 frames: 3 latent ones, decoded 1 + 1 + 1: no extra call)
         assert built_graphs
         [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("warmed up")]
-        assert line.startswith("warmed up landscape tiles (64x32, 9 frames, 1 tiles) in ") and " graphs traced" in line
+        assert line.startswith("warmed up landscape tiles (64x32, 9 frames, 1 tiles, lossless) in ")
+        assert " graphs traced" in line
         built_graphs.clear()
         steps.clear()
         info = engine.upscale(clip(2, frames=9), SRRequest(scale=2, seed=3), lambda _: None)
@@ -394,6 +395,31 @@ def test_the_warmup_denoises_once_and_jobs_of_its_length_build_no_transformer_gr
         hook.remove()
     assert info.frames == 9 and len(steps) == SRRequest.num_inference_steps * info.tiles == 2 * info.tiles
     assert built_graphs == []
+
+
+@pytest.mark.parametrize("qualities", [("lossless", "high"), ("lossless",)])
+def test_a_warmup_with_high_builds_its_graphs_so_its_first_job_builds_none(
+    tiny_piflow, built_graphs, caplog, qualities
+):
+    """`high`'s levers swap the transformer blocks' layers and attention processor: its compiled blocks are graphs
+    of their own. A worker warmed up for `lossless,high` has them before its first `high` job of the window's
+    length; one warmed up for `lossless` alone builds them in that job. Either way a `lossless` job after it
+    builds nothing, and a warmup logs one line per tier and tile shape."""
+    import logging
+
+    engine = SREngine.from_pretrained(str(tiny_piflow), compile_transformer=True, compile_decoder=True)
+    with caplog.at_level(logging.INFO, logger="vsrq.engine"):
+        engine.warmup(9, qualities=qualities)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("warmed up")]
+    assert [line.split(") in ")[0] for line in lines] == [
+        f"warmed up landscape tiles (64x32, 9 frames, 1 tiles, {tier}" for tier in qualities
+    ]
+    built_graphs.clear()
+    high = run(engine, clip(2, frames=9), SRRequest(scale=2, seed=3, quality="high"))
+    assert (built_graphs == []) == ("high" in qualities)
+    built_graphs.clear()
+    lossless = run(engine, clip(2, frames=9), SRRequest(scale=2, seed=3))
+    assert built_graphs == [] and not torch.equal(high, lossless)
 
 
 @pytest.mark.parametrize(

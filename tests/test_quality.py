@@ -183,3 +183,18 @@ def test_high_runs_its_levers_in_a_split_group_too(engine, tiny_piflow):
     assert info.levers == {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
     psnr = psnr_per_frame(torch.cat(chunks), run(engine, clip(2), SRRequest(scale=2)))
     assert psnr.min() > TINY_PSNR_FLOOR_DB, psnr
+
+
+def test_a_worker_is_told_which_tiers_to_warm_up_as_a_comma_separated_list(monkeypatch):
+    """`VSRQ_WORKER_WARMUP_QUALITIES=lossless,high`, as an operator writes it in an env file; a tier the engine has
+    not got is refused when the worker starts, not met by its first job."""
+    from pydantic import ValidationError
+
+    from worker.service import WorkerSettings
+
+    assert WorkerSettings().warmup_qualities == ("lossless",)
+    monkeypatch.setenv("VSRQ_WORKER_WARMUP_QUALITIES", "lossless, high")
+    assert WorkerSettings().warmup_qualities == ("lossless", "high")
+    monkeypatch.setenv("VSRQ_WORKER_WARMUP_QUALITIES", "lossless,fast")
+    with pytest.raises(ValidationError, match="warmup_qualities"):
+        WorkerSettings()

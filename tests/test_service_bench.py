@@ -115,3 +115,21 @@ def test_the_world_phase_upscales_real_files_and_recovers_a_killed_job(tmp_path)
     assert (kill["status"], kill["attempt"], kill["output_ok"]) == ("completed", 2, True), kill
     assert kill["restored"] >= kill["windows_kept_at_kill"] >= 1, kill  # a window's marker is written last
     assert kill["same_bytes_as_uninterrupted"], kill
+
+
+def test_a_mixed_queue_alternates_the_tiers_and_lossless_keeps_its_bytes(tmp_path):
+    """`--quality mixed`: each clip's jobs in turn lossless, high, lossless; the worker swaps the levers in and out
+    job by job, so the W2 job after a `high` one gives the first W2's bytes, and `high` other ones."""
+    out = tmp_path / "mixed.jsonl"
+    main(["--tiny", "--jobs", "9", "--phases", "queue", "--quality", "mixed", "--dir", str(tmp_path / "bench"),
+          "--out", str(out)])  # fmt: skip
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    jobs = [record for record in records if record["phase"] == "queue_job"]
+    [queue] = [record for record in records if record["phase"] == "queue"]
+    assert [(job["job"], job["quality"]) for job in jobs if job["job"] == "W2"] == [
+        ("W2", "lossless"), ("W2", "high"), ("W2", "lossless")
+    ]
+    assert all(job["output_ok"] for job in jobs) and queue["tiers"] == {"lossless": 7, "high": 2}
+    w2 = [job["output_sha256"] for job in jobs if job["job"] == "W2"]
+    assert w2[0] == w2[2] != w2[1] and queue["lossless_same_bytes"] is True
+    assert queue["stability"]["graphs_rebuilt_for_a_seen_shape"] == [] and queue["quality"] == "mixed"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from storage.blobs import BlobStore, open_blob_store
 from storage.config import Settings
@@ -40,6 +40,9 @@ class WorkerSettings(BaseSettings):
     # "all": portrait and square tiles too (a short clip each), so their first job does not compile the decoder
     # either; "landscape": a faster start (a tile size's graphs took 77 s of a one-tile first call on an H200)
     warmup_tiles: Literal["all", "landscape"] = "all"
+    # The quality tiers warmed up, comma-separated: "lossless,high" also builds `high`'s graphs (its levers make
+    # blocks of their own), so the first `high` job of a warmed shape does not compile; the start takes longer
+    warmup_qualities: Annotated[tuple[Literal["lossless", "high"], ...], NoDecode] = ("lossless",)
     # Compiled graphs persist here between worker processes (a volume in compose/k8s): a restart loads the warmup's
     # graphs instead of compiling them (worker.sr.compile_cache). Unset: TORCHINDUCTOR_CACHE_DIR (the worker image's
     # /cache volume), else Inductor's /tmp/torchinductor_<user>, which a container loses with its restart.
@@ -71,6 +74,11 @@ class WorkerSettings(BaseSettings):
     # Temporal windows (frames, 1 + 4k; and their crossfade): unset, the engine's (121 and 16)
     window: int | None = None
     window_overlap: int | None = None
+
+    @field_validator("warmup_qualities", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return tuple(part.strip() for part in value.split(",") if part.strip()) if isinstance(value, str) else value
 
     @property
     def window_options(self) -> dict[str, int]:
@@ -117,6 +125,7 @@ def upscaler():
         config.performance_mode,
         window if config.warmup else None,
         warmup_every_tile_size=config.warmup_tiles == "all",
+        warmup_qualities=config.warmup_qualities,
         compile_cache_dir=config.compile_cache_dir,
         offload_prefetch=config.offload_prefetch,
         split=config.split,

@@ -126,6 +126,7 @@ def open_upscaler(
     performance_mode: PerformanceMode | Literal["auto"] = "auto",
     warmup_frames: int | None = DEFAULT_WINDOW,
     warmup_every_tile_size: bool = True,
+    warmup_qualities: Sequence[str] = ("lossless",),
     compile_cache_dir: str | Path | None = None,
     offload_prefetch: int | None = None,
     split: str | int = "auto",
@@ -136,12 +137,14 @@ def open_upscaler(
     smallest GPU (`speed` on CPUs). `offload_prefetch`: transformer blocks in flight in `offload_layers` (the
     mode's default if None). `warmup_frames` (the worker's window length; None: no warmup) builds the compiled
     blocks (GPUs) with one throwaway window, and with `warmup_every_tile_size` a short clip of each other tile size
-    (portrait, square), so the first job is not the cold one. `compile_cache_dir`: where compiled graphs persist
-    between processes (worker.sr.compile_cache): a restart loads the warmup's graphs instead of compiling them.
-    `split`: whether devices may share a tile (`SREngine`). `compile`: the transformer's and the decoder's blocks
-    compiled on GPUs ("auto"), everywhere ("on": also on CPUs, where a start then measures what a GPU's does) or
-    nowhere ("off"). `precompile`: with a `compile_cache_dir`, the compiled blocks' calls go through functions
-    compiled ahead of time and kept there (worker.sr.precompiled): a restart loads them instead of tracing."""
+    (portrait, square), so the first job is not the cold one; `warmup_qualities` with "high": its levers' graphs too
+    (a start takes longer; the first `high` job of those shapes does not compile). `compile_cache_dir`: where
+    compiled graphs persist between processes (worker.sr.compile_cache): a restart loads the warmup's graphs instead
+    of compiling them. `split`: whether devices may share a tile (`SREngine`). `compile`: the transformer's and the
+    decoder's blocks compiled on GPUs ("auto"), everywhere ("on": also on CPUs, where a start then measures what a
+    GPU's does) or nowhere ("off"). `precompile`: with a `compile_cache_dir`, the compiled blocks' calls go through
+    functions compiled ahead of time and kept there (worker.sr.precompiled): a restart loads them instead of
+    tracing."""
     if model != "lanczos":
         readahead.start(model)  # the weights come off the disk while the model's code is imported (seconds)
     cache = compile_cache.use(compile_cache_dir) if compile_cache_dir is not None else None
@@ -189,9 +192,10 @@ def open_upscaler(
     built = precompiled.stats()  # what the preloader has loaded before the warmup
     if warmup_frames and engine.compiles:
         tiles = "every tile size" if warmup_every_tile_size else "landscape tiles"
-        log.info("warming up %s (compiling for a %d-frame window, %s)", ",".join(map(str, engine.devices)), warmup_frames, tiles)
+        log.info("warming up %s (compiling for a %d-frame window, %s, quality %s)", ",".join(map(str, engine.devices)),
+                 warmup_frames, tiles, ",".join(warmup_qualities))
         started = perf_counter()
-        info = engine.warmup(warmup_frames, every_tile_size=warmup_every_tile_size)
+        info = engine.warmup(warmup_frames, every_tile_size=warmup_every_tile_size, qualities=warmup_qualities)
         found, functions = compile_cache.stats(), precompiled.stats()
         log.info(
             "warm after %.1f s (%d tiles over %d devices; compiled graphs from the cache: %d, compiled anew: %d); "

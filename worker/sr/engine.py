@@ -47,7 +47,7 @@ from worker.sr.k6_models import transformer as k6_transformer
 from worker.sr.k6_models import vae as k6_vae
 from worker.sr.noise import tile_noise
 from worker.sr.offload import Offload, align_on_cpu, place, placement_of, upscaler_unit
-from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
+from worker.sr.request import HIGH, LOSSLESS, FrameSink, Progress, RunInfo, SRRequest
 from worker.sr.tiling import Tile, TilePlan
 from worker.sr.warm_decoder import DecodeEachSignatureOnce
 
@@ -235,24 +235,27 @@ class SREngine:
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]:
         return tiling.output_size(height, width, scale)
 
-    def warmup(self, frames: int, scale: float = 2, every_tile_size: bool = False) -> RunInfo:
+    def warmup(
+        self, frames: int, scale: float = 2, every_tile_size: bool = False, qualities: Sequence[str] = (LOSSLESS,)
+    ) -> RunInfo:
         """Throwaway calls that build the compiled blocks before the first job, with at least one tile per device:
         landscape tiles `frames` long (a temporal window: the transformer's graph for it too) and, with
         `every_tile_size`, the other trained tile sizes (portrait, square) on a short clip. They decode every segment
         shape a job of at most `frames` needs (`_segments`), each once (`DecodeEachSignatureOnce`): a job of another
-        length builds only the transformer's graph."""
+        length builds only the transformer's graph. `qualities` with `high` (and levers for it): the same tiles
+        denoised once more with its levers, whose blocks are graphs of their own; the decoder's are shared."""
         landscape = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])
-        info = self._warm(landscape, frames, scale)
-        if every_tile_size:
-            short = 1 + self.frame_stride * (1 + self.decode_segment)  # latent: the leading frame, a segment, one more
-            for size in self.tile_sizes:
-                if size != landscape:
-                    self._warm(size, short, scale)
-        return info
+        short = 1 + self.frame_stride * (1 + self.decode_segment)  # latent: the leading frame, a segment, one more
+        others = [size for size in self.tile_sizes if every_tile_size and size != landscape]
+        shapes = [(landscape, frames), *((size, short) for size in others)]
+        # lossless first: its calls build the decoder's graphs, which every tier shares
+        tiers = [LOSSLESS, *([HIGH] if HIGH in qualities and self.high_levers else [])]
+        return [self._warm(size, length, scale, tier) for tier in tiers for size, length in shapes][0]
 
-    def _warm(self, base: tuple[int, int], frames: int, scale: float) -> RunInfo:
+    def _warm(self, base: tuple[int, int], frames: int, scale: float, tier: str = LOSSLESS) -> RunInfo:
         """One call on tiles of `base` (output pixels at x2), and a 2-latent-frame one where `frames` leaves no
-        single-frame remainder to decode."""
+        single-frame remainder to decode (the exact tier's call builds the decoder's graphs; another tier's
+        transformer only needs its window)."""
         height, width = base[0] // 2, base[1] // 2
         portrait = base[0] > base[1]
         unit = (base[0] // math.gcd(*base), base[1] // math.gcd(*base))
@@ -268,7 +271,7 @@ class SREngine:
         def run(length: int) -> RunInfo:
             # One denoising step: every step runs the same graphs (the timestep is a tensor input), so more would
             # only repeat them
-            request = SRRequest(scale=scale, num_inference_steps=1)
+            request = SRRequest(scale=scale, num_inference_steps=1, quality=tier)
             # uint8 frames, as a job's windows come
             video = torch.zeros(length, 3, height, width, dtype=torch.uint8)
             return self.upscale(video, request, lambda _: None, warming=True)
@@ -276,17 +279,18 @@ class SREngine:
         started, graphs, compiling = perf_counter(), compile_cache.graphs_built(), compile_cache.seconds()
         functions = precompiled.stats()
         info = run(frames)
-        if 1 not in [part.stop - part.start for part in self._segments(self._latent_frames(frames))[1:]]:
+        lengths = [part.stop - part.start for part in self._segments(self._latent_frames(frames))[1:]]
+        if tier == LOSSLESS and 1 not in lengths:
             run(1 + self.frame_stride)  # the leading frame and one more: the single-frame shape
         graphs = {name: count - graphs[name] for name, count in compile_cache.graphs_built().items()}
         compiling = {name: value - compiling[name] for name, value in compile_cache.seconds().items()}
         functions = {name: value - functions[name] for name, value in precompiled.stats().items()}
         shape = "portrait" if portrait else "landscape" if base[0] < base[1] else "square"
         log.info(
-            "warmed up %s tiles (%dx%d, %d frames, %d tiles) in %.1f s: %d graphs traced, %d of them from the compile "
-            "cache, %d compiled; %.1f s building them (Dynamo tracing %.1f s, guards %.1f s, Inductor %.1f s); "
+            "warmed up %s tiles (%dx%d, %d frames, %d tiles, %s) in %.1f s: %d graphs traced, %d of them from the "
+            "compile cache, %d compiled; %.1f s building them (Dynamo tracing %.1f s, guards %.1f s, Inductor %.1f s); "
             "precompiled functions: %d loaded in %.1f s, %d compiled in %.1f s; the rest running them",
-            shape, base[1], base[0], frames, info.tiles, perf_counter() - started, graphs["traced"],
+            shape, base[1], base[0], frames, info.tiles, tier, perf_counter() - started, graphs["traced"],
             graphs["from_cache"], graphs["compiled"], compiling["compile"], compiling["tracing"], compiling["guards"],
             compiling["backend"], functions["loaded"], functions["loading_s"], functions["compiled"],
             functions["compiling_s"],
