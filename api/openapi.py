@@ -31,7 +31,7 @@ from api.request_id import SANE as SANE_REQUEST_ID
 from api.schemas import SGLANG_IGNORED, CreateRequest, JobOptions, ListQuery, UpscaleParams
 from api.services import services
 from storage.config import Settings
-from storage.jobs import Video
+from storage.jobs import Video, VideoEventList
 
 blueprint = Blueprint("openapi", __name__)
 DOCS_PATH = "/docs"
@@ -136,7 +136,7 @@ def _json(model: str, description: str) -> dict[str, Any]:
 # What a created job's id leads to: lets Schemathesis's stateful phase (and client generators) follow a job.
 _JOB_LINKS = {
     name: {"operationId": name, "parameters": {"job_id": "$response.body#/id"}}
-    for name in ("getVideo", "cancelVideo", "getVideoContent", "deleteVideo")
+    for name in ("getVideo", "getVideoEvents", "cancelVideo", "getVideoContent", "deleteVideo")
 }
 
 
@@ -211,8 +211,8 @@ def _page(operation_id: str, summary: str) -> dict[str, Any]:
 
 def document(settings: Settings) -> dict[str, Any]:
     models = [
-        Video, VideoList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm, UploadForm,
-        Model, ModelList,
+        Video, VideoList, VideoEventList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm,
+        UploadForm, Model, ModelList,
     ]  # fmt: skip
     _, definitions = models_json_schema(
         [(model, "validation" if model.__name__.endswith(("Json", "Form")) else "serialization") for model in models],
@@ -282,6 +282,13 @@ def document(settings: Settings) -> dict[str, Any]:
                 operationId="deleteVideo",
                 responses={"200": _json("VideoDeleted", "deleted"), **_problems(401, 404, 409)},
             ),
+        },
+        "/v1/videos/{job_id}/events": {
+            "get": _job_operation(
+                "What happened to a job, oldest first: its moves, stages, retried attempts and why, webhook deliveries",
+                operationId="getVideoEvents",
+                responses={"200": _json("VideoEventList", "the job's events"), **_problems(401, 404)},
+            )
         },
         "/v1/videos/{job_id}/cancel": {
             "post": _job_operation(

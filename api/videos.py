@@ -225,6 +225,13 @@ def get_video(job_id: str) -> Response:
     return _job_response(_body(services().jobs.require(job_id, owner())))
 
 
+@blueprint.get("/v1/videos/<job_id>/events")
+def video_events(job_id: str) -> Response:
+    jobs = services().jobs
+    jobs.require(job_id, owner())
+    return jsonify(jobs.event_views(job_id).model_dump(mode="json"))
+
+
 @blueprint.get("/v1/videos")
 def list_videos() -> Response:
     settings, jobs = services().settings, services().jobs

@@ -362,17 +362,14 @@ class Jobs:
     def check_output(self, job: dict, name: str, directory: Path) -> dict[str, Any]:
         """Downloads the output and reads it back: the size and frame count the clip promises; its SHA-256 (the clips
         and the seed are fixed: two trees giving other bytes computed or encoded otherwise)."""
-        import av
-
         path = self.client.download(job["id"], directory / f"{job['id']}.mp4", sha256=job["output"]["sha256"])
         width, height, frames = (TINY_CLIPS if self.tiny else CLIPS)[name]
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            decoded = sum(1 for _ in container.decode(stream))
-            size = (stream.codec_context.width, stream.codec_context.height)
+        output = read_back(path)
         path.unlink()
-        ok = size == (2 * width, 2 * height) and decoded == frames
-        return {"output_ok": ok, "output": f"{size[0]}x{size[1]}x{decoded}", "output_sha256": job["output"]["sha256"]}
+        (out_width, out_height), decoded = output["size"], output["frames"]
+        ok = (out_width, out_height) == (2 * width, 2 * height) and decoded == frames
+        described = f"{out_width}x{out_height}x{decoded}"
+        return {"output_ok": ok, "output": described, "output_sha256": job["output"]["sha256"]}
 
     def timeline(self, job_id: str) -> dict[str, Any]:
         """The attempt's events: when it was leased, each stage, its `run` event (engine seconds), its end."""
@@ -916,7 +913,9 @@ class Bench:
 
 def world_files(args: argparse.Namespace) -> dict[str, Path]:
     """The world phase's files by name, from --world-dir (default: the corpus' directory)."""
-    directory = args.world_dir or Path(os.environ.get("VSRQ_CORPUS_DIR") or Path.home() / ".cache" / "vsrq" / "corpus")
+    from tests.corpus.fetch import cache_dir  # where `make corpus` puts them
+
+    directory = args.world_dir or cache_dir()
     names = args.world.split(",")
     missing = [name for name in names if not (directory / name).is_file()]
     if missing:

@@ -1,5 +1,5 @@
 """`vsrq`: upscale a video, probe one, write a tiny checkpoint, run the demo or the dev stack, send many videos to the
-API, see the service now.
+API, see the service now or a job's history.
 
 Every subcommand's arguments are defined here, so `vsrq --help` and `vsrq bulk` need the client's packages only;
 the commands that run the engine or the stack are imported when they run (COMMANDS), and where their part is not
@@ -28,6 +28,7 @@ COMMANDS = {
     "demo": ("infra.cli:demo", "dev"),
     "dev": ("infra.cli:dev", "dev"),
     "status": ("infra.cli:status", "api"),
+    "events": ("infra.cli:events", "api"),
     "bulk": ("client.bulk:run", "client"),
 }
 OUR_PACKAGES = ("api", "client", "infra", "storage", "worker")
@@ -110,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="the service now: queue depths, workers and their jobs, jobs by status")
     status.add_argument("--json", action="store_true", help="machine-readable")
+
+    events = commands.add_parser("events", help="a job's history from Redis, as an operator sees it (workers, timings)")
+    events.add_argument("job_id")
+    events.add_argument("--json", action="store_true", help="machine-readable: the events as stored")
 
     bulk = commands.add_parser("bulk", help="send a folder, a CSV/JSONL manifest or an s3:// prefix to the API")
     bulk.add_argument("source", help="a folder (recursively), a .csv or .jsonl manifest, or s3://bucket/prefix")

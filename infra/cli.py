@@ -1,4 +1,4 @@
-"""The `vsrq` commands that run or read the service on this machine: demo, dev (the embedded stack) and status
+"""The `vsrq` commands that run or read the service on this machine: demo, dev (the embedded stack), status and events
 (client/cli.py defines their arguments and imports this module when one runs)."""
 
 from __future__ import annotations
@@ -117,6 +117,43 @@ def dev(args: argparse.Namespace) -> int:
             print("vsrq dev: stopping", flush=True)
     finally:
         stack.stop()
+    return 0
+
+
+def events(args: argparse.Namespace) -> int:
+    """A job's whole history for an operator, from the Redis that VSRQ_REDIS_URL names (unset: the running `vsrq
+    dev` stack's): every event as stored, the workers' names and each attempt's timings (`run`) included, which the
+    owner's GET /v1/videos/{id}/events leaves out."""
+    from datetime import UTC, datetime
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from storage.config import Settings
+    from storage.jobs import JobNotFound, JobStore, open_redis
+
+    _dev_stack_env()
+    settings = Settings()
+    jobs = JobStore(open_redis(settings), result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+    try:
+        job = jobs.require(args.job_id)
+        history = jobs.events(args.job_id)
+    except JobNotFound:
+        kept = f"ended jobs are kept {settings.result_ttl_s} s"
+        print(f"vsrq: job_not_found: no job {args.job_id} ({kept})", file=sys.stderr)
+        return 2
+    except (RedisConnectionError, RedisTimeoutError) as error:
+        print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([event.model_dump(mode="json") for event in history], indent=2))
+        return 0
+    print(f"{job.id}  owner {job.owner}  {job.model} on {job.queue}  {job.status}  attempt {job.attempt}")
+    for event in history:
+        at = datetime.fromtimestamp(event.at, UTC).strftime("%H:%M:%S.%f")[:-3]
+        since = event.at - history[0].at
+        detail = json.dumps(event.detail, separators=(",", ":")) if event.detail else ""
+        print(f"  {at}  +{since:8.3f}s  #{event.attempt}  {event.type:<16} {event.status:<11} {detail}")
     return 0
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from time import monotonic
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 from redis import Redis
@@ -291,6 +291,62 @@ class Video(BaseModel):
             metadata=job.metadata,
             webhook_url=job.webhook_url,
         )
+
+
+class WebhookAttempt(BaseModel):
+    """One delivery attempt of a webhook (worker.webhooks), as its event records it."""
+
+    webhook_id: str = Field(description="the `webhook-id` header the receiver got")
+    event: str = Field(description="`video.completed`, `video.failed` or `video.cancelled`")
+    attempt: int
+    outcome: str = Field(description="`delivered`, `retrying` (`retry_in_s` later) or `failed` (no more tries)")
+    status_code: int | None = None
+    code: str | None = None
+    message: str | None = None
+    retry_in_s: float | None = None
+
+
+class VideoEvent(BaseModel):
+    """A step of a job's life, as its owner may see it: the state machine's moves, its stages, why an attempt was
+    retried, and each webhook delivery. Workers' names and their timings stay with the operator."""
+
+    object: Literal["video.event"] = "video.event"
+    type: Literal[
+        "created", "leased", "stage", "cancel_requested", "requeued", "completed", "failed", "cancelled", "webhook"
+    ] = Field(description="`leased`: an attempt started; `requeued`: it ended and another will run")
+    at: float = Field(description="when, in seconds since the epoch (the service's clock)")
+    attempt: int
+    status: Status = Field(description="the job's status after it")
+    stage: Stage | None = Field(None, description="`stage`: the stage the attempt entered")
+    reason: JobErrorInfo | None = Field(
+        None, description="`requeued`: why the attempt ended; `failed` and `cancelled`: the last attempt's end, if it"
+    )
+    error: JobErrorInfo | None = Field(None, description="`failed`: the job's error")
+    request_id: str | None = Field(None, description="`created`: the id of the request that created the job")
+    webhook: WebhookAttempt | None = Field(None, description="`webhook`: the delivery attempt")
+
+    @classmethod
+    def of(cls, event: JobEvent) -> VideoEvent | None:
+        """The owner's view of `event`; None for the operator's own (an attempt's timings)."""
+        if event.type not in get_args(cls.model_fields["type"].annotation):
+            return None
+        detail = event.detail
+        return cls(
+            type=event.type,
+            at=event.at,
+            attempt=event.attempt,
+            status=event.status,
+            stage=detail.get("stage"),
+            reason=detail.get("reason") or detail.get("last") or None,
+            error=detail.get("error") if event.type == "failed" else None,
+            request_id=detail.get("request_id"),
+            webhook=WebhookAttempt(**detail) if event.type == "webhook" else None,
+        )
+
+
+class VideoEventList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoEvent] = Field(description="oldest first")
 
 
 def _script(body: str) -> str:
@@ -735,6 +791,10 @@ class JobStore:
         return [
             JobEvent.model_validate_json(raw) for raw in self.redis.lrange(f"{self._job_key(job_id)}:events", 0, -1)
         ]
+
+    def event_views(self, job_id: str) -> VideoEventList:
+        """The job's events as its owner sees them, oldest first."""
+        return VideoEventList(data=[view for event in self.events(job_id) if (view := VideoEvent.of(event))])
 
     def page(
         self,

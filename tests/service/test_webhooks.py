@@ -216,6 +216,14 @@ def test_a_completed_job_is_delivered_until_the_receiver_takes_it(
     assert [(a["attempt"], a["outcome"], a["status_code"]) for a in attempts] == [
         (1, "retrying", 500), (2, "retrying", 500), (3, "delivered", 200)
     ], attempts  # fmt: skip
+    # the job's owner sees the deliveries too, with the backoff the service chose
+    events = requests.get(f"{hooks_api}/v1/videos/{job_id}/events", headers=auth("dave"), timeout=10).json()["data"]
+    shown = [event["webhook"] for event in events if event["type"] == "webhook"]
+    assert [(w["attempt"], w["outcome"], w["status_code"], w["webhook_id"]) for w in shown] == [
+        (1, "retrying", 500, f"msg_{job_id}_completed"), (2, "retrying", 500, f"msg_{job_id}_completed"),
+        (3, "delivered", 200, f"msg_{job_id}_completed"),
+    ]  # fmt: skip
+    assert shown[0]["retry_in_s"] > 0 and shown[2]["retry_in_s"] is None
     assert {call.headers["webhook-id"] for call in calls} == {f"msg_{job_id}_completed"}
     assert len({call.body for call in calls}) == 1  # the same bytes every time
     for call in calls:

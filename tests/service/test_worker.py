@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -133,6 +134,53 @@ def test_a_job_runs_end_to_end(api, worker, stereo_clip, jobs, s3, tmp_path):
     assert 0 < run["engine_s"] < run["upscale_s"] and (run["windows"], run["restored"]) == (1, 0), run
 
 
+def test_a_jobs_events_tell_its_owner_what_happened_and_nobody_else(api, worker, stereo_clip, service_env):
+    """GET /v1/videos/{id}/events: the job's moves and stages oldest first, the create's request id on `created`; an
+    attempt's timings and its worker's name are the operator's (`vsrq events`, from Redis); another key's GET finds
+    no such job."""
+    request_id = f"events-{secrets.token_hex(4)}"
+    files = {"video_reference": ("clip.mp4", stereo_clip, "video/mp4")}
+    data = {"model": "lanczos", "sr_resolution_scale": "2"}
+    headers = {**auth("dave"), "X-Request-Id": request_id}
+    created = requests.post(f"{api}/v1/videos", data=data, files=files, headers=headers, timeout=30)
+    assert created.status_code == 200, created.text
+    job = wait_for(api, created.json()["id"], worker)
+    assert job["status"] == "completed", job
+
+    answer = requests.get(f"{api}/v1/videos/{job['id']}/events", headers=auth("dave"), timeout=10)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    events = body["data"]
+    assert body["object"] == "list" and {event["object"] for event in events} == {"video.event"}
+    assert [event["type"] for event in events if event["type"] != "stage"] == ["created", "leased", "completed"]
+    stages = [event["stage"] for event in events if event["type"] == "stage"]
+    assert [stage for stage in stages if stage != "upscaling"] == ["probing", "encoding", "uploading"], stages
+    assert events[0]["request_id"] == request_id and events[0]["status"] == "queued"
+    assert (events[-1]["status"], events[-1]["attempt"]) == ("completed", 1)
+    assert [event["at"] for event in events] == sorted(event["at"] for event in events)
+    assert job["created_at"] == int(events[0]["at"]) and job["completed_at"] == int(events[-1]["at"])
+    assert "worker" not in answer.text and "engine_s" not in answer.text
+
+    other = requests.get(f"{api}/v1/videos/{job['id']}/events", headers=auth("erin"), timeout=10)
+    assert other.status_code == 404 and other.json()["code"] == "job_not_found", other.text
+
+    def vsrq_events(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "client.cli", "events", *args], cwd=ROOT, capture_output=True,
+                              text=True, env={**os.environ, **service_env}, timeout=60)  # fmt: skip
+
+    stored = vsrq_events(job["id"], "--json")
+    assert stored.returncode == 0, stored.stderr
+    history = json.loads(stored.stdout)
+    [run] = [event for event in history if event["type"] == "run"]
+    assert run["detail"]["engine_s"] > 0 and len(history) == len(events) + 1
+    [leased] = [event for event in history if event["type"] == "leased"]
+    text = vsrq_events(job["id"])
+    assert text.returncode == 0 and text.stdout.startswith(f"{job['id']}  owner "), text.stderr
+    assert leased["detail"]["worker"] in text.stdout
+    missing = vsrq_events("video_" + "0" * 24)
+    assert missing.returncode == 2 and missing.stderr.startswith("vsrq: job_not_found: "), missing.stderr
+
+
 def test_the_checkpoint_worker_runs_its_model(api, k6_worker, tmp_path):
     clip = write_clip(tmp_path / "small.mp4", 9, (32, 48), audio_codec="aac").read_bytes()
     job = wait_for(api, create(api, clip, model="k6-vsr")["id"], k6_worker, limit_s=120)
@@ -210,6 +258,10 @@ def test_the_reaper_requeues_an_expired_lease_and_resends_its_task(settings, job
     assert reap_once(jobs, make_celery(settings)).get(job.id) == "queued"
     assert jobs.require(job.id).status == "queued"
     assert [m["args"] for m in broker_messages(redis_client, queue) if m["task"] == UPSCALE_TASK] == [[job.id]]
+    # its owner is told why the attempt ended and another will run
+    *_, leased, requeued = jobs.event_views(job.id).data
+    assert (leased.type, leased.attempt, requeued.type, requeued.status) == ("leased", 1, "requeued", "queued")
+    assert requeued.reason.code == "lease_expired" and requeued.at - leased.at >= 1
 
 
 def test_errors_are_classified_by_whether_another_attempt_could_succeed():
