@@ -369,7 +369,9 @@ class Jobs:
         (out_width, out_height), decoded = output["size"], output["frames"]
         ok = (out_width, out_height) == (2 * width, 2 * height) and decoded == frames
         described = f"{out_width}x{out_height}x{decoded}"
-        return {"output_ok": ok, "output": described, "output_sha256": job["output"]["sha256"]}
+        # how `high`'s levers ran (cudnn_fp8 or fp8_emulated attention): other bits, told apart
+        levers = job["output"].get("quality_levers") or {}
+        return {"output_ok": ok, "output": described, "output_sha256": job["output"]["sha256"], "levers": levers}
 
     def timeline(self, job_id: str) -> dict[str, Any]:
         """The attempt's events: when it was leased, each stage, its `run` event (engine seconds), its end."""

@@ -130,6 +130,8 @@ def test_a_mixed_queue_alternates_the_tiers_and_lossless_keeps_its_bytes(tmp_pat
         ("W2", "lossless"), ("W2", "high"), ("W2", "lossless")
     ]
     assert all(job["output_ok"] for job in jobs) and queue["tiers"] == {"lossless": 7, "high": 2}
+    # each job says how its levers ran: none at lossless; on the CPU, FP8 attention emulated
+    assert {job["levers"].get("fp8_attention") for job in jobs} == {None, "fp8_emulated"}
     w2 = [job["output_sha256"] for job in jobs if job["job"] == "W2"]
     assert w2[0] == w2[2] != w2[1] and queue["lossless_same_bytes"] is True
     assert queue["stability"]["graphs_rebuilt_for_a_seen_shape"] == [] and queue["quality"] == "mixed"
