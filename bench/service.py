@@ -538,7 +538,8 @@ class Bench:
         self.attempt_seconds: dict[str, list[float]] = {}  # per clip: its queue jobs' leased -> completed
 
     def emit(self, record: dict[str, Any]) -> None:
-        record.setdefault("quality", self.args.quality)  # a mixed queue's jobs say their own
+        # a mixed queue's jobs and summary say their own; every other job of a mixed run is lossless (`Jobs`)
+        record.setdefault("quality", "lossless" if self.args.quality == "mixed" else self.args.quality)
         record |= {"blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny}
         record["date"] = time.strftime("%Y-%m-%d %H:%M")
         line = json.dumps(record)
@@ -851,6 +852,7 @@ class Bench:
             # a shape is a clip at a tier: `high`'s levers make graphs of their own
             "stability": stability([f"{name}@{tier}" for name, tier in zip(mix, tiers)], after,
                                    [line["run"].get("graphs_built") for line in lines]),
+            "quality": self.args.quality,
             "tiers": Counter(tiers),
             # lossless jobs of one clip, some after a `high` one of its shape: all the same bytes (None: none ran twice)
             "lossless_same_bytes": same_bytes(records, "lossless"),

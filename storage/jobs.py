@@ -293,6 +293,10 @@ class Video(BaseModel):
         )
 
 
+# Why the reaper requeued an attempt. Events stored before it said so named the worker: the owner's view says this.
+LEASE_EXPIRED = "the worker running the attempt stopped sending heartbeats, and its lease ran out"
+
+
 class WebhookAttempt(BaseModel):
     """One delivery attempt of a webhook (worker.webhooks), as its event records it."""
 
@@ -331,13 +335,16 @@ class VideoEvent(BaseModel):
         if event.type not in get_args(cls.model_fields["type"].annotation):
             return None
         detail = event.detail
+        reason = detail.get("reason") or detail.get("last") or None
+        if reason is not None and reason.get("code") == "lease_expired":
+            reason = {**reason, "message": LEASE_EXPIRED}
         return cls(
             type=event.type,
             at=event.at,
             attempt=event.attempt,
             status=event.status,
             stage=detail.get("stage"),
-            reason=detail.get("reason") or detail.get("last") or None,
+            reason=reason,
             error=detail.get("error") if event.type == "failed" else None,
             request_id=detail.get("request_id"),
             webhook=WebhookAttempt(**detail) if event.type == "webhook" else None,
@@ -939,7 +946,8 @@ class JobStore:
             job = self.get(job_id)
             if job is None or job.status != Status.IN_PROGRESS:
                 continue
-            reason = JobErrorInfo(code="lease_expired", message=f"worker {job.worker} stopped sending heartbeats")
+            # no worker's name: the owner sees the reason (its `leased` event names the worker, for an operator)
+            reason = JobErrorInfo(code="lease_expired", message=LEASE_EXPIRED)
             try:
                 fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(

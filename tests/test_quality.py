@@ -192,9 +192,10 @@ def test_a_worker_is_told_which_tiers_to_warm_up_as_a_comma_separated_list(monke
 
     from worker.service import WorkerSettings
 
-    assert WorkerSettings().warmup_qualities == ("lossless",)
+    monkeypatch.delenv("VSRQ_WORKER_WARMUP_QUALITIES", raising=False)
+    assert WorkerSettings(_env_file=None).warmup_qualities == ("lossless",)
     monkeypatch.setenv("VSRQ_WORKER_WARMUP_QUALITIES", "lossless, high")
-    assert WorkerSettings().warmup_qualities == ("lossless", "high")
+    assert WorkerSettings(_env_file=None).warmup_qualities == ("lossless", "high")
     monkeypatch.setenv("VSRQ_WORKER_WARMUP_QUALITIES", "lossless,fast")
     with pytest.raises(ValidationError, match="warmup_qualities"):
-        WorkerSettings()
+        WorkerSettings(_env_file=None)

@@ -40,8 +40,9 @@ class WorkerSettings(BaseSettings):
     # "all": portrait and square tiles too (a short clip each), so their first job does not compile the decoder
     # either; "landscape": a faster start (a tile size's graphs took 77 s of a one-tile first call on an H200)
     warmup_tiles: Literal["all", "landscape"] = "all"
-    # The quality tiers warmed up, comma-separated: "lossless,high" also builds `high`'s graphs (its levers make
-    # blocks of their own), so the first `high` job of a warmed shape does not compile; the start takes longer
+    # The quality tiers warmed up, comma-separated (lossless always is): "lossless,high" also builds `high`'s graphs
+    # for landscape windows (its levers make blocks of their own), so that tier's first long landscape job does not
+    # compile them; the start takes longer
     warmup_qualities: Annotated[tuple[Literal["lossless", "high"], ...], NoDecode] = ("lossless",)
     # Compiled graphs persist here between worker processes (a volume in compose/k8s): a restart loads the warmup's
     # graphs instead of compiling them (worker.sr.compile_cache). Unset: TORCHINDUCTOR_CACHE_DIR (the worker image's

@@ -137,14 +137,14 @@ def open_upscaler(
     smallest GPU (`speed` on CPUs). `offload_prefetch`: transformer blocks in flight in `offload_layers` (the
     mode's default if None). `warmup_frames` (the worker's window length; None: no warmup) builds the compiled
     blocks (GPUs) with one throwaway window, and with `warmup_every_tile_size` a short clip of each other tile size
-    (portrait, square), so the first job is not the cold one; `warmup_qualities` with "high": its levers' graphs too
-    (a start takes longer; the first `high` job of those shapes does not compile). `compile_cache_dir`: where
-    compiled graphs persist between processes (worker.sr.compile_cache): a restart loads the warmup's graphs instead
-    of compiling them. `split`: whether devices may share a tile (`SREngine`). `compile`: the transformer's and the
-    decoder's blocks compiled on GPUs ("auto"), everywhere ("on": also on CPUs, where a start then measures what a
-    GPU's does) or nowhere ("off"). `precompile`: with a `compile_cache_dir`, the compiled blocks' calls go through
-    functions compiled ahead of time and kept there (worker.sr.precompiled): a restart loads them instead of
-    tracing."""
+    (portrait, square), so the first job is not the cold one; `warmup_qualities` with "high": its levers' graphs for
+    the landscape window too (a start takes longer; the first `high` job of such windows does not compile).
+    `compile_cache_dir`: where compiled graphs persist between processes (worker.sr.compile_cache): a restart loads
+    the warmup's graphs instead of compiling them. `split`: whether devices may share a tile (`SREngine`).
+    `compile`: the transformer's and the decoder's blocks compiled on GPUs ("auto"), everywhere ("on": also on
+    CPUs, where a start then measures what a GPU's does) or nowhere ("off"). `precompile`: with a
+    `compile_cache_dir`, the compiled blocks' calls go through functions compiled ahead of time and kept there
+    (worker.sr.precompiled): a restart loads them instead of tracing."""
     if model != "lanczos":
         readahead.start(model)  # the weights come off the disk while the model's code is imported (seconds)
     cache = compile_cache.use(compile_cache_dir) if compile_cache_dir is not None else None

@@ -242,15 +242,22 @@ class SREngine:
         landscape tiles `frames` long (a temporal window: the transformer's graph for it too) and, with
         `every_tile_size`, the other trained tile sizes (portrait, square) on a short clip. They decode every segment
         shape a job of at most `frames` needs (`_segments`), each once (`DecodeEachSignatureOnce`): a job of another
-        length builds only the transformer's graph. `qualities` with `high` (and levers for it): the same tiles
-        denoised once more with its levers, whose blocks are graphs of their own; the decoder's are shared."""
+        length builds only the transformer's graph. `lossless` is always warmed up; with `high` in `qualities`, the
+        landscape window is denoised once more with its levers, whose blocks are graphs of their own (the decoder's
+        are shared, and a short clip's transformer graph serves only clips of its length)."""
         landscape = max(self.tile_sizes, key=lambda hw: hw[1] / hw[0])
-        short = 1 + self.frame_stride * (1 + self.decode_segment)  # latent: the leading frame, a segment, one more
-        others = [size for size in self.tile_sizes if every_tile_size and size != landscape]
-        shapes = [(landscape, frames), *((size, short) for size in others)]
-        # lossless first: its calls build the decoder's graphs, which every tier shares
-        tiers = [LOSSLESS, *([HIGH] if HIGH in qualities and self.high_levers else [])]
-        return [self._warm(size, length, scale, tier) for tier in tiers for size, length in shapes][0]
+        info = self._warm(landscape, frames, scale)
+        if every_tile_size:
+            short = 1 + self.frame_stride * (1 + self.decode_segment)  # latent: the leading frame, a segment, one more
+            for size in self.tile_sizes:
+                if size != landscape:
+                    self._warm(size, short, scale)
+        if HIGH in qualities:
+            if self.high_levers:
+                self._warm(landscape, frames, scale, HIGH)
+            else:
+                log.warning("warmup: quality high has no levers on this engine (it runs lossless): not warmed up")
+        return info
 
     def _warm(self, base: tuple[int, int], frames: int, scale: float, tier: str = LOSSLESS) -> RunInfo:
         """One call on tiles of `base` (output pixels at x2), and a 2-latent-frame one where `frames` leaves no
