@@ -323,7 +323,8 @@ class VideoEvent(BaseModel):
     status: Status = Field(description="the job's status after it")
     stage: Stage | None = Field(None, description="`stage`: the stage the attempt entered")
     reason: JobErrorInfo | None = Field(
-        None, description="`requeued`: why the attempt ended; `failed` and `cancelled`: the last attempt's end, if it"
+        None, description="`requeued`: why the attempt ended; `failed` and `cancelled`: why the last attempt did, where "
+        "it ended early (its worker lost, a retry)",
     )
     error: JobErrorInfo | None = Field(None, description="`failed`: the job's error")
     request_id: str | None = Field(None, description="`created`: the id of the request that created the job")
