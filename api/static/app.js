@@ -402,9 +402,53 @@ function buildRow(job) {
         el("button", {type: "button", class: "ghost", "data-action": "compare", onclick: () => compare(job.id)}, "Compare"),
         el("button", {type: "button", class: "ghost", "data-action": "download", onclick: () => download(job.id)}, "Download"),
         el("button", {type: "button", class: "ghost", "data-action": "cancel", onclick: () => cancel(job.id)}, "Cancel"),
+        el("button", {type: "button", class: "ghost", "data-action": "history", "aria-expanded": "false",
+          onclick: () => history(job.id)}, "History"),
         el("button", {type: "button", class: "ghost danger", "data-action": "delete", onclick: () => remove(job.id)}, "Delete"))),
-    el("p", {class: "job-error error small"}));
+    el("p", {class: "job-error error small"}),
+    el("ol", {class: "job-history small muted", hidden: ""}));
   return row;
+}
+
+// One line per event of GET /v1/videos/{id}/events: what happened, seconds after the job was created.
+function eventText(event) {
+  switch (event.type) {
+    case "created": return "Created";
+    case "leased": return `Attempt ${event.attempt} started`;
+    case "stage": return STAGE_LABEL[event.stage] || event.stage;
+    case "requeued": return `Attempt ${event.attempt} ended: ${event.reason.message} (${event.reason.code}); it will run again`;
+    case "cancel_requested": return "Cancel asked";
+    case "completed": return "Completed";
+    case "failed": return `Failed: ${event.error.message} (${event.error.code})`;
+    case "cancelled": return "Cancelled";
+    case "webhook": {
+      const hook = event.webhook;
+      const answer = hook.status_code ? ` (${hook.status_code})` : hook.code ? ` (${hook.code})` : "";
+      return `Webhook ${hook.event}, try ${hook.attempt}: ${hook.outcome}${answer}`;
+    }
+    default: return event.type;
+  }
+}
+
+async function history(id) {
+  const row = state.jobs.get(id).row;
+  const list = row.querySelector(".job-history");
+  const button = row.querySelector("[data-action='history']");
+  if (!list.hidden) {
+    list.hidden = true;
+    button.setAttribute("aria-expanded", "false");
+    return;
+  }
+  try {
+    const events = (await (await api(`/v1/videos/${encodeURIComponent(id)}/events`)).json()).data;
+    const start = events.length ? events[0].at : 0;
+    list.replaceChildren(...events.map((event) =>
+      el("li", {"data-type": event.type}, el("span", {class: "at"}, `+${(event.at - start).toFixed(1)} s`), " ", eventText(event))));
+    list.hidden = false;
+    button.setAttribute("aria-expanded", "true");
+  } catch (error) {
+    fail(error);
+  }
 }
 
 function fillRow(row, job) {
@@ -427,6 +471,7 @@ function fillRow(row, job) {
     compare: job.status === "completed",
     download: job.status === "completed",
     cancel: ACTIVE.has(job.status) && !job.cancel_requested,
+    history: true,
     delete: !ACTIVE.has(job.status),
   };
   for (const button of row.querySelectorAll("[data-action]")) button.hidden = !show[button.dataset.action];

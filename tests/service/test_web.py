@@ -178,6 +178,16 @@ def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_c
         assert (container.streams.video[0].width, container.streams.video[0].height) == (2 * width, 2 * height)
         assert len(container.streams.audio) == 1
 
+    # -- its history: the job's events, oldest first
+    row.get_by_role("button", name="History").click()
+    steps = row.locator(".job-history li")
+    expect(steps.first).to_contain_text("Created")
+    expect(steps.last).to_contain_text("Completed")
+    expect(row.locator(".job-history")).to_contain_text("Attempt 1 started")
+    expect(row.get_by_role("button", name="History")).to_have_attribute("aria-expanded", "true")
+    row.get_by_role("button", name="History").click()
+    expect(row.locator(".job-history")).to_be_hidden()
+
     # -- a job no worker serves waits in its queue: the person cancels it, then deletes it
     page.get_by_label("Model", exact=True).select_option("k6-vsr")
     drop(page, "#dropzone", clip)
