@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         settings=settings,
         redis=redis,
         blobs=open_blob_store(settings),
-        jobs=JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts),
+        jobs=JobStore.from_settings(settings, redis),
         celery=make_celery(settings),
         idempotency=Idempotency(redis, settings.idempotency_ttl_s, settings.idempotency_in_flight_ttl_s),
         limiter=RateLimiter(redis),

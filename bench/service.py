@@ -340,9 +340,7 @@ class Jobs:
     """Submits through the API as a user's client does, and reads the job records' events (Redis clock) back."""
 
     def __init__(self, service: Service, clips: dict[str, Path], tiny: bool, quality: str = "lossless") -> None:
-        # "mixed" names the queue's alternation (queue_tiers); a job without a tier of its own is lossless then
-        self.service, self.clips, self.tiny = service, clips, tiny
-        self.quality = "lossless" if quality == "mixed" else quality
+        self.service, self.clips, self.tiny, self.quality = service, clips, tiny, quality
         self.client = Client(service.url, service.token)
 
     def submit(self, name: str, quality: str | None = None) -> tuple[str, float]:
@@ -520,6 +518,8 @@ class Bench:
         self.root = Path(args.dir or ROOT / "var" / f"service-bench-{os.getpid()}").resolve()
         self.out = args.out
         self.devices = "cpu" if args.tiny else args.devices
+        # every job's tier, but the mixed queue's (queue_tiers): with --quality mixed, the other phases' are lossless
+        self.quality = "lossless" if args.quality == "mixed" else args.quality
         checkpoint = args.checkpoint
         if checkpoint is None:
             if not args.tiny:
@@ -538,8 +538,7 @@ class Bench:
         self.attempt_seconds: dict[str, list[float]] = {}  # per clip: its queue jobs' leased -> completed
 
     def emit(self, record: dict[str, Any]) -> None:
-        # a mixed queue's jobs and summary say their own; every other job of a mixed run is lossless (`Jobs`)
-        record.setdefault("quality", "lossless" if self.args.quality == "mixed" else self.args.quality)
+        record.setdefault("quality", self.quality)  # a mixed queue's jobs and summary say their own
         record |= {"blobs": self.args.blobs, "devices": self.devices, "tiny": self.tiny}
         record["date"] = time.strftime("%Y-%m-%d %H:%M")
         line = json.dumps(record)
@@ -571,7 +570,7 @@ class Bench:
 
     def solo(self) -> None:
         self.ensure_worker()
-        jobs = Jobs(self.service, self.clips, self.tiny, self.args.quality)
+        jobs = Jobs(self.service, self.clips, self.tiny, self.quality)
         records = []
         for name in self.args.solo.split(","):
             job_id, posted = jobs.submit(name)
@@ -600,7 +599,7 @@ class Bench:
         killed mid-way with its worker."""
         self.ensure_worker()
         files = world_files(self.args)
-        jobs = Jobs(self.service, files, self.tiny, self.args.quality)
+        jobs = Jobs(self.service, files, self.tiny, self.quality)
         inputs = {name: read_back(path) for name, path in files.items()}
         records: dict[str, list[dict[str, Any]]] = {}
         for round_ in ("first", "hot"):
@@ -784,7 +783,7 @@ class Bench:
 
     def _queue(self) -> dict[str, Any]:
         """The mixed queue submitted at once to the running worker: each job's record emitted, the queue's returned."""
-        jobs = Jobs(self.service, self.clips, self.tiny, self.args.quality)
+        jobs = Jobs(self.service, self.clips, self.tiny, self.quality)
         sampler = GpuSampler().start()
         mix = (MIX * (self.args.jobs // len(MIX) + 1))[: self.args.jobs]
         tiers = queue_tiers(mix, self.args.quality)

@@ -7,6 +7,11 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where a command runs: `vsrq --help` needs neither
+    from storage.config import Settings
+    from storage.jobs import JobStore
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -45,15 +50,11 @@ def status(args: argparse.Namespace) -> int:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    from storage.config import Settings
-    from storage.jobs import JobStore, open_redis
     from storage.overview import overview
     from storage.workers import WorkerRegistry
 
-    _dev_stack_env()
-    settings = Settings()
-    redis = open_redis(settings)
-    jobs = JobStore(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+    settings, jobs = _job_store()
+    redis = jobs.redis
     try:
         now = overview(
             jobs,
@@ -129,12 +130,9 @@ def events(args: argparse.Namespace) -> int:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    from storage.config import Settings
-    from storage.jobs import JobNotFound, JobStore, open_redis
+    from storage.jobs import JobNotFound
 
-    _dev_stack_env()
-    settings = Settings()
-    jobs = JobStore(open_redis(settings), result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+    settings, jobs = _job_store()
     try:
         job = jobs.require(args.job_id)
         history = jobs.events(args.job_id)
@@ -155,6 +153,16 @@ def events(args: argparse.Namespace) -> int:
         detail = json.dumps(event.detail, separators=(",", ":")) if event.detail else ""
         print(f"  {at}  +{since:8.3f}s  #{event.attempt}  {event.type:<16} {event.status:<11} {detail}")
     return 0
+
+
+def _job_store() -> tuple[Settings, JobStore]:
+    """The settings and job store of the service this machine reaches (`_dev_stack_env`)."""
+    from storage.config import Settings
+    from storage.jobs import JobStore
+
+    _dev_stack_env()
+    settings = Settings()
+    return settings, JobStore.from_settings(settings)
 
 
 def _dev_stack_env() -> None:

@@ -649,6 +649,12 @@ def new_lease_token() -> str:
 
 
 class JobStore:
+    @classmethod
+    def from_settings(cls, settings: Settings, redis: Redis | None = None) -> JobStore:
+        """The store a process of this service uses: its Redis (`open_redis` unless given), TTL and attempts."""
+        redis = open_redis(settings) if redis is None else redis
+        return cls(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+
     def __init__(self, redis: Redis, *, result_ttl_s: int, max_attempts: int, prefix: str = "vsrq") -> None:
         self.redis, self.result_ttl_s, self.max_attempts, self.prefix = redis, result_ttl_s, max_attempts, prefix
         scripts = {

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from storage.blobs import BlobStore, open_blob_store
 from storage.config import Settings
-from storage.jobs import JobStore, open_redis
+from storage.jobs import JobStore
 
 
 class WorkerSettings(BaseSettings):
@@ -103,8 +103,7 @@ def worker_settings() -> WorkerSettings:
 
 @cache
 def jobs() -> JobStore:
-    config = settings()
-    return JobStore(open_redis(config), result_ttl_s=config.result_ttl_s, max_attempts=config.max_attempts)
+    return JobStore.from_settings(settings())
 
 
 @cache

@@ -286,9 +286,10 @@ class SREngine:
         started, graphs, compiling = perf_counter(), compile_cache.graphs_built(), compile_cache.seconds()
         functions = precompiled.stats()
         info = run(frames)
-        lengths = [part.stop - part.start for part in self._segments(self._latent_frames(frames))[1:]]
-        if tier == LOSSLESS and 1 not in lengths:
-            run(1 + self.frame_stride)  # the leading frame and one more: the single-frame shape
+        if tier == LOSSLESS:  # the decoder's shapes: another tier's call needs none of its own
+            lengths = [part.stop - part.start for part in self._segments(self._latent_frames(frames))[1:]]
+            if 1 not in lengths:
+                run(1 + self.frame_stride)  # the leading frame and one more: the single-frame shape
         graphs = {name: count - graphs[name] for name, count in compile_cache.graphs_built().items()}
         compiling = {name: value - compiling[name] for name, value in compile_cache.seconds().items()}
         functions = {name: value - functions[name] for name, value in precompiled.stats().items()}
