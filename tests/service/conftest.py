@@ -43,6 +43,14 @@ MODELS = {"k6-vsr": "vsrq.k6", "lanczos": "vsrq.cpu"}
 WORKER_THREADS = {"OMP_NUM_THREADS": "1"}
 
 
+def vsrq(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The `vsrq` command, as an operator on this machine runs it against this stack."""
+    return subprocess.run(
+        [sys.executable, "-m", "client.cli", *args],
+        cwd=ROOT, env={**os.environ, **service_env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     with Stack(tmp_path_factory.mktemp("stack")) as running:

@@ -4,25 +4,20 @@ that expires, shows in `vsrq status --json` and in /healthz, and leaves the regi
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
-import sys
 import time
 
 from storage.workers import WorkerInfo, WorkerRegistry
 
-from .conftest import ROOT
+from .conftest import vsrq
 from .test_worker import celery_worker
 
 QUEUE = "vsrq.status-probe"  # served by no model: this worker takes none of the other tests' jobs
 
 
 def vsrq_status(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "client.cli", "status", *args],
-        cwd=ROOT, env={**os.environ, **service_env}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    return vsrq(service_env, "status", *args)
 
 
 def test_vsrq_status_lists_a_live_worker(service_env, settings, tmp_path):

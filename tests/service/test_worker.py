@@ -41,7 +41,7 @@ from worker.reaper import reap_once
 from worker.scratch import scratch_bytes
 from worker.sr.checkpoint import write_tiny
 
-from .conftest import ROOT, WORKER_THREADS, auth, broker_messages
+from .conftest import ROOT, WORKER_THREADS, auth, broker_messages, vsrq
 
 TERMINAL = ("completed", "failed", "cancelled")
 
@@ -164,20 +164,16 @@ def test_a_jobs_events_tell_its_owner_what_happened_and_nobody_else(api, worker,
     other = requests.get(f"{api}/v1/videos/{job['id']}/events", headers=auth("erin"), timeout=10)
     assert other.status_code == 404 and other.json()["code"] == "job_not_found", other.text
 
-    def vsrq_events(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "client.cli", "events", *args], cwd=ROOT, capture_output=True,
-                              text=True, env={**os.environ, **service_env}, timeout=60)  # fmt: skip
-
-    stored = vsrq_events(job["id"], "--json")
+    stored = vsrq(service_env, "events", job["id"], "--json")
     assert stored.returncode == 0, stored.stderr
     history = json.loads(stored.stdout)
     [run] = [event for event in history if event["type"] == "run"]
     assert run["detail"]["engine_s"] > 0 and len(history) == len(events) + 1
     [leased] = [event for event in history if event["type"] == "leased"]
-    text = vsrq_events(job["id"])
+    text = vsrq(service_env, "events", job["id"])
     assert text.returncode == 0 and text.stdout.startswith(f"{job['id']}  owner "), text.stderr
     assert leased["detail"]["worker"] in text.stdout
-    missing = vsrq_events("video_" + "0" * 24)
+    missing = vsrq(service_env, "events", "video_" + "0" * 24)
     assert missing.returncode == 2 and missing.stderr.startswith("vsrq: job_not_found: "), missing.stderr
 
 
