@@ -532,6 +532,27 @@ def test_a_variable_rate_clips_last_frame_lasts_as_the_source_says_not_an_averag
     assert abs(result.written.video.duration - 5.36) <= 0.001
 
 
+@pytest.mark.parametrize("suffix", ["mp4", "mkv"])
+def test_a_variable_rate_clip_with_b_frames_ends_where_ffmpeg_says_the_source_ends(tmp_path, suffix):
+    """With B-frames the frame shown last is not the one decoded last, and an MP4's sample durations are gaps between
+    decode times: read as the last frame's length, a clip from the bad-input corpus came back 0.1 s short of what was
+    promised and failed as output_mismatch where x264 chose such frame types. The source's B-frames come in a fixed
+    pattern, with a pause before a reference frame; one whose track ends on its last frame (MP4 as PyAV writes it)
+    gets an average frame more."""
+    stamps = [0, 40, 80, 120, 160, 200, 1200, 1240, 1280, 1320]  # ms: a pause where x264 puts a reference frame
+    source = write_clip(tmp_path / f"in.{suffix}", len(stamps), (48, 80), Fraction(25), timestamps=stamps,
+                        time_base=Fraction(1, 1000), video_options={"x264-params": "bframes=2:b-adapt=0"})  # fmt: skip
+    with av.open(str(source)) as given:
+        declared = given.duration / 1e6  # what ffprobe reads: the format's duration
+    expected = declared if declared > 1.320 + 1e-3 else 1.320 * len(stamps) / (len(stamps) - 1)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), UpscaleOptions(request=SRRequest(scale=2)))  # B-frames
+    with av.open(str(output)) as written:
+        assert abs(written.duration / 1e6 - expected) <= 1e-3, (written.duration, expected)
+    assert np.allclose(frame_times(output), np.array(stamps) / 1000, atol=1e-3)
+    assert abs(result.written.video.duration - expected) <= 1e-3
+
+
 def test_mp3_below_16_khz_is_re_encoded_as_mp4_cannot_hold_it(tmp_path):
     """MPEG-2.5 MP3 (8, 11.025, 12 kHz: voice recorders, old phones) is no MP4 codec: FFmpeg's muxer refuses it. It
     was copied, and the job failed at the output's first audio packet (av.error.ArgumentError), as an internal error."""

@@ -145,7 +145,8 @@ def test_bad_files_fail_with_their_code_and_odd_ones_complete(rel_api, cpu_worke
     assert not wrong, wrong
     for name, job in outcomes.items():
         if job["error"]:
-            assert job["error"]["code"] in BAD_INPUT_CODES and "Traceback" not in job["error"]["message"], job
+            error = job["error"]
+            assert error["code"] in BAD_INPUT_CODES and "Traceback" not in error["message"], (name, error)
     for name, (_, (width, height, frames)) in ODD.items():
         job = outcomes[name]
         assert job["status"] == "completed", (name, job)

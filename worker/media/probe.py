@@ -275,8 +275,11 @@ class _Scan:
     first_frame: av.VideoFrame | None = None
     video_packets: int = 0  # every packet, including those an edit list discards
     timestamps: list[int | None] = field(default_factory=list)  # presented frames, decode order
+    decode_timed: bool = False  # the container times samples by decode-time gaps (ISO BMFF: MP4, MOV, 3GP)
     latest: int | None = None  # the latest presentation time so far (B-frames come back earlier)
-    last_duration: int = 0  # the packet duration of the frame presented last, at `latest`
+    latest_duration: int = 0  # that frame's packet duration
+    decode_start: int | None = None  # the presented frames' earliest decode time
+    decode_end: int | None = None  # and the latest decode time plus that packet's duration
     extents: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # audio -> (start, end, longest packet)
     end: float = 0.0  # latest packet end over all streams, seconds
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
@@ -285,6 +288,26 @@ class _Scan:
     # stored (width, height) -> the shape it is shown at (width x the decoder's pixel aspect / height), in order seen
     sizes: dict[tuple[int, int], Fraction] = field(default_factory=dict)
     sampled: float | None = None  # seconds: the last keyframe decoded for its size
+
+    def track(self, packet: av.Packet) -> None:
+        """Follow where a presented frame's `packet` puts the track's last frame and its end."""
+        if self.latest is None or packet.pts > self.latest:
+            self.latest, self.latest_duration = packet.pts, packet.duration or 0
+        decoded = packet.pts if packet.dts is None else packet.dts
+        self.decode_start = decoded if self.decode_start is None else min(self.decode_start, decoded)
+        end = decoded + (packet.duration or 0)
+        self.decode_end = end if self.decode_end is None else max(self.decode_end, end)
+
+    def last_duration(self, first: int) -> int:
+        """How long the frame presented last lasts, given the first one's time (0: the file does not say). An MP4's
+        sample durations (`stts`) are gaps between decode times, not how long a frame is shown once B-frames
+        reorder them: its last frame lasts until the track's decode span, counted from `first`, ends. Other
+        containers (Matroska's block durations) give how long each frame is shown."""
+        if self.latest is None or self.decode_start is None or self.decode_end is None:
+            return 0
+        if not self.decode_timed:
+            return self.latest_duration
+        return max(0, first + self.decode_end - self.decode_start - self.latest)
 
 
 def cut_off(packet: av.Packet, size: int) -> bool:
@@ -296,7 +319,7 @@ def cut_off(packet: av.Packet, size: int) -> bool:
 
 
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
-    scan = _Scan()
+    scan = _Scan(decode_timed="mp4" in container.format.name.split(","))
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
     unpack = unpacker(stream)
@@ -320,8 +343,8 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if not scan.keyframe_seen and packet.is_keyframe:
                 scan.keyframe_seen, scan.key_pts = True, packet.pts
             if scan.keyframe_seen and not packet.is_discard:
-                if packet.pts is not None and (scan.latest is None or packet.pts > scan.latest):
-                    scan.latest, scan.last_duration = packet.pts, packet.duration or 0
+                if packet.pts is not None:
+                    scan.track(packet)
                 scan.timestamps.append(packet.pts)
                 if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
                     raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
@@ -515,9 +538,9 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     if limits.max_fps is not None and fps > limits.max_fps:
         raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
     first = timestamps[0] if timestamps else 0
-    # The last frame of a variable rate lasts as its packet says (a screen recording's last frame after a pause is
-    # not as long as an average one), else as long as an average one.
-    last_duration = scan.last_duration if not cfr and scan.last_duration > 0 else 0
+    # The last frame of a variable rate lasts as the file says (a screen recording's last frame after a pause is not
+    # as long as an average one), else as long as an average one.
+    last_duration = 0 if cfr else scan.last_duration(first)
     if cfr:
         duration = frames / fps
     elif last_duration:

@@ -234,6 +234,8 @@ class Mp4Writer:
         self._on_frame = on_frame
         self._durations = _durations(timestamps, start, last_duration) if timestamps is not None else {}
         self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
+        self._tail: av.Packet | None = None  # the latest packet in decode order: the last one ends the track
+        self._decode_start: int | None = None
         self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": "+faststart"})
         self.container.metadata.update(metadata or {})
         if chapters:  # (start, end, title) in output seconds; FFmpeg writes them as a QuickTime chapter track
@@ -311,6 +313,7 @@ class Mp4Writer:
             drained = True
             self._mux_video(self.stream.encode())
             self._release_held()
+            self._mux_tail()
             if self.passthrough is not None:
                 self.passthrough.mux_until(None)
         except BaseException as error:  # handed to the producer thread
@@ -329,7 +332,7 @@ class Mp4Writer:
                     self._held.append(packet)
                     continue
                 self._release_held()
-            self.container.mux(packet)
+            self._mux_timed(packet)
 
     def _release_held(self) -> None:
         """Mux the packets an encoder decodes before the first frame's time, with decode times that keep the sum
@@ -345,7 +348,30 @@ class Mp4Writer:
             for number, packet in enumerate(held):
                 packet.dts = first + round(number * span / len(held))
         for packet in held:
+            self._mux_timed(packet)
+
+    def _mux_timed(self, packet: av.Packet) -> None:
+        """Mux `packet`, one behind: the last in decode order is given the duration that ends the track where the
+        last frame ends (`_mux_tail`)."""
+        if not self._durations or packet.dts is None:
             self.container.mux(packet)
+            return
+        if self._decode_start is None:
+            self._decode_start = packet.dts
+        if self._tail is not None:
+            self.container.mux(self._tail)
+        self._tail = packet
+
+    def _mux_tail(self) -> None:
+        """An MP4's track lasts its sample durations, each the gap to the next decode time and the last one's own:
+        with B-frames the packet decoded last is not the frame shown last, so its duration is what makes the
+        track end as the last frame does (as probe reads it back, from the first frame's time)."""
+        packet, self._tail = self._tail, None
+        if packet is None or self._decode_start is None:
+            return
+        first, end = min(self._durations), max(t + d for t, d in self._durations.items())
+        packet.duration = max(1, end - first + self._decode_start - packet.dts)
+        self.container.mux(packet)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
