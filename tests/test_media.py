@@ -553,6 +553,25 @@ def test_a_variable_rate_clip_with_b_frames_ends_where_ffmpeg_says_the_source_en
     assert abs(result.written.video.duration - expected) <= 1e-3
 
 
+def test_alac_in_matroska_is_copied_whole_though_its_packets_carry_no_durations(tmp_path):
+    """Matroska gives ALAC's packets no durations. The copy dropped the first one (it ended where it started, as if
+    before the video), and the MP4's last sample lasted nothing: output_mismatch, or a sound cut short by a packet."""
+    source = write_clip(tmp_path / "in.mkv", 24, (48, 64), Fraction(24), audio_codec="alac", sample_rate=44100)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+
+    def sound(path: Path) -> tuple[str, np.ndarray, float]:
+        with av.open(str(path)) as container:
+            stream = container.streams.audio[0]
+            samples = np.concatenate([frame.to_ndarray() for frame in container.decode(stream)], axis=1)
+            return stream.codec_context.name, samples, float((stream.duration or 0) * stream.time_base)
+
+    (_, given, _), (codec, written, declared) = sound(source), sound(output)
+    assert codec == "alac" and result.written.audio[0].start == 0.0
+    assert np.array_equal(written, given)  # lossless, copied: every sample, from the first
+    assert declared >= given.shape[1] / 44100  # the track lasts as long as its sound
+
+
 def test_mp3_below_16_khz_is_re_encoded_as_mp4_cannot_hold_it(tmp_path):
     """MPEG-2.5 MP3 (8, 11.025, 12 kHz: voice recorders, old phones) is no MP4 codec: FFmpeg's muxer refuses it. It
     was copied, and the job failed at the output's first audio packet (av.error.ArgumentError), as an internal error."""

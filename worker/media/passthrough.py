@@ -212,11 +212,17 @@ class _Handler:
 class _Copy(_Handler):
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
         self.muxed = False
+        self.latest: int | None = None  # the latest packet's time
         return output.add_stream_from_template(self.source)
 
     def take(self, packet: av.Packet) -> None:
         if packet.size == 0 or packet.pts is None:
             return
+        if not packet.duration and self.latest is not None:
+            # ALAC in Matroska: packets without durations. The MP4's last sample would last nothing and cut the
+            # sound short by a packet: each lasts as long as the one before it (as probe reads such a stream).
+            packet.duration = packet.pts - self.latest
+        self.latest = packet.pts
         if packet.is_discard and self.muxed:
             # An MP4 edit list of several edits (a clip cut in QuickTime without re-encoding): each later edit's
             # lead-in comes marked to discard, timed back before sound already muxed. Its sound is cut by the edit;
@@ -227,7 +233,7 @@ class _Copy(_Handler):
         # Keep one packet before the start: codecs like AAC need it to decode the first samples (the MP4 edit list
         # hides it). At the end a copy can only be cut between packets: keep those that are mostly before it.
         end = self.passthrough.end
-        if start + duration <= -duration or (end is not None and start + duration / 2 >= end):
+        if (start < 0 and start + duration <= -duration) or (end is not None and start + duration / 2 >= end):
             return
         shift = round(self.passthrough.offset / packet.time_base)
         packet.pts -= shift

@@ -281,6 +281,7 @@ class _Scan:
     decode_start: int | None = None  # the presented frames' earliest decode time
     decode_end: int | None = None  # and the latest decode time plus that packet's duration
     extents: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # audio -> (start, end, longest packet)
+    audio_latest: dict[int, float] = field(default_factory=dict)  # audio -> its latest packet's start, seconds
     end: float = 0.0  # latest packet end over all streams, seconds
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
@@ -332,8 +333,11 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if packet.pts is not None and packet.time_base is not None:
                 start = float(packet.pts * packet.time_base)
                 end = start + float((packet.duration or 0) * packet.time_base)
+                if owner.type == "audio" and not packet.duration and owner.index in scan.extents:
+                    end = start + start - scan.audio_latest[owner.index]  # as a copy times it (passthrough._Copy)
                 scan.end, scan.first = max(scan.end, end), min(scan.first, start)
                 if owner.type == "audio" and not packet.is_discard:
+                    scan.audio_latest[owner.index] = start
                     first, last, longest = scan.extents.get(owner.index, (start, end, 0.0))
                     scan.extents[owner.index] = (min(first, start), max(last, end), max(longest, end - start))
             if owner.index != stream.index:
