@@ -332,8 +332,9 @@ class VideoEvent(BaseModel):
 
     @classmethod
     def of(cls, event: JobEvent) -> VideoEvent | None:
-        """The owner's view of `event`; None for the operator's own (an attempt's timings)."""
-        if event.type not in get_args(cls.model_fields["type"].annotation):
+        """The owner's view of `event`; None for the operator's own (an attempt's timings, a lease taken over by its
+        message's next try after a lost reply: the same attempt, not another)."""
+        if event.type not in get_args(cls.model_fields["type"].annotation) or "taken_over" in event.detail:
             return None
         detail = event.detail
         reason = detail.get("reason") or detail.get("last") or None

@@ -159,6 +159,9 @@ def test_a_lease_whose_reply_was_lost_is_taken_over_by_the_next_try_and_only_by_
     events = jobs.events(job.id)
     assert [event.type for event in events] == ["created", "leased", "cancel_requested", "leased", "cancelled"]
     assert events[3].detail == {"worker": "gpu-1", "taken_over": lost} and events[3].attempt == 1
+    # its owner sees one attempt, leased once
+    seen = [(event.type, event.attempt) for event in jobs.event_views(job.id).data]
+    assert seen == [("created", 0), ("leased", 1), ("cancel_requested", 1), ("cancelled", 1)]
 
 
 def test_expired_leases_are_reaped_and_quarantined_after_max_attempts(jobs: JobStore):
