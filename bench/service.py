@@ -295,6 +295,22 @@ class Service:
                 values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return values
 
+    def settled_metrics(self, limit_s: float = 5.0) -> dict[str, float]:
+        """The idle worker's /metrics once its thread count has held for half a second (a job's tail threads exit
+        after its client reads it completed), else those with the fewest threads within `limit_s`."""
+        threads = "vsrq_worker_threads"
+        lowest = self.metrics()
+        held_since = time.monotonic()
+        deadline = held_since + limit_s
+        while time.monotonic() - held_since < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            values = self.metrics()
+            if values.get(threads) != lowest.get(threads):
+                held_since = time.monotonic()
+            if values.get(threads, 0) <= lowest.get(threads, 0):
+                lowest = values
+        return lowest
+
     def start_reaper(self, interval_s: float = 1.0) -> None:
         """The reaper (worker.reaper), which requeues a killed worker's job once its lease runs out."""
         if "reaper" not in self._processes:
@@ -784,6 +800,7 @@ class Bench:
     def _queue(self) -> dict[str, Any]:
         """The mixed queue submitted at once to the running worker: each job's record emitted, the queue's returned."""
         jobs = Jobs(self.service, self.clips, self.tiny, self.quality)
+        before = self.service.settled_metrics()
         sampler = GpuSampler().start()
         mix = (MIX * (self.args.jobs // len(MIX) + 1))[: self.args.jobs]
         tiers = queue_tiers(mix, self.args.quality)
@@ -808,6 +825,7 @@ class Bench:
             self.attempt_seconds.setdefault(name, []).append(record["leased_to_completed_s"])
         end = time.monotonic()
         sampler.stop()
+        settled = self.service.settled_metrics()
         lines = [jobs.timeline(job_id) for _, job_id, _ in submitted]
         first_leased = min(line["at"]["leased"] for line in lines)
         last_completed = max(line["at"]["completed"] for line in lines)
@@ -849,7 +867,7 @@ class Bench:
             "output_megapixel_frames": round(megapixel_frames, 2),
             "megapixel_frames_per_gpu_hour": round(megapixel_frames / busy_wall * 3600, 1),
             # a shape is a clip at a tier: `high`'s levers make graphs of their own
-            "stability": stability([f"{name}@{tier}" for name, tier in zip(mix, tiers)], after,
+            "stability": stability([f"{name}@{tier}" for name, tier in zip(mix, tiers)], after, (before, settled),
                                    [line["run"].get("graphs_built") for line in lines]),
             "quality": self.args.quality,
             "tiers": Counter(tiers),
@@ -963,9 +981,13 @@ def same_bytes(records: list[dict[str, Any]], quality: str) -> bool | None:
     return all(len(set(hashes)) == 1 for hashes in repeated) if repeated else None
 
 
-def stability(mix: list[str], after: list[dict[str, float]], graphs: list[int | None]) -> dict[str, Any]:
+def stability(
+    mix: list[str], after: list[dict[str, float]], idle: tuple[dict[str, float], dict[str, float]],
+    graphs: list[int | None],
+) -> dict[str, Any]:
     """Memory after the last job against the highest after the first job of each shape; graphs built by a job of a
-    shape seen before; threads and pinned memory from the first job to the last."""
+    shape seen before; threads after the first job and once the worker has settled after the last, and the `idle`
+    worker's before the queue and after it (the same unless a job leaves a thread behind)."""
     firsts = [gauges(after[mix.index(name)]) for name in dict.fromkeys(mix)]
     last = gauges(after[-1])
     peak = {key: max(first.get(key) or 0 for first in firsts) for key in last if key.endswith("_gib")}
@@ -980,7 +1002,8 @@ def stability(mix: list[str], after: list[dict[str, float]], graphs: list[int | 
         "max_after_first_of_each_shape": {key: round(value, 3) for key, value in peak.items()},
         "last_over_first_peak": {key: round(last[key] / peak[key], 4) for key in peak if peak[key]},
         "graphs_rebuilt_for_a_seen_shape": rebuilt,
-        "threads_first_last": [gauges(after[0])["threads"], last["threads"]],
+        "threads_first_last": [gauges(after[0])["threads"], gauges(idle[1])["threads"]],
+        "idle_threads_before_after": [gauges(metrics)["threads"] for metrics in idle],
     }
 
 

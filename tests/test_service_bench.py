@@ -74,11 +74,11 @@ def test_the_service_bench_reports_every_figure(tmp_path):
         stability = queue["stability"]
         assert stability["graphs_rebuilt_for_a_seen_shape"] == [] and stability["jobs"] == 3
         assert 0.5 < stability["last_over_first_peak"]["rss_gib"] < 2
+        # threads: the idle worker's before the queue, and after it once settled, can be no more than those alive
+        # while the first job ended (the next one's at work too): threads the jobs left behind would show as more
         first, last = stability["threads_first_last"]
-        if queue["overlap_tail"]:  # the first job's count, read in its tail, includes the next job's threads at work
-            assert 0 < last <= first
-        else:
-            assert first == last > 0  # no thread left per job
+        before, after = stability["idle_threads_before_after"]
+        assert 0 < before <= after == last <= first, stability
     assert inline["idle_s_by_cause"]["between_jobs"] > 0  # inline: the next job is leased once this one completed
     assert overlapped["idle_s_by_cause"]["between_jobs"] < 0  # overlapped: leased while this one's tail ran
     [overlap] = by_phase["overlap"]

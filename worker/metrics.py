@@ -79,7 +79,8 @@ PINNED_HOST = Gauge(
     "vsrq_pinned_host_bytes",
     "Pinned host memory PyTorch's host allocator owns (in use and cached) after the last job (GPU workers).",
 )
-THREADS = Gauge("vsrq_worker_threads", "Python threads alive in the worker process after the last job.")
+THREADS = Gauge("vsrq_worker_threads", "Python threads alive in the worker process.")
+THREADS.set_function(threading.active_count)  # read when scraped: an idle worker's count is the one that tells a leak
 RESIDENT = Gauge(
     "vsrq_worker_resident_bytes",
     "Host memory resident in the worker process after the last job. prometheus_client's process_ metrics need "
@@ -99,7 +100,6 @@ def record_upscale(result: Result) -> None:
     TILES.inc(tiles)
     FRAMES.inc(result.written.video.frames)
     ENGINE_SECONDS.observe(result.engine_seconds)
-    THREADS.set(threading.active_count())
     import psutil  # the GPU worker's dependency, not the webhook worker's
 
     RESIDENT.set(psutil.Process().memory_info().rss)
