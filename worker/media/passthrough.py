@@ -218,7 +218,7 @@ class _Copy(_Handler):
     def take(self, packet: av.Packet) -> None:
         if packet.size == 0 or packet.pts is None:
             return
-        if not packet.duration and self.latest is not None:
+        if not packet.duration and self.latest is not None and packet.pts > self.latest:
             # ALAC in Matroska: packets without durations. The MP4's last sample would last nothing and cut the
             # sound short by a packet: each lasts as long as the one before it (as probe reads such a stream).
             packet.duration = packet.pts - self.latest
