@@ -186,6 +186,20 @@ def test_subtitles_languages_metadata_and_chapters_follow_into_the_mp4(tmp_path)
     assert kept == [(start, title) for start, _, title in chapters]
 
 
+def test_overlapping_cues_show_together_at_their_own_times(tmp_path):
+    """Two speakers' SRT cues overlap. An MP4 text track shows one sample at a time: the muxer moved the second cue to
+    after the first ended (0.1 s late, and to 1.0 s instead of 0.9); now the overlap shows both, one line each."""
+    srt = "1\n00:00:00,100 --> 00:00:00,600\nBonjour\n\n2\n00:00:00,500 --> 00:00:00,900\nAu revoir\n"
+    source = write_clip(tmp_path / "in.mkv", 30, SIZE, Fraction(30), subtitles=srt)
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    with av.open(str(output)) as container:
+        stream = container.streams.subtitles[0]
+        samples = [packet for packet in container.demux(stream) if packet.size > 2]  # not the muxer's empty ones
+        shown = [(float(p.pts * p.time_base), float(p.duration * p.time_base), bytes(p)[2:].decode()) for p in samples]
+    assert shown == [(0.1, 0.4, "Bonjour"), (0.5, 0.1, "Bonjour\nAu revoir"), (0.6, 0.3, "Au revoir")]
+
+
 @pytest.mark.parametrize(
     ("target", "mode", "size"),
     [("320x240", "fit", (316, 240)), ("320x240", "exact", (320, 240)), ("hd", "fit", (500, 380)), ("240x320", "fit", (240, 182))],

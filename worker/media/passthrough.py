@@ -24,6 +24,7 @@ from fractions import Fraction
 
 import av
 import numpy as np
+from av.subtitles.subtitle import AssSubtitle, SubtitleSet
 
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AudioInfo, AVError, MediaInfo, cut_off
@@ -441,6 +442,11 @@ def audio_output(audio: AudioInfo, action: str) -> tuple[str, int, int]:
 
 
 class _ToMovText(_Handler):
+    """Text subtitles as mov_text, in milliseconds of output time. An MP4 text track shows one sample at a time, and
+    FFmpeg's muxer moves a cue that starts before the last one ended to after it (each one after a sign or a second
+    speaker came late, and later in turn): cues that overlap are cut where any starts or ends, and each piece shows
+    every cue on screen then, one line after another."""
+
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
         decoder = self.source.codec_context
         decoder.open()  # its ASS header is the encoder's, and must exist before the output header is written
@@ -448,6 +454,8 @@ class _ToMovText(_Handler):
         stream.codec_context.time_base = Fraction(1, 1000)
         stream.codec_context.subtitle_header = decoder.subtitle_header
         stream.codec_context.open()
+        self.shown: list[tuple[int, int, bytes]] = []  # cues on screen: (start, end) in ms, the ASS dialogue
+        self.cut = 0  # ms before which every piece has been muxed
         return stream
 
     def take(self, packet: av.Packet) -> None:
@@ -456,11 +464,38 @@ class _ToMovText(_Handler):
         start = self.passthrough.output_time(packet)
         with self.passthrough.reading():
             subtitles = self.source.codec_context.decode2(packet)
-        end = self.passthrough.end
-        if not subtitles or (end is not None and start >= end) or start + float((packet.duration or 0) * packet.time_base) <= 0:
+        end = start + float((packet.duration or 0) * packet.time_base)
+        if self.passthrough.end is not None:
+            end = min(end, self.passthrough.end)
+        first, last = max(round(start * 1000), 0), round(end * 1000)
+        dialogues = [rect.ass for rect in subtitles.rects if isinstance(rect, AssSubtitle)] if subtitles else []
+        if not dialogues or last <= first:
             return
-        encoded = self.output.codec_context.encode_subtitle(subtitles)
-        encoded.stream, encoded.time_base = self.output, packet.time_base
-        encoded.pts = encoded.dts = packet.pts - round(self.passthrough.offset / packet.time_base)
-        encoded.duration = packet.duration
-        self.output.container.mux(encoded)
+        self._show_until(first)
+        self.shown.extend((first, last, dialogue) for dialogue in dialogues)
+
+    def finish(self) -> None:
+        self._show_until(None)
+
+    def _show_until(self, until: int | None) -> None:
+        """Mux what is on screen before `until` ms (None: all), a piece between each two cue starts or ends."""
+        while self.shown:
+            begin = max(self.cut, min(start for start, _, _ in self.shown))
+            if until is not None and begin >= until:
+                return
+            boundary = min(t for start, end, _ in self.shown for t in (start, end) if t > begin)
+            self._mux_piece(begin, boundary if until is None else min(boundary, until))
+
+    def _mux_piece(self, begin: int, end: int) -> None:
+        on = [dialogue for start, stop, dialogue in self.shown if start <= begin and stop >= end]
+        if on:
+            fields = on[0].split(b",", 8)  # ReadOrder,Layer,Style,Name,MarginL,MarginR,MarginV,Effect,Text
+            text = b"\\N".join(dialogue.split(b",", 8)[-1] for dialogue in on)
+            piece = SubtitleSet.create(b",".join([*fields[:8], text]), 0, end - begin, pts=begin)
+            encoded = self.output.codec_context.encode_subtitle(piece)
+            encoded.stream, encoded.time_base = self.output, Fraction(1, 1000)
+            encoded.pts = encoded.dts = begin
+            encoded.duration = end - begin
+            self.output.container.mux(encoded)
+        self.cut = end
+        self.shown = [cue for cue in self.shown if cue[1] > end]
