@@ -467,7 +467,8 @@ class _ToMovText(_Handler):
         end = start + float((packet.duration or 0) * packet.time_base)
         if self.passthrough.end is not None:
             end = min(end, self.passthrough.end)
-        first, last = max(round(start * 1000), 0), round(end * 1000)
+        # a cue from before what is muxed (out of order) shows from there on
+        first, last = max(round(start * 1000), 0, self.cut), round(end * 1000)
         dialogues = [rect.ass for rect in subtitles.rects if isinstance(rect, AssSubtitle)] if subtitles else []
         if not dialogues or last <= first:
             return
@@ -487,15 +488,14 @@ class _ToMovText(_Handler):
             self._mux_piece(begin, boundary if until is None else min(boundary, until))
 
     def _mux_piece(self, begin: int, end: int) -> None:
-        on = [dialogue for start, stop, dialogue in self.shown if start <= begin and stop >= end]
-        if on:
-            fields = on[0].split(b",", 8)  # ReadOrder,Layer,Style,Name,MarginL,MarginR,MarginV,Effect,Text
-            text = b"\\N".join(dialogue.split(b",", 8)[-1] for dialogue in on)
-            piece = SubtitleSet.create(b",".join([*fields[:8], text]), 0, end - begin, pts=begin)
-            encoded = self.output.codec_context.encode_subtitle(piece)
-            encoded.stream, encoded.time_base = self.output, Fraction(1, 1000)
-            encoded.pts = encoded.dts = begin
-            encoded.duration = end - begin
-            self.output.container.mux(encoded)
+        on = [dialogue for start, stop, dialogue in self.shown if start <= begin and stop >= end]  # never empty
+        fields = on[0].split(b",", 8)  # ReadOrder,Layer,Style,Name,MarginL,MarginR,MarginV,Effect,Text
+        text = b"\\N".join(dialogue.split(b",", 8)[-1] for dialogue in on)
+        piece = SubtitleSet.create(b",".join([*fields[:8], text]), 0, end - begin, pts=begin)
+        encoded = self.output.codec_context.encode_subtitle(piece)
+        encoded.stream, encoded.time_base = self.output, Fraction(1, 1000)
+        encoded.pts = encoded.dts = begin
+        encoded.duration = end - begin
+        self.output.container.mux(encoded)
         self.cut = end
         self.shown = [cue for cue in self.shown if cue[1] > end]
