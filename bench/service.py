@@ -867,7 +867,7 @@ class Bench:
             "output_megapixel_frames": round(megapixel_frames, 2),
             "megapixel_frames_per_gpu_hour": round(megapixel_frames / busy_wall * 3600, 1),
             # a shape is a clip at a tier: `high`'s levers make graphs of their own
-            "stability": stability([f"{name}@{tier}" for name, tier in zip(mix, tiers)], after, (before, settled),
+            "stability": stability([f"{name}@{tier}" for name, tier in zip(mix, tiers)], after, before, settled,
                                    [line["run"].get("graphs_built") for line in lines]),
             "quality": self.args.quality,
             "tiers": Counter(tiers),
@@ -982,12 +982,12 @@ def same_bytes(records: list[dict[str, Any]], quality: str) -> bool | None:
 
 
 def stability(
-    mix: list[str], after: list[dict[str, float]], idle: tuple[dict[str, float], dict[str, float]],
+    mix: list[str], after: list[dict[str, float]], before: dict[str, float], settled: dict[str, float],
     graphs: list[int | None],
 ) -> dict[str, Any]:
     """Memory after the last job against the highest after the first job of each shape; graphs built by a job of a
-    shape seen before; threads after the first job and once the worker has settled after the last, and the `idle`
-    worker's before the queue and after it (the same unless a job leaves a thread behind)."""
+    shape seen before; threads of the idle worker `before` the queue, after the first job, and once the worker has
+    `settled` after the last."""
     firsts = [gauges(after[mix.index(name)]) for name in dict.fromkeys(mix)]
     last = gauges(after[-1])
     peak = {key: max(first.get(key) or 0 for first in firsts) for key in last if key.endswith("_gib")}
@@ -1002,8 +1002,8 @@ def stability(
         "max_after_first_of_each_shape": {key: round(value, 3) for key, value in peak.items()},
         "last_over_first_peak": {key: round(last[key] / peak[key], 4) for key in peak if peak[key]},
         "graphs_rebuilt_for_a_seen_shape": rebuilt,
-        "threads_first_last": [gauges(after[0])["threads"], gauges(idle[1])["threads"]],
-        "idle_threads_before_after": [gauges(metrics)["threads"] for metrics in idle],
+        "threads_idle_before": gauges(before)["threads"],
+        "threads_first_last": [gauges(after[0])["threads"], gauges(settled)["threads"]],
     }
 
 
