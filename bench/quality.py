@@ -18,7 +18,7 @@ Every line is printed and appended to --out as soon as it is measured, so a run 
 a phase that would start after --budget-s seconds (counted from the start of the process) is skipped with a line
 saying so. Eager unless `--compile` (the dit phase only: the transformer's repeated blocks compiled as the worker
 compiles them; each lever set's first call builds its graph, `first_call_s`), and `--levers` picks and orders the
-lever sets (lossless first).
+lever sets (lossless first); `--profile` adds one profiled DiT call per lever set: its top kernels by time.
 `fp8_attention` says which attention ran (`cudnn_fp8`, or `fp8_emulated` when nvidia-cudnn-frontend is missing or
 its graph does not build: then the timing is the emulation's, not a speed figure). `--tiny` runs the same phases on
 the CPU with the tiny configuration, so CI keeps this script working.
@@ -63,9 +63,9 @@ TINY_WORKLOAD = (24, 48, 9, 2)  # (height, width, frames, scale): 2x2 tiny tiles
 
 class Run:
     def __init__(self, out: Path, budget_s: float, device: torch.device, tiny: bool, compile: bool = False,
-                 levers: Sequence[str] = tuple(LEVER_SETS)) -> None:  # fmt: skip
+                 levers: Sequence[str] = tuple(LEVER_SETS), profile: bool = False) -> None:  # fmt: skip
         self.out, self.budget_s, self.device, self.tiny = out, budget_s, device, tiny
-        self.compile, self.levers = compile, levers
+        self.compile, self.levers, self.profile = compile, levers, profile
 
     def emit(self, record: dict) -> None:
         record = {"elapsed_s": round(time.monotonic() - STARTED, 1), **record}
@@ -158,6 +158,9 @@ def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
                 run.sync()
                 seconds = (time.perf_counter() - started) / repeat
                 report = applied.report()
+                kernels = None
+                if run.profile:
+                    kernels = profile(run, lambda: transformer(hidden_states=x, timestep=t, return_dict=False))
         except Exception as error:  # a lever that fails here is a finding: record it, go on with the others
             run.emit({"phase": "dit", "levers": name, "error": f"{type(error).__name__}: {error}"[:500]})
             continue
@@ -168,7 +171,33 @@ def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
         else:
             record["speedup_vs_lossless"] = round(baseline_s / seconds, 3)
             record["relative_l2_vs_lossless"] = round(((out.float() - baseline).norm() / baseline.norm()).item(), 5)
+        if kernels is not None:
+            record["kernels"] = kernels
         run.emit(record)
+
+
+def profile(run: Run, call, top: int = 12) -> dict:
+    """One more call under torch.profiler: its kernels' time in all, and the `top` kernels by time (name, calls,
+    milliseconds, share): where a lever set's time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CUDA] if run.device.type == "cuda" else [ProfilerActivity.CPU]
+    with profiler(activities=activities) as prof:
+        call()
+        run.sync()
+    attribute = "self_device_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attribute, 0) > 0]
+    total_us = sum(getattr(e, attribute) for e in events)
+    events.sort(key=lambda e: getattr(e, attribute), reverse=True)
+    return {
+        "total_ms": round(total_us / 1e3, 2),
+        "top": [
+            {"name": e.key[:90], "calls": e.count, "ms": round(getattr(e, attribute) / 1e3, 2),
+             "share": round(getattr(e, attribute) / max(total_us, 1), 4)}
+            for e in events[:top]
+        ],
+    }  # fmt: skip
 
 
 def pipeline(run: Run, parts: dict, workload: str, source: Path | None = None, frames: int = 49) -> None:
@@ -236,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny configuration on the CPU (CI)")
     parser.add_argument("--compile", action="store_true", help="the dit phase with the blocks compiled, as the worker")
     parser.add_argument("--levers", default=",".join(LEVER_SETS), help="the lever sets, in this order")
+    parser.add_argument("--profile", action="store_true", help="the dit phase also profiles one call per lever set")
     args = parser.parse_args(argv)
     phases = args.phases.split(",")
     unknown = set(phases) - {"attention", "dit", "pipeline"}
@@ -248,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--levers: unknown {sorted(unknown)}; known: {', '.join(LEVER_SETS)}")
     if levers[0] != "lossless":
         parser.error("--levers: lossless first (the others are measured against it)")
-    run = Run(args.out, args.budget_s, device, args.tiny, args.compile, levers)
+    run = Run(args.out, args.budget_s, device, args.tiny, args.compile, levers, args.profile)
     info = {"phase": "setup", "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     try:
         import cudnn

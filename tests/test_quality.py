@@ -118,6 +118,24 @@ def test_fp8_linear_is_close_to_the_float_linear_and_quantises_its_weight_once()
     assert torch.allclose(quantised.float() * scale, rows, rtol=0.07, atol=0)
 
 
+def test_the_fp8_out_projection_takes_fp8_attention_output_with_its_one_scale():
+    """FP8 attention's output (float8, one scale for the whole tensor) goes into the FP8 out projection as written:
+    the layer computes on what the float8 values stand for, with every row scaled by that one scale."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    q, k, v = (torch.randn(1, 4, 40, 16) for _ in range(3))
+    out8, out_scale = fp8_attention.quantised_attention(q, k, v)
+    assert out8.dtype == torch.float8_e4m3fn and out8.shape == (1, 4, 40, 16)  # heads-major, as cuDNN writes it
+    rows8 = out8.transpose(1, 2).flatten(2, 3)  # (B, S, H * D), as the processor hands it on
+    represented = rows8.float() / out_scale
+    out = Fp8Linear.of(linear).forward_fp8(rows8, out_scale.reciprocal(), torch.float32)
+    exact = linear(represented)
+    relative = ((out - exact).norm() / exact.norm()).item()
+    assert out.shape == (1, 40, 48) and 0 < relative < 0.06, relative  # the weight's e4m3 rounding, no more
+    attention = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3)
+    assert ((represented - attention).norm() / attention.norm()).item() < 0.1  # and it stands for the attention
+
+
 def test_fp8_attention_without_cudnn_emulates_the_quantisation():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))

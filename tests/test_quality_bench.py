@@ -13,7 +13,7 @@ from bench.quality import main
 def test_the_quality_bench_measures_every_lever_set(tmp_path):
     out = tmp_path / "quality.jsonl"
     # the budget counts from the bench module's import, which a test process did long before: no budget here
-    main(["--tiny", "--repeat", "1", "--budget-s", "1e9", "--out", str(out)])
+    main(["--tiny", "--repeat", "1", "--budget-s", "1e9", "--profile", "--out", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["phase"] for r in records] == ["setup", *["attention"] * 4, *["dit"] * 4, *["pipeline"] * 4, "done"]
     attention, dit, pipeline = records[1:5], records[5:9], records[9:13]
@@ -31,6 +31,11 @@ def test_the_quality_bench_measures_every_lever_set(tmp_path):
         assert all(r["seconds"] > 0 and "error" not in r for r in phase)
     for record in dit[1:]:
         assert 0 < record["relative_l2_vs_lossless"] < 0.1, record
+    for record in dit:  # where each lever set's time goes: the top operators of one profiled call, largest first
+        top = record["kernels"]["top"]
+        assert top and record["kernels"]["total_ms"] >= sum(k["ms"] for k in top) > 0, record
+        assert [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
+    assert any("scaled_mm" in k["name"] for k in dit[3]["kernels"]["top"]), dit[3]
     assert [r["quality"] for r in pipeline] == ["lossless", "high", "high", "high"]
     for record in pipeline[1:]:
         assert 40 < record["psnr_db_worst_frame"] <= record["psnr_db_mean"] < 99, record

@@ -29,12 +29,12 @@ def quantise_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x * inverse).to(FP8).contiguous(), inverse.float().reciprocal()  # row-major, as cuBLASLt wants it
 
 
-def _fp8_gemm_ok(linear: nn.Linear, x: torch.Tensor) -> bool:
+def _fp8_gemm_ok(linear: nn.Linear, dtype: torch.dtype, device: torch.device) -> bool:
     """cuBLASLt's row-wise FP8 GEMM needs both matrix sides in multiples of 16 and a 16-bit output (every linear of
     the full-size DiT qualifies); the CPU takes any."""
-    if x.device.type != "cuda":
+    if device.type != "cuda":
         return True
-    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0 and dtype in (torch.bfloat16, torch.float16)
 
 
 class Fp8Linear(nn.Module):
@@ -72,24 +72,27 @@ class Fp8Linear(nn.Module):
         return self.linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _fp8_gemm_ok(self.linear, x):
+        if not _fp8_gemm_ok(self.linear, x.dtype, x.device):
             return self.linear(x)
-        weight_t, weight_scale = self.weight_t, self.weight_scale
-        if weight_t.device != x.device:  # a block streamed in layer by layer (offload_layers): its weight came just now
-            quantised, scale = quantise_rows(self.linear.weight.detach())
-            weight_t, weight_scale = quantised.t(), scale.t().contiguous()
+        quantised, scale = quantise_rows(x.reshape(-1, x.shape[-1]))
+        return self._gemm(quantised, scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def forward_fp8(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The layer on `x` already in float8 with one 0-d float32 `scale` for all of it (x ~= x8 * scale), the output
+        in `dtype`: FP8 attention's output goes in as the kernel wrote it, not dequantised and quantised again."""
+        if not _fp8_gemm_ok(self.linear, dtype, x.device):
+            return self.linear(x.to(dtype) * scale.to(dtype))
         rows = x.reshape(-1, x.shape[-1])
-        quantised, scale = quantise_rows(rows)
-        bias = self.linear.bias
-        out = torch._scaled_mm(
-            quantised,
-            weight_t,
-            scale_a=scale,
-            scale_b=weight_scale,
-            bias=None if bias is None else bias.to(x.dtype),
-            out_dtype=x.dtype,
-        )
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        scales = scale.reshape(1, 1).expand(rows.shape[0], 1).contiguous()  # cuBLASLt's row-wise scales: one per row
+        return self._gemm(rows, scales, dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        weight_t, weight_scale = self.weight_t, self.weight_scale
+        if weight_t.device != rows.device:  # a block streamed in layer by layer (offload_layers): its weight just came
+            quantised, scale_w = quantise_rows(self.linear.weight.detach())
+            weight_t, weight_scale = quantised.t(), scale_w.t().contiguous()
+        bias = None if self.linear.bias is None else self.linear.bias.to(dtype)
+        return torch._scaled_mm(rows, weight_t, scale_a=scale, scale_b=weight_scale, bias=bias, out_dtype=dtype)
 
 
 def forget(linear: nn.Linear) -> None:

@@ -3,7 +3,9 @@
 
 q, k and v are quantised to float8_e4m3fn with one scale per tensor (their largest magnitude onto 448); cuDNN
 computes the scores, an FP8 softmax-probability matrix and the output, which on Hopper it can only write in FP8
-(a bf16 output is Blackwell-only), so the output is dequantised again. The output is a convex combination of the
+(a bf16 output is Blackwell-only): an FP8 out projection (`fp8_linear`) takes it as it is, else it is dequantised.
+The quantisation around the kernel is plain tensor code, which a compiled block fuses into its neighbours. The output
+is a convex combination of the
 rows of v, so |o| <= max |v| bounds it before it is computed: its scale needs no second pass.
 
 Where the package, a GPU or the cuDNN graph is missing (the CPU, CI, an older GPU), the same quantisation of q, k, v
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.sr.attention import qkv
-from worker.sr.fp8 import FP8, FP8_MAX
+from worker.sr.fp8 import FP8, FP8_MAX, Fp8Linear
 
 log = logging.getLogger("vsrq.fp8_attention")
 
@@ -37,35 +39,69 @@ SOFTMAX_SCALE = 256.0
 _UIDS = dict(q=1, k=2, v=3, o=4, descale_q=5, descale_k=6, descale_v=7, descale_s=8, scale_s=9, scale_o=10, amax_s=11, amax_o=12)
 
 
-@torch.library.custom_op("vsrq::fp8_attention", mutates_args=())
 def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Dense attention of (B, H, S, D) q, k, v -> (B, S, H, D) output in q's dtype, through FP8.
+    """Dense attention of (B, H, S, D) q, k, v -> (B, S, H, D) output in q's dtype, through FP8."""
+    out, out_scale = quantised_attention(query, key, value)
+    return dequantised(out, out_scale, query.dtype).transpose(1, 2)
 
-    An opaque operator to `torch.compile` (the compiled blocks are whole graphs: a call into cuDNN's Python API
-    would break them)."""
+
+def quantised_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of (B, H, S, D) q, k, v -> the (B, H, S, D) float8 output and its 0-d float32 scale
+    (out ~= out8 / scale). Plain tensor code around one opaque kernel: compiled, the quantisation fuses into the
+    kernels that made q, k and v (and writes them heads-major, the layout cuDNN's kernel reads fastest), and the
+    output can go on in FP8 (`Fp8Linear.forward_fp8`)."""
+    scales = [_scale_of(t) for t in (query, key, value)]
+    q, k, v = (_quantised(t, s) for t, s in zip((query, key, value), scales))
+    descales = torch.stack([s.reciprocal() for s in scales])
+    out_scale = scales[2]  # |o| <= max |v|
+    return fp8_sdpa(q, k, v, descales, out_scale, query.dtype), out_scale
+
+
+def dequantised(out: torch.Tensor, out_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out.to(dtype) / out_scale.to(dtype)
+
+
+@torch.library.custom_op("vsrq::fp8_sdpa", mutates_args=())
+def fp8_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    descales: torch.Tensor,
+    out_scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Attention of contiguous float8 (B, H, S, D) q, k, v (dequantised by `descales`, three float32 values) -> the
+    float8 (B, H, S, D) output quantised by `out_scale`; `dtype` is what the emulation computes in. An opaque
+    operator to `torch.compile` (the compiled blocks are whole graphs: a call into cuDNN's Python API would break
+    them)."""
     if query.is_cuda and _cudnn_usable(query.device):
         try:
-            out = _cudnn_attention(query, key, value)
+            out = _cudnn_attention(query, key, value, descales, out_scale)
             _note(CUDNN)
             return out
         except Exception as error:  # a graph cuDNN will not build here: emulate from now on, and say why once
             _disable(query.device, error)
     _note(EMULATED)
-    return _emulated_attention(query, key, value)
+    return _emulated_attention(query, key, value, descales, out_scale, dtype)
 
 
-@fp8_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    batch, heads, tokens, dim = query.shape
-    return query.new_empty((batch, tokens, heads, dim))
+@fp8_sdpa.register_fake
+def _(query, key, value, descales, out_scale, dtype) -> torch.Tensor:
+    return query.new_empty(query.shape)
 
 
 class Fp8AttentionProcessor:
-    """Dense self-attention on the stock q/k/v (`attention.qkv`), computed through FP8."""
+    """Dense self-attention on the stock q/k/v (`attention.qkv`), computed through FP8; an FP8 out projection
+    (`fp8_linear`) takes the kernel's FP8 output as it is."""
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
         query, key, value = qkv(attn, hidden_states, rotary_emb)
-        return attn.out_layer(fp8_attention(query, key, value).flatten(2, 3))
+        out, out_scale = quantised_attention(query, key, value)
+        if isinstance(attn.out_layer, Fp8Linear):
+            return attn.out_layer.forward_fp8(out.transpose(1, 2).flatten(2, 3), out_scale.reciprocal(), query.dtype)
+        return attn.out_layer(dequantised(out, out_scale, query.dtype).transpose(1, 2).flatten(2, 3))
 
 
 def backend_used() -> str | None:
@@ -98,32 +134,35 @@ def _scale_of(x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantised(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) -> (B, S, H, D) contiguous float8: the layout the projections made (no copy for it)."""
-    return (x.transpose(1, 2) * scale.to(x.dtype)).to(FP8).contiguous()
+    """(B, H, S, D) -> the same, contiguous float8: cuDNN's FP8 kernel reads heads-major operands ~9 % faster than
+    the projections' (B, S, H, D) layout (bench/fp8_attention_plans.py), and the cast writes them anew anyway."""
+    return (x * scale.to(x.dtype)).to(FP8).contiguous()
 
 
-def _emulated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    dtype = query.dtype
-    scales = [_scale_of(t) for t in (query, key, value)]
-    q, k, v = (
-        (_quantised(t, s).to(dtype) / s.to(dtype)).transpose(1, 2) for t, s in zip((query, key, value), scales)
-    )
-    out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-    out_scale = scales[2]  # |o| <= max |v|
-    return ((out * out_scale.to(dtype)).to(FP8).to(dtype) / out_scale.to(dtype)).contiguous()
+def _emulated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    descales: torch.Tensor,
+    out_scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    q, k, v = ((t.float() * d).to(dtype) for t, d in zip((q, k, v), descales))
+    out = F.scaled_dot_product_attention(q, k, v)
+    return (out * out_scale.to(dtype)).to(FP8).contiguous()
 
 
 # --- cuDNN --------------------------------------------------------------------------------------------------------
 
 
-def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _cudnn_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: torch.Tensor, out_scale: torch.Tensor
+) -> torch.Tensor:
     import cudnn
 
-    device = query.device
-    batch, heads, tokens, dim = query.shape
-    kv_tokens = key.shape[2]
-    scales = [_scale_of(t) for t in (query, key, value)]
-    q, k, v = (_quantised(t, s) for t, s in zip((query, key, value), scales))
+    device = q.device
+    batch, heads, tokens, dim = q.shape
+    kv_tokens = k.shape[2]
     graph, workspace_bytes = _graph(device, batch, heads, tokens, kv_tokens, dim)
     handle = _handle(device)
     cudnn.set_stream(handle, torch.cuda.current_stream(device).cuda_stream)
@@ -131,17 +170,16 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     def scalar(value: torch.Tensor) -> torch.Tensor:
         return value.reshape(1, 1, 1, 1).float().contiguous()
 
-    out = torch.empty((batch, tokens, heads, dim), dtype=FP8, device=device)
+    out = torch.empty((batch, heads, tokens, dim), dtype=FP8, device=device)
     amax = torch.empty((2, 1, 1, 1, 1), dtype=torch.float32, device=device)
-    out_scale = scales[2]  # |o| <= max |v|
     pack = {
         _UIDS["q"]: q,
         _UIDS["k"]: k,
         _UIDS["v"]: v,
         _UIDS["o"]: out,
-        _UIDS["descale_q"]: scalar(scales[0].reciprocal()),
-        _UIDS["descale_k"]: scalar(scales[1].reciprocal()),
-        _UIDS["descale_v"]: scalar(scales[2].reciprocal()),
+        _UIDS["descale_q"]: scalar(descales[0]),
+        _UIDS["descale_k"]: scalar(descales[1]),
+        _UIDS["descale_v"]: scalar(descales[2]),
         **_softmax_scales(device),
         _UIDS["scale_o"]: scalar(out_scale),
         _UIDS["amax_s"]: amax[0],
@@ -149,7 +187,7 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     }
     workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
     graph.execute(pack, workspace, handle=handle)
-    return out.to(query.dtype) / out_scale.to(query.dtype)
+    return out
 
 
 def _softmax_scales(device: torch.device) -> dict[int, torch.Tensor]:
@@ -172,19 +210,40 @@ def _graph(device: torch.device, batch: int, heads: int, tokens: int, kv_tokens:
         return built
     import cudnn
 
-    fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-    graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32, handle=_handle(device))
+    graph = operation_graph(_handle(device), batch, heads, tokens, kv_tokens, dim, heads_major=True)
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    built = graphs[key] = (graph, graph.get_workspace_size())
+    log.info("cuDNN FP8 attention graph built for %s on %s", key[1:], device)
+    return built
 
-    def bshd(uid: int, length: int):  # (B, H, S, D) dims over (B, S, H, D) memory
-        return graph.tensor(uid=uid, dim=(batch, heads, length, dim), stride=(length * heads * dim, dim, heads * dim, 1), data_type=fp8)
+
+def operation_graph(
+    handle: Any, batch: int, heads: int, tokens: int, kv_tokens: int, dim: int, heads_major: bool = False
+) -> Any:
+    """cuDNN's FP8 attention as an operation graph, before any plan: q, k, v and the output (B, H, S, D), over
+    (B, H, S, D) memory (`heads_major`) or (B, S, H, D) memory, as the projections make them."""
+    import cudnn
+
+    fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+
+    def strides(length: int) -> tuple[int, ...]:
+        if heads_major:
+            return (heads * length * dim, length * dim, dim, 1)
+        return (length * heads * dim, dim, heads * dim, 1)
+
+    def operand(uid: int, length: int):
+        return graph.tensor(uid=uid, dim=(batch, heads, length, dim), stride=strides(length), data_type=fp8)
 
     def scalar(name: str):
         return graph.tensor(uid=_UIDS[name], dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32)
 
     out, _, amax_s, amax_o = graph.sdpa_fp8(
-        q=bshd(_UIDS["q"], tokens),
-        k=bshd(_UIDS["k"], kv_tokens),
-        v=bshd(_UIDS["v"], kv_tokens),
+        q=operand(_UIDS["q"], tokens),
+        k=operand(_UIDS["k"], kv_tokens),
+        v=operand(_UIDS["v"], kv_tokens),
         descale_q=scalar("descale_q"),
         descale_k=scalar("descale_k"),
         descale_v=scalar("descale_v"),
@@ -195,19 +254,13 @@ def _graph(device: torch.device, batch: int, heads: int, tokens: int, kv_tokens:
         attn_scale=dim**-0.5,
         use_causal_mask=False,
     )
-    out.set_uid(_UIDS["o"]).set_output(True).set_dim((batch, heads, tokens, dim)).set_stride(
-        (tokens * heads * dim, dim, heads * dim, 1)
-    ).set_data_type(fp8)
+    out.set_uid(_UIDS["o"]).set_output(True).set_dim((batch, heads, tokens, dim)).set_stride(strides(tokens))
+    out.set_data_type(fp8)
     for name, tensor in (("amax_s", amax_s), ("amax_o", amax_o)):
         tensor.set_uid(_UIDS[name]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
     graph.validate()
     graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    built = graphs[key] = (graph, graph.get_workspace_size())
-    log.info("cuDNN FP8 attention graph built for %s on %s", key[1:], device)
-    return built
+    return graph
 
 
 def _handle(device: torch.device) -> Any:
