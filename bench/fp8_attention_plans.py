@@ -5,8 +5,10 @@ the fallback list, the first that builds) is faster, in the worker's (B, S, H, D
     python3 bench/fp8_attention_plans.py --out plans.jsonl [--repeat 10]
 
 One line per plan: the heuristics mode that listed it, its index and engine name, milliseconds per call (after two
-untimed calls) and the relative L2 error of its output against bf16 SDPA's. Needs a Hopper GPU and
-nvidia-cudnn-frontend (bench/quality_wheels.sh).
+untimed calls) and the relative L2 error of its output against bf16 SDPA's. First, two lines for `lossless`'s own
+kernel (bf16 SDPA, which PyTorch sends to cuDNN's flash kernel) in the same two layouts, and whether the heads-major
+one gives the same bits: if it does and is faster, `lossless` could write its q, k, v heads-major too. Needs a
+Hopper GPU and nvidia-cudnn-frontend (bench/quality_wheels.sh).
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, tokens, HEADS, DIM, generator=generator).to(device, torch.bfloat16) for _ in range(3))
     exact = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2).float()
+
+    def timed(call) -> tuple[float, torch.Tensor]:
+        for _ in range(2):
+            out = call()
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(args.repeat):
+            out = call()
+        torch.cuda.synchronize(device)
+        return round((time.perf_counter() - started) / args.repeat * 1e3, 3), out
+
+    # bf16 SDPA as `lossless` calls it ((B, H, S, D) views of the projections' (B, S, H, D) memory), then heads-major
+    views = [t.transpose(1, 2) for t in (q, k, v)]
+    contiguous = [t.contiguous() for t in views]
+    ms_views, out_views = timed(lambda: F.scaled_dot_product_attention(*views))
+    ms_heads, out_heads = timed(lambda: F.scaled_dot_product_attention(*contiguous))
     scales = [fa._scale_of(t) for t in (q, k, v)]
     quantised = [(t * s.to(t.dtype)).to(FP8) for t, s in zip((q, k, v), scales)]  # (B, S, H, D)
     handle = fa._handle(device)
@@ -51,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "a") as out:
             out.write(line + "\n")
 
+    emit({"kernel": "bf16_sdpa", "layout": "bshd", "ms": ms_views})
+    same = bool(torch.equal(out_views, out_heads))
+    emit({"kernel": "bf16_sdpa", "layout": "bhsd", "ms": ms_heads, "same_bits_as_bshd": same})
     for heads_major in (False, True):
         layout = "bhsd" if heads_major else "bshd"
         operands = [t.transpose(1, 2).contiguous() if heads_major else t for t in quantised]
@@ -72,20 +93,13 @@ def main(argv: list[str] | None = None) -> None:
                 emit({"layout": layout, "mode": mode, "error": f"{type(error).__name__}: {error}"[:300]})
                 continue
             for index in range(count):
-                record = {"layout": layout, "mode": mode, "index": index}
+                record = {"kernel": "cudnn_fp8", "layout": layout, "mode": mode, "index": index}
                 try:
                     record["name"] = graph.get_plan_name_at_index(index)
                     graph.build_plan_at_index(index)
                     size = max(graph.get_workspace_size_plan_at_index(index), 1)
                     workspace = torch.empty(size, dtype=torch.uint8, device=device)
-                    for _ in range(2):
-                        graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-                    torch.cuda.synchronize(device)
-                    started = time.perf_counter()
-                    for _ in range(args.repeat):
-                        graph.execute_plan_at_index(pack, workspace, index, handle=handle)
-                    torch.cuda.synchronize(device)
-                    record["ms"] = round((time.perf_counter() - started) / args.repeat * 1e3, 3)
+                    record["ms"], _ = timed(lambda: graph.execute_plan_at_index(pack, workspace, index, handle=handle))
                     result = out.transpose(1, 2) if heads_major else out
                     result = result.float() / scales[2]
                     record["relative_l2_vs_bf16"] = round(((result - exact).norm() / exact.norm()).item(), 5)

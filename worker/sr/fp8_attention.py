@@ -4,9 +4,9 @@
 q, k and v are quantised to float8_e4m3fn with one scale per tensor (their largest magnitude onto 448); cuDNN
 computes the scores, an FP8 softmax-probability matrix and the output, which on Hopper it can only write in FP8
 (a bf16 output is Blackwell-only): an FP8 out projection (`fp8_linear`) takes it as it is, else it is dequantised.
-The quantisation around the kernel is plain tensor code, which a compiled block fuses into its neighbours. The output
-is a convex combination of the
-rows of v, so |o| <= max |v| bounds it before it is computed: its scale needs no second pass.
+The output is a convex combination of the rows of v, so |o| <= max |v| bounds it before it is computed: its scale
+needs no second pass. The quantisation around the kernel is plain tensor code, which a compiled block fuses into its
+neighbours.
 
 Where the package, a GPU or the cuDNN graph is missing (the CPU, CI, an older GPU), the same quantisation of q, k, v
 and the output runs around a plain SDPA: the same error from the inputs and the output, less the kernel's own FP8
