@@ -482,11 +482,13 @@ def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
     s3.delete_prefix(work_prefix(job_id))
 
 
-def test_the_kept_windows_key_names_what_changes_bits_not_where_the_weights_live(tiny_piflow, jobs, queue):
+def test_the_kept_windows_key_names_what_changes_bits_not_where_the_weights_live(tiny_piflow, jobs, queue, monkeypatch):
     """Kept windows replay on a worker that gives the same bits, never on one that gives others: offloaded weights
     (`offload` against `memory`, both decoding 2 latent frames at a time) and more devices with whole tiles give the
     same bits; another decode segment (`speed`: 4, up to 2/255 apart on GPUs), a split tile (float rounding) and
-    `high`'s FP8 levers, with the FP8 attention backend that will run them, give others."""
+    `high`'s FP8 levers, with the FP8 attention backend that will run them and the revision of their arithmetic,
+    give others."""
+    from worker.sr import quality
     from worker.sr.backends import open_upscaler
     from worker.sr.engine import SREngine
 
@@ -505,6 +507,9 @@ def test_the_kept_windows_key_names_what_changes_bits_not_where_the_weights_live
     assert key(whole) == key(whole_on_two) != key(split_on_two)
     assert key(whole, "high") != key(whole)
     assert json.loads(whole.signature(SRRequest(quality="high")))["fp8_attention"] == "fp8_emulated"
+    high, lossless = key(whole, "high"), key(whole)
+    monkeypatch.setattr(quality, "REVISION", quality.REVISION + 1)  # a deploy that changes `high`'s arithmetic
+    assert key(whole, "high") != high and key(whole) == lossless
     assert key(LanczosUpscaler(), "high") != key(whole, "high")
 
 

@@ -227,7 +227,7 @@ class SREngine:
             parts["cuda"], parts["cudnn"] = torch.version.cuda, torch.backends.cudnn.version()
         levers = quality.request_levers(request.quality, self.high_levers)
         if levers:
-            parts["levers"] = list(levers)
+            parts["levers"], parts["levers_revision"] = list(levers), quality.REVISION
             if quality.FP8_ATTENTION in levers:  # cuDNN's kernel or its emulation: other bits
                 parts[quality.FP8_ATTENTION] = fp8_attention.expected_backend(self.devices)
         return json.dumps(parts, sort_keys=True)

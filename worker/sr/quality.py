@@ -34,6 +34,10 @@ LEVERS = (FP8_LINEAR, FP8_ATTENTION)
 # What `high` runs unless an engine is told otherwise: a lever that misses the quality gate in bench/RESULTS.md
 # (worst-frame PSNR >= 40 dB against lossless) comes out of this list.
 HIGH_LEVERS: tuple[str, ...] = (FP8_LINEAR, FP8_ATTENTION)
+# What `high` computes, by revision: raised whenever the levers' arithmetic changes, so that windows a worker of
+# another revision kept are never replayed into this one's output (the engine's signature carries it). 2: FP8
+# attention's quantisation in the compiled block, its FP8 output straight into the FP8 out projection.
+REVISION = 2
 # One instance each, bare and as a split group runs it: compiled blocks guard on the processor object.
 _FP8_ATTENTION_PROCESSOR = fp8_attention.Fp8AttentionProcessor()
 _FP8_ATTENTION_SPLIT = _split.UlyssesProcessor(_FP8_ATTENTION_PROCESSOR)
