@@ -145,6 +145,12 @@ class UpscaleParams(BaseModel):
     seed: int = Field(42, ge=RANDOM_SEED, lt=2**63, description="-1 draws a random seed, which the job then reports")
     output_codec: Literal["h264", "hevc", "av1"] = "h264"
     output_crf: int = Field(18, ge=0, le=63)
+    deinterlace: Literal["frame", "field"] = Field(
+        "frame",
+        description="an interlaced source (broadcast, DVD, DV, AVCHD 1080i) comes out progressive: a frame for each "
+        "source frame (frame: 50i gives 25p), or for each field, at its own instant (field: 50i gives 50p, smoother "
+        "motion, twice the frames to upscale); progressive sources are untouched either way",
+    )
     quality: Literal["lossless", "high"] = Field(
         "lossless",
         description="lossless: the exact engine (the default); high: faster, with FP8 arithmetic in the diffusion "

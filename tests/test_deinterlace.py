@@ -6,6 +6,7 @@ bottom field first; what is measured is the upscaled MP4 a user gets back."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from itertools import islice
 from pathlib import Path
@@ -242,3 +243,54 @@ def test_a_real_interlaced_broadcast_is_deinterlaced_in_its_field_order_keeping_
     assert times(output) == pytest.approx(times(source), abs=1e-3)
     with av.open(str(output)) as container:
         assert container.streams.video[0].codec_context.field_order == 1
+
+
+FIELD_RATE = replace(FAST, deinterlace="field")
+
+
+@pytest.mark.parametrize("case", ["h264-tff-ts", "mpeg2-bff-ts"])
+def test_at_the_field_rate_each_field_becomes_a_frame_at_its_own_instant(instants, progressive, tmp_path, case):
+    """`deinterlace=field` (50i as 50p): twice the frames at twice the rate over the same time, each showing its
+    field's instant. The even frames match a progressive clip of the first fields' instants, the odd ones one of the
+    second fields': the motion between two fields, which a frame per source frame leaves out, is in the output."""
+    codec, order, suffix = CASES[case]
+    masks = moving(instants)
+    source = encode(tmp_path / f"in.{suffix}", weave(instants, order), codec, order)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FIELD_RATE)
+
+    assert (result.source.video.frames, result.written.video.frames) == (INSTANTS // 2, INSTANTS)
+    assert (result.source.video.fps, result.written.video.fps) == (RATE, 2 * RATE)
+    assert times(output) == pytest.approx([index / (2 * RATE) for index in range(INSTANTS)], abs=1e-3)
+    assert result.written.video.duration == pytest.approx(result.source.video.duration, abs=1e-3)
+    frames, (first, second) = upscaled(output, masks), (upscaled(path, masks) for path in progressive)
+    first, second = list(first), list(second)
+
+    def apart(outputs: list[np.ndarray], reference: list[np.ndarray]) -> float:
+        pairs = zip(outputs, reference, masks, strict=True)
+        return float(np.concatenate([np.abs(a - b)[m.repeat(2, 0).repeat(2, 1)] for a, b, m in pairs]).mean())
+
+    assert apart(frames[0::2], first) * 2 < apart(frames[0::2], second)
+    assert apart(frames[1::2], second) * 2 < apart(frames[1::2], first)
+    assert any(f"bwdif ({SAID[order]}), one frame for each field" in note and "12.5 frames/s in, 25 out" in note
+               for note in result.notes), result.notes  # fmt: skip
+
+
+def test_at_the_field_rate_a_real_broadcast_keeps_its_time_and_a_progressive_source_its_rate(
+    corpus_cache, instants, tmp_path
+):
+    """The DVB cut at the field rate: a frame at each field's instant, the same span of time (its sound stays in
+    sync). A progressive source asked for the field rate keeps its frames and says why."""
+    source = corpus_cache / "hachoir-sample.ts"
+    video = probe(source).video
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FIELD_RATE)
+    assert (result.written.video.frames, result.written.video.fps) == (2 * video.frames, 2 * video.fps)
+    fields = sorted(t + half / (2 * float(video.fps)) for t in times(source) for half in (0, 1))
+    assert times(output) == pytest.approx(fields, abs=1e-3)
+    assert result.written.video.duration == pytest.approx(video.duration, abs=1e-3)
+
+    progressive = encode(tmp_path / "film.mp4", instants[:6], "h264", None)
+    result = upscale_file(progressive, tmp_path / "film-out.mp4", LanczosUpscaler(), FIELD_RATE)
+    assert (result.written.video.frames, result.written.video.fps) == (6, RATE)
+    assert "deinterlace=field was asked, but the source is progressive: the output keeps the source's frame rate" in result.notes

@@ -62,6 +62,7 @@ def upscale(args: argparse.Namespace) -> int:
         codec=args.codec,
         crf=args.crf,
         preset=args.preset,
+        deinterlace=args.deinterlace,
         limits=_limits(args),
     )
     upscaler = open_upscaler(args.model, args.devices.split(","), warmup_frames=None)  # one job compiles what it needs
@@ -102,7 +103,7 @@ def _job_key(args: argparse.Namespace, signature: str) -> str:
     stat = args.input.stat()
     fields = [str(args.input.resolve()), stat.st_size, stat.st_mtime_ns, args.model, args.devices, args.scale, args.seed,
               args.steps, args.min_overlap, args.window, args.window_overlap, args.target_resolution, args.resize_mode,
-              args.quality, signature]
+              args.quality, args.deinterlace, signature]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 

@@ -20,7 +20,7 @@ from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, output_timecode, plan_streams
 from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
-from worker.media.reader import Fields, prefetch, read_frames
+from worker.media.reader import Fields, at_field_rate, prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
 from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_size, encoder_for, output_depth
@@ -41,6 +41,8 @@ from worker.sr.windows import (
 log = logging.getLogger("vsrq.worker")
 
 T = TypeVar("T")
+# How interlaced sources are deinterlaced: a frame for each source frame (its rate), or one for each field (twice it)
+DEINTERLACE = ("frame", "field")
 ENGINE_STAGES = ("encode", "denoise_decode")  # `RunInfo.stage_seconds` that span the engine's call between them
 
 
@@ -53,6 +55,7 @@ class UpscaleOptions:
     codec: str = "h264"
     crf: int = 18
     preset: str = "medium"
+    deinterlace: str = "frame"  # `DEINTERLACE`: an interlaced source's output at its frame rate, or at its field rate
     # Limits only refuse work, they never change a pixel: not part of the repr, so a deploy that raises them keeps
     # a requeued job's kept windows
     limits: Limits = field(default=Limits(), repr=False)
@@ -137,10 +140,16 @@ def begin_upscale(
     # 1. Arguments that need no decoding: where the output goes, the encoder
     _check_output(source, output)
     encoder_for(options.codec)
+    if options.deinterlace not in DEINTERLACE:
+        raise ValueError(f"deinterlace must be one of {DEINTERLACE}, got {options.deinterlace!r}")
 
-    # 2. Probe the input and check the limits: a file we refuse costs no GPU time
-    info = probe(source, options.limits)
-    video = info.video
+    # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field rate, what follows
+    #    plans, writes and checks the frames the reader makes: twice the source's, at twice its rate
+    source_info = info = probe(source, options.limits)
+    doubled = at_field_rate(info.video) if options.deinterlace == "field" else None
+    if doubled is not None:
+        info = replace(info, video=doubled)
+    video, field_rate = info.video, doubled is not None
     head = {"probed": monotonic()}
 
     # 3. Plan: output size, temporal windows, the streams carried over, and what the output must be
@@ -193,7 +202,7 @@ def begin_upscale(
                 )
             )
             head["writer_open"] = monotonic()
-            with closing(prefetch(read_frames(source, video, fields), plan.length)) as frames:
+            with closing(prefetch(read_frames(source, video, fields, field_rate), plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(
                     upscaler, frames, plan, options.request, writer.write, progress, cancelled, store,
@@ -214,14 +223,14 @@ def begin_upscale(
     first = run.made[0] if run.made else None
     result = Result(
         output=output,
-        source=info,
+        source=source_info,
         written=info,  # until `finish` has read the output back
         windows=run.windows,
         restored=run.restored,
         tiles=first.tiles if first else 0,
         devices=tuple(first.devices) if first else (),
         carried=carried,
-        notes=_notes(info, carried, first, options.request, snap, fields, options.codec),
+        notes=_notes(info, carried, first, options.request, snap, fields, options.codec, options.deinterlace),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
         engine_span=(engine_started, monotonic()),
@@ -362,6 +371,7 @@ def _notes(
     snap: int,
     fields: Fields,
     codec: str = "h264",
+    deinterlace: str = "frame",
 ) -> tuple[str, ...]:
     video: VideoInfo = info.video
     scale = request.scale
@@ -390,11 +400,21 @@ def _notes(
                      f"{', '.join(f'#{i}' for i in others)} left out")
     # Counted by the reader, not taken from the probe (which decodes the first frame only): a broadcast or a DVD may
     # start progressive and turn interlaced, or mix the two
+    frames = video.frames // (1 + fields.field_rate)  # the source's
     if fields.interlaced:
         order = {"tff": "top field first", "bff": "bottom field first"}.get(fields.parity, "each frame's field order")
-        share = f" ({fields.interlaced} of its {video.frames} frames)" if fields.interlaced < video.frames else ""
-        notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each source "
-                     "frame at its time, so the output is progressive")
+        share = f" ({fields.interlaced} of its {frames} frames)" if fields.interlaced < frames else ""
+        if fields.field_rate:
+            notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
+                         f"field at its instant, so the output is progressive at twice the source's frame rate "
+                         f"({float(video.fps) / 2:g} frames/s in, {float(video.fps):g} out)")
+        else:
+            notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
+                         "source frame at its time, so the output is progressive")
+    if deinterlace == "field" and not fields.field_rate:
+        why = ("its frame rate varies" if video.interlaced else "its first frame is progressive (it turns interlaced "
+               "later)" if fields.interlaced else "the source is progressive")
+        notes.append(f"deinterlace=field was asked, but {why}: the output keeps the source's frame rate")
     deep = output_depth(video.bit_depth, codec) > 8
     if video.color_trc in HDR_TRANSFERS:
         kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""

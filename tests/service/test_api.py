@@ -138,7 +138,8 @@ def test_sglang_multipart_create_queues_a_job_and_a_celery_message(api, clip, s3
         "seed": 7,
         "output_codec": "h264",
         "output_crf": 18,
-        "quality": "lossless",  # the default tier, recorded as the job runs it
+        "deinterlace": "frame",  # the defaults, recorded as the job runs them
+        "quality": "lossless",
     }
     assert job["input"]["bytes"] == len(clip) and job["input"]["sha256"] == hashlib.sha256(clip).hexdigest()
 

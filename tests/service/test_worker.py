@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -198,6 +199,18 @@ def test_high_quality_on_lanczos_runs_and_says_lossless(api, worker, clip):
     """Lanczos has no faster path: `high` is accepted (a client may send it for every model) and the job says what ran."""
     job = wait_for(api, create(api, clip, quality="high")["id"], worker)
     assert (job["status"], job["params"]["quality"], job["output"]["quality"]) == ("completed", "high", "lossless"), job
+
+
+def test_an_interlaced_upload_at_the_field_rate_comes_back_with_a_frame_per_field(api, worker, tmp_path):
+    """`deinterlace=field` through the API, on 25 frames a second of interlaced H.264 with its sound: 50 progressive
+    frames a second over the same time, the sound kept."""
+    clip = write_clip(tmp_path / "in.mp4", 13, (64, 96), Fraction(25), audio_codec="aac",
+                      video_options={"x264-params": "interlaced=1:tff=1"})  # fmt: skip
+    job = wait_for(api, create(api, clip.read_bytes(), deinterlace="field")["id"], worker)
+    assert (job["status"], job["params"]["deinterlace"]) == ("completed", "field"), job
+    source, output = job["input"]["media"], job["output"]["media"]
+    assert (source["frames"], source["fps"], output["frames"], output["fps"]) == (13, 25.0, 26, 50.0), job
+    assert output["duration"] == pytest.approx(source["duration"], abs=1e-3) and output["audio"]
 
 
 def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):

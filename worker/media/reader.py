@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import TypeVar
@@ -35,16 +35,31 @@ READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the larg
 @dataclass
 class Fields:
     """What `read_frames` did about interlacing, counted as it reads: the frames flagged interlaced (each one
-    deinterlaced) and the field order they were read in ("auto": each frame's own flag)."""
+    deinterlaced), the field order they were read in ("auto": each frame's own flag) and whether each field became a
+    frame of its own (`field_rate`)."""
 
     interlaced: int = 0
     parity: str | None = None
+    field_rate: bool = False
 
 
-def read_frames(path: str | Path, video: VideoInfo, fields: Fields | None = None) -> Iterator[np.ndarray]:
+def at_field_rate(video: VideoInfo) -> VideoInfo | None:
+    """`video` as `read_frames(..., field_rate=True)` reads it: twice the frames at twice the rate, the same span of
+    time. None where a frame per field is not offered: a source whose first frame is progressive (film, or a stream
+    that turns interlaced later: its frames are deinterlaced at the frame rate) or whose rate varies (no field
+    instants to put the frames at)."""
+    if not video.interlaced or not video.cfr:
+        return None
+    return replace(video, frames=2 * video.frames, fps=2 * video.fps)
+
+
+def read_frames(
+    path: str | Path, video: VideoInfo, fields: Fields | None = None, field_rate: bool = False
+) -> Iterator[np.ndarray]:
     """Every frame of the probed `video` stream in presentation order, (H, W, 3) RGB: uint8, or uint16 (full 16-bit
-    scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`fields` counts them).
-    Raises `InputCorrupt` if decoding fails or yields another frame count."""
+    scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`fields` counts them); with
+    `field_rate`, two frames come out of every source frame, one at each field's instant (`video` then counts them:
+    `at_field_rate`). Raises `InputCorrupt` if decoding fails or yields another frame count."""
     pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
     turns = video.rotation // 90
     # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled to the size
@@ -62,7 +77,7 @@ def read_frames(path: str | Path, video: VideoInfo, fields: Fields | None = None
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
             frames = _decode(container, stream, Path(path).stat().st_size)
-            for frame in _deinterlaced(frames, stream, fields or Fields()):
+            for frame in _deinterlaced(frames, stream, fields or Fields(), field_rate):
                 colour = _source_colour(frame)
                 shape = _shape(frame, stream)
                 first = shape if first is None else first
@@ -126,7 +141,9 @@ def _decode(container: av.container.InputContainer, stream: av.VideoStream, size
     yield from stream.decode(None)
 
 
-def _deinterlaced(frames: Iterator[av.VideoFrame], stream: av.VideoStream, fields: Fields) -> Iterator[av.VideoFrame]:
+def _deinterlaced(
+    frames: Iterator[av.VideoFrame], stream: av.VideoStream, fields: Fields, field_rate: bool = False
+) -> Iterator[av.VideoFrame]:
     """`frames`, those flagged interlaced deinterlaced by libavfilter's bwdif: upscaled as stored, two fields woven
     from two instants, every moving edge would be magnified into combs. One frame out for each frame in (`send_frame`:
     the first field's instant, the other field's lines interpolated in space and time), so the count, and with it
@@ -138,7 +155,12 @@ def _deinterlaced(frames: Iterator[av.VideoFrame], stream: av.VideoStream, field
     are the same in every attempt. Parity is the field order the stream declares (its parser reads it from the
     bitstream): FFmpeg's H.264 decoder leaves frames of x264's top-first MBAFF streams unmarked, which bwdif's own
     `auto` reads as bottom first. Where the stream declares none (DV; a stream that starts progressive), `auto`
-    takes each frame's own flag, which DV's and MPEG-2's decoders set from each picture's header."""
+    takes each frame's own flag, which DV's and MPEG-2's decoders set from each picture's header.
+
+    At `field_rate` (`send_field`), a frame for each field, each at its own instant: 50i broadcast motion as 50
+    frames a second. The count must then be twice the source's whatever the frames say: frames before the first
+    interlaced one are shown twice, and once the filter runs it treats every frame as two fields (`deint=all`)."""
+    fields.field_rate = field_rate
     graph: av.filter.Graph | None = None
     configured = None  # the (width, height, pixel format) the graph was made for
     for frame in frames:
@@ -147,18 +169,18 @@ def _deinterlaced(frames: Iterator[av.VideoFrame], stream: av.VideoStream, field
             graph = None
         fields.interlaced += frame.interlaced_frame
         if graph is None and not frame.interlaced_frame:
-            yield frame
+            yield from (frame,) * (1 + field_rate)
             continue
         if graph is None:
             fields.parity = PARITY.get(stream.codec_context.field_order, "auto")
-            graph, configured = _bwdif(frame, fields.parity), (frame.width, frame.height, frame.format.name)
+            graph, configured = _bwdif(frame, fields.parity, field_rate), (frame.width, frame.height, frame.format.name)
         graph.push(frame)
         yield from _ready(graph)
     if graph is not None:
         yield from _drained(graph)
 
 
-def _bwdif(frame: av.VideoFrame, parity: str) -> av.filter.Graph:
+def _bwdif(frame: av.VideoFrame, parity: str, field_rate: bool = False) -> av.filter.Graph:
     graph = av.filter.Graph()
     source = graph.add(
         "buffer",
@@ -169,7 +191,8 @@ def _bwdif(frame: av.VideoFrame, parity: str) -> av.filter.Graph:
         colorspace=str(frame.colorspace),
         range=str(frame.color_range),
     )
-    deinterlace = graph.add("bwdif", f"mode=send_frame:parity={parity}:deint=interlaced")
+    how = "mode=send_field:deint=all" if field_rate else "mode=send_frame:deint=interlaced"
+    deinterlace = graph.add("bwdif", f"{how}:parity={parity}")
     sink = graph.add("buffersink")
     source.link_to(deinterlace)
     deinterlace.link_to(sink)
