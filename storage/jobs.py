@@ -160,6 +160,7 @@ class OutputInfo(BaseModel):
     num_inference_steps: int | None = None  # denoising steps each tile ran; None for a model without steps
     quality: str | None = None  # the tier that ran: "lossless" or "high" (None: a job from before the tiers)
     quality_levers: dict[str, str] = {}  # `high`'s levers and how each ran, e.g. {"fp8_attention": "cudnn_fp8"}
+    notes: list[str] = []  # what a user should know about how the job ran (worker.upscale's notes)
 
     def keys(self) -> set[str]:
         """Every blob of this output: the video and its previews."""
@@ -232,6 +233,11 @@ class VideoOutput(BaseModel):
         default_factory=dict,
         description="`high`'s levers and how each ran: `fp8_linear` (`scaled_mm_rowwise`), `fp8_attention` "
         "(`cudnn_fp8`, or `fp8_emulated` where cuDNN's FP8 attention is not available)",
+    )
+    notes: list[str] = Field(
+        default_factory=list,
+        description="what a user should know about how the job ran, one sentence each: an interlaced source "
+        "deinterlaced, a stream left out, HDR kept untone-mapped, a rate or size that changes mid-way, ...",
     )
     variants: list[str] = Field(description="what GET .../content?variant= serves: video, thumbnail, spritesheet")
 

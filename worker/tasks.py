@@ -502,6 +502,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         num_inference_steps=None if default_steps is None else tail.options.request.num_inference_steps,
         quality=result.quality,
         quality_levers=result.levers,
+        notes=list(result.notes),
     )
     lease.complete(promoted_output)
     tail.ended = True

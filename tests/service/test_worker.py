@@ -203,7 +203,7 @@ def test_high_quality_on_lanczos_runs_and_says_lossless(api, worker, clip):
 
 def test_an_interlaced_upload_at_the_field_rate_comes_back_with_a_frame_per_field(api, worker, tmp_path):
     """`deinterlace=field` through the API, on 25 frames a second of interlaced H.264 with its sound: 50 progressive
-    frames a second over the same time, the sound kept."""
+    frames a second over the same time, the sound kept, and the job's notes say so."""
     clip = write_clip(tmp_path / "in.mp4", 13, (64, 96), Fraction(25), audio_codec="aac",
                       video_options={"x264-params": "interlaced=1:tff=1"})  # fmt: skip
     job = wait_for(api, create(api, clip.read_bytes(), deinterlace="field")["id"], worker)
@@ -211,6 +211,8 @@ def test_an_interlaced_upload_at_the_field_rate_comes_back_with_a_frame_per_fiel
     source, output = job["input"]["media"], job["output"]["media"]
     assert (source["frames"], source["fps"], output["frames"], output["fps"]) == (13, 25.0, 26, 50.0), job
     assert output["duration"] == pytest.approx(source["duration"], abs=1e-3) and output["audio"]
+    [note] = [note for note in job["output"]["notes"] if "interlaced" in note]  # the job says what it did
+    assert "one frame for each field" in note and "25 frames/s in, 50 out" in note, note
 
 
 def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):
