@@ -67,7 +67,8 @@ def upscale(args: argparse.Namespace) -> None:
             args.keep.mkdir(parents=True, exist_ok=True)
             torch.save(output, args.keep / f"{args.label}-{name}.pt")
         built = {key: value - graphs[key] for key, value in compile_cache.graphs_built().items()}
-        made = {key: precompiled.stats()[key] - functions[key] for key in ("loaded", "compiled", "fallback")}
+        now = precompiled.stats()
+        made = {key: now[key] - functions[key] for key in ("loaded", "compiled", "fallback")}
         digest = hashlib.sha256(output.numpy().tobytes()).hexdigest()
         emit(args.out, {"label": args.label, "clip": name, "precompile": args.precompile, "sha256": digest,
                         "levers": info.levers, "tiles": info.tiles, "seconds": round(seconds, 2), "graphs": built,

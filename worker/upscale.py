@@ -230,7 +230,9 @@ def begin_upscale(
         tiles=first.tiles if first else 0,
         devices=tuple(first.devices) if first else (),
         carried=carried,
-        notes=_notes(info, carried, first, options.request, snap, fields, options.codec, options.deinterlace),
+        notes=_notes(
+            info, carried, first, options.request, snap, fields, options.codec, options.deinterlace, field_rate
+        ),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
         engine_span=(engine_started, monotonic()),
@@ -372,6 +374,7 @@ def _notes(
     fields: Fields,
     codec: str = "h264",
     deinterlace: str = "frame",
+    field_rate: bool = False,
 ) -> tuple[str, ...]:
     video: VideoInfo = info.video
     scale = request.scale
@@ -400,18 +403,18 @@ def _notes(
                      f"{', '.join(f'#{i}' for i in others)} left out")
     # Counted by the reader, not taken from the probe (which decodes the first frame only): a broadcast or a DVD may
     # start progressive and turn interlaced, or mix the two
-    frames = video.frames // (1 + fields.field_rate)  # the source's
+    frames = video.frames // (1 + field_rate)  # the source's
     if fields.interlaced:
         order = {"tff": "top field first", "bff": "bottom field first"}.get(fields.parity, "each frame's field order")
         share = f" ({fields.interlaced} of its {frames} frames)" if fields.interlaced < frames else ""
-        if fields.field_rate:
+        if field_rate:
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
                          f"field at its instant, so the output is progressive at twice the source's frame rate "
                          f"({float(video.fps) / 2:g} frames/s in, {float(video.fps):g} out)")
         else:
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
                          "source frame at its time, so the output is progressive")
-    if deinterlace == "field" and not fields.field_rate:
+    if deinterlace == "field" and not field_rate:
         why = ("its frame rate varies" if video.interlaced else "its first frame is progressive (it turns interlaced "
                "later)" if fields.interlaced else "the source is progressive")
         notes.append(f"deinterlace=field was asked, but {why}: the output keeps the source's frame rate")

@@ -35,12 +35,10 @@ READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the larg
 @dataclass
 class Fields:
     """What `read_frames` did about interlacing, counted as it reads: the frames flagged interlaced (each one
-    deinterlaced), the field order they were read in ("auto": each frame's own flag) and whether each field became a
-    frame of its own (`field_rate`)."""
+    deinterlaced) and the field order they were read in ("auto": each frame's own flag)."""
 
     interlaced: int = 0
     parity: str | None = None
-    field_rate: bool = False
 
 
 def at_field_rate(video: VideoInfo) -> VideoInfo | None:
@@ -160,7 +158,6 @@ def _deinterlaced(
     At `field_rate` (`send_field`), a frame for each field, each at its own instant: 50i broadcast motion as 50
     frames a second. The count must then be twice the source's whatever the frames say: frames before the first
     interlaced one are shown twice, and once the filter runs it treats every frame as two fields (`deint=all`)."""
-    fields.field_rate = field_rate
     graph: av.filter.Graph | None = None
     configured = None  # the (width, height, pixel format) the graph was made for
     for frame in frames:
