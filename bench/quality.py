@@ -27,6 +27,7 @@ the CPU with the tiny configuration, so CI keeps this script working.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -165,7 +166,8 @@ def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
             run.emit({"phase": "dit", "levers": name, "error": f"{type(error).__name__}: {error}"[:500]})
             continue
         record = {"phase": "dit", "levers": name, "ran": report, "tokens": frames * height * width, "repeat": repeat,
-                  "seconds": round(seconds, 4), "first_call_s": round(first_s, 3), "compiled": run.compile}  # fmt: skip
+                  "seconds": round(seconds, 4), "first_call_s": round(first_s, 3), "compiled": run.compile,
+                  "output_sha256": hashlib.sha256(out.float().cpu().numpy().tobytes()).hexdigest()[:16]}  # fmt: skip
         if baseline is None:
             baseline, baseline_s = out.float(), seconds
         else:
