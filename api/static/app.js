@@ -245,6 +245,8 @@ function formFields() {
     sr_target_resize_mode: $("resize").value,
     output_codec: $("codec").value,
     output_crf: $("crf").value,
+    quality: $("quality").value,
+    deinterlace: $("deinterlace").value,
   };
   return Object.fromEntries(Object.entries(fields).filter(([, value]) => value !== ""));
 }
@@ -341,6 +343,13 @@ function scaleLabel(job) {
   return `${Number(job.params.sr_resolution_scale)}×`;
 }
 
+// The tier that ran once the job is done (a model without a faster path runs `lossless`: its notes say so), else
+// the one asked for; the default, `lossless`, goes unsaid.
+function qualityLabel(job) {
+  const quality = (job.output && job.output.quality) || job.params.quality;
+  return quality && quality !== "lossless" ? quality : null;
+}
+
 function stageText(job) {
   switch (job.status) {
     case "queued":
@@ -406,6 +415,7 @@ function buildRow(job) {
           onclick: () => history(job.id)}, "History"),
         el("button", {type: "button", class: "ghost danger", "data-action": "delete", onclick: () => remove(job.id)}, "Delete"))),
     el("p", {class: "job-error error small"}),
+    el("ul", {class: "job-notes small", "aria-label": `Notes on ${name}`, hidden: ""}),
     el("ol", {class: "job-history small muted", hidden: ""}));
   return row;
 }
@@ -460,13 +470,18 @@ function fillRow(row, job) {
   const out = sizeLabel(job.size);
   const sizes = media ? `${media.width}×${media.height} → ${out || "…"}` : out ? `→ ${out}` : null;
   row.querySelector(".job-meta").textContent =
-    [scaleLabel(job), job.model, sizes, ago(job.created_at)].filter(Boolean).join(" · ");
+    [scaleLabel(job), job.model, qualityLabel(job), sizes, ago(job.created_at)].filter(Boolean).join(" · ");
   const bar = row.querySelector(".bar");
   bar.firstElementChild.style.width = `${job.progress}%`;
   bar.setAttribute("aria-valuenow", String(job.progress));
   bar.hidden = !ACTIVE.has(job.status) && job.status !== "completed";
   row.querySelector(".job-stage").textContent = stageText(job);
   row.querySelector(".job-error").textContent = job.error ? `${job.error.message} (${job.error.code})` : "";
+  // what the worker says a person should know of the run: deinterlaced, streams left out, a tier it could not run
+  const notes = row.querySelector(".job-notes");
+  const said = (job.output && job.output.notes) || [];
+  if (notes.childElementCount !== said.length) notes.replaceChildren(...said.map((note) => el("li", {}, note)));
+  notes.hidden = said.length === 0;
   const show = {
     compare: job.status === "completed",
     download: job.status === "completed",
