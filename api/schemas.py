@@ -145,11 +145,13 @@ class UpscaleParams(BaseModel):
     seed: int = Field(42, ge=RANDOM_SEED, lt=2**63, description="-1 draws a random seed, which the job then reports")
     output_codec: Literal["h264", "hevc", "av1"] = "h264"
     output_crf: int = Field(18, ge=0, le=63)
-    deinterlace: Literal["frame", "field"] = Field(
+    deinterlace: Literal["frame", "field", "film"] = Field(
         "frame",
         description="an interlaced source (broadcast, DVD, DV, AVCHD 1080i) comes out progressive: a frame for each "
         "source frame (frame: 50i gives 25p), or for each field, at its own instant (field: 50i gives 50p, smoother "
-        "motion, twice the frames to upscale); progressive sources are untouched either way",
+        "motion, twice the frames to upscale); progressive sources are untouched either way. film: telecined film "
+        "(an NTSC DVD or broadcast of a movie, 29.97i from 23.976p) gets its own frames back (inverse telecine: four "
+        "of every five, 23.976p)",
     )
     quality: Literal["lossless", "high"] = Field(
         "lossless",

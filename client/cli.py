@@ -77,9 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     upscale.add_argument("--quality", choices=("lossless", "high"), default="lossless",
                          help="lossless: the exact engine; high: faster FP8 arithmetic in the diffusion transformer, "
                          "not bit-exact (README: what it changes)")  # fmt: skip
-    upscale.add_argument("--deinterlace", choices=("frame", "field"), default="frame",
-                         help="an interlaced source's output: a frame for each source frame, or for each field "
-                         "(50i gives 50p)")  # fmt: skip
+    upscale.add_argument("--deinterlace", choices=("frame", "field", "film"), default="frame",
+                         help="an interlaced source's output: a frame for each source frame, for each field "
+                         "(50i gives 50p), or telecined film's own frames (film: 29.97i gives 23.976p)")  # fmt: skip
     upscale.add_argument("--preset", default="medium", help="encoder speed preset (x264 names; AV1 maps them)")
     upscale.add_argument("--window", type=int, default=121, help="frames per temporal window (1 + 4k)")
     upscale.add_argument("--window-overlap", type=int, default=16, help="frames neighbouring windows crossfade over")

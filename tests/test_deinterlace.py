@@ -50,9 +50,9 @@ def weave(instants: list[np.ndarray], order: str) -> list[np.ndarray]:
     return woven
 
 
-def encode(path: Path, frames: list[np.ndarray], codec: str, order: str | None) -> Path:
+def encode(path: Path, frames: list[np.ndarray], codec: str, order: str | None, rate: Fraction | None = None) -> Path:
     """H.264, MPEG-2 or DV, coded interlaced with the field `order` ("tff", "bff"), or progressive (None)."""
-    rate = Fraction(25) if codec == "dv" else RATE  # DV has PAL's rate or NTSC's, no other
+    rate = rate or (Fraction(25) if codec == "dv" else RATE)  # DV has PAL's rate or NTSC's, no other
     with av.open(str(path), "w") as container:
         if codec == "h264":
             options = {"crf": "12"} | ({"x264-params": f"interlaced=1:{order}=1"} if order else {})
@@ -294,3 +294,82 @@ def test_at_the_field_rate_a_real_broadcast_keeps_its_time_and_a_progressive_sou
     result = upscale_file(progressive, tmp_path / "film-out.mp4", LanczosUpscaler(), FIELD_RATE)
     assert (result.written.video.frames, result.written.video.fps) == (6, RATE)
     assert "deinterlace=field was asked, but the source is progressive: the output keeps the source's frame rate" in result.notes
+
+
+NTSC, FILM_RATE = Fraction(30000, 1001), Fraction(24000, 1001)
+FILM = replace(FAST, deinterlace="film")
+
+
+def telecine(film: list[np.ndarray], order: str) -> list[np.ndarray]:
+    """3:2 pulldown, as an NTSC DVD or broadcast carries a film: every four film frames A B C D become five video
+    frames, A, B, B's first field with C's second, C's first with D's second, then D."""
+    first = slice(0, None, 2) if order == "tff" else slice(1, None, 2)
+
+    def woven(earlier: np.ndarray, later: np.ndarray) -> np.ndarray:
+        frame = later.copy()
+        frame[first] = earlier[first]
+        return frame
+
+    video = []
+    for a, b, c, d in zip(*[iter(film)] * 4):
+        video += [a, b, woven(b, c), woven(c, d), d]
+    return video
+
+
+@pytest.mark.parametrize("case", ["h264-tff-ts", "mpeg2-bff-ts"])
+def test_telecined_film_gets_its_own_frames_back(instants, tmp_path, case):
+    """`deinterlace=film` on a film telecined to 29.97i: the film's own 20 frames out of 25, at 23.976 over the same
+    time, each one its film frame (the two woven from two film frames in every five put back together), where
+    deinterlacing frame for frame leaves 25 frames, five of them a blend of two film frames."""
+    codec, order, suffix = CASES[case]
+    film = instants[4:24]  # the clip's first frames hardly move
+    source = encode(tmp_path / f"in.{suffix}", telecine(film, order), codec, order, NTSC)
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FILM)
+
+    assert (result.source.video.frames, result.written.video.frames) == (25, 20)
+    assert (result.source.video.fps, result.written.video.fps) == (NTSC, FILM_RATE)
+    assert times(output) == pytest.approx([index / FILM_RATE for index in range(20)], abs=1e-3)
+    assert result.written.video.duration == pytest.approx(result.source.video.duration, abs=1e-3)
+    moves = [np.abs(luma(a) - luma(b)) > 25 for a, b in zip(film, film[1:])]
+    masks = [a | b for a, b in zip(moves[:1] + moves, moves + moves[-1:])]  # where each film frame differs from the next
+    reference = tmp_path / "film.mp4"
+    upscale_file(encode(tmp_path / "film.in.mp4", film, "h264", None, FILM_RATE), reference, LanczosUpscaler(), FAST)
+    frames, films = upscaled(output, masks), upscaled(reference, masks)
+
+    def apart(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
+        return float(np.abs(a - b)[mask.repeat(2, 0).repeat(2, 1)].mean())
+
+    owns = []
+    for index, (frame, mask) in enumerate(zip(frames, masks, strict=True)):
+        owns.append(apart(frame, films[index], mask))
+        nearest_other = min(apart(frame, other, mask) for number, other in enumerate(films) if number != index)
+        assert owns[-1] < nearest_other, (index, owns[-1], nearest_other)
+    if codec == "h264":  # its fields put back together, not interpolated: measured median 2.7 levels, 5.1 without
+        # fieldmatch (bwdif then decimate); MPEG-2's own coding drift over its GOP (1 to 6 levels) hides the difference
+        assert float(np.median(owns)) < 4, owns
+    assert any(f"telecine undone ({SAID[order]})" in note and "25 frames in, 20 out (29.97 frames/s in, 23.976 out)"
+               in note for note in result.notes), result.notes  # fmt: skip
+
+
+def test_film_asked_of_a_source_at_another_rate_keeps_its_rate_and_says_why(instants, tmp_path):
+    """Telecine makes 29.97 or 30 frames a second: a 50i source asked for `film` is deinterlaced frame for frame."""
+    source = encode(tmp_path / "in.ts", weave(instants[:8], "tff"), "h264", "tff")
+    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FILM)
+    assert (result.written.video.frames, result.written.video.fps) == (4, RATE)
+    assert any("deinterlaced with bwdif" in note for note in result.notes), result.notes
+    assert ("deinterlace=film was asked, but its rate is 12.5 frames/s, and telecine (3:2 pulldown) makes 29.97 or 30: "
+            "the output keeps the source's frame rate") in result.notes  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["devede-base_ntsc.mpg", "puremagic-test.mp4"])
+def test_film_on_real_ntsc_files_keeps_four_frames_in_five_and_a_last_short_cycle_whole(corpus_cache, tmp_path, name):
+    """Real 29.97 streams (a DVD authoring tool's MPEG-2, an MP4 that rounds the rate to 2997/100), 29 frames each:
+    five cycles of five lose one frame each, the last four are kept, 24 frames at 4/5 the rate, read back so."""
+    source = corpus_cache / name
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FILM)
+    assert (result.source.video.frames, result.written.video.frames) == (29, 24)
+    assert float(result.written.video.fps) == pytest.approx(23.976, abs=1e-3)
+    assert len(times(output)) == 24 and times(output)[-1] == pytest.approx(23 / 23.976, abs=2e-3)
+    assert any("29 frames in, 24 out (29.97 frames/s in, 23.976 out)" in note for note in result.notes), result.notes

@@ -20,7 +20,7 @@ from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, output_timecode, plan_streams
 from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
-from worker.media.reader import Fields, at_field_rate, prefetch, read_frames
+from worker.media.reader import CADENCES, Fields, at_cadence, prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
 from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_size, encoder_for, output_depth
@@ -41,8 +41,7 @@ from worker.sr.windows import (
 log = logging.getLogger("vsrq.worker")
 
 T = TypeVar("T")
-# How interlaced sources are deinterlaced: a frame for each source frame (its rate), or one for each field (twice it)
-DEINTERLACE = ("frame", "field")
+DEINTERLACE = CADENCES  # how interlaced sources become progressive: a frame per frame, per field, or film's own
 ENGINE_STAGES = ("encode", "denoise_decode")  # `RunInfo.stage_seconds` that span the engine's call between them
 
 
@@ -55,7 +54,7 @@ class UpscaleOptions:
     codec: str = "h264"
     crf: int = 18
     preset: str = "medium"
-    deinterlace: str = "frame"  # `DEINTERLACE`: an interlaced source's output at its frame rate, or at its field rate
+    deinterlace: str = "frame"  # `DEINTERLACE`: an interlaced source's output at its frame rate, its field rate, or film's
     # Limits only refuse work, they never change a pixel: not part of the repr, so a deploy that raises them keeps
     # a requeued job's kept windows
     limits: Limits = field(default=Limits(), repr=False)
@@ -143,13 +142,13 @@ def begin_upscale(
     if options.deinterlace not in DEINTERLACE:
         raise ValueError(f"deinterlace must be one of {DEINTERLACE}, got {options.deinterlace!r}")
 
-    # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field rate, what follows
-    #    plans, writes and checks the frames the reader makes: twice the source's, at twice its rate
+    # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field or film cadence,
+    #    what follows plans, writes and checks the frames the reader makes: twice the source's, or four in five
     source_info = info = probe(source, options.limits)
-    doubled = at_field_rate(info.video) if options.deinterlace == "field" else None
-    if doubled is not None:
-        info = replace(info, video=doubled)
-    video, field_rate = info.video, doubled is not None
+    recounted = at_cadence(info.video, options.deinterlace)
+    if recounted is not None:
+        info = replace(info, video=recounted)
+    video, cadence = info.video, options.deinterlace if recounted is not None else "frame"
     head = {"probed": monotonic()}
 
     # 3. Plan: output size, temporal windows, the streams carried over, and what the output must be
@@ -202,7 +201,7 @@ def begin_upscale(
                 )
             )
             head["writer_open"] = monotonic()
-            with closing(prefetch(read_frames(source, video, fields, field_rate), plan.length)) as frames:
+            with closing(prefetch(read_frames(source, video, fields, cadence), plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(
                     upscaler, frames, plan, options.request, writer.write, progress, cancelled, store,
@@ -231,7 +230,8 @@ def begin_upscale(
         devices=tuple(first.devices) if first else (),
         carried=carried,
         notes=_notes(
-            info, carried, first, options.request, snap, fields, options.codec, options.deinterlace, field_rate
+            info, source_info.video, carried, first, options.request, snap, fields, options.codec,
+            options.deinterlace, cadence,
         ),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
@@ -367,6 +367,7 @@ def _tag(value: int) -> int:
 
 def _notes(
     info: MediaInfo,
+    source: VideoInfo,
     carried: tuple[Carried, ...],
     run: RunInfo | None,
     request: SRRequest,
@@ -374,8 +375,10 @@ def _notes(
     fields: Fields,
     codec: str = "h264",
     deinterlace: str = "frame",
-    field_rate: bool = False,
+    cadence: str = "frame",
 ) -> tuple[str, ...]:
+    """What a user should know of how the job ran. `info` is what was written, `source` the video as probed;
+    `deinterlace` is the cadence asked for, `cadence` the one the frames were read at."""
     video: VideoInfo = info.video
     scale = request.scale
     notes = []
@@ -403,21 +406,28 @@ def _notes(
                      f"{', '.join(f'#{i}' for i in others)} left out")
     # Counted by the reader, not taken from the probe (which decodes the first frame only): a broadcast or a DVD may
     # start progressive and turn interlaced, or mix the two
-    frames = video.frames // (1 + field_rate)  # the source's
-    if fields.interlaced:
-        order = {"tff": "top field first", "bff": "bottom field first"}.get(fields.parity, "each frame's field order")
-        share = f" ({fields.interlaced} of its {frames} frames)" if fields.interlaced < frames else ""
-        if field_rate:
+    rates = f"{float(source.fps):.5g} frames/s in, {float(video.fps):.5g} out"
+    order = {"tff": "top field first", "bff": "bottom field first"}.get(fields.parity, "each frame's field order")
+    if cadence == "film":
+        notes.append(f"deinterlace=film: telecine undone ({order}), fieldmatch putting each film frame's fields back "
+                     f"together, bwdif deinterlacing any it could not match, decimate dropping the one repeat in "
+                     f"five: {source.frames} frames in, {video.frames} out ({rates})")
+    elif fields.interlaced:
+        share = f" ({fields.interlaced} of its {source.frames} frames)" if fields.interlaced < source.frames else ""
+        if cadence == "field":
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
-                         f"field at its instant, so the output is progressive at twice the source's frame rate "
-                         f"({float(video.fps) / 2:g} frames/s in, {float(video.fps):g} out)")
+                         f"field at its instant, so the output is progressive at twice the source's frame rate ({rates})")
         else:
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
                          "source frame at its time, so the output is progressive")
-    if deinterlace == "field" and not field_rate:
-        why = ("its frame rate varies" if video.interlaced else "its first frame is progressive (it turns interlaced "
-               "later)" if fields.interlaced else "the source is progressive")
-        notes.append(f"deinterlace=field was asked, but {why}: the output keeps the source's frame rate")
+    if deinterlace != cadence:
+        if deinterlace == "film":
+            why = ("its frame rate varies" if not video.cfr else f"its rate is {float(video.fps):.5g} frames/s, and "
+                   "telecine (3:2 pulldown) makes 29.97 or 30")
+        else:
+            why = ("its frame rate varies" if video.interlaced else "its first frame is progressive (it turns "
+                   "interlaced later)" if fields.interlaced else "the source is progressive")
+        notes.append(f"deinterlace={deinterlace} was asked, but {why}: the output keeps the source's frame rate")
     deep = output_depth(video.bit_depth, codec) > 8
     if video.color_trc in HDR_TRANSFERS:
         kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""

@@ -215,6 +215,22 @@ def test_an_interlaced_upload_at_the_field_rate_comes_back_with_a_frame_per_fiel
     assert "one frame for each field" in note and "25 frames/s in, 50 out" in note, note
 
 
+def test_a_film_upload_telecined_to_ntsc_comes_back_at_the_film_rate(api, worker, tmp_path):
+    """`deinterlace=film` through the API, on 25 frames of 29.97i H.264 with sound: inverse telecine keeps four of every
+    five, 20 frames at 23.976 over the same time, the sound kept, and the job's notes say so (the pictures' own
+    fields put back together: tests/test_deinterlace.py)."""
+    clip = write_clip(tmp_path / "in.mp4", 25, (64, 96), Fraction(30000, 1001), audio_codec="aac",
+                      video_options={"x264-params": "interlaced=1:tff=1"})  # fmt: skip
+    job = wait_for(api, create(api, clip.read_bytes(), deinterlace="film")["id"], worker)
+    assert (job["status"], job["params"]["deinterlace"]) == ("completed", "film"), job
+    source, output = job["input"]["media"], job["output"]["media"]
+    assert (source["frames"], output["frames"]) == (25, 20), job
+    assert (source["fps"], output["fps"]) == (pytest.approx(29.97, abs=1e-3), pytest.approx(23.976, abs=1e-3)), job
+    assert output["duration"] == pytest.approx(source["duration"], abs=1e-3) and output["audio"]
+    [note] = [note for note in job["output"]["notes"] if "telecine" in note]
+    assert "25 frames in, 20 out (29.97 frames/s in, 23.976 out)" in note, note
+
+
 def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):
     # long enough (lanczos over 241 frames, two windows) to be caught while it runs
     clip = write_clip(tmp_path / "long.mp4", 241, (128, 192), crf=30).read_bytes()

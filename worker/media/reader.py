@@ -41,23 +41,34 @@ class Fields:
     parity: str | None = None
 
 
-def at_field_rate(video: VideoInfo) -> VideoInfo | None:
-    """`video` as `read_frames(..., field_rate=True)` reads it: twice the frames at twice the rate, the same span of
-    time. None where a frame per field is not offered: a source whose first frame is progressive (film, or a stream
-    that turns interlaced later: its frames are deinterlaced at the frame rate) or whose rate varies (no field
-    instants to put the frames at)."""
-    if not video.interlaced or not video.cfr:
-        return None
-    return replace(video, frames=2 * video.frames, fps=2 * video.fps)
+# How an interlaced source becomes progressive frames: one for each source frame (its rate), one for each field (twice
+# it), or telecined film's own frames back (inverse telecine: four of every five, 29.97 -> 23.976)
+CADENCES = ("frame", "field", "film")
+TELECINE_RATES = (Fraction(30000, 1001), Fraction(30))  # NTSC's (some files round it: 2997/100), its integer twin
+
+
+def at_cadence(video: VideoInfo, cadence: str) -> VideoInfo | None:
+    """`video` as `read_frames(..., cadence=cadence)` reads it, where it changes the frames: at `field`, twice the
+    frames at twice the rate; at `film`, four of every five (decimate keeps a last short cycle whole) at 4/5 the rate;
+    the same span of time (at `film`, to within a source frame where the count is not a multiple of five). None where the cadence is not offered, so the frames are read at the frame
+    rate: a frame per field needs a source whose first frame is interlaced (film, or a stream that turns interlaced
+    later, is not doubled); either needs a constant rate (no instants to put the frames at); film needs NTSC's rate,
+    the only one 3:2 pulldown makes."""
+    if cadence == "field" and video.interlaced and video.cfr:
+        return replace(video, frames=2 * video.frames, fps=2 * video.fps)
+    if cadence == "film" and video.cfr and any(abs(video.fps - rate) < Fraction(1, 100) for rate in TELECINE_RATES):
+        return replace(video, frames=video.frames - video.frames // 5, fps=video.fps * Fraction(4, 5))
+    return None
 
 
 def read_frames(
-    path: str | Path, video: VideoInfo, fields: Fields | None = None, field_rate: bool = False
+    path: str | Path, video: VideoInfo, fields: Fields | None = None, cadence: str = "frame"
 ) -> Iterator[np.ndarray]:
     """Every frame of the probed `video` stream in presentation order, (H, W, 3) RGB: uint8, or uint16 (full 16-bit
-    scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`fields` counts them); with
-    `field_rate`, two frames come out of every source frame, one at each field's instant (`video` then counts them:
-    `at_field_rate`). Raises `InputCorrupt` if decoding fails or yields another frame count."""
+    scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`fields` counts them); at the
+    `field` cadence two frames come out of every source frame, one at each field's instant, at `film` four of every
+    five, telecine undone (`video` then counts them: `at_cadence`). Raises `InputCorrupt` if decoding fails or yields
+    another frame count."""
     pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
     turns = video.rotation // 90
     # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled to the size
@@ -75,7 +86,7 @@ def read_frames(
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
             frames = _decode(container, stream, Path(path).stat().st_size)
-            for frame in _deinterlaced(frames, stream, fields or Fields(), field_rate):
+            for frame in _deinterlaced(frames, stream, fields or Fields(), cadence):
                 colour = _source_colour(frame)
                 shape = _shape(frame, stream)
                 first = shape if first is None else first
@@ -140,7 +151,7 @@ def _decode(container: av.container.InputContainer, stream: av.VideoStream, size
 
 
 def _deinterlaced(
-    frames: Iterator[av.VideoFrame], stream: av.VideoStream, fields: Fields, field_rate: bool = False
+    frames: Iterator[av.VideoFrame], stream: av.VideoStream, fields: Fields, cadence: str = "frame"
 ) -> Iterator[av.VideoFrame]:
     """`frames`, those flagged interlaced deinterlaced by libavfilter's bwdif: upscaled as stored, two fields woven
     from two instants, every moving edge would be magnified into combs. One frame out for each frame in (`send_frame`:
@@ -155,9 +166,13 @@ def _deinterlaced(
     `auto` reads as bottom first. Where the stream declares none (DV; a stream that starts progressive), `auto`
     takes each frame's own flag, which DV's and MPEG-2's decoders set from each picture's header.
 
-    At `field_rate` (`send_field`), a frame for each field, each at its own instant: 50i broadcast motion as 50
+    At `field` (`send_field`), a frame for each field, each at its own instant: 50i broadcast motion as 50
     frames a second. The count must then be twice the source's whatever the frames say: frames before the first
-    interlaced one are shown twice, and once the filter runs it treats every frame as two fields (`deint=all`)."""
+    interlaced one are shown twice, and once the filter runs it treats every frame as two fields (`deint=all`).
+
+    At `film`, every frame from the first goes through inverse telecine, whatever its flag (hard-telecined film is
+    often coded progressive): fieldmatch pairs each frame's fields with their film frame's, bwdif deinterlaces what it
+    could not match (video, a cut in the cadence), and decimate drops the one repeat in every five."""
     graph: av.filter.Graph | None = None
     configured = None  # the (width, height, pixel format) the graph was made for
     for frame in frames:
@@ -165,20 +180,23 @@ def _deinterlaced(
             yield from _drained(graph)  # the filter cannot change size: a new one takes the new size
             graph = None
         fields.interlaced += frame.interlaced_frame
-        if graph is None and not frame.interlaced_frame:
-            yield from (frame,) * (1 + field_rate)
+        if graph is None and not frame.interlaced_frame and cadence != "film":
+            yield from (frame,) * (1 + (cadence == "field"))
             continue
         if graph is None:
             fields.parity = PARITY.get(stream.codec_context.field_order, "auto")
-            graph, configured = _bwdif(frame, fields.parity, field_rate), (frame.width, frame.height, frame.format.name)
+            rate = stream.guessed_rate or stream.average_rate or Fraction(30000, 1001)
+            graph, configured = _graph(frame, fields.parity, cadence, rate), (frame.width, frame.height, frame.format.name)
         graph.push(frame)
         yield from _ready(graph)
     if graph is not None:
         yield from _drained(graph)
 
 
-def _bwdif(frame: av.VideoFrame, parity: str, field_rate: bool = False) -> av.filter.Graph:
+def _graph(frame: av.VideoFrame, parity: str, cadence: str = "frame", rate: Fraction | None = None) -> av.filter.Graph:
     graph = av.filter.Graph()
+    # decimate needs the frame rate it divides (the others read none)
+    extra = {"frame_rate": str(rate)} if cadence == "film" and rate else {}
     source = graph.add(
         "buffer",
         video_size=f"{frame.width}x{frame.height}",
@@ -187,12 +205,15 @@ def _bwdif(frame: av.VideoFrame, parity: str, field_rate: bool = False) -> av.fi
         # The frames' own colour tags, so that the buffer does not see each frame as a change of format
         colorspace=str(frame.colorspace),
         range=str(frame.color_range),
+        **extra,
     )
-    how = "mode=send_field:deint=all" if field_rate else "mode=send_frame:deint=interlaced"
-    deinterlace = graph.add("bwdif", f"{how}:parity={parity}")
-    sink = graph.add("buffersink")
-    source.link_to(deinterlace)
-    deinterlace.link_to(sink)
+    how = "mode=send_field:deint=all" if cadence == "field" else "mode=send_frame:deint=interlaced"
+    chain = [graph.add("bwdif", f"{how}:parity={parity}")]
+    if cadence == "film":
+        # The chain FFmpeg's fieldmatch documents: the frames it could not match (combmatch=full) marked for bwdif
+        chain = [graph.add("fieldmatch", f"order={parity}:combmatch=full"), *chain, graph.add("decimate")]
+    for upstream, downstream in zip([source, *chain], [*chain, graph.add("buffersink")]):
+        upstream.link_to(downstream)
     graph.configure()
     return graph
 
