@@ -332,7 +332,8 @@ def test_telecined_film_gets_its_own_frames_back(instants, tmp_path, case):
     assert times(output) == pytest.approx([index / FILM_RATE for index in range(20)], abs=1e-3)
     assert result.written.video.duration == pytest.approx(result.source.video.duration, abs=1e-3)
     moves = [np.abs(luma(a) - luma(b)) > 25 for a, b in zip(film, film[1:])]
-    masks = [a | b for a, b in zip(moves[:1] + moves, moves + moves[-1:])]  # where each film frame differs from the next
+    # where each film frame differs from a neighbour
+    masks = [a | b for a, b in zip(moves[:1] + moves, moves + moves[-1:])]
     reference = tmp_path / "film.mp4"
     upscale_file(encode(tmp_path / "film.in.mp4", film, "h264", None, FILM_RATE), reference, LanczosUpscaler(), FAST)
     frames, films = upscaled(output, masks), upscaled(reference, masks)

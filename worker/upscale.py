@@ -54,7 +54,7 @@ class UpscaleOptions:
     codec: str = "h264"
     crf: int = 18
     preset: str = "medium"
-    deinterlace: str = "frame"  # `DEINTERLACE`: an interlaced source's output at its frame rate, its field rate, or film's
+    deinterlace: str = "frame"  # `DEINTERLACE`: an interlaced source's output at its frame rate, field rate or film's
     # Limits only refuse work, they never change a pixel: not part of the repr, so a deploy that raises them keeps
     # a requeued job's kept windows
     limits: Limits = field(default=Limits(), repr=False)
@@ -416,7 +416,8 @@ def _notes(
         share = f" ({fields.interlaced} of its {source.frames} frames)" if fields.interlaced < source.frames else ""
         if cadence == "field":
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
-                         f"field at its instant, so the output is progressive at twice the source's frame rate ({rates})")
+                         f"field at its instant, so the output is progressive at twice the source's frame rate "
+                         f"({rates})")
         else:
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
                          "source frame at its time, so the output is progressive")
