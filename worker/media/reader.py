@@ -185,8 +185,7 @@ def _deinterlaced(
             continue
         if graph is None:
             fields.parity = PARITY.get(stream.codec_context.field_order, "auto")
-            rate = stream.guessed_rate or stream.average_rate or Fraction(30000, 1001)
-            graph = _graph(frame, fields.parity, cadence, rate)
+            graph = _graph(frame, fields.parity, cadence, stream.guessed_rate or stream.average_rate)
             configured = (frame.width, frame.height, frame.format.name)
         graph.push(frame)
         yield from _ready(graph)
