@@ -644,7 +644,9 @@ def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(setting
         )
         began.join(60)
         assert not began.is_alive(), "the engine waited for a window's upload"
-        assert upscaler.windows == [0, 1, 2, 3] and partition.held == 1 and kept_windows(s3, job_id) == []
+        # the upload's request may reach SeaweedFS after the engine's last window, on a busy machine: it is held then
+        wait_until(lambda: partition.held == 1, 30)
+        assert upscaler.windows == [0, 1, 2, 3] and kept_windows(s3, job_id) == []
         encoding = began_with[0]
         finishing, finished_with = in_thread(encoding.finish)
         finishing.join(1.5)
