@@ -374,3 +374,16 @@ def test_film_on_real_ntsc_files_keeps_four_frames_in_five_and_a_last_short_cycl
     assert float(result.written.video.fps) == pytest.approx(23.976, abs=1e-3)
     assert len(times(output)) == 24 and times(output)[-1] == pytest.approx(23 / 23.976, abs=2e-3)
     assert any("29 frames in, 24 out (29.97 frames/s in, 23.976 out)" in note for note in result.notes), result.notes
+
+
+def test_a_telecined_source_read_frame_for_frame_says_film_would_give_its_frames_back(instants, tmp_path):
+    """Read at the frame rate, a telecined film keeps two frames in every five that mix two film frames: the job's notes
+    point to `deinterlace=film`. Genuinely interlaced video (every field its own instant) gets no such note."""
+    hint = "the source looks like telecined film"
+    telecined = encode(tmp_path / "film.ts", telecine(instants[4:24], "bff"), "h264", "bff", NTSC)
+    result = upscale_file(telecined, tmp_path / "film.mp4", LanczosUpscaler(), FAST)
+    assert result.written.video.frames == 25 and any(note.startswith(hint) for note in result.notes), result.notes
+    video = encode(tmp_path / "video.ts", weave(instants, "tff"), "h264", "tff", NTSC)
+    result = upscale_file(video, tmp_path / "video.mp4", LanczosUpscaler(), FAST)
+    assert any("deinterlaced with bwdif" in note for note in result.notes), result.notes
+    assert not any(note.startswith(hint) for note in result.notes), result.notes

@@ -20,7 +20,7 @@ from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, output_timecode, plan_streams
 from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
-from worker.media.reader import CADENCES, Fields, at_cadence, prefetch, read_frames
+from worker.media.reader import CADENCES, Fields, at_cadence, prefetch, read_frames, telecined
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
 from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_size, encoder_for, output_depth
@@ -149,6 +149,8 @@ def begin_upscale(
     if recounted is not None:
         info = replace(info, video=recounted)
     video, cadence = info.video, options.deinterlace if recounted is not None else "frame"
+    # a film on an NTSC disc, read frame for frame, keeps two blended frames in every five: the notes say so
+    looks_telecined = cadence != "film" and telecined(source, source_info.video)
     head = {"probed": monotonic()}
 
     # 3. Plan: output size, temporal windows, the streams carried over, and what the output must be
@@ -231,7 +233,7 @@ def begin_upscale(
         carried=carried,
         notes=_notes(
             info, source_info.video, carried, first, options.request, snap, fields, options.codec,
-            options.deinterlace, cadence,
+            options.deinterlace, cadence, looks_telecined,
         ),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
@@ -376,6 +378,7 @@ def _notes(
     codec: str = "h264",
     deinterlace: str = "frame",
     cadence: str = "frame",
+    looks_telecined: bool = False,
 ) -> tuple[str, ...]:
     """What a user should know of how the job ran. `info` is what was written, `source` the video as probed;
     `deinterlace` is the cadence asked for, `cadence` the one the frames were read at."""
@@ -429,6 +432,10 @@ def _notes(
             why = ("its frame rate varies" if video.interlaced else "its first frame is progressive (it turns "
                    "interlaced later)" if fields.interlaced else "the source is progressive")
         notes.append(f"deinterlace={deinterlace} was asked, but {why}: the output keeps the source's frame rate")
+    if looks_telecined:
+        notes.append("the source looks like telecined film (3:2 pulldown repeats a field in two of every five "
+                     "frames): deinterlace=film would give the film's own frames back at 23.976, without the frames "
+                     "that mix two film frames")
     deep = output_depth(video.bit_depth, codec) > 8
     if video.color_trc in HDR_TRANSFERS:
         kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
@@ -59,6 +60,37 @@ def at_cadence(video: VideoInfo, cadence: str) -> VideoInfo | None:
     if cadence == "film" and video.cfr and any(abs(video.fps - rate) < Fraction(1, 100) for rate in TELECINE_RATES):
         return replace(video, frames=video.frames - video.frames // 5, fps=video.fps * Fraction(4, 5))
     return None
+
+
+def telecined(path: str | Path, video: VideoInfo, frames: int = 60) -> bool:
+    """Whether an interlaced NTSC-rate source looks like telecined film: in its first `frames` frames, libavfilter's
+    idet finds a field repeated from the frame before in at least a quarter of them (3:2 pulldown repeats one in two
+    of every five; genuinely interlaced video, none). A separate pass: idet rewrites the interlaced flags that bwdif
+    reads, so it never runs on the frames that are upscaled."""
+    if not video.interlaced or at_cadence(video, "film") is None:
+        return False
+    repeated = analysed = 0
+    try:
+        with open_input(path) as container:
+            stream = container.streams[video.index]
+            decode_declared_picture(stream)
+            graph = None
+            for frame in islice(_decode(container, stream, Path(path).stat().st_size), frames):
+                if graph is None:
+                    graph = av.filter.Graph()
+                    size, time_base = f"{frame.width}x{frame.height}", str(frame.time_base or "1/90000")
+                    source = graph.add("buffer", video_size=size, pix_fmt=frame.format.name, time_base=time_base)
+                    nodes = [source, graph.add("idet"), graph.add("buffersink")]
+                    for upstream, downstream in zip(nodes, nodes[1:]):
+                        upstream.link_to(downstream)
+                    graph.configure()
+                graph.push(frame)
+                for out in _ready(graph):
+                    analysed += 1
+                    repeated += out.metadata.get("lavfi.idet.repeated.current_frame", "neither") != "neither"
+    except (AVError, ValueError):  # a frame of another size or format mid-way: too odd a source to guess at
+        return False
+    return analysed >= 10 and repeated * 4 >= analysed
 
 
 def read_frames(
