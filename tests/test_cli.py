@@ -53,6 +53,28 @@ def test_probe_prints_what_the_service_would_see(tmp_path):
     assert (info["video"]["frames"], info["video"]["fps"], info["audio"][0]["sample_rate"]) == (10, "24", 48000)
 
 
+def test_probe_says_when_a_source_looks_like_telecined_film(corpus_cache, tmp_path):
+    """A real clip's frames telecined to 29.97i by hand (tests/test_deinterlace.py): `vsrq probe` points to
+    `--deinterlace film`; the same frames interlaced as video do not."""
+    from itertools import islice
+
+    from tests.test_deinterlace import CLIP, NTSC, encode, telecine, weave
+    from worker.media.probe import probe as probed
+    from worker.media.reader import read_frames
+
+    frames = read_frames(corpus_cache / CLIP, probed(corpus_cache / CLIP).video)
+    try:
+        film = list(islice(frames, 44))[4:]  # its first frames hardly move
+    finally:
+        frames.close()
+    telecined = encode(tmp_path / "telecined.ts", telecine(film, "tff"), "h264", "tff", NTSC)
+    interlaced = encode(tmp_path / "interlaced.ts", weave(film, "tff"), "h264", "tff", NTSC)
+    hint = "looks like telecined film (3:2 pulldown repeats a field in two of every five frames): --deinterlace film"
+    assert hint in vsrq("probe", str(telecined)).stdout
+    assert json.loads(vsrq("probe", str(telecined), "--json").stdout)["plan"]["looks_telecined"] is True
+    assert hint not in vsrq("probe", str(interlaced)).stdout
+
+
 @pytest.mark.parametrize("command", ["upscale", "probe"])
 def test_bad_input_exits_2_with_its_code_and_no_output(tmp_path, command):
     source = tmp_path / "in.mp4"

@@ -111,6 +111,7 @@ def _job_key(args: argparse.Namespace, signature: str) -> str:
 def probe(args: argparse.Namespace) -> int:
     from worker.media.passthrough import plan_streams
     from worker.media.probe import probe
+    from worker.media.reader import telecined
     from worker.sr import tiling
     from worker.sr.windows import plan_windows
 
@@ -119,17 +120,22 @@ def probe(args: argparse.Namespace) -> int:
     height, width = tiling.output_size(video.height, video.width, args.scale)
     plan = plan_windows(video.frames, args.window, args.window_overlap)
     carried = plan_streams(info)
+    film = telecined(args.input, video)  # what the job's notes would say after the fact, said before it
     if args.json:
         print(json.dumps(info.to_dict() | {"plan": {
             "output_size": [width, height],
             "windows": [[w.start, w.stop] for w in plan.windows],
             "streams": [{"index": c.index, "kind": c.kind, "action": c.action, "detail": c.detail} for c in carried],
+            "looks_telecined": film,
         }}, indent=2))
         return 0
     print("\n".join(info.describe()))
     print(f"upscale x{args.scale:g}: {width}x{height}, {video.frames} frames in {len(plan.windows)} window(s) of up to {plan.length}")
     for c in carried:
         print(f"  {c.describe()}")
+    if film:
+        print("looks like telecined film (3:2 pulldown repeats a field in two of every five frames): --deinterlace film "
+              "gives the film's own 23.976 frames back")
     return 0
 
 
