@@ -134,8 +134,8 @@ def probe(args: argparse.Namespace) -> int:
     for c in carried:
         print(f"  {c.describe()}")
     if film:
-        print("looks like telecined film (3:2 pulldown repeats a field in two of every five frames): --deinterlace film "
-              "gives the film's own 23.976 frames back")
+        print("looks like telecined film (3:2 pulldown repeats a field in two of every five frames): "
+              "--deinterlace film gives the film's own 23.976 frames back")
     return 0
 
 
