@@ -41,7 +41,6 @@ from worker.sr.windows import (
 log = logging.getLogger("vsrq.worker")
 
 T = TypeVar("T")
-DEINTERLACE = CADENCES  # how interlaced sources become progressive: a frame per frame, per field, or film's own
 ENGINE_STAGES = ("encode", "denoise_decode")  # `RunInfo.stage_seconds` that span the engine's call between them
 
 
@@ -54,7 +53,7 @@ class UpscaleOptions:
     codec: str = "h264"
     crf: int = 18
     preset: str = "medium"
-    deinterlace: str = "frame"  # `DEINTERLACE`: an interlaced source's output at its frame rate, field rate or film's
+    deinterlace: str = "frame"  # `reader.CADENCES`: an interlaced source's output at its frame, field or film rate
     # Limits only refuse work, they never change a pixel: not part of the repr, so a deploy that raises them keeps
     # a requeued job's kept windows
     limits: Limits = field(default=Limits(), repr=False)
@@ -139,8 +138,8 @@ def begin_upscale(
     # 1. Arguments that need no decoding: where the output goes, the encoder
     _check_output(source, output)
     encoder_for(options.codec)
-    if options.deinterlace not in DEINTERLACE:
-        raise ValueError(f"deinterlace must be one of {DEINTERLACE}, got {options.deinterlace!r}")
+    if options.deinterlace not in CADENCES:
+        raise ValueError(f"deinterlace must be one of {CADENCES}, got {options.deinterlace!r}")
 
     # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field or film cadence,
     #    what follows plans, writes and checks the frames the reader makes: twice the source's, or four in five

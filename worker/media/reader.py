@@ -76,14 +76,7 @@ def telecined(path: str | Path, video: VideoInfo, frames: int = 60) -> bool:
             decode_declared_picture(stream)
             graph = None
             for frame in islice(_decode(container, stream, Path(path).stat().st_size), frames):
-                if graph is None:
-                    graph = av.filter.Graph()
-                    size, time_base = f"{frame.width}x{frame.height}", str(frame.time_base or "1/90000")
-                    source = graph.add("buffer", video_size=size, pix_fmt=frame.format.name, time_base=time_base)
-                    nodes = [source, graph.add("idet"), graph.add("buffersink")]
-                    for upstream, downstream in zip(nodes, nodes[1:]):
-                        upstream.link_to(downstream)
-                    graph.configure()
+                graph = graph or _chain(frame, [("idet", "")])
                 graph.push(frame)
                 for out in _ready(graph):
                     analysed += 1
@@ -217,7 +210,9 @@ def _deinterlaced(
             continue
         if graph is None:
             fields.parity = PARITY.get(stream.codec_context.field_order, "auto")
-            graph = _graph(frame, fields.parity, cadence, stream.guessed_rate or stream.average_rate)
+            # decimate needs the frame rate it divides (the other filters read none)
+            rate = (stream.guessed_rate or stream.average_rate) if cadence == "film" else None
+            graph = _chain(frame, _deinterlacing(fields.parity, cadence), rate)
             configured = (frame.width, frame.height, frame.format.name)
         graph.push(frame)
         yield from _ready(graph)
@@ -225,10 +220,21 @@ def _deinterlaced(
         yield from _drained(graph)
 
 
-def _graph(frame: av.VideoFrame, parity: str, cadence: str = "frame", rate: Fraction | None = None) -> av.filter.Graph:
+def _deinterlacing(parity: str, cadence: str) -> list[tuple[str, str]]:
+    """The filters, with their arguments, that make `cadence`'s progressive frames of the stream's interlaced ones."""
+    how = "mode=send_field:deint=all" if cadence == "field" else "mode=send_frame:deint=interlaced"
+    bwdif = ("bwdif", f"{how}:parity={parity}")
+    if cadence == "film":
+        # The chain FFmpeg's fieldmatch documents: the frames it could not match (combmatch=full) marked for bwdif
+        return [("fieldmatch", f"order={parity}:combmatch=full"), bwdif, ("decimate", "")]
+    return [bwdif]
+
+
+def _chain(frame: av.VideoFrame, filters: list[tuple[str, str]], rate: Fraction | None = None) -> av.filter.Graph:
+    """A configured graph that takes frames like `frame` through `filters` in turn (`rate`: the buffer's frame
+    rate, for a filter that reads it)."""
     graph = av.filter.Graph()
-    # decimate needs the frame rate it divides (the others read none)
-    extra = {"frame_rate": str(rate)} if cadence == "film" and rate else {}
+    extra = {"frame_rate": str(rate)} if rate else {}
     source = graph.add(
         "buffer",
         video_size=f"{frame.width}x{frame.height}",
@@ -239,11 +245,7 @@ def _graph(frame: av.VideoFrame, parity: str, cadence: str = "frame", rate: Frac
         range=str(frame.color_range),
         **extra,
     )
-    how = "mode=send_field:deint=all" if cadence == "field" else "mode=send_frame:deint=interlaced"
-    chain = [graph.add("bwdif", f"{how}:parity={parity}")]
-    if cadence == "film":
-        # The chain FFmpeg's fieldmatch documents: the frames it could not match (combmatch=full) marked for bwdif
-        chain = [graph.add("fieldmatch", f"order={parity}:combmatch=full"), *chain, graph.add("decimate")]
+    chain = [graph.add(name, arguments or None) for name, arguments in filters]
     for upstream, downstream in zip([source, *chain], [*chain, graph.add("buffersink")]):
         upstream.link_to(downstream)
     graph.configure()
