@@ -151,7 +151,7 @@ class UpscaleParams(BaseModel):
         "source frame (frame: 50i gives 25p), or for each field, at its own instant (field: 50i gives 50p, smoother "
         "motion, twice the frames to upscale); progressive sources are untouched either way. film: telecined film "
         "(an NTSC DVD or broadcast of a movie, 29.97i from 23.976p) gets its own frames back (inverse telecine: four "
-        "of every five, 23.976p)",
+        "of every five, 23.976p); soft-telecined film (pulldown flags) is read at 23.976p whatever this says",
     )
     quality: Literal["lossless", "high"] = Field(
         "lossless",

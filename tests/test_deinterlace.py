@@ -17,6 +17,7 @@ import pytest
 
 from worker.errors import Cancelled
 from worker.media.probe import probe
+from worker.media.synthetic import _write_audio, tone
 from worker.media.reader import _source_colour, read_frames
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
@@ -374,6 +375,78 @@ def test_film_on_real_ntsc_files_keeps_four_frames_in_five_and_a_last_short_cycl
     assert float(result.written.video.fps) == pytest.approx(23.976, abs=1e-3)
     assert len(times(output)) == 24 and times(output)[-1] == pytest.approx(23 / 23.976, abs=2e-3)
     assert any("29 frames in, 24 out (29.97 frames/s in, 23.976 out)" in note for note in result.notes), result.notes
+
+
+def soft_telecine(path: Path, film: list[np.ndarray], sound: bool) -> Path:
+    """Film as an NTSC DVD (program stream, AC-3 sound) or an ATSC broadcast (TS) carries it, soft-telecined: the
+    film's own progressive frames coded at 23.976, flagged the way DVD authoring's pulldown tools (DGPulldown) flag
+    them: 29.97 in the sequence header, the sequence interlaced, each picture progressive, shown top field first or
+    not and with its first field repeated or not, in the cycle that makes 3:2 pulldown (A: 3 fields, B: 2, C: 3, D:
+    2)."""
+    elementary = path.with_suffix(".m2v")
+    with av.open(str(elementary), "w", format="mpeg2video") as container:
+        stream = container.add_stream("mpeg2video", rate=FILM_RATE, options={"qscale": "2"})  # no B-frames: coded
+        stream.height, stream.width = film[0].shape[:2]  # order is display order, the flags' cycle
+        stream.pix_fmt = "yuv420p"
+        for index, pixels in enumerate(film):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24").reformat(format="yuv420p")
+            frame.pts, frame.time_base = index, 1 / FILM_RATE
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    data, start, pictures = bytearray(elementary.read_bytes()), 0, 0
+    while (start := data.find(b"\x00\x00\x01", start) + 3) > 2:
+        code, extension = data[start], data[start + 1] >> 4
+        if code == 0xB3:  # sequence header: frame_rate_code 4, 30000/1001
+            data[start + 4] = (data[start + 4] & 0xF0) | 4
+        elif code == 0xB5 and extension == 1:  # sequence extension: progressive_sequence 0
+            data[start + 2] &= ~0x08
+        elif code == 0xB5 and extension == 8:  # picture coding extension
+            top_first, repeat = [(1, 1), (0, 0), (0, 1), (1, 0)][pictures % 4]
+            data[start + 4] = (data[start + 4] & ~0x82) | top_first << 7 | repeat << 1
+            data[start + 5] |= 0x80  # progressive_frame
+            pictures += 1
+    elementary.write_bytes(bytes(data))
+    with av.open(str(elementary), format="mpegvideo") as source, av.open(str(path), "w") as container:
+        video = container.add_stream_from_template(source.streams.video[0])
+        audio = container.add_stream("ac3", rate=48000, layout="stereo") if sound else None
+        for packet in source.demux(video=0):
+            if packet.size:
+                packet.stream = video
+                container.mux(packet)
+        if audio is not None:
+            _write_audio(container, audio, tone(len(film) / float(FILM_RATE)), "stereo")
+    return path
+
+
+@pytest.mark.parametrize("name", ["dvd.vob", "broadcast.ts"])
+def test_soft_telecined_film_is_read_at_its_own_rate(instants, tmp_path, name):
+    """Soft telecine: the decoder gives the film's 24 frames, but the container times them three fields and two in
+    turn. Read at those times, the output had a variable rate ("24.186 fps") that kept the 3:2 judder, its last frame
+    cut short (0.984 s for the film's 1.001); read at the film's rate, it is 23.976 progressive, every frame within
+    half a field of its time, the sound where it was. Asked for `film`, nothing is decimated: it is film already."""
+    film = instants[:24]
+    source = soft_telecine(tmp_path / name, film, sound=name.endswith(".vob"))
+    probed = probe(source)
+    video = probed.video
+    assert (video.frames, video.fps, video.cfr, video.pulldown) == (24, FILM_RATE, True, True)
+    assert "24 frames at 23.976 fps (constant), 1.001 s, film with 3:2 pulldown flags" in probed.describe()[1]
+    assert video.duration == pytest.approx(24 / FILM_RATE, abs=1e-6)
+
+    for deinterlace in ("frame", "film"):
+        output = tmp_path / f"{deinterlace}.mp4"
+        options = replace(FAST, deinterlace=deinterlace)
+        result = upscale_file(source, output, LanczosUpscaler(), options)
+        written = result.written
+        assert (written.video.frames, written.video.fps, written.video.cfr) == (24, FILM_RATE, True)
+        assert times(output) == pytest.approx([index / FILM_RATE for index in range(24)], abs=1e-3)
+        for audio, heard in zip(written.audio, probed.audio, strict=True):  # the sound where it was
+            assert written.video.start - audio.start == pytest.approx(video.start - heard.start, abs=1e-3)
+        assert any("3:2 pulldown flags (soft telecine" in note and "output is 23.976 frames/s progressive" in note
+                   for note in result.notes), result.notes  # fmt: skip
+        assert not any("variable frame rate" in note or "deinterlaced" in note for note in result.notes), result.notes
+    assert len(written.audio) == name.endswith(".vob")
+    assert ("deinterlace=film was asked, but the source is film already, its own frames read at 23.976 frames/s "
+            "(3:2 pulldown flags): the output keeps the source's frame rate") in result.notes  # fmt: skip
 
 
 def test_a_telecined_source_read_frame_for_frame_says_film_would_give_its_frames_back(instants, tmp_path):

@@ -423,8 +423,15 @@ def _notes(
         else:
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
                          "source frame at its time, so the output is progressive")
+    film = f"{float(source.fps):.5g}"
+    if source.pulldown:
+        notes.append(f"the source is film at {film} frames/s carried with 3:2 pulldown flags (soft telecine: shown as "
+                     f"{float(source.fps * 5 / 4):.5g} frames/s, each frame for three fields and two in turn): each "
+                     f"frame was read once, at the film's own rate, so the output is {film} frames/s progressive")
     if deinterlace != cadence:
-        if deinterlace == "film":
+        if deinterlace == "film" and source.pulldown:
+            why = f"the source is film already, its own frames read at {film} frames/s (3:2 pulldown flags)"
+        elif deinterlace == "film":
             why = ("its frame rate varies" if not video.cfr else f"its rate is {float(video.fps):.5g} frames/s, and "
                    "telecine (3:2 pulldown) makes 29.97 or 30")
         else:

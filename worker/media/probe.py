@@ -64,6 +64,9 @@ class VideoInfo:
     # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
     sar: Fraction = Fraction(1)
     interlaced: bool = False  # the first frame is coded as two fields (the reader counts them all: reader.Fields)
+    # Film carried by 3:2 pulldown flags (soft telecine): its frames timed three fields and two in turn, read at `fps`,
+    # the film's own rate (`_pulled_down`)
+    pulldown: bool = False
     mirrored: bool = False  # after the turn by `rotation`, flipped left to right for display
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
@@ -168,6 +171,7 @@ class MediaInfo:
             f"video #{video.index}: {video.codec} {video.width}x{video.height} {video.pix_fmt} {video.bit_depth}-bit "
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
+            + (", film with 3:2 pulldown flags" if video.pulldown else "")
             + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
             + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
             + (", mirrored for display" if video.mirrored else "")
@@ -539,6 +543,8 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     time_base = stream.time_base or Fraction(1, 90000)
     retimed = _check_order(scan.timestamps, time_base, path)
     fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
+    film = None if cfr else _pulled_down(timestamps, time_base)
+    fps, cfr = (film, True) if film else (fps, cfr)
     if limits.max_fps is not None and fps > limits.max_fps:
         raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
     first = timestamps[0] if timestamps else 0
@@ -574,6 +580,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         language=stream.language,
         sar=_sample_aspect(stream, rotation),
         interlaced=bool(frame.interlaced_frame),
+        pulldown=film is not None,
         mirrored=mirrored,
         timestamps=() if cfr else tuple(t - first for t in timestamps),
         last_duration=last_duration,
@@ -637,6 +644,31 @@ def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) 
         if all(math.fabs(t - i * step) <= tolerance for i, t in enumerate(seconds)):
             return Fraction(rate), True, timestamps
     return measured, False, timestamps
+
+
+# The film rates 3:2 pulldown carries at NTSC's 59.94 fields a second, or at 60
+FILM_RATES = (Fraction(24000, 1001), Fraction(24))
+
+
+def _pulled_down(timestamps: list[int], time_base: Fraction) -> Fraction | None:
+    """The film rate of soft-telecined film, else None. A DVD's or an ATSC broadcast's film is coded as the film's
+    own progressive frames, flagged to be shown for three fields and two in turn (MPEG-2's repeat_first_field,
+    H.264's pic_struct): the decoder gives the film's frames, but the container times each one as long as its
+    fields, 2.5 of them on average. Read at those times, the output keeps the 3:2 judder and a variable rate; at the
+    film's rate every frame is within half a field of its time (8.3 ms), the sound's sync with it."""
+    if len(timestamps) < 3:
+        return None
+    seconds = [float((t - timestamps[0]) * time_base) for t in timestamps]
+    for film in FILM_RATES:
+        field = 1 / (2.5 * float(film))
+        slack = max(0.6 * float(time_base), field / 20)  # rounding to the time base, or a little jitter
+        steps = [(later - earlier) / field for earlier, later in zip(seconds, seconds[1:])]
+        if not all(abs(step - round(step)) * field <= slack and round(step) in (2, 3) for step in steps):
+            continue
+        # and three and two in turn: a run of one length drifts off the film's grid
+        if all(abs(t - i / float(film)) <= field / 2 + slack for i, t in enumerate(seconds)):
+            return film
+    return None
 
 
 def _audio_info(stream: av.AudioStream, extent: tuple[float, float, float] | None) -> AudioInfo:
