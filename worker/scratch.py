@@ -14,6 +14,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from PIL import Image
+
+from worker.media import webp
 from worker.media.source import open_input
 from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, plan_windows
 
@@ -22,13 +25,17 @@ def scratch_bytes(source: Path, scale: float, window: int = DEFAULT_WINDOW, over
     """What the running job (its input `source`, upscaled `scale` times in temporal windows of `window` frames that
     overlap by `overlap`) will write to its scratch disk at most: its upscaled frames as raw RGB (kept windows, the
     encoder's input), its windows' float overlap tails, and an MP4 of its input's bits per pixel."""
-    with open_input(source) as container:
-        stream = container.streams.video[0]
-        frames = stream.frames
-        if not frames:  # not in the header (a fragmented MP4, a Matroska file): from its duration
-            seconds = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
-            frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
-        width, height = stream.codec_context.width, stream.codec_context.height
+    if webp.animated(source):  # FFmpeg reads its first frame only
+        with Image.open(source) as image:
+            (width, height), frames = image.size, image.n_frames
+    else:
+        with open_input(source) as container:
+            stream = container.streams.video[0]
+            frames = stream.frames
+            if not frames:  # not in the header (a fragmented MP4, a Matroska file): from its duration
+                seconds = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
+                frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
+            width, height = stream.codec_context.width, stream.codec_context.height
     pixels = scale * scale
     tails = (len(plan_windows(frames, window, overlap).windows) - 1) * overlap * 4  # float32: 4 bytes a sample
     return round((frames + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)

@@ -20,7 +20,7 @@ from worker.media.limits import Limits
 from worker.media.passthrough import Carried, Passthrough, output_clock, output_metadata, output_timecode, plan_streams
 from worker.media.previews import PreviewFrames
 from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
-from worker.media.reader import CADENCES, Fields, at_cadence, prefetch, read_frames, telecined
+from worker.media.reader import CADENCES, Reading, at_cadence, prefetch, read_frames, telecined
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
 from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_size, encoder_for, output_depth
@@ -175,8 +175,8 @@ def begin_upscale(
     #    all into a hidden file next to the output. The writer stays open for `finish`.
     partial = output.with_name(f".{output.name}.partial")
 
-    def write_windows() -> tuple[Mp4Writer, WindowsRun, PreviewFrames, Fields]:
-        previews, fields = PreviewFrames(video.frames), Fields()
+    def write_windows() -> tuple[Mp4Writer, WindowsRun, PreviewFrames, Reading]:
+        previews, reading = PreviewFrames(video.frames), Reading()
         with ExitStack() as on_error:
             on_error.callback(partial.unlink, missing_ok=True)
             writer = on_error.enter_context(
@@ -202,23 +202,23 @@ def begin_upscale(
                 )
             )
             head["writer_open"] = monotonic()
-            with closing(prefetch(read_frames(source, video, fields, cadence), plan.length)) as frames:
+            with closing(prefetch(read_frames(source, video, reading, cadence), plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(
                     upscaler, frames, plan, options.request, writer.write, progress, cancelled, store,
                     torch.uint16 if depth > 8 else torch.uint8,
                 )  # fmt: skip
             on_error.pop_all()  # the writer stays open: `Encoding` closes or discards it
-        return writer, run, previews, fields
+        return writer, run, previews, reading
 
     engine_started = monotonic()
     try:
-        writer, run, previews, fields = write_windows()
+        writer, run, previews, reading = write_windows()
     except KeptWindowsDisagree as error:  # the output would mix windows made in two ways: it starts over without
         # the kept ones (never replayed again), in this attempt rather than the job's next
         log.warning("kept windows dropped, every window computed again: %s", error)
         store.drop()
-        writer, run, previews, fields = write_windows()
+        writer, run, previews, reading = write_windows()
     # What made the pixels: the windows' own runs, also those replayed from an earlier attempt's
     first = run.made[0] if run.made else None
     result = Result(
@@ -231,7 +231,7 @@ def begin_upscale(
         devices=tuple(first.devices) if first else (),
         carried=carried,
         notes=_notes(
-            info, source_info.video, carried, first, options.request, snap, fields, options.codec,
+            info, source_info.video, carried, first, options.request, snap, reading, options.codec,
             options.deinterlace, cadence, looks_telecined,
         ),
         seconds=0.0,
@@ -373,7 +373,7 @@ def _notes(
     run: RunInfo | None,
     request: SRRequest,
     snap: int,
-    fields: Fields,
+    reading: Reading,
     codec: str = "h264",
     deinterlace: str = "frame",
     cadence: str = "frame",
@@ -409,13 +409,13 @@ def _notes(
     # Counted by the reader, not taken from the probe (which decodes the first frame only): a broadcast or a DVD may
     # start progressive and turn interlaced, or mix the two
     rates = f"{float(source.fps):.5g} frames/s in, {float(video.fps):.5g} out"
-    order = {"tff": "top field first", "bff": "bottom field first"}.get(fields.parity, "each frame's field order")
+    order = {"tff": "top field first", "bff": "bottom field first"}.get(reading.parity, "each frame's field order")
     if cadence == "film":
         notes.append(f"deinterlace=film: telecine undone ({order}), fieldmatch putting each film frame's fields back "
                      f"together, bwdif deinterlacing any it could not match, decimate dropping the one repeat in "
                      f"five: {source.frames} frames in, {video.frames} out ({rates})")
-    elif fields.interlaced:
-        share = f" ({fields.interlaced} of its {source.frames} frames)" if fields.interlaced < source.frames else ""
+    elif reading.interlaced:
+        share = f" ({reading.interlaced} of its {source.frames} frames)" if reading.interlaced < source.frames else ""
         if cadence == "field":
             notes.append(f"the source is interlaced{share}: deinterlaced with bwdif ({order}), one frame for each "
                          f"field at its instant, so the output is progressive at twice the source's frame rate "
@@ -436,12 +436,16 @@ def _notes(
                    "telecine (3:2 pulldown) makes 29.97 or 30")
         else:
             why = ("its frame rate varies" if video.interlaced else "its first frame is progressive (it turns "
-                   "interlaced later)" if fields.interlaced else "the source is progressive")
+                   "interlaced later)" if reading.interlaced else "the source is progressive")
         notes.append(f"deinterlace={deinterlace} was asked, but {why}: the output keeps the source's frame rate")
     if looks_telecined:
         notes.append("the source looks like telecined film (3:2 pulldown repeats a field in two of every five "
                      "frames): deinterlace=film would give the film's own frames back at 23.976, without the frames "
                      "that mix two film frames")
+    if reading.transparent:
+        share = f"{reading.transparent} of its {video.frames} frames"
+        share = share if reading.transparent < video.frames else "every frame"
+        notes.append(f"the source has transparent pixels ({share}): MP4 has no alpha, so they were shown over black")
     deep = output_depth(video.bit_depth, codec) > 8
     if video.color_trc in HDR_TRANSFERS:
         kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""

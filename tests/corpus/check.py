@@ -10,6 +10,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
+from PIL import Image, UnidentifiedImageError
 
 from tests.corpus.fetch import cache_dir, load_manifest, missing
 from worker.errors import CodedError
@@ -55,7 +56,7 @@ class Declared:
     sar: Fraction
     rotation: int
     times: list[float]
-    average_rate: Fraction | None
+    average_rate: Fraction | None  # as the demuxer declares it; for GIF and APNG, the whole file's (`declared`)
     audio: list[Track] = field(default_factory=list)
     subtitles: int = 0
     title: str | None = None
@@ -72,6 +73,8 @@ class Declared:
 
 
 def declared(path: Path) -> Declared:
+    if _animated_webp(path):
+        return _webp_declared(path)
     with av.open(str(path), metadata_errors="replace") as container:
         videos = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
         best = container.streams.best("video")  # what ffmpeg and players pick
@@ -84,10 +87,12 @@ def declared(path: Path) -> Declared:
         chapters = [(float(c["start"] * c["time_base"]), c["metadata"].get("title")) for c in container.chapters()]
         subtitles = sum(s.codec_context is not None and s.codec_context.name in TEXT_SUBTITLES for s in container.streams.subtitles)
         rate = video.average_rate if video.average_rate and video.average_rate > 0 else None
-        times, rotation = [], 0
+        timed_each = container.format.name in ("gif", "apng")
+        times, rotation, last = [], 0, 0.0
         for frame in _frames(container, video):
             if not times:
                 rotation = round(frame.rotation / 90) * 90 % 360
+            last = float(frame.duration * video.time_base) if frame.duration else 0.0
             # Frames the decoder hands over when flushed carry no time base of their own (`time` is NaN): the stream's
             times.append(float(frame.pts * video.time_base) if frame.pts is not None else len(times) / float(video.guessed_rate))
     tracks = []
@@ -114,7 +119,36 @@ def declared(path: Path) -> Declared:
                                     start or 0.0, samples / stream.codec_context.sample_rate, frame))  # fmt: skip
     if rotation in (90, 270):
         width, height, sar = height, width, 1 / sar
+    if timed_each and len(times) > 1:
+        # Each frame timed by its own delay: the demuxers' average is an estimate from the first frames
+        # (find_stream_info's), not the file's frames over the time they are shown
+        span = max(times) - min(times) + (last or statistics.median(b - a for a, b in zip(times, times[1:])))
+        rate = Fraction(len(times) / span).limit_denominator(1001)
     return Declared(width, height, sar, rotation, sorted(times), rate, tracks, subtitles, title, chapters)
+
+
+def _animated_webp(path: Path) -> bool:
+    try:
+        with Image.open(path) as image:
+            return image.format == "WEBP" and getattr(image, "n_frames", 1) > 1
+    except (OSError, UnidentifiedImageError):
+        return False
+
+
+def _webp_declared(path: Path) -> Declared:
+    """An animated WebP, which FFmpeg cannot decode, as libwebp (through Pillow) reads it: each frame shown for its
+    duration, or for 100 ms where that is 10 ms or less, as browsers show it (and FFmpeg's GIF demuxer times GIFs)."""
+    times, shown = [], 0.0
+    with Image.open(path) as image:
+        for index in range(image.n_frames):
+            image.seek(index)
+            image.load()
+            times.append(shown)
+            duration = image.info.get("duration", 0)
+            shown += (duration if duration > 10 else 100) / 1000
+        width, height = image.size
+    rate = Fraction(len(times) / shown).limit_denominator(1001)
+    return Declared(width, height, Fraction(1), 0, times, rate)
 
 
 def _frames(container: av.container.InputContainer, stream: av.stream.Stream):

@@ -13,8 +13,10 @@ from .conftest import auth
 from .test_worker import get, wait_for, worker  # noqa: F401 (the lanczos worker fixture)
 
 FILES = {entry["name"]: entry for entry in load_manifest()["file"]}
-# Non-square DVD pixels with MP2 sound re-encoded, Theora in Ogg, and cover art without a video (refused).
-SAMPLE = ["devede-base_ntsc_wide.mpg", "mecavideo-Effet_force_magnetique.ogv", "mutagen-covr-with-name.m4a"]
+# Non-square DVD pixels with MP2 sound re-encoded, Theora in Ogg, cover art without a video (refused), and an animated
+# WebP (a web download: FFmpeg cannot decode it)
+SAMPLE = ["devede-base_ntsc_wide.mpg", "mecavideo-Effet_force_magnetique.ogv", "mutagen-covr-with-name.m4a",
+          "pillow-iss634.webp"]
 
 
 @pytest.mark.parametrize("name", SAMPLE)

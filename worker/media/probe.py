@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -28,6 +28,7 @@ from worker.media.errors import (
     InputUnreadable,
     InputUnsupportedCodec,
 )
+from worker.media import webp
 from worker.media.limits import Limits
 from worker.media.source import open_input, unpacker
 from worker.media.timecode import Count, timecode_counts
@@ -63,7 +64,7 @@ class VideoInfo:
     language: str | None
     # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
     sar: Fraction = Fraction(1)
-    interlaced: bool = False  # the first frame is coded as two fields (the reader counts them all: reader.Fields)
+    interlaced: bool = False  # the first frame is coded as two fields (the reader counts them all: reader.Reading)
     # Film carried by 3:2 pulldown flags (soft telecine): its frames timed three fields and two in turn, read at `fps`,
     # the film's own rate (`_pulled_down`)
     pulldown: bool = False
@@ -196,6 +197,8 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         raise InputEmpty(f"{path.name} is empty (0 bytes)")
     if limits.max_bytes is not None and size > limits.max_bytes:
         raise InputTooLarge(f"{path.name} is {size / 2**30:.1f} GiB; the limit is {limits.max_bytes / 2**30:.1f} GiB")
+    if webp.animated(path):
+        return _animated_webp(path, size, limits)
     try:
         container = open_input(path, metadata_errors="replace")
     except AVError as error:
@@ -233,6 +236,18 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         return MediaInfo(
             path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers, data
         )
+
+
+def _animated_webp(path: Path, size: int, limits: Limits) -> MediaInfo:
+    """An animated WebP, as libwebp reads it (`webp`): RGB frames, each at its own time, no sound."""
+    (width, height), starts, last = webp.frame_times(path, limits)
+    clock = frame_clock([], [*starts], webp.TIME_BASE, lambda first: last, path, limits)
+    video = VideoInfo(
+        index=0, codec="webp", width=width, height=height, rotation=0, pix_fmt="rgba", bit_depth=8,
+        color_matrix=0, color_range=0, color_primaries=2, color_trc=2,  # RGB (AVCOL_SPC_RGB), untagged
+        frames=len(starts), **clock, time_base=webp.TIME_BASE, language=None,
+    )  # fmt: skip
+    return MediaInfo(path, "webp", size, video, (), (), {})
 
 
 def _codec(stream: av.stream.Stream) -> str:
@@ -274,6 +289,15 @@ def _check_pixels(width: int, height: int, path: Path, limits: Limits) -> None:
         raise InputTooLarge(f"{path.name} is {width}x{height}; the limit is {limits.max_pixels / 1e6:.1f} Mpx per frame")
 
 
+@dataclass(frozen=True)
+class _Timed:
+    """A packet's timing, kept after the packet itself is gone."""
+
+    pts: int
+    dts: int | None
+    duration: int
+
+
 @dataclass
 class _Scan:
     first_frame: av.VideoFrame | None = None
@@ -290,11 +314,13 @@ class _Scan:
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
     key_pts: int | None = None  # the first keyframe's presentation time
+    # Frames before the first keyframe, decode order: counted where the decoder is seen to show them (`_leading`)
+    before_key: list[_Timed] = field(default_factory=list)
     # stored (width, height) -> the shape it is shown at (width x the decoder's pixel aspect / height), in order seen
     sizes: dict[tuple[int, int], Fraction] = field(default_factory=dict)
     sampled: float | None = None  # seconds: the last keyframe decoded for its size
 
-    def track(self, packet: av.Packet) -> None:
+    def track(self, packet: av.Packet | _Timed) -> None:
         """Follow where a presented frame's `packet` puts the track's last frame and its end."""
         if self.latest is None or packet.pts > self.latest:
             self.latest, self.latest_duration = packet.pts, packet.duration or 0
@@ -347,15 +373,16 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if owner.index != stream.index:
                 continue
             scan.video_packets += 1
-            # Decoders drop what precedes the first keyframe (a recording cut mid-GOP): those frames do not exist.
             if not scan.keyframe_seen and packet.is_keyframe:
                 scan.keyframe_seen, scan.key_pts = True, packet.pts
             if scan.keyframe_seen and not packet.is_discard:
                 if packet.pts is not None:
                     scan.track(packet)
                 scan.timestamps.append(packet.pts)
-                if limits.max_frames is not None and len(scan.timestamps) > limits.max_frames:
-                    raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
+            elif not packet.is_discard and packet.pts is not None:
+                scan.before_key.append(_Timed(packet.pts, packet.dts, packet.duration or 0))
+            if limits.max_frames is not None and len(scan.timestamps) + len(scan.before_key) > limits.max_frames:
+                raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
             # Decoded last: `unpack` takes the packet's contents
             if scan.first_frame is None:
                 scan.first_frame = next((frame for sent in unpack(packet) for frame in stream.decode(sent)), None)
@@ -371,10 +398,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
         raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
     if scan.first_frame is None:
         raise InputCorrupt(f"{path.name} holds no decodable video frame")
-    leading = {t for t in scan.timestamps if t is not None and scan.key_pts is not None and t < scan.key_pts}
-    if leading:
-        dropped = leading - _decoded_times(path, stream.index, leading)
-        scan.timestamps = [t for t in scan.timestamps if t not in dropped]
+    _leading(scan, path, stream.index)
     # MP4/MOV index every sample, so fewer packets than indexed means a cut file (AVI headers count empty chunks).
     declared = stream.frames if "mp4" in container.format.name else 0
     if declared and scan.video_packets < declared:
@@ -425,13 +449,32 @@ def _sized(scan: _Scan, stream: av.VideoStream, frames: list[av.VideoFrame]) -> 
             scan.sizes[frame.width, frame.height] = shape
 
 
+def _leading(scan: _Scan, path: Path, index: int) -> None:
+    """Count the frames at the stream's head that exist: those the decoder shows. Two kinds may not:
+    - frames decoded before the first keyframe: a recording cut mid-GOP starts with frames that refer back to
+      pictures not there, which decoders drop; but an animated PNG's demuxer flags a frame key only where it
+      replaces the whole canvas, and its first frames, drawn on an empty one, are all shown (counted from the first
+      key, one with none had no frames at all: input_too_short);
+    - frames shown before the first keyframe but decoded after it: a file that starts at an open GOP's keyframe
+      (x265's CRA by default, x264's `open-gop`: a Matroska file split or a recording started mid-stream) holds
+      leading frames that refer back to the GOP before it; the decoder drops those (HEVC's RASL), shows the rest.
+    Counted otherwise, the frames came up short or long only once decoded, after the upscaling (input_corrupt)."""
+    key = scan.key_pts
+    leading = {t for t in scan.timestamps if t is not None and key is not None and t < key}
+    early = {timed.pts for timed in scan.before_key}
+    if not leading and not early:
+        return
+    shown = _decoded_times(path, index, leading | early)
+    scan.timestamps = [t for t in scan.timestamps if t not in leading - shown]
+    kept = [timed for timed in scan.before_key if timed.pts in shown]
+    for timed in kept:
+        scan.track(timed)
+    scan.timestamps[:0] = [timed.pts for timed in kept]
+
+
 def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
-    """The presentation times the decoder outputs from the start of a stream whose first keyframe is followed by
-    `leading` frames shown before it. A file that starts at an open GOP's keyframe (x265's CRA by default, x264's
-    `open-gop`: a Matroska file split or a recording started mid-stream) holds the leading frames that refer back
-    to the GOP before it, which is not there; the decoder drops those (HEVC's RASL) and shows the rest. Counted, the
-    frames came up short only once decoded, after the upscaling (input_corrupt). Decoded as the reader decodes,
-    up to a reorder buffer past the last leading frame."""
+    """The presentation times the decoder outputs from the start of a stream, decoded as the reader decodes, up to
+    a reorder buffer past the last of the `leading` frames (`_leading`)."""
     size = path.stat().st_size
     shown: set[int] = set()
     try:
@@ -542,23 +585,8 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         raise InputTooShort(f"{path.name} has {frames} frame(s): a still image, not a video (at least {limits.min_frames})")
     time_base = stream.time_base or Fraction(1, 90000)
     retimed = _check_order(scan.timestamps, time_base, path)
-    fps, cfr, timestamps = _timing(stream, scan.timestamps, time_base)
-    film = None if cfr else _pulled_down(timestamps, time_base)
-    fps, cfr = (film, True) if film else (fps, cfr)
-    if limits.max_fps is not None and fps > limits.max_fps:
-        raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
-    first = timestamps[0] if timestamps else 0
-    # The last frame of a variable rate lasts as the file says (a screen recording's last frame after a pause is not
-    # as long as an average one), else as long as an average one.
-    last_duration = 0 if cfr else scan.last_duration(first)
-    if cfr:
-        duration = frames / fps
-    elif last_duration:
-        duration = float((timestamps[-1] - first + last_duration) * time_base)
-    else:
-        duration = float((timestamps[-1] - first) * time_base) * frames / (frames - 1)
-    if limits.max_seconds is not None and duration > limits.max_seconds:
-        raise InputTooLarge(f"{path.name} lasts {duration:.0f} s; the limit is {limits.max_seconds:.0f} s")
+    declared = [stream.average_rate, stream.base_rate, stream.guessed_rate]
+    clock = frame_clock(declared, scan.timestamps, time_base, scan.last_duration, path, limits)
     return VideoInfo(
         index=stream.index,
         codec=_codec(stream),
@@ -572,18 +600,12 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         color_primaries=frame.color_primaries,
         color_trc=frame.color_trc,
         frames=frames,
-        fps=fps,
-        cfr=cfr,
-        start=float(first * time_base),
-        duration=float(duration),
+        **clock,
         time_base=time_base,
         language=stream.language,
         sar=_sample_aspect(stream, rotation),
         interlaced=bool(frame.interlaced_frame),
-        pulldown=film is not None,
         mirrored=mirrored,
-        timestamps=() if cfr else tuple(t - first for t in timestamps),
-        last_duration=last_duration,
         sizes=tuple(scan.sizes) if len(scan.sizes) > 1 else (),
         canvas_shape=canvas_shape,
         timecode=stream.metadata.get("timecode"),
@@ -591,6 +613,45 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         mastering=mastering,
         light_level=light_level,
     )
+
+
+def frame_clock(
+    declared: Sequence[Fraction | None],
+    pts: list[int | None],
+    time_base: Fraction,
+    last_duration: Callable[[int], int],
+    path: Path,
+    limits: Limits,
+) -> dict:
+    """`VideoInfo`'s timing fields for frames presented at `pts` (decode order, in `time_base`; None: a raw stream
+    timed by the `declared` rates, tried first): fps, cfr, pulldown, start, duration, timestamps, last_duration.
+    `last_duration(first)` says how long the last frame lasts (0: the file does not say)."""
+    fps, cfr, timestamps = _timing(declared, pts, time_base)
+    film = None if cfr else _pulled_down(timestamps, time_base)
+    fps, cfr = (film, True) if film else (fps, cfr)
+    if limits.max_fps is not None and fps > limits.max_fps:
+        raise InputTooLarge(f"{path.name} runs at {float(fps):g} fps; the limit is {limits.max_fps:g} fps")
+    first, frames = (timestamps[0] if timestamps else 0), len(pts)
+    # The last frame of a variable rate lasts as the file says (a screen recording's last frame after a pause is not
+    # as long as an average one), else as long as an average one.
+    last = 0 if cfr else last_duration(first)
+    if cfr:
+        duration = frames / fps
+    elif last:
+        duration = float((timestamps[-1] - first + last) * time_base)
+    else:
+        duration = float((timestamps[-1] - first) * time_base) * frames / (frames - 1)
+    if limits.max_seconds is not None and duration > limits.max_seconds:
+        raise InputTooLarge(f"{path.name} lasts {duration:.0f} s; the limit is {limits.max_seconds:.0f} s")
+    return {
+        "fps": fps,
+        "cfr": cfr,
+        "pulldown": film is not None,
+        "start": float(first * time_base),
+        "duration": float(duration),
+        "timestamps": () if cfr else tuple(t - first for t in timestamps),
+        "last_duration": last,
+    }
 
 
 def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
@@ -626,10 +687,12 @@ def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
     return retimed
 
 
-def _timing(stream: av.VideoStream, pts: list[int | None], time_base: Fraction) -> tuple[Fraction, bool, list[int]]:
+def _timing(
+    declared_rates: Sequence[Fraction | None], pts: list[int | None], time_base: Fraction
+) -> tuple[Fraction, bool, list[int]]:
     """(frame rate, constant?, sorted timestamps). Constant when every frame sits on one rate's grid, to within the
     time base's rounding or 5 % of a frame; the stream's declared rates are tried first, then the measured one."""
-    declared = [rate for rate in (stream.average_rate, stream.base_rate, stream.guessed_rate) if rate and 0 < rate <= 1000]
+    declared = [rate for rate in declared_rates if rate and 0 < rate <= 1000]
     if None in pts or len(pts) < 2:  # raw streams carry no timestamps: trust the declared rate
         return (declared[0] if declared else Fraction(24)), True, []
     timestamps = sorted(pts)

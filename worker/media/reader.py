@@ -17,6 +17,7 @@ import av
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
+from worker.media import webp
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
 from worker.media.source import open_input, unpacker
@@ -28,18 +29,20 @@ PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
 # How frames are read, for what is keyed on the frames read (kept windows): windows computed from interlaced frames
 # read otherwise (as stored, before deinterlacing), from a stream that changes size read at its first part's size, or
 # from packed B-frames read packed (every B-frame dropped), or from a source deeper than 8 bits kept at 8 bits (before
-# 10-bit outputs), are never replayed beside these.
+# 10-bit outputs), or with their alpha dropped (before it was shown over black), are never replayed beside these.
 READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked; "
-           "deeper sources kept at 16 bits")
+           "deeper sources kept at 16 bits; alpha shown over black")
 
 
 @dataclass
-class Fields:
-    """What `read_frames` did about interlacing, counted as it reads: the frames flagged interlaced (each one
-    deinterlaced) and the field order they were read in ("auto": each frame's own flag)."""
+class Reading:
+    """What `read_frames` met, counted as it reads: the frames flagged interlaced (each one deinterlaced) and the
+    field order they were read in ("auto": each frame's own flag); the frames with a transparent pixel (composited
+    over black: `_over_black`)."""
 
     interlaced: int = 0
     parity: str | None = None
+    transparent: int = 0
 
 
 # How an interlaced source becomes progressive frames: one for each source frame (its rate), one for each field (twice
@@ -87,14 +90,19 @@ def telecined(path: str | Path, video: VideoInfo, frames: int = 60) -> bool:
 
 
 def read_frames(
-    path: str | Path, video: VideoInfo, fields: Fields | None = None, cadence: str = "frame"
+    path: str | Path, video: VideoInfo, reading: Reading | None = None, cadence: str = "frame"
 ) -> Iterator[np.ndarray]:
     """Every frame of the probed `video` stream in presentation order, (H, W, 3) RGB: uint8, or uint16 (full 16-bit
-    scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`fields` counts them); at the
+    scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`reading` counts them); at the
     `field` cadence two frames come out of every source frame, one at each field's instant, at `film` four of every
-    five, telecine undone (`video` then counts them: `at_cadence`). Raises `InputCorrupt` if decoding fails or yields
-    another frame count."""
-    pixel_format = "rgb24" if video.bit_depth <= 8 else "rgb48le"
+    five, telecine undone (`video` then counts them: `at_cadence`). Frames with an alpha channel are composited over
+    black (`reading` counts those it made a difference to). Raises `InputCorrupt` if decoding fails or yields another
+    frame count."""
+    reading = reading or Reading()
+    if video.codec == "webp":  # animated WebP: FFmpeg cannot decode it (`webp`)
+        yield from _counted((_over_black(rgba, reading) for rgba in webp.read(Path(path))), path, video)
+        return
+    pixel_format, with_alpha = ("rgb24", "rgba") if video.bit_depth <= 8 else ("rgb48le", "rgba64le")
     turns = video.rotation // 90
     # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled to the size
     # of its largest part (probe: `VideoInfo.sizes`), its parts of another shape kept in shape (`_inside`).
@@ -111,17 +119,18 @@ def read_frames(
             stream.thread_type = "AUTO"
             decode_declared_picture(stream)
             frames = _decode(container, stream, Path(path).stat().st_size)
-            for frame in _deinterlaced(frames, stream, fields or Fields(), cadence):
+            for frame in _deinterlaced(frames, stream, reading, cadence):
                 colour = _source_colour(frame)
                 shape = _shape(frame, stream)
                 first = shape if first is None else first
                 resized = (frame.width, frame.height) != (width, height)
                 inner = _inside(width, height, shape / first) if resized else None
-                if inner is None:
-                    pixels = reformatter.reformat(frame, width, height, pixel_format, **colour).to_ndarray()
-                else:
-                    pixels = reformatter.reformat(frame, *inner, pixel_format, **colour).to_ndarray()
-                    pixels = _boxed(pixels, width, height)
+                alpha = any(component.is_alpha for component in frame.format.components)
+                pixels = reformatter.reformat(
+                    frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour
+                ).to_ndarray()
+                pixels = _over_black(pixels, reading) if alpha else pixels
+                pixels = pixels if inner is None else _boxed(pixels, width, height)
                 count += 1
                 if count > video.frames:
                     break
@@ -132,6 +141,27 @@ def read_frames(
         raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
     if count != video.frames:
         raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
+
+
+def _over_black(rgba: np.ndarray, reading: Reading) -> np.ndarray:
+    """RGB of an RGBA frame (straight alpha, as FFmpeg and libwebp give it) shown over black. MP4 has no alpha:
+    dropped, a transparent pixel showed whatever colour its file left under it (a GIF's transparent palette entry:
+    white, magenta, ...) and soft edges lost their fade."""
+    rgb, alpha = rgba[..., :3], rgba[..., 3:]
+    top = np.iinfo(rgba.dtype).max
+    if alpha.min() == top:
+        return np.ascontiguousarray(rgb)
+    reading.transparent += 1
+    wide = np.uint64 if rgba.dtype == np.uint16 else np.uint32
+    return ((rgb.astype(wide) * alpha + top // 2) // top).astype(rgba.dtype)
+
+
+def _counted(frames: Iterator[np.ndarray], path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
+    count = 0
+    for count, pixels in enumerate(islice(frames, video.frames), 1):
+        yield pixels
+    if count != video.frames:
+        raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the file holds {video.frames}")
 
 
 def _shape(frame: av.VideoFrame, stream: av.VideoStream) -> Fraction:
@@ -176,7 +206,7 @@ def _decode(container: av.container.InputContainer, stream: av.VideoStream, size
 
 
 def _deinterlaced(
-    frames: Iterator[av.VideoFrame], stream: av.VideoStream, fields: Fields, cadence: str = "frame"
+    frames: Iterator[av.VideoFrame], stream: av.VideoStream, reading: Reading, cadence: str = "frame"
 ) -> Iterator[av.VideoFrame]:
     """`frames`, those flagged interlaced deinterlaced by libavfilter's bwdif: upscaled as stored, two fields woven
     from two instants, every moving edge would be magnified into combs. One frame out for each frame in (`send_frame`:
@@ -204,15 +234,15 @@ def _deinterlaced(
         if graph is not None and (frame.width, frame.height, frame.format.name) != configured:
             yield from _drained(graph)  # the filter cannot change size: a new one takes the new size
             graph = None
-        fields.interlaced += frame.interlaced_frame
+        reading.interlaced += frame.interlaced_frame
         if graph is None and not frame.interlaced_frame and cadence != "film":
             yield from (frame,) * (1 + (cadence == "field"))
             continue
         if graph is None:
-            fields.parity = PARITY.get(stream.codec_context.field_order, "auto")
+            reading.parity = PARITY.get(stream.codec_context.field_order, "auto")
             # decimate needs the frame rate it divides (the other filters read none)
             rate = (stream.guessed_rate or stream.average_rate) if cadence == "film" else None
-            graph = _chain(frame, _deinterlacing(fields.parity, cadence), rate)
+            graph = _chain(frame, _deinterlacing(reading.parity, cadence), rate)
             configured = (frame.width, frame.height, frame.format.name)
         graph.push(frame)
         yield from _ready(graph)

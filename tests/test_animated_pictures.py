@@ -1,0 +1,88 @@
+"""Animated pictures from the web as users bring them: GIF, animated PNG and animated WebP (real files from Pillow's
+test images, tests/corpus/manifest.toml; tests/test_corpus.py runs each through the upscale and checks it against
+its decoder's reading). FFmpeg decodes GIF and APNG; animated WebP, which it cannot, is read through libwebp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from PIL import Image, ImageSequence
+
+from worker.media.errors import InputNoVideo, InputTooLarge
+from worker.media.limits import Limits
+from worker.media.probe import probe
+from worker.sr.lanczos import LanczosUpscaler
+from worker.sr.request import SRRequest
+from worker.upscale import UpscaleOptions, upscale_file
+
+FAST = UpscaleOptions(request=SRRequest(scale=2), preset="ultrafast", crf=0)
+WEBP, GIF = "pillow-iss634.webp", "pillow-iss634.gif"  # one animation: the WebP is the GIF made lossless
+
+
+def frames_and_times(path: Path) -> tuple[list[np.ndarray], list[float]]:
+    with av.open(str(path)) as container:
+        decoded = [(float(f.time), f.to_ndarray(format="rgb24").astype(np.int16)) for f in container.decode(video=0)]
+    return [pixels for _, pixels in decoded], [time - decoded[0][0] for time, _ in decoded]
+
+
+def test_an_animated_webp_comes_back_as_its_gif_twin(corpus_cache, tmp_path):
+    """FFmpeg refused the animated WebP as "a still image" (input_no_video). Read by libwebp, it comes back as its GIF
+    twin does through FFmpeg: 42 frames at the same times (the first, timed 0 ms, shown 100 ms as browsers and FFmpeg's
+    GIF reader show it), the same pictures."""
+    info = probe(corpus_cache / WEBP)
+    assert (info.format, info.video.codec, info.video.frames, info.audio) == ("webp", "webp", 42, ())
+    assert (info.video.width, info.video.height, info.video.cfr) == (245, 245, False)
+    assert info.video.duration == pytest.approx(probe(corpus_cache / GIF).video.duration, abs=1e-3)
+
+    (webp, webp_times), (gif, gif_times) = (
+        frames_and_times(upscale_file(corpus_cache / name, tmp_path / f"{name}.mp4", LanczosUpscaler(), FAST).output)
+        for name in (WEBP, GIF)
+    )
+    assert len(webp) == len(gif) == 42
+    assert webp_times == pytest.approx(gif_times, abs=1e-3) and webp_times[1] == pytest.approx(0.1, abs=1e-3)
+    assert webp[0].shape == (490, 490, 3)
+    assert max(float(np.abs(a - b).mean()) for a, b in zip(webp, gif)) < 1
+
+
+def test_an_animated_webp_over_a_limit_is_refused_before_it_is_decoded(corpus_cache):
+    with pytest.raises(InputTooLarge, match="more than 10 frames"):
+        probe(corpus_cache / WEBP, Limits(max_frames=10))
+    with pytest.raises(InputTooLarge, match="245x245"):
+        probe(corpus_cache / WEBP, Limits(max_pixels=200 * 200))
+
+
+def test_a_still_webp_is_still_refused_as_a_picture(corpus_cache, tmp_path):
+    still = tmp_path / "still.webp"
+    with Image.open(corpus_cache / GIF) as gif:
+        gif.convert("RGB").save(still, "WEBP")
+    with pytest.raises(InputNoVideo, match="still image"):
+        probe(still)
+
+
+def test_transparent_pixels_come_out_black_and_the_notes_say_so(corpus_cache, tmp_path):
+    """MP4 has no alpha. Dropped, a GIF's transparent pixels showed the colour of its transparent palette entry (this
+    file's: white, 253 levels measured in the output) and an animated PNG's whatever its encoder left under them;
+    shown over black, they are black, every other pixel as Pillow composites the frame over black, and the notes say
+    how many frames had any. FFmpeg decodes every GIF with an alpha channel: an opaque one gets no note."""
+    said = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over black"
+    for name, frames in (
+        ("pillow-dispose_bgnd_transparency.gif", "every frame"),
+        ("pillow-apng-dispose_op_background.png", "1 of its 3 frames"),
+    ):
+        output = tmp_path / f"{name}.mp4"
+        result = upscale_file(corpus_cache / name, output, LanczosUpscaler(), FAST)
+        assert said.format(frames) in result.notes, result.notes
+        with Image.open(corpus_cache / name) as image:
+            pictures = [np.asarray(frame.convert("RGBA")).astype(np.float64) for frame in ImageSequence.Iterator(image)]
+        pictures = pictures[-len(frames_and_times(output)[0]):]  # Pillow counts an APNG's default image as a frame
+        for picture, upscaled in zip(pictures, frames_and_times(output)[0], strict=True):
+            height, width = picture.shape[:2]
+            shown = upscaled[: 2 * height, : 2 * width].reshape(height, 2, width, 2, 3).mean(axis=(1, 3))
+            over_black, transparent = picture[..., :3] * picture[..., 3:] / 255, picture[..., 3] == 0
+            assert np.abs(shown - over_black).mean() < 12  # 4:2:0 chroma at the edges of a 38x32 picture
+            assert not transparent.any() or shown[transparent].mean() < 16
+    opaque = upscale_file(corpus_cache / "pillow-chi.gif", tmp_path / "chi.mp4", LanczosUpscaler(), FAST)
+    assert not any("transparent" in note for note in opaque.notes), opaque.notes
