@@ -28,6 +28,10 @@ COVERAGE = """
   is covered by tests/test_media.py with an H.264 stream that crops 6 columns.
 - Containers found: MP4, MOV, ISO BMFF (AVIF sequence), Matroska, WebM, Ogg, AVI, MPEG-TS, MPEG-PS (.mpg), MPEG-1
   elementary stream, FLV, FLIC, 3GPP2, ASF/WMV, RealMedia (audio only). **Not found** playable: M2TS, 3GP, MXF.
+- Animated pictures (Pillow's test images): GIF (one with a transparent colour and background disposal), animated
+  PNG (frames that blend over the one before, a first frame its demuxer does not flag key), animated WebP (read
+  through libwebp: FFmpeg decodes WebP stills only). Soft-telecined film (MPEG-2 pulldown flags) was not found in
+  a package: tests/test_deinterlace.py flags a real clip's MPEG-2 as DVD authoring tools do.
 - Audio found with video: AAC (incl. a stream running past the last frame, and HLS segments whose audio starts
   apart from the video), MP3, Vorbis (Ogg, whose per-packet times FFmpeg estimates seconds off), Opus, MP2
   (starting 91 ms after the video), WMA2 (ASF packets that overlap, and a first packet that decodes without
