@@ -136,3 +136,26 @@ def test_the_conversions_threads_start_once_per_stream_not_once_per_frame(tmp_pa
         seen |= set(os.listdir("/proc/self/task"))
     started = seen - before
     assert len(started) <= 2 * cores + 20, f"{len(started)} threads started for 40 frames on {cores} cores"
+
+
+def test_an_alpha_channel_a_file_leaves_unused_keeps_its_pictures(corpus_cache, tmp_path):
+    """Uncompressed 32-bit AVI (VirtualDub's, Windows capture tools'): FFmpeg reads it as BGRA with alpha 0 everywhere,
+    a channel the file does not use. Frames with transparent pixels are shown over black: these came out black; an
+    alpha of 0 everywhere is taken as none, and the frames are the pictures stored, bit for bit."""
+    clip = corpus_cache / "hachoir-flashmob.mkv"
+    pictures = list(islice(read_frames(clip, probe(clip).video), 4))
+    path = tmp_path / "rgb32.avi"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("rawvideo", rate=25)
+        stream.height, stream.width = pictures[0].shape[:2]
+        stream.pix_fmt = "bgra"
+        for index, rgb in enumerate(pictures):
+            bgra = np.concatenate([rgb[..., ::-1], np.zeros_like(rgb[..., :1])], axis=2)
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(bgra), format="bgra")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    video = probe(path).video
+    assert video.pix_fmt == "bgra"
+    for read, stored in zip(read_frames(path, video), pictures, strict=True):
+        assert np.array_equal(read, stored)

@@ -18,6 +18,7 @@ from pathlib import Path
 import av
 from av.sidedata.sidedata import Type as SideData
 
+from worker.media import webp
 from worker.media.errors import (
     InputCorrupt,
     InputEmpty,
@@ -28,7 +29,6 @@ from worker.media.errors import (
     InputUnreadable,
     InputUnsupportedCodec,
 )
-from worker.media import webp
 from worker.media.limits import Limits
 from worker.media.source import open_input, unpacker
 from worker.media.timecode import Count, timecode_counts
@@ -239,9 +239,9 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
 
 
 def _animated_webp(path: Path, size: int, limits: Limits) -> MediaInfo:
-    """An animated WebP, as libwebp reads it (`webp`): RGB frames, each at its own time, no sound."""
+    """An animated WebP, as libwebp reads it (`webp`): RGBA frames, each at its own time, no sound."""
     (width, height), starts, last = webp.frame_times(path, limits)
-    clock = frame_clock([], [*starts], webp.TIME_BASE, lambda first: last, path, limits)
+    clock = _frame_clock([], [*starts], webp.TIME_BASE, lambda first: last, path, limits)
     video = VideoInfo(
         index=0, codec="webp", width=width, height=height, rotation=0, pix_fmt="rgba", bit_depth=8,
         color_matrix=0, color_range=0, color_primaries=2, color_trc=2,  # RGB (AVCOL_SPC_RGB), untagged
@@ -586,7 +586,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     time_base = stream.time_base or Fraction(1, 90000)
     retimed = _check_order(scan.timestamps, time_base, path)
     declared = [stream.average_rate, stream.base_rate, stream.guessed_rate]
-    clock = frame_clock(declared, scan.timestamps, time_base, scan.last_duration, path, limits)
+    clock = _frame_clock(declared, scan.timestamps, time_base, scan.last_duration, path, limits)
     return VideoInfo(
         index=stream.index,
         codec=_codec(stream),
@@ -615,7 +615,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
     )
 
 
-def frame_clock(
+def _frame_clock(
     declared: Sequence[Fraction | None],
     pts: list[int | None],
     time_base: Fraction,

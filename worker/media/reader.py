@@ -146,10 +146,12 @@ def read_frames(
 def _over_black(rgba: np.ndarray, reading: Reading) -> np.ndarray:
     """RGB of an RGBA frame (straight alpha, as FFmpeg and libwebp give it) shown over black. MP4 has no alpha:
     dropped, a transparent pixel showed whatever colour its file left under it (a GIF's transparent palette entry:
-    white, magenta, ...) and soft edges lost their fade."""
+    white, magenta, ...) and soft edges lost their fade. A frame transparent everywhere has an alpha channel it does
+    not use (uncompressed 32-bit AVI, as VirtualDub and Windows capture tools write it: FFmpeg reads it as BGRA with
+    alpha 0): it is shown as it is, as browsers show such a BMP."""
     rgb, alpha = rgba[..., :3], rgba[..., 3:]
     top = np.iinfo(rgba.dtype).max
-    if alpha.min() == top:
+    if alpha.min() == top or alpha.max() == 0:
         return np.ascontiguousarray(rgb)
     reading.transparent += 1
     wide = np.uint64 if rgba.dtype == np.uint16 else np.uint32
