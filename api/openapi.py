@@ -113,6 +113,29 @@ VideoCreateForm = create_model(
     video_reference=(bytes, Field(description="the video (`input_reference` is accepted too)")),
     **_IGNORED,
 )
+
+
+class EditedVideo(BaseModel):
+    id: str = Field(description="one of your completed jobs: its output is the video upscaled")
+
+
+VideoEditJson = create_model(
+    "VideoEditJson",
+    __base__=(UpscaleParams, JobOptions),
+    __doc__="OpenAI's `videos.edit` as JSON: a completed job's output, named by `video.id`, upscaled again (or, as in "
+    "a create, an upload or an https URL).",
+    video=(EditedVideo | None, Field(None)),
+    **_REFERENCES,
+    **_IGNORED,
+)
+VideoEditForm = create_model(
+    "VideoEditForm",
+    __base__=(UpscaleParams, JobOptions),
+    __doc__="OpenAI's `videos.edit` as its SDK sends it: the video in `video` (or `video[id]` naming a completed "
+    "job), the other fields as form values (the SDK's `extra_body`).",
+    video=(bytes, Field(description="the video")),
+    **_IGNORED,
+)
 UploadForm = create_model("UploadForm", file=(bytes, Field(description="the video")))
 
 
@@ -212,7 +235,7 @@ def _page(operation_id: str, summary: str) -> dict[str, Any]:
 def document(settings: Settings) -> dict[str, Any]:
     models = [
         Video, VideoList, VideoEventList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm,
-        UploadForm, Model, ModelList,
+        VideoEditJson, VideoEditForm, UploadForm, Model, ModelList,
     ]  # fmt: skip
     _, definitions = models_json_schema(
         [(model, "validation" if model.__name__.endswith(("Json", "Form")) else "serialization") for model in models],
@@ -220,7 +243,7 @@ def document(settings: Settings) -> dict[str, Any]:
     )
     schemas = definitions["$defs"]
     served = {"enum": list(settings.models), "default": settings.default_model}
-    for body in ("VideoCreateJson", "VideoCreateForm"):
+    for body in ("VideoCreateJson", "VideoCreateForm", "VideoEditJson", "VideoEditForm"):
         schemas[body]["properties"]["model"] = {**served, "description": "a model this deployment serves"}
 
     listing = ListQuery.model_json_schema()
@@ -269,6 +292,28 @@ def document(settings: Settings) -> dict[str, Any]:
                 "tags": ["videos"],
                 "parameters": list_parameters,
                 "responses": {"200": _json("VideoList", "a page of jobs"), **_problems(400, 401, 422)},
+            },
+        },
+        "/v1/videos/edits": {
+            "post": {
+                "operationId": "editVideo",
+                "summary": "OpenAI's `videos.edit`: a job on a video file, or on a completed job's output",
+                "tags": ["videos"],
+                "parameters": [idempotency_key],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "multipart/form-data": {
+                            "schema": {"$ref": _REF.format(model="VideoEditForm")},
+                            "encoding": {"metadata": {"contentType": "application/json"}},
+                        },
+                        "application/json": {"schema": {"$ref": _REF.format(model="VideoEditJson")}},
+                    },
+                },
+                "responses": {
+                    "200": {**_json("Video", "the job, queued"), "links": _JOB_LINKS},
+                    **_problems(400, 401, 404, 409, 413, 415, 422, 429, 503),
+                },
             },
         },
         "/v1/videos/{job_id}": {

@@ -2,6 +2,8 @@
 
     POST   /v1/videos                 create: multipart with the video in `video_reference`, or JSON naming an upload
                                       or an https `video_url`
+    POST   /v1/videos/edits           OpenAI's `videos.edit`: the same, the video in `video`, or `video: {"id": ...}`
+                                      naming one of the caller's completed jobs, whose output is upscaled again
     GET    /v1/videos                 list the caller's jobs: after / limit / order, and status
     GET    /v1/videos/{id}            poll
     POST   /v1/videos/{id}/cancel     cancel (a running job stops at its next tile)
@@ -38,6 +40,7 @@ from storage.ssrf import UnsafeUrl, public_addresses
 blueprint = Blueprint("videos", __name__)
 
 VIDEO_FILES = frozenset({"video_reference", "input_reference"})  # SGLang takes the video in either
+EDIT_FILES = frozenset({"video"})  # OpenAI's SDK sends `videos.edit`'s source as `video`
 MAX_JSON_BYTES = 1024 * 1024
 
 
@@ -55,19 +58,32 @@ def _not_found(error: JobNotFound) -> Response:
 
 @blueprint.post("/v1/videos")
 def create_video() -> tuple[Response, int]:
+    return _created(VIDEO_FILES)
+
+
+@blueprint.post("/v1/videos/edits")
+def edit_video() -> tuple[Response, int]:
+    """OpenAI's `client.videos.edit(prompt=..., video=...)`, the SDK's way to hand over a video to change: a job as
+    `create` makes it (the prompt means nothing to super-resolution), the video a file, or a completed job's output
+    (`video={"id": ...}`: ×2 then ×2 again, or another model on the same output)."""
+    return _created(EDIT_FILES)
+
+
+def _created(files: frozenset[str]) -> tuple[Response, int]:
+    """Creates the job, with the input in one of `files` (or named), once per `Idempotency-Key`."""
     key = idempotency.key_from(request.headers)
     if key is None:
-        status, body, _ = _create()
+        status, body, _ = _create(files)
         return _job_response(body), status
     store, caller = services().idempotency, owner()
     remembered = store.claim(caller, key)
     if remembered is not None:
-        replay = store.check_replay(remembered, _fingerprint)
+        replay = store.check_replay(remembered, lambda: _fingerprint(files))
         response = jsonify(replay.body)
         response.headers["Idempotent-Replayed"] = "true"
         return response, replay.status
     try:
-        status, body, fingerprint = _create()
+        status, body, fingerprint = _create(files)
     except BaseException:
         store.release(caller, key)  # a failed request is not remembered: the caller may fix it and retry
         raise
@@ -83,25 +99,30 @@ def _job_response(body: dict[str, Any]) -> Response:
     return response
 
 
-def _create() -> tuple[int, dict[str, Any], str]:
+def _create(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
     """Creates the job from this request; returns (status, body, the request's fingerprint). The key's job slot is
     taken before the upload streams, so a key at its limit sends no video for nothing."""
     svc = services()
     svc.limiter.check_budget(g.api_key, svc.settings)
     with svc.limiter.job_slot(g.api_key, svc.settings, svc.jobs.active_keys(owner())):
-        return _create_from_request()
+        return _create_from_request(files)
 
 
-def _create_from_request() -> tuple[int, dict[str, Any], str]:
+def _create_from_request(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
     if request.mimetype == "application/json":
-        fields = _json_body()
-        create = create_request(fields, references=True)
-        return 200, _create_job(create, _referenced_input(create)), idempotency.fingerprint("json", fields)
+        body = _json_body()
+        fields = dict(body)
+        edited = _edited_output(fields) if files == EDIT_FILES else None
+        create = create_request(fields, references=edited is None)
+        source = edited or _referenced_input(create)
+        return 200, _create_job(create, source), idempotency.fingerprint("json", body)
 
-    form = receive_form(VIDEO_FILES)
+    form = receive_form(files)
     if form.file is None:  # a form may name its input instead, as SGLang's does with `video_url` / `reference_url`
-        create = create_request(form.fields, references=True)
-        body = _create_job(create, _referenced_input(create))
+        fields = dict(form.fields)
+        edited = _edited_output(fields) if files == EDIT_FILES else None
+        create = create_request(fields, references=edited is None)
+        body = _create_job(create, edited or _referenced_input(create))
         return 200, body, idempotency.fingerprint("multipart", {"fields": form.fields, "file": None})
     try:
         create = create_request(form.fields, references=False)
@@ -122,11 +143,11 @@ def _create_from_request() -> tuple[int, dict[str, Any], str]:
     return 200, body, idempotency.fingerprint("multipart", {"fields": form.fields, "file": stored.blob.sha256})
 
 
-def _fingerprint() -> str:
+def _fingerprint(files: frozenset[str]) -> str:
     """The fingerprint of this request, read without creating anything (to compare a repeat with the first)."""
     if request.mimetype == "application/json":
         return idempotency.fingerprint("json", _json_body())
-    fields, digest = hash_form(VIDEO_FILES)
+    fields, digest = hash_form(files)
     return idempotency.fingerprint("multipart", {"fields": fields, "file": digest})
 
 
@@ -171,6 +192,25 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
     if blob is None:
         raise ApiError(404, "upload_not_found", "No such upload.")
     return InputInfo(key=key, bytes=blob.size, upload_id=key.rsplit("/", 1)[1], owned_by_job=False)
+
+
+def _edited_output(fields: dict[str, Any]) -> InputInfo | None:
+    """The output of the caller's completed job that an edit names, taken out of `fields`: `video: {"id": ...}` in
+    JSON, `video[id]` in a form (the SDK's flattening); None where the edit carries its video as a file or a
+    reference `create` reads. Another caller's job answers 404, as a missing one."""
+    named = fields.pop("video", None)
+    job_id = named.get("id") if isinstance(named, dict) else fields.pop("video[id]", None)
+    if named is not None and not isinstance(named, dict):
+        raise ApiError(422, "invalid_request", 'An edit names its video as `video: {"id": ...}`, or sends it as a file.')
+    if job_id is None:
+        return None
+    if not isinstance(job_id, str):
+        raise ApiError(422, "invalid_request", "`video.id` is a video job's id.")
+    job = services().jobs.require(job_id, owner())
+    if job.status != Status.COMPLETED or job.output is None:
+        raise ApiError(409, "job_not_completed", f"The job is {job.status}; it can be edited once it is completed.")
+    output = job.output
+    return InputInfo(key=output.key, bytes=output.bytes, sha256=output.sha256, filename=f"{job.id}.mp4")
 
 
 def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
