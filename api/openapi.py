@@ -232,6 +232,28 @@ def _page(operation_id: str, summary: str) -> dict[str, Any]:
     }
 
 
+def _creating(bodies: str, idempotency_key: dict[str, Any]) -> dict[str, Any]:
+    """An operation that creates a job from the `{bodies}Form` (multipart) or `{bodies}Json` request body."""
+    return {
+        "tags": ["videos"],
+        "parameters": [idempotency_key],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {"$ref": _REF.format(model=f"{bodies}Form")},
+                    "encoding": {"metadata": {"contentType": "application/json"}},
+                },
+                "application/json": {"schema": {"$ref": _REF.format(model=f"{bodies}Json")}},
+            },
+        },
+        "responses": {
+            "200": {**_json("Video", "the job, queued"), "links": _JOB_LINKS},
+            **_problems(400, 401, 404, 409, 413, 415, 422, 429, 503),
+        },
+    }
+
+
 def document(settings: Settings) -> dict[str, Any]:
     models = [
         Video, VideoList, VideoEventList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm,
@@ -269,22 +291,7 @@ def document(settings: Settings) -> dict[str, Any]:
             "post": {
                 "operationId": "createVideo",
                 "summary": "Create a job: upload a video (multipart) or name an upload (JSON)",
-                "tags": ["videos"],
-                "parameters": [idempotency_key],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "multipart/form-data": {
-                            "schema": {"$ref": _REF.format(model="VideoCreateForm")},
-                            "encoding": {"metadata": {"contentType": "application/json"}},
-                        },
-                        "application/json": {"schema": {"$ref": _REF.format(model="VideoCreateJson")}},
-                    },
-                },
-                "responses": {
-                    "200": {**_json("Video", "the job, queued"), "links": _JOB_LINKS},
-                    **_problems(400, 401, 404, 409, 413, 415, 422, 429, 503),
-                },
+                **_creating("VideoCreate", idempotency_key),
             },
             "get": {
                 "operationId": "listVideos",
@@ -298,22 +305,7 @@ def document(settings: Settings) -> dict[str, Any]:
             "post": {
                 "operationId": "editVideo",
                 "summary": "OpenAI's `videos.edit`: a job on a video file, or on a completed job's output",
-                "tags": ["videos"],
-                "parameters": [idempotency_key],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "multipart/form-data": {
-                            "schema": {"$ref": _REF.format(model="VideoEditForm")},
-                            "encoding": {"metadata": {"contentType": "application/json"}},
-                        },
-                        "application/json": {"schema": {"$ref": _REF.format(model="VideoEditJson")}},
-                    },
-                },
-                "responses": {
-                    "200": {**_json("Video", "the job, queued"), "links": _JOB_LINKS},
-                    **_problems(400, 401, 404, 409, 413, 415, 422, 429, 503),
-                },
+                **_creating("VideoEdit", idempotency_key),
             },
         },
         "/v1/videos/{job_id}": {
