@@ -15,10 +15,11 @@ import av
 import numpy as np
 import pytest
 
+from tests.field_pictures import paff
 from worker.errors import Cancelled
 from worker.media.probe import probe
-from worker.media.synthetic import _write_audio, tone
 from worker.media.reader import _source_colour, read_frames
+from worker.media.synthetic import _write_audio, tone
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
 from worker.sr.windows import DirectoryWindowStore
@@ -171,6 +172,35 @@ def test_interlaced_video_comes_out_progressive_without_combs_frame_for_frame(
     said = "each frame's field order" if codec == "dv" else SAID[order]
     assert any(f"deinterlaced with bwdif ({said})" in note for note in result.notes), result.notes
     assert not any("woven" in note for note in result.notes)
+
+
+@pytest.mark.parametrize("container, order", [("mpegts", "tff"), ("mp4", "bff")])
+def test_field_pictures_as_camcorders_code_them_count_a_frame_for_each_pair(
+    instants, progressive, tmp_path, container, order
+):
+    """AVCHD camcorders (and many 1080i broadcasts) code each field as a picture of its own (PAFF): FFmpeg's parser
+    hands over two packets a frame, its decoder one frame a pair. Counted a frame a packet, the probe said 24 frames
+    at 25 fps, and the job was refused after all of it was upscaled ("decoded 12 frames, the container holds 24").
+    Now: 12 frames at the source's rate, deinterlaced in its field order, each showing its first field's instant;
+    at the field rate, 24 frames at twice it. In a TS (start codes) and in an MP4 (length-prefixed units, avcC)."""
+    masks = moving(instants)
+    source = tmp_path / f"paff.{'ts' if container == 'mpegts' else 'mp4'}"
+    paff(source, weave(instants, order), order, RATE, container)
+    video = probe(source).video
+    assert (video.frames, video.fps, video.cfr, video.interlaced) == (12, RATE, True, True)
+
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert (result.written.video.frames, result.written.video.fps) == (12, RATE)
+    assert times(output) == pytest.approx([index / RATE for index in range(12)], abs=1e-3)
+    # an MP4 declares no field order (a TS's parser reads one): bwdif reads each frame's, which the decoder sets
+    said = SAID[order] if container == "mpegts" else "each frame's field order"
+    assert any(f"deinterlaced with bwdif ({said})" in note for note in result.notes), result.notes
+    first, second = progressive
+    assert distance(output, first, masks) * 2 < distance(output, second, masks)  # the field order read right
+
+    result = upscale_file(source, tmp_path / "fields.mp4", LanczosUpscaler(), FIELD_RATE)
+    assert (result.written.video.frames, result.written.video.fps) == (24, 2 * RATE)
 
 
 def plain(path: Path) -> list[np.ndarray]:

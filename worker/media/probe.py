@@ -29,6 +29,7 @@ from worker.media.errors import (
     InputUnreadable,
     InputUnsupportedCodec,
 )
+from worker.media.field_pictures import second_fields
 from worker.media.limits import Limits
 from worker.media.source import open_input, unpacker
 from worker.media.timecode import Count, timecode_counts
@@ -354,6 +355,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
     unpack = unpacker(stream)
+    second_field = second_fields(stream) or (lambda packet: False)
     size = path.stat().st_size
     try:
         for packet in container.demux():
@@ -375,11 +377,12 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             scan.video_packets += 1
             if not scan.keyframe_seen and packet.is_keyframe:
                 scan.keyframe_seen, scan.key_pts = True, packet.pts
-            if scan.keyframe_seen and not packet.is_discard:
+            shown = not packet.is_discard and not second_field(packet)  # a frame's second field shows no frame
+            if scan.keyframe_seen and shown:
                 if packet.pts is not None:
                     scan.track(packet)
                 scan.timestamps.append(packet.pts)
-            elif not packet.is_discard and packet.pts is not None:
+            elif shown and packet.pts is not None:
                 scan.before_key.append(_Timed(packet.pts, packet.dts, packet.duration or 0))
             if limits.max_frames is not None and len(scan.timestamps) + len(scan.before_key) > limits.max_frames:
                 raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
