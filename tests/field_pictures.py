@@ -1,8 +1,9 @@
-"""H.264 coded as field pictures (PAFF), as AVCHD camcorders and many 1080i broadcasts code it. No encoder here makes
-it (x264 codes interlaced video as MBAFF: frame pictures), so this writes the bitstream itself, to the H.264 syntax:
-Main profile, an SPS that allows field pictures (frame_mbs_only_flag 0, no MBAFF), and every field a picture of its
-own whose macroblocks are all I_PCM (the samples as they are: nothing to predict or transform). FFmpeg's decoder
-reads it as it reads a camcorder's."""
+"""Interlaced video coded as field pictures, each field a picture of its own: H.264 as AVCHD camcorders and many 1080i
+broadcasts code it (PAFF), MPEG-2 as broadcast encoders may. No encoder here makes either (x264 codes interlaced video
+as MBAFF, FFmpeg's MPEG-2 encoder frame pictures), so this writes the bitstreams to their syntax. H.264: Main profile,
+an SPS that allows field pictures (frame_mbs_only_flag 0, no MBAFF), every macroblock I_PCM (the samples as they
+are). MPEG-2: Main@Main, an interlaced sequence, I field pictures whose blocks carry their DC alone (each 8x8 block
+its mean). FFmpeg's decoders read them as they read a camcorder's or a broadcast's."""
 
 from __future__ import annotations
 
@@ -118,4 +119,88 @@ def paff(path, frames: list[np.ndarray], order: str, rate: Fraction, container: 
             packet.stream, packet.time_base = video, tick
             packet.pts = packet.dts = round((index / (2 * rate)) / tick)
             packet.duration = round(1 / (2 * rate) / tick)
+            output.mux(packet)
+
+
+# -- MPEG-2 (H.262): field pictures, every block its DC alone ----------------------------------------------------------
+
+_DC_SIZE = {  # dct_dc_size VLCs, tables B.12 (luminance) and B.13 (chrominance)
+    "luma": ["100", "00", "01", "101", "110", "1110", "11110", "111110", "1111110", "11111110", "111111110", "111111111"],
+    "chroma": ["00", "01", "10", "110", "1110", "11110", "111110", "1111110", "11111110", "111111110", "1111111110",
+               "1111111111"],
+}  # fmt: skip
+
+
+def _vlc(bits: _Bits, code: str) -> None:
+    bits.u(len(code), int(code, 2))
+
+
+def _dc(bits: _Bits, table: str, difference: int) -> None:
+    size = abs(difference).bit_length()
+    _vlc(bits, _DC_SIZE[table][size])
+    if size:
+        bits.u(size, difference if difference > 0 else difference + (1 << size) - 1)
+    _vlc(bits, "10")  # end of block (table B.14): no AC coefficient
+
+
+def _mpeg2_headers(width: int, height: int, rate_code: int) -> bytes:
+    bits = _Bits()
+    bits.raw(b"\x00\x00\x01\xb3")
+    bits.u(12, width), bits.u(12, height), bits.u(4, 2), bits.u(4, rate_code)  # 4:3 display, frame rate
+    bits.u(18, 0x3FFFF), bits.u(1, 1), bits.u(10, 112), bits.u(1, 0), bits.u(1, 0), bits.u(1, 0)  # no matrices
+    bits.raw(b"\x00\x00\x01\xb5")
+    bits.u(4, 1), bits.u(8, 0x48), bits.u(1, 0), bits.u(2, 1)  # Main@Main, interlaced sequence, 4:2:0
+    bits.u(2, 0), bits.u(2, 0), bits.u(12, 0), bits.u(1, 1), bits.u(8, 0), bits.u(1, 1), bits.u(2, 0), bits.u(5, 0)
+    bits.align()
+    return bytes(bits.out)
+
+
+def _mpeg2_field(planes: list[np.ndarray], temporal_reference: int, bottom: int, top_first: int) -> bytes:
+    bits = _Bits()
+    bits.raw(b"\x00\x00\x01\x00")
+    bits.u(10, temporal_reference), bits.u(3, 1), bits.u(16, 0xFFFF), bits.u(1, 0)  # an I picture
+    bits.align()
+    bits.raw(b"\x00\x00\x01\xb5")
+    bits.u(4, 8), bits.u(16, 0xFFFF), bits.u(2, 0), bits.u(2, 2 if bottom else 1)  # picture coding extension: a field
+    bits.u(1, top_first), bits.u(1, 0), bits.u(1, 0), bits.u(1, 0), bits.u(1, 0), bits.u(1, 0)
+    bits.u(1, 0), bits.u(1, 0), bits.u(1, 0), bits.u(1, 0)  # no repeat, 4:2:0 type, interlaced frame, no composite
+    bits.align()
+    luma, cb, cr = (plane.astype(np.int64) for plane in planes)
+    for row in range(luma.shape[0] // 16):
+        bits.raw(b"\x00\x00\x01" + bytes([row + 1]))
+        bits.u(5, 8), bits.u(1, 0)  # quantiser_scale_code, no extra information
+        predictors = {"luma": 128, "cb": 128, "cr": 128}  # 8-bit DC precision: reset at each slice
+        for column in range(luma.shape[1] // 16):
+            bits.u(1, 1), bits.u(1, 1)  # macroblock_address_increment 1, macroblock_type intra
+            blocks = [("luma", luma[row * 16 + y : row * 16 + y + 8, column * 16 + x : column * 16 + x + 8])
+                      for y in (0, 8) for x in (0, 8)]  # fmt: skip
+            blocks += [("cb", cb[row * 8 : row * 8 + 8, column * 8 : column * 8 + 8]),
+                       ("cr", cr[row * 8 : row * 8 + 8, column * 8 : column * 8 + 8])]  # fmt: skip
+            for kind, block in blocks:
+                value = int(round(block.mean() / 8))  # the DC coefficient at 8-bit precision: the block's mean / 8
+                _dc(bits, "luma" if kind == "luma" else "chroma", value - predictors[kind])
+                predictors[kind] = value
+        bits.align()
+    return bytes(bits.out)
+
+
+def mpeg2_fields(path, frames: list[np.ndarray], order: str, container: str = "mpegts") -> None:
+    """`frames` (RGB, 25 frames/s, sizes a multiple of 32 high and 16 wide) as MPEG-2 field pictures, as broadcast
+    encoders code interlaced video: each field a picture of its own (every 8x8 block its mean: DC coefficients only)."""
+    height, width = frames[0].shape[:2]
+    stream = bytearray(_mpeg2_headers(width, height, 3))  # frame_rate_code 3: 25
+    first_bottom = int(order == "bff")
+    for number, rgb in enumerate(frames):
+        yuv = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p")
+        planes = [np.frombuffer(plane, np.uint8).reshape(-1, plane.line_size)[:, : width >> bool(i)]
+                  for i, plane in enumerate(yuv.planes)]  # fmt: skip
+        for bottom in (first_bottom, 1 - first_bottom):
+            stream += _mpeg2_field([plane[bottom::2] for plane in planes], number, bottom, int(order == "tff"))
+    stream += b"\x00\x00\x01\xb7"  # sequence end
+    elementary = path.with_suffix(".m2v")
+    elementary.write_bytes(bytes(stream))
+    with av.open(str(elementary), format="mpegvideo") as source, av.open(str(path), "w", format=container) as output:
+        video = output.add_stream_from_template(source.streams.video[0])
+        for packet in (p for p in source.demux(video=0) if p.size):
+            packet.stream = video
             output.mux(packet)

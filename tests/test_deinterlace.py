@@ -15,7 +15,7 @@ import av
 import numpy as np
 import pytest
 
-from tests.field_pictures import paff
+from tests.field_pictures import mpeg2_fields, paff
 from worker.errors import Cancelled
 from worker.media.probe import probe
 from worker.media.reader import _source_colour, read_frames
@@ -201,6 +201,19 @@ def test_field_pictures_as_camcorders_code_them_count_a_frame_for_each_pair(
 
     result = upscale_file(source, tmp_path / "fields.mp4", LanczosUpscaler(), FIELD_RATE)
     assert (result.written.video.frames, result.written.video.fps) == (24, 2 * RATE)
+
+
+def test_mpeg2_field_pictures_as_broadcast_encoders_code_them_are_one_frame_a_pair(instants, tmp_path):
+    """MPEG-2 broadcast encoders code interlaced video as field pictures too. FFmpeg's MPEG-2 parser, unlike its
+    H.264 one, keeps a frame's two fields in one packet: a frame a packet holds, and the probe must not pair them
+    again. 12 frames at the stream's 25, deinterlaced bottom field first."""
+    source = tmp_path / "fields.ts"
+    mpeg2_fields(source, weave(instants, "bff"), "bff")
+    video = probe(source).video
+    assert (video.frames, video.fps, video.interlaced) == (12, 25, True)
+    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
+    assert result.written.video.frames == 12
+    assert any("deinterlaced with bwdif (bottom field first)" in note for note in result.notes), result.notes
 
 
 def plain(path: Path) -> list[np.ndarray]:
