@@ -14,6 +14,8 @@ import av
 # profile_idc values whose SPS carries chroma format, bit depths and scaling lists (H.264 7.3.2.1.1)
 _HIGH_PROFILES = frozenset({100, 110, 122, 244, 44, 83, 86, 118, 128, 138, 139, 134, 135})
 _SLICE, _IDR_SLICE, _SPS, _PPS = 1, 5, 7, 8
+# An access unit's parameter sets and first slice header come first: a packet's head is read, not its slice data
+_HEAD = 1 << 16
 
 
 class _Bits:
@@ -141,7 +143,7 @@ def second_fields(stream: av.VideoStream) -> Callable[[av.Packet], bool] | None:
 
     def second(packet: av.Packet) -> bool:
         try:
-            for unit in _units(bytes(packet), length_size):
+            for unit in _units(bytes(memoryview(packet)[:_HEAD]), length_size):
                 kind = unit[0] & 0x1F
                 if kind in (_SPS, _PPS):
                     learn(unit)
