@@ -1,6 +1,7 @@
 """Decode a video as a stream of RGB frames, as they are meant to be seen: interlaced frames deinterlaced, rotation
-and mirror applied, colour converted with the stream's own matrix and range. Memory stays at one frame (plus whatever
-a consumer buffers, and the one frame the deinterlacer looks ahead)."""
+and mirror applied, colour converted with the stream's own matrix and range, transparency shown over black (animated
+WebP, which FFmpeg cannot decode, through libwebp). Memory stays at one frame (plus whatever a consumer buffers, and
+the one frame the deinterlacer looks ahead)."""
 
 from __future__ import annotations
 
