@@ -18,7 +18,7 @@ import pytest
 from tests.field_pictures import mpeg2_fields, paff
 from worker.errors import Cancelled
 from worker.media.probe import probe
-from worker.media.reader import _source_colour, read_frames
+from worker.media.reader import _source_colour, at_cadence, read_frames
 from worker.media.synthetic import _write_audio, tone
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
@@ -223,9 +223,10 @@ def plain(path: Path) -> list[np.ndarray]:
 
 
 def test_a_source_that_turns_interlaced_midway_has_those_frames_deinterlaced_and_says_how_many(instants, tmp_path):
-    """A DVD or a broadcast whose first frames are progressive (film) and the later ones interlaced (video): the probe,
-    which decodes the first frame only, calls it progressive; the frames themselves decide. The progressive ones
-    pass untouched; the note counts the interlaced ones."""
+    """A DVD or a broadcast whose first frames are progressive (film) and the later ones interlaced (video): its
+    first frame is progressive; the frames themselves decide. The progressive ones pass untouched; the note counts
+    the interlaced ones. Asked for a frame per field, it is doubled from its first frame (the probe saw a later
+    keyframe interlaced): 24 frames at 25, the progressive ones shown twice; before, it kept its rate."""
     parts = [encode(tmp_path / "film.m2v", instants[0:12:2], "mpeg2", None),
              encode(tmp_path / "video.m2v", weave(instants[12:], "tff"), "mpeg2", "tff")]  # fmt: skip
     elementary = tmp_path / "joined.m2v"  # one stream: the second sequence header turns it interlaced
@@ -236,14 +237,22 @@ def test_a_source_that_turns_interlaced_midway_has_those_frames_deinterlaced_and
         for index, packet in enumerate(p for p in raw.demux(video=0) if p.size):  # no B-frames: decode order is shown
             packet.stream, packet.time_base, packet.pts, packet.dts = stream, 1 / RATE, index, index
             container.mux(packet)
-    assert not probe(source).video.interlaced
+    video = probe(source).video
+    assert (video.interlaced, video.turns_interlaced) == (False, True)
 
-    as_decoded, read = plain(source), list(read_frames(source, probe(source).video))
+    as_decoded, read = plain(source), list(read_frames(source, video))
     assert len(read) == 12
     assert all(np.array_equal(a, b) for a, b in zip(read[:6], as_decoded[:6]))  # no filter touched them
     assert not any(np.array_equal(a, b) for a, b in zip(read[6:], as_decoded[6:]))
     result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
     assert any("interlaced (6 of its 12 frames)" in note and "bwdif" in note for note in result.notes), result.notes
+
+    fields = list(read_frames(source, at_cadence(video, "field"), cadence="field"))
+    assert len(fields) == 24 and all(np.array_equal(fields[2 * i], fields[2 * i + 1]) for i in range(6))
+    result = upscale_file(source, tmp_path / "fields.mp4", LanczosUpscaler(), FIELD_RATE)
+    assert (result.written.video.frames, result.written.video.fps) == (24, 2 * RATE)
+    assert times(tmp_path / "fields.mp4") == pytest.approx([index / (2 * RATE) for index in range(24)], abs=1e-3)
+    assert any("(6 of its 12 frames)" in note and "one frame for each field" in note for note in result.notes)
 
 
 def test_a_resumed_job_replays_kept_windows_of_the_same_deinterlaced_frames(instants, tmp_path):

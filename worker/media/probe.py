@@ -66,6 +66,7 @@ class VideoInfo:
     # Width : height of one pixel as displayed (after rotation): 1 for square pixels, 16/15 for PAL DVD 4:3.
     sar: Fraction = Fraction(1)
     interlaced: bool = False  # the first frame is coded as two fields (the reader counts them all: reader.Reading)
+    turns_interlaced: bool = False  # the first frame is progressive, a later keyframe the probe decoded interlaced
     # Film carried by 3:2 pulldown flags (soft telecine): its frames timed three fields and two in turn, read at `fps`,
     # the film's own rate (`_pulled_down`)
     pulldown: bool = False
@@ -320,6 +321,7 @@ class _Scan:
     # stored (width, height) -> the shape it is shown at (width x the decoder's pixel aspect / height), in order seen
     sizes: dict[tuple[int, int], Fraction] = field(default_factory=dict)
     sampled: float | None = None  # seconds: the last keyframe decoded for its size
+    interlaced_seen: bool = False  # a keyframe decoded for its size is interlaced
 
     def track(self, packet: av.Packet | _Timed) -> None:
         """Follow where a presented frame's `packet` puts the track's last frame and its end."""
@@ -445,7 +447,9 @@ def _decoded_key(stream: av.VideoStream, packet: av.Packet | None) -> list[av.Vi
 
 
 def _sized(scan: _Scan, stream: av.VideoStream, frames: list[av.VideoFrame]) -> None:
+    """What the decoded keyframes show: each size (and its shape), and whether any is interlaced."""
     for frame in frames:
+        scan.interlaced_seen |= bool(frame.interlaced_frame)
         if (frame.width, frame.height) not in scan.sizes:
             sar = stream.codec_context.sample_aspect_ratio  # the decoder's, as of this frame (the reader's `_shape`)
             shape = frame.width * (Fraction(sar) if sar and sar > 0 else 1) / Fraction(frame.height)
@@ -608,6 +612,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         language=stream.language,
         sar=_sample_aspect(stream, rotation),
         interlaced=bool(frame.interlaced_frame),
+        turns_interlaced=scan.interlaced_seen and not frame.interlaced_frame,
         mirrored=mirrored,
         sizes=tuple(scan.sizes) if len(scan.sizes) > 1 else (),
         canvas_shape=canvas_shape,

@@ -56,10 +56,11 @@ def at_cadence(video: VideoInfo, cadence: str) -> VideoInfo | None:
     """`video` as `read_frames(..., cadence=cadence)` reads it, where it changes the frames: at `field`, twice the
     frames at twice the rate; at `film`, four of every five (decimate keeps a last short cycle whole) at 4/5 the rate;
     the same span of time (at `film`, to within a source frame where the count is not a multiple of five). None
-    where the cadence is not offered, so the frames are read at the frame rate: a frame per field needs a source whose
-    first frame is interlaced (film, or a stream that turns interlaced later, is not doubled); either needs a constant
-    rate (no instants to put the frames at); film needs NTSC's rate, the only one 3:2 pulldown makes."""
-    if cadence == "field" and video.interlaced and video.cfr:
+    where the cadence is not offered, so the frames are read at the frame rate: a frame per field needs an interlaced
+    source (its first frame, or a later keyframe the probe decoded: the frames before it are shown twice); either
+    needs a constant rate (no instants to put the frames at); film needs NTSC's rate, the only one 3:2 pulldown
+    makes."""
+    if cadence == "field" and (video.interlaced or video.turns_interlaced) and video.cfr:
         return replace(video, frames=2 * video.frames, fps=2 * video.fps)
     if cadence == "film" and video.cfr and any(abs(video.fps - rate) < Fraction(1, 100) for rate in TELECINE_RATES):
         return replace(video, frames=video.frames - video.frames // 5, fps=video.fps * Fraction(4, 5))
