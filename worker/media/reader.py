@@ -102,8 +102,26 @@ def read_frames(
     frame count."""
     reading = reading or Reading()
     if video.codec == "webp":  # animated WebP: FFmpeg cannot decode it (`webp`)
-        yield from _counted((_over_black(rgba, reading) for rgba in webp.read(Path(path))), path, video)
-        return
+        pictures = (_over_black(rgba, reading) for rgba in webp.read(Path(path)))
+    else:
+        pictures = _pictures(path, video, reading, cadence)
+    count = 0
+    try:
+        for pixels in pictures:
+            count += 1
+            if count > video.frames:
+                break
+            yield pixels
+    except AVError as error:
+        raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
+    finally:
+        pictures.close()
+    if count != video.frames:
+        raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
+
+
+def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str) -> Iterator[np.ndarray]:
+    """The frames FFmpeg decodes, as `read_frames` hands them on (it counts them)."""
     pixel_format, with_alpha = ("rgb24", "rgba") if video.bit_depth <= 8 else ("rgb48le", "rgba64le")
     turns = video.rotation // 90
     # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled to the size
@@ -111,38 +129,29 @@ def read_frames(
     width, height = (video.height, video.width) if turns % 2 else (video.width, video.height)
     first = video.canvas_shape  # the shape of the part the picture is sized for (as shown: width x pixel aspect /
     # height), else the first frame's
-    count = 0
     # One swscale context for the stream: `frame.to_ndarray(format=...)` makes one per frame, and with it swscale's
     # slice threads (one per core), started and joined for every frame. The conversion is the same either way.
     reformatter = VideoReformatter()
-    try:
-        with open_input(path) as container:
-            stream = container.streams[video.index]
-            stream.thread_type = "AUTO"
-            decode_declared_picture(stream)
-            frames = _decode(container, stream, Path(path).stat().st_size)
-            for frame in _deinterlaced(frames, stream, reading, cadence):
-                colour = _source_colour(frame)
-                shape = _shape(frame, stream)
-                first = shape if first is None else first
-                resized = (frame.width, frame.height) != (width, height)
-                inner = _inside(width, height, shape / first) if resized else None
-                alpha = any(component.is_alpha for component in frame.format.components)
-                pixels = reformatter.reformat(
-                    frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour
-                ).to_ndarray()
-                pixels = _over_black(pixels, reading) if alpha else pixels
-                pixels = pixels if inner is None else _boxed(pixels, width, height)
-                count += 1
-                if count > video.frames:
-                    break
-                upright = np.rot90(pixels, turns) if turns else pixels
-                upright = np.fliplr(upright) if video.mirrored else upright
-                yield np.ascontiguousarray(upright)  # `pixels` itself where nothing turned or flipped it
-    except AVError as error:
-        raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
-    if count != video.frames:
-        raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
+    with open_input(path) as container:
+        stream = container.streams[video.index]
+        stream.thread_type = "AUTO"
+        decode_declared_picture(stream)
+        frames = _decode(container, stream, Path(path).stat().st_size)
+        for frame in _deinterlaced(frames, stream, reading, cadence):
+            colour = _source_colour(frame)
+            shape = _shape(frame, stream)
+            first = shape if first is None else first
+            resized = (frame.width, frame.height) != (width, height)
+            inner = _inside(width, height, shape / first) if resized else None
+            alpha = any(component.is_alpha for component in frame.format.components)
+            pixels = reformatter.reformat(
+                frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour
+            ).to_ndarray()
+            pixels = _over_black(pixels, reading) if alpha else pixels
+            pixels = pixels if inner is None else _boxed(pixels, width, height)
+            upright = np.rot90(pixels, turns) if turns else pixels
+            upright = np.fliplr(upright) if video.mirrored else upright
+            yield np.ascontiguousarray(upright)  # `pixels` itself where nothing turned or flipped it
 
 
 def _over_black(rgba: np.ndarray, reading: Reading) -> np.ndarray:
@@ -158,14 +167,6 @@ def _over_black(rgba: np.ndarray, reading: Reading) -> np.ndarray:
     reading.transparent += 1
     wide = np.uint64 if rgba.dtype == np.uint16 else np.uint32
     return ((rgb.astype(wide) * alpha + top // 2) // top).astype(rgba.dtype)
-
-
-def _counted(frames: Iterator[np.ndarray], path: str | Path, video: VideoInfo) -> Iterator[np.ndarray]:
-    count = 0
-    for count, pixels in enumerate(islice(frames, video.frames), 1):
-        yield pixels
-    if count != video.frames:
-        raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the file holds {video.frames}")
 
 
 def _shape(frame: av.VideoFrame, stream: av.VideoStream) -> Fraction:
