@@ -111,18 +111,11 @@ def _create(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
 def _create_from_request(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
     if request.mimetype == "application/json":
         body = _json_body()
-        fields = dict(body)
-        edited = _edited_output(fields) if files == EDIT_FILES else None
-        create = create_request(fields, references=edited is None)
-        source = edited or _referenced_input(create)
-        return 200, _create_job(create, source), idempotency.fingerprint("json", body)
+        return 200, _create_job(*_named_input(body, files)), idempotency.fingerprint("json", body)
 
     form = receive_form(files)
     if form.file is None:  # a form may name its input instead, as SGLang's does with `video_url` / `reference_url`
-        fields = dict(form.fields)
-        edited = _edited_output(fields) if files == EDIT_FILES else None
-        create = create_request(fields, references=edited is None)
-        body = _create_job(create, edited or _referenced_input(create))
+        body = _create_job(*_named_input(form.fields, files))
         return 200, body, idempotency.fingerprint("multipart", {"fields": form.fields, "file": None})
     try:
         create = create_request(form.fields, references=False)
@@ -192,6 +185,15 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
     if blob is None:
         raise ApiError(404, "upload_not_found", "No such upload.")
     return InputInfo(key=key, bytes=blob.size, upload_id=key.rsplit("/", 1)[1], owned_by_job=False)
+
+
+def _named_input(body: dict[str, Any], files: frozenset[str]) -> tuple[CreateRequest, InputInfo]:
+    """The job a request without a file asks for, and the input it names: an edit's completed job, else an upload,
+    key or URL (`body` is left as it came, for the request's fingerprint)."""
+    fields = dict(body)
+    edited = _edited_output(fields) if files == EDIT_FILES else None
+    create = create_request(fields, references=edited is None)
+    return create, edited or _referenced_input(create)
 
 
 def _edited_output(fields: dict[str, Any]) -> InputInfo | None:
