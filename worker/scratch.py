@@ -14,8 +14,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from PIL import Image
-
 from worker.media import webp
 from worker.media.source import open_input
 from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, plan_windows
@@ -26,8 +24,7 @@ def scratch_bytes(source: Path, scale: float, window: int = DEFAULT_WINDOW, over
     overlap by `overlap`) will write to its scratch disk at most: its upscaled frames as raw RGB (kept windows, the
     encoder's input), its windows' float overlap tails, and an MP4 of its input's bits per pixel."""
     if webp.animated(source):  # FFmpeg reads its first frame only
-        with Image.open(source) as image:
-            (width, height), frames = image.size, image.n_frames
+        (width, height), frames = webp.extent(source)
     else:
         with open_input(source) as container:
             stream = container.streams.video[0]

@@ -110,7 +110,7 @@ def second_fields(stream: av.VideoStream) -> Callable[[av.Packet], bool] | None:
     length_size = (extradata[4] & 3) + 1 if extradata[:1] == b"\x01" and len(extradata) > 6 else 0
     sets: dict[int, _Sps] = {}
     pictures: dict[int, int] = {}  # pps id -> sps id
-    pending: list[tuple[int, int]] = []  # a first field waiting for its pair: (bottom?, frame_num)
+    pending: tuple[int, int] | None = None  # a first field waiting for its pair: (bottom?, frame_num)
 
     def learn(unit: bytes) -> None:
         kind = unit[0] & 0x1F
@@ -142,6 +142,7 @@ def second_fields(stream: av.VideoStream) -> Callable[[av.Packet], bool] | None:
                 pass
 
     def second(packet: av.Packet) -> bool:
+        nonlocal pending
         try:
             for unit in _units(bytes(memoryview(packet)[:_HEAD]), length_size):
                 kind = unit[0] & 0x1F
@@ -154,18 +155,15 @@ def second_fields(stream: av.VideoStream) -> Callable[[av.Packet], bool] | None:
                     if sps.separate_colour_planes:
                         bits.u(2)
                     frame_num = bits.u(sps.frame_num_bits)
-                    field = not sps.frame_mbs_only and bits.u(1)
-                    if not field:
-                        pending.clear()
-                        return False
-                    bottom = bits.u(1)
-                    if pending and pending[0][0] != bottom and pending[0][1] == frame_num:
-                        pending.clear()
-                        return True
-                    pending[:] = [(bottom, frame_num)]
-                    return False
+                    field = None
+                    if not sps.frame_mbs_only and bits.u(1):  # field_pic_flag
+                        field = (bits.u(1), frame_num)  # bottom_field_flag
+                    # the other parity of the same frame_num completes the pending field's frame
+                    completes = field is not None and pending == (1 - field[0], frame_num)
+                    pending = None if completes else field
+                    return completes
         except (IndexError, KeyError, ValueError):
-            pending.clear()
+            pending = None
         return False
 
     return second

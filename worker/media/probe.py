@@ -391,14 +391,14 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             # Decoded last: `unpack` takes the packet's contents
             if scan.first_frame is None:
                 scan.first_frame = next((frame for sent in unpack(packet) for frame in stream.decode(sent)), None)
-                _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
+                _seen(scan, stream, [scan.first_frame] if scan.first_frame else [])
             elif packet.is_keyframe and _sampled(scan, stream, packet):
-                _sized(scan, stream, _decoded_key(stream, packet))
+                _seen(scan, stream, _decoded_key(stream, packet))
         if scan.first_frame is None:  # a decoder with a delay may hold short streams until it is flushed
             scan.first_frame = next((frame for sent in [*unpack(None), None] for frame in stream.decode(sent)), None)
-            _sized(scan, stream, [scan.first_frame] if scan.first_frame else [])
+            _seen(scan, stream, [scan.first_frame] if scan.first_frame else [])
         else:
-            _sized(scan, stream, _decoded_key(stream, None))
+            _seen(scan, stream, _decoded_key(stream, None))
     except AVError as error:
         raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
     if scan.first_frame is None:
@@ -446,7 +446,7 @@ def _decoded_key(stream: av.VideoStream, packet: av.Packet | None) -> list[av.Vi
         return []
 
 
-def _sized(scan: _Scan, stream: av.VideoStream, frames: list[av.VideoFrame]) -> None:
+def _seen(scan: _Scan, stream: av.VideoStream, frames: list[av.VideoFrame]) -> None:
     """What the decoded keyframes show: each size (and its shape), and whether any is interlaced."""
     for frame in frames:
         scan.interlaced_seen |= bool(frame.interlaced_frame)

@@ -31,6 +31,13 @@ def animated(path: str | Path) -> bool:
     return len(head) == 21 and head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and bool(head[20] & 0x02)
 
 
+def extent(path: Path) -> tuple[tuple[int, int], int]:
+    """((width, height), frames), read from the file's chunks: no frame is decoded beyond the one Pillow decodes at
+    open."""
+    with Image.open(path) as image:
+        return image.size, image.n_frames
+
+
 def frame_times(path: Path, limits: Limits) -> tuple[tuple[int, int], list[int], int]:
     """((width, height), each frame's start in milliseconds, how long the last one is shown), limits checked before
     a frame is decoded beyond the one Pillow decodes at open."""
