@@ -21,7 +21,7 @@ from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 from worker.media import webp
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
-from worker.media.source import open_input, unpacker
+from worker.media.source import decoder, open_input, unpacker
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
@@ -199,15 +199,15 @@ def _decode(container: av.container.InputContainer, stream: av.VideoStream, size
     """Every frame of `stream` (a file of `size` bytes). Empty packets are skipped, not sent: Ogg stores a Theora
     frame that repeats the one before as a 0-byte packet, which the decoder takes for the end of the stream (every
     later packet: EINVAL). So is the packet a cut file ends in (`cut_off`). The probe counts frames the same way.
-    Packed B-frames are unpacked first (`unpacker`)."""
-    unpack = unpacker(stream)
+    Packed B-frames are unpacked first (`unpacker`); a WebM with alpha is decoded by libvpx (`decoder`)."""
+    unpack, context = unpacker(stream), decoder(stream)
     for packet in container.demux(stream):
         if packet.size and not cut_off(packet, size):
             for sent in unpack(packet):
-                yield from stream.decode(sent)
+                yield from context.decode(sent)
     for sent in unpack(None):
-        yield from stream.decode(sent)
-    yield from stream.decode(None)
+        yield from context.decode(sent)
+    yield from context.decode(None)
 
 
 def _deinterlaced(

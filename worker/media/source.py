@@ -63,3 +63,24 @@ def unpacker(stream: av.VideoStream) -> Callable[[av.Packet | None], list[av.Pac
         return lambda packet: [] if packet is None else [packet]
     unpack = av.BitStreamFilterContext("mpeg4_unpack_bframes", stream)
     return unpack.filter
+
+
+# WebM carries a VP8 or VP9 picture's alpha beside it (Matroska BlockAdditional; the track says `alpha_mode` 1):
+# FFmpeg's own decoders drop it, libvpx's composes it into the frame.
+_ALPHA_DECODERS = {"vp8": "libvpx", "vp9": "libvpx-vp9"}
+
+
+def decoder(stream: av.VideoStream) -> av.CodecContext:
+    """What decodes `stream`'s packets: its own context, or for a WebM sticker with an alpha channel (made with
+    `-pix_fmt yuva420p`, as Telegram's and the web's transparent videos are) libvpx's, so the alpha is not lost. An
+    FFmpeg built without libvpx reads the picture without it, as before."""
+    name = _ALPHA_DECODERS.get(stream.codec_context.name)
+    if name is None or stream.metadata.get("alpha_mode") != "1":
+        return stream.codec_context
+    try:
+        context = av.CodecContext.create(name, "r")
+    except av.error.FFmpegError:  # pragma: no cover - PyAV's wheels ship libvpx
+        return stream.codec_context
+    context.thread_type = "AUTO"
+    return context
+
