@@ -85,9 +85,31 @@ def test_transparent_pixels_come_out_black_and_the_notes_say_so(corpus_cache, tm
             over_black, transparent = picture[..., :3] * picture[..., 3:] / 255, picture[..., 3] == 0
             assert np.abs(shown - over_black).mean() < 12  # 4:2:0 chroma at the edges of a 38x32 picture
             assert not transparent.any() or shown[transparent].mean() < 16
-    for name in ("pillow-chi.gif", "pillow-apng-dispose_op_background.png"):  # opaque; its last frame all transparent
-        result = upscale_file(corpus_cache / name, tmp_path / f"{name}.opaque.mp4", LanczosUpscaler(), FAST)
-        assert not any("transparent" in note for note in result.notes), result.notes
+    result = upscale_file(corpus_cache / "pillow-chi.gif", tmp_path / "opaque.mp4", LanczosUpscaler(), FAST)
+    assert not any("transparent" in note for note in result.notes), result.notes
+
+
+def test_an_animation_that_starts_blank_starts_black(corpus_cache, tmp_path):
+    """A sticker that fades in starts with a frame transparent everywhere. Taken for an alpha channel left unused
+    (as in 32-bit AVI), it showed the colour stored under it, this GIF's transparent palette entry: a white flash
+    before frames shown over black. In the codecs made for the web it is a blank frame: black, like the
+    transparent pixels after it; an animated PNG's last frame, emptied by its disposal, likewise."""
+    with Image.open(corpus_cache / "pillow-dispose_bgnd_transparency.gif") as image:
+        frames = [frame.convert("RGBA") for frame in ImageSequence.Iterator(image)]
+    blank = tmp_path / "fades-in.gif"
+    Image.new("RGBA", frames[0].size).save(blank, save_all=True, append_images=frames, duration=100, disposal=2)
+    with av.open(str(blank)) as container:  # stored under it: the palette's transparent entry, white
+        first = next(container.decode(video=0)).to_ndarray(format="rgba")
+    assert first[..., 3].max() == 0 and first[..., :3].min() == 255
+
+    said = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over black"
+    result = upscale_file(blank, tmp_path / "fades-in.mp4", LanczosUpscaler(), FAST)
+    assert said.format("every frame") in result.notes, result.notes
+    assert frames_and_times(result.output)[0][0].max() <= 16  # x264 at CRF 0 from 4:2:0: black, not white
+
+    emptied = "pillow-apng-dispose_op_background.png"  # two opaque frames, the last one transparent everywhere
+    result = upscale_file(corpus_cache / emptied, tmp_path / "emptied.mp4", LanczosUpscaler(), FAST)
+    assert said.format("1 of its 3 frames") in result.notes, result.notes
 
 
 @pytest.mark.parametrize("codec", ["libvpx-vp9", "libvpx"])

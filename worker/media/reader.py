@@ -102,7 +102,7 @@ def read_frames(
     frame count."""
     reading = reading or Reading()
     if video.codec == "webp":  # animated WebP: FFmpeg cannot decode it (`webp`)
-        pictures = (_over_black(rgba, reading) for rgba in webp.read(Path(path)))
+        pictures = (_over_black(rgba, reading, video.codec) for rgba in webp.read(Path(path)))
     else:
         pictures = _pictures(path, video, reading, cadence)
     count = 0
@@ -147,22 +147,27 @@ def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str
             pixels = reformatter.reformat(
                 frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour
             ).to_ndarray()
-            pixels = _over_black(pixels, reading) if alpha else pixels
+            pixels = _over_black(pixels, reading, video.codec) if alpha else pixels
             pixels = pixels if inner is None else _boxed(pixels, width, height)
             upright = np.rot90(pixels, turns) if turns else pixels
             upright = np.fliplr(upright) if video.mirrored else upright
             yield np.ascontiguousarray(upright)  # `pixels` itself where nothing turned or flipped it
 
 
-def _over_black(rgba: np.ndarray, reading: Reading) -> np.ndarray:
+# Codecs whose alpha is always meant (animations for the web): a frame of theirs transparent everywhere is a blank
+# frame of the animation (a sticker fading in starts with one), not an alpha channel left unused.
+_WEB_ALPHA = frozenset({"gif", "apng", "webp", "vp8", "vp9"})
+
+
+def _over_black(rgba: np.ndarray, reading: Reading, codec: str) -> np.ndarray:
     """RGB of an RGBA frame (straight alpha, as FFmpeg and libwebp give it) shown over black. MP4 has no alpha:
     dropped, a transparent pixel showed whatever colour its file left under it (a GIF's transparent palette entry:
-    white, magenta, ...) and soft edges lost their fade. A frame transparent everywhere has an alpha channel it does
-    not use (uncompressed 32-bit AVI, as VirtualDub and Windows capture tools write it: FFmpeg reads it as BGRA with
-    alpha 0): it is shown as it is, as browsers show such a BMP."""
+    white, magenta, ...) and soft edges lost their fade. A frame transparent everywhere, in a `codec` not made for
+    the web, has an alpha channel it does not use (uncompressed 32-bit AVI, as VirtualDub and Windows capture tools
+    write it: FFmpeg reads it as BGRA with alpha 0): it is shown as it is, as browsers show such a BMP."""
     rgb, alpha = rgba[..., :3], rgba[..., 3:]
     top = np.iinfo(rgba.dtype).max
-    if alpha.min() == top or alpha.max() == 0:
+    if alpha.min() == top or (alpha.max() == 0 and codec not in _WEB_ALPHA):
         return np.ascontiguousarray(rgb)
     reading.transparent += 1
     wide = np.uint64 if rgba.dtype == np.uint16 else np.uint32
