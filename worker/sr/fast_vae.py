@@ -168,9 +168,18 @@ class SubPixelUpsample(Kandinsky6SRUpsample):
             phases.storage_offset(),
         )
         low = self.linear(hidden_states)[:, :, :, :, None, :, None]
-        output = hidden_states.new_empty(batch, channels, frames, 2 * height, 2 * width)
+        output = torch.empty((batch, channels, frames, 2 * height, 2 * width), dtype=hidden_states.dtype,
+                             device=hidden_states.device, memory_format=_layout(hidden_states))
         torch.add(low, interleaved, out=output.view(batch, channels, frames, height, 2, width, 2))
         return output
+
+
+def _layout(tensor: torch.Tensor) -> torch.memory_format:
+    """NDHWC where `tensor` keeps its channels innermost (cuDNN's 3D convolutions read it so without converting; a
+    segment of frames sliced out of an NDHWC tensor is no longer dense, but still NDHWC), else NCDHW."""
+    if tensor.size(1) > 1 and tensor.stride(1) == 1 and not tensor.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 def tile_cache_bytes(vae: torch.nn.Module, latent_height: int, latent_width: int, fast: bool = True) -> int:
@@ -220,6 +229,16 @@ def speed_up_decoder(vae: torch.nn.Module, swaps: Iterable[str] = tuple(DECODER_
     for module in vae.decoder.modules():
         for change in changes:
             change(module)
+    return vae
+
+
+def store_channels_last(vae: torch.nn.Module) -> torch.nn.Module:
+    """Stores the decoder's 3D kernels NDHWC (`channels_last_3d`), for GPUs. cuDNN convolves NDHWC operands and
+    converts NCDHW ones around each call; with NDHWC kernels every activation stays NDHWC (the engine's latents come
+    so), and a W1 tile's decode lost its 0.27 s of conversions: 1.77 -> 1.55 s (bench/RESULTS.md)."""
+    for tensor in (*vae.decoder.parameters(), *vae.decoder.buffers()):
+        if tensor.dim() == 5:  # `Module.to(memory_format=)` refuses the 4-D tensors beside them
+            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last_3d)
     return vae
 
 
