@@ -94,19 +94,6 @@ def test_sub_pixel_upsampling_matches_stock_across_segments(compress_time, layou
                 assert ours.is_contiguous(memory_format=torch.channels_last_3d) == (layout == "channels_last")
 
 
-def test_a_decoder_with_kernels_stored_ndhwc_decodes_the_same():
-    """What the engine does on GPUs (where every activation then stays NDHWC: bench/decoder_layout.py counts cuDNN's
-    conversions): kernels NDHWC, latents NDHWC as the transformer leaves them; the same decode (fp32, CPU)."""
-    ncdhw = speed_up_decoder(tiny_components()["vae"].eval())
-    ndhwc = fast_vae.store_channels_last(copy.deepcopy(ncdhw))
-    kernels = [t for t in (*ndhwc.decoder.parameters(), *ndhwc.decoder.buffers()) if t.dim() == 5]
-    assert len(kernels) > 10 and all(t.is_contiguous(memory_format=torch.channels_last_3d) for t in kernels)
-    z = torch.randn(1, 5, 8, 12, 4, generator=torch.Generator().manual_seed(0)).permute(0, 4, 1, 2, 3)
-    with torch.no_grad():
-        expected, ours = decode_in_segments(ncdhw, z.contiguous()), decode_in_segments(ndhwc, z)
-    assert (ours - expected).abs().max() <= 1e-5 and expected.std() > 0.01
-
-
 def test_sub_pixel_upsampling_in_bf16_is_as_close_to_the_exact_result_as_stock():
     """Folding the 1x1 into the 3x3 rounds differently, not worse: both bf16 results' RMS error against float64."""
     torch.manual_seed(0)

@@ -42,7 +42,7 @@ from worker.sr.decode_order import DECODE_ORDERS, decode_order_for
 from worker.sr.decoder_caches import DecoderCaches, host_bytes_available
 from worker.sr.devices import Pipeline, Schedule, to_host
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
-from worker.sr.fast_vae import speed_up_decoder, store_channels_last, tile_cache_bytes
+from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
 from worker.sr.k6_models import transformer as k6_transformer
 from worker.sr.k6_models import vae as k6_vae
 from worker.sr.noise import tile_noise
@@ -148,8 +148,6 @@ class SREngine:
                     # as a resident decoder's, wherever the weights live later.
                     replica.vae.decoder.to(replica.device)
                 speed_up_decoder(replica.vae)
-                if replica.device.type == "cuda":
-                    store_channels_last(replica.vae)
             _use_attention(replica.transformer, PROCESSORS[attention])
             if self.split != "off":
                 _split.wrap_attention(replica.transformer)

@@ -232,16 +232,6 @@ def speed_up_decoder(vae: torch.nn.Module, swaps: Iterable[str] = tuple(DECODER_
     return vae
 
 
-def store_channels_last(vae: torch.nn.Module) -> torch.nn.Module:
-    """Stores the decoder's 3D kernels NDHWC (`channels_last_3d`), for GPUs. cuDNN convolves NDHWC operands and
-    converts NCDHW ones around each call; with NDHWC kernels every activation stays NDHWC (the engine's latents come
-    so), and a W1 tile's decode lost its 0.27 s of conversions: 1.77 -> 1.55 s (bench/RESULTS.md)."""
-    for tensor in (*vae.decoder.parameters(), *vae.decoder.buffers()):
-        if tensor.dim() == 5:  # `Module.to(memory_format=)` refuses the 4-D tensors beside them
-            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last_3d)
-    return vae
-
-
 def compile_decoder(vae: torch.nn.Module) -> torch.nn.Module:
     """Compiles each decoder resnet block for static shapes, so Inductor fuses its norms, SiLUs and padding copies.
 
