@@ -84,6 +84,7 @@ WORKLOADS = {  # (height, width, frames, scale)
     "W3": (512, 768, 481, 2),
     "W1short": (512, 768, 17, 2),  # W1's 9 tiles on 17 frames: cheap bit-identity checks
     "SQ": (320, 320, 33, 2),  # bench/service.py's square clip: 2x2 square tiles
+    "HD9": (1080, 1920, 9, 2),  # bench/service.py's 1080p clip: 42 tiles of 3 latent frames, each its own segment
     # One W2 tile at the worker's window (121 frames, what it warms up for) and at two other lengths: what the first
     # job of a new clip length compiles (graphs_compiled) and costs (cold_s against hot_s)
     "L121": (256, 384, 121, 2),
@@ -226,6 +227,7 @@ class Bench:
         self.compared: set[str] = set()  # workloads with a reference or another ours phase: worth the check run
         self.frames_written = self.mp4_bytes = 0  # by the latest run_ours
         self.quality_ran, self.levers_ran = quality.LOSSLESS, {}  # by the latest run_ours: the tier and how it ran
+        self.decoder_layout = "ncdhw"  # the decoder kernels' layout in the engines built from here on
         self._attach(self.parts, self.home)
         self.emit({"phase": "build", "bytes": {name: module_bytes(self.parts[name]) for name in ("transformer", "vae", "latent_upscaler")}})
 
@@ -353,6 +355,11 @@ class Bench:
                 [self.replicas[d] for d in devices], segment, order, compile_transformer=transformer, compile_decoder=decoder, offload=offload,
                 split=split, high_levers=high_levers,
             )
+            if self.decoder_layout == "ndhwc":  # `--decoder-layout`: a lever measured here before the worker takes it
+                for replica in self.engines[key].replicas:
+                    for tensor in (*replica.vae.decoder.parameters(), *replica.vae.decoder.buffers()):
+                        if tensor.dim() == 5:  # `Module.to(memory_format=)` refuses the 4-D tensors beside them
+                            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last_3d)
         return self.engines[key]
 
     def run_ours(self, engine: SREngine, name: str, request: SRRequest, collect: bool) -> tuple[float, dict, torch.Tensor | None]:
@@ -486,7 +493,7 @@ class Bench:
         """The tier the phase asked for, what ran (the engine's report of its latest run: each lever and how, FP8
         attention on `cudnn_fp8` or `fp8_emulated`), and why attention was emulated where it was."""
         record = {"quality": quality.LOSSLESS if option is None else quality.HIGH, "quality_option": option or quality.LOSSLESS,
-                  "quality_ran": self.quality_ran, "levers_ran": self.levers_ran}  # fmt: skip
+                  "quality_ran": self.quality_ran, "levers_ran": self.levers_ran, "decoder_layout": self.decoder_layout}  # fmt: skip
         if option is not None:
             record["high_levers"] = list(high_levers)
             if quality.FP8_ATTENTION in self.levers_ran and fp8_attention.why_emulated():
@@ -562,11 +569,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results.jsonl"))
     parser.add_argument("--ref-hot", type=int, help="hot runs of the reference (default: --hot)")
     parser.add_argument("--compile", choices=("both", "transformer", "decoder", "none"), default="both", help="what the engines compile (on GPUs)")
+    parser.add_argument("--decoder-layout", choices=("ncdhw", "ndhwc"), default="ncdhw",
+                        help="the engines' decoder kernels: NCDHW (the worker's) or NDHWC (bench/RESULTS.md, session 33)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="compile what --compile says on a CPU too (with --tiny: the compiled path in CI)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     parser.add_argument("--check-only", help="comma-separated workloads: of the checks that would run, only theirs")
     args = parser.parse_args(argv)
     bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot, args.compile, args.compile_on_cpu)
+    bench.decoder_layout = args.decoder_layout
     phases = [parse_phase(phase) for phase in args.phases.split(",")]
     ours = [name for kind, name, *_ in phases if kind == "ours"]
     bench.compared = {name for kind, name, *_ in phases if kind == "ref"} | {name for name in ours if ours.count(name) > 1}

@@ -560,7 +560,9 @@ class SREngine:
                     if step + 1 < len(order):
                         caches.prefetch(order[step + 1][1].index)  # arrives while this segment decodes
                     caches.give_back(tile.index, cache, last=number == len(segments) - 1)
-                    frames = ((frames.float() + 1) * (128 / 127.5) - 1).clamp(-1, 1)
+                    # NCDHW whatever the decoder's layout: the host adds NDHWC frames into its canvas at half speed
+                    frames = frames.to(torch.float32, memory_format=torch.contiguous_format)
+                    frames = ((frames + 1) * (128 / 127.5) - 1).clamp(-1, 1)
                     pipeline.put(number, tile.index, *to_host(frames[0] * window))
                     tracker.advance(1, "decode")
 
