@@ -493,7 +493,8 @@ class Bench:
         """The tier the phase asked for, what ran (the engine's report of its latest run: each lever and how, FP8
         attention on `cudnn_fp8` or `fp8_emulated`), and why attention was emulated where it was."""
         record = {"quality": quality.LOSSLESS if option is None else quality.HIGH, "quality_option": option or quality.LOSSLESS,
-                  "quality_ran": self.quality_ran, "levers_ran": self.levers_ran, "decoder_layout": self.decoder_layout}  # fmt: skip
+                  "quality_ran": self.quality_ran, "levers_ran": self.levers_ran,
+                  "decoder_layout": self.decoder_layout}  # fmt: skip
         if option is not None:
             record["high_levers"] = list(high_levers)
             if quality.FP8_ATTENTION in self.levers_ran and fp8_attention.why_emulated():
@@ -570,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ref-hot", type=int, help="hot runs of the reference (default: --hot)")
     parser.add_argument("--compile", choices=("both", "transformer", "decoder", "none"), default="both", help="what the engines compile (on GPUs)")
     parser.add_argument("--decoder-layout", choices=("ncdhw", "ndhwc"), default="ncdhw",
-                        help="the engines' decoder kernels: NCDHW (the worker's) or NDHWC (bench/RESULTS.md, session 33)")
+                        help="the engines' decoder kernels: NCDHW (the worker's) or NDHWC (bench/RESULTS.md)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="compile what --compile says on a CPU too (with --tiny: the compiled path in CI)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     parser.add_argument("--check-only", help="comma-separated workloads: of the checks that would run, only theirs")

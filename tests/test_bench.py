@@ -84,9 +84,11 @@ def test_a_threads_phase_sets_the_host_threads_of_the_phases_after_it(tmp_path):
 def test_the_decoder_layout_option_stores_the_engines_decoder_kernels_ndhwc(tmp_path):
     """`--decoder-layout ndhwc`: the engines' 3D kernels NDHWC, said in each record; the CPU decodes the same."""
     out = tmp_path / "results.jsonl"
-    main(["--tiny", "--hot", "0", "--decoder-layout", "ndhwc", "--out", str(out), "--phases", "ours:W2:cpu,ours:W2:cpu@parked"])
+    phases = "ours:W2:cpu,ours:W2:cpu@parked"
+    main(["--tiny", "--hot", "0", "--decoder-layout", "ndhwc", "--out", str(out), "--phases", phases])
     records = [record for record in map(json.loads, out.read_text().splitlines()) if record.get("impl") == "vsrq"]
-    assert [r["decoder_layout"] for r in records] == ["ndhwc", "ndhwc"] and records[1]["bit_identical_to_first_vsrq_phase"]
+    assert [r["decoder_layout"] for r in records] == ["ndhwc", "ndhwc"]
+    assert records[1]["bit_identical_to_first_vsrq_phase"]
     with pytest.raises(SystemExit):
         main(["--tiny", "--decoder-layout", "nhwc", "--out", str(out), "--phases", "ours:W2:cpu"])
 
