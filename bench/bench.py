@@ -170,6 +170,13 @@ class StageTimer:
         return {stage: round(value, 3) for stage, value in seconds.items()}
 
 
+def store_decoder_kernels(vae: torch.nn.Module, memory_format: torch.memory_format) -> None:
+    """The decoder's 3D kernels (its 5-D weights) stored in `memory_format`, the other tensors as they are."""
+    for tensor in (*vae.decoder.parameters(), *vae.decoder.buffers()):
+        if tensor.dim() == 5:  # `Module.to(memory_format=)` refuses the 4-D tensors beside them
+            tensor.data = tensor.data.contiguous(memory_format=memory_format)
+
+
 def build(device: torch.device, tiny: bool) -> dict:
     """Random components: full size in bf16 (fp32 where diffusers keeps them fp32), or tiny in fp32."""
     if tiny:
@@ -357,9 +364,7 @@ class Bench:
             )
             if self.decoder_layout == "ndhwc":  # `--decoder-layout`: a lever measured here before the worker takes it
                 for replica in self.engines[key].replicas:
-                    for tensor in (*replica.vae.decoder.parameters(), *replica.vae.decoder.buffers()):
-                        if tensor.dim() == 5:  # `Module.to(memory_format=)` refuses the 4-D tensors beside them
-                            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last_3d)
+                    store_decoder_kernels(replica.vae, torch.channels_last_3d)
         return self.engines[key]
 
     def run_ours(self, engine: SREngine, name: str, request: SRRequest, collect: bool) -> tuple[float, dict, torch.Tensor | None]:

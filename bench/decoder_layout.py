@@ -2,7 +2,8 @@
 cuDNN's 3D convolutions run on NDHWC, so an NCDHW convolution pays a layout conversion around it. Full-size random
 VAE, the worker's decoder (`speed_up_decoder`, `compile_decoder`); `--tiny` runs the tiny one on the CPU (a smoke run).
 
-    python bench/decoder_layout.py --out layout.jsonl [--layouts engine_before,engine_now,ndhwc,ncdhw] [--latent-frames 31]
+    python bench/decoder_layout.py --out layout.jsonl [--layouts engine_before,engine_now,ndhwc,ncdhw]
+                                   [--latent-frames 31] [--repeat 3] [--tiny]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import diffusers  # noqa: E402
 
-from bench.bench import tiny_components  # noqa: E402
+from bench.bench import store_decoder_kernels, tiny_components  # noqa: E402
 from bench.levers import decode  # noqa: E402
 from worker.sr import fast_vae  # noqa: E402
 from worker.sr.fast_vae import compile_decoder, speed_up_decoder  # noqa: E402
@@ -59,7 +60,20 @@ def profile_kinds(run) -> dict:
         by_kind[kind(event.key)] += us / 1e3
         top.append((us / 1e3, event.key[:120]))
     top.sort(reverse=True)
-    return {"ms_by_kind": {k: round(v, 2) for k, v in sorted(by_kind.items())}, "top": [(round(ms, 2), n) for ms, n in top[:20]]}
+    by_kind = {name: round(ms, 2) for name, ms in sorted(by_kind.items())}
+    return {"ms_by_kind": by_kind, "top": [(round(ms, 2), name) for ms, name in top[:20]]}
+
+
+@torch.no_grad()
+def timed_decodes(vae, z: torch.Tensor, repeat: int) -> tuple[float, list[float], torch.Tensor, dict]:
+    """The first decode's seconds (it compiles), `repeat` more timed, the last one's output, one more profiled."""
+    seconds, out = [], None
+    for _ in range(1 + repeat):
+        start = time.perf_counter()
+        out = decode(vae, z, 4)
+        synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds[0], seconds[1:], out, profile_kinds(lambda: decode(vae, z, 4))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,32 +114,22 @@ def main(argv: list[str] | None = None) -> None:
     layouts = {"ncdhw": torch.contiguous_format, "ndhwc": torch.channels_last_3d}
     follow = fast_vae._layout
     reference = None
-    for name in args.layouts.split(","):
-        latent_layout, weight_layout, follows = variants[name]
-        for tensor in [*vae.decoder.parameters(), *vae.decoder.buffers()]:
-            if tensor.dim() == 5:  # `Module.to(memory_format=)` refuses the 4-D ones beside them
-                tensor.data = tensor.data.contiguous(memory_format=layouts[weight_layout])
-        fast_vae._layout = follow if follows else (lambda tensor: torch.contiguous_format)
-        zl = z.contiguous(memory_format=layouts[latent_layout])
-        with torch.no_grad():
-            first = time.perf_counter()
-            decode(vae, zl, 4)
-            synchronize()
-            first = time.perf_counter() - first
-            seconds = []
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                out = decode(vae, zl, 4)
-                synchronize()
-                seconds.append(time.perf_counter() - start)
-            kinds = profile_kinds(lambda: decode(vae, zl, 4))
-        reference = out if reference is None else reference
-        delta = (out - reference).abs().max().item()
-        emit(section="decode_layout", variant=name, latent=latent_layout, weights=weight_layout, upsampling_follows=follows,
-             latent_frames=args.latent_frames, seconds=[round(s, 4) for s in seconds], best_s=round(min(seconds), 4),
-             first_call_s=round(first, 1), max_abs_delta_vs_first=delta, same_bits_as_first=bool(torch.equal(out, reference)),
-             **kinds)  # fmt: skip
-        del out
+    try:
+        for name in args.layouts.split(","):
+            latent_layout, weight_layout, follows = variants[name]
+            store_decoder_kernels(vae, layouts[weight_layout])
+            fast_vae._layout = follow if follows else (lambda tensor: torch.contiguous_format)
+            zl = z.contiguous(memory_format=layouts[latent_layout])
+            first, seconds, out, kinds = timed_decodes(vae, zl, args.repeat)
+            reference = out if reference is None else reference
+            delta = (out - reference).abs().max().item()
+            emit(section="decode_layout", variant=name, latent=latent_layout, weights=weight_layout,
+                 upsampling_follows=follows, latent_frames=args.latent_frames, seconds=[round(s, 4) for s in seconds],
+                 best_s=round(min(seconds), 4), first_call_s=round(first, 1), max_abs_delta_vs_first=delta,
+                 same_bits_as_first=bool(torch.equal(out, reference)), **kinds)
+            del out
+    finally:  # the module's own rule again
+        fast_vae._layout = follow
 
 
 if __name__ == "__main__":

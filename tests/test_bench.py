@@ -93,6 +93,17 @@ def test_the_decoder_layout_option_stores_the_engines_decoder_kernels_ndhwc(tmp_
         main(["--tiny", "--decoder-layout", "nhwc", "--out", str(out), "--phases", "ours:W2:cpu"])
 
 
+def test_the_decoder_layout_bench_decodes_each_layout_alike(tmp_path):
+    """bench/decoder_layout.py on the tiny decoder (CPU): every layout it times decodes the same latents alike."""
+    from bench import decoder_layout
+
+    out = tmp_path / "layout.jsonl"
+    decoder_layout.main(["--tiny", "--latent-frames", "5", "--repeat", "1", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in records] == ["engine_before", "engine_now", "ndhwc", "ncdhw"]
+    assert all(r["max_abs_delta_vs_first"] <= 1e-5 for r in records)
+
+
 def test_check_only_limits_the_untimed_checks_to_the_named_workloads(tmp_path):
     out = tmp_path / "results.jsonl"
     # W2 and L121: both two tiles of 9 frames in the tiny configuration
