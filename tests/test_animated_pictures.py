@@ -20,6 +20,7 @@ from worker.upscale import UpscaleOptions, upscale_file
 
 FAST = UpscaleOptions(request=SRRequest(scale=2), preset="ultrafast", crf=0)
 WEBP, GIF = "pillow-iss634.webp", "pillow-iss634.gif"  # one animation: the WebP is the GIF made lossless
+TRANSPARENT = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over black"  # the note
 
 
 def frames_and_times(path: Path) -> tuple[list[np.ndarray], list[float]]:
@@ -68,14 +69,13 @@ def test_transparent_pixels_come_out_black_and_the_notes_say_so(corpus_cache, tm
     shown over black, they are black, every other pixel as Pillow composites the frame over black, and the notes say
     how many frames had any. FFmpeg decodes every GIF with an alpha channel: an opaque one gets no note; nor does a
     frame transparent everywhere (taken as an alpha channel left unused: test_reader)."""
-    said = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over black"
     for name, frames in (
         ("pillow-dispose_bgnd_transparency.gif", "every frame"),
         ("pillow-apng-dispose_op_background_region.png", "1 of its 3 frames"),
     ):
         output = tmp_path / f"{name}.mp4"
         result = upscale_file(corpus_cache / name, output, LanczosUpscaler(), FAST)
-        assert said.format(frames) in result.notes, result.notes
+        assert TRANSPARENT.format(frames) in result.notes, result.notes
         with Image.open(corpus_cache / name) as image:
             pictures = [np.asarray(frame.convert("RGBA")).astype(np.float64) for frame in ImageSequence.Iterator(image)]
         pictures = pictures[-len(frames_and_times(output)[0]):]  # Pillow counts an APNG's default image as a frame
@@ -102,14 +102,13 @@ def test_an_animation_that_starts_blank_starts_black(corpus_cache, tmp_path):
         first = next(container.decode(video=0)).to_ndarray(format="rgba")
     assert first[..., 3].max() == 0 and first[..., :3].min() == 255
 
-    said = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over black"
     result = upscale_file(blank, tmp_path / "fades-in.mp4", LanczosUpscaler(), FAST)
-    assert said.format("every frame") in result.notes, result.notes
+    assert TRANSPARENT.format("every frame") in result.notes, result.notes
     assert frames_and_times(result.output)[0][0].max() <= 16  # x264 at CRF 0 from 4:2:0: black, not white
 
     emptied = "pillow-apng-dispose_op_background.png"  # two opaque frames, the last one transparent everywhere
     result = upscale_file(corpus_cache / emptied, tmp_path / "emptied.mp4", LanczosUpscaler(), FAST)
-    assert said.format("1 of its 3 frames") in result.notes, result.notes
+    assert TRANSPARENT.format("1 of its 3 frames") in result.notes, result.notes
 
 
 @pytest.mark.parametrize("codec", ["libvpx-vp9", "libvpx"])
@@ -133,8 +132,7 @@ def test_a_transparent_webm_sticker_keeps_its_alpha(corpus_cache, tmp_path, code
     assert probe(sticker).video.pix_fmt == "yuv420p"  # as ffprobe reads it: the alpha is not in the codec's picture
 
     result = upscale_file(sticker, tmp_path / f"{codec}.mp4", LanczosUpscaler(), FAST)
-    said = "the source has transparent pixels (every frame): MP4 has no alpha, so they were shown over black"
-    assert said in result.notes, result.notes
+    assert TRANSPARENT.format("every frame") in result.notes, result.notes
     for picture, upscaled in zip(pictures, frames_and_times(result.output)[0], strict=True):
         height, width = picture.shape[:2]
         shown = upscaled[: 2 * height, : 2 * width].reshape(height, 2, width, 2, 3).mean(axis=(1, 3))

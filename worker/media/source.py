@@ -83,4 +83,3 @@ def decoder(stream: av.VideoStream) -> av.CodecContext:
         return stream.codec_context
     context.thread_type = "AUTO"
     return context
-
