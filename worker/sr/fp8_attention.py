@@ -215,14 +215,14 @@ def _graph(device: torch.device, batch: int, heads: int, tokens: int, kv_tokens:
     graph.check_support()
     graph.build_plans()
     built = graphs[key] = (graph, graph.get_workspace_size())
-    log.info("cuDNN FP8 attention graph built for %s on %s (plans, cuDNN's first first: %s)", key[1:], device,
+    log.info("cuDNN FP8 attention graph built for %s on %s (its plans, cuDNN's preferred first: %s)", key[1:], device,
              _plans(graph))
     return built
 
 
 def _plans(graph: Any) -> str:
-    """The names of the graph's execution plans, the one its heuristics put first first: which kernel ran, for the
-    log (one clip's `high` bytes differed between worker processes: bench/RESULTS.md)."""
+    """The names of the graph's execution plans in its heuristics' order, the preferred one (the one that runs where
+    it builds) first; for the log: one clip's `high` bytes differed between worker processes (bench/RESULTS.md)."""
     try:
         return ", ".join(graph.get_plan_name_at_index(index) for index in range(graph.get_execution_plan_count()))
     except Exception as error:  # a name is only for the log
