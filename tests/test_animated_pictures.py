@@ -29,6 +29,11 @@ def frames_and_times(path: Path) -> tuple[list[np.ndarray], list[float]]:
     return [pixels for _, pixels in decoded], [time - decoded[0][0] for time, _ in decoded]
 
 
+def at_source_size(upscaled: np.ndarray, height: int, width: int) -> np.ndarray:
+    """An x2 output frame averaged back over each source pixel's 2x2 block."""
+    return upscaled[: 2 * height, : 2 * width].reshape(height, 2, width, 2, 3).mean(axis=(1, 3))
+
+
 def test_an_animated_webp_comes_back_as_its_gif_twin(corpus_cache, tmp_path):
     """FFmpeg refused the animated WebP as "a still image" (input_no_video). Read by libwebp, it comes back as its GIF
     twin does through FFmpeg: 42 frames at the same times (the first, timed 0 ms, shown 100 ms as browsers and FFmpeg's
@@ -81,7 +86,7 @@ def test_transparent_pixels_come_out_black_and_the_notes_say_so(corpus_cache, tm
         pictures = pictures[-len(frames_and_times(output)[0]):]  # Pillow counts an APNG's default image as a frame
         for picture, upscaled in zip(pictures, frames_and_times(output)[0], strict=True):
             height, width = picture.shape[:2]
-            shown = upscaled[: 2 * height, : 2 * width].reshape(height, 2, width, 2, 3).mean(axis=(1, 3))
+            shown = at_source_size(upscaled, height, width)
             over_black, transparent = picture[..., :3] * picture[..., 3:] / 255, picture[..., 3] == 0
             assert np.abs(shown - over_black).mean() < 12  # 4:2:0 chroma at the edges of a 38x32 picture
             assert not transparent.any() or shown[transparent].mean() < 16
@@ -135,7 +140,7 @@ def test_a_transparent_webm_sticker_keeps_its_alpha(corpus_cache, tmp_path, code
     assert TRANSPARENT.format("every frame") in result.notes, result.notes
     for picture, upscaled in zip(pictures, frames_and_times(result.output)[0], strict=True):
         height, width = picture.shape[:2]
-        shown = upscaled[: 2 * height, : 2 * width].reshape(height, 2, width, 2, 3).mean(axis=(1, 3))
+        shown = at_source_size(upscaled, height, width)
         transparent = picture[..., 3] == 0
         assert transparent.any() and shown[transparent].mean() < 16, shown[transparent].mean()
         over_black = picture[..., :3] * (picture[..., 3:] / 255)

@@ -101,11 +101,11 @@ def _units(data: bytes, length_size: int) -> Iterator[bytes]:
             yield unit.rstrip(b"\x00")  # the zero before a four-byte start code belongs to neither unit
 
 
-def second_fields(stream: av.VideoStream) -> Callable[[av.Packet], bool] | None:
-    """For an H.264 stream, whether each packet (in decode order) is the second field of a frame, which adds no frame
-    to what the decoder shows; None for other codecs. A packet the parser cannot read counts as a frame."""
+def second_fields(stream: av.VideoStream) -> Callable[[av.Packet], bool]:
+    """Whether each packet of `stream` (in decode order) is the second field of an H.264 frame, which adds no frame to
+    what the decoder shows; never for other codecs. A packet the parser cannot read counts as a frame."""
     if stream.codec_context.name != "h264":
-        return None
+        return lambda packet: False
     extradata = bytes(stream.codec_context.extradata or b"")
     length_size = (extradata[4] & 3) + 1 if extradata[:1] == b"\x01" and len(extradata) > 6 else 0
     sets: dict[int, _Sps] = {}

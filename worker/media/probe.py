@@ -357,7 +357,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
     unpack = unpacker(stream)
-    second_field = second_fields(stream) or (lambda packet: False)
+    second_field = second_fields(stream)
     size = path.stat().st_size
     try:
         for packet in container.demux():
