@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import diffusers
 
+from bench.diagnose import Diagnosis
 from bench.similarity import summary as similarity
 from worker.frames import quantise
 from worker.media.synthetic import pattern
@@ -234,6 +235,7 @@ class Bench:
         self.compared: set[str] = set()  # workloads with a reference or another ours phase: worth the check run
         self.frames_written = self.mp4_bytes = 0  # by the latest run_ours
         self.quality_ran, self.levers_ran = quality.LOSSLESS, {}  # by the latest run_ours: the tier and how it ran
+        self.diagnose = False  # `--diagnose`: one more run of each ours phase under `bench.diagnose`
         self.decoder_layout = "ncdhw"  # the decoder kernels' layout in the engines built from here on
         self._attach(self.parts, self.home)
         self.emit({"phase": "build", "bytes": {name: module_bytes(self.parts[name]) for name in ("transformer", "vae", "latent_upscaler")}})
@@ -421,6 +423,9 @@ class Bench:
                 runs.append(elapsed)
                 stages.append(stage)
                 graphs.append(compiled_graphs() - before)
+            if self.diagnose:  # one more run, untimed: where the GPU idles and what synchronised it
+                with Diagnosis() as diagnosis:
+                    self.run_ours(engine, name, SRRequest(scale=scale, seed=SEED, quality=tier), collect=False)
         except torch.cuda.OutOfMemoryError as error:  # the finding under a cap: this mode does not fit
             peaks = self.peaks(devices)
             gc.collect()
@@ -434,6 +439,8 @@ class Bench:
         record = self.summary("vsrq", name, runs, stages, self.peaks(engine.devices), devices)
         record |= self.placement_record(name, devices, mode, order, segment, offload, engine)
         record |= self.quality_record(option, high_levers)
+        if self.diagnose:
+            record["diagnosis"] = diagnosis.record()
         # the ratios' bases are lossless phases: a quality phase's ratio_to_speed is its speed-up's inverse
         if option is None and (mode == "speed" or (mode is None and (order, segment) == ("lockstep", 4))):
             if self.cap_gib is None:
@@ -578,11 +585,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decoder-layout", choices=("ncdhw", "ndhwc"), default="ncdhw",
                         help="the engines' decoder kernels: NCDHW (the worker's) or NDHWC (bench/RESULTS.md)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="compile what --compile says on a CPU too (with --tiny: the compiled path in CI)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="one more untimed run per ours phase: GPU idle time and each host-device sync by call site")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the untimed output checks")
     parser.add_argument("--check-only", help="comma-separated workloads: of the checks that would run, only theirs")
     args = parser.parse_args(argv)
     bench = Bench(args.out, args.hot, args.tiny, args.check, args.ref_hot, args.compile, args.compile_on_cpu)
-    bench.decoder_layout = args.decoder_layout
+    bench.decoder_layout, bench.diagnose = args.decoder_layout, args.diagnose
     phases = [parse_phase(phase) for phase in args.phases.split(",")]
     ours = [name for kind, name, *_ in phases if kind == "ours"]
     bench.compared = {name for kind, name, *_ in phases if kind == "ref"} | {name for name in ours if ours.count(name) > 1}

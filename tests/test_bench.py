@@ -206,3 +206,33 @@ def test_the_decode_in_bench_times_the_windows_tensor_before_and_now(tmp_path):
     assert window["part"] == "window" and window["before_to_device_mb"]["min"] == 39
     assert round(window["before_to_device_mb"]["min"] / window["now_to_device_mb"]["max"]) == 4
     assert window["now_s"]["min"] > 0 and window["unit_on_cpu_s"]["min"] > 0
+
+
+def test_diagnose_adds_an_untimed_run_whose_wall_and_syncs_are_reported(tmp_path):
+    """`--diagnose`: each ours phase reports one more run's wall and its host-device syncs by call site (a CPU has
+    neither kernels nor syncs, so no GPU figures)."""
+    out = tmp_path / "results.jsonl"
+    main(["--tiny", "--hot", "0", "--diagnose", "--out", str(out), "--phases", "ours:W2:cpu"])
+    (record,) = [r for r in map(json.loads, out.read_text().splitlines()) if r.get("impl") == "vsrq"]
+    assert record["diagnosis"]["wall_s"] > 0 and record["diagnosis"]["syncs"] == []
+    assert "gpu_kernel_s" not in record["diagnosis"] and len(record["hot_s"]) == 1  # the diagnosed run is not timed
+
+
+def test_a_sync_is_counted_at_the_line_of_ours_that_asked_for_it():
+    """What torch's sync debug mode warns is counted by the innermost frame of ours; other warnings pass through."""
+    import warnings
+
+    from bench.diagnose import SYNC_WARNING, Diagnosis, kernel_busy
+
+    def asks_for_a_sync() -> None:
+        warnings.warn(f"called a {SYNC_WARNING}", UserWarning)
+
+    with warnings.catch_warnings(record=True) as other, Diagnosis() as diagnosis:
+        for _ in range(3):
+            asks_for_a_sync()
+        warnings.warn("something else", UserWarning)
+    line = asks_for_a_sync.__code__.co_firstlineno + 1
+    assert diagnosis.syncs == {f"tests/test_bench.py:{line} asks_for_a_sync": 3}
+    assert [str(w.message) for w in other] == ["something else"]
+    # busy time is the union of the kernels' intervals; idle gaps over 1 ms are listed
+    assert kernel_busy([(0, 10), (5, 20), (2020, 2030)]) == (30, [2000])
