@@ -68,7 +68,8 @@ class Diagnosis:
     def record(self) -> dict:
         record = {"wall_s": round(self._wall, 3)}
         if self.cuda:
-            busy, gaps = kernel_busy([(e.time_range.start, e.time_range.end) for e in self._profile.events() if _is_kernel(e)])
+            kernels = [(e.time_range.start, e.time_range.end) for e in self._profile.events() if _is_kernel(e)]
+            busy, gaps = kernel_busy(kernels)
             record |= {
                 "gpu_kernel_s": round(busy / 1e6, 3),
                 "gpu_idle_s": round(self._wall - busy / 1e6, 3),
