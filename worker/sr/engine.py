@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from worker.errors import Cancelled, InvalidRequest
 from worker.frames import unit
-from worker.sr import checkpoint, compile_cache, fp8_attention, precompiled, quality, tiling
+from worker.sr import checkpoint, compile_cache, fp8_attention, precompiled, quality, stepper, tiling
 from worker.sr import split as _split
 from worker.sr.attention import PROCESSORS
 from worker.sr.checkpoint import Components
@@ -627,7 +627,7 @@ class SREngine:
         if not tiles:
             return
         device, dtype = replica.device, replica.dtype
-        scheduler = replica.scheduler.__class__.from_config(replica.scheduler.config)  # step state is per thread
+        scheduler = stepper.fresh(replica.scheduler)
         placement = placement_of(replica)
         # offloaded: on the device for all of this device's steps (and no FP8 weights kept there after them)
         with placement.using("transformer"), quality.applied(replica.transformer, levers, self.offload is None) as run:
@@ -636,9 +636,11 @@ class SREngine:
                 chunk = tiles[start : start + request.tiles_batch_size]
                 # The transformer works on (batch, frames, height, width, channels).
                 lq = torch.cat([lq_latents[tile.index] for tile in chunk]).to(device).permute(0, 2, 3, 4, 1)
-                eps = torch.cat([noise[tile.index] for tile in chunk]).to(device)
+                eps = torch.cat([noise[tile.index] for tile in chunk])
+                # from pinned memory without waiting: a plain copy would wait for the last tile's queued steps
+                eps = eps.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else eps
                 latents = math.sqrt(1 - request.lq_noise_scale**2) * lq + request.lq_noise_scale * eps
-                scheduler.set_timesteps(request.num_inference_steps, device=device)
+                stepper.restart(scheduler, request.num_inference_steps, device)
                 # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.
                 anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), dtype=dtype, device=device)
                 for number, t in enumerate(scheduler.timesteps):
