@@ -35,6 +35,8 @@ Phases:
                       and quantising share the cores with x264's threads
 A phase ending in *N runs N hot runs instead of --hot's or --ref-hot's (e.g. ours:W1:cuda:0*0: cold and the check
 only; ref:W2*3).
+`--diagnose` runs each ours phase once more, untimed, and adds where its GPU idled and which lines synchronised the
+host with it (`bench/diagnose.py`).
 `--compile none|transformer|decoder` builds engines with less compiled (default both): which compiled part changes
 what; `--compile-on-cpu` compiles on a CPU too. `--tiny` runs the same phases on the CPU with the tiny configuration, so
 CI keeps this script working.
