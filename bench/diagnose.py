@@ -16,6 +16,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -26,26 +27,29 @@ SYNC_WARNING = "synchronizing CUDA operation"  # the text torch's sync debug mod
 
 
 class Diagnosis:
+    """A context: everything run inside it is profiled and its synchronisations counted (`record()` after)."""
+
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
         self.syncs: Counter[str] = Counter()
-        self._shown = None
+        self._context = ExitStack()
         self._profile = None
-        self._wall = 0.0
+        self._started = self._wall = 0.0
 
     def __enter__(self) -> Diagnosis:
         from torch.profiler import ProfilerActivity, profile
 
-        self._shown = warnings.showwarning
-        warnings.showwarning = self._warned  # process-wide: the engine's device threads warn from the pool
-        self._filters = warnings.catch_warnings()
-        self._filters.__enter__()
+        self._context.enter_context(warnings.catch_warnings())  # puts the filters and `showwarning` back on exit
+        shown = warnings.showwarning
+        # process-wide: the engine's device threads warn from its pool
+        warnings.showwarning = lambda message, *rest: self._warned(shown, message, *rest)
         warnings.filterwarnings("always", message=f".*{SYNC_WARNING}.*")
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("warn")
-        self._profile = profile(activities=[ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU])
-        self._profile.__enter__()
+            self._context.callback(torch.cuda.set_sync_debug_mode, "default")
+        activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
+        self._profile = self._context.enter_context(profile(activities=activities))
         self._started = time.perf_counter()
         return self
 
@@ -53,17 +57,13 @@ class Diagnosis:
         if self.cuda:
             torch.cuda.synchronize()
         self._wall = time.perf_counter() - self._started
-        if self.cuda:
-            torch.cuda.set_sync_debug_mode("default")
-        self._profile.__exit__(*exc)
-        self._filters.__exit__(*exc)
-        warnings.showwarning = self._shown
+        self._context.__exit__(*exc)
 
-    def _warned(self, message, category, filename, lineno, file=None, line=None) -> None:
-        if SYNC_WARNING not in str(message):
-            self._shown(message, category, filename, lineno, file, line)
-            return
-        self.syncs[call_site(traceback.extract_stack()[:-1])] += 1
+    def _warned(self, shown, message, *rest) -> None:
+        if SYNC_WARNING in str(message):
+            self.syncs[call_site(traceback.extract_stack()[:-2])] += 1  # less this frame and the lambda's
+        else:
+            shown(message, *rest)
 
     def record(self) -> dict:
         record = {"wall_s": round(self._wall, 3)}
