@@ -100,8 +100,9 @@ def kernel_busy(intervals: list[tuple[float, float]], gap: float = 1000.0) -> tu
 
 
 def call_site(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame of ours (or diffusers') in `stack`, with the one of ours that called into it:
-    "worker/sr/engine.py:640 _denoise" or "diffusers/.../scheduling_x.py:300 step < worker/sr/engine.py:655 _denoise"."""
+    """The innermost frame of ours (or diffusers') in `stack`, with the one of ours that called into it, e.g.
+    "worker/sr/engine.py:640 _denoise" or
+    "diffusers/schedulers/scheduling_piflow.py:130 policy_rollout_fm < worker/sr/engine.py:653 _denoise"."""
     named = [frame for frame in stack if any(part in frame.filename for part in _OURS)]
     if not named:
         return "elsewhere"
