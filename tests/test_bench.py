@@ -106,6 +106,22 @@ def test_the_decoder_layout_bench_decodes_each_layout_alike(tmp_path):
     assert all(r["max_abs_delta_vs_first"] <= 1e-5 for r in records)
 
 
+def test_the_rollout_bench_checks_the_bits_and_counts_each_side_s_operations(tmp_path):
+    """bench/rollout.py on the CPU: diffusers' PiFlow steps and the engine's side by side on one tile's latents, the
+    same bits, the engine's operations on the device fewer."""
+    from bench import rollout
+
+    out = tmp_path / "rollout.jsonl"
+    rollout.main(["--device", "cpu", "--shapes", "tiny", "--repeat", "1", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    sides = {r["side"]: r for r in records if r["section"] == "rollout"}
+    assert [r for r in records if r["section"] == "rollout_bits"] == [
+        {"section": "rollout_bits", "shape": "tiny", "device": "cpu", "same_bits": True}
+    ]
+    assert 0 < 4 * sides["engine"]["device_operations"] < sides["diffusers"]["device_operations"]
+    assert all(len(side["seconds"]) == 1 and side["best_s"] > 0 for side in sides.values())
+
+
 def test_check_only_limits_the_untimed_checks_to_the_named_workloads(tmp_path):
     out = tmp_path / "results.jsonl"
     # W2 and L121: both two tiles of 9 frames in the tiny configuration
