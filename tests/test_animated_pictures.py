@@ -145,3 +145,35 @@ def test_a_transparent_webm_sticker_keeps_its_alpha(corpus_cache, tmp_path, code
         assert transparent.any() and shown[transparent].mean() < 16, shown[transparent].mean()
         over_black = picture[..., :3] * (picture[..., 3:] / 255)
         assert np.abs(shown - over_black).mean() < 16  # two lossy codecs and 4:2:0 chroma on a 38x32 picture
+
+
+def test_an_animated_avif_takes_its_alpha_from_its_alpha_track(corpus_cache, tmp_path):
+    """An animated AVIF keeps its transparency in a track of its own (libavif, which Pillow writes with here from a
+    real transparent GIF, and GPAC make it so). FFmpeg reads that track as one more video stream: the transparent
+    pixels showed the colour stored under them (this GIF's: white), and the notes called the alpha a video stream
+    left out. Its alpha now comes from that track: the transparent pixels are black, as the GIF's own are."""
+    name = "pillow-dispose_bgnd_transparency.gif"
+    with Image.open(corpus_cache / name) as image:
+        pictures = [np.array(frame.convert("RGBA")) for frame in ImageSequence.Iterator(image)]
+    for picture in pictures:  # stored under the transparent pixels: white, as FFmpeg reads this GIF's
+        picture[picture[..., 3] == 0, :3] = 255
+    animation = tmp_path / "sticker.avif"
+    first, *rest = (Image.fromarray(picture) for picture in pictures)
+    first.save(animation, save_all=True, append_images=rest, duration=100, quality=90)
+    pictures = [picture.astype(np.float64) for picture in pictures]
+    info = probe(animation)
+    with av.open(str(animation)) as container:  # the colour track alone: white under the transparent pixels
+        colour = next(container.decode(container.streams[info.video.index])).to_ndarray(format="rgb24")
+    assert colour[pictures[0][..., 3] == 0].mean() > 240
+    assert info.video.frames == len(pictures) and info.video.alpha_index is not None
+    assert info.video.alpha_index not in [other.index for other in info.other_video]
+    assert f"its alpha in video #{info.video.alpha_index}" in info.describe()[1]
+
+    result = upscale_file(animation, tmp_path / "sticker.mp4", LanczosUpscaler(), FAST)
+    assert TRANSPARENT.format("every frame") in result.notes, result.notes
+    assert not any(f"#{info.video.alpha_index}" in note for note in result.notes), result.notes
+    for picture, upscaled in zip(pictures, frames_and_times(result.output)[0], strict=True):
+        shown = at_source_size(upscaled, *picture.shape[:2])
+        transparent = picture[..., 3] == 0
+        assert transparent.any() and shown[transparent].mean() < 16, shown[transparent].mean()
+        assert np.abs(shown - picture[..., :3] * (picture[..., 3:] / 255)).mean() < 16

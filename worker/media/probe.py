@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 
 import av
 from av.sidedata.sidedata import Type as SideData
 
-from worker.media import webp
+from worker.media import alpha_track, webp
 from worker.media.errors import (
     InputCorrupt,
     InputEmpty,
@@ -85,6 +85,7 @@ class VideoInfo:
     # HDR10's static metadata, as the first frame carries it (`_hdr10`)
     mastering: str | None = None  # the mastering display: "G(x,y)B(x,y)R(x,y)WP(x,y)L(max,min)", HEVC SEI's units
     light_level: tuple[int, int] | None = None  # MaxCLL, MaxFALL (cd/m²)
+    alpha_index: int | None = None  # the stream of an animated AVIF's alpha track (worker.media.alpha_track)
 
     @property
     def end(self) -> float:
@@ -178,7 +179,8 @@ class MediaInfo:
             + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
             + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
             + (", mirrored for display" if video.mirrored else "")
-            + (f", changes size ({', '.join(f'{w}x{h}' for w, h in video.sizes)})" if video.sizes else ""),
+            + (f", changes size ({', '.join(f'{w}x{h}' for w, h in video.sizes)})" if video.sizes else "")
+            + (f", its alpha in video #{video.alpha_index}" if video.alpha_index is not None else ""),
         ]
         lines += [
             f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
@@ -210,6 +212,8 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         _check_declared(container, stream, path, limits)
         scan = _scan(container, stream, path, limits)
         video = _video_info(stream, scan, path, limits)
+        alpha = alpha_track.alpha_stream(container, path, stream)
+        video = replace(video, alpha_index=alpha.index) if alpha is not None else video
         audio = tuple(_audio_info(s, scan.extents.get(s.index)) for s in container.streams.audio)
         subtitles = tuple(
             SubtitleInfo(s.index, _codec(s), s.language, s.metadata.get("title"))
@@ -218,7 +222,8 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         other_video = tuple(
             OtherVideo(s.index, _codec(s))
             for s in container.streams.video
-            if s.index != stream.index and not s.disposition & av.stream.Disposition.attached_pic
+            if s.index not in (stream.index, video.alpha_index)
+            and not s.disposition & av.stream.Disposition.attached_pic
         )
         chapters = tuple(
             Chapter(float(c["start"] * c["time_base"]), float(c["end"] * c["time_base"]), c["metadata"].get("title"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from itertools import islice
@@ -18,7 +19,7 @@ import av
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
-from worker.media import webp
+from worker.media import alpha_track, webp
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
 from worker.media.source import decoder, open_input, unpacker
@@ -132,7 +133,9 @@ def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str
     # One swscale context for the stream: `frame.to_ndarray(format=...)` makes one per frame, and with it swscale's
     # slice threads (one per core), started and joined for every frame. The conversion is the same either way.
     reformatter = VideoReformatter()
-    with open_input(path) as container:
+    # an animated AVIF's alpha comes from a track of its own, a frame for each of the colour track's
+    alphas = alpha_track.frames(path, video.alpha_index)
+    with open_input(path) as container, closing(alphas):
         stream = container.streams[video.index]
         stream.thread_type = "AUTO"
         decode_declared_picture(stream)
@@ -148,6 +151,9 @@ def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str
                 frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour
             ).to_ndarray()
             pixels = _over_black(pixels, reading, video.codec) if alpha else pixels
+            if (alpha_frame := next(alphas, None)) is not None:
+                values = alpha_track.values(alpha_frame, pixels.dtype, pixels.shape[1], pixels.shape[0])
+                pixels = _over_black(np.dstack([pixels, values]), reading, "avif")
             pixels = pixels if inner is None else _boxed(pixels, width, height)
             upright = np.rot90(pixels, turns) if turns else pixels
             upright = np.fliplr(upright) if video.mirrored else upright
@@ -156,7 +162,7 @@ def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str
 
 # Codecs whose alpha is always meant (animations for the web): a frame of theirs transparent everywhere is a blank
 # frame of the animation (a sticker fading in starts with one), not an alpha channel left unused.
-_WEB_ALPHA = frozenset({"gif", "apng", "webp", "vp8", "vp9"})
+_WEB_ALPHA = frozenset({"gif", "apng", "webp", "vp8", "vp9", "avif"})
 
 
 def _over_black(rgba: np.ndarray, reading: Reading, codec: str) -> np.ndarray:

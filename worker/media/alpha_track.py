@@ -1,0 +1,84 @@
+"""An animated AVIF's transparency: a track of its own beside the colour track, as libavif and GPAC write it (HEIF's
+auxiliary track: an `auxl` reference to the colour track, `auxi` naming it alpha). FFmpeg reads it as one more video
+stream and joins nothing, so a transparent pixel showed the colour stored under it. The reader takes each colour
+frame's alpha from the frame of this track at the same place, as libavif does."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import av
+import numpy as np
+
+from worker.media.mp4_boxes import children, top_level
+
+# What an auxiliary track's `auxi` box calls alpha: MPEG's CICP name (AVIF), and HEVC's auxiliary picture type.
+_ALPHA = (b"urn:mpeg:mpegB:cicp:systems:auxiliary:alpha", b"urn:mpeg:hevc:2015:auxid:1")
+
+
+def alpha_stream(container: av.container.InputContainer, path: Path, colour: av.VideoStream) -> av.VideoStream | None:
+    """The stream holding `colour`'s alpha, or None. PyAV numbers a track's stream by its track ID, and an AVIF's
+    still items (its poster picture and that picture's alpha) by item IDs that may be the same numbers: of the streams
+    with the alpha track's ID, it is the one with as many frames as the colour track."""
+    if "mov" not in container.format.name:
+        return None
+    alpha_id = alpha_tracks(path).get(colour.id)
+    streams = [s for s in container.streams.video if s.id == alpha_id and s.index != colour.index]
+    return next((s for s in streams if s.frames == colour.frames), streams[-1] if streams else None)
+
+
+def alpha_tracks(path: str | Path) -> dict[int, int]:
+    """Colour track ID -> the ID of the track holding its alpha, for each such track of an MP4-family file."""
+    with open(path, "rb") as handle:
+        try:
+            end = handle.seek(0, 2)
+            moov = next((box for box in top_level(handle, 0, end) if box[0] == b"moov"), None)
+            if moov is None:
+                return {}
+            _, start, stop = moov
+            handle.seek(start)
+            data = handle.read(stop - start)
+        except struct.error:  # a box cut short: nothing read
+            return {}
+    pairs = {}
+    for _, trak, trak_end in children(data, 8, len(data), b"trak"):
+        tkhd = next(children(data, trak, trak_end, b"tkhd"), None)
+        tref = next(children(data, trak, trak_end, b"tref"), None)
+        stsd = next(children(data, trak, trak_end, b"stsd"), None)
+        if tkhd is None or tref is None or stsd is None or not any(urn in data[stsd[1] : stsd[2]] for urn in _ALPHA):
+            continue
+        track = struct.unpack_from(">I", data, tkhd[1] + (20 if data[tkhd[1]] == 1 else 12))[0]
+        for _, auxl, auxl_end in children(data, tref[1], tref[2], b"auxl"):
+            for colour in struct.unpack_from(f">{(auxl_end - auxl) // 4}I", data, auxl):
+                pairs[colour] = track
+    return pairs
+
+
+def frames(path: str | Path, index: int | None) -> Iterator[av.VideoFrame]:
+    """The pictures of the alpha track `index` in presentation order (none for None)."""
+    if index is None:
+        return
+    with av.open(str(path)) as container:
+        stream = container.streams[index]
+        stream.thread_type = "AUTO"
+        yield from container.decode(stream)
+
+
+def values(frame: av.VideoFrame, dtype: np.dtype, width: int, height: int) -> np.ndarray:
+    """(height, width) alpha of an alpha-track picture at `dtype`'s full scale: its luma plane, from its depth's full
+    scale or, where the track says limited range, stretched from 16-235 first (libavif corrects such alpha so)."""
+    depth = max(component.bits for component in frame.format.components)
+    luma = frame.reformat(format="gray" if depth <= 8 else "gray16le").to_ndarray().astype(np.int64)
+    luma = luma >> (16 - depth) if depth > 8 else luma  # swscale's gray16 holds a 10-bit sample shifted up
+    top = np.iinfo(dtype).max
+    if frame.color_range == 1:  # MPEG (limited)
+        low, span = 16 << (depth - 8), 219 << (depth - 8)
+    else:
+        low, span = 0, (1 << depth) - 1
+    alpha = np.clip(((luma - low) * top + span // 2) // span, 0, top).astype(dtype)
+    if alpha.shape != (height, width):  # a picture the reader scales: its alpha scaled alike
+        layout = "gray" if dtype == np.uint8 else "gray16le"
+        alpha = av.VideoFrame.from_ndarray(alpha, format=layout).reformat(width, height).to_ndarray()
+    return alpha
