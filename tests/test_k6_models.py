@@ -43,24 +43,32 @@ def fingerprint(checkpoint: str) -> dict:
 
     found["flux"] = diffusers.models.transformers.FluxTransformer2DModel.__module__
     found["autoencoder_kl"] = AutoencoderKL.__module__
-    found["pipeline"] = type(diffusers.Kandinsky6SRPipeline.from_pretrained(checkpoint).transformer).__module__
+    from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_sr  # its top-level name needs `transformers`
+
+    pipeline = pipeline_kandinsky6_sr.Kandinsky6SRPipeline.from_pretrained(checkpoint)
+    found["pipeline"] = type(pipeline.transformer).__module__
+    found["transformers_imported"] = sys.modules.get("transformers") is not None
     return found
 
 
 def test_the_worker_imports_only_the_k6_models_and_loads_the_same_bytes(tmp_path):
     checkpoint = str(write_tiny(tmp_path / "tiny", seed=3))
-    # A fresh interpreter, as a worker's: this one imported the engine with the test suite
+    # A fresh interpreter that opens its model as a worker's start does: this one imported the engine with the tests
+    start = "from worker import service; service.upscaler(); from tests.test_k6_models import fingerprint"
+    worker = {"VSRQ_WORKER_MODEL": checkpoint, "VSRQ_WORKER_WARMUP": "false", "VSRQ_WORKER_COMPILE": "off"}
     done = subprocess.run(
-        [sys.executable, "-c", f"import json; from tests.test_k6_models import fingerprint; print(json.dumps(fingerprint({checkpoint!r})))"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", f"import json; {start}; print(json.dumps(fingerprint({checkpoint!r})))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **worker},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     alone = json.loads(done.stdout.splitlines()[-1])
     # Here, the packages imported whole first, as before the stand-ins (and as any other code may)
     import diffusers.models.autoencoders
     import diffusers.models.transformers
+    import diffusers.models.unets
 
     assert diffusers.models.transformers.FluxTransformer2DModel and diffusers.models.autoencoders.AutoencoderKL
+    assert diffusers.models.unets.UNet2DConditionModel
     full = fingerprint(checkpoint)
     # Of the packages' ~100 model modules, the K6 SR ones and the few their own imports name (unets' blocks)
     assert "diffusers.models.unets.unet_2d_condition" in full["models"] and "diffusers.models.unets.unet_2d_condition" not in alone["models"]
@@ -75,6 +83,8 @@ def test_the_worker_imports_only_the_k6_models_and_loads_the_same_bytes(tmp_path
         assert found["flux"] == "diffusers.models.transformers.transformer_flux"
         assert found["autoencoder_kl"] == "diffusers.models.autoencoders.autoencoder_kl"
         assert found["pipeline"] == found["transformer_class"]
+    # Hugging Face `transformers`, which diffusers imports wherever it is installed: left out of a worker's process
+    assert (alone["transformers_imported"], full["transformers_imported"]) == (False, True)
 
 
 # An installed PEFT as far as Python and diffusers can tell (a package and its distribution metadata), recording its

@@ -6,6 +6,7 @@ worker loads it at start (`worker_init`, see worker.tasks) rather than inside it
 
 from __future__ import annotations
 
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -113,7 +114,11 @@ def blobs() -> BlobStore:
 
 @cache
 def upscaler():
-    # torch and the engine: only in processes that run jobs
+    # torch and the engine: only in processes that run jobs. None runs a diffusers pipeline: Hugging Face
+    # `transformers`, which diffusers imports wherever it is installed (~1 s of a start), is hidden from a process that
+    # has not imported diffusers yet (`None` in `sys.modules`, as worker.sr.k6_models hides PEFT)
+    if "diffusers" not in sys.modules:
+        sys.modules.setdefault("transformers", None)
     from worker.sr.backends import open_upscaler
     from worker.sr.windows import DEFAULT_WINDOW
 
