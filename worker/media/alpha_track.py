@@ -12,7 +12,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from worker.media.mp4_boxes import children, top_level
+from worker.media.mp4_boxes import children, movie, track_id
 
 # What an auxiliary track's `auxi` box calls alpha: MPEG's CICP name (AVIF), and HEVC's auxiliary picture type.
 _ALPHA = (b"urn:mpeg:mpegB:cicp:systems:auxiliary:alpha", b"urn:mpeg:hevc:2015:auxid:1")
@@ -31,28 +31,19 @@ def alpha_stream(container: av.container.InputContainer, path: Path, colour: av.
 
 def alpha_tracks(path: str | Path) -> dict[int, int]:
     """Colour track ID -> the ID of the track holding its alpha, for each such track of an MP4-family file."""
-    with open(path, "rb") as handle:
-        try:
-            end = handle.seek(0, 2)
-            moov = next((box for box in top_level(handle, 0, end) if box[0] == b"moov"), None)
-            if moov is None:
-                return {}
-            _, start, stop = moov
-            handle.seek(start)
-            data = handle.read(stop - start)
-        except struct.error:  # a box cut short: nothing read
-            return {}
-    pairs = {}
-    for _, trak, trak_end in children(data, 8, len(data), b"trak"):
-        tkhd = next(children(data, trak, trak_end, b"tkhd"), None)
-        tref = next(children(data, trak, trak_end, b"tref"), None)
-        stsd = next(children(data, trak, trak_end, b"stsd"), None)
-        if tkhd is None or tref is None or stsd is None or not any(urn in data[stsd[1] : stsd[2]] for urn in _ALPHA):
-            continue
-        track = struct.unpack_from(">I", data, tkhd[1] + (20 if data[tkhd[1]] == 1 else 12))[0]
-        for _, auxl, auxl_end in children(data, tref[1], tref[2], b"auxl"):
-            for colour in struct.unpack_from(f">{(auxl_end - auxl) // 4}I", data, auxl):
-                pairs[colour] = track
+    data, pairs = movie(path), {}
+    try:
+        for _, trak, trak_end in children(data, 8, len(data), b"trak"):
+            track = track_id(data, trak, trak_end)
+            tref = next(children(data, trak, trak_end, b"tref"), None)
+            stsd = next(children(data, trak, trak_end, b"stsd"), None)
+            if track is None or tref is None or stsd is None or not any(urn in data[stsd[1] : stsd[2]] for urn in _ALPHA):
+                continue
+            for _, auxl, auxl_end in children(data, tref[1], tref[2], b"auxl"):
+                for colour in struct.unpack_from(f">{(auxl_end - auxl) // 4}I", data, auxl):
+                    pairs[colour] = track
+    except struct.error:  # a box cut short: no alpha read, the colour shown as it is
+        return {}
     return pairs
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 # Boxes on the way from a movie to the ones read: its tracks, their edit lists, media, and sample descriptions
@@ -28,6 +29,21 @@ def top_level(handle: BinaryIO, start: int, end: int) -> Iterator[tuple[bytes, i
         position += size
 
 
+def movie(path: str | Path) -> bytes:
+    """The file's moov box whole (its header too: its boxes start at 8), or b"" where it has none or it is cut."""
+    with open(path, "rb") as handle:
+        try:
+            moov = next((box for box in top_level(handle, 0, handle.seek(0, 2)) if box[0] == b"moov"), None)
+        except struct.error:  # a box header cut short
+            return b""
+        if moov is None:
+            return b""
+        _, start, end = moov
+        handle.seek(start)
+        data = handle.read(end - start)
+    return data if len(data) == end - start else b""
+
+
 def children(data: bytes | bytearray, start: int, end: int, kind: bytes) -> Iterator[tuple[int, int, int]]:
     """(start, payload start, end) of every `kind` box inside [start, end), descending into the containers."""
     position = start
@@ -45,3 +61,11 @@ def children(data: bytes | bytearray, start: int, end: int, kind: bytes) -> Iter
         elif box in CONTAINERS:
             yield from children(data, position + header, position + size, kind)
         position += size
+
+
+def track_id(data: bytes | bytearray, trak: int, end: int) -> int | None:
+    """The ID of the track whose trak box spans [trak, end) of `data` (its tkhd's), or None without a tkhd."""
+    tkhd = next(children(data, trak, end, b"tkhd"), None)
+    if tkhd is None:
+        return None
+    return struct.unpack_from(">I", data, tkhd[1] + (20 if data[tkhd[1]] == 1 else 12))[0]  # after version 1's times

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from worker.media.mp4_boxes import children, top_level
+from worker.media.mp4_boxes import children, movie, track_id
 
 _DROP_FRAME = 0x1  # the tmcd sample description's flags
 
@@ -54,27 +54,19 @@ def recount(text: str, count: Count, fps: Fraction) -> str | None:
 
 def timecode_counts(path: str | Path) -> dict[int, Count]:
     """Track ID -> its count, for each timecode track of the file; {} where it has none, or no moov box to read."""
-    with open(path, "rb") as handle:
-        try:
-            end = handle.seek(0, 2)
-            moov = next((box for box in top_level(handle, 0, end) if box[0] == b"moov"), None)
-            if moov is None:
-                return {}
-            _, start, stop = moov
-            handle.seek(start)
-            return _counts(handle.read(stop - start))
-        except struct.error:  # a box cut short: no counts, so the timecode is written as its text, as before
-            return {}
+    try:
+        return _counts(movie(path))
+    except struct.error:  # a box cut short: no counts, so the timecode is written as its text, as before
+        return {}
 
 
 def _counts(data: bytes) -> dict[int, Count]:
     counts = {}
     for _, trak, trak_end in children(data, 8, len(data), b"trak"):
-        tkhd = next(children(data, trak, trak_end, b"tkhd"), None)
+        track = track_id(data, trak, trak_end)
         stsd = next(children(data, trak, trak_end, b"stsd"), None)
-        if tkhd is None or stsd is None or stsd[2] - stsd[1] < 24:
+        if track is None or stsd is None or stsd[2] - stsd[1] < 24:
             continue
-        track = struct.unpack_from(">I", data, tkhd[1] + (20 if data[tkhd[1]] == 1 else 12))[0]
         entry = stsd[1] + 8  # after the version, flags and entry count
         size, kind = struct.unpack_from(">I4s", data, entry)
         if kind != b"tmcd" or size < 34 or entry + 34 > stsd[2]:
