@@ -37,7 +37,8 @@ def alpha_tracks(path: str | Path) -> dict[int, int]:
             track = track_id(data, trak, trak_end)
             tref = next(children(data, trak, trak_end, b"tref"), None)
             stsd = next(children(data, trak, trak_end, b"stsd"), None)
-            if track is None or tref is None or stsd is None or not any(urn in data[stsd[1] : stsd[2]] for urn in _ALPHA):
+            alpha = stsd is not None and any(urn in data[stsd[1] : stsd[2]] for urn in _ALPHA)
+            if track is None or tref is None or not alpha:
                 continue
             for _, auxl, auxl_end in children(data, tref[1], tref[2], b"auxl"):
                 for colour in struct.unpack_from(f">{(auxl_end - auxl) // 4}I", data, auxl):
