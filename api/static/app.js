@@ -204,7 +204,18 @@ function pick(file) {
     }
     URL.revokeObjectURL(url);
   };
-  probe.onerror = () => URL.revokeObjectURL(url);
+  probe.onerror = () => {
+    URL.revokeObjectURL(url);
+    // An animated picture (GIF, APNG, WebP, AVIF) is no video to the browser: its first frame gives its size
+    createImageBitmap(file).then((picture) => {
+      if (state.picked === file) {
+        state.pickedMedia = {width: picture.width, height: picture.height};
+        $("picked-info").textContent = `${picture.width}×${picture.height} · ${bytes(file.size)}`;
+        outputSize();
+      }
+      picture.close();
+    }, () => {});
+  };
   probe.src = url;
   outputSize();
 }

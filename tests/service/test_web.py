@@ -16,6 +16,7 @@ from pathlib import Path
 import av
 import pytest
 import requests
+from PIL import Image
 
 from worker.media.synthetic import write_clip
 
@@ -55,16 +56,16 @@ def browser_context(tmp_path_factory) -> Iterator:
             context.close()
 
 
-def drop(page, selector: str, path: Path) -> None:
+def drop(page, selector: str, path: Path, kind: str = "video/mp4") -> None:
     """Drops the file on the element as a person's drag and drop does: a `drop` event carrying it."""
     transfer = page.evaluate_handle(
-        """([data, name]) => {
+        """([data, name, kind]) => {
             const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
             const transfer = new DataTransfer();
-            transfer.items.add(new File([bytes], name, {type: "video/mp4"}));
+            transfer.items.add(new File([bytes], name, {type: kind}));
             return transfer;
         }""",
-        [base64.b64encode(path.read_bytes()).decode(), path.name],
+        [base64.b64encode(path.read_bytes()).decode(), path.name, kind],
     )
     page.dispatch_event(selector, "drop", {"dataTransfer": transfer})
 
@@ -235,6 +236,17 @@ def test_a_person_asks_for_a_frame_per_field_and_the_faster_tier_and_reads_what_
     expect(page.get_by_role("heading", name="Upscale a video")).to_be_visible()
 
     page.get_by_label("Model", exact=True).select_option("lanczos")
+    # An animated GIF is no video to the browser: the page still reads its size, from its first frame
+    sticker = tmp_path / "sticker.gif"
+    frames = [Image.new("RGB", (120, 90), (255, 40 * i, 0)) for i in range(4)]
+    frames[0].save(sticker, save_all=True, append_images=frames[1:], duration=100)
+    drop(page, "#dropzone", sticker, "image/gif")
+    expect(page.locator("#picked-info")).to_contain_text("120×90")
+    expect(page.locator("#out-size")).to_have_text("Output 240×180")
+    # and the file picker offers the animated pictures the service takes (an APNG is named .png)
+    assert {".gif", ".png", ".webp", ".avif"} <= set(page.locator("#file").get_attribute("accept").split(","))
+    page.get_by_role("button", name="Change").click()
+
     page.get_by_text("Advanced settings").click()
     page.get_by_label("Speed").select_option("high")
     page.get_by_label("Interlaced video").select_option("field")
