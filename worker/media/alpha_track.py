@@ -22,7 +22,7 @@ def alpha_stream(container: av.container.InputContainer, path: Path, colour: av.
     """The stream holding `colour`'s alpha, or None. PyAV numbers a track's stream by its track ID, and an AVIF's
     still items (its poster picture and that picture's alpha) by item IDs that may be the same numbers: of the streams
     with the alpha track's ID, it is the one with as many frames as the colour track."""
-    if "mov" not in container.format.name:
+    if "mov" not in container.format.name or len(container.streams.video) < 2:  # no other video stream to be it
         return None
     alpha_id = alpha_tracks(path).get(colour.id)
     streams = [s for s in container.streams.video if s.id == alpha_id and s.index != colour.index]
