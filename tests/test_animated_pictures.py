@@ -134,7 +134,9 @@ def test_a_transparent_webm_sticker_keeps_its_alpha(corpus_cache, tmp_path, code
         for picture in pictures:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(picture), format="rgba")))
         container.mux(stream.encode())
-    assert probe(sticker).video.pix_fmt == "yuv420p"  # as ffprobe reads it: the alpha is not in the codec's picture
+    info = probe(sticker)
+    assert info.video.pix_fmt == "yuv420p"  # as ffprobe reads it: the alpha is not in the codec's picture
+    assert info.video.alpha_beside and "its alpha beside each picture" in info.describe()[1]
 
     result = upscale_file(sticker, tmp_path / f"{codec}.mp4", LanczosUpscaler(), FAST)
     assert TRANSPARENT.format("every frame") in result.notes, result.notes

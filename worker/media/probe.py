@@ -31,7 +31,7 @@ from worker.media.errors import (
 )
 from worker.media.field_pictures import second_fields
 from worker.media.limits import Limits
-from worker.media.source import open_input, unpacker
+from worker.media.source import alpha_beside, open_input, unpacker
 from worker.media.timecode import Count, timecode_counts
 
 AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
@@ -86,6 +86,7 @@ class VideoInfo:
     mastering: str | None = None  # the mastering display: "G(x,y)B(x,y)R(x,y)WP(x,y)L(max,min)", HEVC SEI's units
     light_level: tuple[int, int] | None = None  # MaxCLL, MaxFALL (cd/m²)
     alpha_index: int | None = None  # the stream of an animated AVIF's alpha track (worker.media.alpha_track)
+    alpha_beside: bool = False  # a WebM sticker's alpha, beside each picture (read with libvpx: source.decoder)
 
     @property
     def end(self) -> float:
@@ -180,7 +181,8 @@ class MediaInfo:
             + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
             + (", mirrored for display" if video.mirrored else "")
             + (f", changes size ({', '.join(f'{w}x{h}' for w, h in video.sizes)})" if video.sizes else "")
-            + (f", its alpha in video #{video.alpha_index}" if video.alpha_index is not None else ""),
+            + (f", its alpha in video #{video.alpha_index}" if video.alpha_index is not None else "")
+            + (", its alpha beside each picture" if video.alpha_beside else ""),
         ]
         lines += [
             f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
@@ -622,6 +624,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         sizes=tuple(scan.sizes) if len(scan.sizes) > 1 else (),
         canvas_shape=canvas_shape,
         timecode=stream.metadata.get("timecode"),
+        alpha_beside=alpha_beside(stream),
         retimed=retimed,
         mastering=mastering,
         light_level=light_level,

@@ -70,15 +70,19 @@ def unpacker(stream: av.VideoStream) -> Callable[[av.Packet | None], list[av.Pac
 _ALPHA_DECODERS = {"vp8": "libvpx", "vp9": "libvpx-vp9"}
 
 
+def alpha_beside(stream: av.VideoStream) -> bool:
+    """Whether `stream` keeps an alpha channel beside each picture: a WebM sticker's VP8 or VP9."""
+    return stream.codec_context.name in _ALPHA_DECODERS and stream.metadata.get("alpha_mode") == "1"
+
+
 def decoder(stream: av.VideoStream) -> av.CodecContext:
     """What decodes `stream`'s packets: its own context, or for a WebM sticker with an alpha channel (made with
     `-pix_fmt yuva420p`, as Telegram's and the web's transparent videos are) libvpx's, so the alpha is not lost. An
     FFmpeg built without libvpx reads the picture without it, as before."""
-    name = _ALPHA_DECODERS.get(stream.codec_context.name)
-    if name is None or stream.metadata.get("alpha_mode") != "1":
+    if not alpha_beside(stream):
         return stream.codec_context
     try:
-        context = av.CodecContext.create(name, "r")
+        context = av.CodecContext.create(_ALPHA_DECODERS[stream.codec_context.name], "r")
     except av.error.FFmpegError:  # pragma: no cover - PyAV's wheels ship libvpx
         return stream.codec_context
     context.thread_type = "AUTO"
