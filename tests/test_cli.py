@@ -49,13 +49,15 @@ def test_probe_prints_what_the_service_would_see(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "10 frames at 24 fps (constant)" in result.stdout and "opus 48000 Hz stereo" in result.stdout
     assert "upscale x4: 384x256, 10 frames in 1 window(s)" in result.stdout and "audio #1 (opus): copied" in result.stdout
+    assert "interlaced" not in result.stdout
     info = json.loads(vsrq("probe", str(source), "--json").stdout)
     assert (info["video"]["frames"], info["video"]["fps"], info["audio"][0]["sample_rate"]) == (10, "24", 48000)
 
 
 def test_probe_says_when_a_source_looks_like_telecined_film(corpus_cache, tmp_path):
     """A real clip's frames telecined to 29.97i by hand (tests/test_deinterlace.py): `vsrq probe` points to
-    `--deinterlace film`; the same frames interlaced as video do not."""
+    `--deinterlace film`; the same frames interlaced as video do not, and are said to be interlaced, with the option
+    that gives a frame for each field."""
     from itertools import islice
 
     from tests.test_deinterlace import CLIP, NTSC, encode, telecine, weave
@@ -72,7 +74,9 @@ def test_probe_says_when_a_source_looks_like_telecined_film(corpus_cache, tmp_pa
     hint = "looks like telecined film (3:2 pulldown repeats a field in two of every five frames): --deinterlace film"
     assert hint in vsrq("probe", str(telecined)).stdout
     assert json.loads(vsrq("probe", str(telecined), "--json").stdout)["plan"]["looks_telecined"] is True
-    assert hint not in vsrq("probe", str(interlaced)).stdout
+    said = vsrq("probe", str(interlaced)).stdout
+    assert hint not in said and "at 29.97 fps (constant), 0.667 s, interlaced\n" in said, said
+    assert "--deinterlace field gives a frame for each field (59.94 frames/s)" in said
 
 
 @pytest.mark.parametrize("command", ["upscale", "probe"])

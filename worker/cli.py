@@ -136,6 +136,9 @@ def probe(args: argparse.Namespace) -> int:
     if film:
         print("looks like telecined film (3:2 pulldown repeats a field in two of every five frames): "
               "--deinterlace film gives the film's own 23.976 frames back")
+    elif video.interlaced or video.turns_interlaced:
+        print("interlaced (each frame two fields of different instants): deinterlaced as it is read, a frame for "
+              f"each frame; --deinterlace field gives a frame for each field ({float(2 * video.fps):.5g} frames/s)")
     return 0
 
 

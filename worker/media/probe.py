@@ -177,6 +177,8 @@ class MediaInfo:
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
             + (", film with 3:2 pulldown flags" if video.pulldown else "")
+            + (", interlaced" if video.interlaced else "")
+            + (", interlaced from a later keyframe" if video.turns_interlaced else "")
             + (f", pixels {video.sar.numerator}:{video.sar.denominator} (display {float(video.display_aspect):.4f})" if video.sar != 1 else "")
             + (f", rotated {video.rotation} degrees for display" if video.rotation else "")
             + (", mirrored for display" if video.mirrored else "")
