@@ -184,6 +184,14 @@ def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     return host, ready
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host `tensor` on `device`; to a GPU from pinned memory without waiting: a copy from pageable memory waits
+    for everything queued on the device before it (the tile's steps before it, a whole transformer call)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def arrived(tensor: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
     """A `to_host` copy once its copy is done."""
     if ready is not None:

@@ -40,7 +40,7 @@ from worker.sr.compilation import allow_many_graphs
 from worker.sr.compile_gate import CompileGate
 from worker.sr.decode_order import DECODE_ORDERS, decode_order_for
 from worker.sr.decoder_caches import DecoderCaches, host_bytes_available
-from worker.sr.devices import Pipeline, Schedule, to_host
+from worker.sr.devices import Pipeline, Schedule, to_device, to_host
 from worker.sr.fast_vae import compile_decoder as compile_decoder_blocks
 from worker.sr.fast_vae import speed_up_decoder, tile_cache_bytes
 from worker.sr.k6_models import transformer as k6_transformer
@@ -636,9 +636,7 @@ class SREngine:
                 chunk = tiles[start : start + request.tiles_batch_size]
                 # The transformer works on (batch, frames, height, width, channels).
                 lq = torch.cat([lq_latents[tile.index] for tile in chunk]).to(device).permute(0, 2, 3, 4, 1)
-                eps = torch.cat([noise[tile.index] for tile in chunk])
-                # from pinned memory without waiting: a plain copy would wait for the last tile's queued steps
-                eps = eps.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else eps
+                eps = to_device(torch.cat([noise[tile.index] for tile in chunk]), device)
                 latents = math.sqrt(1 - request.lq_noise_scale**2) * lq + request.lq_noise_scale * eps
                 stepper.restart(scheduler, request.num_inference_steps, device)
                 # Released checkpoints are anchor-free: anchor latent and anchor mask channels are zeros.

@@ -18,6 +18,8 @@ import torch
 from diffusers import PiflowScheduler
 from diffusers.schedulers.scheduling_piflow import shift_timesteps
 
+from worker.sr.devices import to_device
+
 
 def fresh(scheduler):
     """A scheduler configured as `scheduler`, with step state of its own (one per device thread)."""
@@ -63,13 +65,10 @@ class HostRolledPiflow(PiflowScheduler):
 
     def _on_device(self, step: tuple, table: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
         """`step`'s `table` on the sample's device, each scalar shaped to broadcast over it: copied once for this
-        scheduler (a clip's tiles), from pinned memory without waiting (a pageable copy would wait for the steps
-        queued before it)."""
+        scheduler (a clip's tiles), without waiting for the steps queued before it."""
         key = (step, sample.device, sample.ndim)
         if key not in self._tables:
-            shaped = table.reshape(*table.shape, *(sample.ndim * [1]))
-            shaped = shaped.pin_memory() if sample.device.type == "cuda" else shaped
-            self._tables[key] = shaped.to(sample.device, non_blocking=True)
+            self._tables[key] = to_device(table.reshape(*table.shape, *(sample.ndim * [1])), sample.device)
         return self._tables[key]
 
 
