@@ -13,6 +13,7 @@ import av
 import numpy as np
 
 from worker.media.mp4_boxes import children, movie, track_id
+from worker.media.source import open_input
 
 # What an auxiliary track's `auxi` box calls alpha: MPEG's CICP name (AVIF), and HEVC's auxiliary picture type.
 _ALPHA = (b"urn:mpeg:mpegB:cicp:systems:auxiliary:alpha", b"urn:mpeg:hevc:2015:auxid:1")
@@ -52,7 +53,7 @@ def frames(path: str | Path, index: int | None) -> Iterator[av.VideoFrame]:
     """The pictures of the alpha track `index` in presentation order (none for None)."""
     if index is None:
         return
-    with av.open(str(path)) as container:
+    with open_input(path) as container:  # opened as the reader opens the colour track
         stream = container.streams[index]
         stream.thread_type = "AUTO"
         yield from container.decode(stream)
