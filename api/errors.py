@@ -142,9 +142,14 @@ def problem(
 
 
 def field_errors(error: ValidationError) -> list[dict[str, Any]]:
-    """Pydantic's errors as {field, code, message}, without echoing the input back."""
+    """Pydantic's errors as {field, code, message}, without echoing the input back (nor the "Value error, " pydantic
+    puts before a validator's own message)."""
     return [
-        {"field": ".".join(str(part) for part in item["loc"]) or None, "code": item["type"], "message": item["msg"]}
+        {
+            "field": ".".join(str(part) for part in item["loc"]) or None,
+            "code": item["type"],
+            "message": item["msg"].removeprefix("Value error, "),
+        }
         for item in error.errors(include_url=False, include_input=False, include_context=False)
     ]
 

@@ -15,7 +15,9 @@ import re
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
+)
 from pydantic_core import PydanticCustomError
 
 from api.body import parse_json
@@ -23,6 +25,7 @@ from api.errors import ApiError, field_errors
 
 SCALES = (2.0, 2.25, 4.0)
 QUALITIES = ("lossless", "high")  # worker/sr/request.py's: the API never imports the worker
+CRF_MAX = {"h264": 51, "hevc": 51, "av1": 63}  # worker/media/writer.py's: x264 would cap a higher CRF silently
 _TARGET = re.compile(r"(hd|fullhd|2k|(\d+)x(\d+))")
 RANDOM_SEED = -1  # SGLang's "draw one": the drawn seed is what the job records and reports
 
@@ -182,6 +185,14 @@ class UpscaleParams(BaseModel):
                 "invalid_quality", "must be lossless or high (the encoder's quality is output_crf)"
             )
         return text
+
+    @field_validator("output_crf")
+    @classmethod
+    def _crf(cls, crf: int, info: ValidationInfo) -> int:
+        codec = info.data.get("output_codec", "h264")  # validated before output_crf (declared before it)
+        if crf > CRF_MAX[codec]:
+            raise ValueError(f"must be 0 to {CRF_MAX[codec]} for {codec} (lower is better), got {crf}")
+        return crf
 
     @field_validator("sr_target_resolution")
     @classmethod

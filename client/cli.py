@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         log.info("internal error", exc_info=True)  # a bug: say so in one line; -v shows where
-        print(f"vsrq: internal_error: {type(error).__name__}: {error} (run with -v for details)", file=sys.stderr)
+        print(f"vsrq: internal_error: {type(error).__name__}: {error} (vsrq -v {args.command} … shows where)",
+              file=sys.stderr)  # fmt: skip
         return 1
 
 

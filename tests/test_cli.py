@@ -90,6 +90,27 @@ def test_bad_input_exits_2_with_its_code_and_no_output(tmp_path, command):
     assert [p.name for p in tmp_path.iterdir()] == ["in.mp4"]
 
 
+def test_a_missing_input_an_unknown_device_or_a_crf_off_the_scale_exit_2_with_their_code(tmp_path):
+    """Each was an internal error (exit 1, a Python exception's text) or, the CRF, capped by x264 without a word."""
+    import torch
+
+    lanczos = ["-o", str(tmp_path / "out.mp4"), "--model", "lanczos"]
+    missing = vsrq("upscale", str(tmp_path / "nope.mp4"), *lanczos)
+    said = f"vsrq: input_not_found: {tmp_path / 'nope.mp4'} does not exist or is not a file\n"
+    assert (missing.returncode, missing.stderr) == (2, said)
+    source = write_clip(tmp_path / "in.mp4", num_frames=5)
+    absent = f"cuda:{torch.cuda.device_count()}"
+    for option, said in (
+        (["--devices", "bogus"], "vsrq: invalid_request: unknown device 'bogus': cpu, cuda or cuda:N"),
+        (["--devices", absent], f"vsrq: invalid_request: {absent} is not a GPU of this machine: "),
+        (["--crf", "60"], "vsrq: invalid_request: crf must be 0 to 51 for h264 (lower is better), got 60"),
+        (["--crf", "60", "--codec", "hevc"], "vsrq: invalid_request: crf must be 0 to 51 for hevc"),
+    ):
+        result = vsrq("upscale", str(source), *lanczos, *option)
+        assert result.returncode == 2 and result.stderr.startswith(said), (option, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.mp4"]
+
+
 def test_missing_model_exits_3_without_traceback_or_output(tmp_path):
     source = write_clip(tmp_path / "in.mp4", num_frames=5)
     result = vsrq("upscale", str(source), "-o", str(tmp_path / "out.mp4"), "--model", str(tmp_path / "no-model"))

@@ -41,12 +41,14 @@ def _limits(args: argparse.Namespace):
 
 @_reported
 def upscale(args: argparse.Namespace) -> int:
+    from worker.media.probe import existing
     from worker.media.resize import Target
     from worker.sr.backends import open_upscaler
     from worker.sr.request import SRRequest
     from worker.sr.windows import DirectoryWindowStore
     from worker.upscale import UpscaleOptions, upscale_file
 
+    existing(args.input)  # before a model loads (seconds): the job key reads the file too
     options = UpscaleOptions(
         request=SRRequest(
             scale=args.scale,

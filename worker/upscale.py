@@ -23,7 +23,7 @@ from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
 from worker.media.reader import CADENCES, Reading, at_cadence, prefetch, read_frames, telecined
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
-from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_size, encoder_for, output_depth
+from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_crf, check_size, encoder_for, output_depth
 from worker.resized import Resized
 from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
@@ -138,6 +138,7 @@ def begin_upscale(
     # 1. Arguments that need no decoding: where the output goes, the encoder
     _check_output(source, output)
     encoder_for(options.codec)
+    check_crf(options.codec, options.crf)
     if options.deinterlace not in CADENCES:
         raise ValueError(f"deinterlace must be one of {CADENCES}, got {options.deinterlace!r}")
 

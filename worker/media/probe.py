@@ -195,11 +195,17 @@ class MediaInfo:
         return lines
 
 
-def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
-    """Everything the job needs to know about `path`, or the typed error that says why it cannot be taken."""
+def existing(path: str | Path) -> Path:
+    """`path`, a file that is there, or `InputNotFound`."""
     path = Path(path)
     if not path.is_file():
         raise InputNotFound(f"{path} does not exist or is not a file")
+    return path
+
+
+def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
+    """Everything the job needs to know about `path`, or the typed error that says why it cannot be taken."""
+    path = existing(path)
     size = path.stat().st_size
     if size == 0:
         raise InputEmpty(f"{path.name} is empty (0 bytes)")

@@ -90,6 +90,16 @@ def _durations(timestamps: Sequence[int], start: int, last: int | None = None) -
 MIN_SIDE = {"hevc": 64}
 
 
+# The CRF scale of each codec's encoder (x264's and x265's 0-51, SVT-AV1's 0-63); x264 caps a higher one silently.
+CRF_MAX = {"h264": 51, "hevc": 51, "av1": 63}
+
+
+def check_crf(codec: str, crf: int) -> None:
+    """Refuse (InvalidRequest) a CRF outside `codec`'s scale (CRF_MAX) rather than write another one."""
+    if not 0 <= crf <= CRF_MAX.get(codec, 63):
+        raise InvalidRequest(f"crf must be 0 to {CRF_MAX.get(codec, 63)} for {codec} (lower is better), got {crf}")
+
+
 def check_size(codec: str, size: tuple[int, int]) -> None:
     """Refuse (InvalidRequest) an output of `size` (height, width) smaller than `codec` is written at (MIN_SIDE)."""
     least = MIN_SIDE.get(codec, 0)

@@ -14,6 +14,7 @@ import torch
 
 from worker import started as process
 from worker.sr import compile_cache, precompiled, readahead
+from worker.sr import devices as device_names
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.offload import Offload
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
@@ -145,6 +146,7 @@ def open_upscaler(
     CPUs, where a start then measures what a GPU's does) or nowhere ("off"). `precompile`: with a
     `compile_cache_dir`, the compiled blocks' calls go through functions compiled ahead of time and kept there
     (worker.sr.precompiled): a restart loads them instead of tracing."""
+    parsed = device_names.parse(devices)
     if model != "lanczos":
         readahead.start(model)  # the weights come off the disk while the model's code is imported (seconds)
     cache = compile_cache.use(compile_cache_dir) if compile_cache_dir is not None else None
@@ -173,7 +175,7 @@ def open_upscaler(
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     # On the host until the mode is known: an offloaded mode never holds every weight on the GPU at once.
     loading = perf_counter()
-    replicas, _ = checkpoint.load(model, [torch.device(d) for d in devices], on_host=True)
+    replicas, _ = checkpoint.load(model, parsed, on_host=True)
     log.info("weights loaded in %.1f s, %.1f s after the process started", perf_counter() - loading, process.seconds())
     gpus = sorted({r.device for r in replicas if r.device.type == "cuda"}, key=str)
     if performance_mode == "auto":

@@ -1,6 +1,6 @@
 """The device threads of one engine call: which device denoises and which decodes each tile (`Schedule`), the
 latents and weighted segments handed between the threads and the caller (`Pipeline`), and the host copies they
-travel as (`to_host`, `arrived`)."""
+travel as (`to_host`, `arrived`); the devices a user names, checked (`parse`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,29 @@ from typing import Any
 
 import torch
 
+from worker.errors import InvalidRequest
 from worker.sr.tiling import Tile
+
+
+def parse(names: Sequence[str]) -> list[torch.device]:
+    """The devices `names` name ("cpu", "cuda", "cuda:N"), each one this machine has; `InvalidRequest` naming the
+    first that is not, before any weight is read (torch's own errors name neither the option nor what there is)."""
+    devices = []
+    for name in names:
+        try:
+            device = torch.device(name.strip())
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise InvalidRequest(f"unknown device {name!r}: cpu, cuda or cuda:N")
+        count = torch.cuda.device_count()
+        if device.type == "cuda" and (device.index or 0) >= count:
+            there = f"it has {count} (cuda:0 to cuda:{count - 1})" if count else "its torch sees no CUDA GPU"
+            raise InvalidRequest(f"{name} is not a GPU of this machine: {there}")
+        devices.append(device)
+    if not devices:
+        raise InvalidRequest("no device given: cpu, cuda or cuda:N")
+    return devices
 
 
 @dataclass(frozen=True)
