@@ -79,6 +79,19 @@ def test_probe_says_when_a_source_looks_like_telecined_film(corpus_cache, tmp_pa
     assert "--deinterlace field gives a frame for each field (59.94 frames/s)" in said
 
 
+def test_closed_captions_in_the_video_stream_are_said_to_be_left_out(corpus_cache, tmp_path):
+    """CEA-608 captions ride in H.264's pictures (A/53 side data): the output's pictures are new ones without them,
+    and the notes said nothing."""
+    said = vsrq("upscale", str(corpus_cache / "muxjs-multi-channel-608-captions.ts"), "-o", str(tmp_path / "cc.mp4"),
+                "--model", "lanczos", "--preset", "superfast")  # fmt: skip
+    assert said.returncode == 0, said.stderr
+    note = "note: the source's video carries closed captions (CEA-608/708, in 121 of its 181 frames): the output has"
+    assert note in said.stdout, said.stdout
+    plain = vsrq("upscale", str(write_clip(tmp_path / "in.mp4", num_frames=5)), "-o", str(tmp_path / "out.mp4"),
+                 "--model", "lanczos")  # fmt: skip
+    assert plain.returncode == 0 and "closed captions" not in plain.stdout, plain.stdout + plain.stderr
+
+
 @pytest.mark.parametrize("command", ["upscale", "probe"])
 def test_bad_input_exits_2_with_its_code_and_no_output(tmp_path, command):
     source = tmp_path / "in.mp4"

@@ -447,6 +447,9 @@ def _notes(
         share = f"{reading.transparent} of its {video.frames} frames"
         share = share if reading.transparent < video.frames else "every frame"
         notes.append(f"the source has transparent pixels ({share}): MP4 has no alpha, so they were shown over black")
+    if reading.captions:
+        notes.append(f"the source's video carries closed captions (CEA-608/708, in {reading.captions} of its "
+                     f"{source.frames} frames): the output has none; they are left out")
     deep = output_depth(video.bit_depth, codec) > 8
     if video.color_trc in HDR_TRANSFERS:
         kept = " and its mastering display and light levels" if video.mastering or video.light_level else ""

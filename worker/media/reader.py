@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import av
 import numpy as np
+from av.sidedata.sidedata import Type as SideData
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.media import alpha_track, webp
@@ -40,11 +41,13 @@ READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the larg
 class Reading:
     """What `read_frames` met, counted as it reads: the frames flagged interlaced (each one deinterlaced) and the
     field order they were read in ("auto": each frame's own flag); the frames with a transparent pixel (composited
-    over black: `_over_black`)."""
+    over black: `_over_black`); the frames carrying closed captions in the video stream (CEA-608/708, A/53), which
+    the output cannot (PyAV gives no way to attach them to a frame the encoder takes)."""
 
     interlaced: int = 0
     parity: str | None = None
     transparent: int = 0
+    captions: int = 0
 
 
 # How an interlaced source becomes progressive frames: one for each source frame (its rate), one for each field (twice
@@ -251,6 +254,7 @@ def _deinterlaced(
             yield from _drained(graph)  # the filter cannot change size: a new one takes the new size
             graph = None
         reading.interlaced += frame.interlaced_frame
+        reading.captions += SideData.A53_CC in frame.side_data
         if graph is None and not frame.interlaced_frame and cadence != "film":
             yield from (frame,) * (1 + (cadence == "field"))
             continue
