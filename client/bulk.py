@@ -45,12 +45,15 @@ from tqdm import tqdm
 from client import config
 from client.http import TERMINAL, ApiProblem, Client, DownloadMismatch
 
-# What PyAV reads and the README lists, with their common spellings.
+# What a folder's videos are named: what the service reads, with their common spellings, animated pictures included
+# (.png and .avif are mostly stills: a manifest sends those). Other files are left out, and counted on the way.
 VIDEO_SUFFIXES = frozenset(
-    {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".ts", ".mts", ".m2ts", ".mpg", ".mpeg", ".flv", ".wmv", ".3gp",
-     ".mxf", ".ogv"}
+    {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".ts", ".mts", ".m2ts", ".mpg", ".mpeg", ".mpv", ".m2v", ".vob",
+     ".flv", ".f4v", ".wmv", ".asf", ".3gp", ".3g2", ".mxf", ".ogv", ".ogg", ".dv", ".y4m", ".nut", ".flc", ".fli",
+     ".gif", ".webp", ".apng", ".avifs"}
 )  # fmt: skip
 ALIASES = {"scale": "sr_resolution_scale"}
+OUTPUT_EXISTS = "output_exists"  # a completed job whose output was not downloaded: another file is at its path
 REPORT_COLUMNS = (
     "source", "job_id", "status", "error_code", "error_message", "output", "queued_s", "running_s", "sha256"
 )  # fmt: skip
@@ -103,17 +106,26 @@ def _digest(*parts: Any) -> str:
 # -- planning: which videos, with which fields ---------------------------------------------------------------------
 
 
-def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> list[Item]:
+def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[list[Item], Counter]:
+    """The videos `source` names, and a folder's files left out, counted by suffix ("hidden": dot files, such as
+    macOS's `._clip.mp4` resource forks)."""
+    left_out: Counter = Counter()
     if source.startswith("s3://"):
         items = list(_s3_prefix(source, defaults, s3()))
     else:
         path = Path(source)
         if path.is_dir():
-            items = [
-                _item(file.relative_to(path).as_posix(), str(file.resolve()), defaults, {}, None, s3)
-                for file in sorted(path.rglob("*"))
-                if file.suffix.lower() in VIDEO_SUFFIXES and file.is_file()
-            ]
+            items = []
+            for file in sorted(path.rglob("*")):
+                relative = file.relative_to(path)
+                if not file.is_file():
+                    continue
+                if any(part.startswith(".") for part in relative.parts):
+                    left_out["hidden"] += 1
+                elif file.suffix.lower() not in VIDEO_SUFFIXES:
+                    left_out[file.suffix.lower() or "no suffix"] += 1
+                else:
+                    items.append(_item(relative.as_posix(), str(file.resolve()), defaults, {}, None, s3))
         elif path.suffix.lower() in (".csv", ".jsonl", ".ndjson") and path.is_file():
             items = [_row(row, path.parent, defaults, s3, number) for number, row in _rows(path)]
         else:
@@ -125,7 +137,7 @@ def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> list[I
             "output_clash",
             f"several videos would be written to {', '.join(clashes[:5])}: name them in a manifest's `output` column",
         )
-    return items
+    return items, left_out
 
 
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -264,6 +276,7 @@ class Bulk:
     poll_s: float = 2.0
     download: Path | None = None
     entries: dict[str, Entry] = field(default_factory=dict)
+    in_the_way: set[str] = field(default_factory=set)  # items whose output path holds another file, this run
 
     def __post_init__(self) -> None:
         known = self.journal.load()
@@ -282,7 +295,9 @@ class Bulk:
             unsent = [item for item in self.items if self.entries[item.id].job_id is None]
             self._each(pool, bar, self._submit, unsent)
             while True:
-                following = [item for item in self.items if self._open(self.entries[item.id])]
+                following = [
+                    item for item in self.items if item.id not in self.in_the_way and self._open(self.entries[item.id])
+                ]
                 if not following:
                     break
                 started = time.monotonic()
@@ -327,6 +342,7 @@ class Bulk:
             counts["completed"] += entry.status == "completed"
             counts["failed"] += entry.status in ("failed", "cancelled")
             counts["in_progress"] += entry.job_id is not None and entry.status not in TERMINAL
+            counts["in_the_way"] += entry.error_code == OUTPUT_EXISTS and entry.status == "completed"
         return counts
 
     def _save(self, item: Item, entry: Entry) -> None:
@@ -385,9 +401,16 @@ class Bulk:
         if self.download is not None and entry.status == "completed" and entry.output is None:
             path = self.download / item.output
             try:
-                if not path.exists():  # already there (an earlier run, or the user's): kept as it is
+                if not path.exists():
                     self.client.download(entry.job_id, path, sha256=entry.sha256)
-                entry = replace(entry, output=str(path))
+                elif entry.sha256 is not None and _file_sha256(path) != entry.sha256:
+                    # another job's output (a rerun with other fields) or the user's file: neither overwritten nor
+                    # reported as this job's; followed again by the next run, which downloads it once it is moved
+                    self.in_the_way.add(item.id)
+                    message = f"{path} is there already and is another file: move it and rerun to download this job's"
+                    self._save(item, replace(entry, error_code=OUTPUT_EXISTS, error_message=message))
+                    return
+                entry = replace(entry, output=str(path), error_code=None, error_message=None)  # an earlier run's: kept
             except DownloadMismatch as error:
                 entry = replace(entry, status="failed", error_code=error.code, error_message=str(error))
         self._save(item, entry)
@@ -444,10 +467,7 @@ def journal_path(report: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     """`vsrq bulk`: 0 when every video was submitted (and, with --wait, completed), 1 when any failed or the API
     stayed unreachable, 2 for a bad source or arguments."""
-    token = args.token or config.token()
-    if not token:
-        print("vsrq: bulk: missing_token: pass --token or set VSRQ_TOKEN", file=sys.stderr)
-        return 2
+    token = args.token or config.token()  # none: the API may not ask for one (`vsrq dev`, from this machine)
     defaults = {name: value for name, value in (("sr_resolution_scale", args.scale), ("seed", args.seed),
                                                 ("model", args.model), ("quality", args.quality))
                 if value is not None}  # fmt: skip
@@ -459,10 +479,14 @@ def run(args: argparse.Namespace) -> int:
         defaults[ALIASES.get(name, name)] = value
     s3 = _lazy(lambda: s3_client(args.s3_endpoint_url))
     try:
-        items = plan(args.source, defaults, s3)
+        items, left_out = plan(args.source, defaults, s3)
     except BulkError as error:
         print(f"vsrq: bulk: {error.code}: {error.message}", file=sys.stderr)
         return 2
+    if left_out:
+        names = ", ".join(f"{count} {suffix}" for suffix, count in sorted(left_out.items()))
+        print(f"vsrq bulk: {left_out.total()} files left out by their names ({names}); a manifest sends any file",
+              file=sys.stderr)  # fmt: skip
     url = args.api_url or config.api_url()
     report = args.report
     report.parent.mkdir(parents=True, exist_ok=True)
@@ -472,8 +496,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         bulk.run()
     except ApiProblem as problem:  # the key is refused, or the API kept answering 5xx / 429
+        if problem.status == 401:
+            hint = "the API asks for a key: pass --token or set VSRQ_TOKEN" if not token else "is it this API's key?"
+            print(f"vsrq: bulk: {problem.code}: {problem.message} ({hint})", file=sys.stderr)
+            return 2
         print(f"vsrq: bulk: {problem.code}: {problem.message} (rerun to carry on)", file=sys.stderr)
-        return 2 if problem.status == 401 else 1
+        return 1
     except requests.RequestException as error:
         print(f"vsrq: bulk: api_unreachable: {url}: {error} (rerun to carry on)", file=sys.stderr)
         return 1
@@ -481,11 +509,16 @@ def run(args: argparse.Namespace) -> int:
         write_report(report, items, bulk.entries)
         journal.close()
     counts = bulk.counts()
-    print(
-        f"vsrq bulk: {len(items)} videos: {counts['submitted']} submitted, {counts['completed']} completed, "
-        f"{counts['failed']} failed, {counts['in_progress']} still running; report {report}"
+    in_the_way = (
+        f", {counts['in_the_way']} not downloaded (another file is where it would go: error_code output_exists)"
+        if counts["in_the_way"]
+        else ""
     )
-    return 1 if counts["failed"] else 0
+    print(
+        f"vsrq bulk: {len(items)} videos: {counts['submitted']} submitted, {counts['completed']} completed"
+        f"{in_the_way}, {counts['failed']} failed, {counts['in_progress']} still running; report {report}"
+    )
+    return 1 if counts["failed"] or counts["in_the_way"] else 0
 
 
 def _lazy(make: Callable[[], Any]) -> Callable[[], Any]:

@@ -77,14 +77,15 @@ class Client:
     def __init__(
         self,
         base_url: str,
-        token: str,
+        token: str | None,
         *,
         timeout_s: tuple[float, float] = (10, 300),
         retry_for_s: float = 300,
     ) -> None:
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
         self.session = requests.Session()
-        self.session.headers["Authorization"] = f"Bearer {token}"
+        if token:  # none: an API with auth off (`vsrq dev` on loopback) takes the request as it is
+            self.session.headers["Authorization"] = f"Bearer {token}"
         backoff = wait_exponential_jitter(initial=0.5, max=30)
 
         def wait(state: RetryCallState) -> float:
@@ -208,9 +209,11 @@ def _problem(response: requests.Response) -> ApiProblem:
     if not isinstance(body, dict):
         body = {}
     response.close()
+    # the OpenAI-style `error.message` is the detail with each field's problem, where `detail` says "see `errors`"
+    error = body.get("error") if isinstance(body.get("error"), dict) else {}
     return ApiProblem(
         response.status_code,
         str(body.get("code") or f"http_{response.status_code}"),
-        str(body.get("detail") or response.reason or "no detail"),
+        str(error.get("message") or body.get("detail") or response.reason or "no detail"),
         retry_after=retry_after(response.headers.get("Retry-After")),
     )

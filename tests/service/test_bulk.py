@@ -187,6 +187,64 @@ def test_a_manifest_carries_per_row_parameters_and_reports_a_bad_file(api, worke
     assert url["job_id"] in ("", None)
 
 
+def test_a_folder_sends_its_animated_pictures_and_never_reports_another_file_as_an_output(api, worker, tmp_path):
+    """A folder of a GIF and a .3g2 (both were left out, unsaid); a rerun at another scale into the same download
+    folder kept the first outputs and reported them with the new jobs' sha256."""
+    folder, out, report = tmp_path / "in", tmp_path / "out", tmp_path / "report.csv"
+    folder.mkdir()
+    write_clip(folder / "anim.gif", 13, (32, 48), video_codec="gif", pix_fmt="rgb8")
+    write_clip(folder / "phone.3g2", 11, (32, 48))
+    (folder / "notes.txt").write_text("not a video")
+    (folder / "._phone.3g2").write_bytes(NOT_A_VIDEO)  # a macOS resource fork: a video's name, not a video
+    command = bulk_command(api, folder, report, "--seed", "21", "--wait", "--download", str(out))
+
+    first = run_bulk([*command, "--scale", "2"])
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "2 files left out by their names (1 .txt, 1 hidden)" in first.stderr
+    rows = by_source(report)
+    assert sorted(rows) == ["anim.gif", "phone.3g2"]
+    kept = {}
+    for name, row in rows.items():
+        assert (row["status"], row["output"]) == ("completed", str(out / Path(name).with_suffix(".mp4"))), row
+        kept[name] = hashlib.sha256(Path(row["output"]).read_bytes()).hexdigest()
+        assert kept[name] == row["sha256"]
+        assert media(Path(row["output"]))[:3] == (96, 64, {"anim.gif": 13, "phone.3g2": 11}[name])
+
+    second = run_bulk([*command, "--scale", "4"])
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert "2 completed, 2 not downloaded (another file is where it would go" in second.stdout
+    for name, row in by_source(report).items():
+        assert (row["status"], row["error_code"], row["output"]) == ("completed", "output_exists", ""), row
+        assert row["sha256"] != kept[name]  # the x4 job's
+        assert hashlib.sha256((out / Path(name).with_suffix(".mp4")).read_bytes()).hexdigest() == kept[name]
+
+    out.rename(tmp_path / "x2")  # moved away: the next run downloads the x4 outputs, submitting nothing
+    third = run_bulk([*command, "--scale", "4"])
+    assert third.returncode == 0, third.stdout + third.stderr
+    for name, row in by_source(report).items():
+        assert (row["status"], row["error_code"]) == ("completed", ""), row
+        assert hashlib.sha256(Path(row["output"]).read_bytes()).hexdigest() == row["sha256"]
+        assert media(Path(row["output"]))[:2] == (192, 128)
+
+
+def test_a_refused_field_is_named_in_the_report_and_no_key_is_asked_for_until_the_api_does(api, worker, tmp_path):
+    (tmp_path / "in").mkdir()
+    write_clip(tmp_path / "in" / "a.mp4", 7, (32, 48))
+    report = tmp_path / "report.csv"
+    command = bulk_command(api, tmp_path / "in", report, "--set", "output_crf=60")
+    refused = run_bulk(command)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    [row] = report_rows(report)
+    assert (row["status"], row["error_code"]) == ("failed", "invalid_request")
+    # x264 would have capped it at 51 without a word; the field and its range are in the report, not "see `errors`"
+    assert "output_crf: must be 0 to 51 for h264 (lower is better), got 60" in row["error_message"], row
+
+    anonymous = {name: value for name, value in bulk_env().items() if name != "VSRQ_TOKEN"}
+    asked = run_bulk(command, env=anonymous | {"XDG_CONFIG_HOME": str(tmp_path)})  # no dev.json either
+    assert asked.returncode == 2
+    assert "unauthorized" in asked.stderr and "pass --token or set VSRQ_TOKEN" in asked.stderr, asked.stderr
+
+
 def test_s3_sources_are_referenced_in_our_bucket_and_copied_from_others(api, worker, stack, s3, tmp_path):
     batch = os.urandom(4).hex()
     clips = {name: write_clip(tmp_path / name, frames, (32, 48), audio_codec="aac").read_bytes()
