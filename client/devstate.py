@@ -3,7 +3,8 @@ exporting its lines for OpenAI's SDK) find `vsrq dev` without copying a token. S
 reads it, infra/dev.py writes it.
 
 `vsrq dev` writes `dev.json` in its own directory and, for commands run from anywhere, in the user's config
-directory ($XDG_CONFIG_HOME/vsrq, else ~/.config/vsrq); it removes both when it stops. Readonly for its owner: it
+directory ($XDG_CONFIG_HOME/vsrq, else ~/.config/vsrq; not over another running stack's); it removes both when it
+stops. Readonly for its owner: it
 holds the stack's API key and its local S3 credentials. A file whose process is gone (a `kill -9`) is ignored.
 """
 
@@ -23,9 +24,12 @@ def user_path() -> Path:
 
 
 def write(directory: Path, state: dict[str, Any]) -> list[Path]:
-    """Writes `state` into `directory` and the user's config directory; returns where it went."""
+    """Writes `state` into `directory` and the user's config directory, unless another running stack's is there
+    (the one commands run from anywhere keep finding, until it stops); returns where it went."""
     written = []
-    for path in (directory / FILENAME, user_path()):
+    other = read()
+    anywhere = [user_path()] if other is None or other.get("pid") == state.get("pid") else []
+    for path in (directory / FILENAME, *anywhere):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(".partial")

@@ -108,7 +108,7 @@ def dev(args: argparse.Namespace) -> int:
             "No key is needed from this machine (auth is off on loopback): SGLang's request works as is,\n"
             f'  curl -sS --fail-with-body {stack.url}/v1/videos -F "video_reference=@IN.mp4;type=video/mp4" '
             "-F sr_resolution_scale=2\n"
-            f"`vsrq status` and `vsrq bulk` find this stack by itself ({devstate.user_path()}).\n"
+            f"{_found_by(devstate.read(), stack.url)}\n"
             "Ctrl-C stops everything.",
             flush=True,
         )
@@ -119,6 +119,16 @@ def dev(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def _found_by(anywhere: dict | None, url: str) -> str:
+    """What finds this stack: the user's state file, or (another stack's there) only the exports above."""
+    from client import devstate
+
+    if anywhere is not None and anywhere.get("url") != url:
+        return (f"`vsrq status` and `vsrq bulk` find the other `vsrq dev` ({anywhere.get('url')}) by themselves: "
+                "export the lines above for this one.")  # fmt: skip
+    return f"`vsrq status` and `vsrq bulk` find this stack by themselves ({devstate.user_path()})."
 
 
 def events(args: argparse.Namespace) -> int:

@@ -151,6 +151,30 @@ def test_checkpoint_tiny_writes_a_loadable_checkpoint(tmp_path):
     assert not (tmp_path / "ck" / "latent_upscaler").exists()
 
 
+def test_a_second_dev_stack_leaves_the_first_one_findable(tmp_path, monkeypatch):
+    """A second `vsrq dev` wrote its state over the first's, and removed it when it stopped: `vsrq status` and
+    `vsrq bulk` then found no stack, the first still running."""
+    from client import devstate
+    from infra.cli import _found_by
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a stack's process, running
+    try:
+        devstate.write(tmp_path / "a", {"pid": first.pid, "url": "http://127.0.0.1:8000"})
+        second = {"pid": os.getpid(), "url": "http://127.0.0.1:8001"}
+        written = devstate.write(tmp_path / "b", second)
+        assert written == [tmp_path / "b" / "dev.json"]
+        assert devstate.read()["url"] == "http://127.0.0.1:8000"
+        assert "find the other `vsrq dev` (http://127.0.0.1:8000)" in _found_by(devstate.read(), second["url"])
+        devstate.remove(written, os.getpid())  # the second stops
+        assert devstate.read()["url"] == "http://127.0.0.1:8000"
+    finally:
+        first.kill()
+        first.wait()
+    assert devstate.read() is None  # the first is gone: its file is ignored, and the next stack writes its own
+    assert devstate.write(tmp_path / "b", second)[1] == devstate.user_path()
+
+
 def test_dev_on_a_port_in_use_says_so_and_how_to_choose_another(tmp_path):
     """`vsrq dev` where something already listens on the port (flag, then VSRQ_DEV_PORT): a typed error naming the
     port and both ways to pick another, exit 2, no traceback, nothing started (before: `internal_error`, exit 1)."""

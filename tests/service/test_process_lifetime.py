@@ -5,6 +5,7 @@ vanished still stops when asked, with either Redis the stack may run (the machin
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def test_vsrq_dev_killed_hard_leaves_no_process_behind(tmp_path):
     dev = subprocess.Popen(
         [*vsrq(), "dev", "--dir", str(tmp_path), "--port", str(port)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")},  # killed, it leaves its state file behind
     )  # fmt: skip
     started: list[psutil.Process] = []
     try:
