@@ -4,8 +4,8 @@ reads it, infra/dev.py writes it.
 
 `vsrq dev` writes `dev.json` in its own directory and, for commands run from anywhere, in the user's config
 directory ($XDG_CONFIG_HOME/vsrq, else ~/.config/vsrq; not over another running stack's); it removes both when it
-stops. Readonly for its owner: it
-holds the stack's API key and its local S3 credentials. A file whose process is gone (a `kill -9`) is ignored.
+stops. Readonly for its owner: it holds the stack's API key and its local S3 credentials. A file whose process is
+gone (a `kill -9`) is ignored.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class Reading:
     """What `read_frames` met, counted as it reads: the frames flagged interlaced (each one deinterlaced) and the
     field order they were read in ("auto": each frame's own flag); the frames with a transparent pixel (composited
     over black: `_over_black`); the frames carrying closed captions in the video stream (CEA-608/708, A/53), which
-    the output cannot (PyAV gives no way to attach them to a frame the encoder takes)."""
+    the output cannot carry (PyAV gives no way to attach them to a frame it encodes)."""
 
     interlaced: int = 0
     parity: str | None = None

@@ -96,8 +96,9 @@ CRF_MAX = {"h264": 51, "hevc": 51, "av1": 63}
 
 def check_crf(codec: str, crf: int) -> None:
     """Refuse (InvalidRequest) a CRF outside `codec`'s scale (CRF_MAX) rather than write another one."""
-    if not 0 <= crf <= CRF_MAX.get(codec, 63):
-        raise InvalidRequest(f"crf must be 0 to {CRF_MAX.get(codec, 63)} for {codec} (lower is better), got {crf}")
+    most = CRF_MAX[codec]  # a codec `encoder_for` takes
+    if not 0 <= crf <= most:
+        raise InvalidRequest(f"crf must be 0 to {most} for {codec} (lower is better), got {crf}")
 
 
 def check_size(codec: str, size: tuple[int, int]) -> None:
