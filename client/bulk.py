@@ -107,25 +107,20 @@ def _digest(*parts: Any) -> str:
 
 
 def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[list[Item], Counter]:
-    """The videos `source` names, and a folder's files left out, counted by suffix ("hidden": dot files, such as
-    macOS's `._clip.mp4` resource forks)."""
+    """The videos `source` names, and the files of a folder or prefix left out, counted by why (`_left_out`)."""
     left_out: Counter = Counter()
     if source.startswith("s3://"):
-        items = list(_s3_prefix(source, defaults, s3()))
+        items = list(_s3_prefix(source, defaults, s3(), left_out))
     else:
         path = Path(source)
         if path.is_dir():
             items = []
-            for file in sorted(path.rglob("*")):
-                relative = file.relative_to(path)
-                if not file.is_file():
-                    continue
-                if any(part.startswith(".") for part in relative.parts):
-                    left_out["hidden"] += 1
-                elif file.suffix.lower() not in VIDEO_SUFFIXES:
-                    left_out[file.suffix.lower() or "no suffix"] += 1
+            for file in filter(Path.is_file, sorted(path.rglob("*"))):
+                relative = file.relative_to(path).as_posix()
+                if why := _left_out(relative):
+                    left_out[why] += 1
                 else:
-                    items.append(_item(relative.as_posix(), str(file.resolve()), defaults, {}, None, s3))
+                    items.append(_item(relative, str(file.resolve()), defaults, {}, None, s3))
         elif path.suffix.lower() in (".csv", ".jsonl", ".ndjson") and path.is_file():
             items = [_row(row, path.parent, defaults, s3, number) for number, row in _rows(path)]
         else:
@@ -201,12 +196,24 @@ def _default_output(source: str) -> str:
     return str((PurePosixPath(path.name) if path.is_absolute() or ".." in path.parts else path).with_suffix(".mp4"))
 
 
-def _s3_prefix(url: str, defaults: dict[str, str], s3) -> Iterator[Item]:
+def _left_out(name: str) -> str | None:
+    """Why a folder's or a prefix's file `name` (relative) is no video to send: "hidden" (a dot file, such as macOS's
+    `._clip.mp4` resource fork) or its suffix; None for a video's name."""
+    path = PurePosixPath(name)
+    if any(part.startswith(".") for part in path.parts):
+        return "hidden"
+    suffix = path.suffix.lower()
+    return None if suffix in VIDEO_SUFFIXES else suffix or "no suffix"
+
+
+def _s3_prefix(url: str, defaults: dict[str, str], s3, left_out: Counter) -> Iterator[Item]:
     bucket, prefix = _split_s3(url)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
-            if PurePosixPath(obj["Key"]).suffix.lower() in VIDEO_SUFFIXES:
-                relative = obj["Key"][len(prefix) :].lstrip("/") or PurePosixPath(obj["Key"]).name
+            relative = obj["Key"][len(prefix) :].lstrip("/") or PurePosixPath(obj["Key"]).name
+            if why := _left_out(relative):
+                left_out[why] += 1
+            else:
                 yield Item(
                     f"s3://{bucket}/{obj['Key']}",
                     f"s3://{bucket}/{obj['Key']}",
@@ -484,9 +491,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"vsrq: bulk: {error.code}: {error.message}", file=sys.stderr)
         return 2
     if left_out:
-        names = ", ".join(f"{count} {suffix}" for suffix, count in sorted(left_out.items()))
-        print(f"vsrq bulk: {left_out.total()} files left out by their names ({names}); a manifest sends any file",
-              file=sys.stderr)  # fmt: skip
+        names = ", ".join(f"{count} {why}" for why, count in sorted(left_out.items()))
+        print(f"vsrq bulk: left out by their names: {names} (a manifest sends any file)", file=sys.stderr)
     url = args.api_url or config.api_url()
     report = args.report
     report.parent.mkdir(parents=True, exist_ok=True)

@@ -200,7 +200,7 @@ def test_a_folder_sends_its_animated_pictures_and_never_reports_another_file_as_
 
     first = run_bulk([*command, "--scale", "2"])
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "2 files left out by their names (1 .txt, 1 hidden)" in first.stderr
+    assert "vsrq bulk: left out by their names: 1 .txt, 1 hidden (a manifest sends any file)" in first.stderr
     rows = by_source(report)
     assert sorted(rows) == ["anim.gif", "phone.3g2"]
     kept = {}
@@ -267,6 +267,7 @@ def test_s3_sources_are_referenced_in_our_bucket_and_copied_from_others(api, wor
     prefix = run_bulk(bulk_command(api, f"s3://{stack.bucket}/{ours}", tmp_path / "prefix.csv", "--scale", "2",
                                    "--wait", "--download", str(tmp_path / "out")), env)  # fmt: skip
     assert prefix.returncode == 0, prefix.stdout + prefix.stderr
+    assert "left out by their names: 1 .txt" in prefix.stderr
     rows = by_source(tmp_path / "prefix.csv")
     assert sorted(rows) == [f"s3://{stack.bucket}/{ours}r0.mp4", f"s3://{stack.bucket}/{ours}r1.mp4"]
     for source, row in rows.items():
