@@ -160,12 +160,12 @@ def open_upscaler(
     from worker.sr.engine import COMPILED_BLOCKS, SREngine
 
     log.info("model code imported, %.1f s after the process started", process.seconds())
-    on_gpus = any(device.startswith("cuda") for device in devices)
+    on_gpus = any(device.type == "cuda" for device in parsed)
     if compile == "on" or (compile == "auto" and on_gpus):
         # The blocks' functions come off the disk while the weights load and move (seconds on GPUs): the warmup
         # takes them instead of loading them (no directory, or precompile off: nothing); only those of this
         # environment on these devices (a shared volume holds other images' and GPUs' too)
-        precompiled.preload(COMPILED_BLOCKS, devices)
+        precompiled.preload(COMPILED_BLOCKS, parsed)
 
     if on_gpus and not _allocator_configured():
         # Blocks of many sizes come and go while decoding: growable segments keep the reserve near what is in use

@@ -247,7 +247,7 @@ def tiny_components(variant: str = "piflow", latent_upscaler: bool = True, seed:
 
 def write_tiny(directory: Path, variant: str = "piflow", latent_upscaler: bool = True, seed: int = 0) -> Path:
     """Save `tiny_components` in the real checkpoint format, as `Kandinsky6SRPipeline.save_pretrained` does."""
-    # from its module: diffusers' top-level name needs `transformers`, which a worker's process hides (k6_models)
+    # from its module: diffusers' top-level name needs `transformers`, which a worker's process hides (service.upscaler)
     from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import Kandinsky6SRPipeline
 
     Kandinsky6SRPipeline(**tiny_components(variant, latent_upscaler, seed)).save_pretrained(directory)

@@ -29,8 +29,7 @@ def parse(names: Sequence[str]) -> list[torch.device]:
             device = None
         if device is None or device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"unknown device {name!r}: cpu, cuda or cuda:N")
-        count = torch.cuda.device_count()
-        if device.type == "cuda" and (device.index or 0) >= count:
+        if device.type == "cuda" and (device.index or 0) >= (count := torch.cuda.device_count()):
             there = f"it has {count} (cuda:0 to cuda:{count - 1})" if count else "its torch sees no CUDA GPU"
             raise InvalidRequest(f"{name} is not a GPU of this machine: {there}")
         devices.append(device)
