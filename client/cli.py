@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     upscale.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
     upscale.add_argument("--model", required=True, help="checkpoint directory, hub id, or 'lanczos'")
     upscale.add_argument("--devices", default="cpu", help="comma-separated, e.g. cuda:0,cuda:1")
-    upscale.add_argument("--seed", type=int, default=42)
+    upscale.add_argument("--seed", type=_seed, default=42, help="the noise's seed; -1 draws one (as the API does)")
     upscale.add_argument("--steps", type=int, default=2, help="denoising steps (2 for the distilled checkpoint)")
     upscale.add_argument("--tiles-batch-size", type=int, default=1)
     upscale.add_argument("--min-overlap", type=float, default=0.2, help="least share of a tile its neighbours overlap")
@@ -155,6 +155,13 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
 def _port(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
+    return int(text)
+
+
+def _seed(text: str) -> int:
+    """The API's range: 0 to 2**63 - 1, or -1 to draw one."""
+    if not text.lstrip("-").isdigit() or not -1 <= int(text) < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a seed: 0 to 2**63 - 1, or -1 to draw one")
     return int(text)
 
 

@@ -103,7 +103,7 @@ def test_bad_input_exits_2_with_its_code_and_no_output(tmp_path, command):
     assert [p.name for p in tmp_path.iterdir()] == ["in.mp4"]
 
 
-def test_a_missing_input_an_unknown_device_or_a_crf_off_the_scale_exit_2_with_their_code(tmp_path):
+def test_a_missing_input_an_unknown_device_a_crf_or_seed_off_the_scale_exit_2_with_their_code(tmp_path):
     """Each was an internal error (exit 1, a Python exception's text) or, the CRF, capped by x264 without a word."""
     import torch
 
@@ -122,6 +122,11 @@ def test_a_missing_input_an_unknown_device_or_a_crf_off_the_scale_exit_2_with_th
         result = vsrq("upscale", str(source), *lanczos, *option)
         assert result.returncode == 2 and result.stderr.startswith(said), (option, result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.mp4"]
+    refused = vsrq("upscale", str(source), *lanczos, "--seed", "-5")  # the API's range: -1 draws one
+    assert refused.returncode == 2 and "argument --seed: '-5' is not a seed: 0 to 2**63 - 1, or -1" in refused.stderr
+    drawn = vsrq("upscale", str(source), *lanczos, "--seed", "-1")
+    seed = int(drawn.stdout.split("seed: ")[1].split()[0])
+    assert drawn.returncode == 0 and f"(drawn: --seed {seed} gives this video again)" in drawn.stdout
 
 
 def test_missing_model_exits_3_without_traceback_or_output(tmp_path):

@@ -10,6 +10,7 @@ import argparse
 import functools
 import hashlib
 import json
+import secrets
 import sys
 from collections.abc import Callable
 
@@ -49,6 +50,9 @@ def upscale(args: argparse.Namespace) -> int:
     from worker.upscale import UpscaleOptions, upscale_file
 
     existing(args.input)  # before a model loads (seconds): the job key reads the file too
+    drawn = args.seed == -1
+    if drawn:  # as the API draws one (SGLang's range); the job key below then names the drawn seed
+        args.seed = secrets.randbelow(2**31)
     options = UpscaleOptions(
         request=SRRequest(
             scale=args.scale,
@@ -91,6 +95,8 @@ def upscale(args: argparse.Namespace) -> int:
         f"at {float(written.fps):g} fps, {result.windows} window(s) ({result.restored} restored), {result.tiles} tiles "
         f"on {','.join(result.devices) or '-'}; {audio}; {result.seconds:.1f} s, {result.output.stat().st_size / 1e6:.2f} MB"
     )
+    if drawn:
+        print(f"seed: {args.seed} (drawn: --seed {args.seed} gives this video again)")
     if result.quality != "lossless":
         print(f"quality: {result.quality} ({', '.join(f'{lever}: {how}' for lever, how in result.levers.items())})")
     for note in result.notes:

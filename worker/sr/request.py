@@ -37,6 +37,8 @@ class SRRequest:
     def validate(self) -> None:
         if self.quality not in QUALITIES:
             raise InvalidRequest(f"quality must be one of {', '.join(QUALITIES)}, got {self.quality!r}")
+        if not 0 <= self.seed < 2**63:
+            raise InvalidRequest(f"seed must be 0 to 2**63 - 1, got {self.seed}")
         if self.scale not in tiling.SCALES:
             raise InvalidRequest(f"scale must be one of {tiling.SCALES}, got {self.scale}")
         if self.num_inference_steps < 1:
