@@ -284,6 +284,7 @@ class Bulk:
     download: Path | None = None
     entries: dict[str, Entry] = field(default_factory=dict)
     in_the_way: set[str] = field(default_factory=set)  # items whose output path holds another file, this run
+    resumed: int = 0  # items an earlier run had submitted already
 
     def __post_init__(self) -> None:
         known = self.journal.load()
@@ -292,6 +293,7 @@ class Bulk:
             # a source changed since its job was made (rewritten file, new object version) is a new video
             fresh = entry is None or entry.stamp != item.stamp
             self.entries[item.id] = Entry(source=item.source, stamp=item.stamp) if fresh else entry
+        self.resumed = sum(entry.job_id is not None for entry in self.entries.values())
 
     def run(self) -> None:
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="bulk")
@@ -520,8 +522,9 @@ def run(args: argparse.Namespace) -> int:
         if counts["in_the_way"]
         else ""
     )
+    earlier = f" ({bulk.resumed} by an earlier run)" if bulk.resumed else ""
     print(
-        f"vsrq bulk: {len(items)} videos: {counts['submitted']} submitted, {counts['completed']} completed"
+        f"vsrq bulk: {len(items)} videos: {counts['submitted']} submitted{earlier}, {counts['completed']} completed"
         f"{in_the_way}, {counts['failed']} failed, {counts['in_progress']} still running; report {report}"
     )
     return 1 if counts["failed"] or counts["in_the_way"] else 0

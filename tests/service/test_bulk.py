@@ -127,6 +127,7 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     second = run_bulk(command)
     assert second.returncode == 0, second.stdout + second.stderr
     assert job_count(api) - before == 10  # no duplicates
+    assert f"10 videos: 10 submitted ({len(journalled)} by an earlier run), 10 completed" in second.stdout
     rows = by_source(report)
     assert sorted(rows) == sorted(frames) and len({row["job_id"] for row in rows.values()}) == 10
     assert journalled <= {row["job_id"] for row in rows.values()}  # the first run's jobs were followed, not remade
@@ -143,6 +144,7 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     stamps = {path: path.stat().st_mtime_ns for path in out.rglob("*.mp4")}
     third = run_bulk(command)
     assert third.returncode == 0, third.stdout + third.stderr
+    assert "10 videos: 10 submitted (10 by an earlier run), 10 completed" in third.stdout
     assert job_count(api) - before == 10
     assert {path: path.stat().st_mtime_ns for path in out.rglob("*.mp4")} == stamps
 
@@ -221,6 +223,7 @@ def test_a_folder_sends_its_animated_pictures_and_never_reports_another_file_as_
     out.rename(tmp_path / "x2")  # moved away: the next run downloads the x4 outputs, submitting nothing
     third = run_bulk([*command, "--scale", "4"])
     assert third.returncode == 0, third.stdout + third.stderr
+    assert "10 videos: 10 submitted (10 by an earlier run), 10 completed" in third.stdout
     for name, row in by_source(report).items():
         assert (row["status"], row["error_code"]) == ("completed", ""), row
         assert hashlib.sha256(Path(row["output"]).read_bytes()).hexdigest() == row["sha256"]
