@@ -86,6 +86,8 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
                 except TooLarge:
                     raise ApiError(413, "upload_too_large", f"Uploads are limited to {limit} bytes.") from None
                 stored = StoredFile(part.name, part.filename, part.content_type, upload_id, blob)
+                if blob.size == 0:  # said now: a job would fail on it only after the queue's wait
+                    raise ApiError(422, "input_empty", f"The file in `{part.name}` is empty (0 bytes).")
     except BaseException:
         if stored is not None:
             blobs.delete(stored.blob.key)

@@ -75,7 +75,6 @@ def bad_files(scratch: Path) -> dict[str, tuple[bytes, str]]:
     mdat = moov_first.index(b"mdat")
     mkv = write_clip(scratch / "clip.mkv", 17, (32, 48), audio_codec="libopus").read_bytes()
     return {
-        "zero bytes": (b"", "input_empty"),
         "text": (b"this is not a video\n" * 200, "input_unreadable"),
         # seeded: FFmpeg's probe finds audio or subtitles in about 1 of 150 noise files (measured), a job then failed
         # as input_no_video
@@ -249,6 +248,7 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3):
         "too many parts": (lambda: raw_post(url, multipart(*[("prompt", None, b"x")] * 80)), 413, "too_many_parts"),
         "no video": (lambda: raw_post(url, multipart(("seed", None, b"1"))), 422, "missing_video"),
         "two videos": (lambda: raw_post(url, multipart(file_part, file_part)), 422, "unexpected_file"),
+        "empty video": (lambda: raw_post(url, multipart(("video_reference", "clip.mp4", b""))), 422, "input_empty"),
         "video in another field": (
             lambda: raw_post(url, multipart(("image", "x.png", png()))), 422, "unexpected_file"
         ),
