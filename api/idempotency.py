@@ -8,7 +8,8 @@ likely done in 1), from 1 s to 60 s and never past the moment its claim lapses. 
 (OpenAI's SDK retries twice, waiting what the header says) thus waits out a first request up to about 4 times as long
 as it had run when the repeat came, instead of giving up after two half-second backoffs.
 
-Keys are per API key: one caller's key never replays another caller's response.
+Keys are per API key: one caller's key never replays another caller's response. Deleting the job a key made frees
+the key: a replay would answer with a job nobody can fetch any more, so the same request makes a new one.
 """
 
 from __future__ import annotations
@@ -70,9 +71,23 @@ class Idempotency:
             if raw is not None:  # else it expired between the two calls: claim again
                 return Remembered.model_validate_json(raw)
 
-    def finish(self, owner: str, key: str, fingerprint: str, status: int, body: Any) -> None:
+    def _made(self, job_id: str) -> str:
+        return f"{self.prefix}:idem-made:{job_id}"
+
+    def finish(self, owner: str, key: str, fingerprint: str, status: int, body: dict[str, Any]) -> None:
         done = Remembered(state="done", fingerprint=fingerprint, status=status, body=body)
-        self.redis.set(self._key(owner, key), done.model_dump_json(), ex=self.ttl_s)
+        name = self._key(owner, key)
+        with self.redis.pipeline() as pipe:
+            pipe.set(name, done.model_dump_json(), ex=self.ttl_s)
+            pipe.set(self._made(body["id"]), name, ex=self.ttl_s)  # which key made the job, for `forget_job`
+            pipe.execute()
+
+    def forget_job(self, job_id: str) -> None:
+        """Frees the key that made `job_id` (now deleted), unless it has since been released and made another."""
+        name = self.redis.getdel(self._made(job_id))
+        raw = self.redis.get(name) if name is not None else None
+        if raw is not None and (Remembered.model_validate_json(raw).body or {}).get("id") == job_id:
+            self.redis.delete(name)
 
     def retry_after_s(self, remembered: Remembered) -> int:
         """Seconds a repeat of an in-flight request should wait (see the module's docstring)."""

@@ -79,7 +79,7 @@ def _created(files: frozenset[str]) -> tuple[Response, int]:
     remembered = store.claim(caller, key)
     if remembered is not None:
         replay = store.check_replay(remembered, lambda: _fingerprint(files))
-        response = jsonify(replay.body)
+        response = _job_response(replay.body)
         response.headers["Idempotent-Replayed"] = "true"
         return response, replay.status
     try:
@@ -323,6 +323,7 @@ def delete_video(job_id: str) -> Response:
         jobs.delete(job_id)
     except JobActive:
         raise ApiError(409, "job_active", "The job is running: cancel it, then delete it.") from None
+    services().idempotency.forget_job(job_id)
     # The record goes first: nobody can see a job whose files are half gone. Files left by a crash here are deleted by
     # the reaper's storage sweep.
     delete_job_files(blobs, job)

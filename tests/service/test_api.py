@@ -391,6 +391,7 @@ def test_idempotent_create(api, clip, redis_client):
     second = create(api, "dave", clip, {"seed": "5"}, key)
     assert first.status_code == second.status_code == 200
     assert second.json() == first.json() and second.headers["Idempotent-Replayed"] == "true"
+    assert second.headers["openai-poll-after-ms"] == first.headers["openai-poll-after-ms"]  # queued: the SDK polls
     assert len([m for m in broker_messages(redis_client, "vsrq.k6") if m["args"] == [first.json()["id"]]]) == 1
     # one job made, listed once (other tests of this session may have made dave jobs of their own before it)
     listed = requests.get(f"{api}/v1/videos", headers=auth("dave"), timeout=10).json()["data"]
@@ -408,6 +409,13 @@ def test_idempotent_create(api, clip, redis_client):
     assert create(api, "dave", clip, {}, json_key).status_code == 200
     # keys are per API key: the same key from another caller is another request
     assert create(api, "erin", clip, {"seed": "6"}, key).json()["id"] != first.json()["id"]
+    # deleting the job frees its key: the same request makes a new job, not a replay of one nobody can fetch
+    deleted = requests.delete(f"{api}/v1/videos/{first.json()['id']}", headers=auth("dave"), timeout=10)
+    assert deleted.json()["deleted"] is True
+    again = create(api, "dave", clip, {"seed": "5"}, key)
+    assert again.status_code == 200 and "Idempotent-Replayed" not in again.headers
+    assert again.json()["id"] != first.json()["id"] and again.json()["status"] == "queued"
+    assert create(api, "dave", clip, {"seed": "5"}, key).json()["id"] == again.json()["id"]  # which it then replays
 
 
 def test_idempotent_create_in_flight_is_409(api, clip, redis_client):
