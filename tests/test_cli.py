@@ -103,8 +103,9 @@ def test_bad_input_exits_2_with_its_code_and_no_output(tmp_path, command):
     assert [p.name for p in tmp_path.iterdir()] == ["in.mp4"]
 
 
-def test_a_missing_input_an_unknown_device_a_crf_or_seed_off_the_scale_exit_2_with_their_code(tmp_path):
-    """Each was an internal error (exit 1, a Python exception's text) or, the CRF, capped by x264 without a word."""
+def test_a_missing_input_a_bad_option_or_output_name_exit_2_with_their_code(tmp_path):
+    """Each was an internal error (exit 1, a Python exception's text) or, the CRF, capped by x264 without a word; an
+    output named .mkv was an MP4 by another name."""
     import torch
 
     lanczos = ["-o", str(tmp_path / "out.mp4"), "--model", "lanczos"]
@@ -118,6 +119,9 @@ def test_a_missing_input_an_unknown_device_a_crf_or_seed_off_the_scale_exit_2_wi
         (["--devices", absent], f"vsrq: invalid_request: {absent} is not a GPU of this machine: "),
         (["--crf", "60"], "vsrq: invalid_request: crf must be 0 to 51 for h264 (lower is better), got 60"),
         (["--crf", "60", "--codec", "hevc"], "vsrq: invalid_request: crf must be 0 to 51 for hevc"),
+        (["--preset", "bogus"], "vsrq: invalid_request: preset must be one of ultrafast, superfast, "),
+        (["--preset", "placebo", "--codec", "av1"], "vsrq: invalid_request: preset must be one of "),
+        (["-o", str(tmp_path / "out.mkv")], "vsrq: invalid_request: the output is an MP4: name it out.mp4, not out.mkv"),
     ):
         result = vsrq("upscale", str(source), *lanczos, *option)
         assert result.returncode == 2 and result.stderr.startswith(said), (option, result.stderr)

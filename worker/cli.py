@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from worker.errors import PermanentError
+from worker.errors import InvalidRequest, PermanentError
 from worker.media.errors import BAD_INPUT_CODES
 
+MP4_SUFFIXES = (".mp4", ".m4v", ".mov")  # the names players know the written file's container by
 EXIT_CODES = {"invalid_request": 2, "model_not_found": 3, "cancelled": 130} | dict.fromkeys(BAD_INPUT_CODES, 2)
 
 
@@ -50,6 +51,8 @@ def upscale(args: argparse.Namespace) -> int:
     from worker.upscale import UpscaleOptions, upscale_file
 
     existing(args.input)  # before a model loads (seconds): the job key reads the file too
+    if args.output.suffix.lower() not in MP4_SUFFIXES:  # players pick a demuxer by the name: an MP4 as .mkv fails
+        raise InvalidRequest(f"the output is an MP4: name it {args.output.stem}.mp4, not {args.output.name}")
     drawn = args.seed == -1
     if drawn:  # as the API draws one (SGLang's range); the job key below then names the drawn seed
         args.seed = secrets.randbelow(2**31)

@@ -23,7 +23,16 @@ from worker.media.probe import MediaInfo, VideoInfo, output_chapters, probe
 from worker.media.reader import CADENCES, Reading, at_cadence, prefetch, read_frames, telecined
 from worker.media.resize import Target
 from worker.media.verify import Promise, verify
-from worker.media.writer import BT709, DEEP_CODECS, Mp4Writer, check_crf, check_size, encoder_for, output_depth
+from worker.media.writer import (
+    BT709,
+    DEEP_CODECS,
+    Mp4Writer,
+    check_crf,
+    check_preset,
+    check_size,
+    encoder_for,
+    output_depth,
+)
 from worker.resized import Resized
 from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
@@ -139,6 +148,7 @@ def begin_upscale(
     _check_output(source, output)
     encoder_for(options.codec)
     check_crf(options.codec, options.crf)
+    check_preset(options.codec, options.preset)
     if options.deinterlace not in CADENCES:
         raise ValueError(f"deinterlace must be one of {CADENCES}, got {options.deinterlace!r}")
 

@@ -101,6 +101,17 @@ def check_crf(codec: str, crf: int) -> None:
         raise InvalidRequest(f"crf must be 0 to {most} for {codec} (lower is better), got {crf}")
 
 
+# x264's and x265's speed presets; SVT-AV1 takes all but `placebo` (_SVT_PRESETS)
+PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo")
+
+
+def check_preset(codec: str, preset: str) -> None:
+    """Refuse (InvalidRequest) a preset `codec`'s encoder does not take, before it fails to open."""
+    names = [name for name in PRESETS if codec != "av1" or name in _SVT_PRESETS]
+    if preset not in names:
+        raise InvalidRequest(f"preset must be one of {', '.join(names)} for {codec}, got {preset!r}")
+
+
 def check_size(codec: str, size: tuple[int, int]) -> None:
     """Refuse (InvalidRequest) an output of `size` (height, width) smaller than `codec` is written at (MIN_SIDE)."""
     least = MIN_SIDE.get(codec, 0)
