@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sqlite3
 import sys
 import tempfile
@@ -296,6 +297,8 @@ class Bulk:
         self.resumed = sum(entry.job_id is not None for entry in self.entries.values())
 
     def run(self) -> None:
+        if any(entry.job_id is None or self._open(entry) for entry in self.entries.values()):
+            self.client.reach()  # each call below retries a dead API for minutes, silently
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="bulk")
         bar = tqdm(total=len(self.items), unit="video", desc="bulk", dynamic_ncols=True, disable=None)
         try:
@@ -511,7 +514,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"vsrq: bulk: {problem.code}: {problem.message} (rerun to carry on)", file=sys.stderr)
         return 1
     except requests.RequestException as error:
-        print(f"vsrq: bulk: api_unreachable: {url}: {error} (rerun to carry on)", file=sys.stderr)
+        print(f"vsrq: bulk: api_unreachable: {url} does not answer ({_why(error)}): is the API up? `vsrq dev` starts "
+              "one here; --api-url or VSRQ_API_URL names another (rerun to carry on)", file=sys.stderr)  # fmt: skip
         return 1
     finally:
         write_report(report, items, bulk.entries)
@@ -528,6 +532,12 @@ def run(args: argparse.Namespace) -> int:
         f"{in_the_way}, {counts['failed']} failed, {counts['in_progress']} still running; report {report}"
     )
     return 1 if counts["failed"] or counts["in_the_way"] else 0
+
+
+def _why(error: requests.RequestException) -> str:
+    """The system's words for a failed connection ("Connection refused"), not urllib3's wrapping of them."""
+    said = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(error))
+    return said.group(1) if said else type(error).__name__
 
 
 def _lazy(make: Callable[[], Any]) -> Callable[[], Any]:

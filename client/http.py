@@ -184,6 +184,16 @@ class Client:
 
         return self._retry(fetch)
 
+    def reach(self, within_s: float = 10) -> None:
+        """Returns once the API answers at all (`/healthz`, whatever its status); raises the connection's error when
+        it has not within `within_s`: an API that is not there is said in seconds, not after a call's retries."""
+        Retrying(
+            retry=retry_if_exception(lambda error: isinstance(error, (requests.ConnectionError, requests.Timeout))),
+            wait=wait_exponential_jitter(initial=0.5, max=2),
+            stop=stop_after_delay(within_s),
+            reraise=True,
+        )(lambda: self.session.get(self.base_url + "/healthz", timeout=(min(within_s, self.timeout_s[0]), 10)))
+
     # -- plumbing ----------------------------------------------------------------------------------------------
 
     def _retry(self, call: Callable[[], Any]) -> Any:

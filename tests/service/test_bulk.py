@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -308,6 +309,20 @@ def test_the_client_maps_problems_and_replays_under_an_idempotency_key(api, clip
     with pytest.raises(ApiProblem) as missing:
         client.get("video_does_not_exist")
     assert (missing.value.status, missing.value.code) == (404, "job_not_found")
+
+
+def test_an_api_that_is_not_there_is_said_in_seconds(tmp_path):
+    """It was retried for 5 minutes a request, silently (a `vsrq dev` killed hard leaves no API behind)."""
+    (tmp_path / "in").mkdir()
+    write_clip(tmp_path / "in" / "a.mp4", 5, (32, 48))
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    started = time.monotonic()
+    result = run_bulk(bulk_command(url, tmp_path / "in", tmp_path / "report.csv"))
+    assert result.returncode == 1 and time.monotonic() - started < 60, result.stderr
+    assert f"vsrq: bulk: api_unreachable: {url} does not answer (Connection refused): is the API up?" in result.stderr
+    assert by_source(tmp_path / "report.csv")["a.mp4"]["status"] == "pending"  # a rerun carries on
 
 
 def test_retry_after_reads_seconds_and_dates():
