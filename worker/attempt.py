@@ -101,8 +101,9 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows
     outcome, code, message = classify(error)
     if code == "internal_error":
         log.exception("%s attempt %d failed", job.id, lease.attempt)
-    else:  # with its cause: a retry that keeps coming back is diagnosed from this line
-        log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code, exc_info=error)
+    else:  # with its cause: a retry that keeps coming back is diagnosed from this line (a cancel has none to say)
+        cause = None if outcome == "cancelled" else error
+        log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code, exc_info=cause)
     kept = False  # a `complete` whose reply was lost did promote the output: it is the job's now
     try:
         if outcome == "cancelled":

@@ -244,6 +244,9 @@ def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):
     stages = [event.detail["stage"] for event in jobs.events(job_id) if event.type == "stage"]
     assert "upscaling" in stages and "encoding" not in stages and "uploading" not in stages, stages
     assert list(s3.keys(output_prefix(job_id))) == []
+    # the worker's log says so in a line, without a traceback: a cancel is no fault to diagnose
+    said = [line for line in worker.read_text().splitlines() if f"{job_id} attempt 1: cancelled" in line]
+    assert said and not any("Traceback" in line for line in said), said
 
 
 def test_a_corrupt_upload_fails_with_an_input_code_and_the_worker_goes_on(api, worker, stereo_clip):
