@@ -284,7 +284,8 @@ def list_videos() -> Response:
             422, "invalid_request", "Invalid list parameters: see `errors`.", errors=field_errors(error)
         ) from None
     if query.limit > settings.list_limit_max:
-        raise ApiError(422, "invalid_request", f"`limit` is at most {settings.list_limit_max}.")
+        most = f"`limit` is at most {settings.list_limit_max}."
+        raise ApiError(422, "invalid_request", most, errors=[{"field": "limit", "code": "less_than_equal", "message": most}])
     try:
         page = jobs.page(
             owner(),

@@ -294,11 +294,13 @@ def test_list_paginates_and_filters_by_status(api, clip):
     assert listed(status="completed") == []
     response = requests.get(f"{api}/v1/videos", params={"status": "done"}, headers=auth("carol"), timeout=10)
     assert_problem(response, 422, "invalid_request")
-    assert_problem(
-        requests.get(f"{api}/v1/videos", params={"limit": 101}, headers=auth("carol"), timeout=10),
-        422,
-        "invalid_request",
-    )
+    for limit in ("0", "101"):  # either end of the range names the field, as OpenAI's SDK reads it (`param`)
+        body = assert_problem(
+            requests.get(f"{api}/v1/videos", params={"limit": limit}, headers=auth("carol"), timeout=10),
+            422,
+            "invalid_request",
+        )
+        assert body["errors"][0]["field"] == body["error"]["param"] == "limit", body
 
 
 def test_cancel_a_queued_job(api, clip):
