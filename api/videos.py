@@ -285,7 +285,9 @@ def list_videos() -> Response:
         ) from None
     if query.limit > settings.list_limit_max:
         most = f"`limit` is at most {settings.list_limit_max}."
-        raise ApiError(422, "invalid_request", most, errors=[{"field": "limit", "code": "less_than_equal", "message": most}])
+        raise ApiError(
+            422, "invalid_request", most, errors=[{"field": "limit", "code": "less_than_equal", "message": most}]
+        )
     try:
         page = jobs.page(
             owner(),
