@@ -17,14 +17,15 @@ HERE = Path(__file__).resolve().parent
 COVERAGE = """
 ## What the corpus covers, and what the sources did not give
 
-- Video codecs found: H.264 (MP4, AVI, Matroska, MPEG-TS, a phone's VFR clip), HEVC 8-bit, VP8, VP9 (in AVI and
-  WebM), AV1 (an AVIF image sequence in ISO BMFF, with its alpha plane as a second AV1 track), Theora, MPEG-1/2
-  (program and transport streams, DVD, a bare MPEG-1 elementary stream), MPEG-4 Part 2, H.263, Sorenson H.263
-  (FLV), VP6, WMV1, WMV3, Microsoft RLE (palette), QuickTime Animation (RGB), Autodesk FLIC (palette).
+- Video codecs found: H.264 (MP4, AVI, Matroska, MPEG-TS, a phone's VFR clip), HEVC 8-bit and Main 10 (10-bit,
+  puremagic's Matroska file), VP8, VP9 (in AVI and WebM), AV1 (an AVIF image sequence in ISO BMFF, with its alpha
+  plane as a second AV1 track), Theora, MPEG-1/2 (program and transport streams, DVD, a bare MPEG-1 elementary
+  stream), MPEG-4 Part 2, H.263, Sorenson H.263 (FLV), VP6, WMV1, WMV3, Microsoft RLE (palette), QuickTime Animation
+  (RGB), Autodesk FLIC (palette).
   Interlaced: one file, hachoir-sample.ts (a DVB broadcast's MPEG-2, 2 frames, top field first; the one AVCHD file
   is cut to 8 KiB before a decodable frame; tests/field_pictures.py writes the field-coded H.264 (PAFF) that AVCHD
-  camcorders record, which no encoder here makes). **Not found**: H.264 4:4:4, 10-bit or interlaced, HEVC 10-bit
-  (pillow-heif's 10-bit HEIFs are stills), MJPEG (the camera MOV is cut before its frames), ProRes, DNxHD, FFV1.
+  camcorders record, which no encoder here makes). **Not found**: H.264 4:4:4, 10-bit or interlaced, MJPEG (the
+  camera MOV is cut before its frames), ProRes, DNxHD, FFV1.
   The reported Theora 214x160 file was not located; its class (a picture cropped off the left of the coded frame)
   is covered by tests/test_media.py with an H.264 stream that crops 6 columns.
 - Containers found: MP4, MOV, ISO BMFF (AVIF sequence), Matroska, WebM, Ogg, AVI, MPEG-TS, MPEG-PS (.mpg), MPEG-1
