@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     upscale = commands.add_parser("upscale", help="upscale a video file to an MP4 (every frame, the audio, the subtitles)")
     upscale.add_argument("input", type=Path)
     upscale.add_argument("-o", "--output", type=Path, required=True)
-    upscale.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
+    upscale.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2,
+                         help="2 (the default here), 2.25 (the API's default, as SGLang's) or 4")  # fmt: skip
     upscale.add_argument("--model", required=True, help="checkpoint directory, hub id, or 'lanczos'")
     upscale.add_argument("--devices", default="cpu", help="comma-separated, e.g. cuda:0,cuda:1")
     upscale.add_argument("--seed", type=_seed, default=42, help="the noise's seed; -1 draws one (as the API does)")
