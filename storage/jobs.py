@@ -301,6 +301,7 @@ class Video(BaseModel):
 
 # Why the reaper requeued an attempt. Events stored before it said so named the worker: the owner's view says this.
 LEASE_EXPIRED = "the worker running the attempt stopped sending heartbeats, and its lease ran out"
+WORKER_RESTARTED = "the worker running the attempt died and was started again, which took the job back"
 
 
 class WebhookAttempt(BaseModel):
@@ -955,18 +956,38 @@ class JobStore:
     def reap(self, limit: int = 100) -> dict[str, Status]:
         """Requeues (or fails, after `max_attempts`) the jobs whose lease expired. Returns what became of each; the
         caller sends the task again for those now `queued`."""
+        # no worker's name: the owner sees the reason (its `leased` event names the worker, for an operator)
+        reason = JobErrorInfo(code="lease_expired", message=LEASE_EXPIRED)
+        return self._requeue(self.expired_leases(limit), reason, expired_only=True)
+
+    def leased_by(self, held: Callable[[str], bool]) -> list[str]:
+        """The running jobs whose lease holder (`JobRecord.worker`, "{worker name}/{pid}") `held` picks."""
+        found = []
+        for raw in self.redis.zrange(self._leases_key, 0, -1):
+            job = self.get(raw.decode())
+            if job is not None and job.status == Status.IN_PROGRESS and job.worker and held(job.worker):
+                found.append(job.id)
+        return found
+
+    def take_back(self, job_ids: Sequence[str]) -> dict[str, Status]:
+        """Requeues (or fails, after `max_attempts`) jobs whose worker is known dead before their lease runs out: a
+        worker restarted under its name (`worker.signals`) takes back what the process before it held."""
+        reason = JobErrorInfo(code="worker_restarted", message=WORKER_RESTARTED)
+        return self._requeue(job_ids, reason, expired_only=False)
+
+    def _requeue(self, job_ids: Sequence[str], reason: JobErrorInfo, *, expired_only: bool) -> dict[str, Status]:
+        """Each attempt counts against `max_attempts`: a job that kills its worker every time must end."""
         outcome: dict[str, Status] = {}
-        for job_id in self.expired_leases(limit):
+        for job_id in job_ids:
             job = self.get(job_id)
             if job is None or job.status != Status.IN_PROGRESS:
                 continue
-            # no worker's name: the owner sees the reason (its `leased` event names the worker, for an operator)
-            reason = JobErrorInfo(code="lease_expired", message=LEASE_EXPIRED)
             try:
                 fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(
-                    "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s, 1, 1
-                ).decode()
+                    "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s,
+                    int(expired_only), 1,
+                ).decode()  # fmt: skip
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue
             if status:

@@ -68,6 +68,11 @@ class WorkerRegistry:
             tx.zrem(self._index, name)
             tx.execute()
 
+    def get(self, name: str) -> WorkerInfo | None:
+        """The live worker of this name, if one has beaten within the TTL."""
+        raw = self.redis.hgetall(self._key(name))
+        return _from_hash(raw) if raw else None
+
     def list(self) -> list[WorkerInfo]:
         """The live workers, by name."""
         self.redis.zremrangebyscore(self._index, "-inf", self.now())

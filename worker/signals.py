@@ -19,7 +19,8 @@ import redis.exceptions
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
 
 from storage.logs import configure, current_job, settings_secrets
-from storage.queue import UPSCALE_TASK
+from storage.jobs import Status
+from storage.queue import UPSCALE_TASK, send_upscale
 from storage.workers import WorkerInfo, WorkerRegistry
 from worker import metrics, service, started
 
@@ -39,6 +40,45 @@ def _metrics_port(**_: Any) -> None:
     if settings.metrics_port:
         metrics.serve(settings.metrics_host, settings.metrics_port)
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
+
+
+@worker_init.connect
+def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
+    """A worker started under the name of one that died (`kill -9`, the OOM killer, a container or `vsrq dev`
+    restarting it) requeues the jobs that process held at once, instead of leaving them to their lease (120 s): the
+    process is gone, and its pid says so. Never while a worker of this name is alive, here or on another host."""
+    if UPSCALE_TASK not in sender.app.tasks:
+        return
+    name, host, pid, jobs = sender.hostname, socket.gethostname(), os.getpid(), service.jobs()
+    try:
+        live = WorkerRegistry(jobs.redis, ttl_s=service.settings().worker_ttl_s).get(name)
+        if live is not None and (live.host != host or live.pid != pid and _alive(live.pid)):
+            log.warning(
+                "another worker named %s is alive (pid %d on %s): name each one uniquely", name, live.pid, live.host
+            )
+            return
+
+        def dead(holder: str) -> bool:  # "{name}/{pid}"; this process's own pid was a predecessor's (a container's)
+            holder_name, _, holder_pid = holder.rpartition("/")
+            return holder_name == name and (int(holder_pid) == pid or not _alive(int(holder_pid)))
+
+        for job_id, status in jobs.take_back(jobs.leased_by(dead)).items():
+            if status == Status.QUEUED and (job := jobs.get(job_id)) is not None:
+                send_upscale(sender.app, jobs, job, first=True)  # its turn had come
+            log.warning("%s: held by this worker's dead predecessor, now %s", job_id, status, extra={"job_id": job_id})
+    except redis.exceptions.RedisError as error:  # then the reaper requeues them once their leases run out
+        log.warning("could not look for a dead predecessor's jobs: %s", error)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host."""
+    try:
+        os.kill(pid, 0)  # no signal: whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class Presence:

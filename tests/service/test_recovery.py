@@ -161,6 +161,29 @@ def test_a_killed_worker_s_job_resumes_from_its_kept_windows(
     assert sorted(s3.keys(output_prefix(job.id))) == sorted(resumed.output.keys())
 
 
+def test_a_worker_restarted_under_its_name_takes_back_its_dead_predecessor_s_job_at_once(
+    service_env, settings, jobs, s3, long_clip, tmp_path
+):
+    """As `vsrq dev`, a container or systemd restart a killed worker: its job was left to its lease (120 s by default,
+    60 s here), the restarted worker idle meanwhile. No reaper runs here: only the restarted worker can requeue it."""
+    queue = f"vsrq.restarted-{secrets.token_hex(3)}"  # no other worker of this module's takes it
+    job = create_record(jobs, s3, long_clip, queue)
+    enqueue(jobs, settings, job)
+    env = {**service_env, **WINDOWS, "VSRQ_LEASE_S": "60"}
+    name = f"restarted-{secrets.token_hex(3)}@localhost"
+    with celery_worker(env, "lanczos", queue, tmp_path / "killed.log", name=name) as log:
+        running = wait_until(lambda: (held := jobs.require(job.id)).status == "in_progress" and held, 120, log, 0.02)
+        os.kill(int(running.worker.rsplit("/", 1)[1]), signal.SIGKILL)
+    killed = time.monotonic()
+    with celery_worker(env, "lanczos", queue, tmp_path / "restarted.log", name=name) as log:
+        done = wait_until(lambda: ended(jobs, job.id), 120, log)
+        assert time.monotonic() - killed < 45, "waited for the lease"  # it had almost 60 s left
+    assert (done.status, done.attempt) == ("completed", 2), done
+    [requeued] = [event for event in jobs.events(job.id) if event.type == "requeued"]
+    assert requeued.detail["reason"]["code"] == "worker_restarted"
+    assert f"{job.id}: held by this worker's dead predecessor, now queued" in log.read_text()
+
+
 def window_files(keys: Iterator[str] | list[str]) -> dict[int, set[str]]:
     """Window index -> the suffixes of its files (u8, tail.npy, json)."""
     files: dict[int, set[str]] = {}

@@ -48,13 +48,13 @@ TERMINAL = ("completed", "failed", "cancelled")
 
 
 @contextmanager
-def celery_worker(env: dict[str, str], model: str, queue: str, log: Path) -> Iterator[Path]:
-    """A solo worker of `model` on `queue`, as the Procfile runs one: yields its log file."""
+def celery_worker(env: dict[str, str], model: str, queue: str, log: Path, name: str | None = None) -> Iterator[Path]:
+    """A solo worker of `model` on `queue`, as the Procfile runs one (named `name`, else uniquely): its log file."""
     env = {**os.environ, **env, **WORKER_THREADS, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
-             "-Q", queue, "-n", f"test-{secrets.token_hex(3)}@localhost",
+             "-Q", queue, "-n", name or f"test-{secrets.token_hex(3)}@localhost",
              "--without-gossip", "--without-mingle", "--loglevel", "info"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
