@@ -84,7 +84,8 @@ class Idempotency:
 
     def forget_job(self, job_id: str) -> None:
         """Frees the key that made `job_id` (now deleted), unless it has since been released and made another."""
-        name = self.redis.getdel(self._made(job_id))
+        with self.redis.pipeline() as pipe:  # GET and DEL in one transaction: GETDEL needs Redis 6.2
+            name, _ = pipe.get(self._made(job_id)).delete(self._made(job_id)).execute()
         raw = self.redis.get(name) if name is not None else None
         if raw is not None and (Remembered.model_validate_json(raw).body or {}).get("id") == job_id:
             self.redis.delete(name)
