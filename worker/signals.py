@@ -49,6 +49,7 @@ def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
     process is gone, and its pid says so. Never while a worker of this name is alive, here or on another host."""
     if UPSCALE_TASK not in sender.app.tasks:
         return
+    configure_logging()  # the first `worker_init` receiver: Celery sets logging up only after them
     name, host, pid, jobs = sender.hostname, socket.gethostname(), os.getpid(), service.jobs()
     try:
         live = WorkerRegistry(jobs.redis, ttl_s=service.settings().worker_ttl_s).get(name)

@@ -181,7 +181,8 @@ def test_a_worker_restarted_under_its_name_takes_back_its_dead_predecessor_s_job
     assert (done.status, done.attempt) == ("completed", 2), done
     [requeued] = [event for event in jobs.events(job.id) if event.type == "requeued"]
     assert requeued.detail["reason"]["code"] == "worker_restarted"
-    assert f"{job.id}: held by this worker's dead predecessor, now queued" in log.read_text()
+    [said] = [line for line in log.read_text().splitlines() if "dead predecessor" in line]
+    assert json.loads(said)["message"] == f"{job.id}: held by this worker's dead predecessor, now queued"
 
 
 def window_files(keys: Iterator[str] | list[str]) -> dict[int, set[str]]:
