@@ -15,11 +15,12 @@ from collections.abc import Callable
 from contextvars import Token
 from typing import Any
 
+import psutil
 import redis.exceptions
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
 
-from storage.logs import configure, current_job, settings_secrets
 from storage.jobs import Status
+from storage.logs import configure, current_job, settings_secrets
 from storage.queue import UPSCALE_TASK, send_upscale
 from storage.workers import WorkerInfo, WorkerRegistry
 from worker import metrics, service, started
@@ -53,7 +54,7 @@ def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
     name, host, pid, jobs = sender.hostname, socket.gethostname(), os.getpid(), service.jobs()
     try:
         live = WorkerRegistry(jobs.redis, ttl_s=service.settings().worker_ttl_s).get(name)
-        if live is not None and (live.host != host or live.pid != pid and _alive(live.pid)):
+        if live is not None and (live.host != host or live.pid != pid and psutil.pid_exists(live.pid)):
             log.warning(
                 "another worker named %s is alive (pid %d on %s): name each one uniquely", name, live.pid, live.host
             )
@@ -61,7 +62,7 @@ def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
 
         def dead(holder: str) -> bool:  # "{name}/{pid}"; this process's own pid was a predecessor's (a container's)
             holder_name, _, holder_pid = holder.rpartition("/")
-            return holder_name == name and (int(holder_pid) == pid or not _alive(int(holder_pid)))
+            return holder_name == name and (int(holder_pid) == pid or not psutil.pid_exists(int(holder_pid)))
 
         for job_id, status in jobs.take_back(jobs.leased_by(dead)).items():
             if status == Status.QUEUED and (job := jobs.get(job_id)) is not None:
@@ -69,17 +70,6 @@ def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
             log.warning("%s: held by this worker's dead predecessor, now %s", job_id, status, extra={"job_id": job_id})
     except redis.exceptions.RedisError as error:  # then the reaper requeues them once their leases run out
         log.warning("could not look for a dead predecessor's jobs: %s", error)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host."""
-    try:
-        os.kill(pid, 0)  # no signal: whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 class Presence:
