@@ -26,6 +26,7 @@ from tenacity import (
     Retrying,
     before_sleep_log,
     retry_if_exception,
+    retry_if_exception_type,
     stop_after_delay,
     wait_exponential_jitter,
 )
@@ -188,7 +189,7 @@ class Client:
         """Returns once the API answers at all (`/healthz`, whatever its status); raises the connection's error when
         it has not within `within_s`: an API that is not there is said in seconds, not after a call's retries."""
         Retrying(
-            retry=retry_if_exception(lambda error: isinstance(error, (requests.ConnectionError, requests.Timeout))),
+            retry=retry_if_exception_type((requests.ConnectionError, requests.Timeout)),
             wait=wait_exponential_jitter(initial=0.5, max=2),
             stop=stop_after_delay(within_s),
             reraise=True,
