@@ -44,8 +44,12 @@ def boundary_of(content_type: str | None) -> bytes:
 
 
 class FormReader:
-    def __init__(self, stream: BinaryIO, boundary: bytes, max_field_bytes: int) -> None:
-        self._stream, self._max_field_bytes = stream, max_field_bytes
+    """The parts of one body. A part with a filename under a name that takes no file (not in `file_fields`) is a field
+    if it is JSON or text: a browser's FormData sends a Blob with a filename ("blob"), as Swagger UI sends `metadata`
+    when the OpenAPI document gives its `encoding` as application/json."""
+
+    def __init__(self, stream: BinaryIO, boundary: bytes, max_field_bytes: int, file_fields: frozenset[str]) -> None:
+        self._stream, self._max_field_bytes, self._file_fields = stream, max_field_bytes, file_fields
         self._decoder = MultipartDecoder(boundary, max_parts=MAX_PARTS)
         self._events = self._pull()
 
@@ -76,12 +80,18 @@ class FormReader:
         for event in self._events:
             if isinstance(event, Field):
                 yield FormField(event.name, self._field_value(event.name))
+            elif isinstance(event, File) and self._textual(event):
+                yield FormField(event.name, self._field_value(event.name))
             elif isinstance(event, File):
                 stream = _PartStream(self._events)
                 yield FormFile(
                     event.name, event.filename, event.headers.get("content-type", "application/octet-stream"), stream
                 )
                 stream.skip_rest()
+
+    def _textual(self, part: File) -> bool:
+        kind = parse_options_header(part.headers.get("content-type", ""))[0]
+        return part.name not in self._file_fields and (kind == "application/json" or kind.startswith("text/"))
 
     def _field_value(self, name: str) -> str:
         value = bytearray()

@@ -52,10 +52,11 @@ def _upload_limit() -> int:
     return limit
 
 
-def _form(limit: int) -> FormReader:
+def _form(limit: int, file_fields: frozenset[str]) -> FormReader:
     """The request's form, its bytes counted as they stream (a chunked body declares no length to check first)."""
     body = Capped(request.stream, limit + _FORM_SLACK, f"Uploads are limited to {limit} bytes.")
-    return FormReader(body, boundary_of(request.content_type), services().settings.max_form_field_bytes)
+    settings = services().settings
+    return FormReader(body, boundary_of(request.content_type), settings.max_form_field_bytes, file_fields)
 
 
 def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
@@ -64,7 +65,7 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
     Whatever goes wrong after the file was stored (a second file, a bad field) deletes it again."""
     limit = _upload_limit()
     blobs = services().blobs
-    reader = _form(limit)
+    reader = _form(limit, file_fields)
     fields: dict[str, str] = {}
     stored: StoredFile | None = None
     try:
@@ -98,7 +99,7 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
 def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str], str | None]:
     """The form's fields and its file's SHA-256, stored nowhere: enough to fingerprint a repeated request."""
     limit = _upload_limit()
-    reader = _form(limit)
+    reader = _form(limit, file_fields)
     fields: dict[str, str] = {}
     digest: str | None = None
     for part in reader.parts():
@@ -118,6 +119,8 @@ def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str], str | None]:
 @blueprint.post("/v1/uploads")
 def create_upload() -> tuple[Response, int]:
     """A video stored for later jobs: multipart with the file in `file`."""
+    if request.mimetype != "multipart/form-data":  # unlike a create, no JSON body: it would name no file
+        raise ApiError(415, "unsupported_media_type", "Send multipart/form-data with the video in the field `file`.")
     form = receive_form(frozenset({"file"}))
     if form.file is None:
         raise ApiError(422, "missing_file", "Send the video in the multipart field `file`.")

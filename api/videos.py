@@ -219,8 +219,12 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
     settings, jobs = services().settings, services().jobs
     model = create.options.model or settings.default_model
     if model not in settings.models:
+        served = f"served: {', '.join(settings.models)}"
         raise ApiError(
-            422, "unknown_model", f"Model {model!r} is not served here; served: {', '.join(settings.models)}."
+            422,
+            "unknown_model",
+            f"Model {model!r} is not served here; {served}.",
+            errors=[{"field": "model", "code": "unknown_model", "message": served}],
         )
     if create.options.webhook_url is not None:  # checked again when each delivery connects
         _check_url("webhook_url", create.options.webhook_url, settings.webhook_allow_loopback, "unsafe_webhook_url")

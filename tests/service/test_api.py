@@ -168,7 +168,8 @@ def test_sglang_defaults_and_a_second_model(api, clip, redis_client):
     assert [m["args"] for m in broker_messages(redis_client, "vsrq.cpu") if m["args"] == [other["id"]]] == [
         [other["id"]]
     ]
-    assert_problem(create(api, "alice", clip, {"model": "nope"}), 422, "unknown_model")
+    body = assert_problem(create(api, "alice", clip, {"model": "nope"}), 422, "unknown_model")
+    assert body["error"]["param"] == "model"  # what OpenAI's SDK shows as `e.param`
 
 
 def test_invalid_fields_are_422_with_details_and_leave_no_upload(api, clip, s3):
@@ -203,6 +204,29 @@ def test_invalid_fields_are_422_with_details_and_leave_no_upload(api, clip, s3):
         "malformed_json",
     )
     assert uploads_of(s3, "alice") == before
+
+
+def test_metadata_sent_as_a_json_blob_is_a_field(api, clip):
+    # Swagger UI's "Try it out" and a browser's FormData send JSON as a part with a filename ("blob")
+    blob = ("blob", json.dumps({"shot": "12a"}), "application/json")
+    response = requests.post(
+        f"{api}/v1/videos", files={"video_reference": ("clip.mp4", clip, "video/mp4"), "metadata": blob},
+        headers=auth("alice"), timeout=30,
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert response.json()["metadata"] == {"shot": "12a"}
+    # a file that is not text under a name that takes none is still refused
+    response = requests.post(
+        f"{api}/v1/videos", files={"video_reference": ("clip.mp4", clip, "video/mp4"), "metadata": ("m.bin", b"x")},
+        headers=auth("alice"), timeout=30,
+    )  # fmt: skip
+    assert_problem(response, 422, "unexpected_file")
+
+
+def test_an_upload_says_it_takes_multipart_only(api):
+    response = requests.post(f"{api}/v1/uploads", json={"file": "clip.mp4"}, headers=auth("alice"), timeout=10)
+    body = assert_problem(response, 415, "unsupported_media_type")
+    assert "`file`" in body["detail"] and "json" not in body["detail"].lower()
 
 
 def test_server_paths_are_refused(api, clip, s3):
