@@ -13,7 +13,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from api.auth import admit_caller, owner
 from api.body import Capped, hold_body_slot
 from api.errors import ApiError
-from api.multipart import FormFile, FormReader, boundary_of
+from api.multipart import FormField, FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
@@ -40,7 +40,7 @@ class StoredFile:
 
 @dataclass
 class ReceivedForm:
-    fields: dict[str, str]
+    fields: dict[str, str | None]  # None: the text `null` (`_take`)
     file: StoredFile | None
 
 
@@ -59,6 +59,12 @@ def _form(limit: int, file_fields: frozenset[str]) -> FormReader:
     return FormReader(body, boundary_of(request.content_type), settings.max_form_field_bytes, file_fields)
 
 
+def _take(fields: dict[str, str | None], part: FormField) -> None:
+    """A form cannot say null: the text `null` stands for it, as JavaScript's FormData writes a null and Swagger UI's
+    "Try it out" sends every field whose default is null (null, like empty text, is a field not given)."""
+    fields[part.name] = None if part.value == "null" else part.value
+
+
 def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
     """Reads the request's form, streaming its one file (in one of `file_fields`) to uploads/{owner}/{upload_id}.
 
@@ -66,12 +72,12 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
     limit = _upload_limit()
     blobs = services().blobs
     reader = _form(limit, file_fields)
-    fields: dict[str, str] = {}
+    fields: dict[str, str | None] = {}
     stored: StoredFile | None = None
     try:
         for part in reader.parts():
             if not isinstance(part, FormFile):
-                fields[part.name] = part.value
+                _take(fields, part)
             elif part.name not in file_fields or stored is not None:
                 raise ApiError(
                     422,
@@ -96,15 +102,15 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
     return ReceivedForm(fields, stored)
 
 
-def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str], str | None]:
+def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str | None], str | None]:
     """The form's fields and its file's SHA-256, stored nowhere: enough to fingerprint a repeated request."""
     limit = _upload_limit()
     reader = _form(limit, file_fields)
-    fields: dict[str, str] = {}
+    fields: dict[str, str | None] = {}
     digest: str | None = None
     for part in reader.parts():
         if not isinstance(part, FormFile):
-            fields[part.name] = part.value
+            _take(fields, part)
         elif part.name in file_fields and digest is None:
             hasher, size = hashlib.sha256(), 0
             while chunk := part.stream.read(1024 * 1024):

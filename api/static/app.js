@@ -10,9 +10,15 @@ const STAGE_LABEL = {probing: "Reading input", upscaling: "Upscaling", encoding:
 const POLL_ACTIVE_MS = 1000;
 const POLL_IDLE_MS = 5000;
 const KEEP_INPUT_BYTES = 2 ** 30; // originals up to 1 GiB are kept in this browser for the comparison
+const LIST_PAGE = 50; // the newest jobs listed, and how many more "Show older jobs" adds
+const ACTIVE_MOST = 500; // queued or running jobs listed beside them however old (a bulk run's)
 
 const $ = (id) => document.getElementById(id);
-const state = {key: null, picked: null, pickedMedia: null, jobs: new Map(), outputs: new Map(), comparing: null, timer: null};
+// `open`: the workspace is shown, with `key`, or with none where the service asks for none (auth off)
+const state = {
+  key: null, open: false, listed: LIST_PAGE, picked: null, pickedMedia: null, jobs: new Map(), outputs: new Map(),
+  comparing: null, timer: null,
+};
 
 // -- small helpers -------------------------------------------------------------------------------------------------
 
@@ -72,12 +78,20 @@ class ApiError extends Error {
   }
 }
 
+function authorization() {
+  return state.key ? {Authorization: `Bearer ${state.key}`} : {};
+}
+
+function refused() {
+  signOut(state.key ? "The service did not accept this key; enter it again." : "");
+}
+
 async function api(path, options = {}) {
-  const response = await fetch(path, {...options, headers: {...options.headers, Authorization: `Bearer ${state.key}`}});
+  const response = await fetch(path, {...options, headers: {...options.headers, ...authorization()}});
   if (response.ok) return response;
   let body = null;
   try { body = await response.json(); } catch { /* not problem+json: the status says enough */ }
-  if (response.status === 401) signOut("The service did not accept this key; enter it again.");
+  if (response.status === 401) refused();
   throw new ApiError(response.status, body);
 }
 
@@ -146,6 +160,7 @@ function signOut(message) {
   sessionStorage.removeItem(KEY);
   localStorage.removeItem(KEY);
   state.key = null;
+  state.open = false;
   clearTimeout(state.timer);
   state.jobs.clear();
   $("jobs").replaceChildren();
@@ -158,9 +173,10 @@ function signOut(message) {
 }
 
 function showWorkspace() {
+  state.open = true;
   $("connect").hidden = true;
   $("workspace").hidden = false;
-  $("sign-out").hidden = false;
+  $("sign-out").hidden = !state.key;  // no key to forget where the service asks for none
   loadModels();
   poll();
 }
@@ -272,7 +288,7 @@ function submit(event) {
 
   const xhr = new XMLHttpRequest(); // fetch() reports no upload progress
   xhr.open("POST", "/v1/videos");
-  xhr.setRequestHeader("Authorization", `Bearer ${state.key}`);
+  for (const [name, value] of Object.entries(authorization())) xhr.setRequestHeader(name, value);
   if (crypto.randomUUID) xhr.setRequestHeader("Idempotency-Key", crypto.randomUUID());
   xhr.responseType = "json";
   const bar = document.querySelector("#upload .bar");
@@ -298,7 +314,7 @@ function submit(event) {
       upsertJob(job);
       poll();
     } else {
-      if (xhr.status === 401) signOut("The service did not accept this key; enter it again.");
+      if (xhr.status === 401) refused();
       showFormError(new ApiError(xhr.status, xhr.response));
     }
   };
@@ -317,29 +333,61 @@ function submit(event) {
 function showFormError(error) {
   const fields = (error.body && error.body.errors) || [];
   $("form-error").replaceChildren(
-    error.message,
+    fields.length ? "Check these fields:" : error.message,  // the API's detail points at `errors`, listed here
     ...fields.map((item) => el("span", {class: "field-error"}, `${item.field || "request"}: ${item.message}`)),
   );
 }
 
 // -- the job list --------------------------------------------------------------------------------------------------
 
+// Up to `most` jobs of the list `query` selects, page by page: the jobs, and whether there are more.
+async function listed(query, most) {
+  const jobs = [];
+  let after = null;
+  let more = true;
+  while (more && jobs.length < most) {
+    const limit = Math.min(100, most - jobs.length);
+    const page = await (await api(`/v1/videos?${query}&limit=${limit}${after ? `&after=${after}` : ""}`)).json();
+    jobs.push(...page.data);
+    [after, more] = [page.last_id, page.has_more];
+  }
+  return {jobs, more};
+}
+
+// The newest `state.listed` jobs, then every queued or running one older than them: a job still going is never
+// hidden. Newest first: the list's own order (jobs of one second included), then the older ones by creation.
 async function fetchJobs() {
-  const response = await api("/v1/videos?limit=50");
-  return (await response.json()).data;
+  const newest = await listed("order=desc", state.listed);
+  $("jobs-older").hidden = !newest.more;
+  const ids = new Set(newest.jobs.map((job) => job.id));
+  const older = [];
+  for (const status of ACTIVE) {
+    older.push(...(await listed(`status=${status}`, ACTIVE_MOST)).jobs.filter((job) => !ids.has(job.id)));
+  }
+  return [...newest.jobs, ...older.sort((a, b) => b.created_at - a.created_at)];
+}
+
+// The rows in the order of `jobs`, each moved only where it is out of place: a moved row's video would stop.
+function placeRows(jobs) {
+  const list = $("jobs");
+  jobs.forEach((job, index) => {
+    const row = state.jobs.get(job.id).row;
+    if (list.children[index] !== row) list.insertBefore(row, list.children[index] || null);
+  });
 }
 
 async function poll() {
   clearTimeout(state.timer);
-  if (!state.key) return;
+  if (!state.open) return;
   try {
     const jobs = await fetchJobs();
     const ids = new Set(jobs.map((job) => job.id));
     for (const id of state.jobs.keys()) if (!ids.has(id)) removeJob(id);
-    jobs.slice().reverse().forEach(upsertJob);
+    jobs.forEach(upsertJob);
+    placeRows(jobs);
     $("jobs-updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;
   } catch (error) {
-    if (!state.key) return;
+    if (!state.open) return;
     $("jobs-updated").textContent = "Cannot reach the service; retrying…";
   }
   const active = [...state.jobs.values()].some((entry) => ACTIVE.has(entry.job.status));
@@ -387,7 +435,7 @@ function upsertJob(job) {
   if (!entry) {
     entry = {job, row: buildRow(job)};
     state.jobs.set(job.id, entry);
-    $("jobs").prepend(entry.row);
+    $("jobs").prepend(entry.row);  // a job just made; `poll` puts the list in order
   }
   entry.job = job;
   fillRow(entry.row, job);
@@ -673,12 +721,22 @@ function wireForm() {
   $("job-form").addEventListener("submit", submit);
   $("key-form").addEventListener("submit", connect);
   $("sign-out").addEventListener("click", () => signOut());
+  $("jobs-older").addEventListener("click", () => {
+    state.listed += LIST_PAGE;
+    poll();
+  });
 }
 
-document.addEventListener("DOMContentLoaded", () => {
+document.addEventListener("DOMContentLoaded", async () => {
   wireForm();
   wirePlayer();
   state.key = storedKey();
-  if (state.key) showWorkspace();
-  else signOut();
+  if (state.key) return showWorkspace();
+  // A service with auth off (`vsrq dev`, VSRQ_AUTH=none) lists jobs for a request without a key: none to ask for
+  try {
+    await fetchJobs();
+    showWorkspace();
+  } catch {
+    signOut();
+  }
 });

@@ -6,6 +6,7 @@ before and after, plays and downloads the result, cancels and deletes a job. Wha
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import time
@@ -20,7 +21,7 @@ from PIL import Image
 
 from worker.media.synthetic import write_clip
 
-from .conftest import KEYS, auth
+from .conftest import KEYS, auth, serve_api
 from .test_worker import worker  # noqa: F401  (its lanczos worker fixture serves this module too)
 
 CHROMIUM = "/usr/bin/chromium"
@@ -31,6 +32,15 @@ FLAGS = [
     "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
 SIZE = (144, 256)  # height, width: big enough for a person to see the comparison
+IDLE_QUEUE = "vsrq.web-idle"  # no worker takes it: the open API's jobs stay queued
+
+
+@pytest.fixture(scope="module")
+def open_api(service_env, tmp_path_factory) -> Iterator[str]:
+    """The API as `vsrq dev` serves it: auth off on loopback."""
+    env = {**service_env, "VSRQ_AUTH": "none", "VSRQ_MODELS": json.dumps({"lanczos": IDLE_QUEUE})}
+    with serve_api(env, tmp_path_factory.mktemp("open-api") / "gunicorn.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +293,47 @@ def test_the_api_docs_render_the_document_from_this_api_alone(api, browser_conte
     page.screenshot(path=str(tmp_path / "docs.png"))
     print(f"\nscreenshot: {tmp_path / 'docs.png'}")
     assert [url for url in urls if not url.startswith(api)] == [], "the docs page fetched from another host"
+
+
+def test_with_auth_off_the_page_asks_for_no_key_and_hides_no_job_still_going(open_api, browser_context, tmp_path):
+    from playwright.sync_api import expect
+
+    clip = write_clip(tmp_path / "clip.mp4", 8, SIZE).read_bytes()
+    upload = requests.post(f"{open_api}/v1/uploads", files={"file": ("clip.mp4", clip, "video/mp4")}, timeout=30)
+    made = [
+        requests.post(f"{open_api}/v1/videos", json={"upload_id": upload.json()["id"]}, timeout=30).json()["id"]
+        for _ in range(53)
+    ]
+    for job_id in made[1:]:  # the oldest stays queued, 52 newer ones end
+        assert requests.post(f"{open_api}/v1/videos/{job_id}/cancel", timeout=30).status_code == 200
+
+    page = browser_context.new_page()
+    page.goto(f"{open_api}/")
+    expect(page.locator("#workspace")).to_be_visible()
+    expect(page.get_by_role("heading", name="Connect with your API key")).to_be_hidden()
+    expect(page.get_by_role("button", name="Forget key")).to_be_hidden()
+    rows = "document.querySelectorAll('#jobs > li')"
+    until(page, f"{rows}.length === 51")  # the newest 50, and the queued one behind them
+    shown = [row.get_attribute("data-id") for row in page.locator("#jobs > li").all()]
+    assert shown == made[:-51:-1] + made[:1]
+    page.get_by_role("button", name="Show older jobs").click()
+    until(page, f"{rows}.length === 53")
+    assert [row.get_attribute("data-id") for row in page.locator("#jobs > li").all()] == made[::-1]
+    expect(page.get_by_role("button", name="Show older jobs")).to_be_hidden()
+
+
+def test_try_it_out_in_the_docs_creates_a_job(open_api, browser_context, tmp_path):
+    from playwright.sync_api import expect
+
+    clip = write_clip(tmp_path / "clip.mp4", 8, SIZE)
+    page = browser_context.new_page()
+    page.goto(f"{open_api}/docs")
+    create = page.locator(".opblock-post", has_text="/v1/videos").first
+    create.locator(".opblock-summary").click()  # its form is open to edit at once (`tryItOutEnabled`)
+    create.locator("input[type=file]").first.set_input_files(clip)  # the first file field: `input_reference`
+    create.get_by_role("button", name="Execute").click()
+    answer = create.locator(".live-responses-table tr.response").first
+    expect(answer).to_be_visible(timeout=20_000)
+    # the form as Swagger UI sends it: `metadata` a JSON blob, no field the form left empty
+    sent = create.locator(".curl-command").text_content()
+    assert answer.locator(".response-col_status").text_content().strip() == "200", f"{sent}\n{answer.text_content()}"
