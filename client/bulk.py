@@ -22,6 +22,7 @@ whose answer was lost to Ctrl-C is replayed by the API under its key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import io
@@ -54,6 +55,9 @@ VIDEO_SUFFIXES = frozenset(
      ".gif", ".webp", ".apng", ".avifs"}
 )  # fmt: skip
 ALIASES = {"scale": "sr_resolution_scale"}
+# The API's `sr_resolution_scale` where a create names none (SGLang's; api/schemas.py `UpscaleParams`, which the
+# client does not import): what an output's default name says then
+DEFAULT_SCALE = "2.25"
 OUTPUT_EXISTS = "output_exists"  # a completed job whose output was not downloaded: another file is at its path
 REPORT_COLUMNS = (
     "source", "job_id", "status", "error_code", "error_message", "output", "queued_s", "running_s", "sha256"
@@ -107,8 +111,11 @@ def _digest(*parts: Any) -> str:
 # -- planning: which videos, with which fields ---------------------------------------------------------------------
 
 
-def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[list[Item], Counter]:
-    """The videos `source` names, and the files of a folder or prefix left out, counted by why (`_left_out`)."""
+def plan(
+    source: str, defaults: dict[str, str], s3: Callable[[], Any], download: Path | None = None
+) -> tuple[list[Item], Counter]:
+    """The videos `source` names, and the files of a folder or prefix left out, counted by why (`_left_out`): a
+    folder's files that are its videos' outputs (downloaded into it by an earlier run) among them."""
     left_out: Counter = Counter()
     if source.startswith("s3://"):
         items = list(_s3_prefix(source, defaults, s3(), left_out))
@@ -126,14 +133,36 @@ def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[
             items = [_row(row, path.parent, defaults, s3, number) for number, row in _rows(path)]
         else:
             raise BulkError("bad_source", f"{source} is not a folder, a .csv or .jsonl manifest, or an s3:// prefix")
-    outputs = Counter(item.output for item in items)
-    clashes = sorted(name for name, count in outputs.items() if count > 1)
+    items = _apart(items)
+    if download is not None:
+        outputs = {str((download / item.output).resolve()) for item in items}
+        left_out["outputs of this command"] += sum(item.location in outputs for item in items)
+        items = [item for item in items if item.location not in outputs]
+    return items, +left_out
+
+
+def _apart(items: list[Item]) -> list[Item]:
+    """`items` with no two outputs at one path: sources whose default names clash (`clip.mov`, `clip.mp4`) keep their
+    suffixes in them; a name still shared (a manifest's `output` column) refuses the run, naming its sources."""
+    shared = {name for name, count in Counter(item.output for item in items).items() if count > 1}
+    items = [
+        replace(item, output=_default_output(item.source, item.fields, suffixed=True))
+        if item.output in shared and item.output == _default_output(item.source, item.fields)
+        else item
+        for item in items
+    ]
+    sources: dict[str, list[str]] = {}
+    for item in items:
+        sources.setdefault(item.output, []).append(item.source)
+    clashes = sorted((name, named) for name, named in sources.items() if len(named) > 1)
     if clashes:
+        name, named = clashes[0]
+        more = f" ({len(clashes) - 1} more outputs are shared)" if len(clashes) > 1 else ""
         raise BulkError(
             "output_clash",
-            f"several videos would be written to {', '.join(clashes[:5])}: name them in a manifest's `output` column",
+            f"{', '.join(named)} would all be written to {name}{more}: name them in a manifest's `output` column",
         )
-    return items, left_out
+    return items
 
 
 def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -182,19 +211,26 @@ def _item(source: str, location: str, defaults: dict[str, str], fields: dict[str
         except OSError as error:
             raise BulkError("source_not_found", f"{source}: {error.strerror}") from None
         stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
-    name = output or _default_output(source)
+    name = output or _default_output(source, {**defaults, **fields})
     if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
         raise BulkError("bad_output", f"output {name!r} must be a relative name inside the download folder")
     return Item(source, location, {**defaults, **fields}, name, stamp)
 
 
-def _default_output(source: str) -> str:
-    """The source's own name as an MP4, keeping its folders when it is relative."""
+def _default_output(source: str, fields: dict[str, str], suffixed: bool = False) -> str:
+    """The source's name and its scale, as an MP4 (`in/clip.mov` at ×2: `in/clip-x2.mp4`, the web app's name for a
+    download), keeping its folders when it is relative: never a source's own name, so outputs may be downloaded beside
+    their sources. `suffixed` keeps the source's suffix too (`in/clip-mov-x2.mp4`), for names that would clash."""
     if source.startswith(("s3://", "https://", "http://")):
-        name = PurePosixPath(source.split("?", 1)[0].rstrip("/")).name or "video"
-        return str(PurePosixPath(name).with_suffix(".mp4"))
-    path = PurePosixPath(source)
-    return str((PurePosixPath(path.name) if path.is_absolute() or ".." in path.parts else path).with_suffix(".mp4"))
+        path = PurePosixPath(PurePosixPath(source.split("?", 1)[0].rstrip("/")).name or "video")
+    else:
+        path = PurePosixPath(source)
+        path = PurePosixPath(path.name) if path.is_absolute() or ".." in path.parts else path
+    scale = fields.get("sr_resolution_scale", DEFAULT_SCALE)
+    with contextlib.suppress(ValueError):  # a bad scale names the output as it is; the API refuses the row
+        scale = f"{float(scale):g}"
+    kept = f"-{path.suffix[1:]}" if suffixed and path.suffix else ""
+    return str(path.with_name(f"{path.stem}{kept}-x{scale}.mp4"))
 
 
 def _left_out(name: str) -> str | None:
@@ -491,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
         defaults[ALIASES.get(name, name)] = value
     s3 = _lazy(lambda: s3_client(args.s3_endpoint_url))
     try:
-        items, left_out = plan(args.source, defaults, s3)
+        items, left_out = plan(args.source, defaults, s3, args.download)
     except BulkError as error:
         print(f"vsrq: bulk: {error.code}: {error.message}", file=sys.stderr)
         return 2
@@ -506,6 +542,10 @@ def run(args: argparse.Namespace) -> int:
                 max(1, args.concurrency), args.wait, args.poll, args.download)  # fmt: skip
     try:
         bulk.run()
+    except KeyboardInterrupt:  # what was in flight ended and is journalled (`Bulk.run`); the report is written below
+        print(f"vsrq bulk: interrupted: {_tally(items, bulk)}; rerun the same command to carry on (report {report})",
+              file=sys.stderr)  # fmt: skip
+        return 130
     except ApiProblem as problem:  # the key is refused, or the API kept answering 5xx / 429
         if problem.status == 401:
             hint = "the API asks for a key: pass --token or set VSRQ_TOKEN" if not token else "is it this API's key?"
@@ -520,6 +560,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         write_report(report, items, bulk.entries)
         journal.close()
+    print(f"vsrq bulk: {_tally(items, bulk)}; report {report}")
+    counts = bulk.counts()
+    return 1 if counts["failed"] or counts["in_the_way"] else 0
+
+
+def _tally(items: list[Item], bulk: Bulk) -> str:
+    """Where the run's videos stand: "10 videos: 10 submitted (3 by an earlier run), 9 completed, 1 failed, …"."""
     counts = bulk.counts()
     in_the_way = (
         f", {counts['in_the_way']} not downloaded (another file is where it would go: error_code output_exists)"
@@ -527,11 +574,10 @@ def run(args: argparse.Namespace) -> int:
         else ""
     )
     earlier = f" ({bulk.resumed} by an earlier run)" if bulk.resumed else ""
-    print(
-        f"vsrq bulk: {len(items)} videos: {counts['submitted']} submitted{earlier}, {counts['completed']} completed"
-        f"{in_the_way}, {counts['failed']} failed, {counts['in_progress']} still running; report {report}"
+    return (
+        f"{len(items)} videos: {counts['submitted']} submitted{earlier}, {counts['completed']} completed{in_the_way}, "
+        f"{counts['failed']} failed, {counts['in_progress']} still running"
     )
-    return 1 if counts["failed"] or counts["in_the_way"] else 0
 
 
 def _why(error: requests.RequestException) -> str:

@@ -118,6 +118,7 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     finally:
         paused.resume()
     assert first.returncode == 130, stdout + stderr
+    assert "vsrq bulk: interrupted: 10 videos: " in stderr and "rerun the same command to carry on" in stderr
     # the journal is consistent: it holds exactly the jobs the API made, no more, no fewer
     with sqlite3.connect(journal_path(report)) as db:
         journalled = {json.loads(entry)["job_id"] for (entry,) in db.execute("SELECT entry FROM entries")} - {None}
@@ -135,7 +136,7 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     for name, row in rows.items():
         assert (row["status"], row["error_code"]) == ("completed", ""), row
         output = Path(row["output"])
-        assert output == out / name  # the source's own name and folders
+        assert output == out / Path(name).with_name(f"{Path(name).stem}-x2.mp4")  # the source's name and folders
         assert hashlib.sha256(output.read_bytes()).hexdigest() == row["sha256"]
         assert media(output) == (96, 64, frames[name], True)
         assert int(row["queued_s"]) >= 0 and int(row["running_s"]) >= 0
@@ -191,43 +192,70 @@ def test_a_manifest_carries_per_row_parameters_and_reports_a_bad_file(api, worke
 
 
 def test_a_folder_sends_its_animated_pictures_and_never_reports_another_file_as_an_output(api, worker, tmp_path):
-    """A folder of a GIF and a .3g2 (both were left out, unsaid); a rerun at another scale into the same download
-    folder kept the first outputs and reported them with the new jobs' sha256."""
+    """A folder of a GIF and a .3g2 (both were left out, unsaid); a rerun with another encoder quality into the same
+    download folder kept the first outputs and reported them with the new jobs' sha256."""
     folder, out, report = tmp_path / "in", tmp_path / "out", tmp_path / "report.csv"
     folder.mkdir()
     write_clip(folder / "anim.gif", 13, (32, 48), video_codec="gif", pix_fmt="rgb8")
     write_clip(folder / "phone.3g2", 11, (32, 48))
     (folder / "notes.txt").write_text("not a video")
     (folder / "._phone.3g2").write_bytes(NOT_A_VIDEO)  # a macOS resource fork: a video's name, not a video
-    command = bulk_command(api, folder, report, "--seed", "21", "--wait", "--download", str(out))
+    command = bulk_command(api, folder, report, "--scale", "2", "--seed", "21", "--wait", "--download", str(out))
 
-    first = run_bulk([*command, "--scale", "2"])
+    first = run_bulk(command)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "vsrq bulk: left out by their names: 1 .txt, 1 hidden (a manifest sends any file)" in first.stderr
     rows = by_source(report)
     assert sorted(rows) == ["anim.gif", "phone.3g2"]
     kept = {}
     for name, row in rows.items():
-        assert (row["status"], row["output"]) == ("completed", str(out / Path(name).with_suffix(".mp4"))), row
+        assert (row["status"], row["output"]) == ("completed", str(out / f"{Path(name).stem}-x2.mp4")), row
         kept[name] = hashlib.sha256(Path(row["output"]).read_bytes()).hexdigest()
         assert kept[name] == row["sha256"]
         assert media(Path(row["output"]))[:3] == (96, 64, {"anim.gif": 13, "phone.3g2": 11}[name])
 
-    second = run_bulk([*command, "--scale", "4"])
+    second = run_bulk([*command, "--set", "output_crf=30"])
     assert second.returncode == 1, second.stdout + second.stderr
     assert "2 completed, 2 not downloaded (another file is where it would go" in second.stdout
     for name, row in by_source(report).items():
         assert (row["status"], row["error_code"], row["output"]) == ("completed", "output_exists", ""), row
-        assert row["sha256"] != kept[name]  # the x4 job's
-        assert hashlib.sha256((out / Path(name).with_suffix(".mp4")).read_bytes()).hexdigest() == kept[name]
+        assert row["sha256"] != kept[name]  # the CRF 30 job's
+        assert hashlib.sha256((out / f"{Path(name).stem}-x2.mp4").read_bytes()).hexdigest() == kept[name]
 
-    out.rename(tmp_path / "x2")  # moved away: the next run downloads the x4 outputs, submitting nothing
-    third = run_bulk([*command, "--scale", "4"])
+    out.rename(tmp_path / "crf18")  # moved away: the next run downloads the CRF 30 outputs, submitting nothing
+    third = run_bulk([*command, "--set", "output_crf=30"])
     assert third.returncode == 0, third.stdout + third.stderr
     for name, row in by_source(report).items():
         assert (row["status"], row["error_code"]) == ("completed", ""), row
-        assert hashlib.sha256(Path(row["output"]).read_bytes()).hexdigest() == row["sha256"]
-        assert media(Path(row["output"]))[:2] == (192, 128)
+        assert hashlib.sha256(Path(row["output"]).read_bytes()).hexdigest() == row["sha256"] != kept[name]
+        assert media(Path(row["output"]))[:2] == (96, 64)
+
+
+def test_outputs_downloaded_beside_their_sources_never_clash_and_are_not_sent_again(api, worker, tmp_path):
+    """Two videos of one name but their suffixes, downloaded into their own folder: each output is named apart
+    (the source's suffix kept), no source is in the way, and a rerun does not take the outputs for new videos."""
+    folder, report = tmp_path / "shoot", tmp_path / "report.csv"
+    folder.mkdir()
+    write_clip(folder / "take.mp4", 7, (32, 48))
+    write_clip(folder / "take.mkv", 9, (32, 48))
+    sources = {path.name: path.read_bytes() for path in folder.iterdir()}
+    command = bulk_command(api, folder, report, "--scale", "2", "--wait", "--download", str(folder))
+    before = job_count(api)
+
+    first = run_bulk(command)
+    assert first.returncode == 0, first.stdout + first.stderr
+    rows = by_source(report)
+    assert {name: Path(row["output"]).name for name, row in rows.items()} == {
+        "take.mp4": "take-mp4-x2.mp4", "take.mkv": "take-mkv-x2.mp4"
+    }  # fmt: skip
+    assert media(folder / "take-mp4-x2.mp4")[:3] == (96, 64, 7) and media(folder / "take-mkv-x2.mp4")[:3] == (96, 64, 9)
+    assert {name: (folder / name).read_bytes() for name in sources} == sources
+
+    second = run_bulk(command)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "left out by their names: 2 outputs of this command" in second.stderr
+    assert "2 videos: 2 submitted (2 by an earlier run), 2 completed" in second.stdout
+    assert job_count(api) - before == 2
 
 
 def test_a_refused_field_is_named_in_the_report_and_no_key_is_asked_for_until_the_api_does(api, worker, tmp_path):
