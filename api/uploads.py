@@ -130,7 +130,21 @@ def create_upload() -> tuple[Response, int]:
     form = receive_form(frozenset({"file"}))
     if form.file is None:
         raise ApiError(422, "missing_file", "Send the video in the multipart field `file`.")
+    if form.file.filename:
+        svc = services()
+        svc.redis.set(_name_key(form.file.blob.key), form.file.filename, ex=svc.settings.upload_ttl_s)
     return jsonify(upload_object(form.file)), 201
+
+
+def upload_name(key: str) -> str | None:
+    """The file name an upload came with, for a job made from its id (as one made from the file itself shows it);
+    kept as long as an upload no job names is (`upload_ttl_s`), so a reused upload's later jobs may go without."""
+    name = services().redis.get(_name_key(key))
+    return None if name is None else name.decode()
+
+
+def _name_key(key: str) -> str:
+    return f"vsrq:upload-name:{key}"
 
 
 def upload_object(file: StoredFile) -> dict:

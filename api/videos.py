@@ -18,7 +18,9 @@ A caller sees only its own jobs: another key's job answers 404, exactly as a mis
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from flask import Blueprint, Response, g, jsonify, redirect, request
 from pydantic import ValidationError
@@ -30,7 +32,7 @@ from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
-from api.uploads import hash_form, receive_form
+from api.uploads import hash_form, receive_form, upload_name
 from storage.blobs import SAFE_KEY, BlobError, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files
@@ -172,7 +174,10 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
     if create.video_url is not None:  # checked again by the worker right before each connection
         _check_url(create.video_url_field, create.video_url, services().settings.fetch_allow_loopback)
         # the key's own upload limit holds for what the worker fetches for it, too
-        return InputInfo(url=create.video_url, max_bytes=limits_of(g.api_key, services().settings).upload_bytes)
+        name = PurePosixPath(unquote(urlsplit(create.video_url).path)).name or None  # what a download calls it
+        return InputInfo(
+            url=create.video_url, filename=name, max_bytes=limits_of(g.api_key, services().settings).upload_bytes
+        )
     caller = owner()
     key = upload_key(caller, create.upload_id) if create.upload_id else create.input_key
     # Another caller's upload, or any key outside the caller's uploads, answers exactly as a missing one; so does a key
@@ -184,7 +189,8 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
         blob = None
     if blob is None:
         raise ApiError(404, "upload_not_found", "No such upload.")
-    return InputInfo(key=key, bytes=blob.size, upload_id=key.rsplit("/", 1)[1], owned_by_job=False)
+    name = upload_name(key)
+    return InputInfo(key=key, bytes=blob.size, filename=name, upload_id=key.rsplit("/", 1)[1], owned_by_job=False)
 
 
 def _named_input(body: dict[str, Any], files: frozenset[str]) -> tuple[CreateRequest, InputInfo]:

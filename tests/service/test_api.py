@@ -269,10 +269,16 @@ def test_json_create_by_upload_id_or_key(api, clip, redis_client):
     job = response.json()
     assert (job["status"], job["params"]["sr_resolution_scale"], job["metadata"]) == ("queued", 2.0, {"ref": "a-1"})
     assert (job["input"]["upload_id"], job["input"]["bytes"]) == (uploaded["id"], len(clip))
+    assert job["input"]["filename"] == "clip.mp4"  # the upload's name, as a job made from the file itself shows
     assert [m["args"] for m in broker_messages(redis_client, "vsrq.k6") if m["args"] == [job["id"]]] == [[job["id"]]]
 
     by_key = requests.post(f"{api}/v1/videos", json={"input_key": uploaded["key"]}, headers=auth("alice"), timeout=10)
     assert by_key.status_code == 200 and by_key.json()["input"]["upload_id"] == uploaded["id"]
+    assert by_key.json()["input"]["filename"] == "clip.mp4"
+    # a URL's job is called what a download of it would be
+    url = "https://127.0.0.1:9/clips/holiday%20clip.mp4?signature=x"
+    by_url = requests.post(f"{api}/v1/videos", json={"video_url": url}, headers=auth("alice"), timeout=10)
+    assert by_url.status_code == 200 and by_url.json()["input"]["filename"] == "holiday clip.mp4", by_url.text
 
     # someone else's upload, or a key outside one's uploads, is no upload at all
     for body in ({"upload_id": uploaded["id"]}, {"input_key": uploaded["key"]}, {"input_key": "outputs/x/video.mp4"}):
