@@ -41,8 +41,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, diffusers, celery, av; print("torch", torch.__version__, "diffusers", diffusers.__version__, "celery", celery.__version__, "av", av.__version__)'
   # without nvidia-cudnn-frontend `high` falls back to emulated FP8 attention (a correct, slower path): not the tier
-  # users get on this GPU, so a `high` run stops here rather than measure it
-  if [[ " $* " == *" --quality high "* || " $* " == *" --quality=high "* ]] && ! python3 -c 'import cudnn' 2> /dev/null; then
+  # users get on this GPU, so a run with `high` jobs (`--quality high` or `mixed`) stops here rather than measure it
+  if [[ " $* " =~ \ --quality[=\ ](high|mixed)\  ]] && ! python3 -c 'import cudnn' 2> /dev/null; then
     echo "nvidia-cudnn-frontend is not importable: carry bench/service_pack.sh's .whl-packed (it has the wheel)"
     exit 1
   fi

@@ -55,6 +55,8 @@ VIDEO_SUFFIXES = frozenset(
      ".gif", ".webp", ".apng", ".avifs"}
 )  # fmt: skip
 ALIASES = {"scale": "sr_resolution_scale"}
+# A default output's name (`_default_output`): what it is named after, then its scale
+_OUTPUT_NAME = re.compile(r"(.+)-x\d+(?:\.\d+)?\.mp4")
 # The API's `sr_resolution_scale` where a create names none (SGLang's; api/schemas.py `UpscaleParams`, which the
 # client does not import): what an output's default name says then
 DEFAULT_SCALE = "2.25"
@@ -79,6 +81,9 @@ class Item:
     fields: dict[str, str]  # the create's fields: the command's defaults, then the row's own
     output: str  # the file name under --download
     stamp: str  # the source as it is now: a file's size and mtime, an object's ETag and size ("" for a URL)
+    # what `output` is named after (`_default_output`): the path in the folder or under the prefix, a manifest's
+    # source; None where the manifest names the output
+    named_after: str | None = None
 
     @property
     def id(self) -> str:
@@ -111,11 +116,9 @@ def _digest(*parts: Any) -> str:
 # -- planning: which videos, with which fields ---------------------------------------------------------------------
 
 
-def plan(
-    source: str, defaults: dict[str, str], s3: Callable[[], Any], download: Path | None = None
-) -> tuple[list[Item], Counter]:
-    """The videos `source` names, and the files of a folder or prefix left out, counted by why (`_left_out`): a
-    folder's files that are its videos' outputs (downloaded into it by an earlier run) among them."""
+def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[list[Item], Counter]:
+    """The videos `source` names, and the files of a folder or prefix left out, counted by why (`_left_out`, and
+    "earlier outputs": `_outputs_among`)."""
     left_out: Counter = Counter()
     if source.startswith("s3://"):
         items = list(_s3_prefix(source, defaults, s3(), left_out))
@@ -123,22 +126,18 @@ def plan(
         path = Path(source)
         if path.is_dir():
             items = []
-            for file in filter(Path.is_file, sorted(path.rglob("*"))):
-                relative = file.relative_to(path).as_posix()
-                if why := _left_out(relative):
+            names = [file.relative_to(path).as_posix() for file in filter(Path.is_file, sorted(path.rglob("*")))]
+            outputs = _outputs_among(names)
+            for relative in names:
+                if why := _left_out(relative) or ("earlier outputs" if relative in outputs else None):
                     left_out[why] += 1
                 else:
-                    items.append(_item(relative, str(file.resolve()), defaults, {}, None, s3))
+                    items.append(_item(relative, str((path / relative).resolve()), defaults, {}, None, s3))
         elif path.suffix.lower() in (".csv", ".jsonl", ".ndjson") and path.is_file():
             items = [_row(row, path.parent, defaults, s3, number) for number, row in _rows(path)]
         else:
             raise BulkError("bad_source", f"{source} is not a folder, a .csv or .jsonl manifest, or an s3:// prefix")
-    items = _apart(items)
-    if download is not None:
-        outputs = {str((download / item.output).resolve()) for item in items}
-        left_out["outputs of this command"] += sum(item.location in outputs for item in items)
-        items = [item for item in items if item.location not in outputs]
-    return items, +left_out
+    return _apart(items), left_out
 
 
 def _apart(items: list[Item]) -> list[Item]:
@@ -146,8 +145,8 @@ def _apart(items: list[Item]) -> list[Item]:
     suffixes in them; a name still shared (a manifest's `output` column) refuses the run, naming its sources."""
     shared = {name for name, count in Counter(item.output for item in items).items() if count > 1}
     items = [
-        replace(item, output=_default_output(item.source, item.fields, suffixed=True))
-        if item.output in shared and item.output == _default_output(item.source, item.fields)
+        replace(item, output=_default_output(item.named_after, item.fields, suffixed=True))
+        if item.output in shared and item.named_after is not None
         else item
         for item in items
     ]
@@ -214,7 +213,7 @@ def _item(source: str, location: str, defaults: dict[str, str], fields: dict[str
     name = output or _default_output(source, {**defaults, **fields})
     if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
         raise BulkError("bad_output", f"output {name!r} must be a relative name inside the download folder")
-    return Item(source, location, {**defaults, **fields}, name, stamp)
+    return Item(source, location, {**defaults, **fields}, name, stamp, None if output else source)
 
 
 def _default_output(source: str, fields: dict[str, str], suffixed: bool = False) -> str:
@@ -245,19 +244,29 @@ def _left_out(name: str) -> str | None:
 
 def _s3_prefix(url: str, defaults: dict[str, str], s3, left_out: Counter) -> Iterator[Item]:
     bucket, prefix = _split_s3(url)
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            relative = obj["Key"][len(prefix) :].lstrip("/") or PurePosixPath(obj["Key"]).name
-            if why := _left_out(relative):
-                left_out[why] += 1
-            else:
-                yield Item(
-                    f"s3://{bucket}/{obj['Key']}",
-                    f"s3://{bucket}/{obj['Key']}",
-                    dict(defaults),
-                    str(PurePosixPath(relative).with_suffix(".mp4")),
-                    f"{obj['ETag']}:{obj['Size']}",
-                )
+    objects = {
+        obj["Key"][len(prefix) :].lstrip("/") or PurePosixPath(obj["Key"]).name: obj
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        for obj in page.get("Contents", [])
+    }
+    outputs = _outputs_among(list(objects))
+    for relative, obj in objects.items():
+        if why := _left_out(relative) or ("earlier outputs" if relative in outputs else None):
+            left_out[why] += 1
+        else:
+            source = f"s3://{bucket}/{obj['Key']}"
+            output = _default_output(relative, defaults)
+            yield Item(source, source, dict(defaults), output, f"{obj['ETag']}:{obj['Size']}", relative)
+
+
+def _outputs_among(names: list[str]) -> set[str]:
+    """Those of a folder's `names` (relative paths) that are outputs named after a video beside them (`clip-x2.mp4`,
+    `clip-mov-x4.mp4` beside `clip.mov`: `_default_output`), downloaded there by an earlier run: never sent again."""
+    bases = set()
+    for name in names:
+        path = PurePosixPath(name)
+        bases |= {str(path.with_suffix("")), f"{path.with_suffix('')}-{path.suffix[1:]}"}
+    return {name for name in names if (named := _OUTPUT_NAME.fullmatch(name)) and named.group(1) in bases}
 
 
 def _split_s3(url: str) -> tuple[str, str]:
@@ -527,7 +536,7 @@ def run(args: argparse.Namespace) -> int:
         defaults[ALIASES.get(name, name)] = value
     s3 = _lazy(lambda: s3_client(args.s3_endpoint_url))
     try:
-        items, left_out = plan(args.source, defaults, s3, args.download)
+        items, left_out = plan(args.source, defaults, s3)
     except BulkError as error:
         print(f"vsrq: bulk: {error.code}: {error.message}", file=sys.stderr)
         return 2

@@ -11,13 +11,14 @@ const POLL_ACTIVE_MS = 1000;
 const POLL_IDLE_MS = 5000;
 const KEEP_INPUT_BYTES = 2 ** 30; // originals up to 1 GiB are kept in this browser for the comparison
 const LIST_PAGE = 50; // the newest jobs listed, and how many more "Show older jobs" adds
-const ACTIVE_MOST = 500; // queued or running jobs listed beside them however old (a bulk run's)
+const ACTIVE_MOST = 100; // queued (the next to run first) and running jobs listed beside them however old: a page each
 
 const $ = (id) => document.getElementById(id);
 // `open`: the workspace is shown, with `key`, or with none where the service asks for none (auth off)
+// `session` counts sign-ins and -outs: a list fetched for an earlier one is dropped; one `poll` runs at a time
 const state = {
-  key: null, open: false, listed: LIST_PAGE, picked: null, pickedMedia: null, jobs: new Map(), outputs: new Map(),
-  comparing: null, timer: null,
+  key: null, open: false, session: 0, polling: false, pollAgain: false, listed: LIST_PAGE, picked: null,
+  pickedMedia: null, jobs: new Map(), outputs: new Map(), comparing: null, timer: null,
 };
 
 // -- small helpers -------------------------------------------------------------------------------------------------
@@ -161,6 +162,7 @@ function signOut(message) {
   localStorage.removeItem(KEY);
   state.key = null;
   state.open = false;
+  state.session += 1;
   clearTimeout(state.timer);
   state.jobs.clear();
   $("jobs").replaceChildren();
@@ -174,6 +176,7 @@ function signOut(message) {
 
 function showWorkspace() {
   state.open = true;
+  state.session += 1;
   $("connect").hidden = true;
   $("workspace").hidden = false;
   $("sign-out").hidden = !state.key;  // no key to forget where the service asks for none
@@ -349,22 +352,31 @@ async function listed(query, most) {
     const limit = Math.min(100, most - jobs.length);
     const page = await (await api(`/v1/videos?${query}&limit=${limit}${after ? `&after=${after}` : ""}`)).json();
     jobs.push(...page.data);
-    [after, more] = [page.last_id, page.has_more];
+    // a page emptied by deletions meanwhile has no cursor to go on from
+    [after, more] = [page.last_id, page.has_more && page.last_id !== null];
   }
   return {jobs, more};
 }
 
-// The newest `state.listed` jobs, then every queued or running one older than them: a job still going is never
-// hidden. Newest first: the list's own order (jobs of one second included), then the older ones by creation.
+// The newest `state.listed` jobs, then the queued and running ones older than them (the next to run first, up to
+// ACTIVE_MOST of each). Newest first: the list's own order (jobs of one second included), then the older ones by
+// creation (a job that started between the two lists is in both: listed once).
 async function fetchJobs() {
   const newest = await listed("order=desc", state.listed);
   $("jobs-older").hidden = !newest.more;
   const ids = new Set(newest.jobs.map((job) => job.id));
   const older = [];
+  let unlisted = false;
   for (const status of ACTIVE) {
-    older.push(...(await listed(`status=${status}`, ACTIVE_MOST)).jobs.filter((job) => !ids.has(job.id)));
+    const going = await listed(`status=${status}&order=asc`, ACTIVE_MOST);
+    unlisted ||= going.more;
+    for (const job of going.jobs.filter((job) => !ids.has(job.id))) {
+      older.push(job);
+      ids.add(job.id);
+    }
   }
-  return [...newest.jobs, ...older.sort((a, b) => b.created_at - a.created_at)];
+  $("jobs-unlisted").hidden = !unlisted;
+  return [...newest.jobs, ...older.sort((a, b) => b.created_at - a.created_at || (a.id < b.id ? 1 : -1))];
 }
 
 // The rows in the order of `jobs`, each moved only where it is out of place: a moved row's video would stop.
@@ -379,16 +391,31 @@ function placeRows(jobs) {
 async function poll() {
   clearTimeout(state.timer);
   if (!state.open) return;
+  if (state.polling) {  // asked again while a list is on its way (a job made, older jobs asked for): once it is in
+    state.pollAgain = true;
+    return;
+  }
+  const session = state.session;
+  state.polling = true;
+  let jobs = null;
   try {
-    const jobs = await fetchJobs();
+    jobs = await fetchJobs();
+  } catch (error) {
+    if (session === state.session) $("jobs-updated").textContent = "Cannot reach the service; retrying…";
+  } finally {
+    state.polling = false;
+  }
+  if (session !== state.session) return;  // signed out, or in with another key, meanwhile
+  if (jobs) {
     const ids = new Set(jobs.map((job) => job.id));
     for (const id of state.jobs.keys()) if (!ids.has(id)) removeJob(id);
     jobs.forEach(upsertJob);
     placeRows(jobs);
     $("jobs-updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;
-  } catch (error) {
-    if (!state.open) return;
-    $("jobs-updated").textContent = "Cannot reach the service; retrying…";
+  }
+  if (state.pollAgain) {
+    state.pollAgain = false;
+    return poll();
   }
   const active = [...state.jobs.values()].some((entry) => ACTIVE.has(entry.job.status));
   state.timer = setTimeout(poll, active ? POLL_ACTIVE_MS : POLL_IDLE_MS);

@@ -233,7 +233,8 @@ def test_a_folder_sends_its_animated_pictures_and_never_reports_another_file_as_
 
 def test_outputs_downloaded_beside_their_sources_never_clash_and_are_not_sent_again(api, worker, tmp_path):
     """Two videos of one name but their suffixes, downloaded into their own folder: each output is named apart
-    (the source's suffix kept), no source is in the way, and a rerun does not take the outputs for new videos."""
+    (the source's suffix kept), no source is in the way, and a rerun, at any scale, does not take the outputs for new
+    videos."""
     folder, report = tmp_path / "shoot", tmp_path / "report.csv"
     folder.mkdir()
     write_clip(folder / "take.mp4", 7, (32, 48))
@@ -253,9 +254,16 @@ def test_outputs_downloaded_beside_their_sources_never_clash_and_are_not_sent_ag
 
     second = run_bulk(command)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "left out by their names: 2 outputs of this command" in second.stderr
+    assert "left out by their names: 2 earlier outputs" in second.stderr
     assert "2 videos: 2 submitted (2 by an earlier run), 2 completed" in second.stdout
     assert job_count(api) - before == 2
+
+    third = run_bulk([*command, "--scale", "4"])
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "left out by their names: 2 earlier outputs" in third.stderr and job_count(api) - before == 4
+    assert sorted(path.name for path in folder.iterdir()) == [
+        "take-mkv-x2.mp4", "take-mkv-x4.mp4", "take-mp4-x2.mp4", "take-mp4-x4.mp4", "take.mkv", "take.mp4"
+    ]  # fmt: skip
 
 
 def test_a_refused_field_is_named_in_the_report_and_no_key_is_asked_for_until_the_api_does(api, worker, tmp_path):
@@ -287,6 +295,7 @@ def test_s3_sources_are_referenced_in_our_bucket_and_copied_from_others(api, wor
     for name in ("r0.mp4", "r1.mp4"):
         client.put_object(Bucket=stack.bucket, Key=ours + name, Body=clips[name])
     client.put_object(Bucket=stack.bucket, Key=ours + "readme.txt", Body=b"skipped")
+    client.put_object(Bucket=stack.bucket, Key=ours + "r1-x2.mp4", Body=clips["r1.mp4"])  # as if an earlier output
     client.put_object(Bucket=other, Key="in/c0.mp4", Body=clips["c0.mp4"])
     client.put_object(Bucket=stack.bucket, Key=f"incoming/{batch}/c1.mp4", Body=clips["c1.mp4"])  # not an upload
     env = bulk_env(
@@ -298,7 +307,7 @@ def test_s3_sources_are_referenced_in_our_bucket_and_copied_from_others(api, wor
     prefix = run_bulk(bulk_command(api, f"s3://{stack.bucket}/{ours}", tmp_path / "prefix.csv", "--scale", "2",
                                    "--wait", "--download", str(tmp_path / "out")), env)  # fmt: skip
     assert prefix.returncode == 0, prefix.stdout + prefix.stderr
-    assert "left out by their names: 1 .txt" in prefix.stderr
+    assert "left out by their names: 1 .txt, 1 earlier outputs" in prefix.stderr
     rows = by_source(tmp_path / "prefix.csv")
     assert sorted(rows) == [f"s3://{stack.bucket}/{ours}r0.mp4", f"s3://{stack.bucket}/{ours}r1.mp4"]
     for source, row in rows.items():
@@ -307,6 +316,7 @@ def test_s3_sources_are_referenced_in_our_bucket_and_copied_from_others(api, wor
         digest = hashlib.sha256(clips[source.rsplit("/", 1)[1]]).hexdigest()
         assert job["status"] == "completed" and job["input"]["sha256"] == digest, job
         assert media(Path(row["output"]))[:2] == (96, 64)
+        assert Path(row["output"]).name == source.rsplit("/", 1)[1].replace(".mp4", "-x2.mp4")
     assert s3.exists(ours + "r0.mp4")  # a referenced upload is the caller's: no job deletes it
 
     manifest = tmp_path / "copies.csv"

@@ -37,8 +37,13 @@ IDLE_QUEUE = "vsrq.web-idle"  # no worker takes it: the open API's jobs stay que
 
 @pytest.fixture(scope="module")
 def open_api(service_env, tmp_path_factory) -> Iterator[str]:
-    """The API as `vsrq dev` serves it: auth off on loopback."""
-    env = {**service_env, "VSRQ_AUTH": "none", "VSRQ_MODELS": json.dumps({"lanczos": IDLE_QUEUE})}
+    """The API as `vsrq dev` serves it: auth off on loopback. Its anonymous owner is its first key's id: one of its own,
+    so its listing holds only the jobs its tests made (other modules make jobs as `alice` meanwhile)."""
+    keys = [{"id": "web-open", "token": f"sk-test-web-open-{'0' * 16}"}]
+    env = {
+        **service_env, "VSRQ_AUTH": "none", "VSRQ_API_KEYS": json.dumps(keys),
+        "VSRQ_MODELS": json.dumps({"lanczos": IDLE_QUEUE}),
+    }  # fmt: skip
     with serve_api(env, tmp_path_factory.mktemp("open-api") / "gunicorn.log") as url:
         yield url
 
@@ -337,3 +342,8 @@ def test_try_it_out_in_the_docs_creates_a_job(open_api, browser_context, tmp_pat
     # the form as Swagger UI sends it: `metadata` a JSON blob, no field the form left empty
     sent = create.locator(".curl-command").text_content()
     assert answer.locator(".response-col_status").text_content().strip() == "200", f"{sent}\n{answer.text_content()}"
+    [job] = requests.get(f"{open_api}/v1/videos?limit=1", timeout=10).json()["data"]  # the newest: this one
+    assert job["input"]["filename"] == "clip.mp4"
+    # gone again, so the other test's listing of this owner holds only its own jobs, in either order
+    assert requests.post(f"{open_api}/v1/videos/{job['id']}/cancel", timeout=10).status_code == 200
+    assert requests.delete(f"{open_api}/v1/videos/{job['id']}", timeout=10).status_code == 200
