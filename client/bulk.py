@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import requests
@@ -211,7 +211,9 @@ def _item(source: str, location: str, defaults: dict[str, str], fields: dict[str
             raise BulkError("source_not_found", f"{source}: {error.strerror}") from None
         stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
     name = output or _default_output(source, {**defaults, **fields})
-    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+    # as either system reads it: on Windows `C:\x.mp4` or `a\..\..\x.mp4` would leave the download folder
+    paths = (PurePosixPath(name), PureWindowsPath(name))
+    if any(path.is_absolute() or path.drive or ".." in path.parts for path in paths):
         raise BulkError("bad_output", f"output {name!r} must be a relative name inside the download folder")
     return Item(source, location, {**defaults, **fields}, name, stamp, None if output else source)
 

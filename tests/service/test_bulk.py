@@ -22,7 +22,7 @@ import psutil
 import pytest
 import requests
 
-from client.bulk import journal_path
+from client.bulk import BulkError, journal_path, plan
 from client.http import ApiProblem, Client, retry_after
 from worker.media.synthetic import write_clip
 
@@ -367,3 +367,15 @@ def test_retry_after_reads_seconds_and_dates():
     assert 25 <= retry_after(formatdate(time.time() + 30, usegmt=True)) <= 30
     assert retry_after(formatdate(time.time() - 30, usegmt=True)) == 0.0
     assert retry_after(None) is None and retry_after("soon") is None
+
+
+def test_a_manifest_output_outside_the_download_folder_is_refused_on_any_system(tmp_path):
+    write_clip(tmp_path / "a.mp4", 3, (32, 48))
+    for output in ("/etc/a.mp4", "../a.mp4", "C:\\a.mp4", "C:a.mp4", "x\\..\\..\\a.mp4", "\\\\host\\share\\a.mp4"):
+        manifest = tmp_path / "m.jsonl"
+        manifest.write_text(json.dumps({"source": "a.mp4", "output": output}) + "\n")
+        with pytest.raises(BulkError) as refused:
+            plan(str(manifest), {}, s3=lambda: None)
+        assert refused.value.code == "bad_output", output
+    manifest.write_text(json.dumps({"source": "a.mp4", "output": "x2/a b.mp4"}) + "\n")
+    assert [item.output for item in plan(str(manifest), {}, s3=lambda: None)[0]] == ["x2/a b.mp4"]
