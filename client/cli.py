@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 
     upscale = commands.add_parser("upscale", help="upscale a video file to an MP4 (every frame, the audio, the subtitles)")
     upscale.add_argument("input", type=Path)
-    upscale.add_argument("-o", "--output", type=Path, required=True)
+    upscale.add_argument("-o", "--output", type=Path, required=True,
+                         help="an .mp4 file, or a folder: IN's name and the scale in it (clip-x2.mp4)")  # fmt: skip
+    upscale.add_argument("--overwrite", action="store_true", help="replace a file already at the output path")
     upscale.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2,
                          help="2 (the default here), 2.25 (the API's default, as SGLang's) or 4")  # fmt: skip
     upscale.add_argument("--model", required=True, help="checkpoint directory, hub id, or 'lanczos'")

@@ -63,7 +63,7 @@ def status(args: argparse.Namespace) -> int:
             settings.reaper_stale_s,
         )
     except (RedisConnectionError, RedisTimeoutError) as error:
-        print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
+        print(f"vsrq: redis_unavailable: {_unreachable(settings, error)}", file=sys.stderr)
         return 1
     if args.json:
         print(now.model_dump_json(indent=2))
@@ -151,7 +151,7 @@ def events(args: argparse.Namespace) -> int:
         print(f"vsrq: job_not_found: no job {args.job_id} ({kept})", file=sys.stderr)
         return 2
     except (RedisConnectionError, RedisTimeoutError) as error:
-        print(f"vsrq: redis_unavailable: {error} (VSRQ_REDIS_URL)", file=sys.stderr)
+        print(f"vsrq: redis_unavailable: {_unreachable(settings, error)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps([event.model_dump(mode="json") for event in history], indent=2))
@@ -163,6 +163,14 @@ def events(args: argparse.Namespace) -> int:
         detail = json.dumps(event.detail, separators=(",", ":")) if event.detail else ""
         print(f"  {at}  +{since:8.3f}s  #{event.attempt}  {event.type:<16} {event.status:<11} {detail}")
     return 0
+
+
+def _unreachable(settings: Settings, error: Exception) -> str:
+    """Why the stack's Redis does not answer, and what to do: as `vsrq bulk` says of an API that does not."""
+    return (
+        f"{settings.redis_url} does not answer ({error}): is the stack up? `vsrq dev` starts one here (and these "
+        "commands find it); VSRQ_REDIS_URL names another"
+    )
 
 
 def _job_store() -> tuple[Settings, JobStore]:

@@ -133,6 +133,23 @@ def test_a_missing_input_a_bad_option_or_output_name_exit_2_with_their_code(tmp_
     assert drawn.returncode == 0 and f"(drawn: --seed {seed} gives this video again)" in drawn.stdout
 
 
+def test_an_output_folder_is_filled_and_an_existing_output_kept_unless_overwritten(tmp_path):
+    source = write_clip(tmp_path / "holiday.mp4", num_frames=5)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    first = vsrq("upscale", str(source), "-o", str(folder), "--model", "lanczos")
+    assert first.returncode == 0, first.stderr
+    output = folder / "holiday-x2.mp4"  # the input's name and the scale, as `vsrq bulk` names it
+    assert sorted(p.name for p in folder.iterdir()) == [output.name]
+    kept = output.read_bytes()
+    again = vsrq("upscale", str(source), "-o", str(output), "--model", "lanczos", "--crf", "30")
+    said = f"vsrq: output_exists: {output} is there already: --overwrite replaces it\n"
+    assert (again.returncode, again.stderr) == (2, said)
+    assert output.read_bytes() == kept
+    replaced = vsrq("upscale", str(source), "-o", str(folder), "--model", "lanczos", "--crf", "30", "--overwrite")
+    assert replaced.returncode == 0 and output.read_bytes() != kept, replaced.stderr
+
+
 def test_missing_model_exits_3_without_traceback_or_output(tmp_path):
     source = write_clip(tmp_path / "in.mp4", num_frames=5)
     result = vsrq("upscale", str(source), "-o", str(tmp_path / "out.mp4"), "--model", str(tmp_path / "no-model"))
@@ -202,3 +219,13 @@ def test_dev_on_a_port_in_use_says_so_and_how_to_choose_another(tmp_path):
     assert not (tmp_path / "a" / "stack").exists()  # Redis and SeaweedFS were not started
     bad = vsrq("dev", "--port", "70000")
     assert bad.returncode == 2 and "is not a port" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_status_without_a_stack_says_how_to_start_one(tmp_path):
+    from infra.stack import free_ports
+
+    env = {**os.environ, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{free_ports(1)[0]}/0", "XDG_CONFIG_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "client.cli", "status"], capture_output=True, text=True, env=env,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "does not answer" in result.stderr and "is the stack up? `vsrq dev` starts one here" in result.stderr

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from worker.errors import InvalidRequest, PermanentError
-from worker.media.errors import BAD_INPUT_CODES
+from worker.media.errors import BAD_INPUT_CODES, OutputExists
 
 MP4_SUFFIXES = (".mp4", ".m4v", ".mov")  # the names players know the written file's container by
-EXIT_CODES = {"invalid_request": 2, "model_not_found": 3, "cancelled": 130} | dict.fromkeys(BAD_INPUT_CODES, 2)
+EXIT_CODES = {"invalid_request": 2, "output_exists": 2, "output_unwritable": 2, "model_not_found": 3, "cancelled": 130}
+EXIT_CODES |= dict.fromkeys(BAD_INPUT_CODES, 2)
 
 
 def _reported(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -51,8 +52,12 @@ def upscale(args: argparse.Namespace) -> int:
     from worker.upscale import UpscaleOptions, upscale_file
 
     existing(args.input)  # before a model loads (seconds): the job key reads the file too
-    if args.output.suffix.lower() not in MP4_SUFFIXES:  # players pick a demuxer by the name: an MP4 as .mkv fails
+    if args.output.is_dir():  # the video goes in it, named as `vsrq bulk` and the web app name theirs
+        args.output = args.output / f"{args.input.stem}-x{args.scale:g}.mp4"
+    elif args.output.suffix.lower() not in MP4_SUFFIXES:  # players pick a demuxer by the name: an MP4 as .mkv fails
         raise InvalidRequest(f"the output is an MP4: name it {args.output.stem}.mp4, not {args.output.name}")
+    if args.output.exists() and not args.overwrite:  # an earlier output may have cost an hour of GPU
+        raise OutputExists(f"{args.output} is there already: --overwrite replaces it")
     drawn = args.seed == -1
     if drawn:  # as the API draws one (SGLang's range); the job key below then names the drawn seed
         args.seed = secrets.randbelow(2**31)

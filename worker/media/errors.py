@@ -62,6 +62,12 @@ class OutputUnwritable(PermanentError):
     code = "output_unwritable"
 
 
+class OutputExists(PermanentError):
+    """The CLI's output path holds a file already: replaced only when asked (`--overwrite`)."""
+
+    code = "output_exists"
+
+
 class OutputMismatch(PermanentError):
     """The written file is not what was promised: our bug, never handed to the user as done."""
 
