@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import av
 import pytest
@@ -229,3 +231,23 @@ def test_status_without_a_stack_says_how_to_start_one(tmp_path):
                             timeout=60)  # fmt: skip
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "does not answer" in result.stderr and "is the stack up? `vsrq dev` starts one here" in result.stderr
+
+
+def test_ctrl_c_with_kept_windows_says_the_same_command_resumes(tmp_path, tiny_piflow):
+    source = write_clip(tmp_path / "in.mp4", num_frames=41, size=(48, 64))
+    keep = tmp_path / "keep"
+    command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(tmp_path / "out.mp4"), "--model",
+               str(tiny_piflow), "--window", "17", "--window-overlap", "4", "--keep-windows", str(keep)]  # fmt: skip
+    # SIGINT as a terminal sends it, to a process that handles it by default (not one started in the background)
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(keep.glob("window-*.json")):  # the first window is kept (its metadata is written last)
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.02)
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 130, stderr
+    assert f"vsrq: cancelled; the windows done are kept in {keep}: the same command resumes" in stderr
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "3 window(s) (" in again.stdout and "(0 restored)" not in again.stdout, again

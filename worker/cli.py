@@ -92,6 +92,14 @@ def upscale(args: argparse.Namespace) -> int:
 
     try:
         result = upscale_file(args.input, args.output, upscaler, options, progress, store=store)
+    except KeyboardInterrupt:
+        if store is None:
+            raise
+        # the windows kept are this seed's: a drawn one must be named again for them to be found
+        again = f" with --seed {args.seed}" if drawn else ""
+        print(f"vsrq: cancelled; the windows done are kept in {args.keep_windows}: the same command{again} resumes",
+              file=sys.stderr)  # fmt: skip
+        return 130
     finally:
         bar.close()
     if store is not None:
