@@ -254,6 +254,16 @@ def _creating(bodies: str, idempotency_key: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _null_as_text(form: dict[str, Any]) -> None:
+    """A form has no null: the text `null` stands for it (`api.uploads._take`), as JavaScript's FormData writes a
+    null and Swagger UI's "Try it out" sends a field whose default is null. Its schema says so where null is not text
+    already (a string field takes the text `null` as it is)."""
+    for field in form["properties"].values():
+        kinds = field.get("anyOf", [])
+        if {"type": "null"} in kinds and not any(kind.get("type") == "string" for kind in kinds):
+            kinds.append({"const": "null", "description": "in a form, the text null: not given"})
+
+
 def document(settings: Settings) -> dict[str, Any]:
     models = [
         Video, VideoList, VideoEventList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm,
@@ -267,6 +277,8 @@ def document(settings: Settings) -> dict[str, Any]:
     served = {"enum": list(settings.models), "default": settings.default_model}
     for body in ("VideoCreateJson", "VideoCreateForm", "VideoEditJson", "VideoEditForm"):
         schemas[body]["properties"]["model"] = {**served, "description": "a model this deployment serves"}
+    for form in ("VideoCreateForm", "VideoEditForm"):
+        _null_as_text(schemas[form])
 
     listing = ListQuery.model_json_schema()
     list_parameters = [

@@ -61,7 +61,17 @@ def _form(limit: int, file_fields: frozenset[str]) -> FormReader:
 
 def _take(fields: dict[str, str | None], part: FormField) -> None:
     """A form cannot say null: the text `null` stands for it, as JavaScript's FormData writes a null and Swagger UI's
-    "Try it out" sends every field whose default is null (null, like empty text, is a field not given)."""
+    "Try it out" sends every field whose default is null (null, like empty text, is a field not given). Every field
+    takes one value: one sent twice is refused, not half read (`name[]`, a list as OpenAI's SDK sends one, is refused
+    as a list when it is read)."""
+    if part.name in fields and not part.name.endswith("[]"):
+        message = "sent more than once: each field takes one value"
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"The form sends `{part.name}` more than once.",
+            errors=[{"field": part.name, "code": "duplicate_field", "message": message}],
+        )
     fields[part.name] = None if part.value == "null" else part.value
 
 

@@ -245,7 +245,14 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3):
         "field too large": (
             lambda: raw_post(url, multipart(("prompt", None, b"x" * 200_000), file_part)), 413, "field_too_large"
         ),
-        "too many parts": (lambda: raw_post(url, multipart(*[("prompt", None, b"x")] * 80)), 413, "too_many_parts"),
+        "too many parts": (
+            lambda: raw_post(url, multipart(*[(f"extra_body[k{n}]", None, b"x") for n in range(80)])),
+            413,
+            "too_many_parts",
+        ),
+        "a field twice": (
+            lambda: raw_post(url, multipart(("seed", None, b"1"), ("seed", None, b"2"))), 422, "invalid_request"
+        ),
         "no video": (lambda: raw_post(url, multipart(("seed", None, b"1"))), 422, "missing_video"),
         "two videos": (lambda: raw_post(url, multipart(file_part, file_part)), 422, "unexpected_file"),
         "empty video": (lambda: raw_post(url, multipart(("video_reference", "clip.mp4", b""))), 422, "input_empty"),
