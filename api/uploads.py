@@ -6,9 +6,11 @@ it by `upload_id`); a multipart `POST /v1/videos` stores its file the same way.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 from flask import Blueprint, Response, g, jsonify, request
+from redis.exceptions import RedisError
 
 from api.auth import admit_caller, owner
 from api.body import Capped, hold_body_slot
@@ -17,6 +19,8 @@ from api.multipart import FormField, FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
+
+log = logging.getLogger("vsrq.api.uploads")
 
 blueprint = Blueprint("uploads", __name__)
 
@@ -140,9 +144,12 @@ def create_upload() -> tuple[Response, int]:
     form = receive_form(frozenset({"file"}))
     if form.file is None:
         raise ApiError(422, "missing_file", "Send the video in the multipart field `file`.")
-    if form.file.filename:
+    if form.file.filename:  # its jobs' name for it, nothing more: an upload is not failed for it
         svc = services()
-        svc.redis.set(_name_key(form.file.blob.key), form.file.filename, ex=svc.settings.upload_ttl_s)
+        try:
+            svc.redis.set(_name_key(form.file.blob.key), form.file.filename, ex=svc.settings.upload_ttl_s)
+        except RedisError:
+            log.warning("%s: its file name was not kept", form.file.upload_id, exc_info=True)
     return jsonify(upload_object(form.file)), 201
 
 

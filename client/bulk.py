@@ -56,7 +56,7 @@ VIDEO_SUFFIXES = frozenset(
 )  # fmt: skip
 ALIASES = {"scale": "sr_resolution_scale"}
 # A default output's name (`_default_output`): what it is named after, then its scale
-_OUTPUT_NAME = re.compile(r"(.+)-x\d+(?:\.\d+)?\.mp4")
+_OUTPUT_NAME = re.compile(r"(.+)-x(?:2|2\.25|4)\.mp4")
 # The API's `sr_resolution_scale` where a create names none (SGLang's; api/schemas.py `UpscaleParams`, which the
 # client does not import): what an output's default name says then
 DEFAULT_SCALE = "2.25"
@@ -116,9 +116,11 @@ def _digest(*parts: Any) -> str:
 # -- planning: which videos, with which fields ---------------------------------------------------------------------
 
 
-def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[list[Item], Counter]:
-    """The videos `source` names, and the files of a folder or prefix left out, counted by why (`_left_out`, and
-    "earlier outputs": `_outputs_among`)."""
+def plan(
+    source: str, defaults: dict[str, str], s3: Callable[[], Any], download: Path | None = None
+) -> tuple[list[Item], Counter]:
+    """The videos `source` names, and the files of a folder or prefix left out, counted by why (`_left_out`; "earlier
+    outputs": `_outputs_among`; "in the download folder", where `download` is a folder inside the source's)."""
     left_out: Counter = Counter()
     if source.startswith("s3://"):
         items = list(_s3_prefix(source, defaults, s3(), left_out))
@@ -127,9 +129,11 @@ def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[
         if path.is_dir():
             items = []
             names = [file.relative_to(path).as_posix() for file in filter(Path.is_file, sorted(path.rglob("*")))]
-            outputs = _outputs_among(names)
+            outputs, downloads = _outputs_among(names), _below(download, path)
             for relative in names:
-                if why := _left_out(relative) or ("earlier outputs" if relative in outputs else None):
+                if downloads and relative.startswith(downloads):
+                    left_out["in the download folder"] += 1
+                elif why := _left_out(relative) or ("earlier outputs" if relative in outputs else None):
                     left_out[why] += 1
                 else:
                     items.append(_item(relative, str((path / relative).resolve()), defaults, {}, None, s3))
@@ -138,6 +142,15 @@ def plan(source: str, defaults: dict[str, str], s3: Callable[[], Any]) -> tuple[
         else:
             raise BulkError("bad_source", f"{source} is not a folder, a .csv or .jsonl manifest, or an s3:// prefix")
     return _apart(items), left_out
+
+
+def _below(download: Path | None, folder: Path) -> str | None:
+    """Where `download` is in `folder` ("out/"), if it is a folder below it: what is there is outputs, not videos."""
+    if download is None:
+        return None
+    download, folder = download.resolve(), folder.resolve()
+    below = download != folder and download.is_relative_to(folder)
+    return f"{download.relative_to(folder).as_posix()}/" if below else None
 
 
 def _apart(items: list[Item]) -> list[Item]:
@@ -265,7 +278,7 @@ def _outputs_among(names: list[str]) -> set[str]:
     """Those of a folder's `names` (relative paths) that are outputs named after a video beside them (`clip-x2.mp4`,
     `clip-mov-x4.mp4` beside `clip.mov`: `_default_output`), downloaded there by an earlier run: never sent again."""
     bases = set()
-    for name in names:
+    for name in filter(lambda name: _left_out(name) is None, names):  # named after videos only
         path = PurePosixPath(name)
         bases |= {str(path.with_suffix("")), f"{path.with_suffix('')}-{path.suffix[1:]}"}
     return {name for name in names if (named := _OUTPUT_NAME.fullmatch(name)) and named.group(1) in bases}
@@ -538,7 +551,7 @@ def run(args: argparse.Namespace) -> int:
         defaults[ALIASES.get(name, name)] = value
     s3 = _lazy(lambda: s3_client(args.s3_endpoint_url))
     try:
-        items, left_out = plan(args.source, defaults, s3)
+        items, left_out = plan(args.source, defaults, s3, args.download)
     except BulkError as error:
         print(f"vsrq: bulk: {error.code}: {error.message}", file=sys.stderr)
         return 2

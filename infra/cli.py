@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:  # imported where a command runs: `vsrq --help` needs neither
     from storage.config import Settings
@@ -167,9 +168,11 @@ def events(args: argparse.Namespace) -> int:
 
 def _unreachable(settings: Settings, error: Exception) -> str:
     """Why the stack's Redis does not answer, and what to do: as `vsrq bulk` says of an API that does not."""
+    url = urlsplit(settings.redis_url)
+    shown = url._replace(netloc=url.netloc.rpartition("@")[2]).geturl() if "@" in url.netloc else settings.redis_url
     return (
-        f"{settings.redis_url} does not answer ({error}): is the stack up? `vsrq dev` starts one here (and these "
-        "commands find it); VSRQ_REDIS_URL names another"
+        f"{shown} does not answer ({error}): is the stack up? `vsrq dev` starts one here (and these commands find "
+        "it); VSRQ_REDIS_URL names another"
     )
 
 

@@ -150,6 +150,8 @@ def test_an_output_folder_is_filled_and_an_existing_output_kept_unless_overwritt
     assert output.read_bytes() == kept
     replaced = vsrq("upscale", str(source), "-o", str(folder), "--model", "lanczos", "--crf", "30", "--overwrite")
     assert replaced.returncode == 0 and output.read_bytes() != kept, replaced.stderr
+    itself = vsrq("upscale", str(source), "-o", str(source), "--model", "lanczos")  # --overwrite would not help
+    assert itself.returncode == 2 and "is the input: pick another name" in itself.stderr
 
 
 def test_missing_model_exits_3_without_traceback_or_output(tmp_path):
@@ -226,11 +228,13 @@ def test_dev_on_a_port_in_use_says_so_and_how_to_choose_another(tmp_path):
 def test_status_without_a_stack_says_how_to_start_one(tmp_path):
     from infra.stack import free_ports
 
-    env = {**os.environ, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{free_ports(1)[0]}/0", "XDG_CONFIG_HOME": str(tmp_path)}
+    url = f"redis://:secret-pw@127.0.0.1:{free_ports(1)[0]}/0"
+    env = {**os.environ, "VSRQ_REDIS_URL": url, "XDG_CONFIG_HOME": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "client.cli", "status"], capture_output=True, text=True, env=env,
                             timeout=60)  # fmt: skip
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "does not answer" in result.stderr and "is the stack up? `vsrq dev` starts one here" in result.stderr
+    assert url.replace(":secret-pw@", "") in result.stderr and "secret-pw" not in result.stderr
 
 
 def test_ctrl_c_with_kept_windows_says_the_same_command_resumes(tmp_path, tiny_piflow):

@@ -56,6 +56,8 @@ def upscale(args: argparse.Namespace) -> int:
         args.output = args.output / f"{args.input.stem}-x{args.scale:g}.mp4"
     elif args.output.suffix.lower() not in MP4_SUFFIXES:  # players pick a demuxer by the name: an MP4 as .mkv fails
         raise InvalidRequest(f"the output is an MP4: name it {args.output.stem}.mp4, not {args.output.name}")
+    if args.output.exists() and args.output.samefile(args.input):  # --overwrite would not help
+        raise InvalidRequest(f"the output {args.output} is the input: pick another name")
     if args.output.exists() and not args.overwrite:  # an earlier output may have cost an hour of GPU
         raise OutputExists(f"{args.output} is there already: --overwrite replaces it")
     drawn = args.seed == -1

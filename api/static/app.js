@@ -405,7 +405,13 @@ async function poll() {
   } finally {
     state.polling = false;
   }
-  if (session !== state.session) return;  // signed out, or in with another key, meanwhile
+  if (session !== state.session) {  // signed out, or in with another key, meanwhile: the list is not this session's
+    if (state.pollAgain) {  // the new session's first poll, held back by this one
+      state.pollAgain = false;
+      return poll();
+    }
+    return;
+  }
   if (jobs) {
     const ids = new Set(jobs.map((job) => job.id));
     for (const id of state.jobs.keys()) if (!ids.has(id)) removeJob(id);

@@ -379,3 +379,16 @@ def test_a_manifest_output_outside_the_download_folder_is_refused_on_any_system(
         assert refused.value.code == "bad_output", output
     manifest.write_text(json.dumps({"source": "a.mp4", "output": "x2/a b.mp4"}) + "\n")
     assert [item.output for item in plan(str(manifest), {}, s3=lambda: None)[0]] == ["x2/a b.mp4"]
+
+
+def test_a_folder_s_downloads_and_look_alike_names_are_told_apart(tmp_path):
+    """Outputs downloaded into a folder below the sources are never sent again, at any scale; a video whose name only
+    looks like an output (`movie-x264.mp4` beside `movie.mkv`, `talk-x2.mp4` beside `talk.srt`) is sent."""
+    folder = tmp_path / "in"
+    for name in ("clip.mov", "out/clip-x2.mp4", "out/clip-x4.mp4", "movie.mkv", "movie-x264.mp4", "talk-x2.mp4"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        write_clip(folder / name, 3, (32, 48))
+    (folder / "talk.srt").write_text("1\n00:00:00,000 --> 00:00:01,000\nhi\n")
+    items, left_out = plan(str(folder), {"sr_resolution_scale": "4"}, s3=lambda: None, download=folder / "out")
+    assert sorted(item.source for item in items) == ["clip.mov", "movie-x264.mp4", "movie.mkv", "talk-x2.mp4"]
+    assert left_out == {"in the download folder": 2, ".srt": 1}
