@@ -49,15 +49,14 @@ def upscale(args: argparse.Namespace) -> int:
     from worker.sr.backends import open_upscaler
     from worker.sr.request import SRRequest
     from worker.sr.windows import DirectoryWindowStore
-    from worker.upscale import UpscaleOptions, upscale_file
+    from worker.upscale import UpscaleOptions, check_output, upscale_file
 
     existing(args.input)  # before a model loads (seconds): the job key reads the file too
     if args.output.is_dir():  # the video goes in it, named as `vsrq bulk` and the web app name theirs
         args.output = args.output / f"{args.input.stem}-x{args.scale:g}.mp4"
     elif args.output.suffix.lower() not in MP4_SUFFIXES:  # players pick a demuxer by the name: an MP4 as .mkv fails
         raise InvalidRequest(f"the output is an MP4: name it {args.output.stem}.mp4, not {args.output.name}")
-    if args.output.exists() and args.output.samefile(args.input):  # --overwrite would not help
-        raise InvalidRequest(f"the output {args.output} is the input: pick another name")
+    check_output(args.input, args.output)  # before the next check: --overwrite would not make the input one
     if args.output.exists() and not args.overwrite:  # an earlier output may have cost an hour of GPU
         raise OutputExists(f"{args.output} is there already: --overwrite replaces it")
     drawn = args.seed == -1

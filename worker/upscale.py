@@ -145,7 +145,7 @@ def begin_upscale(
     source, output = Path(source), Path(output)
 
     # 1. Arguments that need no decoding: where the output goes, the encoder
-    _check_output(source, output)
+    check_output(source, output)
     encoder_for(options.codec)
     check_crf(options.codec, options.crf)
     check_preset(options.codec, options.preset)
@@ -335,7 +335,8 @@ class Encoding:
             self._writer.discard()
 
 
-def _check_output(source: Path, output: Path) -> None:
+def check_output(source: Path, output: Path) -> None:
+    """Refuse (before any work) an output path that is the input, a directory, or in a folder we cannot write."""
     if output.exists() and source.exists() and output.samefile(source):
         raise InvalidRequest(f"the output {output} is the input: pick another name")
     if output.is_dir():
