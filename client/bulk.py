@@ -133,7 +133,7 @@ def plan(
             for relative in names:
                 if downloads and relative.startswith(downloads):
                     left_out["in the download folder"] += 1
-                elif why := _left_out(relative) or ("earlier outputs" if relative in outputs else None):
+                elif why := _left_out(relative, outputs):
                     left_out[why] += 1
                 else:
                     items.append(_item(relative, str((path / relative).resolve()), defaults, {}, None, s3))
@@ -247,14 +247,17 @@ def _default_output(source: str, fields: dict[str, str], suffixed: bool = False)
     return str(path.with_name(f"{path.stem}{kept}-x{scale}.mp4"))
 
 
-def _left_out(name: str) -> str | None:
+def _left_out(name: str, outputs: set[str] = frozenset()) -> str | None:
     """Why a folder's or a prefix's file `name` (relative) is no video to send: "hidden" (a dot file, such as macOS's
-    `._clip.mp4` resource fork) or its suffix; None for a video's name."""
+    `._clip.mp4` resource fork), its suffix, or "earlier outputs" (one of `outputs`: `_outputs_among`); None for a
+    video's name."""
     path = PurePosixPath(name)
     if any(part.startswith(".") for part in path.parts):
         return "hidden"
     suffix = path.suffix.lower()
-    return None if suffix in VIDEO_SUFFIXES else suffix or "no suffix"
+    if suffix not in VIDEO_SUFFIXES:
+        return suffix or "no suffix"
+    return "earlier outputs" if name in outputs else None
 
 
 def _s3_prefix(url: str, defaults: dict[str, str], s3, left_out: Counter) -> Iterator[Item]:
@@ -266,7 +269,7 @@ def _s3_prefix(url: str, defaults: dict[str, str], s3, left_out: Counter) -> Ite
     }
     outputs = _outputs_among(list(objects))
     for relative, obj in objects.items():
-        if why := _left_out(relative) or ("earlier outputs" if relative in outputs else None):
+        if why := _left_out(relative, outputs):
             left_out[why] += 1
         else:
             source = f"s3://{bucket}/{obj['Key']}"
