@@ -128,6 +128,10 @@ def test_a_missing_input_a_bad_option_or_output_name_exit_2_with_their_code(tmp_
         result = vsrq("upscale", str(source), *lanczos, *option)
         assert result.returncode == 2 and result.stderr.startswith(said), (option, result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.mp4"]
+    # /proc takes no new file, though os.access says it does to root: this was an internal error (exit 1) there
+    unwritable = vsrq("upscale", str(source), "-o", "/proc/out.mp4", "--model", "lanczos")
+    said = "vsrq: output_unwritable: cannot write into /proc ("
+    assert unwritable.returncode == 2 and unwritable.stderr.startswith(said), unwritable.stderr
     refused = vsrq("upscale", str(source), *lanczos, "--seed", "-5")  # the API's range: -1 draws one
     assert refused.returncode == 2 and "argument --seed: '-5' is not a seed: 0 to 2**63 - 1, or -1" in refused.stderr
     drawn = vsrq("upscale", str(source), *lanczos, "--seed", "-1")

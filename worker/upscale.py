@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 
 import torch
 from collections.abc import Callable, Iterator
@@ -341,8 +342,13 @@ def check_output(source: Path, output: Path) -> None:
         raise InvalidRequest(f"the output {output} is the input: pick another name")
     if output.is_dir():
         raise OutputUnwritable(f"the output {output} is a directory")
-    if not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
-        raise OutputUnwritable(f"cannot write into {output.parent}: no such directory, or no permission")
+    if not output.parent.is_dir():
+        raise OutputUnwritable(f"cannot write into {output.parent}: no such directory")
+    try:  # a file made there and dropped: os.access says yes to root where none can be made (/proc, read-only mounts)
+        with tempfile.TemporaryFile(dir=output.parent):
+            pass
+    except OSError as error:
+        raise OutputUnwritable(f"cannot write into {output.parent} ({error.strerror})") from None
 
 
 HDR_TRANSFERS = {16: "PQ (SMPTE 2084)", 18: "HLG (ARIB STD-B67)"}  # AVCOL_TRC_*
