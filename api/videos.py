@@ -362,6 +362,8 @@ def video_content(job_id: str) -> Response:
         )
     # 409, not SGLang's 404 "still in progress": the job exists, and a client that reads 404 as "gone" would stop
     if job.status != Status.COMPLETED or job.output is None:
+        if job.status in (Status.FAILED, Status.CANCELLED):  # it never will be: not "once it is completed"
+            raise ApiError(409, "job_not_completed", f"The job is {job.status}: it has no video.")
         raise ApiError(409, "job_not_completed", f"The job is {job.status}; its video exists once it is completed.")
     output = job.output
     if variant == "video":

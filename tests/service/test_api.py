@@ -342,7 +342,8 @@ def test_cancel_a_queued_job(api, clip):
     again = requests.post(f"{api}/v1/videos/{job['id']}/cancel", headers=auth("alice"), timeout=10)
     assert_problem(again, 409, "not_cancellable")
     content = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("alice"), timeout=10)
-    assert_problem(content, 409, "job_not_completed")
+    # not "once it is completed": a cancelled job never will be
+    assert assert_problem(content, 409, "job_not_completed")["detail"] == "The job is cancelled: it has no video."
 
 
 def finish(jobs, s3, job_id: str, payload: bytes) -> None:
