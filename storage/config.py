@@ -133,6 +133,10 @@ class Settings(BaseSettings):
     fetch_ca_bundle: Path | None = None  # the CAs input URLs are verified against (None: certifi's)
     fetch_connect_timeout_s: float = Field(10, gt=0)
     fetch_read_timeout_s: float = Field(60, gt=0)  # per read: a stalled origin ends the attempt, and it is retried
+    # An origin that is down, overloaded or slow (5xx, 429, a reset, a timeout) gets time before the job's next attempt:
+    # about base x 2^(attempt-1) with jitter, at most the max, never sooner than its Retry-After (worker.backoff)
+    fetch_retry_base_s: float = Field(30, gt=0)
+    fetch_retry_max_s: float = Field(600, gt=0)
 
     # Served models and the Celery queue (pipeline group) of each; the first is the default.
     models: dict[str, str] = {K6_VSR: "vsrq.k6"}

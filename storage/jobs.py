@@ -21,7 +21,9 @@ Times come from Redis (`TIME`), so workers' and API servers' clocks never disagr
     vsrq:leases                     zset: in-progress job ids by lease expiry (what the reaper scans)
     vsrq:unsent                     zset: job ids put in `queued` whose Celery message is not yet confirmed sent, by
                                     when it was due; written with the move into `queued` (create's transaction, the
-                                    requeue script), removed once the message is sent (`sent`) or the job moves on
+                                    requeue script), removed once the message is sent (`sent`) or the job moves on. A
+                                    retry told to wait is due when its wait ends, less the enqueue grace: nobody
+                                    sends it before the reaper does
     vsrq:owner:{owner}:{view}       zset: the owner's job ids by creation order; view = "all" or a status
     vsrq:webhooks:*                 the webhook outbox (storage.webhooks): a job's end writes its webhook there
 """
@@ -334,6 +336,10 @@ class VideoEvent(BaseModel):
         "it ended early (its worker lost, a retry)",
     )
     error: JobErrorInfo | None = Field(None, description="`failed`: the job's error")
+    retry_in_s: float | None = Field(
+        None, description="`requeued`: seconds the next attempt waits first (an input's origin that was down, or asked "
+        "for that long with Retry-After); absent: it may start at once",
+    )
     request_id: str | None = Field(None, description="`created`: the id of the request that created the job")
     webhook: WebhookAttempt | None = Field(None, description="`webhook`: the delivery attempt")
 
@@ -355,6 +361,7 @@ class VideoEvent(BaseModel):
             stage=detail.get("stage"),
             reason=reason,
             error=detail.get("error") if event.type == "failed" else None,
+            retry_in_s=detail.get("retry_in_s") if event.type == "requeued" else None,
             request_id=detail.get("request_id"),
             webhook=WebhookAttempt(**detail) if event.type == "webhook" else None,
         )
@@ -551,9 +558,9 @@ return ARGV[3]
 """
 
 # ARGV: fence, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0'), whether the attempt
-# counts ('1' | '0'). Requeues the attempt (a new attempt will lease it), fails the job once it has used max attempts,
-# or cancels it when its owner asked to (a new attempt would start without the flag and run to the end). An attempt
-# that does not count (its worker, not the job, was at fault) is `excused`: max attempts allows that many more.
+# counts ('1' | '0'), and optionally seconds the next attempt waits and the enqueue grace. Requeues the attempt (a new
+# attempt will lease it), fails the job once it has used max attempts, or cancels it when its owner asked to (a new
+# attempt would start without the flag and run to the end). An attempt that does not count (its worker, not the job, was at fault) is `excused`: max attempts allows that many more.
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
 _REQUEUE = """
 fenced(ARGV[1])
@@ -573,7 +580,7 @@ elseif attempts >= tonumber(ARGV[3]) then
   move('failed', t)
   finish(t, tonumber(ARGV[4]))
   local message = 'gave up after ' .. attempts .. ' attempts; the last: ' .. reason.message
-  local error = {code = 'too_many_attempts', message = message}
+  local error = {code = reason.code, message = message}  -- the cause's code: what a client can act on
   redis.call('HSET', JOB, 'error', cjson.encode(error))
   event('failed', t, {error = error, last = reason})
   return 'failed'
@@ -581,7 +588,14 @@ end
 move('queued', t)
 redis.call('HSET', JOB, 'progress', 0)
 redis.call('HDEL', JOB, 'stage')
-event('requeued', t, {reason = reason})
+local wait = tonumber(ARGV[7] or '0')
+if wait > 0 then
+  -- no message yet: its mark in UNSENT makes `unsent` hand it to the reaper once the wait is over
+  redis.call('ZADD', UNSENT, t + wait - tonumber(ARGV[8]), field('id'))
+  event('requeued', t, {reason = reason, retry_in_s = wait})
+else
+  event('requeued', t, {reason = reason})
+end
 return 'queued'
 """
 
@@ -661,10 +675,14 @@ class JobStore:
     def from_settings(cls, settings: Settings, redis: Redis | None = None) -> JobStore:
         """The store a process of this service uses: its Redis (`open_redis` unless given), TTL and attempts."""
         redis = open_redis(settings) if redis is None else redis
-        return cls(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+        return cls(redis, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts,
+                   enqueue_grace_s=settings.enqueue_grace_s)  # fmt: skip
 
-    def __init__(self, redis: Redis, *, result_ttl_s: int, max_attempts: int, prefix: str = "vsrq") -> None:
+    def __init__(
+        self, redis: Redis, *, result_ttl_s: int, max_attempts: int, enqueue_grace_s: float = 30, prefix: str = "vsrq"
+    ) -> None:
         self.redis, self.result_ttl_s, self.max_attempts, self.prefix = redis, result_ttl_s, max_attempts, prefix
+        self.enqueue_grace_s = enqueue_grace_s  # what the reaper waits for a sender (`unsent`): a deferred retry's mark
         scripts = {
             "lease": _LEASE,
             "touch": _TOUCH,
@@ -917,16 +935,17 @@ class JobStore:
         self._run("end", job_id, Status.IN_PROGRESS, fence, Status.CANCELLED, "", "", self.result_ttl_s)
         return self.require(job_id)
 
-    def retry(self, job_id: str, fence: str, code: str, message: str, counts: bool = True) -> Status:
+    def retry(
+        self, job_id: str, fence: str, code: str, message: str, counts: bool = True, wait_s: float = 0.0
+    ) -> Status:
         """A failure another attempt may not repeat (lost device, OOM under load): requeued, or failed once the job
         has had `max_attempts`. An attempt that does not `count` (sent back because of another job: a stuck tail ahead
-        of it) is always requeued, and not one of the job's `max_attempts`. The caller sends the task again when this
-        returns `queued`."""
+        of it) is always requeued, and not one of the job's `max_attempts`. When this returns `queued` the caller sends
+        the task again, unless the next attempt is to `wait_s` first (an origin that is down): then the reaper sends it
+        once that is over (`unsent`), and the `requeued` event says `retry_in_s`."""
         reason = JobErrorInfo(code=code, message=message).model_dump_json()
-        counted = int(counts)
-        return Status(
-            self._run("requeue", job_id, fence, reason, self.max_attempts, self.result_ttl_s, 0, counted).decode()
-        )
+        args = (fence, reason, self.max_attempts, self.result_ttl_s, 0, int(counts), wait_s, self.enqueue_grace_s)
+        return Status(self._run("requeue", job_id, *args).decode())
 
     # -- the owner's side: cancel, delete --------------------------------------------------------------------------
 
@@ -1086,8 +1105,8 @@ class Lease:
     def fail(self, code: str, message: str) -> JobRecord:
         return self.store.fail(self.job_id, self.fence, code, message)
 
-    def retry(self, code: str, message: str, counts: bool = True) -> Status:
-        return self.store.retry(self.job_id, self.fence, code, message, counts)
+    def retry(self, code: str, message: str, counts: bool = True, wait_s: float = 0.0) -> Status:
+        return self.store.retry(self.job_id, self.fence, code, message, counts, wait_s)
 
     def cancelled(self) -> JobRecord:
         return self.store.cancelled(self.job_id, self.fence)

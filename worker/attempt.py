@@ -24,6 +24,7 @@ from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
 from storage.queue import send_upscale
 from worker import service
+from worker.backoff import backoff_s
 from worker.celery_app import app
 from worker.errors import Cancelled, PermanentError, TailStuck
 from worker.fetch import NO_ROOM, FetchUnavailable, WorkerDiskFull
@@ -67,6 +68,16 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
 
 
+def retry_wait_s(error: BaseException, lease: Lease) -> float:
+    """Seconds a retried job waits before its next attempt: an origin that is down or asked for time gets it (a backoff
+    over the job's attempts, never sooner than its Retry-After); any other retry starts at once (another worker, the
+    GPU freed)."""
+    if isinstance(error, FetchUnavailable):
+        settings = service.settings()
+        return backoff_s(lease.attempt, settings.fetch_retry_base_s, settings.fetch_retry_max_s, error.retry_after)
+    return 0.0
+
+
 # botocore's own transient list (standard retry mode, as storage.blobs configures): still transient past its 3 tries
 _BOTOCORE_TRANSIENT = OrRetryChecker(
     [TransientRetryableChecker(), ThrottledRetryableChecker(), ThrottlingStatusCodeChecker()]
@@ -105,14 +116,18 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows
         cause = None if outcome == "cancelled" else error
         log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code, exc_info=cause)
     kept = False  # a `complete` whose reply was lost did promote the output: it is the job's now
+    wait = retry_wait_s(error, lease) if outcome == "retry" else 0.0
     try:
         if outcome == "cancelled":
             lease.cancelled()
         elif outcome == "failed":
             lease.fail(code, message)
         # behind another job's stuck tail, the job was not at fault: that attempt is not one of its max attempts
-        elif lease.retry(code, message, counts=code != TailStuck.code) == Status.QUEUED:
-            send_upscale(app, service.jobs(), job, first=True)
+        elif lease.retry(code, message, counts=code != TailStuck.code, wait_s=wait) == Status.QUEUED:
+            if wait:  # the reaper sends its message once the wait is over (JobStore.unsent)
+                log.info("%s: its next attempt waits %.1f s (%s)", job.id, wait, code)
+            else:
+                send_upscale(app, service.jobs(), job, first=True)
             return  # the next attempt replays the kept windows (the last one only if its tail could wait)
         if windows:
             forget_windows(job.id)  # the job has ended

@@ -28,6 +28,7 @@ from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
 from storage.config import Settings
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
+from worker.backoff import retry_after_s
 from worker.errors import Cancelled, CodedError, PermanentError
 
 MAX_REDIRECTS = 5
@@ -45,9 +46,14 @@ class FetchFailed(PermanentError):
 
 
 class FetchUnavailable(CodedError):
-    """The origin is down, overloaded or slow right now: another attempt may succeed (so not a PermanentError)."""
+    """The origin is down, overloaded or slow right now: another attempt may succeed (so not a PermanentError), after
+    the time the origin asked for (`retry_after`, seconds, from its Retry-After) or a backoff (worker.attempt)."""
 
     code = "input_fetch_unavailable"
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class WorkerDiskFull(CodedError):
@@ -77,7 +83,8 @@ def fetch(
                 url = urljoin(url, location)
                 continue
             if response.status >= 500 or response.status == HTTPStatus.TOO_MANY_REQUESTS:
-                raise FetchUnavailable(f"{_host(url)} answered {response.status} {_reason(response.status)}.")
+                said = f"{_host(url)} answered {response.status} {_reason(response.status)}."
+                raise FetchUnavailable(said, retry_after_s(response.headers.get("Retry-After")))
             if response.status != HTTPStatus.OK:
                 raise FetchFailed(
                     f"The input URL answered {response.status} {_reason(response.status)}: check that it is "

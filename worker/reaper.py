@@ -34,7 +34,8 @@ def reap_once(
     jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = None, lost: LostMessages | None = None
 ) -> dict[str, Status]:
     """One pass: expired leases are requeued (or failed), and a requeued job gets a new `vsrq.upscale` message; so does
-    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the setting), and, given
+    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the setting) or whose retry's
+    wait is over, and, given
     `lost` (the looks of earlier passes), one whose message the broker has not held for its grace."""
     outcome = jobs.reap()
     for job_id, status in outcome.items():
@@ -44,8 +45,12 @@ def reap_once(
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
     grace = service.settings().enqueue_grace_s if enqueue_grace_s is None else enqueue_grace_s
     for job in jobs.unsent(grace):
-        send_upscale(celery, jobs, job)
-        log.warning("%s: queued without a message (its sender died): sent one", job.id, extra={"job_id": job.id})
+        retried = job.attempt > 0  # ranks first among the queued (JobStore's queue order): its message goes there too
+        send_upscale(celery, jobs, job, first=retried)
+        if retried:  # mostly a retry whose wait is over (worker.attempt.retry_wait_s)
+            log.info("%s: a retry's message sent (its wait is over)", job.id, extra={"job_id": job.id})
+        else:
+            log.warning("%s: queued without a message (its sender died): sent one", job.id, extra={"job_id": job.id})
     for job in lost.due(jobs, celery) if lost is not None else ():
         send_upscale(celery, jobs, job, first=True)  # its turn had come when a consumer took it
         lost_message_resent(jobs)

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from functools import cache
 from http import HTTPStatus
 from typing import Any, Literal
@@ -40,6 +38,7 @@ from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_targe
 from storage.signatures import signed_headers
 from storage.webhooks import Claim, Outbox, Started
 from worker import metrics, service
+from worker.backoff import backoff_s, retry_after_s
 from worker import signals as _signals  # noqa: F401  (this worker's logging and registry entry)
 from worker.celery_app import app
 
@@ -163,30 +162,12 @@ def _judged(status: int, retry_after: str | None) -> Attempt:
     if 300 <= status < 400:
         message = f"the receiver answered {status}: redirects are not followed, give the final URL"
         return Attempt("retry", "redirect_refused", message, status)
-    return Attempt("retry", "http_error", f"the receiver answered {status}", status, _seconds(retry_after))
+    return Attempt("retry", "http_error", f"the receiver answered {status}", status, retry_after_s(retry_after))
 
 
-def _seconds(retry_after: str | None) -> float | None:
-    """Retry-After as seconds from now: a number of seconds, or an HTTP date."""
-    if not retry_after:
-        return None
-    if retry_after.strip().isdigit():
-        return float(retry_after)
-    try:
-        return max(0.0, parsedate_to_datetime(retry_after).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
-
-
-def backoff(attempt: int, settings: Settings, retry_after_s: float | None = None) -> float:
-    """Seconds until the attempt after `attempt` (1 for the first): base x 2^(attempt-1), at most retry_max_s, of which
-    a random half to whole (jitter: receivers coming back up are not hit by every retry at once); never sooner than
-    the receiver's Retry-After (itself capped at retry_max_s)."""
-    delay = min(settings.webhook_retry_max_s, settings.webhook_retry_base_s * 2 ** (attempt - 1))
-    delay *= random.uniform(0.5, 1.0)
-    if retry_after_s is not None:
-        delay = max(delay, min(retry_after_s, settings.webhook_retry_max_s))
-    return delay
+def backoff(attempt: int, settings: Settings, retry_after: float | None = None) -> float:
+    """Seconds until the delivery attempt after `attempt` (worker.backoff: base x 2^(attempt-1) with jitter)."""
+    return backoff_s(attempt, settings.webhook_retry_base_s, settings.webhook_retry_max_s, retry_after)
 
 
 def _end(started: Started, attempt: Attempt, settings: Settings, box: Outbox, jobs: JobStore) -> None:

@@ -780,7 +780,7 @@ def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, 
             f"(max {MAX_ATTEMPTS}); workers killed by the memory limit {len(memory.kills)}; other jobs completed "
             f"{sum(r.status == Status.COMPLETED for r in records[1:])}/{len(others)}; messages left queued {waiting}"
         )
-        assert (job.status, job.error.code) == (Status.FAILED, "too_many_attempts"), job
+        assert (job.status, job.error.code) == (Status.FAILED, "lease_expired"), job
         assert "stopped sending heartbeats" in job.error.message and "Traceback" not in job.error.message
         assert attempts == job.attempt == MAX_ATTEMPTS and len(memory.kills) == MAX_ATTEMPTS
         assert outputs(blobs, poison) == []

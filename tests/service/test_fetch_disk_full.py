@@ -57,7 +57,7 @@ def test_a_job_whose_input_fills_the_disk_is_retried_then_fails(
     assert response.status_code == 200, response.text
     job = wait_for(api, response.json()["id"], cramped_worker, limit_s=120)
     # every attempt ran out of room; none of them was reported as the origin's failure
-    assert (job["status"], job["attempt"], job["error"]["code"]) == ("failed", 3, "too_many_attempts"), job
+    assert (job["status"], job["attempt"], job["error"]["code"]) == ("failed", 3, "worker_disk_full"), job
     assert "ran out of disk space" in job["error"]["message"]
     reasons = [event.detail.get("reason") or event.detail.get("last") for event in jobs.events(job["id"])]
     codes = [reason["code"] for reason in reasons if reason]

@@ -187,7 +187,7 @@ def test_expired_leases_are_reaped_and_quarantined_after_max_attempts(jobs: JobS
     time.sleep(max(1.2, beat + 2.2 - time.monotonic()))  # past both leases
     assert set(jobs.reap()) == {job.id, alive.id}  # both silent now; the second is on its first attempt
     failed = jobs.require(job.id)
-    assert (failed.status, failed.error.code) == (Status.FAILED, "too_many_attempts")
+    assert (failed.status, failed.error.code) == (Status.FAILED, "lease_expired")  # the cause, not "too many"
     assert jobs.require(alive.id).status == Status.QUEUED
 
 
@@ -329,4 +329,20 @@ def test_an_attempt_sent_back_because_of_another_job_does_not_count(jobs: JobSto
     assert last.attempt == 5
     assert last.retry("device_lost", "x") == Status.FAILED
     failed = jobs.require(job.id)
-    assert failed.error.code == "too_many_attempts" and "after 2 attempts" in failed.error.message
+    assert failed.error.code == "device_lost" and failed.error.message == "gave up after 2 attempts; the last: x"
+
+
+def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_over(jobs: JobStore):
+    """An origin that is down gets time (worker.attempt.retry_wait_s): nobody sends the retry's message, `unsent`
+    hands the job to the reaper when its wait ends, not `enqueue_grace_s` after it."""
+    prefix = "vsrq-wait-" + secrets.token_hex(4)
+    jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=3, enqueue_grace_s=30, prefix=prefix)
+    job = make(jobs)
+    jobs.sent(job.id)
+    assert jobs.lease(job.id, "w", 30).retry("input_fetch_unavailable", "down", wait_s=1.5) == Status.QUEUED
+    assert jobs.unsent(30) == []  # still waiting
+    assert jobs.event_views(job.id).data[-1].retry_in_s == 1.5
+    time.sleep(1.6)
+    assert [waited.id for waited in jobs.unsent(30)] == [job.id]
+    jobs.sent(job.id)
+    assert jobs.unsent(30) == [] and jobs.lease(job.id, "w", 30).attempt == 2

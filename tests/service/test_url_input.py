@@ -20,10 +20,12 @@ import pytest
 import requests
 import trustme
 
+from storage.queue import make_celery
 from worker.attempt import classify
 from worker.errors import Cancelled
 from worker.fetch import MAX_REDIRECTS, FetchFailed, FetchUnavailable, fetch
 from worker.media.synthetic import write_clip
+from worker.reaper import reap_once
 
 from .conftest import UPLOAD_LIMIT, auth
 from .test_worker import celery_worker, wait_for
@@ -43,6 +45,7 @@ class Origin(ThreadingHTTPServer):
         self.clip = clip
         self.huge_sent: int | None = None
         self.huge_done = threading.Event()
+        self.flaky_left, self.flaky_gets = 0, []
 
     @property
     def base(self) -> str:
@@ -65,6 +68,16 @@ class OriginHandler(BaseHTTPRequestHandler):
             self._redirect("https://10.20.30.40/clip.mp4")
         elif path == "/unavailable":
             self._send(503, b"try later")
+        elif path == "/flaky":  # down (503, come back in 2 s) for its first `flaky_left` requests, then the clip
+            self.server.flaky_gets.append(time.monotonic())
+            if self.server.flaky_left > 0:
+                self.server.flaky_left -= 1
+                self.send_response(503)
+                self.send_header("Retry-After", "2")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            else:
+                self._send(200, self.server.clip)
         elif path == "/cut-short":  # promises more than it sends
             self.send_response(200)
             self.send_header("Content-Length", str(len(self.server.clip)))
@@ -150,7 +163,8 @@ def origin(ca_bundle, url_clip) -> Iterator[Origin]:
 def url_worker(service_env, redis_client, ca_bundle, tmp_path_factory) -> Iterator[Path]:
     """The lanczos worker (queue vsrq.cpu), trusting the test CA: its log file."""
     redis_client.delete("vsrq.cpu")
-    env = {**service_env, "VSRQ_FETCH_CA_BUNDLE": str(ca_bundle[1])}
+    # an origin that is down gets 0.5 to 1 s before the next attempt, or what its Retry-After asks
+    env = {**service_env, "VSRQ_FETCH_CA_BUNDLE": str(ca_bundle[1]), "VSRQ_FETCH_RETRY_BASE_S": "1"}
     with celery_worker(env, "lanczos", "vsrq.cpu", tmp_path_factory.mktemp("url-worker") / "cpu.log") as log:
         yield log
 
@@ -183,6 +197,25 @@ def test_a_url_input_runs_end_to_end(api, origin, url_worker, url_clip):
         f"{api}/v1/videos/{job['id']}/content", headers={**auth("dave"), "Range": "bytes=-1000"}, timeout=30
     )
     assert tail.status_code == 206 and tail.content == whole[-1000:] and len(whole) == job["output"]["bytes"]
+
+
+def test_an_origin_that_is_down_gets_the_time_it_asks_for_before_the_next_attempt(
+    api, origin, url_worker, jobs, settings
+):
+    """It was tried again at once: three attempts in ~60 ms, then the job failed, for an origin restarting."""
+    origin.flaky_left, origin.flaky_gets = 1, []
+    response = submit(api, video_url=f"{origin.base}/flaky")
+    assert response.status_code == 200, response.text
+    celery, deadline = make_celery(settings), time.monotonic() + 90
+    while jobs.require(response.json()["id"]).status not in ("completed", "failed") and time.monotonic() < deadline:
+        reap_once(jobs, celery, enqueue_grace_s=settings.enqueue_grace_s)  # the reaper's pass (worker.reaper's loop)
+        time.sleep(0.25)
+    job = wait_for(api, response.json()["id"], url_worker)
+    assert (job["status"], job["attempt"], job["error"]) == ("completed", 2, None), job
+    requeued = [event for event in jobs.event_views(job["id"]).data if event.type == "requeued"]
+    assert [(event.reason.code, event.retry_in_s) for event in requeued] == [("input_fetch_unavailable", 2.0)]
+    first, second = origin.flaky_gets
+    assert second - first >= 2.0  # its Retry-After, though the backoff alone would have been 0.5 to 1 s
 
 
 def test_the_fetched_inputs_size_and_digest_are_documented(api):

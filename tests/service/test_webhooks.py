@@ -88,8 +88,8 @@ def test_retries_back_off_exponentially_with_jitter_within_bounds():
         ceiling = min(settings.webhook_retry_max_s, settings.webhook_retry_base_s * 2 ** (attempt - 1))
         assert ceiling / 2 <= min(tries) and max(tries) <= ceiling and len(set(tries)) > 1  # jittered
     assert 3600 < sum(min(tries) for tries in delays) and sum(max(tries) for tries in delays) < 6 * 3600  # hours
-    assert backoff(1, settings, retry_after_s=900) == 900  # the receiver's Retry-After, when later
-    assert backoff(1, settings, retry_after_s=10**9) == settings.webhook_retry_max_s  # but bounded
+    assert backoff(1, settings, retry_after=900) == 900  # the receiver's Retry-After, when later
+    assert backoff(1, settings, retry_after=10**9) == settings.webhook_retry_max_s  # but bounded
 
 
 # -- The receiver --------------------------------------------------------------------------------------------------
