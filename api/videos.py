@@ -373,11 +373,11 @@ def video_content(job_id: str) -> Response:
         if preview is None:  # made by a worker of an earlier version, or the output had no frame to show
             raise ApiError(404, "variant_not_found", f"This job's output has no {variant}.")
         key, size, digest, filename = preview.key, preview.bytes, preview.sha256, f"{job_id}.{variant}.jpg"
-    if settings.content_delivery == "redirect":
-        url = blobs.presigned_url(key, settings.presign_ttl_s)
+    mimetype = VARIANTS[variant]
+    if settings.content_delivery == "redirect":  # the same name and type as a streamed answer's
+        url = blobs.presigned_url(key, settings.presign_ttl_s, filename=filename, content_type=mimetype)
         if url is not None:
             return redirect(url, 302)
-    mimetype = VARIANTS[variant]
     headers = {
         "ETag": f'"{digest}"',  # the content's own hash: the same bytes are the same tag, whatever the job
         "Accept-Ranges": "bytes",

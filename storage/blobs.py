@@ -137,8 +137,11 @@ class BlobStore(Protocol):
     def abort_incomplete(self, before: float) -> int:
         """Drops writes begun before `before` (epoch seconds) and never finished; returns how many."""
 
-    def presigned_url(self, key: str, ttl_s: int) -> str | None:
-        """A URL that GETs the blob for `ttl_s` seconds, or None where the backend has no server to sign for."""
+    def presigned_url(
+        self, key: str, ttl_s: int, filename: str | None = None, content_type: str | None = None
+    ) -> str | None:
+        """A URL that GETs the blob for `ttl_s` seconds (answered as an attachment named `filename`, of `content_type`,
+        where given), or None where the backend has no server to sign for."""
 
     def check(self) -> None:
         """Raises unless the store is reachable and usable (health checks)."""
@@ -185,31 +188,40 @@ class _Metered:
 # -- S3 ------------------------------------------------------------------------------------------------------------
 
 
+def _client(settings: Settings, endpoint_url: str | None):
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=settings.s3_region,
+        aws_access_key_id=settings.s3_access_key,
+        aws_secret_access_key=settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
+        # Path-style addressing works with every S3 implementation; virtual hosts need DNS per bucket.
+        config=Config(
+            signature_version="s3v4",
+            s3={"addressing_style": "path"},
+            retries={"mode": "standard"},
+            connect_timeout=settings.s3_timeout_s,
+            read_timeout=settings.s3_timeout_s,
+        ),
+    )
+
+
 class S3BlobStore:
-    def __init__(self, client, bucket: str, part_bytes: int = 8 * 1024 * 1024, concurrency: int = 4) -> None:
+    def __init__(
+        self, client, bucket: str, part_bytes: int = 8 * 1024 * 1024, concurrency: int = 4, signer=None
+    ) -> None:
         self.client, self.bucket = client, bucket
+        self._signer = signer or client  # presigned URLs: a client for the public address (`s3_public_url`)
         self._transfer = TransferConfig(
             multipart_threshold=part_bytes, multipart_chunksize=part_bytes, max_concurrency=concurrency
         )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> S3BlobStore:
-        client = boto3.client(
-            "s3",
-            endpoint_url=settings.s3_endpoint_url,
-            region_name=settings.s3_region,
-            aws_access_key_id=settings.s3_access_key,
-            aws_secret_access_key=settings.s3_secret_key.get_secret_value() if settings.s3_secret_key else None,
-            # Path-style addressing works with every S3 implementation; virtual hosts need DNS per bucket.
-            config=Config(
-                signature_version="s3v4",
-                s3={"addressing_style": "path"},
-                retries={"mode": "standard"},
-                connect_timeout=settings.s3_timeout_s,
-                read_timeout=settings.s3_timeout_s,
-            ),
-        )
-        return cls(client, settings.s3_bucket, settings.s3_part_bytes, settings.s3_upload_concurrency)
+        client = _client(settings, settings.s3_endpoint_url)
+        # makes no request: it only signs URLs for where clients reach storage
+        signer = _client(settings, settings.s3_public_url) if settings.s3_public_url else None
+        return cls(client, settings.s3_bucket, settings.s3_part_bytes, settings.s3_upload_concurrency, signer)
 
     def put(
         self,
@@ -290,10 +302,16 @@ class S3BlobStore:
                     aborted += 1
         return aborted
 
-    def presigned_url(self, key: str, ttl_s: int) -> str | None:
-        return self.client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl_s
-        )
+    def presigned_url(
+        self, key: str, ttl_s: int, filename: str | None = None, content_type: str | None = None
+    ) -> str | None:
+        params = {"Bucket": self.bucket, "Key": key}
+        if filename is not None:  # S3 answers with these headers instead of the object's own
+            params["ResponseContentDisposition"] = f'attachment; filename="{filename}"'
+        if content_type is not None:
+            params["ResponseContentType"] = content_type
+        # signed for the address clients reach storage at (SigV4 signs the host), which may not be the service's own
+        return self._signer.generate_presigned_url("get_object", Params=params, ExpiresIn=ttl_s)
 
     def check(self) -> None:
         self.client.head_bucket(Bucket=self.bucket)
@@ -417,7 +435,9 @@ class LocalBlobStore:
             path.unlink(missing_ok=True)
         return len(stale)
 
-    def presigned_url(self, key: str, ttl_s: int) -> str | None:
+    def presigned_url(
+        self, key: str, ttl_s: int, filename: str | None = None, content_type: str | None = None
+    ) -> str | None:
         return None
 
     def check(self) -> None:

@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     blob_backend: Literal["s3", "local"] = "local"
     local_blob_dir: Path = Path("var/blobs")
     s3_endpoint_url: str | None = None  # None: AWS itself
+    # The endpoint as clients reach it, where that is not the service's own address (a cluster's internal name): the
+    # presigned URLs of `content_delivery` "redirect" are signed for it. None: s3_endpoint_url.
+    s3_public_url: str | None = None
     s3_bucket: str = "vsrq"
     s3_region: str = "us-east-1"
     s3_access_key: str | None = None

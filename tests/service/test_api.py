@@ -400,7 +400,28 @@ def test_redirect_delivery_gives_a_presigned_url(settings, clip, jobs, s3):
     finish(jobs, s3, job["id"], b"the output")
     response = client.get(f"/v1/videos/{job['id']}/content", headers=auth("alice"))
     assert response.status_code == 302 and "X-Amz-Signature=" in response.location
-    assert requests.get(response.location, timeout=10).content == b"the output"
+    fetched = requests.get(response.location, timeout=10)
+    assert fetched.content == b"the output"
+    # saved under the name a streamed answer gives, not the storage key's (attempt-1-<hex>.mp4)
+    assert fetched.headers["Content-Disposition"] == f'attachment; filename="{job["id"]}.mp4"'
+    assert fetched.headers["Content-Type"] == "video/mp4"
+
+
+def test_redirect_delivery_signs_for_the_address_clients_reach_storage_at(settings, clip, jobs, s3):
+    """A cluster's API reaches storage at an internal name (k8s: seaweedfs-s3.vsrq.svc.cluster.local) that clients
+    cannot resolve: links were signed for it. Here the public address is "localhost", the service's 127.0.0.1."""
+    from api.app import create_app
+
+    public = settings.s3_endpoint_url.replace("127.0.0.1", "localhost")
+    assert public != settings.s3_endpoint_url
+    client = create_app(settings.model_copy(update={"content_delivery": "redirect", "s3_public_url": public}))
+    client = client.test_client()
+    job = client.post(
+        "/v1/videos", data={"video_reference": (io.BytesIO(clip), "clip.mp4")}, headers=auth("alice")
+    ).get_json()
+    finish(jobs, s3, job["id"], b"the output")
+    location = client.get(f"/v1/videos/{job['id']}/content", headers=auth("alice")).location
+    assert location.startswith(f"{public}/") and requests.get(location, timeout=10).content == b"the output"
 
 
 def test_a_key_cannot_touch_another_keys_job(api, clip, jobs, s3):
