@@ -37,6 +37,7 @@ from storage.blobs import SAFE_KEY, BlobError, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files
 from storage.queue import send_upscale
+from storage.webhooks import Outbox, relay_now
 from storage.ssrf import UnsafeUrl, public_addresses
 
 blueprint = Blueprint("videos", __name__)
@@ -323,9 +324,12 @@ def cancel_video(job_id: str) -> Response:
     jobs = services().jobs
     jobs.require(job_id, owner())
     try:
-        return jsonify(_body(jobs.cancel(job_id)))
+        job = jobs.cancel(job_id)
     except InvalidTransition:
         raise ApiError(409, "not_cancellable", "The job has already ended.") from None
+    if job.status == Status.CANCELLED and job.webhook_url:  # a queued job ends at once: its webhook goes out now
+        relay_now(Outbox(jobs.redis, jobs.prefix), services().celery, services().settings.webhook_claim_s, job.id)
+    return jsonify(_body(job))
 
 
 @blueprint.delete("/v1/videos/<job_id>")

@@ -15,10 +15,17 @@ An event leaves the outbox only through `done`: delivered, or given up.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from celery import Celery
 from pydantic import BaseModel
 from redis import Redis
+
+log = logging.getLogger("vsrq.webhooks")
+
+DELIVER_TASK = "vsrq.deliver_webhook"  # args: [event id, claim]; worker.webhooks delivers
+QUEUE = "vsrq.webhooks"
 
 
 def outbox_keys(prefix: str = "vsrq") -> list[str]:
@@ -144,3 +151,21 @@ class Outbox:
 
     def pending(self) -> list[str]:
         return [event_id.decode() for event_id in self.redis.zrange(self.keys[0], 0, -1)]
+
+
+def relay_once(box: Outbox, celery: Celery, claim_s: float) -> list[Claim]:
+    """Every due event, under a new claim, becomes one `vsrq.deliver_webhook` message. A relay that dies after taking
+    an event and before its message is sent leaves it claimed: it is due again when the claim expires."""
+    taken = box.take(claim_s)
+    for claim in taken:
+        celery.send_task(DELIVER_TASK, args=[claim.event_id, claim.claim], queue=QUEUE)
+    return taken
+
+
+def relay_now(box: Outbox, celery: Celery, claim_s: float, job_id: str) -> None:
+    """Relays the webhook a job's end just wrote from the process that ended it (a worker, the API cancelling), not at
+    the reaper's next pass, up to `reap_interval_s` later. Best effort: what this cannot send, the reaper relays."""
+    try:
+        relay_once(box, celery, claim_s)
+    except Exception as error:  # Redis or the broker: the event waits in the outbox
+        log.warning("%s: its webhook waits for the reaper's next pass (%s: %s)", job_id, type(error).__name__, error)

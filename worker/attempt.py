@@ -22,6 +22,7 @@ from botocore.retries.standard import (
 from storage.blobs import PREVIEWS, BlobNotFound, preview_key, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
+from storage.webhooks import Outbox, relay_now
 from storage.queue import send_upscale
 from worker import service
 from worker.backoff import backoff_s
@@ -66,6 +67,13 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     if isinstance(error, botocore.exceptions.ClientError) and _transient(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."
     return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
+
+
+def relay_webhook(job: JobRecord) -> None:
+    """The webhook of a job that ended here goes to a delivery worker now, not at the reaper's next pass."""
+    if job.webhook_url:
+        jobs = service.jobs()
+        relay_now(Outbox(jobs.redis, jobs.prefix), app, service.settings().webhook_claim_s, job.id)
 
 
 def retry_wait_s(error: BaseException, lease: Lease) -> float:
@@ -129,6 +137,7 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows
             else:
                 send_upscale(app, service.jobs(), job, first=True)
             return  # the next attempt replays the kept windows (the last one only if its tail could wait)
+        relay_webhook(job)  # the job has ended
         if windows:
             forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:

@@ -25,7 +25,8 @@ from storage.queue import send_upscale
 from worker import service
 from worker.celery_app import app
 from worker.lost import LostMessages
-from worker.webhooks import outbox, relay_once
+from storage.webhooks import relay_once
+from worker.webhooks import outbox
 
 log = logging.getLogger("vsrq.reaper")
 

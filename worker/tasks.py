@@ -51,7 +51,7 @@ from storage.jobs import (
 )
 from storage.queue import UPSCALE_TASK, send_upscale
 from worker import heap, metrics, service, signals, started  # signals: importing it connects the process's handlers
-from worker.attempt import discard, discard_attempt, end, forget_windows
+from worker.attempt import discard, discard_attempt, end, forget_windows, relay_webhook
 from worker.celery_app import app
 from worker.costs import charge, job_limits
 from worker.errors import TailStuck
@@ -506,6 +506,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     )
     lease.complete(promoted_output)
     tail.ended = True
+    relay_webhook(job)
     log.info(
         "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
         job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,

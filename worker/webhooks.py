@@ -36,31 +36,20 @@ from storage.jobs import JobNotFound, JobStore
 from storage.logs import job_context
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
 from storage.signatures import signed_headers
-from storage.webhooks import Claim, Outbox, Started
+from storage.webhooks import DELIVER_TASK, Outbox, Started
 from worker import metrics, service
-from worker.backoff import backoff_s, retry_after_s
 from worker import signals as _signals  # noqa: F401  (this worker's logging and registry entry)
+from worker.backoff import backoff_s, retry_after_s
 from worker.celery_app import app
 
 log = logging.getLogger("vsrq.webhooks")
 
-DELIVER_TASK = "vsrq.deliver_webhook"  # args: [event id, claim]
-QUEUE = "vsrq.webhooks"
 
 
 @cache
 def outbox() -> Outbox:
     jobs = service.jobs()
     return Outbox(jobs.redis, jobs.prefix)  # the outbox the job store's scripts write
-
-
-def relay_once(box: Outbox, celery: Celery, claim_s: float) -> list[Claim]:
-    """One pass: every due event, under a new claim, becomes one `vsrq.deliver_webhook` message. A relay that dies
-    after taking an event and before its message is sent leaves it claimed: it is due again when the claim expires."""
-    taken = box.take(claim_s)
-    for claim in taken:
-        celery.send_task(DELIVER_TASK, args=[claim.event_id, claim.claim], queue=QUEUE)
-    return taken
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from storage.config import ApiKey, Settings
 from storage.jobs import InputInfo, JobStore
 from storage.signatures import WebhookVerificationError, new_secret, signed_headers, verify
 from storage.webhooks import Outbox
-from worker.webhooks import QUEUE, backoff
+from storage.webhooks import QUEUE
+from worker.webhooks import backoff
 
 from .conftest import ROOT, WEBHOOK_SECRETS, auth, serve_api
 from .receiver import Receiver
@@ -202,6 +203,27 @@ def ended_without_upscaling(jobs: JobStore, url: str) -> str:
 
 
 # -- Delivery ------------------------------------------------------------------------------------------------------
+
+
+def test_a_job_that_ends_sends_its_webhook_without_waiting_for_the_reaper(
+    hooks_api, upscaler, webhook_worker, receiver, jobs, redis_client, clip
+):
+    """The first delivery waited for the reaper's next pass: 3 to 10 s after the job ended, with the default 10 s
+    between passes. The worker that completes a job, and the API that cancels a queued one, relay its event. No
+    reaper runs in this test (the module's starts with the next one): its pass mark stays as it was."""
+    last_pass = f"{jobs.prefix}:reaper:last_pass"  # storage.overview.reaper_passed writes it after each pass
+    passes = redis_client.get(last_pass)
+    completed, cancelled = receiver.path(), receiver.path()
+    job_id = create(hooks_api, clip, webhook_url=receiver.url(completed))["id"]
+    assert wait_for(hooks_api, job_id, upscaler)["status"] == "completed"
+    (call,) = receiver.wait(completed, 1, limit_s=10)
+    assert json.loads(call.body)["type"] == "video.completed"
+    # no k6 worker here: it stays queued
+    queued = create(hooks_api, b"queued, never run", model="k6-vsr", webhook_url=receiver.url(cancelled))
+    requests.post(f"{hooks_api}/v1/videos/{queued['id']}/cancel", headers=auth("dave"), timeout=10).raise_for_status()
+    (call,) = receiver.wait(cancelled, 1, limit_s=10)
+    assert json.loads(call.body)["type"] == "video.cancelled"
+    assert redis_client.get(last_pass) == passes  # no reaper relayed them
 
 
 def test_a_completed_job_is_delivered_until_the_receiver_takes_it(
