@@ -128,6 +128,19 @@ def test_commands_are_the_procfiles():
     assert queue_of(argv(services["webhooks"]["command"])) == "vsrq.webhooks"
 
 
+def test_each_worker_reports_the_name_its_model_is_served_under():
+    """A worker on a checkpoint directory reported the directory's name (`k6-vsr`) as the model its jobs ran, where
+    VSRQ_MODELS serves the hub's name."""
+    served = set(json.loads(config_map()["VSRQ_MODELS"])) | set(json.loads(COMPOSE["x-service-env"]["VSRQ_MODELS"]))
+    workers = [{item["name"]: item.get("value") for item in container.get("env", [])} for _, container in containers()]
+    workers.append(COMPOSE["services"]["worker-k6"]["environment"])
+    workers = [env for env in workers if "VSRQ_WORKER_MODEL" in env]
+    assert workers, "no worker found"
+    for env in workers:
+        name = WorkerSettings(model=env["VSRQ_WORKER_MODEL"], served_as=env.get("VSRQ_WORKER_SERVED_AS")).served
+        assert name in served, (env, served)
+
+
 def test_gpus_asked_for_match_the_devices_used():
     for name, container in containers():
         env = {item["name"]: item.get("value") for item in container.get("env", [])}

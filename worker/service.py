@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from storage.blobs import BlobStore, open_blob_store
-from storage.config import Settings
+from storage.config import Settings, served_name
 from storage.jobs import JobStore
 
 
@@ -25,6 +25,9 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VSRQ_WORKER_", env_file=".env", extra="ignore")
 
     model: str = "lanczos"  # a checkpoint directory, a hub id, or "lanczos"
+    # The name its jobs report having run (`output.model`): the name VSRQ_MODELS serves it under, where `model` is a
+    # directory named otherwise (/models/k6-vsr for the hub's kandinskylab/...). Unset: `model`, a directory by its name
+    served_as: str | None = None
     devices: str = "cpu"  # comma-separated, e.g. "cuda:0,cuda:1"
     heartbeat_s: float = 0.5  # progress heartbeats at most this often (and at the end of every window)
     # "speed": every tile's decoder cache resident; "balanced": parked in host memory between segments; "memory":
@@ -86,6 +89,10 @@ class WorkerSettings(BaseSettings):
     def window_options(self) -> dict[str, int]:
         """The window settings that are set, as `UpscaleOptions` fields."""
         return {name: value for name in ("window", "window_overlap") if (value := getattr(self, name)) is not None}
+
+    @property
+    def served(self) -> str:
+        return self.served_as or served_name(self.model)
 
     @property
     def device_list(self) -> list[str]:

@@ -35,7 +35,6 @@ from celery.signals import worker_init, worker_shutdown
 from celery.worker import state as worker_state
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, preview_key
-from storage.config import served_name
 from storage.jobs import (
     FileDigest,
     InvalidTransition,
@@ -498,7 +497,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
         sha256=stored.sha256,
         media=media_info(result.written),
         previews={v: PreviewInfo(key=blob.key, bytes=blob.size, sha256=blob.sha256) for v, blob in previews.items()},
-        model=served_name(config.model),
+        model=config.served,
         num_inference_steps=None if default_steps is None else tail.options.request.num_inference_steps,
         quality=result.quality,
         quality_levers=result.levers,
