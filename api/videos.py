@@ -328,7 +328,8 @@ def cancel_video(job_id: str) -> Response:
     except InvalidTransition:
         raise ApiError(409, "not_cancellable", "The job has already ended.") from None
     if job.status == Status.CANCELLED and job.webhook_url:  # a queued job ends at once: its webhook goes out now
-        relay_now(Outbox(jobs.redis, jobs.prefix), services().celery, services().settings.webhook_claim_s, job.id)
+        claim_s = services().settings.webhook_claim_s
+        relay_now(Outbox(jobs.redis, jobs.prefix), services().celery, claim_s, job.id, Status.CANCELLED)
     return jsonify(_body(job))
 
 

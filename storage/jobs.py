@@ -206,6 +206,7 @@ class JobRecord(BaseModel):
     completed_at: float | None = None
     expires_at: float | None = None
     lease_until: float | None = None
+    retry_at: float | None = None  # a retry told to wait (`JobStore.retry`): not leased before, out of line until sent
     updated_at: float
 
 
@@ -253,7 +254,10 @@ class Video(BaseModel):
     status: Status
     progress: int
     stage: Stage | None
-    queue_position: int | None = Field(description="jobs ahead of this one in its queue (0: next); null unless queued")
+    queue_position: int | None = Field(
+        description="jobs ahead of this one in its queue (0: next); null unless queued, and while a retry waits (its "
+        "`requeued` event's `retry_in_s`)"
+    )
     attempt: int
     cancel_requested: bool
     created_at: int
@@ -498,6 +502,12 @@ end
 if current ~= 'queued' then
   fail('invalid_transition', 'only a queued job can be leased (it is ' .. current .. ')')
 end
+local due = tonumber(field('retry_at') or '0')
+if t < due then
+  local left = string.format('%.1f', due - t)
+  fail('invalid_transition', 'its retry waits ' .. left .. ' s more (the reaper sends it then)')
+end
+redis.call('HDEL', JOB, 'retry_at')
 move('in_progress', t)
 local attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
 hold()
@@ -590,13 +600,28 @@ redis.call('HSET', JOB, 'progress', 0)
 redis.call('HDEL', JOB, 'stage')
 local wait = tonumber(ARGV[7] or '0')
 if wait > 0 then
-  -- no message yet: its mark in UNSENT makes `unsent` hand it to the reaper once the wait is over
-  redis.call('ZADD', UNSENT, t + wait - tonumber(ARGV[8]), field('id'))
+  -- No message yet: its mark in UNSENT makes `unsent` hand it to the reaper once the wait is over, and `sent` ranks
+  -- it in the queue then (a job that cannot start is nobody's place in line). A message for it before then (a
+  -- duplicate) finds it not due: `_LEASE` refuses it.
+  local id = field('id')
+  redis.call('HSET', JOB, 'retry_at', t + wait)
+  redis.call('ZREM', QUEUE, id)
+  redis.call('ZADD', UNSENT, t + wait - tonumber(ARGV[8]), id)
   event('requeued', t, {reason = reason, retry_in_s = wait})
 else
   event('requeued', t, {reason = reason})
 end
 return 'queued'
+"""
+
+# No ARGV. The job's message is on the broker: its mark leaves UNSENT, and a queued job out of line (a retry that
+# waited: _REQUEUE) takes its place again where its message went, at the front (storage.queue.send_upscale first=True).
+_SENT = """
+local id = field('id')
+redis.call('ZREM', UNSENT, id)
+if field('status') == 'queued' and not redis.call('ZSCORE', QUEUE, id) then
+  redis.call('ZADD', QUEUE, -redis.call('INCR', SEQ), id)
+end
 """
 
 # ARGV: result ttl. A queued job is cancelled at once; a running one gets the flag its worker checks between tiles.
@@ -688,6 +713,7 @@ class JobStore:
             "touch": _TOUCH,
             "end": _END,
             "requeue": _REQUEUE,
+            "sent": _SENT,
             "cancel": _CANCEL,
             "delete": _DELETE,
             "note": _NOTE,
@@ -1016,8 +1042,11 @@ class JobStore:
     # -- messages: every way into `queued` needs a Celery message, and its sender may die before sending it --------
 
     def sent(self, job_id: str) -> None:
-        """The job's message is on the broker."""
-        self.redis.zrem(self._unsent_key, job_id)
+        """The job's message is on the broker: a retry that waited takes its place in line again, at the front."""
+        try:
+            self._run("sent", job_id)
+        except JobNotFound:  # deleted since: no place in line to take
+            self.redis.zrem(self._unsent_key, job_id)
 
     def unsent(self, older_than_s: float, limit: int = 100) -> list[JobRecord]:
         """Queued jobs whose message was due more than `older_than_s` ago and never confirmed sent: the reaper sends

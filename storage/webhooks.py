@@ -83,6 +83,16 @@ return taken
 )
 # The fence of start / retry / done: only the latest claim of an event may act on it.
 _FENCE = "if redis.call('HGET', KEYS[2], ARGV[1] .. ':claim') ~= ARGV[2] then return false end\n"
+# ARGV: id, claim seconds. Takes that one event, as _TAKE does, where it is due. Returns its claim, or false.
+_TAKE_ONE = (
+    _NOW
+    + """
+local due = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not due or tonumber(due) > now or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return false end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return redis.call('HINCRBY', KEYS[2], ARGV[1] .. ':claim', 1)
+"""
+)
 # ARGV: id, claim, hold seconds (the attempt's longest run). Returns [event, attempt, payload or nil].
 _START = (
     _FENCE
@@ -117,14 +127,19 @@ class Outbox:
     def __init__(self, redis: Redis, prefix: str = "vsrq") -> None:
         self.redis = redis
         self.keys = outbox_keys(prefix)
-        self._take, self._start, self._retry, self._done = (
-            redis.register_script(script) for script in (_TAKE, _START, _RETRY, _DONE)
+        self._take, self._take_one, self._start, self._retry, self._done = (
+            redis.register_script(script) for script in (_TAKE, _TAKE_ONE, _START, _RETRY, _DONE)
         )
 
     def take(self, claim_s: float, limit: int = 100) -> list[Claim]:
         """The due events, each under a new claim that expires (makes the event due again) in `claim_s`."""
         flat = self._take(keys=self.keys, args=[claim_s, limit])
         return [Claim(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+    def take_one(self, event_id: str, claim_s: float) -> Claim | None:
+        """`take` for one event: None unless it is due (taken already, or no such event)."""
+        claim = self._take_one(keys=self.keys, args=[event_id, claim_s])
+        return Claim(event_id, int(claim)) if claim else None
 
     def start(self, event_id: str, claim: int, hold_s: float) -> Started | None:
         """Counts one more attempt and holds the event for `hold_s`; None when `claim` is no longer the latest."""
@@ -162,10 +177,23 @@ def relay_once(box: Outbox, celery: Celery, claim_s: float) -> list[Claim]:
     return taken
 
 
-def relay_now(box: Outbox, celery: Celery, claim_s: float, job_id: str) -> None:
-    """Relays the webhook a job's end just wrote from the process that ended it (a worker, the API cancelling), not at
-    the reaper's next pass, up to `reap_interval_s` later. Best effort: what this cannot send, the reaper relays."""
+def event_id(job_id: str, status: str) -> str:
+    """The id of the event a job's move to `status` wrote (storage.jobs' `announce`): its webhook-id."""
+    return f"msg_{job_id}_{status}"
+
+
+def relay_now(box: Outbox, celery: Celery, claim_s: float, job_id: str, status: str) -> None:
+    """Relays the webhook a job's end just wrote, from the process that ended it (a worker, the API cancelling), not
+    at the reaper's next pass, up to `reap_interval_s` later. Best effort, and one try: an event this cannot send is
+    due again at once, for the reaper."""
     try:
-        relay_once(box, celery, claim_s)
+        claim = box.take_one(event_id(job_id, status), claim_s)
+        if claim is None:  # no webhook, or a reaper's pass took it first
+            return
+        try:
+            celery.send_task(DELIVER_TASK, args=[claim.event_id, claim.claim], queue=QUEUE, retry=False)
+        except Exception:
+            box.retry(claim.event_id, claim.claim, 0)
+            raise
     except Exception as error:  # Redis or the broker: the event waits in the outbox
         log.warning("%s: its webhook waits for the reaper's next pass (%s: %s)", job_id, type(error).__name__, error)

@@ -69,11 +69,11 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
 
 
-def relay_webhook(job: JobRecord) -> None:
-    """The webhook of a job that ended here goes to a delivery worker now, not at the reaper's next pass."""
+def relay_webhook(job: JobRecord, ended: Status) -> None:
+    """The webhook of a job that ended here (as `ended`) goes to a delivery worker now, not at the reaper's pass."""
     if job.webhook_url:
         jobs = service.jobs()
-        relay_now(Outbox(jobs.redis, jobs.prefix), app, service.settings().webhook_claim_s, job.id)
+        relay_now(Outbox(jobs.redis, jobs.prefix), app, service.settings().webhook_claim_s, job.id, ended)
 
 
 def retry_wait_s(error: BaseException, lease: Lease) -> float:
@@ -128,16 +128,18 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows
     try:
         if outcome == "cancelled":
             lease.cancelled()
+            ended = Status.CANCELLED
         elif outcome == "failed":
             lease.fail(code, message)
+            ended = Status.FAILED
         # behind another job's stuck tail, the job was not at fault: that attempt is not one of its max attempts
-        elif lease.retry(code, message, counts=code != TailStuck.code, wait_s=wait) == Status.QUEUED:
+        elif (ended := lease.retry(code, message, counts=code != TailStuck.code, wait_s=wait)) == Status.QUEUED:
             if wait:  # the reaper sends its message once the wait is over (JobStore.unsent)
                 log.info("%s: its next attempt waits %.1f s (%s)", job.id, wait, code)
             else:
                 send_upscale(app, service.jobs(), job, first=True)
             return  # the next attempt replays the kept windows (the last one only if its tail could wait)
-        relay_webhook(job)  # the job has ended
+        relay_webhook(job, ended)
         if windows:
             forget_windows(job.id)  # the job has ended
     except StaleAttempt as stale:

@@ -4,6 +4,7 @@ deliveries (worker.webhooks) and inputs fetched by URL (worker.fetch, retried by
 from __future__ import annotations
 
 import random
+import re
 import time
 from email.utils import parsedate_to_datetime
 
@@ -12,7 +13,7 @@ def retry_after_s(header: str | None) -> float | None:
     """Retry-After as seconds from now: a number of seconds, or an HTTP date; None when absent or unreadable."""
     if not header:
         return None
-    if header.strip().isdigit():
+    if re.fullmatch(r"\s*[0-9]+\s*", header):  # ASCII digits: str.isdigit takes "²", which float() does not
         return float(header)
     try:
         return max(0.0, parsedate_to_datetime(header).timestamp() - time.time())

@@ -46,10 +46,10 @@ def reap_once(
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
     grace = service.settings().enqueue_grace_s if enqueue_grace_s is None else enqueue_grace_s
     for job in jobs.unsent(grace):
-        retried = job.attempt > 0  # ranks first among the queued (JobStore's queue order): its message goes there too
-        send_upscale(celery, jobs, job, first=retried)
-        if retried:  # mostly a retry whose wait is over (worker.attempt.retry_wait_s)
-            log.info("%s: a retry's message sent (its wait is over)", job.id, extra={"job_id": job.id})
+        # a job attempted before ranks first among the queued (JobStore's queue order): its message goes there too
+        send_upscale(celery, jobs, job, first=job.attempt > 0)
+        if job.retry_at is not None:  # a retry told to wait (worker.attempt.retry_wait_s), now due
+            log.info("%s: its retry's wait is over: sent its message", job.id, extra={"job_id": job.id})
         else:
             log.warning("%s: queued without a message (its sender died): sent one", job.id, extra={"job_id": job.id})
     for job in lost.due(jobs, celery) if lost is not None else ():

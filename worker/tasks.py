@@ -86,6 +86,9 @@ def _load_model(**_: Any) -> None:
     # The seconds so far are the interpreter's start and the imports of Celery and the worker's modules
     devices = ",".join(config.device_list)
     log.info("loading %s on %s, %.1f s after the process started", config.model, devices, started.seconds())
+    if config.served not in (served := service.settings().models):  # jobs would report a name nobody asks for
+        log.warning("this worker's model is reported as %r, which VSRQ_MODELS does not serve (%s): set "
+                    "VSRQ_WORKER_SERVED_AS to its name there", config.served, ", ".join(served))  # fmt: skip
     began = started.seconds()
     service.upscaler()
     log.info("model ready in %.1f s, %.1f s after the process started", started.seconds() - began, started.seconds())
@@ -505,7 +508,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     )
     lease.complete(promoted_output)
     tail.ended = True
-    relay_webhook(job)
+    relay_webhook(job, Status.COMPLETED)
     log.info(
         "%s completed by attempt %d: %s (%d bytes), %d of %d windows restored from earlier attempts",
         job.id, lease.attempt, output_key, stored.size, result.restored, result.windows,

@@ -337,12 +337,17 @@ def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_
     hands the job to the reaper when its wait ends, not `enqueue_grace_s` after it."""
     prefix = "vsrq-wait-" + secrets.token_hex(4)
     jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=3, enqueue_grace_s=30, prefix=prefix)
-    job = make(jobs)
-    jobs.sent(job.id)
-    assert jobs.lease(job.id, "w", 30).retry("input_fetch_unavailable", "down", wait_s=1.5) == Status.QUEUED
+    job, behind = make(jobs, queue="q-wait"), make(jobs, queue="q-wait")
+    jobs.sent(job.id), jobs.sent(behind.id)
+    assert jobs.lease(job.id, "w", 30).retry("input_fetch_unavailable", "down", wait_s=5) == Status.QUEUED
     assert jobs.unsent(30) == []  # still waiting
-    assert jobs.event_views(job.id).data[-1].retry_in_s == 1.5
-    time.sleep(1.6)
+    assert jobs.event_views(job.id).data[-1].retry_in_s == 5
+    # out of line while it waits: the job behind it is next; a duplicate message does not start it early
+    assert (jobs.view(jobs.require(job.id)).queue_position, jobs.view(behind).queue_position) == (None, 0)
+    with pytest.raises(InvalidTransition, match="its retry waits"):
+        jobs.lease(job.id, "duplicate", 30)
+    time.sleep(5.1)
     assert [waited.id for waited in jobs.unsent(30)] == [job.id]
-    jobs.sent(job.id)
+    jobs.sent(job.id)  # back in line, at the front, where its message goes
+    assert (jobs.view(jobs.require(job.id)).queue_position, jobs.view(behind).queue_position) == (0, 1)
     assert jobs.unsent(30) == [] and jobs.lease(job.id, "w", 30).attempt == 2

@@ -33,6 +33,7 @@ from storage.jobs import InputInfo, JobStore
 from storage.signatures import WebhookVerificationError, new_secret, signed_headers, verify
 from storage.webhooks import Outbox
 from storage.webhooks import QUEUE
+from worker.backoff import retry_after_s
 from worker.webhooks import backoff
 
 from .conftest import ROOT, WEBHOOK_SECRETS, auth, serve_api
@@ -91,6 +92,9 @@ def test_retries_back_off_exponentially_with_jitter_within_bounds():
     assert 3600 < sum(min(tries) for tries in delays) and sum(max(tries) for tries in delays) < 6 * 3600  # hours
     assert backoff(1, settings, retry_after=900) == 900  # the receiver's Retry-After, when later
     assert backoff(1, settings, retry_after=10**9) == settings.webhook_retry_max_s  # but bounded
+    # Retry-After as a server sends it: seconds or an HTTP date; anything else is no advice (it raised on "²")
+    assert (retry_after_s(" 12 "), retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT")) == (12.0, 0.0)
+    assert retry_after_s("\xb2") is None and retry_after_s("soon") is None
 
 
 # -- The receiver --------------------------------------------------------------------------------------------------
