@@ -241,6 +241,23 @@ def test_status_without_a_stack_says_how_to_start_one(tmp_path):
     assert url.replace(":secret-pw@", "") in result.stderr and "secret-pw" not in result.stderr
 
 
+def test_a_terminated_upscale_leaves_no_partial_output(tmp_path):
+    """SIGTERM (`timeout`, `kill`, `docker stop`) killed the process with its hidden .partial output left behind (20
+    MB for a trailer cut short by `timeout`), where Ctrl-C removed it."""
+    source = write_clip(tmp_path / "in.mp4", num_frames=241, size=(240, 320))
+    command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(tmp_path / "out.mp4"), "--model",
+               "lanczos", "--scale", "4"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial, deadline = tmp_path / ".out.mp4.partial", time.monotonic() + 120
+    while not (partial.exists() and partial.stat().st_size):  # the encoder has written part of it
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    process.terminate()
+    _, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr.splitlines()[-1]) == (130, "vsrq: cancelled"), stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.mp4"]
+
+
 def test_ctrl_c_with_kept_windows_says_the_same_command_resumes(tmp_path, tiny_piflow):
     source = write_clip(tmp_path / "in.mp4", num_frames=41, size=(48, 64))
     keep = tmp_path / "keep"

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import secrets
+import signal
 import sys
 from collections.abc import Callable
 
@@ -51,6 +52,8 @@ def upscale(args: argparse.Namespace) -> int:
     from worker.sr.windows import DirectoryWindowStore
     from worker.upscale import UpscaleOptions, check_output, upscale_file
 
+    # `kill`, `timeout`, `docker stop`, a CI job cancelled: unwound as Ctrl-C is, so no hidden .partial is left behind
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     existing(args.input)  # before a model loads (seconds): the job key reads the file too
     if args.output.is_dir():  # the video goes in it, named as `vsrq bulk` and the web app name theirs
         args.output = args.output / f"{args.input.stem}-x{args.scale:g}.mp4"
