@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from PIL import Image
 
 from tests.mediatools import read_back
 from worker.errors import PermanentError
+from worker.media.errors import InputCorrupt
 from worker.media.limits import Limits
 from worker.media.passthrough import aac_format
 from worker.media.probe import probe
@@ -332,6 +334,17 @@ def _joined(path: Path, later_first: bool) -> Path:
     second = write_clip(path.with_name("b.ts"), FRAMES, SIZE, Fraction(25), audio_codec="aac")
     path.write_bytes(first.read_bytes() + second.read_bytes())
     return path
+
+
+def test_recordings_joined_end_to_end_are_refused_where_the_first_one_ends(tmp_path):
+    """The refusal named the latest time of the frames 17 and more before the restart (1.600 s of a 2.240 s first
+    recording, in a real file), not where the first recording ends."""
+    with pytest.raises(InputCorrupt) as refused:
+        probe(_joined(tmp_path / "clip.ts", later_first=False))
+    said = refused.value.message
+    # both recordings start at the muxer's same offset: the first ends FRAMES - 1 frames after the restart's time
+    restart, ended = (float(t) for t in re.search(r"timestamp \(([\d.]+) s\).*up to ([\d.]+) s", said).groups())
+    assert f"frame {FRAMES + 1}'s" in said and abs(ended - restart - (FRAMES - 1) / 25) < 0.001, said
 
 
 BAD = {

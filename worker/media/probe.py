@@ -701,10 +701,12 @@ def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
                 retimed += 1
                 continue
         if pts[index] <= latest:
+            # the latest of all the frames before it: where the first recording ends (`latest` lags by REORDER)
+            ended = max(pts[:index])
             raise InputCorrupt(
                 f"{path.name}: frame {index + 1}'s timestamp ({float(pts[index] * time_base):.3f} s) comes before "
-                f"frames decoded earlier ({float(latest * time_base):.3f} s): its clock starts over, as in recordings "
-                "joined end to end; join them with a tool that re-times them, or send them one by one"
+                f"frames decoded earlier (up to {float(ended * time_base):.3f} s): its clock starts over, as in "
+                "recordings joined end to end; join them with a tool that re-times them, or send them one by one"
             )
     if len(set(pts)) < len(pts):
         raise InputCorrupt(f"{path.name}: {len(pts) - len(set(pts))} frame(s) repeat another frame's timestamp")
