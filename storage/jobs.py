@@ -459,6 +459,7 @@ local function move(to, t)
   if from == 'queued' then
     redis.call('ZREM', QUEUE, id)
     redis.call('ZREM', UNSENT, id)  -- leased (so sent), cancelled or abandoned: no message is due any more
+    redis.call('HDEL', JOB, 'retry_at')
   end
   -- Queued again: its message is due, in the same write, so a sender that dies before sending leaves it to `unsent`
   if to == 'queued' then
@@ -507,7 +508,6 @@ if t < due then
   local left = string.format('%.1f', due - t)
   fail('invalid_transition', 'its retry waits ' .. left .. ' s more (the reaper sends it then)')
 end
-redis.call('HDEL', JOB, 'retry_at')
 move('in_progress', t)
 local attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
 hold()
@@ -618,6 +618,10 @@ return 'queued'
 # waited: _REQUEUE) takes its place again where its message went, at the front (storage.queue.send_upscale first=True).
 _SENT = """
 local id = field('id')
+if not id then return end  -- deleted since
+-- A message confirmed for a retry still waiting (a sender that stalled past the attempt it sent for, a duplicate)
+-- leaves its mark: the reaper sends the one that counts when the wait is over
+if now() < tonumber(field('retry_at') or '0') then return end
 redis.call('ZREM', UNSENT, id)
 if field('status') == 'queued' and not redis.call('ZSCORE', QUEUE, id) then
   redis.call('ZADD', QUEUE, -redis.call('INCR', SEQ), id)

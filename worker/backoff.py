@@ -13,8 +13,8 @@ def retry_after_s(header: str | None) -> float | None:
     """Retry-After as seconds from now: a number of seconds, or an HTTP date; None when absent or unreadable."""
     if not header:
         return None
-    if re.fullmatch(r"\s*[0-9]+\s*", header):  # ASCII digits: str.isdigit takes "²", which float() does not
-        return float(header)
+    if seconds := re.fullmatch(r"[ \t]*([0-9]+)[ \t]*", header):  # str.isdigit takes "²", \s "\x1c": float() neither
+        return float(seconds[1])
     try:
         return max(0.0, parsedate_to_datetime(header).timestamp() - time.time())
     except (TypeError, ValueError):

@@ -94,7 +94,7 @@ def test_retries_back_off_exponentially_with_jitter_within_bounds():
     assert backoff(1, settings, retry_after=10**9) == settings.webhook_retry_max_s  # but bounded
     # Retry-After as a server sends it: seconds or an HTTP date; anything else is no advice (it raised on "²")
     assert (retry_after_s(" 12 "), retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT")) == (12.0, 0.0)
-    assert retry_after_s("\xb2") is None and retry_after_s("soon") is None
+    assert retry_after_s("\xb2") is None and retry_after_s("5\x1c") is None and retry_after_s("soon") is None
 
 
 # -- The receiver --------------------------------------------------------------------------------------------------
