@@ -22,8 +22,8 @@ from botocore.retries.standard import (
 from storage.blobs import PREVIEWS, BlobNotFound, preview_key, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
-from storage.webhooks import Outbox, relay_now
 from storage.queue import send_upscale
+from storage.webhooks import Outbox, relay_now
 from worker import service
 from worker.backoff import backoff_s
 from worker.celery_app import app

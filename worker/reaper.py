@@ -22,10 +22,10 @@ from storage.lifecycle import sweep
 from storage.logs import configure, settings_secrets
 from storage.overview import lost_message_resent, reaper_passed
 from storage.queue import send_upscale
+from storage.webhooks import relay_once
 from worker import service
 from worker.celery_app import app
 from worker.lost import LostMessages
-from storage.webhooks import relay_once
 from worker.webhooks import outbox
 
 log = logging.getLogger("vsrq.reaper")
@@ -36,8 +36,8 @@ def reap_once(
 ) -> dict[str, Status]:
     """One pass: expired leases are requeued (or failed), and a requeued job gets a new `vsrq.upscale` message; so does
     a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the setting) or whose retry's
-    wait is over, and, given
-    `lost` (the looks of earlier passes), one whose message the broker has not held for its grace."""
+    wait is over, and, given `lost` (the looks of earlier passes), one whose message the broker has not held for its
+    grace."""
     outcome = jobs.reap()
     for job_id, status in outcome.items():
         job = jobs.get(job_id)
