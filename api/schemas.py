@@ -156,11 +156,22 @@ class UpscaleParams(BaseModel):
         "(an NTSC DVD or broadcast of a movie, 29.97i from 23.976p) gets its own frames back (inverse telecine: four "
         "of every five, 23.976p); soft-telecined film (pulldown flags) is read at 23.976p whatever this says",
     )
+    background: str = Field(
+        "#000000",
+        pattern=r"^#[0-9A-Fa-f]{6}$",
+        description="what a source's transparent pixels (GIF, WebP, APNG, VP9 or AVIF with alpha) are shown over, as "
+        "#RRGGBB: MP4 has no alpha. Black by default; dark line art on a transparent background wants #FFFFFF",
+    )
     quality: Literal["lossless", "high"] = Field(
         "lossless",
         description="lossless: the exact engine (the default); high: faster, with FP8 arithmetic in the diffusion "
         "transformer, not bit-exact (README says what it changes and costs); the job's output.quality says what ran",
     )
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, colour: str) -> str:
+        return colour.lower()  # one spelling: the job's kept windows are named by it
 
     @field_validator("sr_resolution_scale")
     @classmethod

@@ -15,6 +15,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -84,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     upscale.add_argument("--deinterlace", choices=("frame", "field", "film"), default="frame",
                          help="an interlaced source's output: a frame for each source frame, for each field "
                          "(50i gives 50p), or telecined film's own frames (film: 29.97i gives 23.976p)")  # fmt: skip
+    upscale.add_argument("--background", type=_colour, default="#000000", metavar="#RRGGBB",
+                         help="what a source's transparent pixels are shown over (MP4 has no alpha): black unless "
+                         "named, e.g. '#FFFFFF' for dark line art")  # fmt: skip
     upscale.add_argument("--preset", default="medium", help="encoder speed preset (x264 names; AV1 maps them)")
     upscale.add_argument("--window", type=int, default=121, help="frames per temporal window (1 + 4k)")
     upscale.add_argument("--window-overlap", type=int, default=16, help="frames neighbouring windows crossfade over")
@@ -159,6 +163,13 @@ def _port(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
     return int(text)
+
+
+def _colour(text: str) -> str:
+    """#RRGGBB, as the API takes `background`."""
+    if not re.fullmatch(r"#[0-9A-Fa-f]{6}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a colour: #RRGGBB, e.g. #FFFFFF for white")
+    return text.lower()
 
 
 def _seed(text: str) -> int:

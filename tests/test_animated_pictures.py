@@ -20,7 +20,8 @@ from worker.upscale import UpscaleOptions, upscale_file
 
 FAST = UpscaleOptions(request=SRRequest(scale=2), preset="ultrafast", crf=0)
 WEBP, GIF = "pillow-iss634.webp", "pillow-iss634.gif"  # one animation: the WebP is the GIF made lossless
-TRANSPARENT = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over black"  # the note
+TRANSPARENT = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over {}"  # the note
+BLACK = "black (background=#RRGGBB names another colour)"
 
 
 def frames_and_times(path: Path) -> tuple[list[np.ndarray], list[float]]:
@@ -80,7 +81,7 @@ def test_transparent_pixels_come_out_black_and_the_notes_say_so(corpus_cache, tm
     ):
         output = tmp_path / f"{name}.mp4"
         result = upscale_file(corpus_cache / name, output, LanczosUpscaler(), FAST)
-        assert TRANSPARENT.format(frames) in result.notes, result.notes
+        assert TRANSPARENT.format(frames, BLACK) in result.notes, result.notes
         with Image.open(corpus_cache / name) as image:
             pictures = [np.asarray(frame.convert("RGBA")).astype(np.float64) for frame in ImageSequence.Iterator(image)]
         pictures = pictures[-len(frames_and_times(output)[0]):]  # Pillow counts an APNG's default image as a frame
@@ -92,6 +93,23 @@ def test_transparent_pixels_come_out_black_and_the_notes_say_so(corpus_cache, tm
             assert not transparent.any() or shown[transparent].mean() < 16
     result = upscale_file(corpus_cache / "pillow-chi.gif", tmp_path / "opaque.mp4", LanczosUpscaler(), FAST)
     assert not any("transparent" in note for note in result.notes), result.notes
+
+
+def test_transparent_pixels_come_out_over_the_background_the_job_names(corpus_cache, tmp_path):
+    """Over black, dark line art on a transparent page (gdk-pixbuf's aero.gif: a paper plane's dark outline) all but
+    vanished; `background` names what is behind it instead, every pixel as Pillow composites the frame over it."""
+    name = "pillow-dispose_bgnd_transparency.gif"
+    white = UpscaleOptions(request=SRRequest(scale=2), preset="ultrafast", crf=0, background="#ffffff")
+    result = upscale_file(corpus_cache / name, tmp_path / "white.mp4", LanczosUpscaler(), white)
+    assert TRANSPARENT.format("every frame", "#ffffff") in result.notes, result.notes
+    with Image.open(corpus_cache / name) as image:
+        pictures = [np.asarray(frame.convert("RGBA")).astype(np.float64) for frame in ImageSequence.Iterator(image)]
+    for picture, upscaled in zip(pictures, frames_and_times(result.output)[0], strict=True):
+        shown = at_source_size(upscaled, *picture.shape[:2])
+        alpha = picture[..., 3:] / 255
+        over_white, transparent = picture[..., :3] * alpha + 255 * (1 - alpha), picture[..., 3] == 0
+        assert np.abs(shown - over_white).mean() < 12  # 4:2:0 chroma at the edges of a 38x32 picture
+        assert transparent.any() and shown[transparent].mean() > 239
 
 
 def test_an_animation_that_starts_blank_starts_black(corpus_cache, tmp_path):
@@ -108,12 +126,12 @@ def test_an_animation_that_starts_blank_starts_black(corpus_cache, tmp_path):
     assert first[..., 3].max() == 0 and first[..., :3].min() == 255
 
     result = upscale_file(blank, tmp_path / "fades-in.mp4", LanczosUpscaler(), FAST)
-    assert TRANSPARENT.format("every frame") in result.notes, result.notes
+    assert TRANSPARENT.format("every frame", BLACK) in result.notes, result.notes
     assert frames_and_times(result.output)[0][0].max() <= 16  # x264 at CRF 0 from 4:2:0: black, not white
 
     emptied = "pillow-apng-dispose_op_background.png"  # two opaque frames, the last one transparent everywhere
     result = upscale_file(corpus_cache / emptied, tmp_path / "emptied.mp4", LanczosUpscaler(), FAST)
-    assert TRANSPARENT.format("1 of its 3 frames") in result.notes, result.notes
+    assert TRANSPARENT.format("1 of its 3 frames", BLACK) in result.notes, result.notes
 
 
 @pytest.mark.parametrize("codec", ["libvpx-vp9", "libvpx"])
@@ -139,7 +157,7 @@ def test_a_transparent_webm_sticker_keeps_its_alpha(corpus_cache, tmp_path, code
     assert info.video.alpha_beside and "its alpha beside each picture" in info.describe()[1]
 
     result = upscale_file(sticker, tmp_path / f"{codec}.mp4", LanczosUpscaler(), FAST)
-    assert TRANSPARENT.format("every frame") in result.notes, result.notes
+    assert TRANSPARENT.format("every frame", BLACK) in result.notes, result.notes
     for picture, upscaled in zip(pictures, frames_and_times(result.output)[0], strict=True):
         height, width = picture.shape[:2]
         shown = at_source_size(upscaled, height, width)
@@ -172,7 +190,7 @@ def test_an_animated_avif_takes_its_alpha_from_its_alpha_track(corpus_cache, tmp
     assert f"its alpha in video #{info.video.alpha_index}" in info.describe()[1]
 
     result = upscale_file(animation, tmp_path / "sticker.mp4", LanczosUpscaler(), FAST)
-    assert TRANSPARENT.format("every frame") in result.notes, result.notes
+    assert TRANSPARENT.format("every frame", BLACK) in result.notes, result.notes
     assert not any(f"#{info.video.alpha_index}" in note for note in result.notes), result.notes
     for picture, upscaled in zip(pictures, frames_and_times(result.output)[0], strict=True):
         shown = at_source_size(upscaled, *picture.shape[:2])

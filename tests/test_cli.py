@@ -132,6 +132,8 @@ def test_a_missing_input_a_bad_option_or_output_name_exit_2_with_their_code(tmp_
     unwritable = vsrq("upscale", str(source), "-o", "/proc/out.mp4", "--model", "lanczos")
     said = "vsrq: output_unwritable: cannot write into /proc ("
     assert unwritable.returncode == 2 and unwritable.stderr.startswith(said), unwritable.stderr
+    colour = vsrq("upscale", str(source), *lanczos, "--background", "white")  # as the API takes it: #RRGGBB
+    assert colour.returncode == 2 and "argument --background: 'white' is not a colour: #RRGGBB" in colour.stderr
     refused = vsrq("upscale", str(source), *lanczos, "--seed", "-5")  # the API's range: -1 draws one
     assert refused.returncode == 2 and "argument --seed: '-5' is not a seed: 0 to 2**63 - 1, or -1" in refused.stderr
     drawn = vsrq("upscale", str(source), *lanczos, "--seed", "-1")

@@ -81,6 +81,7 @@ def upscale(args: argparse.Namespace) -> int:
         crf=args.crf,
         preset=args.preset,
         deinterlace=args.deinterlace,
+        background=args.background,
         limits=_limits(args),
     )
     upscaler = open_upscaler(args.model, args.devices.split(","), warmup_frames=None)  # one job compiles what it needs
@@ -131,7 +132,7 @@ def _job_key(args: argparse.Namespace, signature: str) -> str:
     stat = args.input.stat()
     fields = [str(args.input.resolve()), stat.st_size, stat.st_mtime_ns, args.model, args.devices, args.scale, args.seed,
               args.steps, args.min_overlap, args.window, args.window_overlap, args.target_resolution, args.resize_mode,
-              args.quality, args.deinterlace, signature]
+              args.quality, args.deinterlace, args.background, signature]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 
 

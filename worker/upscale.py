@@ -64,6 +64,7 @@ class UpscaleOptions:
     crf: int = 18
     preset: str = "medium"
     deinterlace: str = "frame"  # `reader.CADENCES`: an interlaced source's output at its frame, field or film rate
+    background: str = "#000000"  # what a source's transparent pixels are shown over (MP4 has no alpha): #rrggbb
     # Limits only refuse work, they never change a pixel: not part of the repr, so a deploy that raises them keeps
     # a requeued job's kept windows
     limits: Limits = field(default=Limits(), repr=False)
@@ -214,7 +215,8 @@ def begin_upscale(
                 )
             )
             head["writer_open"] = monotonic()
-            with closing(prefetch(read_frames(source, video, reading, cadence), plan.length)) as frames:
+            behind = tuple(int(options.background[i : i + 2], 16) for i in (1, 3, 5))
+            with closing(prefetch(read_frames(source, video, reading, cadence, behind), plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(
                     upscaler, frames, plan, options.request, writer.write, progress, cancelled, store,
@@ -244,7 +246,7 @@ def begin_upscale(
         carried=carried,
         notes=_notes(
             info, source_info.video, carried, first, options.request, snap, reading, options.codec,
-            options.deinterlace, cadence, looks_telecined,
+            options.deinterlace, cadence, looks_telecined, options.background,
         ),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
@@ -396,6 +398,7 @@ def _notes(
     deinterlace: str = "frame",
     cadence: str = "frame",
     looks_telecined: bool = False,
+    background: str = "#000000",
 ) -> tuple[str, ...]:
     """What a user should know of how the job ran. `info` is what was written, `source` the video as probed;
     `deinterlace` is the cadence asked for, `cadence` the one the frames were read at."""
@@ -463,7 +466,8 @@ def _notes(
     if reading.transparent:
         share = f"{reading.transparent} of its {video.frames} frames"
         share = share if reading.transparent < video.frames else "every frame"
-        notes.append(f"the source has transparent pixels ({share}): MP4 has no alpha, so they were shown over black")
+        over = "black (background=#RRGGBB names another colour)" if background == "#000000" else background
+        notes.append(f"the source has transparent pixels ({share}): MP4 has no alpha, so they were shown over {over}")
     if reading.captions:
         notes.append(f"the source's video carries closed captions (CEA-608/708, in {reading.captions} of its "
                      f"{source.frames} frames): the output has none; they are left out")

@@ -277,6 +277,7 @@ function formFields() {
     output_crf: $("crf").value,
     quality: $("quality").value,
     deinterlace: $("deinterlace").value,
+    background: $("background").value,
   };
   return Object.fromEntries(Object.entries(fields).filter(([, value]) => value !== ""));
 }

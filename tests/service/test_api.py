@@ -139,6 +139,7 @@ def test_sglang_multipart_create_queues_a_job_and_a_celery_message(api, clip, s3
         "output_codec": "h264",
         "output_crf": 18,
         "deinterlace": "frame",  # the defaults, recorded as the job runs them
+        "background": "#000000",
         "quality": "lossless",
     }
     assert job["input"]["bytes"] == len(clip) and job["input"]["sha256"] == hashlib.sha256(clip).hexdigest()
@@ -156,8 +157,9 @@ def test_sglang_multipart_create_queues_a_job_and_a_celery_message(api, clip, s3
 
 
 def test_sglang_defaults_and_a_second_model(api, clip, redis_client):
-    job = create(api, "alice", clip, {"prompt": "x"}).json()
+    job = create(api, "alice", clip, {"prompt": "x", "background": "#FFFFFF"}).json()
     assert job["params"]["sr_resolution_scale"] == 2.25 and job["params"]["seed"] == 42
+    assert job["params"]["background"] == "#ffffff"  # one spelling: the kept windows are named by it
     assert (job["params"]["sr_tiles_batch_size"], job["params"]["sr_tile_min_overlap"]) == (1, 0.2)
     assert job["params"]["num_inference_steps"] is None  # the model's own
 
@@ -185,6 +187,8 @@ def test_invalid_fields_are_422_with_details_and_leave_no_upload(api, clip, s3):
         {"field": "quality", "code": "invalid_quality", "message": "must be lossless or high (the encoder's quality is output_crf)"}
     ]  # fmt: skip
     assert_problem(create(api, "alice", clip, {"webhook_url": "http://example.com/hook"}), 422, "invalid_request")
+    body = assert_problem(create(api, "alice", clip, {"background": "white"}), 422, "invalid_request")
+    assert [error["field"] for error in body["errors"]] == ["background"]  # #RRGGBB, as the field's pattern says
     response = requests.post(
         f"{api}/v1/videos", data={"seed": "1"}, files={"other": ("a.txt", b"x")}, headers=auth("alice"), timeout=10
     )

@@ -265,6 +265,7 @@ def test_a_person_asks_for_a_frame_per_field_and_the_faster_tier_and_reads_what_
     page.get_by_text("Advanced settings").click()
     page.get_by_label("Speed").select_option("high")
     page.get_by_label("Interlaced video").select_option("field")
+    page.get_by_label("Behind transparency").fill("#ffffff")
     drop(page, "#dropzone", clip)
     expect(page.locator("#picked-name")).to_have_text("camcorder.mp4")
     page.get_by_role("button", name="Upscale", exact=True).click()
@@ -277,7 +278,8 @@ def test_a_person_asks_for_a_frame_per_field_and_the_faster_tier_and_reads_what_
     expect(notes).to_contain_text("quality=high has no faster path on this model")
     expect(row.locator(".job-meta")).not_to_contain_text("high")  # what ran: the exact engine, as the note says
     job = requests.get(f"{api}/v1/videos/{row.get_attribute('data-id')}", headers=auth(KEY), timeout=30).json()
-    assert (job["params"]["quality"], job["params"]["deinterlace"]) == ("high", "field"), job["params"]
+    chosen = (job["params"]["quality"], job["params"]["deinterlace"], job["params"]["background"])
+    assert chosen == ("high", "field", "#ffffff"), job["params"]
     assert (job["output"]["media"]["frames"], job["output"]["media"]["fps"]) == (26, 50.0), job["output"]["media"]
     page.screenshot(path=str(tmp_path / "notes.png"), full_page=True)
     assert problems == [], problems

@@ -35,6 +35,7 @@ PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
 # 10-bit outputs), or with their alpha dropped (before it was shown over black), are never replayed beside these.
 READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked; "
            "deeper sources kept at 16 bits; alpha shown over black")
+BLACK = (0, 0, 0)  # what transparent pixels are shown over unless a job names another `background`
 
 
 @dataclass
@@ -96,19 +97,23 @@ def telecined(path: str | Path, video: VideoInfo, frames: int = 60) -> bool:
 
 
 def read_frames(
-    path: str | Path, video: VideoInfo, reading: Reading | None = None, cadence: str = "frame"
+    path: str | Path,
+    video: VideoInfo,
+    reading: Reading | None = None,
+    cadence: str = "frame",
+    background: tuple[int, int, int] = BLACK,
 ) -> Iterator[np.ndarray]:
     """Every frame of the probed `video` stream in presentation order, (H, W, 3) RGB: uint8, or uint16 (full 16-bit
     scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`reading` counts them); at the
     `field` cadence two frames come out of every source frame, one at each field's instant, at `film` four of every
     five, telecine undone (`video` then counts them: `at_cadence`). Frames with an alpha channel are composited over
-    black (`reading` counts those it made a difference to). Raises `InputCorrupt` if decoding fails or yields another
-    frame count."""
+    `background` (8-bit RGB; `reading` counts those it made a difference to). Raises `InputCorrupt` if decoding fails
+    or yields another frame count."""
     reading = reading or Reading()
     if video.codec == "webp":  # animated WebP: FFmpeg cannot decode it (`webp`)
-        pictures = (_over_black(rgba, reading, video.codec) for rgba in webp.read(Path(path)))
+        pictures = (_over(rgba, background, reading, video.codec) for rgba in webp.read(Path(path)))
     else:
-        pictures = _pictures(path, video, reading, cadence)
+        pictures = _pictures(path, video, reading, cadence, background)
     count = 0
     try:
         for pixels in pictures:
@@ -124,7 +129,9 @@ def read_frames(
         raise InputCorrupt(f"{Path(path).name}: decoded {count} frames, the container holds {video.frames}")
 
 
-def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str) -> Iterator[np.ndarray]:
+def _pictures(
+    path: str | Path, video: VideoInfo, reading: Reading, cadence: str, background: tuple[int, int, int]
+) -> Iterator[np.ndarray]:
     """The frames FFmpeg decodes, as `read_frames` hands them on (it counts them)."""
     pixel_format, with_alpha = ("rgb24", "rgba") if video.bit_depth <= 8 else ("rgb48le", "rgba64le")
     turns = video.rotation // 90
@@ -153,10 +160,10 @@ def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str
             pixels = reformatter.reformat(
                 frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour
             ).to_ndarray()
-            pixels = _over_black(pixels, reading, video.codec) if alpha else pixels
+            pixels = _over(pixels, background, reading, video.codec) if alpha else pixels
             if (alpha_frame := next(alphas, None)) is not None:
                 values = alpha_track.values(alpha_frame, pixels.dtype, pixels.shape[1], pixels.shape[0])
-                pixels = _over_black(np.dstack([pixels, values]), reading, "avif")
+                pixels = _over(np.dstack([pixels, values]), background, reading, "avif")
             pixels = pixels if inner is None else _boxed(pixels, width, height)
             upright = np.rot90(pixels, turns) if turns else pixels
             upright = np.fliplr(upright) if video.mirrored else upright
@@ -168,8 +175,9 @@ def _pictures(path: str | Path, video: VideoInfo, reading: Reading, cadence: str
 _WEB_ALPHA = frozenset({"gif", "apng", "webp", "vp8", "vp9", "avif"})
 
 
-def _over_black(rgba: np.ndarray, reading: Reading, codec: str) -> np.ndarray:
-    """RGB of an RGBA frame (straight alpha, as FFmpeg and libwebp give it) shown over black. MP4 has no alpha:
+def _over(rgba: np.ndarray, background: tuple[int, int, int], reading: Reading, codec: str) -> np.ndarray:
+    """RGB of an RGBA frame (straight alpha, as FFmpeg and libwebp give it) shown over `background` (8-bit RGB: black
+    unless the job names another; dark line art over black all but vanished). MP4 has no alpha:
     dropped, a transparent pixel showed whatever colour its file left under it (a GIF's transparent palette entry:
     white, magenta, ...) and soft edges lost their fade. A frame transparent everywhere, in a `codec` not made for
     the web, has an alpha channel it does not use (uncompressed 32-bit AVI, as VirtualDub and Windows capture tools
@@ -180,7 +188,8 @@ def _over_black(rgba: np.ndarray, reading: Reading, codec: str) -> np.ndarray:
         return np.ascontiguousarray(rgb)
     reading.transparent += 1
     wide = np.uint64 if rgba.dtype == np.uint16 else np.uint32
-    return ((rgb.astype(wide) * alpha + top // 2) // top).astype(rgba.dtype)
+    under = np.array(background, dtype=wide) * (top // 255)  # 8-bit to the frame's scale (x257 at 16 bits)
+    return ((rgb.astype(wide) * alpha + under * (top - alpha) + top // 2) // top).astype(rgba.dtype)
 
 
 def _shape(frame: av.VideoFrame, stream: av.VideoStream) -> Fraction:
