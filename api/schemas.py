@@ -159,8 +159,8 @@ class UpscaleParams(BaseModel):
     background: str = Field(
         "#000000",
         pattern=r"^#[0-9A-Fa-f]{6}$",
-        description="what a source's transparent pixels (GIF, WebP, APNG, VP9 or AVIF with alpha) are shown over, as "
-        "#RRGGBB: MP4 has no alpha. Black by default; dark line art on a transparent background wants #FFFFFF",
+        description="what a source's transparent pixels (GIF, APNG, WebP, WebM, AVIF, ProRes 4444...) are shown over, "
+        "as #RRGGBB: MP4 has no alpha. Black by default; dark line art on a transparent background wants #FFFFFF",
     )
     quality: Literal["lossless", "high"] = Field(
         "lossless",

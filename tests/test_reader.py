@@ -159,3 +159,24 @@ def test_an_alpha_channel_a_file_leaves_unused_keeps_its_pictures(corpus_cache, 
     assert video.pix_fmt == "bgra"
     for read, stored in zip(read_frames(path, video), pictures, strict=True):
         assert np.array_equal(read, stored)
+
+
+def test_a_title_that_fades_out_to_transparent_shows_the_background_to_its_end(tmp_path):
+    """A ProRes 4444 title (After Effects' export) fading out ends with frames transparent everywhere. Taken for an
+    alpha channel left unused (as in 32-bit AVI), they showed the colour stored under them (red here) after frames
+    shown over the background: a flash. A stream whose alpha was partly used before is transparent there."""
+    path = tmp_path / "title.mov"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("prores_ks", rate=25, options={"profile": "4"})  # 4444, with alpha
+        stream.height, stream.width, stream.pix_fmt = 32, 48, "yuva444p10le"
+        for index, alpha in enumerate((255, 128, 0, 0)):
+            rgba = np.zeros((32, 48, 4), np.uint8)
+            rgba[..., 0], rgba[..., 3] = 255, alpha
+            frame = av.VideoFrame.from_ndarray(rgba, format="rgba")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    frames = [frame >> 8 for frame in read_frames(path, probe(path).video, background=(255, 255, 255))]  # 10-bit
+    assert len(frames) == 4 and frames[0][..., 1].max() < 8  # opaque red
+    assert 120 < frames[1][..., 1].mean() < 136  # red at half over white
+    assert all(frame.min() > 247 for frame in frames[2:]), [frame.reshape(-1, 3)[0] for frame in frames[2:]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 
 import torch
@@ -153,6 +154,8 @@ def begin_upscale(
     check_preset(options.codec, options.preset)
     if options.deinterlace not in CADENCES:
         raise ValueError(f"deinterlace must be one of {CADENCES}, got {options.deinterlace!r}")
+    if not re.fullmatch(r"#[0-9a-f]{6}", options.background):  # as the API and the CLI take it, lower-cased
+        raise ValueError(f"background must be #rrggbb, got {options.background!r}")
 
     # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field or film cadence,
     #    what follows plans, writes and checks the frames the reader makes: twice the source's, or four in five

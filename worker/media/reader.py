@@ -1,7 +1,7 @@
 """Decode a video as a stream of RGB frames, as they are meant to be seen: interlaced frames deinterlaced, rotation
-and mirror applied, colour converted with the stream's own matrix and range, transparency shown over black (animated
-WebP, which FFmpeg cannot decode, through libwebp). Memory stays at one frame (plus whatever a consumer buffers, and
-the one frame the deinterlacer looks ahead)."""
+and mirror applied, colour converted with the stream's own matrix and range, transparency shown over the job's
+background (animated WebP, which FFmpeg cannot decode, through libwebp). Memory stays at one frame (plus whatever a
+consumer buffers, and the one frame the deinterlacer looks ahead)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ BLACK = (0, 0, 0)  # what transparent pixels are shown over unless a job names a
 class Reading:
     """What `read_frames` met, counted as it reads: the frames flagged interlaced (each one deinterlaced) and the
     field order they were read in ("auto": each frame's own flag); the frames with a transparent pixel (composited
-    over black: `_over_black`); the frames carrying closed captions in the video stream (CEA-608/708, A/53), which
+    over the background: `_over`); the frames carrying closed captions in the video stream (CEA-608/708, A/53), which
     the output cannot carry (PyAV gives no way to attach them to a frame it encodes)."""
 
     interlaced: int = 0
@@ -181,10 +181,12 @@ def _over(rgba: np.ndarray, background: tuple[int, int, int], reading: Reading, 
     dropped, a transparent pixel showed whatever colour its file left under it (a GIF's transparent palette entry:
     white, magenta, ...) and soft edges lost their fade. A frame transparent everywhere, in a `codec` not made for
     the web, has an alpha channel it does not use (uncompressed 32-bit AVI, as VirtualDub and Windows capture tools
-    write it: FFmpeg reads it as BGRA with alpha 0): it is shown as it is, as browsers show such a BMP."""
+    write it: FFmpeg reads it as BGRA with alpha 0): it is shown as it is, as browsers show such a BMP; unless an
+    earlier frame of the stream was partly transparent (a ProRes 4444 title fading out), which says the alpha is used.
+    """
     rgb, alpha = rgba[..., :3], rgba[..., 3:]
     top = np.iinfo(rgba.dtype).max
-    if alpha.min() == top or (alpha.max() == 0 and codec not in _WEB_ALPHA):
+    if alpha.min() == top or (alpha.max() == 0 and codec not in _WEB_ALPHA and not reading.transparent):
         return np.ascontiguousarray(rgb)
     reading.transparent += 1
     wide = np.uint64 if rgba.dtype == np.uint16 else np.uint32
