@@ -347,6 +347,16 @@ def test_recordings_joined_end_to_end_are_refused_where_the_first_one_ends(tmp_p
     assert f"frame {FRAMES + 1}'s" in said and abs(ended - restart - (FRAMES - 1) / 25) < 0.001, said
 
 
+def test_a_picture_whose_data_does_not_decode_says_so_not_a_permission(tmp_path):
+    """gdk-pixbuf's test suite's overflow-codes.gif (35 bytes: an LZW code past its table). FFmpeg's decoder answers
+    EPERM, and the refusal read "(Operation not permitted)": users checked the file's permissions."""
+    path = tmp_path / "overflow-codes.gif"
+    path.write_bytes(bytes.fromhex("47494638396102000200f00000000000ffffff2c0000000002000200000c021001003b"))
+    with pytest.raises(InputCorrupt) as refused:
+        probe(path)
+    assert "overflow-codes.gif cannot be read to the end (its data does not decode: " in refused.value.message
+
+
 BAD = {
     "not a video": ("clip.mp4", lambda p: p.write_text("hello, this is not a video\n" * 40), "input_unreadable", Limits()),
     "zero bytes": ("clip.mp4", lambda p: p.write_bytes(b""), "input_empty", Limits()),

@@ -273,7 +273,12 @@ def _codec(stream: av.stream.Stream) -> str:
 
 
 def _reason(error: BaseException) -> str:
-    return getattr(error, "strerror", None) or str(error)
+    reason = getattr(error, "strerror", None) or str(error)
+    # FFmpeg's decoders answer bad data with POSIX codes too (its GIF decoder EPERM for an LZW code past its table):
+    # "Operation not permitted" alone sent users to check the file's permissions
+    if isinstance(error, OSError) and "avcodec_" in str(error):
+        return f"its data does not decode: {reason}"
+    return reason
 
 
 def _video_stream(container: av.container.InputContainer, path: Path) -> av.VideoStream:
