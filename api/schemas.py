@@ -158,7 +158,7 @@ class UpscaleParams(BaseModel):
     )
     background: str = Field(
         "#000000",
-        pattern=r"^#[0-9A-Fa-f]{6}$",
+        json_schema_extra={"pattern": "^#[0-9A-Fa-f]{6}$"},  # checked by `_background`, which says it in words
         description="what a source's transparent pixels (GIF, APNG, WebP, WebM, AVIF, ProRes 4444...) are shown over, "
         "as #RRGGBB: MP4 has no alpha. Black by default; dark line art on a transparent background wants #FFFFFF",
     )
@@ -171,6 +171,8 @@ class UpscaleParams(BaseModel):
     @field_validator("background")
     @classmethod
     def _background(cls, colour: str) -> str:
+        if not re.fullmatch(r"#[0-9A-Fa-f]{6}", colour):
+            raise PydanticCustomError("invalid_background", "must be a colour as #RRGGBB, e.g. #FFFFFF for white")
         return colour.lower()  # one spelling: the job's kept windows are named by it
 
     @field_validator("sr_resolution_scale")

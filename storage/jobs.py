@@ -1066,6 +1066,11 @@ class JobStore:
                 self.redis.zrem(self._unsent_key, raw)
         return found
 
+    def next_unsent_s(self, older_than_s: float) -> float:
+        """Seconds until `unsent(older_than_s)` has a job to give (0: now; inf: none marked)."""
+        first = self.redis.zrange(self._unsent_key, 0, 0, withscores=True)
+        return max(0.0, first[0][1] + older_than_s - _redis_now(self.redis)) if first else float("inf")
+
     def sent_front(self, queue: str, limit: int = 100) -> list[str]:
         """The first `limit` jobs of `queue`, in queue order, less those whose message is not confirmed sent
         (`unsent`'s): where a job whose message a consumer took and lost waits, the jobs behind it leased and gone

@@ -164,6 +164,14 @@ class Outbox:
         """Removes the event (delivered, or given up). False when `claim` is no longer the latest."""
         return bool(self._done(keys=self.keys, args=[event_id, claim]))
 
+    def next_due_s(self) -> float:
+        """Seconds until `take` has an event to give (0: now; inf: none waiting)."""
+        first = self.redis.zrange(self.keys[0], 0, 0, withscores=True)
+        if not first:
+            return float("inf")
+        seconds, micros = self.redis.time()
+        return max(0.0, first[0][1] - (seconds + micros / 1e6))
+
     def pending(self) -> list[str]:
         return [event_id.decode() for event_id in self.redis.zrange(self.keys[0], 0, -1)]
 

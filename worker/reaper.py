@@ -17,6 +17,7 @@ from time import monotonic
 
 from celery import Celery
 
+from storage.config import Settings
 from storage.jobs import JobStore, Status
 from storage.lifecycle import sweep
 from storage.logs import configure, settings_secrets
@@ -80,19 +81,41 @@ class Outage:
             self.since = None
 
 
+def _wait_for_next_pass(stop: threading.Event, settings: Settings, began: float) -> None:
+    """Until the next pass: `reap_interval_s` after this one began, or sooner once a waiting retry (a job's, a
+    webhook's) is due, so that it goes out when its `retry_in_s` says, not up to a pass later. Looked for every second
+    (one marked meanwhile is found too), and never within a second of the last pass: what is due may not go out (the
+    broker down)."""
+    latest, earliest = began + settings.reap_interval_s, began + min(1.0, settings.reap_interval_s)
+    while not stop.is_set():
+        now = monotonic()
+        due = _next_due_s(settings) if now >= earliest else earliest - now
+        if now >= latest or due <= 0:
+            return
+        stop.wait(min(latest - now, due, 1.0))
+
+
+def _next_due_s(settings: Settings) -> float:
+    """Seconds until the next waiting retry is due: a job's (`JobStore.unsent`) or a webhook's (the outbox)."""
+    try:
+        return min(service.jobs().next_unsent_s(settings.enqueue_grace_s), outbox().next_due_s())
+    except Exception:  # Redis down: the pass after the usual interval finds out
+        return float("inf")
+
+
 def main() -> None:
     settings = service.settings()
     configure(settings.log_format, settings.log_level, settings_secrets(settings))
-    interval = settings.reap_interval_s
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    log.info("reaping every %g s, sweeping storage every %g s", interval, settings.sweep_interval_s)
+    log.info("reaping every %g s, sweeping storage every %g s", settings.reap_interval_s, settings.sweep_interval_s)
     next_sweep = monotonic()
     queues = list(dict.fromkeys(settings.models.values()))
     lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)
     reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
+        began = monotonic()
         try:
             reap_once(service.jobs(), app, lost=lost)
             reaper_passed(service.jobs())  # /healthz and `vsrq status` tell a dead reaper by this
@@ -111,7 +134,7 @@ def main() -> None:
                 sweeping.passed()
             except Exception as error:  # storage or Redis down: the next sweep catches up
                 sweeping.failed(error)
-        stop.wait(interval)
+        _wait_for_next_pass(stop, settings, began)
 
 
 if __name__ == "__main__":
