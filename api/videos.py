@@ -37,8 +37,8 @@ from storage.blobs import SAFE_KEY, BlobError, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files
 from storage.queue import send_upscale
-from storage.webhooks import Outbox, relay_now
 from storage.ssrf import UnsafeUrl, public_addresses
+from storage.webhooks import Outbox, relay_now
 
 blueprint = Blueprint("videos", __name__)
 

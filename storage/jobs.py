@@ -570,7 +570,8 @@ return ARGV[3]
 # ARGV: fence, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0'), whether the attempt
 # counts ('1' | '0'), and optionally seconds the next attempt waits and the enqueue grace. Requeues the attempt (a new
 # attempt will lease it), fails the job once it has used max attempts, or cancels it when its owner asked to (a new
-# attempt would start without the flag and run to the end). An attempt that does not count (its worker, not the job, was at fault) is `excused`: max attempts allows that many more.
+# attempt would start without the flag and run to the end). An attempt that does not count (its worker, not the job,
+# was at fault) is `excused`: max attempts allows that many more.
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
 _REQUEUE = """
 fenced(ARGV[1])
@@ -711,7 +712,8 @@ class JobStore:
         self, redis: Redis, *, result_ttl_s: int, max_attempts: int, enqueue_grace_s: float = 30, prefix: str = "vsrq"
     ) -> None:
         self.redis, self.result_ttl_s, self.max_attempts, self.prefix = redis, result_ttl_s, max_attempts, prefix
-        self.enqueue_grace_s = enqueue_grace_s  # what the reaper waits for a sender (`unsent`): a deferred retry's mark
+        # what `unsent` waits for a sender, and what a waiting retry's mark is scored by
+        self.enqueue_grace_s = enqueue_grace_s
         scripts = {
             "lease": _LEASE,
             "touch": _TOUCH,
@@ -1052,11 +1054,12 @@ class JobStore:
         except JobNotFound:  # deleted since: no place in line to take
             self.redis.zrem(self._unsent_key, job_id)
 
-    def unsent(self, older_than_s: float, limit: int = 100) -> list[JobRecord]:
-        """Queued jobs whose message was due more than `older_than_s` ago and never confirmed sent: the reaper sends
+    def unsent(self, older_than_s: float | None = None, limit: int = 100) -> list[JobRecord]:
+        """Queued jobs whose message was due more than `older_than_s` (default: `enqueue_grace_s`, which a waiting
+        retry's mark is scored by) ago and never confirmed sent: the reaper sends
         them one. A duplicate is harmless (a lease is fenced; a message for a job that is not queued is dropped).
         Marks of jobs no longer queued (left by versions that wrote them outside the transition) are dropped here."""
-        due = _redis_now(self.redis) - older_than_s
+        due = _redis_now(self.redis) - (self.enqueue_grace_s if older_than_s is None else older_than_s)
         found = []
         for raw in self.redis.zrangebyscore(self._unsent_key, "-inf", due, start=0, num=limit):
             job = self.get(raw.decode())
@@ -1066,10 +1069,10 @@ class JobStore:
                 self.redis.zrem(self._unsent_key, raw)
         return found
 
-    def next_unsent_s(self, older_than_s: float) -> float:
-        """Seconds until `unsent(older_than_s)` has a job to give (0: now; inf: none marked)."""
+    def next_unsent_s(self) -> float:
+        """Seconds until `unsent()` has a job to give (0: now; inf: none marked)."""
         first = self.redis.zrange(self._unsent_key, 0, 0, withscores=True)
-        return max(0.0, first[0][1] + older_than_s - _redis_now(self.redis)) if first else float("inf")
+        return max(0.0, first[0][1] + self.enqueue_grace_s - _redis_now(self.redis)) if first else float("inf")
 
     def sent_front(self, queue: str, limit: int = 100) -> list[str]:
         """The first `limit` jobs of `queue`, in queue order, less those whose message is not confirmed sent

@@ -64,16 +64,23 @@ _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
+# A new claim of event `id` for ARGV[1] seconds (it is due again then): its number.
+_CLAIM = """
+local function claim(id)
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
+  return redis.call('HINCRBY', KEYS[2], id .. ':claim', 1)
+end
+"""
 # ARGV: claim seconds, limit. Returns [id, claim, id, claim...].
 _TAKE = (
     _NOW
+    + _CLAIM
     + """
 local taken = {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))) do
   if redis.call('HEXISTS', KEYS[2], id) == 1 then
-    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
     table.insert(taken, id)
-    table.insert(taken, redis.call('HINCRBY', KEYS[2], id .. ':claim', 1))
+    table.insert(taken, claim(id))
   else
     redis.call('ZREM', KEYS[1], id)
   end
@@ -83,14 +90,14 @@ return taken
 )
 # The fence of start / retry / done: only the latest claim of an event may act on it.
 _FENCE = "if redis.call('HGET', KEYS[2], ARGV[1] .. ':claim') ~= ARGV[2] then return false end\n"
-# ARGV: id, claim seconds. Takes that one event, as _TAKE does, where it is due. Returns its claim, or false.
+# ARGV: claim seconds, id. Takes that one event, as _TAKE does, where it is due. Returns its claim, or false.
 _TAKE_ONE = (
     _NOW
+    + _CLAIM
     + """
-local due = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not due or tonumber(due) > now or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return false end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-return redis.call('HINCRBY', KEYS[2], ARGV[1] .. ':claim', 1)
+local due = redis.call('ZSCORE', KEYS[1], ARGV[2])
+if not due or tonumber(due) > now or redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return false end
+return claim(ARGV[2])
 """
 )
 # ARGV: id, claim, hold seconds (the attempt's longest run). Returns [event, attempt, payload or nil].
@@ -138,7 +145,7 @@ class Outbox:
 
     def take_one(self, event_id: str, claim_s: float) -> Claim | None:
         """`take` for one event: None unless it is due (taken already, or no such event)."""
-        claim = self._take_one(keys=self.keys, args=[event_id, claim_s])
+        claim = self._take_one(keys=self.keys, args=[claim_s, event_id])
         return Claim(event_id, int(claim)) if claim else None
 
     def start(self, event_id: str, claim: int, hold_s: float) -> Started | None:

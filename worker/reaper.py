@@ -36,7 +36,7 @@ def reap_once(
     jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = None, lost: LostMessages | None = None
 ) -> dict[str, Status]:
     """One pass: expired leases are requeued (or failed), and a requeued job gets a new `vsrq.upscale` message; so does
-    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the setting) or whose retry's
+    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the store's) or whose retry's
     wait is over, and, given `lost` (the looks of earlier passes), one whose message the broker has not held for its
     grace."""
     outcome = jobs.reap()
@@ -45,8 +45,7 @@ def reap_once(
         if status == Status.QUEUED and job is not None:
             send_upscale(celery, jobs, job, first=True)  # it waited its turn already: first among the queued
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
-    grace = service.settings().enqueue_grace_s if enqueue_grace_s is None else enqueue_grace_s
-    for job in jobs.unsent(grace):
+    for job in jobs.unsent(enqueue_grace_s):
         # a job attempted before ranks first among the queued (JobStore's queue order): its message goes there too
         send_upscale(celery, jobs, job, first=job.attempt > 0)
         if job.retry_at is not None:  # a retry told to wait (worker.attempt.retry_wait_s), now due
@@ -89,16 +88,16 @@ def _wait_for_next_pass(stop: threading.Event, settings: Settings, began: float)
     latest, earliest = began + settings.reap_interval_s, began + min(1.0, settings.reap_interval_s)
     while not stop.is_set():
         now = monotonic()
-        due = _next_due_s(settings) if now >= earliest else earliest - now
+        due = _next_due_s() if now >= earliest else earliest - now
         if now >= latest or due <= 0:
             return
         stop.wait(min(latest - now, due, 1.0))
 
 
-def _next_due_s(settings: Settings) -> float:
+def _next_due_s() -> float:
     """Seconds until the next waiting retry is due: a job's (`JobStore.unsent`) or a webhook's (the outbox)."""
     try:
-        return min(service.jobs().next_unsent_s(settings.enqueue_grace_s), outbox().next_due_s())
+        return min(service.jobs().next_unsent_s(), outbox().next_due_s())
     except Exception:  # Redis down: the pass after the usual interval finds out
         return float("inf")
 

@@ -1,12 +1,13 @@
-"""Webhook delivery: the relay that hands due outbox events (storage.webhooks) to Celery, and `vsrq.deliver_webhook`,
-which makes one signed POST of one event and records it in the job's events.
+"""Webhook delivery: `vsrq.deliver_webhook`, which makes one signed POST of one outbox event (storage.webhooks, whose
+relay hands due events to Celery) and records it in the job's events.
 
     celery -A worker.webhooks worker --pool threads --concurrency 8 -Q vsrq.webhooks
 
-Threads, since an attempt is network I/O. The relay runs in the reaper's loop (worker.reaper): it is periodic work
-over Redis like reaping, the reaper already runs wherever the service does, and more than one is safe (taking an
-event is one atomic script). Retries are due times in the outbox, not Celery countdowns: a countdown message waits in
-one worker's memory, and goes with that worker (or comes back after the visibility timeout, hours later).
+Threads, since an attempt is network I/O. The relay runs where a job ends (its worker, the API cancelling) and in the
+reaper's loop (worker.reaper) for what they could not send and for retries: periodic work over Redis like reaping, the
+reaper already runs wherever the service does, and more than one is safe (taking an event is one atomic script). Retries
+are due times in the outbox, not Celery countdowns: a countdown message waits in one worker's memory, and goes with that
+worker (or comes back after the visibility timeout, hours later).
 
 An attempt checks the URL with storage.ssrf right before connecting and connects to an address that was checked (TLS
 is still verified against the URL's host name); it never follows a redirect. A 2xx delivers. 410 Gone, a URL refused
@@ -28,7 +29,6 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import urllib3
-from celery import Celery
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
 from storage.config import Settings
@@ -43,7 +43,6 @@ from worker.backoff import backoff_s, retry_after_s
 from worker.celery_app import app
 
 log = logging.getLogger("vsrq.webhooks")
-
 
 
 @cache

@@ -340,7 +340,7 @@ def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_
     job, behind = make(jobs, queue="q-wait"), make(jobs, queue="q-wait")
     jobs.sent(job.id), jobs.sent(behind.id)
     assert jobs.lease(job.id, "w", 30).retry("input_fetch_unavailable", "down", wait_s=5) == Status.QUEUED
-    assert jobs.unsent(30) == [] and 4 < jobs.next_unsent_s(30) <= 5  # still waiting; when the reaper wakes for it
+    assert jobs.unsent(30) == [] and 4 < jobs.next_unsent_s() <= 5  # still waiting; when the reaper wakes for it
     assert jobs.event_views(job.id).data[-1].retry_in_s == 5
     # out of line while it waits: the job behind it is next; a duplicate message does not start it early
     assert (jobs.view(jobs.require(job.id)).queue_position, jobs.view(behind).queue_position) == (None, 0)
