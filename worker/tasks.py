@@ -675,7 +675,7 @@ def job_options(params: dict[str, Any], default_steps: int | None = SRRequest.nu
         codec=params.get("output_codec", "h264"),
         crf=params.get("output_crf", 18),
         deinterlace=params.get("deinterlace", "frame"),  # jobs queued before field rate existed ran at the frame rate
-        background=params.get("background", "#000000"),
+        background=params.get("background", UpscaleOptions.background),
     )
 
 

@@ -52,6 +52,7 @@ from worker.sr.windows import (
 log = logging.getLogger("vsrq.worker")
 
 T = TypeVar("T")
+DEFAULT_BACKGROUND = "#000000"  # what transparent pixels are shown over unless a job names another colour
 ENGINE_STAGES = ("encode", "denoise_decode")  # `RunInfo.stage_seconds` that span the engine's call between them
 
 
@@ -65,7 +66,7 @@ class UpscaleOptions:
     crf: int = 18
     preset: str = "medium"
     deinterlace: str = "frame"  # `reader.CADENCES`: an interlaced source's output at its frame, field or film rate
-    background: str = "#000000"  # what a source's transparent pixels are shown over (MP4 has no alpha): #rrggbb
+    background: str = DEFAULT_BACKGROUND  # #rrggbb behind a source's transparent pixels (MP4 has no alpha)
     # Limits only refuse work, they never change a pixel: not part of the repr, so a deploy that raises them keeps
     # a requeued job's kept windows
     limits: Limits = field(default=Limits(), repr=False)
@@ -154,8 +155,7 @@ def begin_upscale(
     check_preset(options.codec, options.preset)
     if options.deinterlace not in CADENCES:
         raise ValueError(f"deinterlace must be one of {CADENCES}, got {options.deinterlace!r}")
-    if not re.fullmatch(r"#[0-9a-f]{6}", options.background):  # as the API and the CLI take it, lower-cased
-        raise ValueError(f"background must be #rrggbb, got {options.background!r}")
+    behind = _rgb(options.background)
 
     # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field or film cadence,
     #    what follows plans, writes and checks the frames the reader makes: twice the source's, or four in five
@@ -218,7 +218,6 @@ def begin_upscale(
                 )
             )
             head["writer_open"] = monotonic()
-            behind = tuple(int(options.background[i : i + 2], 16) for i in (1, 3, 5))
             with closing(prefetch(read_frames(source, video, reading, cadence, behind), plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(
@@ -356,6 +355,13 @@ def check_output(source: Path, output: Path) -> None:
         raise OutputUnwritable(f"cannot write into {output.parent} ({error.strerror})") from None
 
 
+def _rgb(colour: str) -> tuple[int, int, int]:
+    """`background`, #rrggbb as the API and the CLI take it (lower-cased), as the reader's 8-bit RGB."""
+    if not re.fullmatch(r"#[0-9a-f]{6}", colour):
+        raise ValueError(f"background must be #rrggbb, got {colour!r}")
+    return tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
+
+
 HDR_TRANSFERS = {16: "PQ (SMPTE 2084)", 18: "HLG (ARIB STD-B67)"}  # AVCOL_TRC_*
 
 
@@ -401,7 +407,7 @@ def _notes(
     deinterlace: str = "frame",
     cadence: str = "frame",
     looks_telecined: bool = False,
-    background: str = "#000000",
+    background: str = DEFAULT_BACKGROUND,
 ) -> tuple[str, ...]:
     """What a user should know of how the job ran. `info` is what was written, `source` the video as probed;
     `deinterlace` is the cadence asked for, `cadence` the one the frames were read at."""
@@ -469,7 +475,7 @@ def _notes(
     if reading.transparent:
         share = f"{reading.transparent} of its {video.frames} frames"
         share = share if reading.transparent < video.frames else "every frame"
-        over = "black (background=#RRGGBB names another colour)" if background == "#000000" else background
+        over = "black (background=#RRGGBB names another colour)" if background == DEFAULT_BACKGROUND else background
         notes.append(f"the source has transparent pixels ({share}): MP4 has no alpha, so they were shown over {over}")
     if reading.captions:
         notes.append(f"the source's video carries closed captions (CEA-608/708, in {reading.captions} of its "
