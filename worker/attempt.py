@@ -27,7 +27,7 @@ from storage.webhooks import Outbox, relay_now
 from worker import service
 from worker.backoff import backoff_s
 from worker.celery_app import app
-from worker.errors import Cancelled, PermanentError, TailStuck
+from worker.errors import Cancelled, CodedError, PermanentError, TailStuck
 from worker.fetch import NO_ROOM, FetchUnavailable, WorkerDiskFull
 
 log = logging.getLogger("vsrq.worker")
@@ -120,9 +120,9 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows
     outcome, code, message = classify(error)
     if code == "internal_error":
         log.exception("%s attempt %d failed", job.id, lease.attempt)
-    else:  # with its cause: a retry that keeps coming back is diagnosed from this line (a cancel has none to say)
-        cause = None if outcome == "cancelled" else error
-        log.info("%s attempt %d: %s (%s)", job.id, lease.attempt, outcome, code, exc_info=cause)
+    else:  # a foreign error's traceback diagnoses a retry that keeps coming back; our own errors' messages say it all
+        cause = None if isinstance(error, CodedError) else error
+        log.info("%s attempt %d: %s (%s): %s", job.id, lease.attempt, outcome, code, message, exc_info=cause)
     kept = False  # a `complete` whose reply was lost did promote the output: it is the job's now
     wait = retry_wait_s(error, lease) if outcome == "retry" else 0.0
     try:

@@ -213,6 +213,9 @@ def test_an_origin_that_is_down_gets_the_time_it_asks_for_before_the_next_attemp
     assert [(event.reason.code, event.retry_in_s) for event in requeued] == [("input_fetch_unavailable", 2.0)]
     first, second = origin.flaky_gets
     assert 2.0 <= second - first < 6  # its Retry-After (the backoff alone: 0.5 to 1 s), not the reaper's next pass
+    # an origin down is expected: the worker's line says why, without a traceback in every retry's log
+    [line] = [line for line in url_worker.read_text().splitlines() if f"{job['id']} attempt 1: retry" in line]
+    assert "503" in line and "Traceback" not in line, line
 
 
 def test_the_fetched_inputs_size_and_digest_are_documented(api):
