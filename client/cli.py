@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -38,6 +39,9 @@ log = logging.getLogger("vsrq")
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # `kill`, `timeout`, `docker stop`, a supervisor, a CI job cancelled: unwound as Ctrl-C is, from the first moment
+    # (loading torch takes seconds): no hidden .partial left, bulk's report written, the dev stack stopped
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     target, extra = COMMANDS[args.command]
     module, _, function = target.partition(":")

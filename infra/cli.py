@@ -91,8 +91,6 @@ def dev(args: argparse.Namespace) -> int:
     from client import devstate
     from infra.dev import DevStack, PortUnavailable
 
-    # SIGTERM (a supervisor stopping us) ends the stack as cleanly as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     stack = DevStack(args.dir, args.model, args.devices, args.port)
     try:
         stack.start()  # not `with stack`: entering would start it a second time, on the port it now holds

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import av
 import pytest
@@ -260,6 +261,56 @@ def test_a_terminated_upscale_leaves_no_partial_output(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["in.mp4"]
 
 
+def test_a_terminated_upscale_says_cancelled_even_while_it_loads(tmp_path):
+    """SIGTERM in the seconds `vsrq upscale` takes to load torch ended it with 143 and not a word."""
+    source = write_clip(tmp_path / "in.mp4", num_frames=5)
+    command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(tmp_path / "out.mp4"), "--model",
+               "lanczos"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    maps, deadline = Path(f"/proc/{process.pid}/maps"), time.monotonic() + 60
+    while "libtorch" not in maps.read_text():  # torch is loading (its libraries mapped, its modules not yet run)
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.005)
+    process.terminate()
+    _, stderr = process.communicate(timeout=60)
+    assert (process.returncode, stderr.splitlines()[-1:]) == (130, ["vsrq: cancelled"]), stderr
+
+
+def test_keep_windows_never_deletes_files_it_did_not_write(tmp_path):
+    """`--keep-windows` naming a folder of the user's (`.`, `~/Videos`) deleted everything in it at once, and the
+    folder itself once the video was done."""
+    source = write_clip(tmp_path / "in.mp4", num_frames=5)
+    mine = tmp_path / "videos"
+    mine.mkdir()
+    (mine / "holiday.mov").write_bytes(b"mine")
+    (mine / "job.json").write_text('{"title": "mine too"}')
+    lanczos = [str(source), "-o", str(tmp_path / "out.mp4"), "--model", "lanczos"]
+    refused = vsrq("upscale", *lanczos, "--keep-windows", str(mine))
+    said = f"vsrq: invalid_request: {mine} holds files that are not kept windows (holiday.mov, job.json): name a new "
+    assert refused.returncode == 2 and refused.stderr.startswith(said), refused.stderr
+    assert sorted(path.name for path in mine.iterdir()) == ["holiday.mov", "job.json"]
+    a_file = vsrq("upscale", *lanczos, "--keep-windows", str(mine / "holiday.mov"))
+    assert a_file.returncode == 2 and "holiday.mov is a file: windows are kept in a folder" in a_file.stderr
+    assert (mine / "holiday.mov").read_bytes() == b"mine" and not (tmp_path / "out.mp4").exists()
+
+
+def test_a_cancel_before_the_first_window_is_kept_leaves_nothing_to_resume(tmp_path):
+    """It said "the windows done are kept in DIR: the same command resumes" with no window done, and left DIR."""
+    source = write_clip(tmp_path / "in.mp4", num_frames=241, size=(240, 320))
+    keep = tmp_path / "keep"
+    command = [sys.executable, "-m", "client.cli", "upscale", str(source), "-o", str(tmp_path / "out.mp4"), "--model",
+               "lanczos", "--scale", "4", "--keep-windows", str(keep)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (keep / "job.json").exists():  # the store is open: the first window (121 frames to 1280x960) begins
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.01)
+    process.terminate()
+    _, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr.splitlines()[-1:]) == (130, ["vsrq: cancelled"]), stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.mp4"]
+
+
 def test_ctrl_c_with_kept_windows_says_the_same_command_resumes(tmp_path, tiny_piflow):
     source = write_clip(tmp_path / "in.mp4", num_frames=41, size=(48, 64))
     keep = tmp_path / "keep"
@@ -278,3 +329,4 @@ def test_ctrl_c_with_kept_windows_says_the_same_command_resumes(tmp_path, tiny_p
     assert f"vsrq: cancelled; the windows done are kept in {keep}: the same command resumes" in stderr
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "3 window(s) (" in again.stdout and "(0 restored)" not in again.stdout, again
+    assert not keep.exists()  # done: the windows go with their folder

@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import secrets
-import signal
 import sys
 from collections.abc import Callable
 
@@ -52,14 +51,14 @@ def upscale(args: argparse.Namespace) -> int:
     from worker.sr.windows import DirectoryWindowStore
     from worker.upscale import UpscaleOptions, check_output, upscale_file
 
-    # `kill`, `timeout`, `docker stop`, a CI job cancelled: unwound as Ctrl-C is, so no hidden .partial is left behind
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     existing(args.input)  # before a model loads (seconds): the job key reads the file too
     if args.output.is_dir():  # the video goes in it, named as `vsrq bulk` and the web app name theirs
         args.output = args.output / f"{args.input.stem}-x{args.scale:g}.mp4"
     elif args.output.suffix.lower() not in MP4_SUFFIXES:  # players pick a demuxer by the name: an MP4 as .mkv fails
         raise InvalidRequest(f"the output is an MP4: name it {args.output.stem}.mp4, not {args.output.name}")
     check_output(args.input, args.output)  # before the next check: --overwrite would not make the input one
+    if args.keep_windows:  # a folder of the user's named by mistake: refused before a model loads, never emptied
+        DirectoryWindowStore.refuse_foreign(args.keep_windows)
     if args.output.exists() and not args.overwrite:  # an earlier output may have cost an hour of GPU
         raise OutputExists(f"{args.output} is there already: --overwrite replaces it")
     drawn = args.seed == -1
@@ -98,7 +97,9 @@ def upscale(args: argparse.Namespace) -> int:
     try:
         result = upscale_file(args.input, args.output, upscaler, options, progress, store=store)
     except KeyboardInterrupt:
-        if store is None:
+        if store is None or not store.kept():
+            if store is not None:  # cancelled before its first window was done: nothing to resume from
+                store.clear()
             raise
         # the windows kept are this seed's: a drawn one must be named again for them to be found
         again = f" with --seed {args.seed}" if drawn else ""

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vsrq.worker")
 
-MARKER = "job.json"  # DirectoryWindowStore's: the key the windows were computed for
+MARKER = DirectoryWindowStore.MARKER  # the key the windows were computed for
 # A window's files in upload order: its JSON says it is complete, so it goes last (and is what `_complete` looks for).
 SUFFIXES = ("u8", "tail.npy", "json")
 # Raised by a transfer's heartbeat (Redis's error once the lease has run out): the attempt must stop

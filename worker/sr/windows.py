@@ -12,9 +12,10 @@ a mix of windows made in different ways, and one replayed whole reports what mad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import shutil
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -146,16 +147,44 @@ class WindowStore(Protocol):
 
 class DirectoryWindowStore:
     """Finished windows as raw files in a directory: the frames as the encoder got them, 8-bit or 16-bit (as big as
-    the raw output of those windows; the JSON names the sample type) and the float overlap tail. `key` names the job (input, model, options): a directory kept for another key is
-    emptied, so a stale window can never be replayed into a different job."""
+    the raw output of those windows; the JSON names the sample type) and the float overlap tail. `key` names the job
+    (input, model, options): windows kept for another key are deleted, so a stale window can never be replayed into a
+    different job. Only the store's own files are ever deleted: a directory holding others is refused (`refuse_foreign`)."""
+
+    MARKER = "job.json"  # {"key": key}: the job the windows were computed for
+    _OWN = re.compile(r"window-\d{5}\.(json|u8|u8\.partial|tail\.npy)")
 
     def __init__(self, directory: str | Path, key: str) -> None:
         self.directory = Path(directory)
-        marker = self.directory / "job.json"
-        if self.directory.exists() and (not marker.exists() or json.loads(marker.read_text()) != {"key": key}):
-            shutil.rmtree(self.directory)
+        self.refuse_foreign(self.directory)
+        marker = self.directory / self.MARKER
+        if marker.exists() and _marker_key(marker) != key:
+            self.drop()
         self.directory.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"key": key}))
+
+    @classmethod
+    def refuse_foreign(cls, directory: Path) -> None:
+        """Raises InvalidRequest where `directory` is not a store's (a file, or a folder holding other files): its
+        windows are deleted once the video is done, and a user's folder named by mistake must lose nothing."""
+        if directory.exists() and not directory.is_dir():
+            raise InvalidRequest(f"{directory} is a file: windows are kept in a folder (name a new or empty one)")
+        marker = directory / cls.MARKER
+        foreign = sorted(
+            path.name
+            for path in (directory.iterdir() if directory.is_dir() else ())
+            if not (cls._OWN.fullmatch(path.name) or (path == marker and _marker_key(path) is not None))
+        )
+        if foreign:
+            raise InvalidRequest(
+                f"{directory} holds files that are not kept windows ({', '.join(foreign[:3])}"
+                f"{', …' if len(foreign) > 3 else ''}): name a new or empty folder (its windows are deleted once the "
+                "video is done)"
+            )
+
+    def kept(self) -> bool:
+        """Whether any window is kept here (a rerun would replay it)."""
+        return any(self.directory.glob("window-*.json"))
 
     def load(self, index: int) -> StoredWindow | None:
         meta = self._path(index, "json")
@@ -182,16 +211,30 @@ class DirectoryWindowStore:
 
     def drop(self) -> None:
         for path in self.directory.glob("window-*"):
-            path.unlink(missing_ok=True)
+            if self._OWN.fullmatch(path.name):
+                path.unlink(missing_ok=True)
 
     def join(self) -> float:
         return 0.0
 
     def clear(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        """Deletes the store's files, and its directory where nothing else is left in it."""
+        self.drop()
+        (self.directory / self.MARKER).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # gone already, or someone put a file in it since
+            self.directory.rmdir()
 
     def _path(self, index: int, suffix: str) -> Path:
         return self.directory / f"window-{index:05d}.{suffix}"
+
+
+def _marker_key(path: Path) -> str | None:
+    """The key a store's marker names; None where the file is not one (unreadable, or not `{"key": str}`)."""
+    try:
+        marker = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return marker["key"] if isinstance(marker, dict) and set(marker) == {"key"} and isinstance(marker["key"], str) else None
 
 
 class _DirectoryRecorder:
