@@ -149,7 +149,8 @@ class DirectoryWindowStore:
     """Finished windows as raw files in a directory: the frames as the encoder got them, 8-bit or 16-bit (as big as
     the raw output of those windows; the JSON names the sample type) and the float overlap tail. `key` names the job
     (input, model, options): windows kept for another key are deleted, so a stale window can never be replayed into a
-    different job. Only the store's own files are ever deleted: a directory holding others is refused (`refuse_foreign`)."""
+    different job. Only the store's own files are ever deleted: a directory holding others is refused
+    (`refuse_foreign`)."""
 
     MARKER = "job.json"  # {"key": key}: the job the windows were computed for
     _OWN = re.compile(r"window-\d{5}\.(json|u8|u8\.partial|tail\.npy)")
@@ -234,7 +235,8 @@ def _marker_key(path: Path) -> str | None:
         marker = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
-    return marker["key"] if isinstance(marker, dict) and set(marker) == {"key"} and isinstance(marker["key"], str) else None
+    ours = isinstance(marker, dict) and set(marker) == {"key"} and isinstance(marker["key"], str)
+    return marker["key"] if ours else None
 
 
 class _DirectoryRecorder:
