@@ -258,6 +258,10 @@ class Video(BaseModel):
         description="jobs ahead of this one in its queue (0: next); null unless queued, and while a retry waits (its "
         "`requeued` event's `retry_in_s`)"
     )
+    retry_at: int | None = Field(
+        description="a retry told to wait (an input's origin down, `Retry-After`): when its wait ends and it goes "
+        "back in line (epoch seconds); null otherwise"
+    )
     attempt: int
     cancel_requested: bool
     created_at: int
@@ -283,6 +287,7 @@ class Video(BaseModel):
             progress=job.progress,
             stage=job.stage,
             queue_position=queue_position if job.status == Status.QUEUED else None,
+            retry_at=_int(job.retry_at) if job.status == Status.QUEUED else None,
             attempt=job.attempt,
             cancel_requested=job.cancel_requested,
             created_at=int(job.created_at),

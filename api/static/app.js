@@ -447,6 +447,9 @@ function stageText(job) {
   switch (job.status) {
     case "queued":
       if (job.cancel_requested) return "Cancelling…";
+      if (job.queue_position == null && job.retry_at) {  // out of line until its wait ends
+        return `Queued · attempt ${job.attempt + 1} at ${new Date(job.retry_at * 1000).toLocaleTimeString()}`;
+      }
       return job.queue_position === 0 ? "Queued · next up"
         : job.queue_position == null ? "Queued" : `Queued · ${job.queue_position} ahead`;
     case "in_progress": {

@@ -344,6 +344,8 @@ def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_
     assert jobs.event_views(job.id).data[-1].retry_in_s == 5
     # out of line while it waits: the job behind it is next; a duplicate message does not start it early
     assert (jobs.view(jobs.require(job.id)).queue_position, jobs.view(behind).queue_position) == (None, 0)
+    # the job object says when it goes back in line (it said only `queued`)
+    assert 3.5 < jobs.view(jobs.require(job.id)).retry_at - time.time() <= 5 and jobs.view(behind).retry_at is None
     with pytest.raises(InvalidTransition, match="its retry waits"):
         jobs.lease(job.id, "duplicate", 30)
     jobs.sent(job.id)  # a sender confirming late (its message was for the attempt before) changes none of it
