@@ -26,6 +26,7 @@ from api.errors import ApiError, field_errors
 SCALES = (2.0, 2.25, 4.0)
 QUALITIES = ("lossless", "high")  # worker/sr/request.py's: the API never imports the worker
 CRF_MAX = {"h264": 51, "hevc": 51, "av1": 63}  # worker/media/writer.py's: x264 would cap a higher CRF silently
+MIN_SIDE = {"hevc": 64}  # worker/media/writer.py's: the least side x265 is run at (smaller crashed it)
 _TARGET = re.compile(r"(hd|fullhd|2k|(\d+)x(\d+))")
 RANDOM_SEED = -1  # SGLang's "draw one": the drawn seed is what the job records and reports
 
@@ -198,6 +199,19 @@ class UpscaleParams(BaseModel):
                 "invalid_quality", "must be lossless or high (the encoder's quality is output_crf)"
             )
         return text
+
+    @field_validator("output_codec")
+    @classmethod
+    def _codec_fits(cls, codec: str, info: ValidationInfo) -> str:
+        """A box smaller than `codec` is written at refused now, not by the worker once the job has waited its turn."""
+        target = _TARGET.fullmatch(info.data.get("sr_target_resolution") or "")
+        least = MIN_SIDE.get(codec, 0)
+        if target and target[2] and min(int(target[2]), int(target[3])) < least:
+            raise ValueError(
+                f"{codec} is written at {least}x{least} or more, and sr_target_resolution {target[0]} makes the output "
+                "smaller: use h264 or av1, or a larger target"
+            )
+        return codec
 
     @field_validator("output_crf")
     @classmethod

@@ -187,6 +187,13 @@ def test_invalid_fields_are_422_with_details_and_leave_no_upload(api, clip, s3):
         {"field": "quality", "code": "invalid_quality", "message": "must be lossless or high (the encoder's quality is output_crf)"}
     ]  # fmt: skip
     assert_problem(create(api, "alice", clip, {"webhook_url": "http://example.com/hook"}), 422, "invalid_request")
+    # an HEVC output in a box x265 is not run at: refused at submit (was by the worker, after the job's wait)
+    body = assert_problem(
+        create(api, "alice", clip, {"output_codec": "hevc", "sr_target_resolution": "48x24"}), 422, "invalid_request"
+    )
+    assert body["errors"] == [
+        {"field": "output_codec", "code": "value_error", "message": "hevc is written at 64x64 or more, and sr_target_resolution 48x24 makes the output smaller: use h264 or av1, or a larger target"}
+    ]  # fmt: skip
     body = assert_problem(create(api, "alice", clip, {"background": "white"}), 422, "invalid_request")
     assert body["errors"] == [  # in words, not the pattern's regex (what OpenAI's SDK shows as e.message)
         {"field": "background", "code": "invalid_background", "message": "must be a colour as #RRGGBB, e.g. #FFFFFF for white"}
