@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import resource
 import struct
 import subprocess
 import sys
@@ -731,6 +732,44 @@ def _fragmented(source: Path) -> Path:
         container.mux(video.encode())
         _write_audio(container, audio, tone(40 / 30), "stereo")
     return source
+
+
+def _live(source: Path, start_s: int) -> Path:
+    """`source`, a fragmented MP4, as saved from a live stream (DASH, HLS in fMP4): each fragment's decode time
+    (`tfdt`) from the wall clock, `start_s` seconds after 1970, in every track."""
+    with av.open(str(source)) as container:
+        scales = {stream.id: stream.time_base.denominator for stream in container.streams}
+    data, track, position = bytearray(source.read_bytes()), None, 0
+    while (position := data.find(b"tf", position + 1)) != -1:
+        if data[position : position + 4] == b"tfhd":
+            (track,) = struct.unpack_from(">I", data, position + 8)
+        elif data[position : position + 4] == b"tfdt" and data[position + 4] == 1:  # version 1: 64-bit times
+            (time,) = struct.unpack_from(">Q", data, position + 8)
+            struct.pack_into(">Q", data, position + 8, time + start_s * scales[track])
+    live = source.with_name(f"live-{source.name}")
+    live.write_bytes(data)
+    return live
+
+
+def test_a_saved_live_streams_wall_clock_times_are_not_taken_for_its_length(tmp_path):
+    """A live stream's fragments saved to a file start 53 years in (DASH's wall-clock times). Its header's duration,
+    read as its length, refused it ("lasts 1685548364 s"); before that, the worker's scratch estimate took it for 5e10
+    frames and built their windows, its memory growing by 80 MB/s, a cancel unseen, until the kernel killed it."""
+    source = _live(_fragmented(tmp_path / "in.mp4"), 1_685_548_363)
+    with av.open(str(source)) as container:  # FFmpeg reads it 1,685,548,363 s in, its "duration" where it ends
+        assert 0 <= container.duration - container.start_time < 2 * 10**6 and container.start_time > 1.6e15
+    estimate = subprocess.run(  # a process of its own, under a memory limit: it grew without bound
+        [sys.executable, "-c", f"from pathlib import Path; from worker.scratch import scratch_bytes; "
+         f"print(scratch_bytes(Path({str(source)!r}), 2))"],
+        capture_output=True, text=True, timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30)),
+    )  # fmt: skip
+    assert estimate.returncode == 0, estimate.stderr[-2000:]
+    assert int(estimate.stdout) < 41 * 160 * 96 * 3 + 4 * source.stat().st_size  # its 40 frames, not 5e10
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    back = read_back(output)
+    assert back.frames == 40 and abs(back.audio[0].decoded - 40 / 30) < 0.05, back.audio
 
 
 @pytest.mark.parametrize("through", ["video", "audio"])

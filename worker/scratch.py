@@ -14,28 +14,48 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import av
+
 from worker.media import webp
 from worker.media.source import open_input
-from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, plan_windows
+from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, window_count
 
 
-def scratch_bytes(source: Path, scale: float, window: int = DEFAULT_WINDOW, overlap: int = DEFAULT_OVERLAP) -> int:
+def scratch_bytes(
+    source: Path,
+    scale: float,
+    window: int = DEFAULT_WINDOW,
+    overlap: int = DEFAULT_OVERLAP,
+    max_frames: int | None = None,
+) -> int:
     """What the running job (its input `source`, upscaled `scale` times in temporal windows of `window` frames that
     overlap by `overlap`) will write to its scratch disk at most: its upscaled frames as raw RGB (kept windows, the
-    encoder's input), its windows' float overlap tails, and an MP4 of its input's bits per pixel."""
+    encoder's input), its windows' float overlap tails, and an MP4 of its input's bits per pixel. Read from the header
+    alone, before the probe: at most `max_frames` (the probe refuses more)."""
     if webp.animated(source):  # FFmpeg reads its first frame only
         (width, height), frames = webp.extent(source)
     else:
         with open_input(source) as container:
             stream = container.streams.video[0]
-            frames = stream.frames
-            if not frames:  # not in the header (a fragmented MP4, a Matroska file): from its duration
-                seconds = float(stream.duration * stream.time_base) if stream.duration else container.duration / 1e6
-                frames = round(seconds * float(stream.average_rate or stream.guessed_rate or 30))
+            frames = stream.frames or _frames_from_duration(container, stream)
             width, height = stream.codec_context.width, stream.codec_context.height
+    frames = min(frames, max_frames) if max_frames else frames
     pixels = scale * scale
-    tails = (len(plan_windows(frames, window, overlap).windows) - 1) * overlap * 4  # float32: 4 bytes a sample
+    tails = (window_count(frames, window, overlap) - 1) * overlap * 4  # float32: 4 bytes a sample
     return round((frames + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)
+
+
+def _frames_from_duration(container: av.container.InputContainer, stream: av.VideoStream) -> int:
+    """Frames a header without a count (a fragmented MP4, Matroska, MPEG-TS) implies by its duration. A fragmented
+    MP4's is where its last fragment ends, counted from 0, not from its first frame: a live stream's segments start
+    at wall-clock times (1,685,548,363 s), which read as a duration were 5e10 frames."""
+    if stream.duration:
+        seconds = float(stream.duration * stream.time_base)
+        if "mp4" in container.format.name.split(",") and stream.start_time:
+            seconds -= float(stream.start_time * stream.time_base)
+    else:
+        seconds = (container.duration or 0) / 1e6
+    return max(1, round(seconds * float(stream.average_rate or stream.guessed_rate or 30)))
 
 
 def has_room(directory: Path, need: int) -> bool:

@@ -398,7 +398,9 @@ def _scratch_need(job: JobRecord, source: Path, options: UpscaleOptions) -> int 
     leave it, and the room held tails must leave the next job. None where the input does not say (a bound only: never
     the job's end)."""
     try:
-        return scratch_bytes(source, options.request.scale, options.window, options.window_overlap)
+        return scratch_bytes(
+            source, options.request.scale, options.window, options.window_overlap, options.limits.max_frames
+        )
     except Exception as error:
         log.warning("%s: its scratch not estimated (%s)", job.id, error)
         return None

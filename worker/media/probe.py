@@ -302,8 +302,13 @@ def _video_stream(container: av.container.InputContainer, path: Path) -> av.Vide
 def _check_declared(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> None:
     """What the header claims, before a single packet is read (a header may claim absurd sizes)."""
     _check_pixels(stream.codec_context.width, stream.codec_context.height, path, limits)
-    if container.duration is not None and limits.max_seconds is not None and container.duration / 1e6 > limits.max_seconds:
-        raise InputTooLarge(f"{path.name} lasts {container.duration / 1e6:.0f} s; the limit is {limits.max_seconds:.0f} s")
+    # A fragmented MP4 (no frame count in its header) declares where its presentation ends: a live stream's whole
+    # length (`mehd`: 3,900 s for a file of 8 s), or its last fragment's wall-clock time; its frames are counted
+    # instead, under `max_frames`, and their times checked against `max_seconds` (`_frame_clock`).
+    fragmented = "mp4" in container.format.name.split(",") and not stream.frames
+    declared = None if fragmented or container.duration is None else container.duration / 1e6
+    if declared is not None and limits.max_seconds is not None and declared > limits.max_seconds:
+        raise InputTooLarge(f"{path.name} lasts {declared:.0f} s; the limit is {limits.max_seconds:.0f} s")
 
 
 def _check_pixels(width: int, height: int, path: Path, limits: Limits) -> None:

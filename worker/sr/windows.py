@@ -71,12 +71,17 @@ def plan_windows(frames: int, window: int = DEFAULT_WINDOW, overlap: int = DEFAU
         raise InvalidRequest("a clip needs at least one frame")
     if frames <= window:
         return WindowPlan(frames, frames, overlap, (Window(0, 0, frames),))
-    count = math.ceil((frames - overlap) / (window - overlap))
+    count = window_count(frames, window, overlap)
     # Shortest 1 + 4k length with which `count` windows cover the clip: never longer than `window`.
     length = 1 + 4 * math.ceil((math.ceil((frames + (count - 1) * overlap) / count) - 1) / 4)
     stride = length - overlap
     windows = tuple(Window(i, i * stride, min(i * stride + length, frames)) for i in range(count))
     return WindowPlan(frames, length, overlap, windows)
+
+
+def window_count(frames: int, window: int = DEFAULT_WINDOW, overlap: int = DEFAULT_OVERLAP) -> int:
+    """How many windows `plan_windows` cuts `frames` into, without making them (a bound on a header's claim)."""
+    return 1 if frames <= window else math.ceil((frames - overlap) / (window - overlap))
 
 
 @dataclass(frozen=True)
