@@ -273,6 +273,25 @@ def test_target_resolution_never_upscales(tmp_path):
     assert error.value.code == "invalid_request" and not (tmp_path / "out.mp4").exists()
 
 
+def test_an_encrypted_video_is_refused_not_upscaled_as_noise(tmp_path):
+    """Common Encryption (a purchase's or a stream's DRM) decodes without error, to noise: a `cbcs` trailer came back
+    `completed`, flat grey where its clear copy says "An Apple Original". FFmpeg's muxer encrypts as CENC does."""
+    source = tmp_path / "in.mp4"
+    keys = {"encryption_key": "00112233445566778899aabbccddeeff", "encryption_kid": "a0a1a2a3a4a5a6a7a8a9aaabacadaeaf"}
+    with av.open(str(source), "w", options={"encryption_scheme": "cenc-aes-ctr", **keys}) as container:
+        video = container.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        for index in range(10):
+            image = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 20, np.uint8), format="rgb24")
+            image.pts = index
+            container.mux(video.encode(image))
+        container.mux(video.encode())
+    with pytest.raises(PermanentError) as error:
+        upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
+    assert error.value.code == "input_encrypted" and "its video is encrypted (DRM: Common Encryption)" in str(error.value)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.mp4"]
+
+
 @pytest.mark.parametrize(("codec", "name"), [("hevc", "hevc"), ("av1", "av1")])
 def test_hevc_and_av1_outputs(tmp_path, codec, name):
     source = write_clip(tmp_path / "in.mp4", 5, (64, 96), audio_codec="aac")

@@ -38,6 +38,12 @@ class InputCorrupt(PermanentError):
     code = "input_corrupt"
 
 
+class InputEncrypted(PermanentError):
+    """Encrypted content (DRM: MP4's Common Encryption): decoding without its key gives noise, not its picture."""
+
+    code = "input_encrypted"
+
+
 class InputTooLarge(PermanentError):
     code = "input_too_large"
 
@@ -83,6 +89,7 @@ BAD_INPUT_CODES = frozenset(
         InputNoVideo,
         InputUnsupportedCodec,
         InputCorrupt,
+        InputEncrypted,
         InputTooLarge,
         InputTooShort,
         OutputTooLarge,

@@ -22,6 +22,7 @@ from worker.media import alpha_track, webp
 from worker.media.errors import (
     InputCorrupt,
     InputEmpty,
+    InputEncrypted,
     InputNoVideo,
     InputNotFound,
     InputTooLarge,
@@ -347,6 +348,7 @@ class _Scan:
     sizes: dict[tuple[int, int], Fraction] = field(default_factory=dict)
     sampled: float | None = None  # seconds: the last keyframe decoded for its size
     interlaced_seen: bool = False  # a keyframe decoded for its size is interlaced
+    clear: set[int] = field(default_factory=set)  # streams whose first packet was seen not encrypted
 
     def track(self, packet: av.Packet | _Timed) -> None:
         """Follow where a presented frame's `packet` puts the track's last frame and its end."""
@@ -389,6 +391,12 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if packet.size == 0 or cut_off(packet, size):
                 continue
             owner = packet.stream
+            if owner.index not in scan.clear and packet.has_sidedata("encryption_info"):
+                raise InputEncrypted(
+                    f"{path.name}: its {owner.type} is encrypted (DRM: Common Encryption); without its key it decodes "
+                    "to noise, not its picture: send a copy that is not encrypted"
+                )
+            scan.clear.add(owner.index)  # a stream's first packet says it: the rest are not looked at
             if packet.pts is not None and packet.time_base is not None:
                 start = float(packet.pts * packet.time_base)
                 end = start + float((packet.duration or 0) * packet.time_base)
