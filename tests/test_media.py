@@ -288,7 +288,7 @@ def test_an_encrypted_video_is_refused_not_upscaled_as_noise(tmp_path):
         container.mux(video.encode())
     with pytest.raises(PermanentError) as error:
         upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
-    assert error.value.code == "input_encrypted" and "its video is encrypted (DRM: Common Encryption)" in str(error.value)
+    assert error.value.code == "input_encrypted" and "video is encrypted (DRM: Common Encryption)" in str(error.value)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["in.mp4"]
 
 
