@@ -18,7 +18,6 @@ job has written its frames and its MP4; the file is removed when used, replaced 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -38,12 +37,11 @@ from storage.blobs import BlobNotFound
 from storage.jobs import FileDigest, JobRecord, Status
 from storage.queue import next_job_ids
 from worker import metrics, service
+from worker.scratch import held_directory, release
 
 log = logging.getLogger("vsrq.worker")
 
 _DIRECTORY_PREFIX = "vsrq-prefetch-"
-_LOCK = "lock"  # flock'ed by the directory's process for its life: one nobody holds is a dead process's
-_UNLOCKED_GRACE_S = 60  # a directory with no lock file yet is being made, unless it is older than this
 # A download of the job's own key that moves no bytes for this many heartbeats is a dead connection: the job stops
 # waiting for it and downloads its input itself (a call that hangs must not hold a job under a renewed lease)
 _STALLED_BEATS = 10
@@ -175,12 +173,9 @@ class Prefetcher:
             thread, self._entry = self._thread, None
         if thread is not None:  # a thread stuck in a dead connection is left to die with the process (a daemon)
             thread.join(1)
-        if self._directory is not None:
-            shutil.rmtree(self._directory, ignore_errors=True)
-            self._directory = None
-        if self._held is not None:
-            os.close(self._held)
-            self._held = None
+        if self._directory is not None and self._held is not None:
+            release(self._directory, self._held)
+            self._directory, self._held = None, None
 
     def _waited(self, flight: _Flight, waiting: Callable[[], None]) -> bool:
         """Waits for the download of the job's own key while bytes arrive: whether it ended (False: it stalled, and is
@@ -284,40 +279,9 @@ class Prefetcher:
         if self._closed:  # shutting down: no directory made after close removed this one's
             raise _Aborted
         if self._directory is None:
-            root = service.worker_settings().prefetch_dir or Path(tempfile.gettempdir())
-            root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(f"{_DIRECTORY_PREFIX}*"):
-                if _abandoned(stale):
-                    shutil.rmtree(stale, ignore_errors=True)
-            directory = Path(tempfile.mkdtemp(prefix=_DIRECTORY_PREFIX, dir=root))
-            held = os.open(directory / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._directory, self._held = directory, held
-            log.info("prefetching inputs into %s", directory)
+            self._directory, self._held = held_directory(_DIRECTORY_PREFIX, service.worker_settings().prefetch_dir)
+            log.info("prefetching inputs into %s", self._directory)
         return self._directory
-
-
-def _abandoned(directory: Path) -> bool:
-    """Whether a prefetch directory is a dead process's: this user's, and its lock file held by no process (flock
-    works across PID namespaces that share the volume, where a PID says nothing)."""
-    try:
-        if directory.stat().st_uid != os.geteuid():
-            return False
-        handle = os.open(directory / _LOCK, os.O_RDWR)
-    except FileNotFoundError:  # being made, or made by a process killed before it locked it
-        try:
-            return time.time() - directory.stat().st_mtime > _UNLOCKED_GRACE_S
-        except OSError:
-            return False
-    except OSError:
-        return False
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # its process is alive
-        return False
-    finally:
-        os.close(handle)
-    return True
 
 
 def _download(body: BinaryIO, file: Path, flight: _Flight) -> tuple[int, str]:

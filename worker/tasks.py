@@ -25,7 +25,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from tempfile import TemporaryDirectory
 from time import monotonic
 from typing import Any, BinaryIO
 
@@ -63,7 +62,7 @@ from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
 from worker.media.resize import Target
 from worker.prefetch import Prefetcher
-from worker.scratch import has_room, scratch_bytes
+from worker.scratch import has_room, job_scratch, scratch_bytes
 from worker.sr.request import LOSSLESS, SRRequest
 from worker.upscale import Encoding, UpscaleOptions, begin_upscale
 from worker.upscale import Result as UpscaleResult
@@ -311,7 +310,7 @@ def _head(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> 
     )
     beat = Heartbeat(lease, config.heartbeat_s)
     with ExitStack() as cleanup:
-        scratch = Path(cleanup.enter_context(TemporaryDirectory(prefix="vsrq-")))
+        scratch = cleanup.enter_context(job_scratch())
         source, output = scratch / "input", scratch / "output.mp4"
 
         # 2. Fetch the input

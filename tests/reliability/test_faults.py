@@ -1403,22 +1403,27 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
     """Jobs queued before the worker starts: every job but the first reads the input downloaded while the job before
     it ran, and writes the bytes the first one, which downloaded its input once leased, wrote. A killed worker's cache
     (its lock file held by nobody) is removed by the next worker, a live one's (another worker sharing the volume, in
-    another PID namespace) is not."""
+    another PID namespace) is not. The same for a job's scratch directory (input and raw frames: a killed worker's
+    were never removed)."""
     dead, live = tmp_path / "vsrq-prefetch-dead", tmp_path / "vsrq-prefetch-live"
-    for directory in (dead, live):
+    dead_job, live_job = tmp_path / "vsrq-job-dead", tmp_path / "vsrq-job-live"
+    for directory in (dead, live, dead_job, live_job):
         directory.mkdir()
         (directory / "input-guess").write_bytes(b"a killed worker's download")
         (directory / "lock").touch()
-    holder = os.open(live / "lock", os.O_RDWR)
-    fcntl.flock(holder, fcntl.LOCK_EX)  # as the live worker holds it
+    holders = [os.open(directory / "lock", os.O_RDWR) for directory in (live, live_job)]
+    for holder in holders:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # as the live worker holds it
     # the medium clip: x264 writes the 96x64 small one's frames to other bytes from run to run (same pixels in)
     ids = [create(api, clips["medium"]) for _ in range(4)]
-    worker = started(workers(VSRQ_WORKER_PREFETCH_DIR=str(tmp_path)))  # the default: prefetch on
+    # the default: prefetch on; the jobs' scratch in TMPDIR, beside the cache
+    worker = started(workers(VSRQ_WORKER_PREFETCH_DIR=str(tmp_path), TMPDIR=str(tmp_path)))
     records = wait_all(jobs, ids, limit_s=120)
     cache = prefetch_directory(worker)
     left = sorted(path.name for path in cache.iterdir()) if cache.is_dir() else None  # each copy moved into its job
     worker.stop()
-    os.close(holder)
+    for holder in holders:
+        os.close(holder)
     ordered = sorted(records, key=lambda job: leases(jobs, job.id)[0])
     inputs = [run_detail(jobs, job.id)["input"] for job in ordered]
     print(
@@ -1431,6 +1436,8 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
     assert {job.output.sha256 for job in records} == {ordered[0].output.sha256}
     assert cache.parent == tmp_path and left == ["lock"] and not cache.exists()
     assert not dead.exists() and (live / "input-guess").exists()
+    assert (live_job / "input-guess").exists()
+    assert [path.name for path in tmp_path.glob("vsrq-job-*")] == ["vsrq-job-live"]  # the jobs' own went as they ended
 
 
 def test_a_prefetched_referenced_input_is_hashed_once_as_it_downloads(api, reaper, jobs, clips, workers, tmp_path):
