@@ -27,6 +27,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import sqlite3
@@ -60,6 +61,8 @@ _OUTPUT_NAME = re.compile(r"(.+)-x(?:2|2\.25|4)\.mp4")
 # The API's `sr_resolution_scale` where a create names none (SGLang's; api/schemas.py `UpscaleParams`, which the
 # client does not import): what an output's default name says then
 DEFAULT_SCALE = "2.25"
+OPEN = ("queued", "in_progress")  # the statuses a followed job is listed under until it ends
+PAGE = 100  # jobs a listing request returns (the API's most)
 OUTPUT_EXISTS = "output_exists"  # a completed job whose output was not downloaded: another file is at its path
 REPORT_COLUMNS = (
     "source", "job_id", "status", "error_code", "error_message", "output", "queued_s", "running_s", "sha256"
@@ -349,6 +352,7 @@ class Bulk:
     entries: dict[str, Entry] = field(default_factory=dict)
     in_the_way: set[str] = field(default_factory=set)  # items whose output path holds another file, this run
     resumed: int = 0  # items an earlier run had submitted already
+    list_cost: int = len(OPEN)  # requests listing the key's open jobs took last (one a status, at the least)
 
     def __post_init__(self) -> None:
         known = self.journal.load()
@@ -376,7 +380,7 @@ class Bulk:
                 if not following:
                     break
                 started = time.monotonic()
-                self._each(pool, bar, self._follow, following)
+                self._each(pool, bar, self._follow, self._still_open(following))
                 if not self.wait:
                     break
                 time.sleep(max(0.0, self.poll_s - (time.monotonic() - started)))
@@ -385,6 +389,24 @@ class Bulk:
             pool.shutdown(wait=True, cancel_futures=True)
             self._count(bar)
             bar.close()
+
+    def _still_open(self, following: list[Item]) -> list[Item]:
+        """Of `following`, those to ask about one by one: where that takes more requests than listing the key's queued
+        and running jobs (a page a request), they are listed and those still among them recorded as listed. Asking
+        each job every `poll_s` spent the key's rate limit on 400 jobs: every other client of the key got 429."""
+        if len(following) <= self.list_cost:
+            return following
+        listed: dict[str, dict[str, Any]] = {}
+        self.list_cost = 0  # the key's other open jobs lengthen it: where they outnumber these, each is asked instead
+        for status in OPEN:
+            jobs = list(self.client.jobs(status, PAGE))
+            listed |= {job["id"]: job for job in jobs}
+            self.list_cost += max(1, math.ceil(len(jobs) / PAGE))
+        for item in following:
+            entry = self.entries[item.id]
+            if entry.job_id in listed and (seen := _observed(entry, listed[entry.job_id])) != entry:
+                self._save(item, seen)
+        return [item for item in following if self.entries[item.id].job_id not in listed]
 
     def _each(self, pool: ThreadPoolExecutor, bar: tqdm, work: Callable[[Item], None], items: Iterable[Item]) -> None:
         pending = {pool.submit(work, item) for item in items}

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import requests
 
-from client.bulk import BulkError, journal_path, plan
+from client.bulk import Bulk, BulkError, Journal, journal_path, plan
 from client.http import ApiProblem, Client, retry_after
 from worker.media.synthetic import write_clip
 
@@ -149,6 +149,27 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     assert "10 videos: 10 submitted (10 by an earlier run), 10 completed" in third.stdout
     assert job_count(api) - before == 10
     assert {path: path.stat().st_mtime_ns for path in out.rglob("*.mp4")} == stamps
+
+
+def test_many_jobs_are_followed_by_listing_not_one_request_each_per_poll(api, worker, tmp_path):
+    """`--wait` asked the API about every open job every poll: 400 jobs spent the key's rate limit (1,200 a minute),
+    and every other client of the key got 429. Now a run following many lists the key's open jobs, a page a request,
+    and asks about each job only once it has left them."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for index in range(30):
+        write_clip(folder / f"clip{index}.mp4", 3 + index % 3, (16, 24))
+    items, _ = plan(str(folder), {"sr_resolution_scale": "2", "model": "lanczos"}, lambda: None)
+    client = Client(api, KEYS["bulk"])
+    sent: list[str] = []
+    client.session.hooks["response"].append(lambda response, **_: sent.append(response.request.path_url))
+    bulk = Bulk(client, items, Journal(tmp_path / "journal.sqlite"), lambda: None, "vsrq", wait=True, poll_s=0.2)
+    bulk.run()
+    assert bulk.counts()["completed"] == len(items), bulk.entries
+    asked_each = [path for path in sent if path.startswith("/v1/videos/video_")]
+    rounds = sum(path.startswith("/v1/videos?status=queued") for path in sent)
+    print(f"FIGURE bulk following {len(items)} jobs: {rounds} polls, {len(asked_each)} requests about one job")
+    assert rounds > 1 and len(asked_each) <= 2 * len(items), (rounds, len(asked_each))
 
 
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
