@@ -1,7 +1,7 @@
 """The embedded local stack: Redis and SeaweedFS (infra.stack), then the Procfile's processes — the API under
 gunicorn, one CPU worker, the reaper, the webhook worker — on loopback, each logging into one directory (appended
-across restarts), kept running by infra.supervisor (restarted with backoff when one dies), stopped by PID; each also
-ends when this process does, however it ends (infra/children.py).
+across restarts), kept running by infra.supervisor (restarted with backoff when one dies, Redis and SeaweedFS
+too), stopped by PID; each also ends when this process does, however it ends (infra/children.py).
 
 `vsrq dev` keeps it up until Ctrl-C; `vsrq demo` runs the main job through it, as a user would over HTTP.
 
@@ -56,6 +56,8 @@ class DevStack:
         self.secret = new_secret()  # and the secret its webhooks are signed with
         self.served = served_name(self.model)  # what jobs ask for and report: what the worker runs
         self.stack = Stack(self.root / "stack")
+        # Redis and SeaweedFS have their own, stopped after the Procfile's processes, whose shutdown still uses Redis
+        self.services = Supervisor()
         self.supervisor = Supervisor()
         self._state_files: list[Path] = []
 
@@ -82,6 +84,8 @@ class DevStack:
         self._claim_port()
         try:
             self.stack.start()
+            for name, process in self.stack.processes.items():  # same ports and data directory when restarted
+                self.services.add(name, lambda name=name: self.stack.restart(name), process)
             python = [sys.executable, "-m"]
             self._spawn("web", [*python, "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"])
             self._spawn("worker", [*python, "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
@@ -139,9 +143,9 @@ class DevStack:
     def _wait_for_worker(self, deadline: float) -> None:
         """Until /healthz answers and counts a worker (which loads its model first)."""
         while True:
-            if self.supervisor.gave_up:
-                name = self.supervisor.gave_up[0]
-                raise RuntimeError(f"{name} keeps exiting; see {self.root / name}.log")
+            for supervisor, logs in ((self.supervisor, self.root), (self.services, self.stack.root)):
+                if supervisor.gave_up:
+                    raise RuntimeError(f"{supervisor.gave_up[0]} keeps exiting; see {logs / supervisor.gave_up[0]}.log")
             try:
                 if requests.get(f"{self.url}/healthz", timeout=5).json()["checks"]["workers"]["queues"][QUEUE]:
                     return
@@ -170,7 +174,9 @@ class DevStack:
         devstate.remove(self._state_files, os.getpid())
         stop_processes(self.supervisor.stop(), timeout_s)
         self.supervisor.close()  # after the stop: its thread's end is what restarted children die with
-        self.stack.stop()
+        self.services.stop()
+        self.stack.stop()  # the services' current processes, restarted ones included
+        self.services.close()
 
     def __enter__(self) -> DevStack:
         return self.start()

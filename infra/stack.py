@@ -156,10 +156,18 @@ class Stack:
 
     def start_service(self, name: str, timeout_s: float = 60) -> None:
         """(Re)starts one service on the same ports and data directory, and waits until it answers."""
-        services = {"redis": (self._start_redis, self._redis_ready), "weed": (self._start_weed, self._weed_ready)}
-        start, ready = services[name]
-        start()
-        self._wait(name, time.monotonic() + timeout_s, ready)
+        self.restart(name)
+        self._wait(name, time.monotonic() + timeout_s, {"redis": self._redis_ready, "weed": self._weed_ready}[name])
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Starts one service ("redis" or "weed") again on the same ports and data directory, without waiting for it
+        to answer: a supervisor's restart (infra/dev.py), whose callers retry meanwhile. Returns its process."""
+        {"redis": self._start_redis, "weed": self._start_weed}[name]()
+        return self._processes[name]
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        return dict(self._processes)
 
     def _start_redis(self) -> None:
         directory = self.root / "redis"

@@ -1,6 +1,7 @@
-"""Keeps the embedded stack's Procfile processes running (`vsrq dev`): one that exits is started again after a backoff
-(0.5 s, doubling to 8 s; back to 0.5 s once it has run for a minute), and after `max_restarts` within `window_s` it is
-given up, loudly: a line on stderr (each restart has one too), and `gave_up` names it.
+"""Keeps the embedded stack's processes running (`vsrq dev`: the Procfile's, Redis, SeaweedFS): one that exits is
+started again after a backoff (0.5 s, doubling to 8 s; back to 0.5 s once it has run for a minute), and after
+`max_restarts` within `window_s` it is given up, loudly: a line on stderr (each restart has one too), and `gave_up`
+names it.
 
 Our own, in a page: supervisord and circus are daemons with their own configuration and control sockets, and honcho
 restarts nothing; here the processes are the dev stack's children, started by its own spawn function.
@@ -47,10 +48,15 @@ class Supervisor:
         self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._thread.start()
 
-    def add(self, name: str, start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
-        """Starts `name` with `start` and keeps it running from now on."""
+    def add(
+        self, name: str, start: Callable[[], subprocess.Popen], process: subprocess.Popen | None = None
+    ) -> subprocess.Popen:
+        """Starts `name` with `start` (unless `process` is it, already running) and keeps it running from now on."""
         child = Supervised(name, start)
-        self._launch(child)
+        if process is None:
+            self._launch(child)
+        else:
+            child.process, child.started_at = process, time.monotonic()
         with self._lock:
             self._children[name] = child
         return child.process
