@@ -52,8 +52,8 @@ class DevStack:
         self.model = str(Path(model).resolve()) if Path(model).is_dir() else model
         self.devices = devices
         self.url = f"http://127.0.0.1:{port or free_ports(1)[0]}"
-        self.token = f"sk-dev-{secrets.token_hex(16)}"  # this run's only API key
-        self.secret = new_secret()  # and the secret its webhooks are signed with
+        # its only API key, and the secret its webhooks are signed with: `start` reads them from its directory
+        self.token = self.secret = ""
         self.served = served_name(self.model)  # what jobs ask for and report: what the worker runs
         self.stack = Stack(self.root / "stack")
         # Redis and SeaweedFS have their own, stopped after the Procfile's processes, whose shutdown still uses Redis
@@ -81,6 +81,7 @@ class DevStack:
 
     def start(self, timeout_s: float = 120) -> DevStack:
         self.root.mkdir(parents=True, exist_ok=True)
+        self.token, self.secret = self._credentials()
         self._claim_port()
         try:
             self.stack.start()
@@ -102,6 +103,22 @@ class DevStack:
             self.stop()
             raise
         return self
+
+    def _credentials(self) -> tuple[str, str]:
+        """The API key and webhook secret of the stack in this directory, made at its first start: its jobs, outbox
+        and Redis outlive a restart, and a webhook of a job sent before one must verify with the secret printed then."""
+        path = self.root / "credentials.json"
+        try:
+            saved = json.loads(path.read_text())
+            return saved["token"], saved["webhook_secret"]
+        except FileNotFoundError:
+            pass
+        token, secret = f"sk-dev-{secrets.token_hex(16)}", new_secret()
+        partial = path.with_suffix(".partial")  # whole or absent: a start killed while writing it leaves no half
+        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:  # its owner's
+            json.dump({"token": token, "webhook_secret": secret}, file)
+        os.replace(partial, path)
+        return token, secret
 
     def _claim_port(self) -> None:
         """gunicorn binds with SO_REUSEPORT (a restarted master serves at once), which would also let a second stack

@@ -119,6 +119,33 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
     assert not (tmp_path / "config" / "vsrq" / "dev.json").exists()  # gone with the stack
 
 
+def test_dev_keeps_its_key_and_webhook_secret_across_a_hard_restart(tmp_path):
+    """`vsrq dev` killed hard (SIGKILL: its children follow), then started again on the same directory, whose jobs,
+    outbox and Redis it kept: the same key and webhook secret, so that a webhook of a job sent before the restart
+    verifies with the secret printed then. Before: new ones at every start. The file is its owner's only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VSRQ_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    port = free_ports(1)[0]
+    started = []
+    for _ in range(2):
+        dev = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_shell_starts_it,
+        )  # fmt: skip
+        try:
+            banner = [dev.stdout.readline() for _ in range(4)]
+            assert banner[0].startswith("vsrq dev: API"), banner + dev.stdout.readlines()
+            started.append((banner[1].split("VSRQ_TOKEN=")[1].strip(), banner[3].split("=")[1].split()[0]))
+            children = psutil.Process(dev.pid).children(recursive=True)
+        finally:
+            dev.kill()
+            dev.wait(10)
+        gone, alive = psutil.wait_procs(children, timeout=60)  # before the next start takes the port
+        assert alive == []
+    assert started[0] == started[1] and started[0][0].startswith("sk-dev-") and started[0][1].startswith("whsec_")
+    assert (tmp_path / "credentials.json").stat().st_mode & 0o777 == 0o600
+
+
 def _webhook_secret_as_openai_takes_it(line: str, state: dict, url: str, dev_pid: int) -> None:
     """The banner's export, and the state file's, is the secret the stack signs webhooks with (its webhook worker's
     key), in the form OpenAI's SDK reads from OPENAI_WEBHOOK_SECRET: its `webhooks.unwrap` verifies a delivery."""
