@@ -88,16 +88,18 @@ class DevStack:
             for name, process in self.stack.processes.items():  # same ports and data directory when restarted
                 self.services.add(name, lambda name=name: self.stack.restart(name), process)
             python = [sys.executable, "-m"]
+            # The workers' names are the same at every start (this stack's Redis is its own): a worker started under
+            # its predecessor's name requeues the jobs that one held at once (worker/signals.py), not after the lease
             self._spawn("web", [*python, "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"])
             self._spawn("worker", [*python, "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
-                                   "--concurrency", "1", "-Q", QUEUE, "-n", f"dev-{os.getpid()}@localhost",
+                                   "--concurrency", "1", "-Q", QUEUE, "-n", "dev@localhost",
                                    "--loglevel", "INFO", "--without-gossip", "--without-mingle"])  # fmt: skip
             self._spawn("reaper", [*python, "worker.reaper"])
             self._wait_for_worker(time.monotonic() + timeout_s)
             # after the wait, which counts workers: the one it waits for is the model's
             self._spawn("webhooks", [*python, "celery", "-A", "worker.webhooks", "worker", "--pool", "threads",
                                      "--concurrency", "4", "-Q", "vsrq.webhooks",
-                                     "-n", f"hooks-{os.getpid()}@localhost"])  # fmt: skip
+                                     "-n", "hooks@localhost"])  # fmt: skip
             self._state_files = devstate.write(self.root, self.state())
         except BaseException:
             self.stop()

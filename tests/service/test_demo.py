@@ -119,14 +119,17 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
     assert not (tmp_path / "config" / "vsrq" / "dev.json").exists()  # gone with the stack
 
 
-def test_dev_keeps_its_key_and_webhook_secret_across_a_hard_restart(tmp_path):
+def test_dev_keeps_its_key_webhook_secret_and_worker_names_across_a_hard_restart(tmp_path):
     """`vsrq dev` killed hard (SIGKILL: its children follow), then started again on the same directory, whose jobs,
-    outbox and Redis it kept: the same key and webhook secret, so that a webhook of a job sent before the restart
-    verifies with the secret printed then. Before: new ones at every start. The file is its owner's only."""
+    outbox and Redis it kept:
+    - the same key and webhook secret, so that a webhook of a job sent before the restart verifies with the secret
+      printed then (before: new ones at every start); the file is its owner's only;
+    - the same worker names, so that the new worker requeues the jobs its killed predecessor held at once
+      (worker/signals.py; tests/service/test_recovery.py) instead of after their lease (before: `dev-{pid}`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VSRQ_")}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
     port = free_ports(1)[0]
-    started = []
+    started, names = [], []
     for _ in range(2):
         dev = subprocess.Popen(
             [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
@@ -137,6 +140,7 @@ def test_dev_keeps_its_key_and_webhook_secret_across_a_hard_restart(tmp_path):
             assert banner[0].startswith("vsrq dev: API"), banner + dev.stdout.readlines()
             started.append((banner[1].split("VSRQ_TOKEN=")[1].strip(), banner[3].split("=")[1].split()[0]))
             children = psutil.Process(dev.pid).children(recursive=True)
+            names.append(sorted(p.cmdline()[p.cmdline().index("-n") + 1] for p in children if "celery" in p.cmdline()))
         finally:
             dev.kill()
             dev.wait(10)
@@ -144,6 +148,7 @@ def test_dev_keeps_its_key_and_webhook_secret_across_a_hard_restart(tmp_path):
         assert alive == []
     assert started[0] == started[1] and started[0][0].startswith("sk-dev-") and started[0][1].startswith("whsec_")
     assert (tmp_path / "credentials.json").stat().st_mode & 0o777 == 0o600
+    assert names[0] == names[1] == ["dev@localhost", "hooks@localhost"]
 
 
 def _webhook_secret_as_openai_takes_it(line: str, state: dict, url: str, dev_pid: int) -> None:
@@ -153,8 +158,8 @@ def _webhook_secret_as_openai_takes_it(line: str, state: dict, url: str, dev_pid
     assert export[0] == "export" and export[1].startswith("OPENAI_WEBHOOK_SECRET="), line
     secret = export[1].split("=", 1)[1]
     assert state["env"]["OPENAI_WEBHOOK_SECRET"] == secret
-    signer = f"hooks-{dev_pid}@localhost"  # the webhook worker's name (infra/dev.py)
-    hooks = next(p for p in psutil.process_iter(["cmdline"]) if signer in (p.info["cmdline"] or []))
+    signer = "hooks@localhost"  # the webhook worker's name (infra/dev.py), the same in every stack: this one's child
+    hooks = next(p for p in psutil.Process(dev_pid).children() if signer in p.cmdline())
     (key,) = json.loads(hooks.environ()["VSRQ_API_KEYS"])
     body = json.dumps({"id": "evt_1", "object": "event", "type": "video.completed", "created_at": 1,
                        "data": {"id": "video_1"}}).encode()  # fmt: skip
