@@ -3,6 +3,7 @@ Redis, S3 and the network, and an upload holds its thread for as long as the cli
 
 import os
 import resource
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -40,9 +41,11 @@ logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings
 
 # /metrics (api/metrics.py) sums the samples that every worker process writes to this directory (prometheus-client's
 # multiprocess mode). Set here, before the workers fork and import prometheus_client; emptied at start, since the
-# files of a previous run would be summed in.
+# files of a previous run would be summed in. One made here goes when the master exits (on_exit); the variable that
+# says so is inherited, as the directory is, by a master re-executed with USR2 and read again on a HUP's reload.
 if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vsrq-metrics-")
+    os.environ["_VSRQ_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
 def when_ready(server) -> None:
@@ -70,6 +73,13 @@ def on_starting(server) -> None:
     metrics_dir.mkdir(parents=True, exist_ok=True)
     for stale in metrics_dir.glob("*.db"):
         stale.unlink()
+
+
+def on_exit(server) -> None:
+    # not when exiting for the master that USR2 started, which goes on with the same directory
+    made = os.environ.get("_VSRQ_METRICS_DIR")
+    if made and made == os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not server.reexec_pid:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def post_fork(server, worker) -> None:

@@ -4,9 +4,11 @@ one job: each figure moves by what the job did, and the worker's log lines about
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import requests
@@ -14,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infra.stack import free_ports
 
-from .conftest import KEYS
+from .conftest import KEYS, serve_api
 from .test_worker import celery_worker, create, wait_for
 
 Samples = dict[tuple[str, frozenset], float]
@@ -130,3 +132,15 @@ def test_metrics_needs_no_key_and_counts_refusals(api):
     name = "vsrq_http_request_duration_seconds_count"
     labels = {"method": "GET", "route": "/v1/videos", "status": "401"}
     assert value(after, name, **labels) - value(before, name, **labels) == 1
+
+
+def test_the_api_s_metrics_directory_goes_when_it_stops(service_env, tmp_path):
+    """The directory gunicorn's master makes for its workers' samples, where none is given, holds them while the API
+    serves and goes when it stops. Before: one more /tmp/vsrq-metrics-* at every start, kept for good."""
+    with mock.patch.dict(os.environ):
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        with serve_api({**service_env, "TMPDIR": str(tmp_path)}, tmp_path / "gunicorn.log") as url:
+            scrape(url)
+            [made] = tmp_path.glob("vsrq-metrics-*")
+            assert any(made.glob("*.db"))
+    assert list(tmp_path.glob("vsrq-metrics-*")) == []
