@@ -51,6 +51,7 @@ def status(args: argparse.Namespace) -> int:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
+    from storage.blobs import open_blob_store
     from storage.overview import overview
     from storage.workers import WorkerRegistry
 
@@ -66,6 +67,10 @@ def status(args: argparse.Namespace) -> int:
     except (RedisConnectionError, RedisTimeoutError) as error:
         print(f"vsrq: redis_unavailable: {_unreachable(settings, error)}", file=sys.stderr)
         return 1
+    try:  # what /healthz checks beside Redis (api/health.py): jobs cannot be sent nor their outputs read without it
+        open_blob_store(settings).check()
+    except Exception as error:
+        now.health.problems.append(f"storage ({settings.blob_backend}) unreachable: {type(error).__name__}")
     if args.json:
         print(now.model_dump_json(indent=2))
         return 0

@@ -64,3 +64,13 @@ def test_a_silent_worker_expires(redis_client):
 def test_vsrq_status_without_redis_says_so(service_env):
     result = vsrq_status({**service_env, "VSRQ_REDIS_URL": "redis://127.0.0.1:1/0"}, "--json")
     assert (result.returncode, result.stdout) == (1, "") and result.stderr.startswith("vsrq: redis_unavailable: ")
+
+
+def test_vsrq_status_says_storage_is_unreachable(service_env):
+    """As /healthz does (unavailable): before, `vsrq status` said `health ok`, checking workers, reaper and leases."""
+    down = {**service_env, "VSRQ_S3_ENDPOINT_URL": "http://127.0.0.1:1"}
+    result = vsrq_status(down, "--json")
+    assert result.returncode == 0, result.stderr
+    assert "storage (s3) unreachable: EndpointConnectionError" in json.loads(result.stdout)["health"]["problems"]
+    text = vsrq_status(down).stdout.splitlines()[0]
+    assert text.startswith("health   degraded: ") and "storage (s3) unreachable" in text, text
