@@ -928,6 +928,31 @@ def test_a_fragmented_mp4_cut_inside_a_fragments_header_keeps_the_whole_fragment
     assert back.audio == read_back(whole.with_suffix(".out.mp4")).audio  # the sound of the two whole fragments
 
 
+def test_a_phone_clips_capture_date_place_and_camera_are_kept(tmp_path):
+    """An iPhone clip came out with none of its QuickTime keys: photo libraries dated it by the export, not the
+    capture, and placed it nowhere (FFmpeg's MP4 muxer drops keys it has no iTunes atom for)."""
+    phone = {
+        "com.apple.quicktime.creationdate": "2025-12-13T14:00:03+0100",
+        "com.apple.quicktime.location.ISO6709": "+38.3446-000.4792+003.153/",
+        "com.apple.quicktime.make": "Apple",
+        "com.apple.quicktime.model": "iPhone 15 Pro Max",
+        "title": "Beach",
+    }
+    source = tmp_path / "IMG_0001.mov"
+    with av.open(str(source), "w", options={"movflags": "use_metadata_tags"}) as container:  # as the phone writes them
+        container.metadata.update(phone)
+        video = container.add_stream("libx264", rate=30)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        for index in range(4):
+            image = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 40, np.uint8), format="rgb24")
+            image.pts = index
+            container.mux(video.encode(image))
+        container.mux(video.encode())
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert phone.items() <= read_back(output).metadata.items(), read_back(output).metadata
+
+
 def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
     """A camera's or an editor's MP4 with a timecode track (tmcd) and cover art (covr, a poster file browsers show):
     both were left out without a word. The picture is copied byte for byte, the timecode written again for the

@@ -258,8 +258,12 @@ class Mp4Writer:
         self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
         self._tail: av.Packet | None = None  # the latest packet in decode order: the last one ends the track
         self._decode_start: int | None = None
-        self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": "+faststart"})
-        self.container.metadata.update(metadata or {})
+        # A phone's keys (com.apple.quicktime.creationdate, .location.ISO6709, .make...) have no iTunes atom: FFmpeg
+        # drops them unless every key is written as the phone wrote them, in QuickTime's `mdta` keys
+        metadata = metadata or {}
+        keys = "+use_metadata_tags" if any("." in key for key in metadata) else ""
+        self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": f"+faststart{keys}"})
+        self.container.metadata.update(metadata)
         if chapters:  # (start, end, title) in output seconds; FFmpeg writes them as a QuickTime chapter track
             self.container.set_chapters([
                 {"id": number, "start": round(start * 1000), "end": round(end * 1000), "time_base": Fraction(1, 1000),
