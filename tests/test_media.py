@@ -928,6 +928,26 @@ def test_a_fragmented_mp4_cut_inside_a_fragments_header_keeps_the_whole_fragment
     assert back.audio == read_back(whole.with_suffix(".out.mp4")).audio  # the sound of the two whole fragments
 
 
+def test_a_closed_caption_track_left_out_is_said_to_be_captions_not_bitmaps(tmp_path):
+    """QuickTime's closed-caption track (EIA-608, `c608`: text) was left out as "a bitmap format MP4 cannot hold"."""
+    source = tmp_path / "in.mov"
+    with av.open(str(source), "w", format="mov") as container:
+        video = container.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        captions = container.add_mux_stream("eia_608", time_base=Fraction(1, 24))
+        for index in range(5):
+            image = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 40, np.uint8), format="rgb24")
+            image.pts = index
+            container.mux(video.encode(image))
+            pair = av.Packet(b"\x94\x20\x94\x20")  # a caption command, twice: what each frame of a track carries
+            pair.stream, pair.pts, pair.dts, pair.duration, pair.time_base = captions, index, index, 1, Fraction(1, 24)
+            container.mux(pair)
+        container.mux(video.encode())
+    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
+    said = "subtitle #1 (eia_608, closed captions, which MP4's muxer cannot carry): left out"
+    assert said in result.notes, result.notes
+
+
 def test_a_phone_clips_capture_date_place_and_camera_are_kept(tmp_path):
     """An iPhone clip came out with none of its QuickTime keys: photo libraries dated it by the export, not the
     capture, and placed it nowhere (FFmpeg's MP4 muxer drops keys it has no iTunes atom for)."""

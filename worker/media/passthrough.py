@@ -35,6 +35,7 @@ COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
 # MP3 below 16 kHz (MPEG-2.5: 8, 11.025, 12 kHz) is no MP4 codec: FFmpeg's muxer refuses its packets.
 MP3_MIN_RATE = 16000
 TEXT_SUBTITLES = frozenset({"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text"})
+CAPTIONS = frozenset({"eia_608"})  # a QuickTime closed-caption track (`c608`)
 COVER_ART = frozenset({"mjpeg", "png", "bmp"})  # what FFmpeg's MP4 muxer writes as `covr`
 AAC_BITRATE_PER_CHANNEL = 96_000
 # Source metadata that describes the old file rather than its content.
@@ -72,10 +73,13 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
             moved = f", {audio.layout} as {layout}" if layout and layout != audio.layout else ""  # 6.1 as 7.1
             carried.append(Carried(audio.index, "audio", "copy" if copy else "aac", audio.codec + moved))
     for subtitle in info.subtitles:
-        text = subtitle.codec in TEXT_SUBTITLES
-        carried.append(
-            Carried(subtitle.index, "subtitle", "mov_text" if text else "drop", subtitle.codec + ("" if text else ", a bitmap format MP4 cannot hold"))
-        )
+        if subtitle.codec in TEXT_SUBTITLES:
+            carried.append(Carried(subtitle.index, "subtitle", "mov_text", subtitle.codec))
+            continue
+        # closed captions (EIA-608 byte pairs) are text, but no MP4 subtitle track of FFmpeg's takes them
+        captions = subtitle.codec in CAPTIONS
+        why = "closed captions, which MP4's muxer cannot carry" if captions else "a bitmap format MP4 cannot hold"
+        carried.append(Carried(subtitle.index, "subtitle", "drop", f"{subtitle.codec}, {why}"))
     for cover in info.covers:
         art = cover.codec in COVER_ART
         carried.append(Carried(cover.index, "cover art", "copy" if art else "drop", cover.codec + ("" if art else ", a format MP4 cover art cannot hold")))
