@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -55,6 +56,12 @@ def test_probe_prints_what_the_service_would_see(tmp_path):
     assert "interlaced" not in result.stdout
     info = json.loads(vsrq("probe", str(source), "--json").stdout)
     assert (info["video"]["frames"], info["video"]["fps"], info["audio"][0]["sample_rate"]) == (10, "24", 48000)
+    # a picture that starts after its sound: the video's start is said beside the audio's (the audio's alone, "from
+    # +112.713 s", read as a lag where the picture started 2.1 s after it)
+    late = write_clip(tmp_path / "late.mkv", num_frames=10, size=(64, 96), audio_codec="libopus",
+                      timestamps=[500 + round(i * 1000 / 24) for i in range(10)], time_base=Fraction(1, 1000))
+    lines = vsrq("probe", str(late)).stdout.splitlines()
+    assert lines[1].endswith("10 frames at 24 fps (constant), 0.417 s from +0.500 s") and "s from +0.000 s" in lines[2]
 
 
 def test_probe_says_when_a_source_looks_like_telecined_film(corpus_cache, tmp_path):
