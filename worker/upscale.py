@@ -248,7 +248,7 @@ def begin_upscale(
         carried=carried,
         notes=_notes(
             info, source_info.video, carried, first, options.request, snap, reading, options.codec,
-            options.deinterlace, cadence, looks_telecined, options.background,
+            options.deinterlace, cadence, looks_telecined, options.background, clock,
         ),
         seconds=0.0,
         engine_seconds=sum(run.stage_seconds.get(stage, 0.0) for run in run.runs for stage in ENGINE_STAGES),
@@ -408,9 +408,11 @@ def _notes(
     cadence: str = "frame",
     looks_telecined: bool = False,
     background: str = DEFAULT_BACKGROUND,
+    clock: float = 0.0,
 ) -> tuple[str, ...]:
     """What a user should know of how the job ran. `info` is what was written, `source` the video as probed;
-    `deinterlace` is the cadence asked for, `cadence` the one the frames were read at."""
+    `deinterlace` is the cadence asked for, `cadence` the one the frames were read at; `clock`, the source's time
+    at the output's start."""
     video: VideoInfo = info.video
     scale = request.scale
     notes = []
@@ -493,6 +495,11 @@ def _notes(
                      f"Apple's, few hardware decoders); ask for {codecs} to keep 10 bits")
     elif deep:
         notes.append(f"the source is {video.bit_depth}-bit: it was upscaled and written at 10 bits (yuv420p10le)")
+    if source.undecodable:  # the sound is kept from its start: the picture may begin after it
+        delay = video.start - clock
+        later = f", so the picture begins {delay:.3f} s after the sound" if delay >= 0.0005 else ""
+        notes.append(f"the source's first {source.undecodable} frame(s) cannot be decoded (they refer to pictures "
+                     f"before the file's start, as in a recording cut mid-stream): left out{later}")
     if video.retimed:
         notes.append(f"{video.retimed} frame(s) carried a timestamp earlier than the frames before them while the "
                      "frames after went on (a muxer's error): each was timed between its neighbours")

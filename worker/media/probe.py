@@ -83,6 +83,8 @@ class VideoInfo:
     canvas_shape: Fraction | None = None
     timecode: str | None = None  # the first frame's SMPTE timecode, as ffprobe reads it (an MOV's tmcd track)
     retimed: int = 0  # frames whose timestamp ran back alone, put between their neighbours' (probe._check_order)
+    # frames at the head no decoder shows, left out: they refer to pictures before the file (`_leading`)
+    undecodable: int = 0
     # HDR10's static metadata, as the first frame carries it (`_hdr10`)
     mastering: str | None = None  # the mastering display: "G(x,y)B(x,y)R(x,y)WP(x,y)L(max,min)", HEVC SEI's units
     light_level: tuple[int, int] | None = None  # MaxCLL, MaxFALL (cd/m²)
@@ -351,6 +353,7 @@ class _Scan:
     sampled: float | None = None  # seconds: the last keyframe decoded for its size
     interlaced_seen: bool = False  # a keyframe decoded for its size is interlaced
     clear: set[int] = field(default_factory=set)  # streams whose first packet was seen not encrypted
+    undecodable: int = 0  # frames at the head the decoder does not show (`_leading`)
 
     def track(self, packet: av.Packet | _Timed) -> None:
         """Follow where a presented frame's `packet` puts the track's last frame and its end."""
@@ -509,6 +512,7 @@ def _leading(scan: _Scan, path: Path, index: int) -> None:
     shown = _decoded_times(path, index, leading | early)
     scan.timestamps = [t for t in scan.timestamps if t not in leading - shown]
     kept = [timed for timed in scan.before_key if timed.pts in shown]
+    scan.undecodable = len(leading - shown) + len(scan.before_key) - len(kept)
     for timed in kept:
         scan.track(timed)
     scan.timestamps[:0] = [timed.pts for timed in kept]
@@ -654,6 +658,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         timecode=stream.metadata.get("timecode"),
         alpha_beside=alpha_beside(stream),
         retimed=retimed,
+        undecodable=scan.undecodable,
         mastering=mastering,
         light_level=light_level,
     )
