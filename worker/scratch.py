@@ -34,7 +34,7 @@ from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, window_count
 
 JOB_PREFIX = "vsrq-job-"  # a job's scratch directory
 _LOCK = "lock"  # flock'ed by the directory's process for its life
-_UNLOCKED_GRACE_S = 60  # a directory with no lock file yet is being made, unless it is older than this
+_GRACE_S = 60  # a younger directory may be being made: its lock file made, not yet locked
 
 
 def held_directory(prefix: str, root: Path | None = None) -> tuple[Path, int]:
@@ -69,16 +69,15 @@ def job_scratch(root: Path | None = None) -> Iterator[Path]:
 
 
 def _abandoned(directory: Path) -> bool:
-    """Whether a held directory is a dead process's: this user's, and its lock file held by no process."""
+    """Whether a held directory is a dead process's: this user's, older than `_GRACE_S` (one being made has its lock
+    file before that file is locked), and its lock file held by no process."""
     try:
-        if directory.stat().st_uid != os.geteuid():
+        made = directory.stat()
+        if made.st_uid != os.geteuid() or time.time() - made.st_mtime <= _GRACE_S:
             return False
         handle = os.open(directory / _LOCK, os.O_RDWR)
-    except FileNotFoundError:  # being made, or made by a process killed before it locked it
-        try:
-            return time.time() - directory.stat().st_mtime > _UNLOCKED_GRACE_S
-        except OSError:
-            return False
+    except FileNotFoundError:  # made by a process killed before it locked it (or gone already)
+        return directory.exists()
     except OSError:
         return False
     try:
