@@ -974,6 +974,11 @@ def test_a_phone_clips_capture_date_place_and_camera_are_kept(tmp_path):
     output = tmp_path / "out.mp4"
     upscale_file(source, output, LanczosUpscaler(), FAST)
     assert phone.items() <= read_back(output).metadata.items(), read_back(output).metadata
+    # an Android clip's one such key (its OS version) does not cost its title the atom players read (`©nam`)
+    android = write_clip(tmp_path / "android.mp4", 4, (48, 64), metadata={"com.android.version": "13", "title": "Beach"})
+    upscale_file(android, tmp_path / "android-out.mp4", LanczosUpscaler(), FAST)
+    title = b"\xa9nam\x00\x00\x00\x15data\x00\x00\x00\x01\x00\x00\x00\x00Beach"  # its iTunes atom, UTF-8
+    assert title in (tmp_path / "android-out.mp4").read_bytes()
 
 
 def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):

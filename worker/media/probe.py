@@ -352,7 +352,6 @@ class _Scan:
     sizes: dict[tuple[int, int], Fraction] = field(default_factory=dict)
     sampled: float | None = None  # seconds: the last keyframe decoded for its size
     interlaced_seen: bool = False  # a keyframe decoded for its size is interlaced
-    clear: set[int] = field(default_factory=set)  # streams whose first packet was seen not encrypted
     undecodable: int = 0  # frames at the head the decoder does not show (`_leading`)
 
     def track(self, packet: av.Packet | _Timed) -> None:
@@ -396,12 +395,13 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
             if packet.size == 0 or cut_off(packet, size):
                 continue
             owner = packet.stream
-            if owner.index not in scan.clear and packet.has_sidedata("encryption_info"):
+            # every packet: a packager may leave the first seconds clear (Shaka Packager: 5 s) and encrypt the rest
+            if packet.has_sidedata("encryption_info"):
+                what = "picture" if owner.type == "video" else "sound" if owner.type == "audio" else owner.type
                 raise InputEncrypted(
                     f"{path.name}: its {owner.type} is encrypted (DRM: Common Encryption); without its key it decodes "
-                    "to noise, not its picture: send a copy that is not encrypted"
+                    f"to noise, not its {what}: send a copy that is not encrypted"
                 )
-            scan.clear.add(owner.index)  # a stream's first packet says it: the rest are not looked at
             if packet.pts is not None and packet.time_base is not None:
                 start = float(packet.pts * packet.time_base)
                 end = start + float((packet.duration or 0) * packet.time_base)

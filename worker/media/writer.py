@@ -258,10 +258,11 @@ class Mp4Writer:
         self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
         self._tail: av.Packet | None = None  # the latest packet in decode order: the last one ends the track
         self._decode_start: int | None = None
-        # A phone's keys (com.apple.quicktime.creationdate, .location.ISO6709, .make...) have no iTunes atom: FFmpeg
-        # drops them unless every key is written as the phone wrote them, in QuickTime's `mdta` keys
+        # An Apple device's keys (com.apple.quicktime.creationdate, .location.ISO6709, .make...) have no iTunes atom:
+        # FFmpeg drops them unless every key is written as the device wrote them, in QuickTime's `mdta` keys (where a
+        # title, say, is then no `©nam`: so only for such files, which carry none)
         metadata = metadata or {}
-        keys = "+use_metadata_tags" if any("." in key for key in metadata) else ""
+        keys = "+use_metadata_tags" if any(key.startswith("com.apple.quicktime.") for key in metadata) else ""
         self.container = av.open(str(self.path), mode="w", format="mp4", options={"movflags": f"+faststart{keys}"})
         self.container.metadata.update(metadata)
         if chapters:  # (start, end, title) in output seconds; FFmpeg writes them as a QuickTime chapter track
