@@ -951,6 +951,20 @@ def test_a_closed_caption_track_left_out_is_said_to_be_captions_not_bitmaps(tmp_
     assert said in result.notes, result.notes
 
 
+def _phone_clip(path: Path, metadata: dict[str, str]) -> Path:
+    """A clip whose container keys are QuickTime's `mdta` keys, as phones write them."""
+    with av.open(str(path), "w", options={"movflags": "use_metadata_tags"}) as container:
+        container.metadata.update(metadata)
+        video = container.add_stream("libx264", rate=30)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        for index in range(4):
+            image = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 40, np.uint8), format="rgb24")
+            image.pts = index
+            container.mux(video.encode(image))
+        container.mux(video.encode())
+    return path
+
+
 def test_a_phone_clips_capture_date_place_and_camera_are_kept(tmp_path):
     """An iPhone clip came out with none of its QuickTime keys: photo libraries dated it by the export, not the
     capture, and placed it nowhere (FFmpeg's MP4 muxer drops keys it has no iTunes atom for)."""
@@ -961,21 +975,11 @@ def test_a_phone_clips_capture_date_place_and_camera_are_kept(tmp_path):
         "com.apple.quicktime.model": "iPhone 15 Pro Max",
         "title": "Beach",
     }
-    source = tmp_path / "IMG_0001.mov"
-    with av.open(str(source), "w", options={"movflags": "use_metadata_tags"}) as container:  # as the phone writes them
-        container.metadata.update(phone)
-        video = container.add_stream("libx264", rate=30)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        for index in range(4):
-            image = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 40, np.uint8), format="rgb24")
-            image.pts = index
-            container.mux(video.encode(image))
-        container.mux(video.encode())
     output = tmp_path / "out.mp4"
-    upscale_file(source, output, LanczosUpscaler(), FAST)
+    upscale_file(_phone_clip(tmp_path / "IMG_0001.mov", phone), output, LanczosUpscaler(), FAST)
     assert phone.items() <= read_back(output).metadata.items(), read_back(output).metadata
     # an Android clip's one such key (its OS version) does not cost its title the atom players read (`©nam`)
-    android = write_clip(tmp_path / "android.mp4", 4, (48, 64), metadata={"com.android.version": "13", "title": "Beach"})
+    android = _phone_clip(tmp_path / "VID_0001.mp4", {"com.android.version": "13", "title": "Beach"})
     upscale_file(android, tmp_path / "android-out.mp4", LanczosUpscaler(), FAST)
     title = b"\xa9nam\x00\x00\x00\x15data\x00\x00\x00\x01\x00\x00\x00\x00Beach"  # its iTunes atom, UTF-8
     assert title in (tmp_path / "android-out.mp4").read_bytes()
