@@ -352,7 +352,7 @@ class Bulk:
     entries: dict[str, Entry] = field(default_factory=dict)
     in_the_way: set[str] = field(default_factory=set)  # items whose output path holds another file, this run
     resumed: int = 0  # items an earlier run had submitted already
-    list_cost: int = len(OPEN)  # requests listing the key's open jobs took last (one a status, at the least)
+    list_cost: float = len(OPEN)  # requests listing the key's open jobs took last (one a status, at the least)
 
     def __post_init__(self) -> None:
         known = self.journal.load()
@@ -396,12 +396,21 @@ class Bulk:
         each job every `poll_s` spent the key's rate limit on 400 jobs: every other client of the key got 429."""
         if len(following) <= self.list_cost:
             return following
+        # the key's other open jobs lengthen the listing: once it takes as many requests as asking each, it stops
         listed: dict[str, dict[str, Any]] = {}
-        self.list_cost = 0  # the key's other open jobs lengthen it: where they outnumber these, each is asked instead
-        for status in OPEN:
-            jobs = list(self.client.jobs(status, PAGE))
-            listed |= {job["id"]: job for job in jobs}
-            self.list_cost += max(1, math.ceil(len(jobs) / PAGE))
+        self.list_cost = 0
+        try:
+            for status in OPEN:
+                for page in self.client.pages(status, PAGE):
+                    self.list_cost += 1
+                    if self.list_cost >= len(following):
+                        return following
+                    listed |= {job["id"]: job for job in page}
+        except ApiProblem as problem:
+            if problem.status != 422:  # a deployment whose pages are shorter than PAGE: each job is asked
+                raise
+            self.list_cost = math.inf
+            return following
         for item in following:
             entry = self.entries[item.id]
             if entry.job_id in listed and (seen := _observed(entry, listed[entry.job_id])) != entry:

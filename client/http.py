@@ -141,13 +141,13 @@ class Client:
     def get(self, job_id: str) -> dict[str, Any]:
         return self._retry(lambda: self._request("GET", f"/v1/videos/{job_id}")).json()
 
-    def jobs(self, status: str, page: int = 100) -> Iterator[dict[str, Any]]:
-        """The key's jobs in `status`, newest first, `page` a request (the API's most: 100)."""
+    def pages(self, status: str, limit: int = 100) -> Iterator[list[dict[str, Any]]]:
+        """The key's jobs in `status`, newest first: a page of `limit` a request (the API's default most: 100)."""
         after = None
         while True:
-            query = {"status": status, "limit": page, **({"after": after} if after else {})}
+            query = {"status": status, "limit": limit, **({"after": after} if after else {})}
             listed = self._retry(lambda query=query: self._request("GET", "/v1/videos", params=query)).json()
-            yield from listed["data"]
+            yield listed["data"]
             if not listed["has_more"] or not listed["data"]:
                 return
             after = listed["last_id"]

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import requests
 
+from client import bulk as bulk_module
 from client.bulk import Bulk, BulkError, Journal, journal_path, plan
 from client.http import ApiProblem, Client, retry_after
 from worker.media.synthetic import write_clip
@@ -170,6 +171,20 @@ def test_many_jobs_are_followed_by_listing_not_one_request_each_per_poll(api, wo
     rounds = sum(path.startswith("/v1/videos?status=queued") for path in sent)
     print(f"FIGURE bulk following {len(items)} jobs: {rounds} polls, {len(asked_each)} requests about one job")
     assert rounds > 1 and len(asked_each) <= 2 * len(items), (rounds, len(asked_each))
+
+
+def test_a_deployment_with_shorter_pages_has_each_job_asked_about(api, worker, tmp_path, monkeypatch):
+    """A page longer than the deployment's `VSRQ_LIST_LIMIT_MAX` is refused (422): the run went on asking each job."""
+    monkeypatch.setattr(bulk_module, "PAGE", 101)  # one more than this API's most
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for index in range(4):
+        write_clip(folder / f"clip{index}.mp4", 3 + index, (16, 24))
+    items, _ = plan(str(folder), {"sr_resolution_scale": "2", "model": "lanczos"}, lambda: None)
+    bulk = Bulk(Client(api, KEYS["bulk"]), items, Journal(tmp_path / "j.sqlite"), lambda: None, "vsrq", wait=True,
+                poll_s=0.2)  # fmt: skip
+    bulk.run()
+    assert bulk.counts()["completed"] == len(items) and bulk.list_cost == float("inf"), bulk.entries
 
 
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
