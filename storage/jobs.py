@@ -287,7 +287,7 @@ class Video(BaseModel):
             progress=job.progress,
             stage=job.stage,
             queue_position=queue_position if job.status == Status.QUEUED else None,
-            retry_at=_int(job.retry_at) if job.status == Status.QUEUED else None,
+            retry_at=_int(job.retry_at) if job.status == Status.QUEUED and queue_position is None else None,
             attempt=job.attempt,
             cancel_requested=job.cancel_requested,
             created_at=int(job.created_at),

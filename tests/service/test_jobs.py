@@ -354,4 +354,5 @@ def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_
     assert [waited.id for waited in jobs.unsent(30)] == [job.id]
     jobs.sent(job.id)  # back in line, at the front, where its message goes
     assert (jobs.view(jobs.require(job.id)).queue_position, jobs.view(behind).queue_position) == (0, 1)
+    assert jobs.view(jobs.require(job.id)).retry_at is None  # its wait is over
     assert jobs.unsent(30) == [] and jobs.lease(job.id, "w", 30).attempt == 2
