@@ -143,6 +143,20 @@ def test_a_cancelled_job_resumes_from_kept_windows_and_matches_an_uninterrupted_
     assert computed == [0, 1, 2, 3]  # a store kept for other settings is never replayed
 
 
+def test_a_window_folder_left_by_a_crash_is_taken_back_and_emptied(tmp_path):
+    """A crash while the marker was written (rewritten in place, half of it) had every rerun refuse the folder as
+    another's; window 100,000 and on (six digits) were refused too, and never deleted."""
+    folder = tmp_path / "windows"
+    folder.mkdir()
+    (folder / "job.json.partial").write_text('{"ke')
+    (folder / "window-100000.json").write_text("{}")
+    (folder / "window-00001.u8.partial").write_bytes(b"x")
+    store = DirectoryWindowStore(folder, "job-1")
+    assert sorted(path.name for path in folder.iterdir()) == ["job.json", "window-00001.u8.partial", "window-100000.json"]
+    store.clear()
+    assert not folder.exists()
+
+
 def test_quantise_rounds_clamps_and_hands_the_encoder_contiguous_rgb():
     """Out-of-range values clamp, halves round to even, and the (n, H, W, 3) result is contiguous (the encoder's
     RGB-to-YUV conversion reads strided frames at a third of the speed); dequantise inverts it exactly."""

@@ -158,7 +158,7 @@ class DirectoryWindowStore:
     (`refuse_foreign`)."""
 
     MARKER = "job.json"  # {"key": key}: the job the windows were computed for
-    _OWN = re.compile(r"window-\d{5}\.(json|u8|u8\.partial|tail\.npy)")
+    _OWN = re.compile(r"window-\d{5,}\.(json|u8|u8\.partial|tail\.npy)|job\.json\.partial")
 
     def __init__(self, directory: str | Path, key: str) -> None:
         self.directory = Path(directory)
@@ -167,7 +167,9 @@ class DirectoryWindowStore:
         if marker.exists() and _marker_key(marker) != key:
             self.drop()
         self.directory.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"key": key}))
+        partial = marker.with_name(f"{self.MARKER}.partial")  # whole or absent: a half-written one refused the folder
+        partial.write_text(json.dumps({"key": key}))
+        partial.replace(marker)
 
     @classmethod
     def refuse_foreign(cls, directory: Path) -> None:
@@ -219,6 +221,7 @@ class DirectoryWindowStore:
         for path in self.directory.glob("window-*"):
             if self._OWN.fullmatch(path.name):
                 path.unlink(missing_ok=True)
+        (self.directory / f"{self.MARKER}.partial").unlink(missing_ok=True)
 
     def join(self) -> float:
         return 0.0
