@@ -152,7 +152,8 @@ def test_a_window_folder_left_by_a_crash_is_taken_back_and_emptied(tmp_path):
     (folder / "window-100000.json").write_text("{}")
     (folder / "window-00001.u8.partial").write_bytes(b"x")
     store = DirectoryWindowStore(folder, "job-1")
-    assert sorted(path.name for path in folder.iterdir()) == ["job.json", "window-00001.u8.partial", "window-100000.json"]
+    kept = sorted(path.name for path in folder.iterdir())
+    assert kept == ["job.json", "window-00001.u8.partial", "window-100000.json"]
     store.clear()
     assert not folder.exists()
 
