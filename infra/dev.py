@@ -112,9 +112,11 @@ class DevStack:
         path = self.root / "credentials.json"
         try:
             saved = json.loads(path.read_text())
-            return saved["token"], saved["webhook_secret"]
+            return str(saved["token"]), str(saved["webhook_secret"])
         except FileNotFoundError:
             pass
+        except (ValueError, KeyError, TypeError):  # emptied or edited by hand: new ones, said (the old are gone)
+            print(f"vsrq dev: {path} is damaged: a new key and webhook secret are made", file=sys.stderr, flush=True)
         token, secret = f"sk-dev-{secrets.token_hex(16)}", new_secret()
         partial = path.with_suffix(".partial")  # whole or absent: a start killed while writing it leaves no half
         with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:  # its owner's

@@ -23,6 +23,7 @@ import redis
 import requests
 import trustme
 
+from infra.dev import DevStack
 from infra.stack import free_ports
 from storage.signatures import signed_headers
 from worker.media.synthetic import write_clip
@@ -119,7 +120,7 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
     assert not (tmp_path / "config" / "vsrq" / "dev.json").exists()  # gone with the stack
 
 
-def test_dev_keeps_its_key_webhook_secret_and_worker_names_across_a_hard_restart(tmp_path):
+def test_dev_keeps_its_key_webhook_secret_and_worker_names_across_a_hard_restart(tmp_path, capsys):
     """`vsrq dev` killed hard (SIGKILL: its children follow), then started again on the same directory, whose jobs,
     outbox and Redis it kept:
     - the same key and webhook secret, so that a webhook of a job sent before the restart verifies with the secret
@@ -149,6 +150,16 @@ def test_dev_keeps_its_key_webhook_secret_and_worker_names_across_a_hard_restart
     assert started[0] == started[1] and started[0][0].startswith("sk-dev-") and started[0][1].startswith("whsec_")
     assert (tmp_path / "credentials.json").stat().st_mode & 0o777 == 0o600
     assert names[0] == names[1] == ["dev@localhost", "hooks@localhost"]
+    # emptied or edited by hand: new ones, said (it was an internal error)
+    (tmp_path / "credentials.json").write_text("")
+    stack = DevStack(tmp_path, "lanczos")
+    try:
+        token, secret = stack._credentials()
+    finally:
+        stack.supervisor.close()
+        stack.services.close()
+    assert token.startswith("sk-dev-") and token != started[0][0] and secret.startswith("whsec_")
+    assert "credentials.json is damaged: a new key and webhook secret are made" in capsys.readouterr().err
 
 
 def _webhook_secret_as_openai_takes_it(line: str, state: dict, url: str, dev_pid: int) -> None:
