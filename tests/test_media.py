@@ -273,19 +273,25 @@ def test_target_resolution_never_upscales(tmp_path):
     assert error.value.code == "invalid_request" and not (tmp_path / "out.mp4").exists()
 
 
-def test_an_encrypted_video_is_refused_not_upscaled_as_noise(tmp_path):
-    """Common Encryption (a purchase's or a stream's DRM) decodes without error, to noise: a `cbcs` trailer came back
-    `completed`, flat grey where its clear copy says "An Apple Original". FFmpeg's muxer encrypts as CENC does."""
-    source = tmp_path / "in.mp4"
-    keys = {"encryption_key": "00112233445566778899aabbccddeeff", "encryption_kid": "a0a1a2a3a4a5a6a7a8a9aaabacadaeaf"}
-    with av.open(str(source), "w", options={"encryption_scheme": "cenc-aes-ctr", **keys}) as container:
+def _flat_clip(path: Path, frames: int, options: dict[str, str], metadata: dict[str, str] | None = None) -> Path:
+    """`frames` flat 64x48 frames of H.264 at 24 fps, a shade lighter each, muxed with `options` under `metadata`."""
+    with av.open(str(path), "w", options=options) as container:
+        container.metadata.update(metadata or {})
         video = container.add_stream("libx264", rate=24)
         video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        for index in range(10):
+        for index in range(frames):
             image = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 20, np.uint8), format="rgb24")
             image.pts = index
             container.mux(video.encode(image))
         container.mux(video.encode())
+    return path
+
+
+def test_an_encrypted_video_is_refused_not_upscaled_as_noise(tmp_path):
+    """Common Encryption (a purchase's or a stream's DRM) decodes without error, to noise: a `cbcs` trailer came back
+    `completed`, flat grey where its clear copy says "An Apple Original". FFmpeg's muxer encrypts as CENC does."""
+    keys = {"encryption_key": "00112233445566778899aabbccddeeff", "encryption_kid": "a0a1a2a3a4a5a6a7a8a9aaabacadaeaf"}
+    source = _flat_clip(tmp_path / "in.mp4", 10, {"encryption_scheme": "cenc-aes-ctr", **keys})
     with pytest.raises(PermanentError) as error:
         upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
     assert error.value.code == "input_encrypted" and "video is encrypted (DRM: Common Encryption)" in str(error.value)
@@ -953,16 +959,7 @@ def test_a_closed_caption_track_left_out_is_said_to_be_captions_not_bitmaps(tmp_
 
 def _phone_clip(path: Path, metadata: dict[str, str]) -> Path:
     """A clip whose container keys are QuickTime's `mdta` keys, as phones write them."""
-    with av.open(str(path), "w", options={"movflags": "use_metadata_tags"}) as container:
-        container.metadata.update(metadata)
-        video = container.add_stream("libx264", rate=30)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        for index in range(4):
-            image = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 40, np.uint8), format="rgb24")
-            image.pts = index
-            container.mux(video.encode(image))
-        container.mux(video.encode())
-    return path
+    return _flat_clip(path, 4, {"movflags": "use_metadata_tags"}, metadata)
 
 
 def test_a_phone_clips_capture_date_place_and_camera_are_kept(tmp_path):

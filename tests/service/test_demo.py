@@ -32,6 +32,14 @@ from .conftest import as_a_shell_starts_it
 from .receiver import Receiver
 
 
+def start_dev(directory: Path, port: int, env: dict[str, str]) -> subprocess.Popen:
+    """`vsrq dev` as a shell starts it, its output (the banner first) on a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "dev", "--dir", str(directory), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_shell_starts_it,
+    )  # fmt: skip
+
+
 def test_demo_runs_the_main_job_through_the_embedded_stack(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "client.cli", "demo", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300
@@ -72,10 +80,7 @@ def test_dev_serves_jobs_brings_back_a_killed_process_and_stops_on_ctrl_c(tmp_pa
     receiver = Receiver(ca.issue_cert("localhost", "127.0.0.1"))
     threading.Thread(target=receiver.server.serve_forever, daemon=True).start()
     hook = receiver.path()
-    dev = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_shell_starts_it,
-    )  # fmt: skip
+    dev = start_dev(tmp_path, port, env)
     try:
         banner = [dev.stdout.readline() for _ in range(4)]
         assert banner[0].startswith(f"vsrq dev: API http://127.0.0.1:{port}, serving lanczos"), banner
@@ -132,10 +137,7 @@ def test_dev_keeps_its_key_webhook_secret_and_worker_names_across_a_hard_restart
     port = free_ports(1)[0]
     started, names = [], []
     for _ in range(2):
-        dev = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", "dev", "--dir", str(tmp_path), "--port", str(port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=as_a_shell_starts_it,
-        )  # fmt: skip
+        dev = start_dev(tmp_path, port, env)
         try:
             banner = [dev.stdout.readline() for _ in range(4)]
             assert banner[0].startswith("vsrq dev: API"), banner + dev.stdout.readlines()
