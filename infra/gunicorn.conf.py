@@ -41,8 +41,8 @@ logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings
 
 # /metrics (api/metrics.py) sums the samples that every worker process writes to this directory (prometheus-client's
 # multiprocess mode). Set here, before the workers fork and import prometheus_client; emptied at start, since the
-# files of a previous run would be summed in. One made here goes when its master exits (on_exit): a master
-# re-executed by USR2 starts from the environment before this file ran (gunicorn's env_orig) and makes its own.
+# files of a previous run would be summed in. One made here goes when the master exits (on_exit); the variable that
+# says so is inherited, as the directory is, by a master re-executed with USR2 and read again on a HUP's reload.
 if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vsrq-metrics-")
     os.environ["_VSRQ_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
@@ -76,8 +76,9 @@ def on_starting(server) -> None:
 
 
 def on_exit(server) -> None:
-    made = os.environ.get("_VSRQ_METRICS_DIR")  # not one given in PROMETHEUS_MULTIPROC_DIR
-    if made and made == os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    # not when exiting for the master that USR2 started, which goes on with the same directory
+    made = os.environ.get("_VSRQ_METRICS_DIR")
+    if made and made == os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not server.reexec_pid:
         shutil.rmtree(made, ignore_errors=True)
 
 
