@@ -76,7 +76,8 @@ def on_starting(server) -> None:
 
 
 def on_exit(server) -> None:
-    # not when exiting for the master that USR2 started, which goes on with the same directory
+    # Not where a master re-executed by USR2 goes on: it may hold the same directory (after a HUP, gunicorn's saved
+    # environment names it), which would be deleted under it; one it made of its own is left (an upgrade's, rare)
     made = os.environ.get("_VSRQ_METRICS_DIR")
     if made and made == os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not server.reexec_pid:
         shutil.rmtree(made, ignore_errors=True)
