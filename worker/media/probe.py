@@ -180,7 +180,8 @@ class MediaInfo:
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
             # where the audio's start is said, the video's too: "audio from +112.713 s" read alone looked like a lag
-            + (f" from {video.start:+.3f} s" if video.start or any(a.start for a in self.audio) else "")
+            + (f" from {video.start:+.3f} s" if self.audio and (video.start or any(a.start for a in self.audio))
+               else "")
             + (", film with 3:2 pulldown flags" if video.pulldown else "")
             + (", interlaced" if video.interlaced else "")
             + (", interlaced from a later keyframe" if video.turns_interlaced else "")
