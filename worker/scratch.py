@@ -17,6 +17,7 @@ frames) and the MP4 encoded so far.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -34,21 +35,28 @@ from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, window_count
 
 JOB_PREFIX = "vsrq-job-"  # a job's scratch directory
 _LOCK = "lock"  # flock'ed by the directory's process for its life
-_GRACE_S = 60  # a younger directory may be being made: its lock file made, not yet locked
+_GRACE_S = 60  # a hidden directory younger than this may be being made
 
 
 def held_directory(prefix: str, root: Path | None = None) -> tuple[Path, int]:
     """A new directory named `prefix`… under `root` (the temporary directory), and the descriptor of its lock file,
     flock'ed: the directory is this process's while the descriptor stays open. Dead processes' directories of the
-    same prefix are removed first."""
+    same prefix are removed first. It is made under a hidden name and shown once locked, so that a sweep never sees
+    a live one unlocked (its lock file made, not yet locked: a sweep in between deleted a live job's scratch)."""
     root = root or Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"{prefix}*"):
         if _abandoned(stale):
             shutil.rmtree(stale, ignore_errors=True)
-    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-    held = os.open(directory / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    for stale in root.glob(f".{prefix}*"):  # its process killed before it showed it
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > _GRACE_S:
+                shutil.rmtree(stale, ignore_errors=True)
+    hidden = Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=root))
+    held = os.open(hidden / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    directory = hidden.with_name(hidden.name[1:])
+    hidden.rename(directory)
     return directory, held
 
 
@@ -69,14 +77,12 @@ def job_scratch(root: Path | None = None) -> Iterator[Path]:
 
 
 def _abandoned(directory: Path) -> bool:
-    """Whether a held directory is a dead process's: this user's, older than `_GRACE_S` (one being made has its lock
-    file before that file is locked), and its lock file held by no process."""
+    """Whether a held directory is a dead process's: this user's, and its lock file held by no process."""
     try:
-        made = directory.stat()
-        if made.st_uid != os.geteuid() or time.time() - made.st_mtime <= _GRACE_S:
+        if directory.stat().st_uid != os.geteuid():
             return False
         handle = os.open(directory / _LOCK, os.O_RDWR)
-    except FileNotFoundError:  # made by a process killed before it locked it (or gone already)
+    except FileNotFoundError:  # none: made before lock files were (or gone already)
         return directory.exists()
     except OSError:
         return False

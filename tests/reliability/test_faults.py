@@ -1406,13 +1406,13 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
     another PID namespace) is not. The same for a job's scratch directory (input and raw frames: a killed worker's
     were never removed)."""
     dead, live = tmp_path / "vsrq-prefetch-dead", tmp_path / "vsrq-prefetch-live"
-    dead_job, live_job, young_job = tmp_path / "vsrq-job-dead", tmp_path / "vsrq-job-live", tmp_path / "vsrq-job-young"
-    for directory in (dead, live, dead_job, live_job, young_job):
+    # a job scratch being made (another worker's: hidden until its lock is taken), and one a worker killed just
+    # before this one started left (no minute's grace: a restarted worker's next job needs its disk)
+    dead_job, live_job, making = tmp_path / "vsrq-job-dead", tmp_path / "vsrq-job-live", tmp_path / ".vsrq-job-new"
+    for directory in (dead, live, dead_job, live_job, making):
         directory.mkdir()
         (directory / "input-guess").write_bytes(b"a killed worker's download")
         (directory / "lock").touch()
-        if directory != young_job:  # made a while ago; the young one may be another worker's, its lock not taken yet
-            os.utime(directory, (time.time() - 3600, time.time() - 3600))
     holders = [os.open(directory / "lock", os.O_RDWR) for directory in (live, live_job)]
     for holder in holders:
         fcntl.flock(holder, fcntl.LOCK_EX)  # as the live worker holds it
@@ -1440,7 +1440,7 @@ def test_a_queue_runs_on_inputs_prefetched_while_the_previous_job_ran(
     assert not dead.exists() and (live / "input-guess").exists()
     assert (live_job / "input-guess").exists()
     # the jobs' own went as they ended
-    assert sorted(path.name for path in tmp_path.glob("vsrq-job-*")) == ["vsrq-job-live", "vsrq-job-young"]
+    assert [path.name for path in tmp_path.glob("vsrq-job-*")] == ["vsrq-job-live"] and making.exists()
 
 
 def test_a_prefetched_referenced_input_is_hashed_once_as_it_downloads(api, reaper, jobs, clips, workers, tmp_path):
