@@ -403,7 +403,7 @@ class Bulk:
             for status in OPEN:
                 for page in self.client.pages(status, PAGE):
                     self.list_cost += 1
-                    if self.list_cost >= len(following):
+                    if self.list_cost > len(following):
                         return following
                     listed |= {job["id"]: job for job in page}
         except ApiProblem as problem:
