@@ -497,7 +497,7 @@ def _notes(
         notes.append(f"the source is {video.bit_depth}-bit: it was upscaled and written at 10 bits (yuv420p10le)")
     if source.undecodable:  # the sound is kept from its start: the picture may begin after it
         delay = video.start - clock
-        later = f", so the picture begins {delay:.3f} s after the sound" if delay >= 0.0005 else ""
+        later = f"; the first frame shown is at {delay:.3f} s of the output" if delay >= 0.0005 else ""
         notes.append(f"the source's first {source.undecodable} frame(s) cannot be decoded (they refer to pictures "
                      f"before the file's start, as in a recording cut mid-stream): left out{later}")
     if video.retimed:

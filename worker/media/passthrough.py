@@ -36,6 +36,7 @@ COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
 MP3_MIN_RATE = 16000
 TEXT_SUBTITLES = frozenset({"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text"})
 CAPTIONS = frozenset({"eia_608"})  # a QuickTime closed-caption track (`c608`)
+BITMAP_SUBTITLES = frozenset({"dvd_subtitle", "dvb_subtitle", "hdmv_pgs_subtitle", "xsub"})
 COVER_ART = frozenset({"mjpeg", "png", "bmp"})  # what FFmpeg's MP4 muxer writes as `covr`
 AAC_BITRATE_PER_CHANNEL = 96_000
 # Source metadata that describes the old file rather than its content.
@@ -77,8 +78,11 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
             carried.append(Carried(subtitle.index, "subtitle", "mov_text", subtitle.codec))
             continue
         # closed captions (EIA-608 byte pairs) are text, but no MP4 subtitle track of FFmpeg's takes them
-        captions = subtitle.codec in CAPTIONS
-        why = "closed captions, which MP4's muxer cannot carry" if captions else "a bitmap format MP4 cannot hold"
+        why = (
+            "closed captions, which MP4's muxer cannot carry" if subtitle.codec in CAPTIONS
+            else "a bitmap format MP4 cannot hold" if subtitle.codec in BITMAP_SUBTITLES
+            else "a subtitle format MP4's muxer cannot carry"
+        )  # fmt: skip
         carried.append(Carried(subtitle.index, "subtitle", "drop", f"{subtitle.codec}, {why}"))
     for cover in info.covers:
         art = cover.codec in COVER_ART
