@@ -20,6 +20,7 @@ import math
 
 from redis import Redis
 
+from storage.clock import redis_now
 from storage.jobs import job_key
 
 HOUR_S = 3600
@@ -75,8 +76,7 @@ class Budget:
 
     def used(self, owner: str) -> tuple[float, int]:
         """(megapixel-frames charged in the last hour, seconds until the oldest of them leaves it: 0 when none)."""
-        seconds, micros = self.redis.time()
-        now = seconds + micros / 1e6
+        now = redis_now(self.redis)
         entries = self.redis.zrangebyscore(self._key(owner), now - self.window_s, "+inf", withscores=True)
         used = sum(float(member.decode().rsplit(":", 1)[1]) for member, _ in entries)
         return used, (max(1, math.ceil(entries[0][1] + self.window_s - now)) if entries else 0)

@@ -45,6 +45,7 @@ from pydantic import BaseModel, Field
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from storage.clock import redis_now
 from storage.config import Settings
 from storage.webhooks import outbox_keys
 
@@ -806,7 +807,7 @@ class JobStore:
         job's id, while the API's log lines for that request carry only the request's (api/request_id.py)."""
         job_id = job_id or new_job_id()
         seq = self.redis.incr(self._seq_key)
-        created_at = _redis_now(self.redis)
+        created_at = redis_now(self.redis)
         job = JobRecord(
             id=job_id,
             owner=owner,
@@ -1004,7 +1005,7 @@ class JobStore:
     # -- the reaper ------------------------------------------------------------------------------------------------
 
     def expired_leases(self, limit: int = 100) -> list[str]:
-        now = _redis_now(self.redis)
+        now = redis_now(self.redis)
         return [
             job_id.decode() for job_id in self.redis.zrangebyscore(self._leases_key, "-inf", now, start=0, num=limit)
         ]
@@ -1064,7 +1065,7 @@ class JobStore:
         retry's mark is scored by) ago and never confirmed sent: the reaper sends
         them one. A duplicate is harmless (a lease is fenced; a message for a job that is not queued is dropped).
         Marks of jobs no longer queued (left by versions that wrote them outside the transition) are dropped here."""
-        due = _redis_now(self.redis) - (self.enqueue_grace_s if older_than_s is None else older_than_s)
+        due = redis_now(self.redis) - (self.enqueue_grace_s if older_than_s is None else older_than_s)
         found = []
         for raw in self.redis.zrangebyscore(self._unsent_key, "-inf", due, start=0, num=limit):
             job = self.get(raw.decode())
@@ -1077,7 +1078,7 @@ class JobStore:
     def next_unsent_s(self) -> float:
         """Seconds until `unsent()` has a job to give (0: now; inf: none marked)."""
         first = self.redis.zrange(self._unsent_key, 0, 0, withscores=True)
-        return max(0.0, first[0][1] + self.enqueue_grace_s - _redis_now(self.redis)) if first else float("inf")
+        return max(0.0, first[0][1] + self.enqueue_grace_s - redis_now(self.redis)) if first else float("inf")
 
     def sent_front(self, queue: str, limit: int = 100) -> list[str]:
         """The first `limit` jobs of `queue`, in queue order, less those whose message is not confirmed sent
@@ -1100,7 +1101,7 @@ class JobStore:
 
     def now(self) -> float:
         """Redis's clock: the one every lease, `created_at` and `expires_at` is written in."""
-        return _redis_now(self.redis)
+        return redis_now(self.redis)
 
 
 def lease_fence(attempt: int, token: str | None) -> str:
@@ -1190,8 +1191,3 @@ def _from_hash(raw: dict[bytes, bytes]) -> JobRecord | None:
             data[name] = json.loads(data[name])
     data["cancel_requested"] = data.get("cancel_requested") == "1"
     return JobRecord.model_validate(data)
-
-
-def _redis_now(redis: Redis) -> float:
-    seconds, micros = redis.time()
-    return seconds + micros / 1_000_000

@@ -22,6 +22,8 @@ from celery import Celery
 from pydantic import BaseModel
 from redis import Redis
 
+from storage.clock import redis_now
+
 log = logging.getLogger("vsrq.webhooks")
 
 DELIVER_TASK = "vsrq.deliver_webhook"  # args: [event id, claim]; worker.webhooks delivers
@@ -176,8 +178,7 @@ class Outbox:
         first = self.redis.zrange(self.keys[0], 0, 0, withscores=True)
         if not first:
             return float("inf")
-        seconds, micros = self.redis.time()
-        return max(0.0, first[0][1] - (seconds + micros / 1e6))
+        return max(0.0, first[0][1] - redis_now(self.redis))
 
     def pending(self) -> list[str]:
         return [event_id.decode() for event_id in self.redis.zrange(self.keys[0], 0, -1)]

@@ -14,6 +14,8 @@ import json
 from pydantic import BaseModel
 from redis import Redis
 
+from storage.clock import redis_now
+
 
 class WorkerInfo(BaseModel):
     name: str  # Celery's node name (-n), e.g. gpu0@host
@@ -43,8 +45,7 @@ class WorkerRegistry:
         return f"{self.prefix}:workers"
 
     def now(self) -> float:
-        seconds, micros = self.redis.time()  # Redis's clock: the same for every host
-        return seconds + micros / 1_000_000
+        return redis_now(self.redis)
 
     def register(self, info: WorkerInfo) -> WorkerInfo:
         """Writes the whole entry and restarts its expiry: the worker calls it at start, on every heartbeat and when
