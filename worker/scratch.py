@@ -30,7 +30,7 @@ from pathlib import Path
 import av
 
 from worker.media import webp
-from worker.media.source import open_input
+from worker.media.source import fragmented, open_input
 from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, window_count
 
 JOB_PREFIX = "vsrq-job-"  # a job's scratch directory
@@ -121,11 +121,11 @@ def scratch_bytes(
 
 def _frames_from_duration(container: av.container.InputContainer, stream: av.VideoStream) -> int:
     """Frames a header without a count (a fragmented MP4, Matroska, MPEG-TS) implies by its duration. A fragmented
-    MP4's is where its last fragment ends, counted from 0, not from its first frame: a live stream's segments start
-    at wall-clock times (1,685,548,363 s), which read as a duration were 5e10 frames."""
+    MP4's is counted from 0, not from its first frame (`source.fragmented`): a live stream's segments start at
+    wall-clock times (1,685,548,363 s), which read as a duration were 5e10 frames."""
     if stream.duration:
         seconds = float(stream.duration * stream.time_base)
-        if "mp4" in container.format.name.split(",") and stream.start_time:
+        if fragmented(container, stream) and stream.start_time:
             seconds -= float(stream.start_time * stream.time_base)
     else:
         seconds = (container.duration or 0) / 1e6

@@ -32,7 +32,7 @@ from worker.media.errors import (
 )
 from worker.media.field_pictures import second_fields
 from worker.media.limits import Limits
-from worker.media.source import alpha_beside, open_input, unpacker
+from worker.media.source import alpha_beside, fragmented, iso_bmff, open_input, unpacker
 from worker.media.timecode import Count, timecode_counts
 
 AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
@@ -308,11 +308,9 @@ def _video_stream(container: av.container.InputContainer, path: Path) -> av.Vide
 def _check_declared(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> None:
     """What the header claims, before a single packet is read (a header may claim absurd sizes)."""
     _check_pixels(stream.codec_context.width, stream.codec_context.height, path, limits)
-    # A fragmented MP4 (no frame count in its header) declares where its presentation ends: a live stream's whole
-    # length (`mehd`: 3,900 s for a file of 8 s), or its last fragment's wall-clock time; its frames are counted
-    # instead, under `max_frames`, and their times checked against `max_seconds` (`_frame_clock`).
-    fragmented = "mp4" in container.format.name.split(",") and not stream.frames
-    declared = None if fragmented or container.duration is None else container.duration / 1e6
+    # A fragmented MP4's duration is not its length (a DASH `mehd` of 3,900 s for a file of 8 s): its frames are
+    # counted instead, under `max_frames`, and their times checked against `max_seconds` (`_frame_clock`).
+    declared = None if fragmented(container, stream) or container.duration is None else container.duration / 1e6
     if declared is not None and limits.max_seconds is not None and declared > limits.max_seconds:
         raise InputTooLarge(f"{path.name} lasts {declared:.0f} s; the limit is {limits.max_seconds:.0f} s")
 
@@ -385,7 +383,7 @@ def cut_off(packet: av.Packet, size: int) -> bool:
 
 
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
-    scan = _Scan(decode_timed="mp4" in container.format.name.split(","))
+    scan = _Scan(decode_timed=iso_bmff(container))
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
     unpack = unpacker(stream)

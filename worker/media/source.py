@@ -25,6 +25,18 @@ def open_input(path: str | Path, **kwargs) -> av.container.InputContainer:
     return av.open(str(path), **kwargs)
 
 
+def iso_bmff(container: av.container.InputContainer) -> bool:
+    """Whether FFmpeg reads `container` as MP4, MOV or 3GP (ISO BMFF: samples timed by decode-time gaps)."""
+    return "mp4" in container.format.name.split(",")
+
+
+def fragmented(container: av.container.InputContainer, stream: av.VideoStream) -> bool:
+    """Whether `stream` is a fragmented MP4's (DASH, HLS in fMP4, a recording written as it went): its header counts no
+    frames, and the duration FFmpeg gives is where its presentation ends, counted from 0 (a live stream's whole length
+    in `mehd`, or its last fragment's wall-clock time), not what the file holds."""
+    return iso_bmff(container) and not stream.frames
+
+
 def cut_in_moof(path: str | Path) -> bool:
     """Whether `path` is an MP4 whose last top-level box is a `moof` that runs past the end of the file."""
     try:
