@@ -28,6 +28,7 @@ QUALITIES = ("lossless", "high")  # worker/sr/request.py's: the API never import
 CRF_MAX = {"h264": 51, "hevc": 51, "av1": 63}  # worker/media/writer.py's: x264 would cap a higher CRF silently
 MIN_SIDE = {"hevc": 64}  # worker/media/writer.py's: the least side x265 is run at (smaller crashed it)
 _TARGET = re.compile(r"(hd|fullhd|2k|(\d+)x(\d+))")
+_COLOUR = "#[0-9A-Fa-f]{6}"  # `background`
 RANDOM_SEED = -1  # SGLang's "draw one": the drawn seed is what the job records and reports
 
 # Accepted and ignored: OpenAI's SDK requires a prompt, and super-resolution is not conditioned on text (SGLang's K6
@@ -159,7 +160,7 @@ class UpscaleParams(BaseModel):
     )
     background: str = Field(
         "#000000",
-        json_schema_extra={"pattern": "^#[0-9A-Fa-f]{6}$"},  # checked by `_background`, which says it in words
+        json_schema_extra={"pattern": f"^{_COLOUR}$"},  # checked by `_background`, which says it in words
         description="what a source's transparent pixels (GIF, APNG, WebP, WebM, AVIF, ProRes 4444...) are shown over, "
         "as #RRGGBB: MP4 has no alpha. Black by default; dark line art on a transparent background wants #FFFFFF",
     )
@@ -172,7 +173,7 @@ class UpscaleParams(BaseModel):
     @field_validator("background")
     @classmethod
     def _background(cls, colour: str) -> str:
-        if not re.fullmatch(r"#[0-9A-Fa-f]{6}", colour):
+        if not re.fullmatch(_COLOUR, colour):
             raise PydanticCustomError("invalid_background", "must be a colour as #RRGGBB, e.g. #FFFFFF for white")
         return colour.lower()  # one spelling: the job's kept windows are named by it
 
