@@ -7,7 +7,7 @@ Pacing: every read of a request (headers and body) waits at most `body_idle_time
 `TimeoutError` (api/body.py answers 408 when that happens in the body). It must sit at the socket: gunicorn's body
 reader loops on recv() until it has the size asked for, so a check between the application's reads would never run
 while a client trickles a byte at a time. A connection that ends unread is closed after a short drain, its lingering
-close (gunicorn's, up to 2 s) off the event loop.
+close (the rest of the body read and dropped, `linger_close`) off the event loop.
 
 gunicorn answers some requests before Flask ever sees them (a control byte in a header, a malformed request line,
 headers too large) with an HTML page. It has no hook for those pages: `Worker.handle_error` picks the status, logs
@@ -46,6 +46,11 @@ from storage.logs import current_request
 # rest has not arrived is closed (gracefully, off the request threads) and the client connects again.
 _DRAIN_S = 0.002
 _DRAIN_MAX_BYTES = 64 * 1024  # and at most this much of it, as gunicorn's own drain
+# Such a connection is then closed as nginx's lingering close does: the rest of the request read and dropped while it
+# keeps coming. Closed with bytes unread, the socket sends a reset, and a client still writing its body (Node's fetch,
+# so the OpenAI Node SDK) reports the reset, never the answer: a refused upload over 64 KiB was "Connection error.".
+_LINGER_S = 30.0  # at most this long in all (nginx's lingering_time)
+_LINGER_IDLE_S = 2.0  # or until nothing comes for this long (gunicorn's own linger)
 
 
 class ProblemWorker(ThreadWorker):
@@ -82,7 +87,7 @@ class ProblemWorker(ThreadWorker):
                 raise
 
     def linger(self, close: Callable[[], None]) -> None:
-        """A graceful close (up to 2 s for the client's FIN) off the event loop, its socket counted in `nr_conns` till
+        """A lingering close (`linger_close`, seconds) off the event loop, its socket counted in `nr_conns` till
         it is closed: gthread frees the slot first, and connections answered then closed faster than they linger
         would open files past `worker_connections` (one accept() failing with EMFILE kills the worker). Called on the
         event loop (gthread's `finish_request`), as is the count's update when the close is done."""
@@ -141,9 +146,26 @@ class PacedConn(TConn):
 
     def close(self, graceful: bool = False) -> None:
         if graceful:  # gunicorn lingers up to 2 s for the client's FIN, on the worker's event loop: not there
-            self.linger(partial(TConn.close, self, True))
+            self.linger(partial(linger_close, self.sock))
         else:
             super().close()
+
+
+def linger_close(sock: socket.socket, total_s: float = _LINGER_S, idle_s: float = _LINGER_IDLE_S) -> None:
+    """RFC 9112 section 9.6: the write side shut (the answer ends there for the client), the rest of the request read
+    and dropped until the client closes, sends nothing for `idle_s`, or `total_s` has passed; then closed."""
+    try:
+        sock.setblocking(True)
+        sock.shutdown(socket.SHUT_WR)
+        end = time.monotonic() + total_s
+        while (left := end - time.monotonic()) > 0:
+            sock.settimeout(min(idle_s, left))
+            if not sock.recv(65536):
+                break
+    except OSError:  # a reset, a timeout: nothing more will come
+        pass
+    finally:
+        sock.close()
 
 
 class PacedSocket:

@@ -5,7 +5,9 @@ bytes."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -13,11 +15,12 @@ from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import pytest
+import requests
 from gunicorn.config import Config
 
 from api.gunicorn_worker import PacedConn
 
-from .conftest import KEYS, UPLOAD_LIMIT, log_lines
+from .conftest import KEYS, ROOT, UPLOAD_LIMIT, log_lines
 
 
 def raw_request(api: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -90,6 +93,46 @@ def test_a_request_refused_before_its_body_came_is_not_waited_for(api):
             waits.append(time.monotonic() - answered)
         assert received.startswith(b"HTTP/1.1 413 ") and b"upload_too_large" in received, received
     assert min(waits) < 0.05, waits
+
+
+
+def test_a_client_still_sending_a_refused_upload_reads_the_answer(api):
+    """A 401 given before the body was read, to a client that sends its whole body before it reads (Node's fetch, so
+    the OpenAI Node SDK, does): the rest is read and dropped, so the client reads the answer instead of a reset. It got
+    EPIPE past 64 KiB, and the Node SDK said "Connection error." and sent the file again."""
+    parts = urlsplit(api)
+    size = 32 * 1024 * 1024  # past what the kernel's buffers hold
+    head = (
+        f"POST /v1/uploads HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer sk-not-a-key\r\n"
+        f"Content-Type: multipart/form-data; boundary=b0undary\r\nContent-Length: {size}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as conn:
+        conn.sendall(head)
+        chunk = b"\0" * 65536
+        for _ in range(size // len(chunk)):
+            conn.sendall(chunk)  # BrokenPipeError or ConnectionResetError once the server has closed with it unread
+        received = b""
+        while data := conn.recv(65536):
+            received += data
+    assert received.startswith(b"HTTP/1.1 401 ") and b'"code":"unauthorized"' in received, received[:300]
+
+
+
+def test_a_second_api_on_a_served_address_is_refused(service_env, api, tmp_path):
+    """gunicorn binds with SO_REUSEPORT, so a second API started on the address another serves (a second deployment
+    with the same VSRQ_BIND) started unsaid, and the kernel split the connections between the two; it exits now,
+    saying so, and the first one keeps every connection. No control socket either: one path per user, every API
+    on the machine took it in turn and the first to exit deleted it."""
+    env = {**os.environ, **service_env, "VSRQ_BIND": api.removeprefix("http://"), "VSRQ_WEB_WORKERS": "1",
+           "HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}  # fmt: skip
+    second = subprocess.run(
+        [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert second.returncode == 1, second.stderr
+    assert f"Cannot serve on {api.removeprefix('http://')}: another server holds it" in second.stderr, second.stderr
+    assert list(tmp_path.iterdir()) == []  # no gunicorn.ctl, no .gunicorn/
+    assert requests.get(f"{api}/healthz", timeout=10).status_code in (200, 503)
 
 
 @contextmanager
