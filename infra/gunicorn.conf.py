@@ -98,7 +98,8 @@ def _claim(server) -> None:
             time.sleep(0.1)
         if error is not None:
             taken = "another server holds it" if error.errno == errno.EADDRINUSE else error.strerror
-            server.log.error("Cannot serve on %s:%s: %s; stop it or set VSRQ_BIND to another address", host, port, taken)
+            server.log.error("Cannot serve on %s:%s: %s; stop it or set VSRQ_BIND to another address", host, port,
+                             taken)  # fmt: skip
             server.halt("address unavailable", exit_status=1)
         served.append(f"{host or '*'}:{port}")
     # gunicorn's own "Listening at" names none: with `reuse_port` each worker binds, the master nothing
