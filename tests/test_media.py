@@ -189,6 +189,22 @@ def test_subtitles_languages_metadata_and_chapters_follow_into_the_mp4(tmp_path)
     assert kept == [(start, title) for start, _, title in chapters]
 
 
+
+def test_chapters_in_a_chapter_track_are_not_said_to_be_left_out(tmp_path):
+    """An MP4's chapters are a QuickTime chapter track (a text track its video names in `tref/chap`), as vsrq writes
+    them and as androidx/media's sample_with_chapters.mp4 holds them. Upscaled, the chapters were kept, and the job
+    said "data #2 (SubtitleHandler, a data track only its maker's software reads): left out"."""
+    chapters = [(0.0, 0.4, "Début"), (0.4, FRAMES / 30, "Fin")]
+    source = write_clip(tmp_path / "in.mkv", FRAMES, SIZE, Fraction(30), audio_codec="aac", chapters=chapters)
+    once, twice = tmp_path / "once.mp4", tmp_path / "twice.mp4"
+    upscale_file(source, once, LanczosUpscaler(), FAST)
+    result = upscale_file(once, twice, LanczosUpscaler(), FAST)
+    assert [c for c in result.carried if c.kind == "data"] == [] and not any("data #" in n for n in result.notes)
+    with av.open(str(twice)) as container:
+        kept = [(float(c["start"] * c["time_base"]), c["metadata"].get("title")) for c in container.chapters()]
+    assert kept == [(start, title) for start, _, title in chapters]
+
+
 def test_overlapping_cues_show_together_at_their_own_times(tmp_path):
     """Two speakers' SRT cues overlap. An MP4 text track shows one sample at a time: the muxer moved the second cue to
     after the first ended (0.1 s late, and to 1.0 s instead of 0.9); now the overlap shows both, one line each."""

@@ -434,6 +434,9 @@ def _notes(
         notes.append(f"the source changes size mid-way ({', '.join(f'{w}x{h}' for w, h in video.sizes)}): the output "
                      f"is sized for its largest part, the others scaled to fill it as players show them (in their "
                      f"own shape, bars round a part of another)")
+    if video.stereo:
+        notes.append("the source is stereoscopic (MV-HEVC, a spatial video's view for each eye): its first view was "
+                     "upscaled, as 2-D video; the second is not in the output")
     others = [s.index for s in info.other_video]
     if others:
         notes.append(f"the source has {len(others) + 1} video streams: #{video.index} was upscaled (the one players pick), "

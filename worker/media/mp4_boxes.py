@@ -1,6 +1,7 @@
 """An MP4's (ISO BMFF) boxes, walked for the few fields PyAV does not expose: the edit lists vsrq patches
-(worker.media.edit_list) and the timecode tracks' counts it reads (worker.media.timecode). No Python MP4 library
-both reads FFmpeg's 64-bit boxes and edits a box in place, and the walk is twenty lines."""
+(worker.media.edit_list), the timecode tracks' counts it reads (worker.media.timecode), the chapter tracks, the
+sample descriptions' extra layers and protection. No Python MP4 library both reads FFmpeg's 64-bit boxes and edits
+a box in place, and the walk is twenty lines."""
 
 from __future__ import annotations
 
@@ -69,3 +70,19 @@ def track_id(data: bytes | bytearray, trak: int, end: int) -> int | None:
     if tkhd is None:
         return None
     return struct.unpack_from(">I", data, tkhd[1] + (20 if data[tkhd[1]] == 1 else 12))[0]  # after version 1's times
+
+
+def chapter_tracks(data: bytes | bytearray) -> set[int]:
+    """The IDs of the tracks a movie's tracks name as their chapters (`tref`'s `chap`: QuickTime's chapter track,
+    a text track whose samples are the chapters' titles, which FFmpeg reads as the file's chapters)."""
+    found: set[int] = set()
+    for _, payload, end in children(data, 8, len(data), b"tref"):
+        position = payload
+        while position + 8 <= end:
+            size, kind = struct.unpack_from(">I4s", data, position)
+            if size < 8 or position + size > end:
+                break
+            if kind == b"chap":
+                found.update(struct.unpack_from(f">{(size - 8) // 4}I", data, position + 8))
+            position += size
+    return found

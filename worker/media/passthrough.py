@@ -17,6 +17,7 @@ output is interleaved and nothing is buffered beyond the muxer's own queue.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -456,11 +457,17 @@ class _ToMovText(_Handler):
     every cue on screen then, one line after another."""
 
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
-        decoder = self.source.codec_context
-        decoder.open()  # its ASS header is the encoder's, and must exist before the output header is written
+        decoder = self.source.codec_context  # None: cues FFmpeg has no codec for (S_TEXT/WEBVTT), read as text
+        if decoder is not None:
+            decoder.open()  # its ASS header is the encoder's, and must exist before the output header is written
+        header = decoder.subtitle_header if decoder is not None else b""
+        self.styles = _style_names(header)
+        if not self.styles:  # the encoder wrote every cue in size 0, transparent: hidden
+            header = default_ass_header()
+            self.styles = _style_names(header)
         stream = output.add_stream("mov_text")
         stream.codec_context.time_base = Fraction(1, 1000)
-        stream.codec_context.subtitle_header = decoder.subtitle_header
+        stream.codec_context.subtitle_header = header
         stream.codec_context.open()
         self.shown: list[tuple[int, int, bytes]] = []  # cues on screen: (start, end) in ms, the ASS dialogue
         self.cut = 0  # ms before which every piece has been muxed
@@ -470,14 +477,17 @@ class _ToMovText(_Handler):
         if packet.size == 0 or packet.pts is None:
             return
         start = self.passthrough.output_time(packet)
-        with self.passthrough.reading():
-            subtitles = self.source.codec_context.decode2(packet)
+        if self.source.codec_context is None:
+            dialogues = [webvtt_dialogue(bytes(packet))]
+        else:
+            with self.passthrough.reading():
+                subtitles = self.source.codec_context.decode2(packet)
+            dialogues = [rect.ass for rect in subtitles.rects if isinstance(rect, AssSubtitle)] if subtitles else []
         end = start + float((packet.duration or 0) * packet.time_base)
         if self.passthrough.end is not None:
             end = min(end, self.passthrough.end)
         # a cue from before what is muxed (out of order) shows from there on
         first, last = max(round(start * 1000), 0, self.cut), round(end * 1000)
-        dialogues = [rect.ass for rect in subtitles.rects if isinstance(rect, AssSubtitle)] if subtitles else []
         if not dialogues or last <= first:
             return
         self._show_until(first)
@@ -498,6 +508,7 @@ class _ToMovText(_Handler):
     def _mux_piece(self, begin: int, end: int) -> None:
         on = [dialogue for start, stop, dialogue in self.shown if start <= begin and stop >= end]  # never empty
         fields = on[0].split(b",", 8)  # ReadOrder,Layer,Style,Name,MarginL,MarginR,MarginV,Effect,Text
+        fields[2] = self._style(fields[2])
         text = b"\\N".join(dialogue.split(b",", 8)[-1] for dialogue in on)
         piece = SubtitleSet.create(b",".join([*fields[:8], text]), 0, end - begin, pts=begin)
         encoded = self.output.codec_context.encode_subtitle(piece)
@@ -507,3 +518,33 @@ class _ToMovText(_Handler):
         self.output.container.mux(encoded)
         self.cut = end
         self.shown = [cue for cue in self.shown if cue[1] > end]
+
+    def _style(self, name: bytes) -> bytes:
+        """The header's style a cue names, as libass finds it (spaces and a leading `*` aside), else `Default` or
+        the first, as libass falls back: a name the header lacks was encoded in size 0, transparent."""
+        name = name.strip().lstrip(b"*")
+        if name in self.styles:
+            return name
+        return b"Default" if b"Default" in self.styles else self.styles[0]
+
+
+def _style_names(header: bytes) -> list[bytes]:
+    """The names of the styles an ASS header defines, in order."""
+    lines = (line.strip() for line in header.splitlines())
+    return [line.split(b":", 1)[1].split(b",", 1)[0].strip() for line in lines if line.startswith(b"Style:")]
+
+
+def default_ass_header() -> bytes:
+    """FFmpeg's ASS header for cues that come with none (an SRT's): one `Default` style, white on its outline."""
+    decoder = av.CodecContext.create("subrip", "r")
+    decoder.open()
+    return decoder.subtitle_header
+
+
+def webvtt_dialogue(cue: bytes) -> bytes:
+    """A WebVTT cue's text (what a Matroska block holds) as FFmpeg's decoders give a cue: an ASS dialogue. Its tags
+    (`<b>`, `<i>`, `<v Speaker>`, `<c.class>`) are left out, their text kept; lines join with `\\N`."""
+    text = re.sub(rb"<[^>]*>", b"", cue.strip())
+    for escaped, plain in ((b"&lt;", b"<"), (b"&gt;", b">"), (b"&nbsp;", b"\\h"), (b"&amp;", b"&")):
+        text = text.replace(escaped, plain)
+    return b"0,0,Default,,0,0,0,," + b"\\N".join(text.splitlines())

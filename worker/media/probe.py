@@ -8,6 +8,7 @@ duration before reading a packet, the frame count while counting.
 
 from __future__ import annotations
 
+import heapq
 import math
 import struct
 from collections.abc import Callable, Sequence
@@ -16,7 +17,6 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
-from av.sidedata.sidedata import Type as SideData
 
 from worker.media import alpha_track, webp
 from worker.media.errors import (
@@ -32,6 +32,10 @@ from worker.media.errors import (
 )
 from worker.media.field_pictures import second_fields
 from worker.media.limits import Limits
+from worker.media.matroska import codec_ids
+from worker.media.mp4_boxes import chapter_tracks, children, movie
+from worker.media.protection import protection
+from worker.media.side_data import SideData, side_data
 from worker.media.source import alpha_beside, fragmented, iso_bmff, open_input, unpacker
 from worker.media.timecode import Count, timecode_counts
 
@@ -90,6 +94,7 @@ class VideoInfo:
     light_level: tuple[int, int] | None = None  # MaxCLL, MaxFALL (cd/m²)
     alpha_index: int | None = None  # the stream of an animated AVIF's alpha track (worker.media.alpha_track)
     alpha_beside: bool = False  # a WebM sticker's alpha, beside each picture (read with libvpx: source.decoder)
+    stereo: bool = False  # two views, one per eye (MV-HEVC: `_stereo`), of which the decoder gives the first
 
     @property
     def end(self) -> float:
@@ -190,7 +195,8 @@ class MediaInfo:
             + (", mirrored for display" if video.mirrored else "")
             + (f", changes size ({', '.join(f'{w}x{h}' for w, h in video.sizes)})" if video.sizes else "")
             + (f", its alpha in video #{video.alpha_index}" if video.alpha_index is not None else "")
-            + (", its alpha beside each picture" if video.alpha_beside else ""),
+            + (", its alpha beside each picture" if video.alpha_beside else "")
+            + (", stereo (MV-HEVC: its first view is read)" if video.stereo else ""),
         ]
         lines += [
             f"audio #{a.index}: {a.codec} {a.sample_rate} Hz {a.layout} ({a.channels} ch), {a.duration:.3f} s from "
@@ -220,6 +226,19 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
     if webp.animated(path):
         return _animated_webp(path, size, limits)
     try:
+        return _probe(path, size, limits)
+    except (InputUnreadable, InputCorrupt):
+        # no packet said so (the probe reads them for it): FFmpeg could not open or decode the file first
+        if (scheme := protection(path)) is not None:
+            raise InputEncrypted(
+                f"{path.name} is encrypted (DRM: {scheme}); without its key it cannot be read: send a copy that is "
+                "not encrypted"
+            ) from None
+        raise
+
+
+def _probe(path: Path, size: int, limits: Limits) -> MediaInfo:
+    try:
         container = open_input(path, metadata_errors="replace")
     except AVError as error:
         raise InputUnreadable(f"{path.name} is not a video file FFmpeg can read ({_reason(error)})") from None
@@ -231,8 +250,10 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         alpha = alpha_track.alpha_stream(container, path, stream)
         video = replace(video, alpha_index=alpha.index) if alpha is not None else video
         audio = tuple(_audio_info(s, scan.extents.get(s.index)) for s in container.streams.audio)
+        unmapped = any(_codec(s) == "unknown" for s in container.streams.subtitles)
+        tracks_codecs = codec_ids(path) if unmapped and "matroska" in container.format.name else []
         subtitles = tuple(
-            SubtitleInfo(s.index, _codec(s), s.language, s.metadata.get("title"))
+            SubtitleInfo(s.index, _subtitle_codec(s, tracks_codecs), s.language, s.metadata.get("title"))
             for s in container.streams.subtitles
         )
         other_video = tuple(
@@ -251,6 +272,9 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         # Tracks of MP4/MOV only: the data streams FFmpeg shows in MPEG-PS (a DVD's navigation packets) and FLV (its
         # script data) are the container's own workings, not content a user put there
         tracks = container.streams.data if "mov" in container.format.name else ()
+        if tracks:  # a chapter track is read as the file's chapters (kept as the output's), not as a track of data
+            chaptered = chapter_tracks(movie(path))
+            tracks = [s for s in tracks if s.id not in chaptered]
         counts = timecode_counts(path) if any(s.metadata.get("timecode") for s in tracks) else {}
         data = tuple(
             DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name"), counts.get(s.id))
@@ -276,6 +300,19 @@ def _animated_webp(path: Path, size: int, limits: Limits) -> MediaInfo:
 def _codec(stream: av.stream.Stream) -> str:
     """The codec's own name ("mp3", "av1"), not its decoder's ("mp3float", "libdav1d")."""
     return stream.codec_context.codec.canonical_name if stream.codec_context else "unknown"
+
+
+# Matroska CodecIDs of text subtitles this FFmpeg reads as no codec, and the text format whose cues they hold
+UNMAPPED_SUBTITLES = {"S_TEXT/WEBVTT": "webvtt"}  # what mkvmerge writes; FFmpeg maps only `D_WEBVTT/*`
+
+
+def _subtitle_codec(stream: av.stream.Stream, tracks_codecs: list[str]) -> str:
+    """`_codec`, or for a Matroska track FFmpeg has no codec for, the text format its CodecID names (`tracks_codecs`:
+    each track's, in the streams' order)."""
+    codec = _codec(stream)
+    if codec == "unknown" and stream.index < len(tracks_codecs):
+        return UNMAPPED_SUBTITLES.get(tracks_codecs[stream.index], codec)
+    return codec
 
 
 def _reason(error: BaseException) -> str:
@@ -581,7 +618,10 @@ def _orientation(frame: av.VideoFrame) -> tuple[int, bool]:
         copy = frame.reformat(width=2, height=2)
     except (*AVError, ValueError):  # a format swscale cannot shrink: the turn PyAV reads, no mirror
         return round(frame.rotation / 90) * 90 % 360, False
-    data = copy.side_data.get(SideData.DISPLAYMATRIX)
+    entries = side_data(copy)
+    if entries is None:  # with a type PyAV cannot name (MV-HEVC's view id): the turn PyAV reads itself, no mirror
+        return round(frame.rotation / 90) * 90 % 360, False
+    data = entries.get(SideData.DISPLAYMATRIX)
     if data is None:
         return 0, False
     a, b, _, c, d, *_ = struct.unpack("=9i", bytes(data))
@@ -601,17 +641,27 @@ def _hdr10(frame: av.VideoFrame) -> tuple[str | None, tuple[int, int] | None]:
     except (*AVError, ValueError):
         return None, None
     mastering = light = None
-    data = copy.side_data.get(SideData.MASTERING_DISPLAY_METADATA)
+    entries = side_data(copy) or {}
+    data = entries.get(SideData.MASTERING_DISPLAY_METADATA)
     if data is not None:
         fields = struct.unpack("=22i", bytes(data)[:88])
         value = [Fraction(fields[i], fields[i + 1]) if fields[i + 1] else Fraction(0) for i in range(0, 20, 2)]
         if fields[20] and fields[21]:  # it has both primaries and luminance
             (rx, ry, gx, gy, bx, by, wx, wy), (low, high) = (round(v * 50000) for v in value[:8]), (round(v * 10000) for v in value[8:])
             mastering = f"G({gx},{gy})B({bx},{by})R({rx},{ry})WP({wx},{wy})L({high},{low})"
-    data = copy.side_data.get(SideData.CONTENT_LIGHT_LEVEL)
+    data = entries.get(SideData.CONTENT_LIGHT_LEVEL)
     if data is not None:
         light = struct.unpack("=2I", bytes(data)[:8])
     return mastering, light
+
+
+def _stereo(stream: av.VideoStream, path: Path) -> bool:
+    """Whether an MP4's HEVC track holds a second view, one per eye (MV-HEVC: an iPhone's or a Vision Pro's spatial
+    video): its sample description configures the extra layer (`lhvC`). FFmpeg decodes the first view alone."""
+    if _codec(stream) != "hevc" or not iso_bmff(stream.container):
+        return False
+    data = movie(path)
+    return any(b"lhvC" in data[start:end] for start, _, end in children(data, 8, len(data), b"stsd"))
 
 
 def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits) -> VideoInfo:
@@ -656,6 +706,7 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         canvas_shape=canvas_shape,
         timecode=stream.metadata.get("timecode"),
         alpha_beside=alpha_beside(stream),
+        stereo=_stereo(stream, path),
         retimed=retimed,
         undecodable=scan.undecodable,
         mastering=mastering,
@@ -703,9 +754,11 @@ def _frame_clock(
 
 
 def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
-    """Each frame's presentation time (decode order) is its own and, beyond a decoder's reordering, later than the
-    frames decoded before it. Recordings joined end to end (`cat a.ts b.ts`) start their clock over: frames then
-    repeat times or run back, which no MP4 can hold (its muxer refused them after all the upscaling was done).
+    """Each frame's presentation time (decode order) is its own, and is later than all but at most REORDER of the
+    frames decoded before it (what a decoder's reorder buffer bounds; how long before their turn those were decoded
+    is not bounded: VVenC's keyframes come 23 frames early, and were taken for a restart). Recordings joined end to
+    end (`cat a.ts b.ts`) start their clock over: frames then repeat times or run back behind the whole first
+    recording, which no MP4 can hold (its muxer refused them after all the upscaling was done).
 
     A lone frame whose time runs back while the frames after it go on (a muxer's slip: one bad timestamp) is no
     restart: it was refused as one. Its time is put between the frames decoded beside it, in place (frames come out
@@ -714,24 +767,26 @@ def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
         return 0
     retimed = 0
     latest = None  # the latest time of the frames decoded more than REORDER before this one
-    for index in range(REORDER + 1, len(pts)):
-        earlier = pts[index - REORDER - 1]
-        latest = earlier if latest is None else max(latest, earlier)
-        if pts[index] <= latest and index + 1 < len(pts) and pts[index + 1] > max(latest, pts[index - 1]):
-            before, after = max(pts[index - REORDER - 1 : index]), pts[index + 1]
-            between = (before + after) // 2 if after - before > 1 else None
-            if between is not None and between not in pts:
-                pts[index] = between
-                retimed += 1
-                continue
-        if pts[index] <= latest:
-            # the latest of all the frames before it: where the first recording ends (`latest` lags by REORDER)
-            ended = max(pts[:index])
-            raise InputCorrupt(
-                f"{path.name}: frame {index + 1}'s timestamp ({float(pts[index] * time_base):.3f} s) comes before "
-                f"frames decoded earlier (up to {float(ended * time_base):.3f} s): its clock starts over, as in "
-                "recordings joined end to end; join them with a tool that re-times them, or send them one by one"
-            )
+    later: list[int] = []  # the REORDER + 1 latest times of the frames decoded before this one (a min-heap)
+    for index, time in enumerate(pts):
+        if index > REORDER:
+            earlier = pts[index - REORDER - 1]
+            latest = earlier if latest is None else max(latest, earlier)
+        if len(later) > REORDER and time <= later[0]:  # shown before more frames decoded earlier than a buffer holds
+            if index + 1 < len(pts) and pts[index + 1] > max(latest, pts[index - 1]):
+                before, after = max(pts[index - REORDER - 1 : index]), pts[index + 1]
+                between = (before + after) // 2 if after - before > 1 else None
+                if between is not None and between not in pts:
+                    pts[index] = time = between
+                    retimed += 1
+            if time <= later[0]:
+                ended = max(pts[:index])  # where the first recording ends
+                raise InputCorrupt(
+                    f"{path.name}: frame {index + 1}'s timestamp ({float(time * time_base):.3f} s) comes before "
+                    f"frames decoded earlier (up to {float(ended * time_base):.3f} s): its clock starts over, as in "
+                    "recordings joined end to end; join them with a tool that re-times them, or send them one by one"
+                )
+        (heapq.heappushpop if len(later) > REORDER else heapq.heappush)(later, time)
     if len(set(pts)) < len(pts):
         raise InputCorrupt(f"{path.name}: {len(pts) - len(set(pts))} frame(s) repeat another frame's timestamp")
     return retimed

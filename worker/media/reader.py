@@ -17,12 +17,12 @@ from typing import TypeVar
 
 import av
 import numpy as np
-from av.sidedata.sidedata import Type as SideData
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.media import alpha_track, webp
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
+from worker.media.side_data import SideData, side_data
 from worker.media.source import decoder, open_input, unpacker
 
 T = TypeVar("T")
@@ -265,7 +265,7 @@ def _deinterlaced(
             yield from _drained(graph)  # the filter cannot change size: a new one takes the new size
             graph = None
         reading.interlaced += frame.interlaced_frame
-        reading.captions += SideData.A53_CC in frame.side_data
+        reading.captions += SideData.A53_CC in (side_data(frame) or ())
         if graph is None and not frame.interlaced_frame and cadence != "film":
             yield from (frame,) * (1 + (cadence == "field"))
             continue
