@@ -128,6 +128,15 @@ def test_commands_are_the_procfiles():
     assert queue_of(argv(services["webhooks"]["command"])) == "vsrq.webhooks"
 
 
+
+def test_the_procfiles_celery_processes_name_themselves_apart():
+    """The Procfile's worker and webhooks ran unnamed, both `celery@HOST` on one host: one entry of the workers'
+    registry between them, so /healthz flapped between ok and "no worker takes jobs" and `vsrq status` counted one
+    worker. (A container or a pod has a host name of its own: compose and k8s name theirs all the same.)"""
+    names = [command[command.index("-n") + 1] for command in (PROCFILE["worker"], PROCFILE["webhooks"])]
+    assert len(set(names)) == 2 and all(name.endswith("@%h") for name in names), names
+
+
 def test_each_worker_reports_the_name_its_model_is_served_under():
     """A worker on a checkpoint directory reported the directory's name (`k6-vsr`) as the model its jobs ran, where
     VSRQ_MODELS serves the hub's name."""
