@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +28,6 @@ import requests
 
 from client import devstate
 from infra.children import ending_with_this_process
-from infra.ports import bind_error
 from infra.stack import Stack, free_ports, stop_processes
 from infra.supervisor import Supervisor
 from storage.config import served_name
@@ -125,18 +125,22 @@ class DevStack:
         return token, secret
 
     def _claim_port(self) -> None:
-        """Before anything starts, that the API's port is free (infra/ports.py): its gunicorn says so too, later."""
+        """That the API's port is free, before anything starts: gunicorn would say so too, after Redis, SeaweedFS and
+        its own retries."""
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        if (error := bind_error(host, int(port))) is None:
-            return
-        other = "choose another with --port N or VSRQ_DEV_PORT=N"
-        if error.errno == errno.EADDRINUSE:
-            raise PortUnavailable("port_in_use", f"port {port} on {host} is in use (another `vsrq dev`, or another "
-                                  f"server): {other}")  # fmt: skip
-        if error.errno == errno.EACCES:
-            raise PortUnavailable("port_not_permitted", f"port {port} on {host} needs privileges to bind: {other} "
-                                  "(above 1023)")  # fmt: skip
-        raise PortUnavailable("port_unavailable", f"port {port} on {host}: {error.strerror}; {other}")
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no owner
+            try:
+                probe.bind((host, int(port)))
+            except OSError as error:
+                other = "choose another with --port N or VSRQ_DEV_PORT=N"
+                if error.errno == errno.EADDRINUSE:
+                    raise PortUnavailable("port_in_use", f"port {port} on {host} is in use (another `vsrq dev`, or "
+                                          f"another server): {other}") from None  # fmt: skip
+                if error.errno == errno.EACCES:
+                    raise PortUnavailable("port_not_permitted", f"port {port} on {host} needs privileges to bind: "
+                                          f"{other} (above 1023)") from None  # fmt: skip
+                raise PortUnavailable("port_unavailable", f"port {port} on {host}: {error.strerror}; {other}") from None
 
     def _spawn(self, name: str, command: list[str]) -> None:
         self.supervisor.add(name, lambda: self._popen(name, command))

@@ -1,17 +1,14 @@
 """gunicorn settings for the API (`web` in the Procfile). Threads, not more processes: requests mostly wait on
 Redis, S3 and the network, and an upload holds its thread for as long as the client takes to send the file."""
 
-import errno
 import os
 import resource
 import shutil
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 from infra.children import die_with_parent
-from infra.ports import bind_error
 from storage.config import Settings, loopback_host
 from storage.logs import dict_config, settings_secrets
 
@@ -33,11 +30,12 @@ _files = 1 << 20 if _files == resource.RLIM_INFINITY else _files
 worker_connections = max(threads, min(1000, _files - 64 - 4 * threads))
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60
-# A master killed with SIGKILL cannot stop its workers, which would keep the listening socket (and answer nothing
-# new once their requests end): each worker dies with its master (post_fork), and the socket is opened with
-# SO_REUSEPORT, so a new master binds at once even while an old worker is still finishing (a server that keeps the
-# address is another matter: `_claim`).
-reuse_port = True
+# One listening socket, the master's, shared by its workers (not SO_REUSEPORT's one per worker): a worker that stops
+# on a HUP or a USR2 upgrade leaves the connections waiting for an accept to the others (each its own socket, the ones
+# queued on a stopping worker's were reset: 5 in 25 HUPs under load); a master re-executed by USR2 gets the socket
+# (with one per worker it had none to pass, and failed to start); and a second server on the address fails to bind.
+# A master killed with SIGKILL cannot stop its workers, which would keep the socket: each dies with it (post_fork).
+reuse_port = False
 # gunicorn's control socket (`gunicornc`) has one default path per user, which every API on the machine took in turn,
 # and the first to exit deleted; its signals (HUP, TERM, TTIN, TTOU) do the same work
 control_socket_disable = True
@@ -57,8 +55,7 @@ if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
 
 def when_ready(server) -> None:
     """Auth off (VSRQ_AUTH=none) serves loopback only: checked again on the addresses gunicorn binds, since a `--bind`
-    on the command line overrides VSRQ_BIND, which storage/config.py checked. The configured addresses, not the
-    master's sockets: with `reuse_port` each worker binds its own."""
+    on the command line overrides VSRQ_BIND, which storage/config.py checked."""
     if _settings.auth != "none" or _settings.auth_none_public:
         return
     exposed = [
@@ -76,34 +73,10 @@ def when_ready(server) -> None:
 
 
 def on_starting(server) -> None:
-    if not server.master_pid:  # a master re-executed by USR2 serves beside its predecessor's workers on purpose
-        _claim(server)
     metrics_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     metrics_dir.mkdir(parents=True, exist_ok=True)
     for stale in metrics_dir.glob("*.db"):
         stale.unlink()
-
-
-def _claim(server) -> None:
-    """That no other server holds an address this one serves (infra/ports.py: with `reuse_port` a second one would share
-    it unsaid). Waited for up to 5 s: a master killed hard takes its workers, and their sockets, with it (post_fork),
-    and a supervisor may start the next one at once."""
-    served = []
-    for address in server.cfg.address:
-        if isinstance(address, str | bytes):  # a unix socket: gunicorn's own bind says if it is taken
-            continue
-        host, port = address[0], address[1]
-        deadline = time.monotonic() + 5
-        while (error := bind_error(host, port)) and error.errno == errno.EADDRINUSE and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if error is not None:
-            taken = "another server holds it" if error.errno == errno.EADDRINUSE else error.strerror
-            server.log.error("Cannot serve on %s:%s: %s; stop it or set VSRQ_BIND to another address", host, port,
-                             taken)  # fmt: skip
-            server.halt("address unavailable", exit_status=1)
-        served.append(f"{host or '*'}:{port}")
-    # gunicorn's own "Listening at" names none: with `reuse_port` each worker binds, the master nothing
-    server.log.info("Serving on %s", ", ".join(served) or "unix sockets")
 
 
 def on_exit(server) -> None:
@@ -116,8 +89,8 @@ def on_exit(server) -> None:
 
 def post_fork(server, worker) -> None:
     # A master killed hard (its own parent-death signal, an OOM kill) takes its workers with it. SIGKILL, not a
-    # graceful SIGTERM: a stopping worker keeps its SO_REUSEPORT socket open while it finishes (up to
-    # graceful_timeout), and the kernel would still hand it new connections that it no longer accepts.
+    # graceful SIGTERM: a stopping worker keeps the listening socket open while it finishes (up to graceful_timeout),
+    # and a new master could not bind it meanwhile.
     die_with_parent(signal.SIGKILL, server.pid)
 
 

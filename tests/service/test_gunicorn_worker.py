@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 import requests
 from gunicorn.config import Config
 
 from api.gunicorn_worker import PacedConn
+from infra.stack import free_ports
 
 from .conftest import KEYS, ROOT, UPLOAD_LIMIT, log_lines
 
@@ -118,21 +123,99 @@ def test_a_client_still_sending_a_refused_upload_reads_the_answer(api):
 
 
 
+GUNICORN = [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"]
+
+
 def test_a_second_api_on_a_served_address_is_refused(service_env, api, tmp_path):
-    """gunicorn binds with SO_REUSEPORT, so a second API started on the address another serves (a second deployment
-    with the same VSRQ_BIND) started unsaid, and the kernel split the connections between the two; it exits now,
-    saying so, and the first one keeps every connection. No control socket either: one path per user, every API
+    """With a socket of its own per worker (SO_REUSEPORT), a second API started on the address another serves (a
+    second deployment with the same VSRQ_BIND) started unsaid, the kernel splitting connections between the two: it
+    fails to bind now, and the first keeps every connection. No control socket either: one path per user, every API
     on the machine took it in turn and the first to exit deleted it."""
     env = {**os.environ, **service_env, "VSRQ_BIND": api.removeprefix("http://"), "VSRQ_WEB_WORKERS": "1",
            "HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}  # fmt: skip
-    second = subprocess.run(
-        [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert second.returncode == 1, second.stderr
-    assert f"Cannot serve on {api.removeprefix('http://')}: another server holds it" in second.stderr, second.stderr
+    second = subprocess.run(GUNICORN, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and "Connection in use" in second.stderr, second.stderr
     assert list(tmp_path.iterdir()) == []  # no gunicorn.ctl, no .gunicorn/
     assert requests.get(f"{api}/healthz", timeout=10).status_code in (200, 503)
+
+
+def test_reloads_and_an_upgrade_under_load_drop_no_request(service_env, tmp_path):
+    """gunicorn's own ways to change code without a stop, under requests on new connections: three HUPs (new workers,
+    the old ones finishing), then USR2 (a new master beside the old one) and TERM to the old one. With a socket per
+    worker, a HUP reset the connections queued on a stopping worker's (5 in 25 HUPs), and the USR2 master failed to
+    start (it had no socket to take over), so the TERM left no API at all."""
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}/healthz"
+    env = {**os.environ, **service_env, "VSRQ_BIND": f"127.0.0.1:{port}", "VSRQ_WEB_WORKERS": "2"}
+    # as the Procfile starts it: re-executed, `python -m gunicorn` runs gunicorn/__main__.py as a script, its
+    # directory first on the path, and gunicorn's `http` package hides the standard library's
+    command = [str(Path(sys.executable).with_name("gunicorn")), *GUNICORN[3:]]
+    with open(tmp_path / "api.log", "wb") as log:
+        master = psutil.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    failures: list[str] = []
+    answered = 0
+    stop = threading.Event()
+
+    def load() -> None:
+        nonlocal answered
+        while not stop.is_set():
+            try:  # a new connection each time: what a stopping worker's queue would hold
+                status = requests.get(url, timeout=10, headers={"Connection": "close"}).status_code
+                answered += status in (200, 503)
+            except requests.RequestException as error:
+                failures.append(repr(error))
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    new_master = None
+    try:
+        _wait_serving(url, master)
+        for thread in threads:
+            thread.start()
+        for _ in range(3):
+            master.send_signal(signal.SIGHUP)
+            time.sleep(1.5)
+        master.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 60
+        while (new_master := _upgraded(master)) is None:
+            assert time.monotonic() < deadline and master.is_running(), (tmp_path / "api.log").read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)  # its workers booted
+        master.terminate()
+        master.wait(60)
+        time.sleep(2)
+        assert new_master.is_running(), (tmp_path / "api.log").read_text()[-3000:]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        for process in [master, *master.children(recursive=True)] if master.is_running() else []:
+            process.kill()
+        if new_master is not None:
+            new_master.terminate()
+            new_master.wait(60)
+    assert failures == [] and answered > 100, (failures[:5], answered)
+
+
+def _upgraded(master: psutil.Process) -> psutil.Process | None:
+    """The master USR2 started, once it runs workers: the one child of the old master with children of its own."""
+    for child in master.children():
+        try:
+            if child.children():
+                return child
+        except psutil.Error:  # a worker gone since
+            continue
+    return None
+
+
+def _wait_serving(url: str, server: psutil.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, "gunicorn exited or did not answer"
+        try:
+            requests.get(url, timeout=5)
+            return
+        except requests.RequestException:
+            time.sleep(0.2)
 
 
 @contextmanager
