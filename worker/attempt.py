@@ -11,6 +11,7 @@ import redis.exceptions
 import torch
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from botocore.awsrequest import AWSResponse
+from celery.worker import state as worker_state
 from botocore.retries.standard import (
     OrRetryChecker,
     RetryContext,
@@ -66,7 +67,36 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "retry", "storage_unavailable", "Blob storage could not be reached."
     if isinstance(error, botocore.exceptions.ClientError) and _transient(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."
+    if isinstance(error, botocore.exceptions.ClientError) and refused(error) and storage_refuses_worker():
+        return "retry", STORAGE_REFUSED, "Blob storage refused the worker that took the job; another one will run it."
     return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
+
+
+# The code of a job given back because storage refuses its worker (worker.tasks stops that worker), and its exit status
+STORAGE_REFUSED = "storage_refused_worker"
+EX_CONFIG = 78  # sysexits.h: a configuration error; a supervisor restarts it, and its start says what is wrong
+UNCOUNTED = (TailStuck.code, STORAGE_REFUSED)  # retries whose attempt the job's max attempts do not count
+# S3's refusals of who asks (a key or a secret the store does not know: a rotation half done) or of where (no bucket)
+_REFUSALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "403"}
+
+
+def refused(error: botocore.exceptions.ClientError) -> bool:
+    """Whether storage refused the request: who asked, or the bucket (a HEAD's answer has no code but its status)."""
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return status == 403 or error.response.get("Error", {}).get("Code") in _REFUSALS
+
+
+def storage_refuses_worker() -> bool:
+    """Whether storage refuses this worker itself, whatever the job: its bucket refused too. A job's own object may
+    be refused alone (its ACL; a missing key to a caller without ListBucket), which is the job's to fail."""
+    try:
+        service.blobs().check()
+    except botocore.exceptions.ClientError as error:
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status == 404 or refused(error)
+    except Exception:  # out of reach now: an outage, which the job's next attempt waits out
+        return False
+    return False
 
 
 def relay_webhook(job: JobRecord, ended: Status) -> None:
@@ -118,7 +148,11 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows
     """Ends the attempt that `error` stopped: the job failed, cancelled or requeued, and what it leaves deleted (its
     output; its kept windows once the job has ended, where `windows` says the prefix may hold any)."""
     outcome, code, message = classify(error)
-    if code == "internal_error":
+    if code == STORAGE_REFUSED:  # every job it took would go the same way: others take them
+        log.error("blob storage refuses this worker (%s): %s goes back to the queue, and this worker takes no more "
+                  "jobs and exits (status %d)", error, job.id, EX_CONFIG)  # fmt: skip
+        worker_state.should_stop = EX_CONFIG  # Celery's warm shutdown, once this task has returned
+    elif code == "internal_error":
         log.exception("%s attempt %d failed", job.id, lease.attempt)
     else:  # a foreign error's traceback diagnoses a retry that keeps coming back; our own errors' messages say it all
         cause = None if isinstance(error, CodedError) else error
@@ -132,8 +166,9 @@ def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows
         elif outcome == "failed":
             lease.fail(code, message)
             ended = Status.FAILED
-        # behind another job's stuck tail, the job was not at fault: that attempt is not one of its max attempts
-        elif (ended := lease.retry(code, message, counts=code != TailStuck.code, wait_s=wait)) == Status.QUEUED:
+        # behind another job's stuck tail, or on a worker storage refuses, the job was not at fault: that attempt is
+        # not one of its max attempts
+        elif (ended := lease.retry(code, message, counts=code not in UNCOUNTED, wait_s=wait)) == Status.QUEUED:
             if wait:  # the reaper sends its message once the wait is over (JobStore.unsent)
                 log.info("%s: its next attempt waits %.1f s (%s)", job.id, wait, code)
             else:

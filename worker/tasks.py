@@ -28,6 +28,7 @@ from pathlib import Path
 from time import monotonic
 from typing import Any, BinaryIO
 
+import botocore.exceptions
 import redis.exceptions
 from celery.exceptions import Reject
 from celery.signals import worker_init, worker_shutdown
@@ -49,7 +50,15 @@ from storage.jobs import (
 )
 from storage.queue import UPSCALE_TASK, send_upscale
 from worker import heap, metrics, service, signals, started  # signals: importing it connects the process's handlers
-from worker.attempt import discard, discard_attempt, end, forget_windows, relay_webhook
+from worker.attempt import (
+    EX_CONFIG,
+    discard,
+    discard_attempt,
+    end,
+    forget_windows,
+    relay_webhook,
+    storage_refuses_worker,
+)
 from worker.celery_app import app
 from worker.costs import charge, job_limits
 from worker.errors import TailStuck
@@ -81,6 +90,7 @@ def _load_model(**_: Any) -> None:
     signals.configure_logging()  # Celery sets logging up only after `worker_init`: the load and warmup would be lost
     heap.fix_mmap_threshold()  # before any job: its frames must not stay resident in glibc's arenas once freed
     config = service.worker_settings()
+    _check_storage()
     _finisher.held = config.tails_held
     # The seconds so far are the interpreter's start and the imports of Celery and the worker's modules
     devices = ",".join(config.device_list)
@@ -91,6 +101,24 @@ def _load_model(**_: Any) -> None:
     began = started.seconds()
     service.upscaler()
     log.info("model ready in %.1f s, %.1f s after the process started", started.seconds() - began, started.seconds())
+
+
+def _check_storage() -> None:
+    """A worker that storage refuses (its key, its secret, its bucket: a rotation half done) failed every job it took,
+    within milliseconds each, so it drained the queue before any healthy worker: it does not start. Storage out of
+    reach is no reason: each job waits an outage out."""
+    try:
+        service.blobs().check()
+    except botocore.exceptions.ClientError as error:
+        if storage_refuses_worker():
+            settings = service.settings()
+            log.error("blob storage refuses this worker (%s; bucket %r at %s): check VSRQ_S3_ACCESS_KEY, "
+                      "VSRQ_S3_SECRET_KEY and VSRQ_S3_BUCKET; exiting (status %d)", error, settings.s3_bucket,
+                      settings.s3_endpoint_url, EX_CONFIG)  # fmt: skip
+            logging.shutdown()
+            os._exit(EX_CONFIG)
+    except Exception as error:
+        log.warning("blob storage does not answer (%s): jobs wait until it does", error)
 
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
