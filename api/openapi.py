@@ -389,7 +389,7 @@ def document(settings: Settings) -> dict[str, Any]:
                         "headers": {"Location": _header("the presigned URL")},
                     },
                     "304": {"description": "`If-None-Match` names the ETag (the output's SHA-256): not modified"},
-                    **_problems(401, 404, 409, 416, 422),
+                    **_problems(401, 404, 409, 410, 416, 422),
                 },
             )
         },

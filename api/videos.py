@@ -33,7 +33,7 @@ from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
 from api.uploads import hash_form, receive_form, upload_name
-from storage.blobs import SAFE_KEY, BlobError, upload_key
+from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files
 from storage.queue import send_upscale
@@ -391,7 +391,12 @@ def video_content(job_id: str) -> Response:
     if request.if_none_match.contains_weak(digest):
         return Response(status=304, headers=headers)
     byte_range = _byte_range(size, digest)
-    stream = blobs.open(key, byte_range)  # a ranged GET on S3: a player seeking reads only what it shows
+    try:
+        stream = blobs.open(key, byte_range)  # a ranged GET on S3: a player seeking reads only what it shows
+    except BlobNotFound:  # removed from storage under the job (a lifecycle rule, a hand's cleanup): it was a 500
+        raise ApiError(
+            410, "output_gone", f"This job's {variant} is no longer in storage (removed before the job expired)."
+        ) from None
 
     def chunks() -> Iterator[bytes]:
         try:

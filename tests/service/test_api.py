@@ -389,6 +389,18 @@ def test_content_then_delete_removes_everything(api, clip, jobs, s3, redis_clien
     assert not redis_client.exists(f"vsrq:job:{job['id']}")
 
 
+
+def test_content_removed_from_storage_under_its_job_is_gone_not_a_server_error(api, clip, jobs, s3):
+    """An output deleted from the bucket before its job expired (a lifecycle rule, a cleanup by hand): downloading it
+    answered 500 internal_error ("something went wrong on our side"), which pages someone and says nothing."""
+    job = create(api, "alice", clip).json()
+    finish(jobs, s3, job["id"], b"the output")
+    s3.delete(jobs.require(job["id"]).output.key)
+    content = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("alice"), timeout=10)
+    body = assert_problem(content, 410, "output_gone")
+    assert body["detail"] == "This job's video is no longer in storage (removed before the job expired).", body
+
+
 def test_delete_refuses_a_running_job(api, clip, jobs):
     job = create(api, "alice", clip).json()
     lease = jobs.lease(job["id"], "test-worker", 30)
