@@ -11,6 +11,8 @@ process do.
 from __future__ import annotations
 
 from pydantic import BaseModel
+from redis import Redis
+from redis.exceptions import RedisError
 
 from storage.jobs import JobStore, Status
 from storage.workers import WorkerInfo, WorkerRegistry
@@ -67,9 +69,27 @@ def health(jobs: JobStore, workers: list[WorkerInfo], queues: list[str], reaper_
         problems.append("the reaper has not passed " + (f"for {since:.0f} s" if since is not None else "yet"))
     if overdue:
         problems.append(f"{overdue} job(s) in progress past their lease")
+    problems += durability(jobs.redis)
     return Health(
         workers=served, reaper_last_pass_s=since, reaper_ok=reaper_ok, overdue_jobs=overdue, problems=problems
     )
+
+
+def durability(redis: Redis) -> list[str]:
+    """How the job store's Redis would lose jobs unsaid, as its INFO says (infra/redis.conf: AOF on, no eviction): no
+    append-only file (a restart comes back empty: every job a 404), or keys evicted at maxmemory (accepted jobs 404
+    a moment later). Nothing where INFO is refused (an ACL, a managed Redis): not known, not said."""
+    try:
+        persistence, memory = redis.info("persistence"), redis.info("memory")
+    except RedisError:
+        return []
+    problems = []
+    if not persistence.get("aof_enabled", 1):
+        problems.append("Redis keeps no append-only file (appendonly no): a restart loses every job")
+    if memory.get("maxmemory", 0) and memory.get("maxmemory_policy", "noeviction") != "noeviction":
+        problems.append(f"Redis evicts keys when full (maxmemory-policy {memory['maxmemory_policy']}): jobs vanish; "
+                        "set noeviction")  # fmt: skip
+    return problems
 
 
 def job_counts(jobs: JobStore) -> dict[Status, int]:

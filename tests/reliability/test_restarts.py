@@ -142,6 +142,35 @@ def test_healthz_answers_at_once_while_its_checks_hang(rel_env, stack, tmp_path)
         partition.close()
 
 
+
+def test_a_redis_that_would_lose_jobs_is_said_in_health_and_status(rel_env, tmp_path):
+    """A Redis without its append-only file (a restart comes back empty: every job a 404) and evicting keys when full
+    (an operator's run: 21 of 30 jobs just accepted answered 404), while /healthz said ok and nothing logged it."""
+    port = free_ports(1)[0]
+    redis_server = subprocess.Popen(
+        [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{port}/0", "VSRQ_WEB_WORKERS": "1"}
+    api_port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{api_port}"
+    api = processes.serving(processes.api(env, api_port, tmp_path).start(), url)
+    try:
+        health = requests.get(f"{url}/healthz", timeout=10).json()
+        status = subprocess.run(
+            [sys.executable, "-m", "client.cli", "status"], env={**os.environ, **env}, capture_output=True, text=True
+        )  # fmt: skip
+        said = ["Redis keeps no append-only file (appendonly no): a restart loses every job",
+                "Redis evicts keys when full (maxmemory-policy allkeys-lru): jobs vanish; set noeviction"]  # fmt: skip
+        assert health["status"] == "degraded" and set(said) <= set(health["problems"]), health
+        assert all(line in status.stdout for line in said), status.stdout
+    finally:
+        api.stop()
+        redis_server.terminate()
+        redis_server.wait(10)
+
+
 def test_the_reaper_logs_an_outage_once_and_its_end(rel_env, tmp_path):
     """Redis down under a reaper passing every 0.2 s, for 2 s (10 passes) after its first failing one: one line when
     each step starts failing and one when it recovers, no traceback."""
