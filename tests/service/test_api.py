@@ -12,7 +12,9 @@ import sys
 import threading
 import time
 
+import pytest
 import requests
+from pydantic import SecretStr
 
 from storage.blobs import attempt_output_key, output_prefix
 from storage.jobs import OutputInfo
@@ -412,6 +414,30 @@ def test_delete_refuses_a_running_job(api, clip, jobs):
     assert lease.heartbeat(progress=50) is True
     lease.cancelled()
     assert requests.delete(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10).status_code == 200
+
+
+
+@pytest.mark.parametrize(
+    "update, said",
+    [
+        ({"s3_secret_key": SecretStr("not-the-store-s-secret")}, "storage: it refuses the API's key"),
+        ({"s3_bucket": "vsrq-no-such-bucket"}, "storage: the bucket does not exist (VSRQ_S3_BUCKET): create it, 404"),
+        ({"redis_url": "redis://:not-the-password@127.0.0.1:1/0"}, "redis: it does not answer"),
+    ],
+    ids=["wrong-secret", "no-bucket", "no-redis"],
+)
+def test_health_says_what_is_down_and_what_to_check(settings, update, said):
+    """A refused key and a missing bucket both read `"error": "ClientError"`, with `problems` empty: an operator
+    could not tell them apart, nor from storage being down."""
+    from api.app import create_app
+
+    client = create_app(settings.model_copy(update=update)).test_client()
+    deadline = time.monotonic() + 10
+    while (response := client.get("/healthz")).get_json()["checks"] == {}:  # its first checks under way
+        assert time.monotonic() < deadline, response.get_json()
+    body = response.get_json()
+    assert response.status_code == 503 and body["status"] == "unavailable", body
+    assert any(problem.startswith(said) for problem in body["problems"]), body
 
 
 def test_redirect_delivery_gives_a_presigned_url(settings, clip, jobs, s3):
