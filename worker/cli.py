@@ -85,7 +85,6 @@ def upscale(args: argparse.Namespace) -> int:
     )
     upscaler = open_upscaler(args.model, args.devices.split(","), warmup_frames=None)  # one job compiles what it needs
     key = _job_key(args, upscaler.signature(options.request))
-    store = DirectoryWindowStore(args.keep_windows, key) if args.keep_windows else None
     bar = tqdm(total=1, unit="window", dynamic_ncols=True, disable=None, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
 
     def progress(event) -> None:
@@ -94,7 +93,9 @@ def upscale(args: argparse.Namespace) -> int:
         bar.set_postfix_str(f"{event.done}/{event.total}" + (f", {event.tiles} tiles" if event.tiles else ""), refresh=False)
         bar.update(event.fraction * event.windows - bar.n)
 
-    try:
+    store = None
+    try:  # from the store's making on: a cancel right after it left its directory behind
+        store = DirectoryWindowStore(args.keep_windows, key) if args.keep_windows else None
         result = upscale_file(args.input, args.output, upscaler, options, progress, store=store)
     except KeyboardInterrupt:
         if store is None or not store.kept():
