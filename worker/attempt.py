@@ -11,7 +11,6 @@ import redis.exceptions
 import torch
 from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from botocore.awsrequest import AWSResponse
-from celery.worker import state as worker_state
 from botocore.retries.standard import (
     OrRetryChecker,
     RetryContext,
@@ -19,6 +18,7 @@ from botocore.retries.standard import (
     ThrottlingStatusCodeChecker,
     TransientRetryableChecker,
 )
+from celery.worker import state as worker_state
 
 from storage.blobs import PREVIEWS, BlobNotFound, preview_key, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status

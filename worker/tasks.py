@@ -28,7 +28,6 @@ from pathlib import Path
 from time import monotonic
 from typing import Any, BinaryIO
 
-import botocore.exceptions
 import redis.exceptions
 from celery.exceptions import Reject
 from celery.signals import worker_init, worker_shutdown
@@ -107,18 +106,13 @@ def _check_storage() -> None:
     """A worker that storage refuses (its key, its secret, its bucket: a rotation half done) failed every job it took,
     within milliseconds each, so it drained the queue before any healthy worker: it does not start. Storage out of
     reach is no reason: each job waits an outage out."""
-    try:
-        service.blobs().check()
-    except botocore.exceptions.ClientError as error:
-        if storage_refuses_worker():
-            settings = service.settings()
-            log.error("blob storage refuses this worker (%s; bucket %r at %s): check VSRQ_S3_ACCESS_KEY, "
-                      "VSRQ_S3_SECRET_KEY and VSRQ_S3_BUCKET; exiting (status %d)", error, settings.s3_bucket,
-                      settings.s3_endpoint_url, EX_CONFIG)  # fmt: skip
-            logging.shutdown()
-            os._exit(EX_CONFIG)
-    except Exception as error:
-        log.warning("blob storage does not answer (%s): jobs wait until it does", error)
+    if storage_refuses_worker():
+        settings = service.settings()
+        log.error("blob storage refuses this worker (its bucket %r at %s answers 403 or 404): check VSRQ_S3_ACCESS_KEY, "
+                  "VSRQ_S3_SECRET_KEY and VSRQ_S3_BUCKET; exiting (status %d)", settings.s3_bucket,
+                  settings.s3_endpoint_url, EX_CONFIG)  # fmt: skip
+        logging.shutdown()
+        os._exit(EX_CONFIG)
 
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
