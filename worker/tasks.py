@@ -108,8 +108,8 @@ def _check_storage() -> None:
     reach is no reason: each job waits an outage out."""
     if storage_refuses_worker():
         settings = service.settings()
-        log.error("blob storage refuses this worker (its bucket %r at %s answers 403 or 404): check VSRQ_S3_ACCESS_KEY, "
-                  "VSRQ_S3_SECRET_KEY and VSRQ_S3_BUCKET; exiting (status %d)", settings.s3_bucket,
+        log.error("blob storage refuses this worker (its bucket %r at %s answers 403 or 404): check "
+                  "VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY and VSRQ_S3_BUCKET; exiting (status %d)", settings.s3_bucket,
                   settings.s3_endpoint_url, EX_CONFIG)  # fmt: skip
         logging.shutdown()
         os._exit(EX_CONFIG)
