@@ -20,13 +20,11 @@ import threading
 import time
 from typing import Any
 
-import botocore.exceptions
-import redis.exceptions
 from flask import Blueprint, Flask, Response, current_app, jsonify
 
 from api.auth import admit_caller
 from api.services import Services, services
-from storage.overview import health
+from storage.overview import health, redis_problem, storage_problem
 from storage.workers import WorkerRegistry
 
 log = logging.getLogger("vsrq.api.health")
@@ -72,18 +70,18 @@ def checks(svc: Services, *, detailed: bool) -> Checks:
         svc.redis.ping()
         found["redis"] = {"ok": True}
     except Exception as error:
-        found["redis"] = {"ok": False, "error": type(error).__name__, "detail": _redis_said(error)}
+        found["redis"] = {"ok": False, "error": type(error).__name__, "detail": redis_problem(error)}
     try:
         svc.blobs.check()
         found["storage"] = {"ok": True, "backend": svc.settings.blob_backend}
     except Exception as error:
         found["storage"] = {"ok": False, "backend": svc.settings.blob_backend, "error": type(error).__name__,
-                            "detail": _storage_said(error)}  # fmt: skip
+                            "detail": storage_problem(error)}  # fmt: skip
     problems: list[str] = []
     if found["redis"]["ok"]:
         try:
             registered = WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s).list()
-            now = health(svc.jobs, registered, list(svc.settings.models.values()), svc.settings.reaper_stale_s)
+            now = health(svc.jobs, registered, svc.settings.models, svc.settings.reaper_stale_s)
             problems = now.problems
             served = now.workers
             found["workers"] = {"ok": all(served.values()), "seen": sum(served.values()), "queues": served}
@@ -95,7 +93,7 @@ def checks(svc: Services, *, detailed: bool) -> Checks:
                 ]
                 found["queues"] = {q: svc.jobs.queue_depth(q) for q in sorted(set(svc.settings.models.values()))}
         except Exception as error:  # Redis went away between the ping and these reads
-            found["redis"] = {"ok": False, "error": type(error).__name__, "detail": _redis_said(error)}
+            found["redis"] = {"ok": False, "error": type(error).__name__, "detail": redis_problem(error)}
     # what is down, said as the other problems are: a missing bucket and a refused key were both "ClientError"
     problems += [f"{name}: {found[name]['detail']}" for name in ("redis", "storage") if not found[name]["ok"]]
     healthy = found["redis"]["ok"] and found["storage"]["ok"]
@@ -159,29 +157,6 @@ class Monitor:
                 time.sleep(max(interval_s - (time.monotonic() - started), 0.05))
 
         threading.Thread(target=loop, name=f"vsrq-{name}", daemon=True).start()
-
-
-def _redis_said(error: Exception) -> str:
-    if isinstance(error, redis.exceptions.AuthenticationError):
-        return "it refuses the password or user (VSRQ_REDIS_URL)"
-    if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
-        return "it does not answer"
-    return f"it fails ({type(error).__name__})"
-
-
-def _storage_said(error: Exception) -> str:
-    """Storage's answer as an operator acts on it; a HEAD's answer has no code but its status."""
-    if isinstance(error, botocore.exceptions.ClientError):
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = error.response.get("Error", {}).get("Code")
-        if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return "it refuses the API's key (VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY), 403"
-        if status == 404 or code == "NoSuchBucket":
-            return "the bucket does not exist (VSRQ_S3_BUCKET): create it, 404"
-        return f"it answers {status} {code}"
-    if isinstance(error, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectionError)):
-        return "it does not answer (VSRQ_S3_ENDPOINT_URL)"
-    return f"it fails ({type(error).__name__})"
 
 
 _creating = threading.Lock()

@@ -46,7 +46,7 @@ class ServiceCollector(Collector):
         now = overview(
             svc.jobs,
             WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s),
-            list(svc.settings.models.values()),
+            svc.settings.models,
             svc.settings.reaper_stale_s,
         )
         depth = GaugeMetricFamily("vsrq_queue_depth", "Jobs queued, per queue (pipeline group).", labels=["queue"])

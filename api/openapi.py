@@ -83,9 +83,9 @@ class Upload(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "degraded", "unavailable"] = Field(
         description="ok: Redis and storage answer and jobs make progress; degraded: a served queue has no model "
-        "worker, the reaper has not passed lately, a job is past its lease, or Redis would lose jobs (no AOF, "
-        "eviction) (`problems` says which); unavailable: Redis or storage is down or refuses the service (503; "
-        "`problems` says what to check)"
+        "worker (or one runs another model than its queue's), the reaper has not passed lately, a job is past its "
+        "lease, or Redis would lose jobs (no AOF, eviction) (`problems` says which); unavailable: Redis or storage "
+        "is down or refuses the service (503; `problems` says what to check)"
     )
     problems: list[str]
     checks: dict[str, Any]

@@ -52,7 +52,7 @@ def status(args: argparse.Namespace) -> int:
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
     from storage.blobs import open_blob_store
-    from storage.overview import overview
+    from storage.overview import overview, storage_problem
     from storage.workers import WorkerRegistry
 
     settings, jobs = _job_store()
@@ -61,7 +61,7 @@ def status(args: argparse.Namespace) -> int:
         now = overview(
             jobs,
             WorkerRegistry(redis, ttl_s=settings.worker_ttl_s),
-            list(settings.models.values()),
+            settings.models,
             settings.reaper_stale_s,
         )
     except (RedisConnectionError, RedisTimeoutError) as error:
@@ -73,7 +73,7 @@ def status(args: argparse.Namespace) -> int:
         try:
             open_blob_store(settings.model_copy(update={"s3_timeout_s": 3.0})).check()
         except Exception as error:
-            now.health.problems.append(f"storage (s3) unavailable: {type(error).__name__}")
+            now.health.problems.append(f"storage: {storage_problem(error)}")
     if args.json:
         print(now.model_dump_json(indent=2))
         return 0

@@ -10,9 +10,12 @@ process do.
 
 from __future__ import annotations
 
+import botocore.exceptions
 from pydantic import BaseModel
 from redis import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.jobs import JobStore, Status
 from storage.workers import WorkerInfo, WorkerRegistry
@@ -55,15 +58,22 @@ def lost_message_resent(jobs: JobStore) -> None:
     jobs.redis.incr(_resent_key(jobs))
 
 
-def health(jobs: JobStore, workers: list[WorkerInfo], queues: list[str], reaper_stale_s: float) -> Health:
-    """Whether jobs on the served `queues` make progress: a model worker on each, a reaper that passed within
-    `reaper_stale_s`, no job left past its lease (a dead reaper, or one that cannot requeue)."""
+def health(jobs: JobStore, workers: list[WorkerInfo], models: dict[str, str], reaper_stale_s: float) -> Health:
+    """Whether jobs of the served `models` (VSRQ_MODELS: name -> queue) make progress: a model worker on each queue,
+    running a model served there, a reaper that passed within `reaper_stale_s`, no job left past its lease (a dead
+    reaper, or one that cannot requeue)."""
+    queues = list(models.values())
     now = jobs.now()
     served = {queue: sum(queue in w.queues for w in workers if w.model) for queue in sorted(set(queues))}
     last = jobs.redis.get(_reaper_key(jobs))
     since = now - float(last) if last is not None else None
     overdue = jobs.redis.zcount(f"{jobs.prefix}:leases", "-inf", now)
     problems = [f"no worker takes jobs from {queue}" for queue, count in served.items() if not count]
+    for worker in workers:  # a GPU worker started without VSRQ_WORKER_MODEL ran the default, lanczos, for K6's jobs
+        wanted = sorted({model for model, queue in models.items() if queue in worker.queues})
+        if worker.served and wanted and worker.served not in wanted:
+            problems.append(f"worker {worker.name} runs {worker.served} for jobs of {', '.join(wanted)} "
+                            "(VSRQ_WORKER_MODEL, VSRQ_WORKER_SERVED_AS)")  # fmt: skip
     reaper_ok = since is not None and since <= reaper_stale_s
     if not reaper_ok:
         problems.append("the reaper has not passed " + (f"for {since:.0f} s" if since is not None else "yet"))
@@ -92,6 +102,31 @@ def durability(redis: Redis) -> list[str]:
     return problems
 
 
+def redis_problem(error: Exception) -> str:
+    """What a failing Redis call says to an operator, as /healthz and `vsrq status` list it."""
+    if isinstance(error, AuthenticationError):
+        return "it refuses the password or user (VSRQ_REDIS_URL)"
+    if isinstance(error, (RedisConnectionError, RedisTimeoutError)):
+        return "it does not answer"
+    return f"it fails ({type(error).__name__})"
+
+
+def storage_problem(error: Exception) -> str:
+    """Storage's answer as an operator acts on it (a refused key and a missing bucket were both "ClientError"); a
+    HEAD's answer has no code but its status."""
+    if isinstance(error, botocore.exceptions.ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = error.response.get("Error", {}).get("Code")
+        if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return "it refuses the key (VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY), 403"
+        if status == 404 or code == "NoSuchBucket":
+            return "the bucket does not exist (VSRQ_S3_BUCKET): create it, 404"
+        return f"it answers {status} {code}"
+    if isinstance(error, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectionError)):
+        return "it does not answer (VSRQ_S3_ENDPOINT_URL)"
+    return f"it fails ({type(error).__name__})"
+
+
 def job_counts(jobs: JobStore) -> dict[Status, int]:
     """Jobs by status, summed over the owners' per-status indexes (vsrq:owner:{owner}:{status}, storage/jobs.py).
     Owners are found with SCAN, so one whose API key was removed still counts; the cost is one pass over the keyspace
@@ -109,14 +144,17 @@ def job_counts(jobs: JobStore) -> dict[Status, int]:
     return counts
 
 
-def overview(jobs: JobStore, registry: WorkerRegistry, queues: list[str], reaper_stale_s: float = 60) -> Overview:
-    """`queues`: those the settings serve; one that a live model worker takes from is shown too (a misrouted worker)."""
+def overview(
+    jobs: JobStore, registry: WorkerRegistry, models: dict[str, str], reaper_stale_s: float = 60
+) -> Overview:
+    """`models`: those the settings serve, and their queues; a queue that a live model worker takes from is shown too
+    (a misrouted worker)."""
     workers = registry.list()
-    names = sorted(set(queues).union(*(worker.queues for worker in workers if worker.model)))
+    names = sorted(set(models.values()).union(*(worker.queues for worker in workers if worker.model)))
     return Overview(
         queues={queue: jobs.queue_depth(queue) for queue in names},
         jobs=job_counts(jobs),
         workers=workers,
-        health=health(jobs, workers, queues, reaper_stale_s),
+        health=health(jobs, workers, models, reaper_stale_s),
         lost_messages_resent=int(jobs.redis.get(_resent_key(jobs)) or 0),
     )

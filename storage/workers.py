@@ -21,6 +21,7 @@ class WorkerInfo(BaseModel):
     name: str  # Celery's node name (-n), e.g. gpu0@host
     queues: list[str]  # the pipeline group(s) it takes jobs from
     model: str | None = None  # None: a worker that runs no model (webhooks)
+    served: str | None = None  # the name its jobs report, VSRQ_MODELS's key for it (None: no model, or a worker before)
     devices: list[str] = []
     gpus: list[str] = []  # the devices' product names, e.g. "NVIDIA H200"
     host: str
@@ -89,6 +90,6 @@ def _from_hash(raw: dict[bytes, bytes]) -> WorkerInfo:
     data: dict[str, object] = {key.decode(): value.decode() for key, value in raw.items()}
     for name in _JSON_FIELDS:
         data[name] = json.loads(data[name])
-    for name in ("model", "job"):  # stored as "" when None
+    for name in ("model", "served", "job"):  # stored as "" when None
         data[name] = data.get(name) or None
     return WorkerInfo.model_validate(data)

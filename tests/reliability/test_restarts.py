@@ -143,6 +143,35 @@ def test_healthz_answers_at_once_while_its_checks_hang(rel_env, stack, tmp_path)
 
 
 
+
+def test_a_worker_running_another_model_than_its_queue_serves_is_said(rel_env, tmp_path):
+    """A GPU worker started without VSRQ_WORKER_MODEL runs the default, lanczos, on the queue VSRQ_MODELS gives to
+    Kandinsky: its jobs came back lanczos while /healthz said ok (an operator's trial; one warning in its log)."""
+    queue = f"vsrq.k6-probe-{os.getpid()}"
+    env = {**rel_env, "VSRQ_MODELS": json.dumps({"kandinskylab/Kandinsky-6.0-VSR": queue}), "VSRQ_WEB_WORKERS": "1"}
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    worker = processes.started(processes.worker(env, queue, tmp_path).start())
+    try:
+        deadline = time.monotonic() + 30
+        said = f"worker {worker.name}@localhost runs lanczos for jobs of kandinskylab/Kandinsky-6.0-VSR"
+        while True:  # the worker registers once ready, the checks run every second
+            health = requests.get(f"{url}/healthz", timeout=10).json()
+            if any(problem.startswith(said) for problem in health["problems"]):
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.5)
+        assert health["status"] == "degraded", health
+        status = subprocess.run(
+            [sys.executable, "-m", "client.cli", "status"], env={**os.environ, **env}, capture_output=True, text=True
+        )  # fmt: skip
+        assert said in status.stdout, status.stdout
+    finally:
+        worker.stop()
+        api.stop()
+
+
 def test_a_redis_that_would_lose_jobs_is_said_in_health_and_status(rel_env, tmp_path):
     """A Redis without its append-only file (a restart comes back empty: every job a 404) and evicting keys when full
     (an operator's run: 21 of 30 jobs just accepted answered 404), while /healthz said ok and nothing logged it."""

@@ -420,7 +420,7 @@ def test_delete_refuses_a_running_job(api, clip, jobs):
 @pytest.mark.parametrize(
     "update, said",
     [
-        ({"s3_secret_key": SecretStr("not-the-store-s-secret")}, "storage: it refuses the API's key"),
+        ({"s3_secret_key": SecretStr("not-the-store-s-secret")}, "storage: it refuses the key (VSRQ_S3_ACCESS_KEY"),
         ({"s3_bucket": "vsrq-no-such-bucket"}, "storage: the bucket does not exist (VSRQ_S3_BUCKET): create it, 404"),
         ({"redis_url": "redis://:not-the-password@127.0.0.1:1/0"}, "redis: it does not answer"),
     ],
