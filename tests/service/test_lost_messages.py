@@ -68,7 +68,8 @@ def test_only_the_job_whose_message_a_dead_consumer_took_gets_another(
             taken.ack()
     resent = [record for record in caplog.records if "sent again" in record.getMessage()]
     assert [record.job_id for record in resent] == [lost.id]
-    assert overview(store, WorkerRegistry(redis_client, prefix=store.prefix), {"lanczos": queue}).lost_messages_resent == 1
+    now = overview(store, WorkerRegistry(redis_client, prefix=store.prefix), {"lanczos": queue})
+    assert now.lost_messages_resent == 1
     assert store.require(unsent.id).status == "queued" and [job.id for job in store.unsent(0)] == [unsent.id]
     redis_client.delete(*redis_client.keys(f"{prefix}{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
 
