@@ -128,7 +128,6 @@ def test_commands_are_the_procfiles():
     assert queue_of(argv(services["webhooks"]["command"])) == "vsrq.webhooks"
 
 
-
 def test_the_procfiles_celery_processes_name_themselves_apart():
     """The Procfile's worker and webhooks ran unnamed, both `celery@HOST` on one host: one entry of the workers'
     registry between them, so /healthz flapped between ok and "no worker takes jobs" and `vsrq status` counted one

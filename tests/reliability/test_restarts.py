@@ -24,7 +24,6 @@ from . import processes
 from .conftest import TOKENS, auth
 
 
-
 def post_lanczos_job(url: str, clip: bytes) -> str:
     """A lanczos x2 job of `clip`, created as a user does; its id."""
     response = requests.post(
@@ -140,8 +139,6 @@ def test_healthz_answers_at_once_while_its_checks_hang(rel_env, stack, tmp_path)
         partition.heal()
         api.stop()
         partition.close()
-
-
 
 
 def test_a_worker_running_another_model_than_its_queue_serves_is_said(rel_env, tmp_path):

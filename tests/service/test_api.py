@@ -391,7 +391,6 @@ def test_content_then_delete_removes_everything(api, clip, jobs, s3, redis_clien
     assert not redis_client.exists(f"vsrq:job:{job['id']}")
 
 
-
 def test_content_removed_from_storage_under_its_job_is_gone_not_a_server_error(api, clip, jobs, s3):
     """An output deleted from the bucket before its job expired (a lifecycle rule, a cleanup by hand): downloading it
     answered 500 internal_error ("something went wrong on our side"), which pages someone and says nothing."""
@@ -414,7 +413,6 @@ def test_delete_refuses_a_running_job(api, clip, jobs):
     assert lease.heartbeat(progress=50) is True
     lease.cancelled()
     assert requests.delete(f"{api}/v1/videos/{job['id']}", headers=auth("alice"), timeout=10).status_code == 200
-
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,6 @@ def test_a_request_refused_before_its_body_came_is_not_waited_for(api):
     assert min(waits) < 0.05, waits
 
 
-
 def test_a_client_still_sending_a_refused_upload_reads_the_answer(api):
     """A 401 given before the body was read, to a client that sends its whole body before it reads (Node's fetch, so
     the OpenAI Node SDK, does): the rest is read and dropped, so the client reads the answer instead of a reset. It got
@@ -120,7 +119,6 @@ def test_a_client_still_sending_a_refused_upload_reads_the_answer(api):
         while data := conn.recv(65536):
             received += data
     assert received.startswith(b"HTTP/1.1 401 ") and b'"code":"unauthorized"' in received, received[:300]
-
 
 
 GUNICORN = [sys.executable, "-m", "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"]
