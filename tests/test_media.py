@@ -189,7 +189,6 @@ def test_subtitles_languages_metadata_and_chapters_follow_into_the_mp4(tmp_path)
     assert kept == [(start, title) for start, _, title in chapters]
 
 
-
 def test_chapters_in_a_chapter_track_are_not_said_to_be_left_out(tmp_path):
     """An MP4's chapters are a QuickTime chapter track (a text track its video names in `tref/chap`), as vsrq writes
     them and as androidx/media's sample_with_chapters.mp4 holds them. Upscaled, the chapters were kept, and the job
@@ -1197,6 +1196,43 @@ def test_a_lone_timestamp_that_runs_back_is_retimed_not_taken_for_a_restarted_cl
     with av.open(str(source)) as container:  # the oracle: what the file declares
         declared = [packet.pts for packet in container.demux(video=0) if packet.size]
     assert declared[30] == times[30] - 600 and declared[31] == times[31]
+    output = tmp_path / "out.mp4"
+    result = upscale_file(source, output, LanczosUpscaler(), FAST)
+    assert np.allclose(frame_times(output), np.array(times) / 1000, atol=1e-3)
+    assert any("timed between its neighbours" in note for note in result.notes), result.notes
+
+
+def test_an_hevc_movie_with_a_box_cut_short_in_its_header_is_read_as_ffmpeg_reads_it(tmp_path):
+    """A box in `moov` whose 64-bit size is cut short: FFmpeg reads the movie and its frames, and the probe's own box
+    reads (an HEVC track's extra layer, the chapter tracks) raised struct.error: internal_error."""
+    clip = write_clip(tmp_path / "in.mov", 5, SIZE, video_codec="libx265")
+    data = bytearray(clip.read_bytes())
+    moov = data.find(b"moov") - 4
+    size = struct.unpack_from(">I", data, moov)[0]
+    cut = struct.pack(">I4s", 1, b"trak") + b"\0\0\0"  # a 64-bit size follows: 3 of its 8 bytes
+    data[moov + size : moov + size] = cut
+    struct.pack_into(">I", data, moov, size + len(cut))
+    clip.write_bytes(bytes(data))
+    with av.open(str(clip)) as container:  # the oracle
+        assert sum(1 for _ in container.decode(video=0)) == 5
+    info = probe(clip)
+    assert (info.video.codec, info.video.frames, info.video.stereo) == ("hevc", 5, False)
+
+
+def test_a_lone_timestamp_far_ahead_is_retimed_not_held(tmp_path):
+    """The other slip: one frame timed 30 s late, the frames after it going on. Shown after 60 frames decoded after
+    it, no decoder's reordering: the output held its last frame for 30 s. Now it is timed between its neighbours."""
+    times = [33 * i for i in range(90)]
+    whole = write_clip(tmp_path / "whole.mkv", len(times), SIZE, Fraction(30), timestamps=times, time_base=Fraction(1, 1000),
+                       video_options={"bf": "0"})  # fmt: skip
+    data = bytearray(whole.read_bytes())
+    at = [offset for offset, track in _simple_blocks(data) if track == 1][20]
+    struct.pack_into(">h", data, at, struct.unpack_from(">h", data, at)[0] + 30000)
+    source = tmp_path / "in.mkv"
+    source.write_bytes(bytes(data))
+    with av.open(str(source)) as container:  # the oracle: what the file declares
+        declared = [packet.pts for packet in container.demux(video=0) if packet.size]
+    assert declared[20] == times[20] + 30000 and declared[21] == times[21]
     output = tmp_path / "out.mp4"
     result = upscale_file(source, output, LanczosUpscaler(), FAST)
     assert np.allclose(frame_times(output), np.array(times) / 1000, atol=1e-3)

@@ -52,6 +52,8 @@ def children(data: bytes | bytearray, start: int, end: int, kind: bytes) -> Iter
         size, box = struct.unpack_from(">I4s", data, position)
         header = 8
         if size == 1:
+            if position + 16 > end:  # its 64-bit size cut short: nothing more to read here (FFmpeg reads on)
+                return
             size, header = struct.unpack_from(">Q", data, position + 8)[0], 16
         elif size == 0:
             size = end - position

@@ -46,6 +46,9 @@ MATRICES = {0: "rgb", 1: "bt709", 2: "unspecified", 4: "fcc", 5: "bt470bg", 6: "
 RANGES = {0: "unspecified", 1: "limited", 2: "full"}
 # Frames a decoder may hold back to put them in presentation order (H.264's and HEVC's largest picture buffer).
 REORDER = 16
+# Frames decoded after one and shown before it. No buffer bounds them, but a GOP does: an open GOP's leading pictures
+# (VVenC's: 23 at 24 fps) come after their keyframe.
+SHOWN_AFTER = 64
 
 
 @dataclass(frozen=True)
@@ -787,8 +790,36 @@ def _check_order(pts: list[int | None], time_base: Fraction, path: Path) -> int:
                     "recordings joined end to end; join them with a tool that re-times them, or send them one by one"
                 )
         (heapq.heappushpop if len(later) > REORDER else heapq.heappush)(later, time)
+    retimed += _check_ahead(pts, time_base, path)
     if len(set(pts)) < len(pts):
         raise InputCorrupt(f"{path.name}: {len(pts) - len(set(pts))} frame(s) repeat another frame's timestamp")
+    return retimed
+
+
+def _check_ahead(pts: list[int], time_base: Fraction, path: Path) -> int:
+    """No frame is shown after more than SHOWN_AFTER of the frames decoded after it: no decoder reorders that far,
+    and one frame a muxer timed an hour late held the output's last frame for an hour. A lone one, whose neighbours
+    go on, is put between them, as a lone frame timed early is; any other is refused. Returns how many were retimed."""
+    retimed = 0
+    earliest: list[int] = []  # the SHOWN_AFTER + 1 earliest times of the frames decoded after this one (negated)
+    ahead = set()
+    for index in range(len(pts) - 1, -1, -1):
+        if len(earliest) > SHOWN_AFTER and pts[index] > -earliest[0]:
+            ahead.add(index)
+        (heapq.heappushpop if len(earliest) > SHOWN_AFTER else heapq.heappush)(earliest, -pts[index])
+    for index in sorted(ahead):  # in decode order
+        lone = 0 < index < len(pts) - 1 and not {index - 1, index + 1} & ahead
+        if lone and pts[index + 1] - pts[index - 1] > 1:
+            between = (pts[index - 1] + pts[index + 1]) // 2
+            if between not in pts:
+                pts[index] = between
+                retimed += 1
+                continue
+        raise InputCorrupt(
+            f"{path.name}: frame {index + 1}'s timestamp ({float(pts[index] * time_base):.3f} s) is later than more "
+            f"than {SHOWN_AFTER} frames decoded after it: the file's timestamps are broken; remux it with a tool "
+            "that re-times its frames"
+        )
     return retimed
 
 
