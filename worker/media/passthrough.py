@@ -17,7 +17,6 @@ output is interleaved and nothing is buffered beyond the muxer's own queue.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -457,10 +456,11 @@ class _ToMovText(_Handler):
     every cue on screen then, one line after another."""
 
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
-        decoder = self.source.codec_context  # None: cues FFmpeg has no codec for (S_TEXT/WEBVTT), read as text
-        if decoder is not None:
-            decoder.open()  # its ASS header is the encoder's, and must exist before the output header is written
-        header = decoder.subtitle_header if decoder is not None else b""
+        # S_TEXT/WEBVTT's stream has no codec (this FFmpeg maps only D_WEBVTT/*): its blocks are WebVTT cues, which
+        # FFmpeg's own decoder reads
+        self.decoder = self.source.codec_context or av.CodecContext.create("webvtt", "r")
+        self.decoder.open()  # its ASS header is the encoder's, and must exist before the output header is written
+        header = self.decoder.subtitle_header or b""
         self.styles = _style_names(header)
         if not self.styles:  # the encoder wrote every cue in size 0, transparent: hidden
             header = default_ass_header()
@@ -477,12 +477,9 @@ class _ToMovText(_Handler):
         if packet.size == 0 or packet.pts is None:
             return
         start = self.passthrough.output_time(packet)
-        if self.source.codec_context is None:
-            dialogues = [webvtt_dialogue(bytes(packet))]
-        else:
-            with self.passthrough.reading():
-                subtitles = self.source.codec_context.decode2(packet)
-            dialogues = [rect.ass for rect in subtitles.rects if isinstance(rect, AssSubtitle)] if subtitles else []
+        with self.passthrough.reading():
+            subtitles = self.decoder.decode2(packet)
+        dialogues = [rect.ass for rect in subtitles.rects if isinstance(rect, AssSubtitle)] if subtitles else []
         end = start + float((packet.duration or 0) * packet.time_base)
         if self.passthrough.end is not None:
             end = min(end, self.passthrough.end)
@@ -539,12 +536,3 @@ def default_ass_header() -> bytes:
     decoder = av.CodecContext.create("subrip", "r")
     decoder.open()
     return decoder.subtitle_header
-
-
-def webvtt_dialogue(cue: bytes) -> bytes:
-    """A WebVTT cue's text (what a Matroska block holds) as FFmpeg's decoders give a cue: an ASS dialogue. Its tags
-    (`<b>`, `<i>`, `<v Speaker>`, `<c.class>`) are left out, their text kept; lines join with `\\N`."""
-    text = re.sub(rb"<[^>]*>", b"", cue.strip())
-    for escaped, plain in ((b"&lt;", b"<"), (b"&gt;", b">"), (b"&nbsp;", b"\\h"), (b"&amp;", b"&")):
-        text = text.replace(escaped, plain)
-    return b"0,0,Default,,0,0,0,," + b"\\N".join(text.splitlines())
