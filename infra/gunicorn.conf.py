@@ -30,10 +30,8 @@ _files = 1 << 20 if _files == resource.RLIM_INFINITY else _files
 worker_connections = max(threads, min(1000, _files - 64 - 4 * threads))
 timeout = 120  # a worker process silent this long is restarted; streaming requests keep it alive
 graceful_timeout = 60
-# One listening socket, the master's, shared by its workers (not SO_REUSEPORT's one per worker): a worker that stops
-# on a HUP or a USR2 upgrade leaves the connections waiting for an accept to the others (each its own socket, the ones
-# queued on a stopping worker's were reset: 5 in 25 HUPs under load); a master re-executed by USR2 gets the socket
-# (with one per worker it had none to pass, and failed to start); and a second server on the address fails to bind.
+# One listening socket, the master's, shared by its workers, not one each (SO_REUSEPORT: a HUP reset connections
+# queued on a stopping worker's, a USR2 master had none to take over, a second server shared the address unsaid).
 # A master killed with SIGKILL cannot stop its workers, which would keep the socket: each dies with it (post_fork).
 reuse_port = False
 # gunicorn's control socket (`gunicornc`) has one default path per user, which every API on the machine took in turn,

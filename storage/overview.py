@@ -71,9 +71,9 @@ def health(jobs: JobStore, workers: list[WorkerInfo], models: dict[str, str], re
     problems = [f"no worker takes jobs from {queue}" for queue, count in served.items() if not count]
     for worker in workers:  # a GPU worker started without VSRQ_WORKER_MODEL ran the default, lanczos, for K6's jobs
         wanted = sorted({model for model, queue in models.items() if queue in worker.queues})
-        if worker.served and wanted and worker.served not in wanted:
-            problems.append(f"worker {worker.name} runs {worker.served} for jobs of {', '.join(wanted)} "
-                            "(VSRQ_WORKER_MODEL, VSRQ_WORKER_SERVED_AS)")  # fmt: skip
+        if worker.served and wanted and worker.served not in wanted:  # no name: /healthz is public (`vsrq status`)
+            problems.append(f"a worker on {', '.join(worker.queues)} runs {worker.served} for jobs of "
+                            f"{', '.join(wanted)} (VSRQ_WORKER_MODEL, VSRQ_WORKER_SERVED_AS)")  # fmt: skip
     reaper_ok = since is not None and since <= reaper_stale_s
     if not reaper_ok:
         problems.append("the reaper has not passed " + (f"for {since:.0f} s" if since is not None else "yet"))
@@ -95,7 +95,7 @@ def durability(redis: Redis) -> list[str]:
         return []
     problems = []
     if not persistence.get("aof_enabled", 1):
-        problems.append("Redis keeps no append-only file (appendonly no): a restart loses every job")
+        problems.append("Redis keeps no append-only file (appendonly no): a restart loses the jobs since its last snapshot")
     if memory.get("maxmemory", 0) and memory.get("maxmemory_policy", "noeviction") != "noeviction":
         problems.append(f"Redis evicts keys when full (maxmemory-policy {memory['maxmemory_policy']}): jobs vanish; "
                         "set noeviction")  # fmt: skip

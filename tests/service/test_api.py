@@ -433,6 +433,7 @@ def test_health_says_what_is_down_and_what_to_check(settings, update, said):
     deadline = time.monotonic() + 10
     while (response := client.get("/healthz")).get_json()["checks"] == {}:  # its first checks under way
         assert time.monotonic() < deadline, response.get_json()
+        time.sleep(0.2)
     body = response.get_json()
     assert response.status_code == 503 and body["status"] == "unavailable", body
     assert any(problem.startswith(said) for problem in body["problems"]), body
