@@ -321,6 +321,18 @@ def _missing(error: ClientError) -> bool:
     return error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
 
 
+def refusal(error: ClientError) -> str | None:
+    """What storage refused, where it did: "key" (the access key or its secret: 403), "bucket" (none of that name);
+    None for any other answer. A HEAD's answer has no code but its status."""
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    code = error.response.get("Error", {}).get("Code")
+    if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return "key"
+    if code == "NoSuchBucket" or (status == 404 and error.operation_name == "HeadBucket"):
+        return "bucket"
+    return None
+
+
 # -- Local directory -----------------------------------------------------------------------------------------------
 
 # Segments of letters, digits, '.', '_' and '-' that do not start with a dot: no '..', no hidden files, no absolute

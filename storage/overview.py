@@ -17,6 +17,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from storage.blobs import refusal
 from storage.jobs import JobStore, Status
 from storage.workers import WorkerInfo, WorkerRegistry
 
@@ -112,16 +113,15 @@ def redis_problem(error: Exception) -> str:
 
 
 def storage_problem(error: Exception) -> str:
-    """Storage's answer as an operator acts on it (a refused key and a missing bucket were both "ClientError"); a
-    HEAD's answer has no code but its status."""
+    """Storage's answer as an operator acts on it (a refused key and a missing bucket were both "ClientError")."""
     if isinstance(error, botocore.exceptions.ClientError):
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = error.response.get("Error", {}).get("Code")
-        if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        refused = refusal(error)
+        if refused == "key":
             return "it refuses the key (VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY), 403"
-        if status == 404 or code == "NoSuchBucket":
+        if refused == "bucket":
             return "the bucket does not exist (VSRQ_S3_BUCKET): create it, 404"
-        return f"it answers {status} {code}"
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return f"it answers {status} {error.response.get('Error', {}).get('Code')}"
     if isinstance(error, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectionError)):
         return "it does not answer (VSRQ_S3_ENDPOINT_URL)"
     return f"it fails ({type(error).__name__})"

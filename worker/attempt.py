@@ -20,7 +20,7 @@ from botocore.retries.standard import (
 )
 from celery.worker import state as worker_state
 
-from storage.blobs import PREVIEWS, BlobNotFound, preview_key, work_prefix
+from storage.blobs import PREVIEWS, BlobNotFound, preview_key, refusal, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
 from storage.queue import send_upscale
@@ -67,7 +67,7 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "retry", "storage_unavailable", "Blob storage could not be reached."
     if isinstance(error, botocore.exceptions.ClientError) and _transient(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."
-    if isinstance(error, botocore.exceptions.ClientError) and refused(error) and storage_refuses_worker():
+    if isinstance(error, botocore.exceptions.ClientError) and refusal(error) and storage_refuses_worker():
         return "retry", STORAGE_REFUSED, "Blob storage refused the worker that took the job; another one will run it."
     return "failed", "internal_error", "The worker failed unexpectedly; the error is in its log."
 
@@ -76,24 +76,14 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
 STORAGE_REFUSED = "storage_refused_worker"
 EX_CONFIG = 78  # sysexits.h: a configuration error; a supervisor restarts it, and its start says what is wrong
 UNCOUNTED = (TailStuck.code, STORAGE_REFUSED)  # retries whose attempt the job's max attempts do not count
-# S3's refusals of who asks (a key or a secret the store does not know: a rotation half done) or of where (no bucket)
-_REFUSALS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "403"}
-
-
-def refused(error: botocore.exceptions.ClientError) -> bool:
-    """Whether storage refused the request: who asked, or the bucket (a HEAD's answer has no code but its status)."""
-    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    return status == 403 or error.response.get("Error", {}).get("Code") in _REFUSALS
-
-
 def storage_refuses_worker() -> bool:
-    """Whether storage refuses this worker itself, whatever the job: its bucket refused too. A job's own object may
-    be refused alone (its ACL; a missing key to a caller without ListBucket), which is the job's to fail."""
+    """Whether storage refuses this worker itself (its key, a rotation half done; its bucket), whatever the job: its
+    bucket refused too. A job's own object may be refused alone (its ACL; a missing key to a caller without
+    ListBucket), which is the job's to fail."""
     try:
         service.blobs().check()
     except botocore.exceptions.ClientError as error:
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return status == 404 or refused(error)
+        return refusal(error) is not None
     except Exception:  # out of reach now: an outage, which the job's next attempt waits out
         return False
     return False
