@@ -1,6 +1,7 @@
 """A Matroska (or WebM) file's track entries, walked for what PyAV does not say: the CodecID of a track FFmpeg has no
-codec for (mkvmerge's `S_TEXT/WEBVTT`, which this FFmpeg maps only as `D_WEBVTT/*`), and a track's encryption. EBML is walked by hand as the
-MP4 boxes are (mp4_boxes): no Python Matroska library is kept up, and the walk to the tracks is a few lines."""
+codec for (mkvmerge's `S_TEXT/WEBVTT`, which this FFmpeg maps only as `D_WEBVTT/*`), and a track's encryption. EBML
+is walked by hand as the MP4 boxes are (mp4_boxes): no Python Matroska library is kept up, and the walk to the tracks
+is a few lines."""
 
 from __future__ import annotations
 
