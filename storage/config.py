@@ -8,9 +8,12 @@ Nested values are JSON, e.g.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import ipaddress
+import os
 import secrets
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -37,6 +40,27 @@ def loopback(bind: str) -> bool:
         return True
     host = bind.rsplit(":", 1)[0] if bind.count(":") == 1 or bind.startswith("[") else bind
     return loopback_host(host.strip("[]"))
+
+
+# VSRQ_* names read outside the settings: the client's (a server started in the shell `vsrq dev` printed them into sees
+# them too), the corpus', and the Procfile's
+OTHER_VARIABLES = frozenset(
+    {"VSRQ_API_URL", "VSRQ_TOKEN", "VSRQ_DEV_PORT", "VSRQ_CORPUS_DIR", "VSRQ_WORKER_NAME", "VSRQ_WORKER_QUEUE"}
+)
+
+
+def unknown_variables(known: Iterable[str] = (), other_prefix: str = "VSRQ_WORKER_") -> list[str]:
+    """The VSRQ_* variables set that no setting of this process reads (`known`: its own beyond `Settings`; names under
+    `other_prefix` are another process's), each with the name it is closest to: the bucket's name misspelt was
+    ignored unsaid, and the default bucket used."""
+    names = {f"VSRQ_{field.upper()}" for field in Settings.model_fields} | OTHER_VARIABLES | set(known)
+    said = []
+    for name in sorted(os.environ):
+        if not name.startswith("VSRQ_") or name in names or (other_prefix and name.startswith(other_prefix)):
+            continue
+        close = difflib.get_close_matches(name, names, n=1)
+        said.append(f"{name} (not {close[0]}?)" if close else name)
+    return said
 
 
 def loopback_host(host: str) -> bool:

@@ -34,6 +34,7 @@ from celery.signals import worker_init, worker_shutdown
 from celery.worker import state as worker_state
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, preview_key
+from storage.config import unknown_variables
 from storage.jobs import (
     FileDigest,
     InvalidTransition,
@@ -89,6 +90,9 @@ def _load_model(**_: Any) -> None:
     signals.configure_logging()  # Celery sets logging up only after `worker_init`: the load and warmup would be lost
     heap.fix_mmap_threshold()  # before any job: its frames must not stay resident in glibc's arenas once freed
     config = service.worker_settings()
+    worker_names = {f"VSRQ_WORKER_{name.upper()}" for name in type(config).model_fields}
+    if unknown := unknown_variables(worker_names, other_prefix=""):
+        log.warning("VSRQ_* variables no setting reads, ignored: %s", ", ".join(unknown))
     _check_storage()
     _finisher.held = config.tails_held
     # The seconds so far are the interpreter's start and the imports of Celery and the worker's modules
