@@ -187,7 +187,8 @@ def test_reloads_and_an_upgrade_under_load_drop_no_request(service_env, tmp_path
     finally:
         stop.set()
         for thread in threads:
-            thread.join(30)
+            if thread.ident is not None:  # started: a failure before the load leaves none to join
+                thread.join(30)
         for process in [master, *master.children(recursive=True)] if master.is_running() else []:
             process.kill()
         if new_master is not None:
