@@ -96,7 +96,8 @@ def durability(redis: Redis) -> list[str]:
         return []
     problems = []
     if not persistence.get("aof_enabled", 1):
-        problems.append("Redis keeps no append-only file (appendonly no): a restart loses the jobs since its last snapshot")
+        problems.append("Redis keeps no append-only file (appendonly no): a restart loses the jobs since its last "
+                        "snapshot")  # fmt: skip
     if memory.get("maxmemory", 0) and memory.get("maxmemory_policy", "noeviction") != "noeviction":
         problems.append(f"Redis evicts keys when full (maxmemory-policy {memory['maxmemory_policy']}): jobs vanish; "
                         "set noeviction")  # fmt: skip

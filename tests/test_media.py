@@ -1223,8 +1223,8 @@ def test_a_lone_timestamp_far_ahead_is_retimed_not_held(tmp_path):
     """The other slip: one frame timed 30 s late, the frames after it going on. Shown after 60 frames decoded after
     it, no decoder's reordering: the output held its last frame for 30 s. Now it is timed between its neighbours."""
     times = [33 * i for i in range(90)]
-    whole = write_clip(tmp_path / "whole.mkv", len(times), SIZE, Fraction(30), timestamps=times, time_base=Fraction(1, 1000),
-                       video_options={"bf": "0"})  # fmt: skip
+    whole = write_clip(tmp_path / "whole.mkv", len(times), SIZE, Fraction(30), timestamps=times,
+                       time_base=Fraction(1, 1000), video_options={"bf": "0"})  # fmt: skip
     data = bytearray(whole.read_bytes())
     at = [offset for offset, track in _simple_blocks(data) if track == 1][20]
     struct.pack_into(">h", data, at, struct.unpack_from(">h", data, at)[0] + 30000)

@@ -50,8 +50,10 @@ def _track(data: bytes, start: int, end: int) -> Track:
         if kind == CODEC_ID:
             codec_id = data[body:stop]
         elif kind == CONTENT_ENCODINGS:
-            for _, encoding, encoding_end in _elements(data, body, stop):  # ContentEncoding
-                for part, part_body, part_end in _elements(data, encoding, encoding_end):
+            for encoding, encoding_body, encoding_end in _elements(data, body, stop):
+                if encoding != CONTENT_ENCODING:
+                    continue
+                for part, part_body, part_end in _elements(data, encoding_body, encoding_end):
                     if part == CONTENT_ENCRYPTION:
                         algorithm = next((data[s:e] for k, s, e in _elements(data, part_body, part_end)
                                           if k == CONTENT_ENC_ALGO), b"")  # fmt: skip
