@@ -117,6 +117,17 @@ def worker(env: dict[str, str], queue: str, logs: Path, model: str = "lanczos") 
     return Process(name, command, settings, logs / f"{name}.log")
 
 
+def webhooks(env: dict[str, str], queue: str, logs: Path) -> Process:
+    """The Procfile's webhook worker (threads), on `queue`."""
+    name = f"hooks-{secrets.token_hex(3)}"
+    command = [
+        sys.executable, "-m", "celery", "-A", "worker.webhooks", "worker", "--pool", "threads", "--concurrency", "2",
+        "-Q", queue, "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "--loglevel", "info",
+    ]  # fmt: skip
+    return Process(name, command, env, logs / f"{name}.log")
+
+
 def started(process: Process, timeout_s: float = 180) -> Process:
     """Waits until a worker started with `worker()` says it is ready for messages."""
     process.wait_for(lambda: " ready." in process.text(), "ready worker", timeout_s)

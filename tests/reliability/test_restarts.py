@@ -172,21 +172,24 @@ def test_a_worker_running_another_model_than_its_queue_serves_is_said(rel_env, t
 
 def test_a_misspelt_variable_is_said_at_start_not_ignored(rel_env, tmp_path):
     """`VSRQ_S3_BUCKE=...` was ignored unsaid (pydantic's extra="ignore"), and the default bucket used: the API, the
-    worker and the reaper each say at start which VSRQ_* names no setting reads, and the name each is closest to."""
+    workers (upscaling and webhooks) and the reaper each say at start which VSRQ_* names no setting reads, and the name
+    each is closest to."""
     env = {**rel_env, "VSRQ_S3_BUCKE": "ops-typo", "VSRQ_WORKER_MODLE": "lanczos", "VSRQ_WEB_WORKERS": "1"}
     port = free_ports(1)[0]
     api = processes.serving(processes.api(env, port, tmp_path).start(), f"http://127.0.0.1:{port}")
     worker = processes.started(processes.worker(env, f"vsrq.typo-{os.getpid()}", tmp_path).start())
     reaper = processes.reaper(env, tmp_path).start()
+    hooks = processes.started(processes.webhooks(env, f"vsrq.typo-hooks-{os.getpid()}", tmp_path).start())
     try:
         reaper.wait_for(lambda: "no setting reads" in reaper.text(), "the reaper's warning", timeout_s=60)
         for process, said in ((api, ["VSRQ_S3_BUCKE (not VSRQ_S3_BUCKET?)"]), (reaper, ["VSRQ_S3_BUCKE"]),
-                              (worker, ["VSRQ_S3_BUCKE", "VSRQ_WORKER_MODLE (not VSRQ_WORKER_MODEL?)"])):  # fmt: skip
+                              (worker, ["VSRQ_S3_BUCKE", "VSRQ_WORKER_MODLE (not VSRQ_WORKER_MODEL?)"]),
+                              (hooks, ["VSRQ_S3_BUCKE (not VSRQ_S3_BUCKET?)"])):  # fmt: skip
             line = next((line for line in process.text().splitlines() if "no setting reads" in line), "")
             assert all(name in line for name in said), process.text()[-2000:]
-        assert "VSRQ_WORKER_MODLE" not in api.text()  # a worker's setting, not the API's to judge
+        assert "VSRQ_WORKER_MODLE" not in api.text() + hooks.text()  # the GPU worker's setting, not theirs to judge
     finally:
-        processes.stop_all([reaper, worker, api])
+        processes.stop_all([hooks, reaper, worker, api])
 
 
 def test_a_redis_that_would_lose_jobs_is_said_in_health_and_status(rel_env, tmp_path):
