@@ -1,15 +1,18 @@
 """Request bodies, bounded: in time (the worker paces every read: api/gunicorn_worker.py), in how many one key sends
-at once (a slot per body, taken before a byte of it is read), in size as they stream (`capped`) and in JSON depth
-(`parse_json`, before parsing).
+at once (a slot per body, taken before a byte of it is read), in size as they stream (`capped`), after decompression
+(`read_json`) and in JSON depth (`parse_json`, before parsing).
 
 A client too slow or stalled mid-body gets 408 `request_timeout`; a key with all its body slots taken gets 429
-`too_many_uploads`; a JSON document nested deeper than `MAX_JSON_DEPTH` gets 400 `json_too_deep`.
+`too_many_uploads`; a JSON document nested deeper than `MAX_JSON_DEPTH` gets 400 `json_too_deep`. A JSON body may
+come gzip- or deflate-compressed (RFC 9110's Content-Encoding: clients and proxies that compress what they send); an
+upload comes as it is (video is compressed already): any other coding gets 415 `unsupported_content_encoding`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from typing import Any, BinaryIO
 
 from flask import Flask, g, request
@@ -57,6 +60,48 @@ def parse_json(raw: bytes | str, what: str = "The body") -> Any:
     if too_deep(raw):
         raise ApiError(400, "json_too_deep", f"{what} nests more than {MAX_JSON_DEPTH} levels deep.")
     return json.loads(raw)
+
+
+# zlib's window bits that take a gzip or a zlib header alike: "deflate" in HTTP is zlib's format (RFC 9110 8.4.1.2)
+_GZIP_OR_ZLIB = 32 + zlib.MAX_WBITS
+JSON_CODINGS = frozenset({"gzip", "x-gzip", "deflate"})
+
+
+def _coding() -> str:
+    return request.headers.get("Content-Encoding", "").strip().lower()
+
+
+def check_coding() -> None:
+    """The app's `before_request`: a body in a coding this API does not read is refused before a byte of it is."""
+    coding = _coding()
+    has_body = request.content_length or request.headers.get("Transfer-Encoding", "").lower() == "chunked"
+    if coding in ("", "identity") or not has_body:
+        return
+    if request.mimetype != "application/json":
+        raise ApiError(
+            415,
+            "unsupported_content_encoding",
+            f"Send the upload as it is, without a Content-Encoding (`{coding}`): video is compressed already.",
+        )
+    if coding not in JSON_CODINGS:
+        raise ApiError(
+            415, "unsupported_content_encoding", f"A JSON body may come gzip- or deflate-compressed, not `{coding}`."
+        )
+
+
+def read_json(limit: int) -> bytes:
+    """Up to `limit` + 1 bytes of the request's JSON body, decompressed where its Content-Encoding says so: a small
+    compressed body that inflates past the limit stops there."""
+    if _coding() not in JSON_CODINGS:
+        return request.stream.read(limit + 1)
+    inflater, out = zlib.decompressobj(_GZIP_OR_ZLIB), bytearray()
+    try:
+        while len(out) <= limit and (chunk := request.stream.read(64 * 1024)):
+            out += inflater.decompress(chunk, limit + 1 - len(out))
+    except zlib.error:
+        detail = f"The body is not the {_coding()} data its Content-Encoding says."
+        raise ApiError(400, "malformed_json", detail) from None
+    return bytes(out)
 
 
 class TimedInput:
@@ -124,4 +169,5 @@ def register(app: Flask) -> None:
         return inner(environ, start_response)
 
     app.wsgi_app = timed
+    app.before_request(check_coding)
     app.teardown_request(_release_body_slot)

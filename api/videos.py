@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from api import idempotency
 from api.auth import admit_caller, owner
-from api.body import hold_body_slot, parse_json
+from api.body import hold_body_slot, parse_json, read_json
 from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
@@ -148,7 +148,7 @@ def _fingerprint(files: frozenset[str]) -> str:
 
 
 def _json_body() -> dict[str, Any]:
-    raw = request.stream.read(MAX_JSON_BYTES + 1)
+    raw = read_json(MAX_JSON_BYTES)
     if len(raw) > MAX_JSON_BYTES:
         raise ApiError(
             413, "body_too_large", f"A JSON body is limited to {MAX_JSON_BYTES} bytes; send videos as multipart."

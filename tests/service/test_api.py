@@ -10,7 +10,9 @@ import secrets
 import subprocess
 import sys
 import threading
+import gzip
 import time
+import zlib
 
 import pytest
 import requests
@@ -303,6 +305,34 @@ def test_json_create_by_upload_id_or_key(api, clip, redis_client):
     assert_problem(
         requests.post(f"{api}/v1/videos", json={"seed": 1}, headers=auth("alice"), timeout=10), 422, "missing_video"
     )
+
+
+def test_a_compressed_json_create_is_read_and_an_upload_must_come_as_it_is(api, clip):
+    """A client or proxy that gzips what it sends (Content-Encoding, RFC 9110) got "The body is not valid JSON"."""
+    uploaded = upload(api, "alice", clip)
+    body = json.dumps({"upload_id": uploaded["id"], "metadata": {"ref": "gz"}}).encode()
+    headers = {**auth("alice"), "Content-Type": "application/json"}
+    for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        response = requests.post(
+            f"{api}/v1/videos", data=data, headers={**headers, "Content-Encoding": coding}, timeout=10
+        )
+        assert response.status_code == 200, (coding, response.text)
+        assert (response.json()["input"]["upload_id"], response.json()["metadata"]) == (uploaded["id"], {"ref": "gz"})
+    # a few KiB that inflate past the JSON limit stop there; bytes that are not what the coding says are refused
+    bomb = gzip.compress(b'{"metadata": "' + b" " * (8 * MiB) + b'"}')
+    for data, status, code in ((bomb, 413, "body_too_large"), (b"{not gzip}", 400, "malformed_json")):
+        sent = requests.post(f"{api}/v1/videos", data=data, headers={**headers, "Content-Encoding": "gzip"}, timeout=10)
+        assert_problem(sent, status, code)
+    assert_problem(
+        requests.post(f"{api}/v1/videos", data=body, headers={**headers, "Content-Encoding": "br"}, timeout=10),
+        415,
+        "unsupported_content_encoding",
+    )
+    # a video is compressed already: a gzipped upload would be stored as the gzip, and fail as an unreadable video
+    files = {"video_reference": ("clip.mp4", gzip.compress(clip), "video/mp4")}
+    gzipped = {**auth("alice"), "Content-Encoding": "gzip"}
+    sent = requests.post(f"{api}/v1/videos", files=files, headers=gzipped, timeout=10)
+    assert_problem(sent, 415, "unsupported_content_encoding")
 
 
 def test_list_paginates_and_filters_by_status(api, clip):
