@@ -9,6 +9,7 @@ never to the caller). The same body also carries OpenAI's `error {message, type,
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import botocore.exceptions
@@ -57,6 +58,13 @@ _OPENAI_TYPES = {
     429: "rate_limit_error",
 }
 RETRY_FIXES = frozenset({"idempotency_in_flight"})  # the 409s that a later try can succeed
+# OpenAI's video operations that generate from a prompt: its SDKs call them by method, so Werkzeug's "check the URL
+# you entered" told their users nothing
+_GENERATION_ONLY = (
+    (re.compile(r"/v1/videos/[^/]+/remix/?"), "videos.remix"),
+    (re.compile(r"/v1/videos/extensions/?"), "videos.extend"),
+    (re.compile(r"/v1/videos/characters(/[^/]*)?/?"), "videos.create_character / get_character"),
+)
 
 
 class OpenAIError(BaseModel):
@@ -154,6 +162,22 @@ def field_errors(error: ValidationError) -> list[dict[str, Any]]:
     ]
 
 
+def _no_route(error: HTTPException) -> Response:
+    """A path or method no route serves, said in the API's terms (a route's own 404s are ApiErrors)."""
+    for pattern, operation in _GENERATION_ONLY:
+        if pattern.fullmatch(request.path):
+            detail = (
+                f"`{operation}` generates video from a prompt, which vsrq does not offer: it upscales videos. To "
+                "upscale a completed job's output again, use `videos.edit` (POST /v1/videos/edits)."
+            )
+            return problem(404, "not_offered", detail)
+    if error.code == 404:
+        return problem(404, "not_found", f"No endpoint at {request.path}; /openapi.json lists the API's endpoints.")
+    allow = getattr(error, "valid_methods", None) or []
+    detail = f"{request.method} is not offered on {request.path}; it takes {', '.join(allow)}."
+    return problem(405, "method_not_allowed", detail, headers={"Allow": ", ".join(allow)})
+
+
 def register(app: Flask) -> None:
     # An error answered before the body was read whole (401, 413...) needs no draining here: gunicorn closes
     # gracefully (FIN, then reads what is left) so the client gets the answer, not a connection reset.
@@ -163,14 +187,10 @@ def register(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http(error: HTTPException) -> Response:
+        if error.code in (404, 405):
+            return _no_route(error)
         code = (error.name or "error").lower().replace(" ", "_")
-        allow = getattr(error, "valid_methods", None)  # 405 says what is allowed
-        return problem(
-            error.code or 500,
-            code,
-            error.description or error.name,
-            headers={"Allow": ", ".join(allow)} if allow else None,
-        )
+        return problem(error.code or 500, code, error.description or error.name)
 
     # Redis restarting (or loading its AOF), blob storage unreachable: the request was fine, it can be sent again
     # shortly. Never a 500, so clients and load balancers retry instead of reporting a bug.

@@ -301,6 +301,30 @@ def test_openai_sdk_errors_read_well_and_are_not_retried_in_vain(anonymous_api, 
         requests.post(f"{anonymous_api}/v1/videos/{job}/cancel", timeout=10)
 
 
+def test_openai_sdk_generation_methods_are_refused_by_name(anonymous_api, sdk, in_mp4):
+    """`remix`, `extend` and the characters answered Werkzeug's "If you entered the URL manually please check your
+    spelling": an SDK user typed no URL."""
+    calls = {
+        "videos.remix": lambda: sdk.videos.remix("video_0123", prompt="x"),
+        "videos.extend": lambda: sdk.videos.extend(prompt="x", seconds="4", video=in_mp4.open("rb")),
+        "videos.create_character": lambda: sdk.videos.create_character(name="x", video=in_mp4.open("rb")),
+        "videos.get_character": lambda: sdk.videos.get_character("char_0123"),
+    }
+    for operation, call in calls.items():
+        with pytest.raises(openai.NotFoundError) as refused:
+            call()
+        assert refused.value.code == "not_offered", (operation, refused.value.body)
+        assert operation.split(".")[1].split("_")[0] in refused.value.message and "videos.edit" in refused.value.message
+    # any other path or method says what it is, in the API's terms
+    nothing = requests.post(f"{anonymous_api}/v1/nothing", timeout=10)
+    assert (nothing.status_code, nothing.json()["code"]) == (404, "not_found")
+    assert "/openapi.json" in nothing.json()["detail"] and "manually" not in nothing.json()["detail"]
+    wrong = requests.put(f"{anonymous_api}/v1/videos", timeout=10)
+    assert (wrong.status_code, wrong.json()["code"]) == (405, "method_not_allowed")
+    assert wrong.json()["detail"].startswith("PUT is not offered on /v1/videos; it takes ")
+    assert "POST" in wrong.headers["Allow"]
+
+
 def test_served_models_are_listed_the_openai_way(anonymous_api, sdk):
     models = sdk.models.list()
     assert [(model.id, model.object, model.owned_by) for model in models] == [
