@@ -95,7 +95,9 @@ class Problem(BaseModel):
             # OpenAI's SDK keeps only `error` (as `e.body`, its message as `e.message`): the field errors go in it, or
             # a detail that says "see `errors`" would point its user at nothing
             fields = "; ".join(
-                f"{item.field}: {item.message}" if item.field else item.message for item in self.errors or []
+                f"{item.field}: {item.message}" if item.field else item.message
+                for item in self.errors or []
+                if item.message not in self.detail  # a detail that is the one field's reason: not said twice
             )
             self.error = OpenAIError(
                 message=f"{self.detail} {fields}" if fields else self.detail,

@@ -51,6 +51,7 @@ class FormReader:
     def __init__(self, stream: BinaryIO, boundary: bytes, max_field_bytes: int, file_fields: frozenset[str]) -> None:
         self._stream, self._max_field_bytes, self._file_fields = stream, max_field_bytes, file_fields
         self._decoder = MultipartDecoder(boundary, max_parts=MAX_PARTS)
+        self._ended = False  # the body's last byte read: the decoder's complaint is then that it was cut short
         self._events = self._pull()
 
     def _pull(self) -> Iterator[Field | File | Data]:
@@ -65,12 +66,17 @@ class FormReader:
                             "form_part_too_large",
                             f"A multipart preamble or part header block is larger than {MAX_BUFFERED} bytes.",
                         )
+                    self._ended = not data
                     self._decoder.receive_data(data or None)  # None: the body ended
                     continue
             except RequestEntityTooLarge:
                 raise ApiError(413, "too_many_parts", f"A form may have at most {MAX_PARTS} parts.") from None
             except ValueError as error:
-                raise ApiError(400, "malformed_form", f"The multipart body cannot be parsed: {error}") from None
+                if self._ended:  # Werkzeug says "cannot parse beyond State.DATA": its state, not the sender's fault
+                    detail = "The multipart body ended before its closing boundary: the upload was cut short."
+                else:
+                    detail = f"The multipart body cannot be parsed: {error}"
+                raise ApiError(400, "malformed_form", detail) from None
             if isinstance(event, Epilogue):
                 return
             if isinstance(event, (Field, File, Data)):

@@ -179,7 +179,8 @@ class RateLimiter:
             raise ApiError(
                 429,
                 "too_many_active_jobs",
-                f"This key may have {limits.active_jobs} jobs queued or running at once; wait for one to end.",
+                f"This key may have {limits.active_jobs} job{'s' * (limits.active_jobs != 1)} queued or running at "
+                "once; wait for one to end.",
                 headers={"Retry-After": str(ACTIVE_RETRY_AFTER_S)},
             )
         try:

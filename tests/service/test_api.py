@@ -113,6 +113,10 @@ def test_requests_without_a_valid_key_are_refused(api, clip):
 
 def test_http_errors_and_our_own_faults_are_problems_without_tracebacks(api, clip, redis_client):
     assert_problem(requests.get(f"{api}/v1/nothing", headers=auth("alice"), timeout=10), 404, "not_found")
+    # the one field's reason is the detail: OpenAI's `error.message` said it twice ("… at most 100. limit: … 100.")
+    over = requests.get(f"{api}/v1/videos?limit=100000", headers=auth("alice"), timeout=10)
+    over = assert_problem(over, 422, "invalid_request")
+    assert over["error"]["message"] == over["detail"] and over["error"]["param"] == "limit"
     response = requests.put(f"{api}/v1/videos", headers=auth("alice"), timeout=10)
     assert_problem(response, 405, "method_not_allowed")
     assert "POST" in response.headers["Allow"]
