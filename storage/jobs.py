@@ -272,6 +272,9 @@ class Video(BaseModel):
     error: JobErrorInfo | None
     size: str | None = Field(description="output WxH once known (OpenAI's field)")
     seconds: str | None = Field(description="output duration once known (OpenAI's field)")
+    # OpenAI's SDKs type both as string | null: absent, a typed client read `undefined`
+    prompt: None = Field(None, description="OpenAI's field: null (super-resolution takes no prompt; one sent is ignored)")
+    remixed_from_video_id: None = Field(None, description="OpenAI's field: null (vsrq offers no remix)")
     params: dict[str, Any]
     input: VideoInput
     output: VideoOutput | None

@@ -187,6 +187,8 @@ def test_openai_sdk_drives_every_videos_method(anonymous_api, lanczos_worker, in
         extra_body={"sr_resolution_scale": 2, "seed": -1, "metadata": {"ref": "sdk-1"}},  # sent as form fields
     )
     assert video.status == "queued" and video.model == "lanczos"
+    # every field of OpenAI's Video is in the body: the SDKs type these string | null, and a typed client read undefined
+    assert {"prompt", "remixed_from_video_id"} <= video.model_fields_set and video.prompt is None
     extra = video.model_extra
     assert extra["metadata"] == {"ref": "sdk-1"} and extra["params"]["seed"] >= 0
 
