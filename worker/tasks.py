@@ -93,6 +93,7 @@ def _load_model(**_: Any) -> None:
     worker_names = {f"VSRQ_WORKER_{name.upper()}" for name in type(config).model_fields}
     if unknown := unknown_variables(worker_names, other_prefix=""):
         log.warning("VSRQ_* variables no setting reads, ignored: %s", ", ".join(unknown))
+    _check_job_store()
     _check_storage()
     _finisher.held = config.tails_held
     # The seconds so far are the interpreter's start and the imports of Celery and the worker's modules
@@ -104,6 +105,21 @@ def _load_model(**_: Any) -> None:
     began = started.seconds()
     service.upscaler()
     log.info("model ready in %.1f s, %.1f s after the process started", started.seconds() - began, started.seconds())
+
+
+def _check_job_store() -> None:
+    """A worker whose Redis refuses its password or user (VSRQ_REDIS_URL: a rotation half done) could lease no job:
+    each message it took went back to the broker, its job waiting behind it. Redis out of reach is an outage, waited out.
+    """
+    try:
+        service.jobs().redis.ping()
+    except redis.exceptions.AuthenticationError:
+        log.error("the job store's Redis refuses this worker's password or user: check VSRQ_REDIS_URL; exiting "
+                  "(status %d)", EX_CONFIG)  # fmt: skip
+        logging.shutdown()
+        os._exit(EX_CONFIG)
+    except redis.exceptions.RedisError:
+        pass
 
 
 def _check_storage() -> None:

@@ -789,6 +789,30 @@ def test_a_worker_that_storage_refuses_takes_no_job(env, api, jobs, clips, logs)
         worker.stop()
 
 
+def test_a_worker_that_redis_refuses_does_not_start(env, api, jobs, clips, logs):
+    """A worker whose Redis password or user is not the store's started, and leased nothing: each message it took was
+    sent back to the broker every 2 s, its job waiting behind it, while the worker looked healthy."""
+    job_id = create(api, clips["small"])
+    host_port = env["VSRQ_REDIS_URL"].split("://", 1)[1]
+    wrong = {**env, "VSRQ_REDIS_URL": f"redis://someone:not-the-password@{host_port}",
+             "VSRQ_BROKER_URL": env.get("VSRQ_BROKER_URL") or env["VSRQ_REDIS_URL"]}  # fmt: skip
+    refused = processes.worker(wrong, QUEUE, logs).start()
+    deadline = time.monotonic() + 120
+    while refused.alive:
+        assert time.monotonic() < deadline, refused.text()[-2000:]
+        time.sleep(0.2)
+    assert refused.exit_status == EX_CONFIG, refused.text()[-2000:]
+    assert "Redis refuses this worker's password or user" in refused.text() and "VSRQ_REDIS_URL" in refused.text()
+    job = jobs.require(job_id)
+    assert (job.status, job.attempt) == (Status.QUEUED, 0), job
+    worker = started(processes.worker(env, QUEUE, logs).start())
+    try:
+        [done] = wait_all(jobs, [job_id], limit_s=120)
+        assert (done.status, done.attempt) == (Status.COMPLETED, 1), done
+    finally:
+        worker.stop()
+
+
 def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, jobs, blobs, clips, logs, tmp_path):
     # A valid 1080p clip at x4: lanczos holds frames of 7680x4320 that no 1 GiB-bounded worker can, so the memory
     # limit kills the worker on every attempt, as a container's OOM killer would.
