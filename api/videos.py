@@ -240,6 +240,7 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
         model=model,
         queue=settings.models[model],
         params=create.params.model_dump(),
+        asks=sorted(create.params.model_dump(exclude_defaults=True)),
         input=source,
         metadata=create.options.metadata,
         webhook_url=create.options.webhook_url,

@@ -197,6 +197,9 @@ class JobRecord(BaseModel):
     cancel_requested: bool = False
     worker: str | None = None
     params: dict[str, Any]  # the SR and output parameters the worker runs with
+    # the params the caller set to other than their defaults: a worker older than the API that made the job (a rolling
+    # deploy) that does not know one of them gives the job back instead of running it as if unset (worker/tasks.py)
+    asks: list[str] = []
     input: InputInfo
     output: OutputInfo | None = None
     error: JobErrorInfo | None = None
@@ -801,6 +804,7 @@ class JobStore:
         queue: str,
         params: dict[str, Any],
         input: InputInfo,
+        asks: list[str] = (),
         metadata: dict[str, Any] | None = None,
         webhook_url: str | None = None,
         job_id: str | None = None,
@@ -819,6 +823,7 @@ class JobStore:
             seq=seq,
             status=Status.QUEUED,
             params=params,
+            asks=sorted(asks),
             input=input,
             metadata=metadata or {},
             webhook_url=webhook_url,
@@ -1164,7 +1169,7 @@ class Lease:
 
 # -- Record <-> Redis hash -----------------------------------------------------------------------------------------
 
-_JSON_FIELDS = ("params", "input", "output", "error", "metadata")
+_JSON_FIELDS = ("params", "asks", "input", "output", "error", "metadata")
 
 
 def _to_hash(job: JobRecord) -> dict[str, str | int | float]:

@@ -28,7 +28,7 @@ from storage.webhooks import Outbox, relay_now
 from worker import service
 from worker.backoff import backoff_s
 from worker.celery_app import app
-from worker.errors import Cancelled, CodedError, PermanentError, TailStuck
+from worker.errors import Cancelled, CodedError, PermanentError, TailStuck, WorkerOutdated
 from worker.fetch import NO_ROOM, FetchUnavailable, WorkerDiskFull
 
 log = logging.getLogger("vsrq.worker")
@@ -43,6 +43,8 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
     if isinstance(error, PermanentError):  # raised on purpose, with a stable code: another attempt would raise it again
         return "failed", error.code, error.message
     if isinstance(error, TailStuck):  # this worker is at fault, not the job: it exits, another worker runs the job
+        return "retry", error.code, error.message
+    if isinstance(error, WorkerOutdated):  # nor here: a newer worker runs the job
         return "retry", error.code, error.message
     if isinstance(error, BlobNotFound):  # another file of the job (a kept window) vanished under it: start again
         # (its own code: `Heartbeat.storage` waits out only outages, and a missing file is not one)
@@ -75,7 +77,9 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
 # The code of a job given back because storage refuses its worker (worker.tasks stops that worker), and its exit status
 STORAGE_REFUSED = "storage_refused_worker"
 EX_CONFIG = 78  # sysexits.h: a configuration error; a supervisor restarts it, and its start says what is wrong
-UNCOUNTED = (TailStuck.code, STORAGE_REFUSED)  # retries whose attempt the job's max attempts do not count
+UNCOUNTED = (TailStuck.code, STORAGE_REFUSED, WorkerOutdated.code)  # retries the job's max attempts do not count
+# How long a job that asks for what its worker does not know waits out of line: a rolling deploy's new workers start
+OUTDATED_WAIT_S = 30.0
 def storage_refuses_worker() -> bool:
     """Whether storage refuses this worker itself (its key, a rotation half done; its bucket), whatever the job: its
     bucket refused too. A job's own object may be refused alone (its ACL; a missing key to a caller without
@@ -103,6 +107,8 @@ def retry_wait_s(error: BaseException, lease: Lease) -> float:
     if isinstance(error, FetchUnavailable):
         settings = service.settings()
         return backoff_s(lease.attempt, settings.fetch_retry_base_s, settings.fetch_retry_max_s, error.retry_after)
+    if isinstance(error, WorkerOutdated):  # taken at once, it would come back to the same workers
+        return OUTDATED_WAIT_S
     return 0.0
 
 

@@ -26,6 +26,13 @@ class Cancelled(PermanentError):
     code = "cancelled"
 
 
+class WorkerOutdated(CodedError):
+    """The job asks for a parameter this worker does not know: an API newer than this worker made it (a rolling
+    deploy). It goes back to the queue, uncounted, for a worker that knows it (worker.attempt.classify)."""
+
+    code = "worker_outdated"
+
+
 class TailStuck(CodedError):
     """The previous job's tail is stuck on this worker: the job that waited for it goes back to the queue, for another
     worker (worker.attempt.classify retries it)."""

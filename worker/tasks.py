@@ -61,7 +61,7 @@ from worker.attempt import (
 )
 from worker.celery_app import app
 from worker.costs import charge, job_limits
-from worker.errors import TailStuck
+from worker.errors import TailStuck, WorkerOutdated
 from worker.fetch import fetch
 from worker.finisher import Finisher, Turn
 from worker.heartbeat import UPLOADING, Heartbeat
@@ -345,6 +345,12 @@ class _Tail:
 
 
 def _head(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> _Tail:
+    if unknown := sorted(set(job.asks) - JOB_PARAMS):
+        log.warning("%s asks for %s, which this worker does not know: the API that took it is newer than this worker "
+                    "(deploy workers before the API); the job goes back to the queue", job.id, ", ".join(unknown))  # fmt: skip
+        names = ", ".join(f"`{name}`" for name in unknown)
+        raise WorkerOutdated(f"The worker that took the job is older than the API and does not know {names}; a newer "
+                             "worker will run it.")  # fmt: skip
     config = service.worker_settings()
     default_steps = service.upscaler().default_steps
     options = replace(
@@ -699,6 +705,13 @@ def _previews(job_id: str, result: UpscaleResult, directory: Path) -> dict[str, 
         log.warning("%s: no thumbnail or sprite sheet", job_id, exc_info=True)
         return {}
     return {"thumbnail": made.thumbnail, "spritesheet": made.spritesheet}
+
+
+# The params `job_options` reads: a job that asks for another (JobRecord.asks) came from a newer API
+JOB_PARAMS = frozenset({
+    "sr_resolution_scale", "num_inference_steps", "seed", "sr_tile_min_overlap", "sr_tiles_batch_size", "quality",
+    "sr_target_resolution", "sr_target_resize_mode", "output_codec", "output_crf", "deinterlace", "background",
+})  # fmt: skip
 
 
 def job_options(params: dict[str, Any], default_steps: int | None = SRRequest.num_inference_steps) -> UpscaleOptions:

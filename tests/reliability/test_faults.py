@@ -813,6 +813,35 @@ def test_a_worker_that_redis_refuses_does_not_start(env, api, jobs, clips, logs)
         worker.stop()
 
 
+def test_a_job_from_a_newer_api_goes_back_rather_than_run_without_what_it_asks(env, api, jobs, clips, logs):
+    """A rolling deploy, the API first: a worker older than a field a job asked for (`background`, field-rate
+    `deinterlace`) ran it as if unset, completed, its record claiming the setting. The record says what the caller set
+    (`asks`); a worker that does not know one of those gives the job back, uncounted, to wait for a newer worker."""
+    plain, white = create(api, clips["small"]), create(api, clips["small"], background="#FFFFFF")
+    assert jobs.require(plain).asks == ["seed", "sr_resolution_scale"]  # what the caller set, at other than defaults
+    assert jobs.require(white).asks == ["background", "seed", "sr_resolution_scale"]
+    # the record a newer API writes for a field this worker does not have
+    record = f"vsrq:job:{white}"
+    params = {**json.loads(jobs.redis.hget(record, "params")), "sharpen": "strong"}
+    jobs.redis.hset(record, mapping={"params": json.dumps(params), "asks": json.dumps(["background", "sharpen"])})
+    worker = started(processes.worker(env, QUEUE, logs).start())
+    try:
+        [done] = wait_all(jobs, [plain], limit_s=120)
+        assert done.status == Status.COMPLETED
+        deadline = time.monotonic() + 60
+        while not (requeued := [event for event in jobs.events(white) if event.type == "requeued"]):
+            assert time.monotonic() < deadline, jobs.events(white)
+            time.sleep(0.2)
+        reason = requeued[0].detail["reason"]
+        assert reason["code"] == "worker_outdated" and "`sharpen`" in reason["message"], requeued
+        assert requeued[0].detail["retry_in_s"] == 30  # out of line a while: taken at once, it would come back here
+        job = jobs.require(white)
+        assert (job.status, job.output, jobs.redis.hget(record, "excused")) == (Status.QUEUED, None, b"1"), job
+        assert "deploy workers before the API" in worker.text()
+    finally:
+        worker.stop()
+
+
 def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, jobs, blobs, clips, logs, tmp_path):
     # A valid 1080p clip at x4: lanczos holds frames of 7680x4320 that no 1 GiB-bounded worker can, so the memory
     # limit kills the worker on every attempt, as a container's OOM killer would.

@@ -40,6 +40,7 @@ from worker.media.errors import InputCorrupt, InputNotFound
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
 from worker.scratch import scratch_bytes
+from worker.tasks import JOB_PARAMS, job_options
 from worker.sr.checkpoint import write_tiny
 
 from .conftest import ROOT, WORKER_THREADS, auth, broker_messages, vsrq
@@ -109,6 +110,25 @@ def wait_for(api: str, job_id: str, log: Path, until=lambda job: job["status"] i
         assert time.monotonic() < deadline, f"job stuck at {job}; worker log:\n{log.read_text()[-4000:]}"
         time.sleep(0.1)
     return job
+
+
+def test_the_worker_reads_every_param_the_api_takes():
+    """A param the API takes and the worker does not read would be dropped unsaid: JOB_PARAMS is what a job's `asks`
+    is checked against (a rolling deploy's older worker gives such a job back)."""
+    assert JOB_PARAMS == set(UpscaleParams.model_fields)
+    read: set[str] = set()
+
+    class Recorded(dict):
+        def __getitem__(self, name: str):
+            read.add(name)
+            return super().__getitem__(name)
+
+        def get(self, name: str, default=None):
+            read.add(name)
+            return super().get(name, default)
+
+    job_options(Recorded(UpscaleParams(sr_target_resolution="hd").model_dump()))
+    assert read == JOB_PARAMS
 
 
 def test_a_job_runs_end_to_end(api, worker, stereo_clip, jobs, s3, tmp_path):
