@@ -375,6 +375,7 @@ class _Scan:
     video_packets: int = 0  # every packet, including those an edit list discards
     timestamps: list[int | None] = field(default_factory=list)  # presented frames, decode order
     decode_timed: bool = False  # the container times samples by decode-time gaps (ISO BMFF: MP4, MOV, 3GP)
+    track_duration: int | None = None  # the stream's own (an MP4's: its samples' durations summed)
     latest: int | None = None  # the latest presentation time so far (B-frames come back earlier)
     latest_duration: int = 0  # that frame's packet duration
     decode_start: int | None = None  # the presented frames' earliest decode time
@@ -411,7 +412,12 @@ class _Scan:
             return 0
         if not self.decode_timed:
             return self.latest_duration
-        return max(0, first + self.decode_end - self.decode_start - self.latest)
+        end = self.decode_end
+        # FFmpeg hands VP9 in MP4 (Chrome's MediaRecorder `video/mp4`) packets of 0 or 1 tick, not its samples'
+        # durations: its last frame lasted a tick, and the MP4's edit list, in milliseconds, then cut it off
+        if self.latest_duration <= 1 and self.track_duration:
+            end = max(end, self.decode_start + self.track_duration)
+        return max(0, first + end - self.decode_start - self.latest)
 
 
 def cut_off(packet: av.Packet, size: int) -> bool:
@@ -423,7 +429,7 @@ def cut_off(packet: av.Packet, size: int) -> bool:
 
 
 def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
-    scan = _Scan(decode_timed=iso_bmff(container))
+    scan = _Scan(decode_timed=iso_bmff(container), track_duration=stream.duration)
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
     unpack = unpacker(stream)
