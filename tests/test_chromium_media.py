@@ -10,6 +10,8 @@ from pathlib import Path
 import av
 import pytest
 
+from worker.media.errors import InputEmpty
+from worker.media.probe import probe
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
 from worker.upscale import UpscaleOptions, upscale_file
@@ -17,6 +19,7 @@ from worker.upscale import UpscaleOptions, upscale_file
 MEDIA = Path(__file__).parent / "media" / "chromium"
 FAST = UpscaleOptions(request=SRRequest(scale=2), preset="ultrafast")
 SHA256 = {
+    "mediarecorder_no_frames.webm": "34625a59ca017ae414573bcb4a21464514f695d9806955fa676098939005795c",
     "mediarecorder_vp8_vfr.webm": "02ff3c74f46ac5d29c4a1690bf2187940f1bb809bd8e6d0d903c5e5c0952e840",
     "mediarecorder_vp9_1.mp4": "3f1336f232668323115116a252f236363550fe222be744bbd1729361c6cee610",
     "mediarecorder_vp9_2.mp4": "93d6b5a04086e08374c5d411416f87b86cc45a77925aef350f44e981f2e9b778",
@@ -58,3 +61,10 @@ def test_a_canvas_recordings_lossy_alpha_is_no_transparency_to_tell(tmp_path):
     assert not any("transparent" in note for note in result.notes), result.notes
     (times, _), (out_times, _) = _timeline(source), _timeline(output)
     assert len(out_times) == len(times) == 39 and max(abs(a - b) for a, b in zip(times, out_times)) < Fraction(1, 1000)
+
+
+def test_a_recording_stopped_before_its_first_frame_is_said_to_be_empty():
+    """Chromium writes the EBML header and zeros (110 bytes) for a recording stopped before a frame was drawn: it was
+    `input_unreadable`, "not a video file FFmpeg can read (End of file)"."""
+    with pytest.raises(InputEmpty, match="a recording stopped before its first frame"):
+        probe(MEDIA / "mediarecorder_no_frames.webm")

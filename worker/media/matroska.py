@@ -39,6 +39,20 @@ def tracks(path: str | Path) -> list[Track]:
     return []
 
 
+def header_only(path: str | Path) -> bool:
+    """Whether the file is a Matroska/WebM header and nothing after it but zeros: what a browser's MediaRecorder
+    stopped before its first frame writes (Chromium: the EBML header, then zero bytes)."""
+    with open(path, "rb") as handle:
+        data = handle.read(HEADERS + 1)
+    if len(data) > HEADERS or not data.startswith(EBML.to_bytes(4, "big")):
+        return False
+    try:
+        element, _, end = next(_elements(data, 0, len(data)))
+    except (StopIteration, IndexError):
+        return False
+    return element == EBML and not data[end:].strip(b"\0")
+
+
 def codec_ids(path: str | Path) -> list[str]:
     """Each track entry's CodecID, in the streams' order."""
     return [track.codec_id for track in tracks(path)]

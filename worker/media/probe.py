@@ -32,7 +32,7 @@ from worker.media.errors import (
 )
 from worker.media.field_pictures import second_fields
 from worker.media.limits import Limits
-from worker.media.matroska import codec_ids
+from worker.media.matroska import codec_ids, header_only
 from worker.media.mp4_boxes import chapter_tracks, children, movie
 from worker.media.protection import protection
 from worker.media.side_data import SideData, side_data
@@ -231,6 +231,10 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
     try:
         return _probe(path, size, limits)
     except (InputUnreadable, InputCorrupt):
+        if header_only(path):
+            raise InputEmpty(
+                f"{path.name} holds a WebM header and nothing after it: a recording stopped before its first frame"
+            ) from None
         # no packet said so (the probe reads them for it): FFmpeg could not open or decode the file first
         if (scheme := protection(path)) is not None:
             raise InputEncrypted(
