@@ -828,8 +828,9 @@ def test_a_fragmented_mp4_cut_through_a_packet_keeps_every_whole_frame_and_its_s
     cut = tmp_path / "cut.mp4"
     cut.write_bytes(source.read_bytes()[: position + size // 2])
     output = tmp_path / "out.mp4"
-    upscale_file(cut, output, LanczosUpscaler(), FAST)
+    result = upscale_file(cut, output, LanczosUpscaler(), FAST)
     assert read_back(output).frames == (25 if through == "video" else 20)
+    assert any(note.startswith("the source file ends partway through") for note in result.notes), result.notes
     with av.open(str(output)) as container:
         assert sum(frame.samples for frame in container.decode(audio=0)) > 0  # every packet decodes
 
@@ -846,6 +847,14 @@ def _aac_7_1_spectrum(path: Path) -> tuple[np.ndarray, np.ndarray]:
         samples = np.concatenate([frame.to_ndarray().reshape(-1, 8) for frame in frames])  # (samples, channels)
     spectrum = np.abs(np.fft.rfft(samples[2048 : 2048 + 24000], axis=0))  # 0.5 s, clear of the onset
     return spectrum, np.fft.rfftfreq(24000, 1 / 48000)[spectrum.argmax(axis=0)]
+
+
+def test_sound_re_encoded_is_said_in_the_jobs_notes(tmp_path):
+    """A lossy re-encode of a recording's PCM (Chromium's `codecs=pcm`, a camera's) was said by `vsrq probe` only; the
+    job's notes said nothing, as they say a stream left out."""
+    source = write_clip(tmp_path / "in.mov", 6, SIZE, Fraction(24), audio_codec="pcm_s16le")
+    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
+    assert "audio #1 (pcm_s16le): re-encoded to AAC" in result.notes, result.notes
 
 
 def test_eight_channel_sound_re_encoded_keeps_every_channel(tmp_path):

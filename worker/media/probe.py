@@ -170,6 +170,7 @@ class MediaInfo:
     chapters: tuple[Chapter, ...] = ()
     covers: tuple[OtherVideo, ...] = ()  # cover art: one picture each (an MP4's covr, a Matroska attachment's)
     data: tuple[DataInfo, ...] = ()  # tracks of neither sound, picture nor text: timecode, telemetry
+    cut_short: bool = False  # the file ends inside a packet (`cut_off`): a recording that stopped mid-write
 
     def to_dict(self) -> dict:
         """JSON-ready (timestamps left out)."""
@@ -183,7 +184,7 @@ class MediaInfo:
         video = self.video
         rate = f"{float(video.fps):.3f}".rstrip("0").rstrip(".")
         lines = [
-            f"{self.path.name}: {self.format}, {self.size_bytes / 1e6:.2f} MB",
+            f"{self.path.name}: {self.format}, {self.size_bytes / 1e6:.2f} MB" + (", cut short" if self.cut_short else ""),
             f"video #{video.index}: {video.codec} {video.width}x{video.height} {video.pix_fmt} {video.bit_depth}-bit "
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
@@ -288,7 +289,8 @@ def _probe(path: Path, size: int, limits: Limits) -> MediaInfo:
             for s in tracks
         )
         return MediaInfo(
-            path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers, data
+            path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers, data,
+            scan.cut_short,
         )
 
 
@@ -389,6 +391,7 @@ class _Scan:
     end: float = 0.0  # latest packet end over all streams, seconds
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
     keyframe_seen: bool = False
+    cut_short: bool = False  # a packet the file's end cuts through was left out
     key_pts: int | None = None  # the first keyframe's presentation time
     # Frames before the first keyframe, decode order: counted where the decoder is seen to show them (`_leading`)
     before_key: list[_Timed] = field(default_factory=list)
@@ -441,6 +444,8 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     size = path.stat().st_size
     try:
         for packet in container.demux():
+            if packet.size and cut_off(packet, size):
+                scan.cut_short = True
             if packet.size == 0 or cut_off(packet, size):
                 continue
             owner = packet.stream
