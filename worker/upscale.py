@@ -509,8 +509,8 @@ def _notes(
     if not video.cfr:
         notes.append(f"variable frame rate (average {float(video.fps):.3f} fps): every frame keeps its timestamp")
     if info.cut_short:
-        notes.append("the source file ends partway through a frame or a sound packet (a recording that stopped while it "
-                     "was written, or a partial copy): what comes before the cut was upscaled")  # fmt: skip
+        notes.append("the source file ends partway through a frame or a sound packet (a recording that stopped while "
+                     "it was written, or a partial copy): what comes before the cut was upscaled")  # fmt: skip
     # a re-encode is lossy (a recording's PCM, a film's DTS): said as a dropped stream is
     notes += [c.describe() for c in carried if c.action in ("drop", "aac")]
     return tuple(notes)

@@ -184,7 +184,8 @@ class MediaInfo:
         video = self.video
         rate = f"{float(video.fps):.3f}".rstrip("0").rstrip(".")
         lines = [
-            f"{self.path.name}: {self.format}, {self.size_bytes / 1e6:.2f} MB" + (", cut short" if self.cut_short else ""),
+            f"{self.path.name}: {self.format}, {self.size_bytes / 1e6:.2f} MB"
+            + (", cut short" if self.cut_short else ""),
             f"video #{video.index}: {video.codec} {video.width}x{video.height} {video.pix_fmt} {video.bit_depth}-bit "
             f"({MATRICES.get(video.color_matrix, video.color_matrix)}, {RANGES.get(video.color_range, video.color_range)}), "
             f"{video.frames} frames at {rate} fps ({'constant' if video.cfr else 'variable'}), {video.duration:.3f} s"
@@ -289,9 +290,9 @@ def _probe(path: Path, size: int, limits: Limits) -> MediaInfo:
             for s in tracks
         )
         return MediaInfo(
-            path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers, data,
-            scan.cut_short,
-        )
+            path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers,
+            data, scan.cut_short,
+        )  # fmt: skip
 
 
 def _animated_webp(path: Path, size: int, limits: Limits) -> MediaInfo:
