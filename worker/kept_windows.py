@@ -2,11 +2,15 @@
 died) replays them and computes only the missing ones.
 
 A `DirectoryWindowStore` in the attempt's scratch directory, mirrored to work/{job_id}/windows/{key digest}/: the
-attempt first downloads the windows kept so far, then uploads each window once it is committed, on a thread of its own
-(`_Uploader`) so that the engine goes on with the next window meanwhile; once the engine is done the local copies go
-(`release_local`, after the uploads), the attempt's tail needing only the input and the MP4. The tail waits for the
-uploads (`join`) after the encoder's flush and check, before anything that must not race them (the job's end deletes
-the prefix). An attempt that ends otherwise (failed, cancelled, its lease lost) does not wait for them (`close`): a
+attempt downloads each window kept so far as its turn comes, replays it and deletes its local copy, and uploads each
+window once it is committed, on a thread of its own (`_Uploader`) so that the engine goes on with the next window
+meanwhile, deleting its local copy once it is up. A window committed while `UPLOADS_BEHIND` are still waiting (storage
+slower than the engine) is not kept. So the scratch disk holds a few windows whatever the clip's length: holding
+every window until the engine was done (as big as the raw output: 16.7 GB for 10 minutes of 320x180 at x2, 448 GB for
+1080p), a long job filled the worker's disk and failed three attempts as `worker_disk_full`. Once the engine is done
+what is left goes (`release_local`, after the uploads), the attempt's tail needing only the input and the MP4. The
+tail waits for the uploads (`join`) after the encoder's flush and check, before anything that must not race them (the
+job's end deletes the prefix). An attempt that ends otherwise (failed, cancelled, its lease lost) does not wait for them (`close`): a
 window not kept is only computed again by the next attempt. The key is the job's, not the attempt's; each key has a
 prefix of its own, as an upload `close` left in flight may land after the next attempt has begun: under its own key,
 which an attempt with another key never reads (it deletes the older keys' windows as it begins; the job's end, or the
@@ -70,6 +74,9 @@ FATAL = (Cancelled, StaleAttempt, redis.exceptions.RedisError)
 # bench/RESULTS.md), so it is kept for a retry and lands before the job's end deletes the prefix; one that hangs holds
 # the worker no longer than that, not each file's timeouts and retries
 CLOSE_WAIT_S = 1.0
+# Windows waiting for their upload (the one in flight included) past which a newly committed window is not kept: its
+# local copy would add to the scratch disk's while the engine outruns storage
+UPLOADS_BEHIND = 2
 
 
 def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
@@ -123,6 +130,7 @@ class BlobWindowStore:
         self.uploads = _Uploader()
         self.uploading = False  # a file handed to the uploader: the prefix may hold it (`KeptPrefix`)
         self._marked = earlier  # the marker is in storage; uploaded with the first window where not
+        self.listed: set[str] = set()  # the kept windows' files an earlier attempt left under this key
         if earlier:
             self._resume(windows)
 
@@ -138,10 +146,7 @@ class BlobWindowStore:
         for name in older:
             self.blobs.delete_prefix(windows + name)
         if MARKER in names and self._read(MARKER) == (self.directory / MARKER).read_bytes():
-            for name in sorted(names - {MARKER}):
-                stem = name.split(".", 1)[0]
-                if {f"{stem}.u8", f"{stem}.json"} <= names:  # files of windows whose upload was cut short stay out
-                    self.blobs.download(self.prefix + name, self.directory / name, self.progress)
+            self.listed = names  # downloaded as each window's turn comes (`load`)
         else:  # nothing kept under this key (or its marker says another key of the same digest): start it over
             self.blobs.delete_prefix(self.prefix)
             self._upload(self.directory / MARKER)
@@ -151,7 +156,18 @@ class BlobWindowStore:
         return self.earlier or self.uploading
 
     def load(self, index: int) -> StoredWindow | None:
-        return self.local.load(index)
+        """The window an earlier attempt kept, downloaded now (files of one whose upload was cut short stay out); its
+        local files go at once, the replay reading the pages it has open."""
+        names = [self.local._path(index, suffix).name for suffix in SUFFIXES]
+        if not {names[0], names[-1]} <= self.listed:
+            return None
+        for name in names:
+            if name in self.listed:
+                self.blobs.download(self.prefix + name, self.directory / name, self.progress)
+        try:
+            return self.local.load(index)
+        finally:
+            self.local.forget(index)
 
     def record(self, index: int, last: bool = False) -> WindowRecorder:
         return _UploadingRecorder(self, index, last)
@@ -159,6 +175,7 @@ class BlobWindowStore:
     def drop(self) -> None:
         self.join()  # an upload in flight would land a window after the delete
         self.local.drop()
+        self.listed = set()
         if not self.may_hold():  # nothing kept in storage
             return
         try:
@@ -223,6 +240,8 @@ class BlobWindowStore:
             # storage down: the attempt goes on (its output upload waits it out); only a later attempt would recompute
             # this window
             log.warning("window %d not kept: blob storage unavailable", index, exc_info=True)
+        finally:
+            self.local.forget(index)  # up or not, this attempt never reads it again: a later one reads blob storage
 
     def _read(self, name: str) -> bytes:
         with self.blobs.open(self.prefix + name) as stream:
@@ -246,6 +265,10 @@ class _UploadingRecorder:
         if self.last and not self.store.keep_last():  # decided now, as the job's tail is handed over
             self.local.discard()
             return
+        if (behind := self.store.uploads.behind()) >= UPLOADS_BEHIND:
+            log.info("window %d not kept: %d windows still wait for their upload", self.index, behind)
+            self.local.discard()
+            return
         self.local.commit(tail, made)
         self.store.uploading = True
         self.store.uploads.submit(partial(self.store._keep, self.index))
@@ -261,9 +284,15 @@ class _Uploader:
         self._changed = threading.Condition()
         self._pending: deque[tuple[Callable[[], None], bool]] = deque()
         self._running = False
+        self._uploading = False  # the task in flight is an upload
         self._failed: BaseException | None = None
         self._stopped = False  # the attempt has ended: uploads not begun are skipped
         self.upload_s = 0.0  # the uploads' seconds, on the uploader's thread
+
+    def behind(self) -> int:
+        """Uploads handed over and not ended: waiting, and the one in flight."""
+        with self._changed:
+            return sum(upload for _, upload in self._pending) + self._uploading
 
     def submit(self, task: Callable[[], None], upload: bool = True) -> None:
         with self._changed:
@@ -300,6 +329,7 @@ class _Uploader:
                     return
                 task, upload = self._pending.popleft()
                 skipped = upload and (self._failed is not None or self._stopped)
+                self._uploading = upload and not skipped
             if skipped:
                 continue
             started = perf_counter()
@@ -308,5 +338,6 @@ class _Uploader:
             except BaseException as error:  # the attempt's thread raises it
                 self._failed = self._failed or error
             finally:
+                self._uploading = False
                 if upload:
                     self.upload_s += perf_counter() - started

@@ -101,11 +101,13 @@ def scratch_bytes(
     window: int = DEFAULT_WINDOW,
     overlap: int = DEFAULT_OVERLAP,
     max_frames: int | None = None,
+    windows_held: int | None = None,
 ) -> int:
     """What the running job (its input `source`, upscaled `scale` times in temporal windows of `window` frames that
     overlap by `overlap`) will write to its scratch disk at most: its upscaled frames as raw RGB (kept windows, the
-    encoder's input), its windows' float overlap tails, and an MP4 of its input's bits per pixel. Read from the header
-    alone, before the probe: at most `max_frames` (the probe refuses more)."""
+    encoder's input) and its windows' float overlap tails, of `windows_held` windows at once (None: every window, as
+    `vsrq upscale --keep-windows` keeps them), and an MP4 of its input's bits per pixel. Read from the header alone,
+    before the probe: at most `max_frames` (the probe refuses more)."""
     if webp.animated(source):  # FFmpeg reads its first frame only
         (width, height), frames = webp.extent(source)
     else:
@@ -115,8 +117,11 @@ def scratch_bytes(
             width, height = stream.codec_context.width, stream.codec_context.height
     frames = min(frames, max_frames) if max_frames else frames
     pixels = scale * scale
-    tails = (window_count(frames, window, overlap) - 1) * overlap * 4  # float32: 4 bytes a sample
-    return round((frames + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)
+    count = window_count(frames, window, overlap)
+    held = count if windows_held is None else min(count, windows_held)
+    raw = frames if held == count else held * window
+    tails = min(count - 1, held) * overlap * 4  # float32: 4 bytes a sample
+    return round((raw + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)
 
 
 def _frames_from_duration(container: av.container.InputContainer, stream: av.VideoStream) -> int:

@@ -65,7 +65,7 @@ from worker.errors import TailStuck, WorkerOutdated
 from worker.fetch import fetch
 from worker.finisher import Finisher, Turn
 from worker.heartbeat import UPLOADING, Heartbeat
-from worker.kept_windows import BlobWindowStore, KeptPrefix, windows_key
+from worker.kept_windows import UPLOADS_BEHIND, BlobWindowStore, KeptPrefix, windows_key
 from worker.media.errors import InputNotFound
 from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
@@ -446,8 +446,9 @@ def _scratch_need(job: JobRecord, source: Path, options: UpscaleOptions) -> int 
     the job's end)."""
     try:
         return scratch_bytes(
-            source, options.request.scale, options.window, options.window_overlap, options.limits.max_frames
-        )
+            source, options.request.scale, options.window, options.window_overlap, options.limits.max_frames,
+            windows_held=UPLOADS_BEHIND + 1,  # those waiting for their upload, and the one being written
+        )  # fmt: skip
     except Exception as error:
         log.warning("%s: its scratch not estimated (%s)", job.id, error)
         return None

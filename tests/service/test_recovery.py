@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -43,9 +44,10 @@ from worker import service
 from worker.errors import Cancelled, InvalidRequest
 from worker.frames import quantise
 from worker.heartbeat import Heartbeat
-from worker.kept_windows import BlobWindowStore, windows_key
+from worker.kept_windows import UPLOADS_BEHIND, BlobWindowStore, windows_key
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
+from worker.scratch import scratch_bytes
 from worker.service import WorkerSettings
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
@@ -199,19 +201,21 @@ def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
     """The worker's path (`begin_upscale` with the attempt's `BlobWindowStore` on SeaweedFS, `release_local`, the
     tail's `finish`): a job of one window keeps nothing, its frames written on the worker's disk during the engine
     dropped at its commit (no tail held: `keep_last`) and none uploaded (its tail joins no upload); one of 4 keeps the
-    first 3, each whole, and not the last."""
+    first 3, each whole, and not the last. The worker's disk keeps no window once it is up: holding every window until
+    the engine was done (the raw output), a long job filled it."""
     source = write_clip(tmp_path / "input.mp4", frames, (144, 192), audio_codec="aac")
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)
     job_id = f"video_{secrets.token_hex(4)}"
     store = BlobWindowStore(s3, job_id, tmp_path / "windows", "key")
     encoding = begin_upscale(source, tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
-    written = window_files(path.name for path in (tmp_path / "windows").iterdir())  # the engine is done
+    store.wait(60)  # the uploads handed over by the engine's end
+    written = window_files(path.name for path in (tmp_path / "windows").iterdir())
     store.release_local()
     result = encoding.finish()
     store.close()
     uploaded = window_files(s3.keys(work_prefix(job_id)))
     assert result.windows == (1 if frames == 13 else 4) and result.restored == 0
-    assert sorted(written) == sorted(uploaded) == kept, (written, uploaded)
+    assert written == {} and sorted(uploaded) == kept, (written, uploaded)
     assert all(suffixes == {"u8", "tail.npy", "json"} for suffixes in uploaded.values()), uploaded
     # every window is committed, the last dropping its local copy (a file's unlink)
     assert (result.kept_upload_s > 0) == bool(kept) and 0 < result.windows_s["kept"], result
@@ -370,9 +374,10 @@ HIGH = UpscaleOptions(SRRequest(scale=2, seed=5, quality="high"), window=9, wind
 EMULATED = {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
 
 
-def pixels_of(directory: Path) -> list[bytes]:
-    """The frames an attempt handed its encoder, window by window, as it keeps them."""
-    return [path.read_bytes() for path in sorted(directory.glob("window-*.u8"))]
+def pixels_of(blobs: BlobStore, job_id: str) -> list[bytes]:
+    """The frames the job's attempts handed their encoder, window by window, as blob storage keeps them."""
+    names = sorted(key for key in blobs.keys(f"{work_prefix(job_id)}windows/") if key.endswith(".u8"))
+    return [blobs.open(name).read() for name in names]
 
 
 @pytest.mark.parametrize("model", ["k6", "lanczos"])
@@ -482,9 +487,13 @@ def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
         upscaler = Recording(engine)
         store = BlobWindowStore(s3, job_id, tmp_path / name, "key")
         output = tmp_path / f"{name}.mp4"
-        return upscaler, upscale_file(source, output, upscaler, HIGH, cancelled=cancelled, store=store)
+        try:
+            return upscaler, upscale_file(source, output, upscaler, HIGH, cancelled=cancelled, store=store)
+        finally:
+            store.wait(60)  # its uploads, in blob storage once it returns
 
     attempt("uninterrupted")
+    uninterrupted = pixels_of(s3, job_id)
     s3.delete_prefix(work_prefix(job_id))
     with pytest.raises(Cancelled):
         attempt("cancelled", cancelled=lambda: len(kept_windows(s3, job_id)) >= 2)
@@ -496,8 +505,8 @@ def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
 
     upscaler, resumed = attempt("resumed")
     assert (upscaler.windows, resumed.restored) == (computed, restored)
-    frames = pixels_of(tmp_path / "resumed")
-    assert len(frames) == 2 and frames == pixels_of(tmp_path / "uninterrupted")  # the last window is not kept
+    frames = pixels_of(s3, job_id)
+    assert len(frames) == 2 and frames == uninterrupted  # the last window is not kept
     assert (tmp_path / "resumed.mp4").read_bytes() == (tmp_path / "uninterrupted.mp4").read_bytes()  # and so the file
     assert (resumed.quality, resumed.levers) == ("high", EMULATED)
     for window in kept_windows(s3, job_id):
@@ -652,11 +661,45 @@ def uploader_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "vsrq-kept-upload"]
 
 
+def test_a_long_job_holds_a_few_windows_on_the_worker_s_disk_not_its_whole_output(s3, tmp_path):
+    """Every window stayed on the worker's disk until the engine was done, as big as the raw output: 10 minutes of
+    320x180 at x2 estimated 16.7 GB, a 600 MB scratch filled and the job failed three attempts as `worker_disk_full`.
+    Each window's local copy now goes once it is up, and the estimate the worker's prefetch and held tails leave room
+    for (`scratch_bytes` with the windows held) bounds what the disk held, sampled as the job ran."""
+    source = write_clip(tmp_path / "input.mp4", 101, (48, 64))
+    options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)  # 11 windows
+    job_id = f"video_{secrets.token_hex(4)}"
+    store = BlobWindowStore(s3, job_id, tmp_path / "windows", "key", keep_last=lambda: True)
+    peak, running = [0], threading.Event()
+
+    def sample() -> None:
+        while not running.is_set():
+            with contextlib.suppress(FileNotFoundError):
+                held = sum(path.stat().st_size for path in (tmp_path / "windows").iterdir() if "window-" in path.name)
+                peak[0] = max(peak[0], held)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = upscale_file(source, tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
+        store.join()
+    finally:
+        running.set()
+        sampler.join(10)
+    every = scratch_bytes(source, 2, options.window, options.window_overlap)
+    held = scratch_bytes(source, 2, options.window, options.window_overlap, windows_held=UPLOADS_BEHIND + 1)
+    assert result.windows == 11 and len(kept_windows(s3, job_id)) == 11
+    assert 0 < peak[0] <= held - (tmp_path / "output.mp4").stat().st_size and held < every / 2, (peak, held, every)
+    store.close()
+    s3.delete_prefix(work_prefix(job_id))
+
+
 def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(settings, s3, long_clip, tmp_path):
     """The first window's upload stalls on its way to SeaweedFS: the engine computes every window meanwhile (the
     uploads run beside it), the encoder's flush and check are done, and the output is finished only once every
-    window it keeps (all but the last) is (the job's end deletes them: none may land after it); the next attempt
-    replays them all."""
+    window it keeps is (the job's end deletes them: none may land after it); the next attempt replays them. With two
+    windows waiting for their upload the third is not kept: the worker's disk holds two windows, not every one."""
     (tmp_path / "input.mp4").write_bytes(long_clip)
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)  # 4 windows
     job_id = f"video_{secrets.token_hex(4)}"
@@ -671,6 +714,7 @@ def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(setting
         # the upload's request may reach SeaweedFS after the engine's last window, on a busy machine: it is held then
         wait_until(lambda: partition.held == 1, 30)
         assert upscaler.windows == [0, 1, 2, 3] and kept_windows(s3, job_id) == []
+        assert sorted(window_files(path.name for path in (tmp_path / "windows").iterdir())) == [0, 1]
         encoding = began_with[0]
         finishing, finished_with = in_thread(encoding.finish)
         finishing.join(1.5)
@@ -680,15 +724,15 @@ def test_a_slow_window_upload_holds_neither_the_engine_nor_the_job_s_end(setting
         finishing.join(60)
     held_s = time.monotonic() - held_s
     result = finished_with[0]
-    assert len(kept_windows(s3, job_id)) == 3 and not uploader_threads()
+    assert len(kept_windows(s3, job_id)) == 2 and not uploader_threads()
     assert result.windows_s["kept"] < result.kept_upload_s and result.tail["kept_join"] >= held_s * 0.5
     assert (tmp_path / "output.mp4").exists()
     store.close()  # the worker's cleanup after the join: nothing left to skip
-    assert len(kept_windows(s3, job_id)) == 3 and not (tmp_path / "windows").exists()
+    assert len(kept_windows(s3, job_id)) == 2 and not (tmp_path / "windows").exists()
 
     replay = BlobWindowStore(s3, job_id, tmp_path / "replay", "key")
     replayed = upscale_file(tmp_path / "input.mp4", tmp_path / "replayed.mp4", Recording(LanczosUpscaler()), options, store=replay)
-    assert replayed.restored == 3
+    assert replayed.restored == 2
     s3.delete_prefix(work_prefix(job_id))
 
 

@@ -226,6 +226,11 @@ class DirectoryWindowStore:
     def join(self) -> float:
         return 0.0
 
+    def forget(self, index: int) -> None:
+        """Deletes one window's files (kept elsewhere: blob storage). A replay already reading them keeps its pages."""
+        for suffix in ("u8", "u8.partial", "tail.npy", "json"):
+            self._path(index, suffix).unlink(missing_ok=True)
+
     def clear(self) -> None:
         """Deletes the store's files, and its directory where nothing else is left in it."""
         self.drop()
