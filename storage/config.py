@@ -196,6 +196,9 @@ class Settings(BaseSettings):
     # per key per hour (storage/budget.py; None: unlimited).
     max_output_pixels: int | None = Field(7680 * 4320, ge=1)
     max_output_megapixel_frames: float | None = Field(150_000, gt=0)
+    # The input's length (a slideshow lecture at 1 fps is long in seconds and small in compute); its frames at most
+    # 60 a second of it (`worker.costs.job_limits`)
+    max_input_seconds: float = Field(3600, gt=0)
     megapixel_frames_per_hour: float | None = Field(1_000_000, gt=0)
     result_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # finished jobs keep their output this long (expires_at)
     # The reaper's storage sweep (storage.lifecycle): uploads no job claims, writes never finished

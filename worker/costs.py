@@ -15,8 +15,16 @@ from worker.media.limits import Limits
 
 
 def job_limits(job: JobRecord, limits: Limits = Limits()) -> Limits:
-    pixels, per_job, _ = service.settings().compute_limits(job.owner)
-    return replace(limits, max_output_pixels=pixels, max_output_megapixel_frames=per_job)
+    settings = service.settings()
+    pixels, per_job, _ = settings.compute_limits(job.owner)
+    seconds = settings.max_input_seconds
+    return replace(
+        limits,
+        max_output_pixels=pixels,
+        max_output_megapixel_frames=per_job,
+        max_seconds=seconds,
+        max_frames=max(limits.max_frames or 0, round(seconds * 60)),
+    )
 
 
 def charge(job: JobRecord) -> Callable[[float], None]:

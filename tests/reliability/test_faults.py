@@ -842,6 +842,17 @@ def test_a_job_from_a_newer_api_goes_back_rather_than_run_without_what_it_asks(e
         worker.stop()
 
 
+def test_an_input_longer_than_the_operators_limit_fails_naming_it(workers, api, jobs, clips):
+    """The input's length was bound at an hour that no setting changed (README said `VSRQ_WORKER_*` bound it): a
+    feature film could never run, a short limit never be set. `VSRQ_MAX_INPUT_SECONDS` sets it for the service."""
+    started(workers(VSRQ_MAX_INPUT_SECONDS="1"))
+    short, long = create(api, clips["small"]), create(api, clips["long"])  # 17 and 181 frames at 30 fps
+    done, refused = wait_all(jobs, [short, long], limit_s=120)
+    assert done.status == Status.COMPLETED, done
+    assert (refused.status, refused.error.code) == (Status.FAILED, "input_too_large"), refused
+    assert "the limit is 1 s" in refused.error.message, refused.error
+
+
 def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, jobs, blobs, clips, logs, tmp_path):
     # A valid 1080p clip at x4: lanczos holds frames of 7680x4320 that no 1 GiB-bounded worker can, so the memory
     # limit kills the worker on every attempt, as a container's OOM killer would.
