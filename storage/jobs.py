@@ -583,7 +583,7 @@ return ARGV[3]
 # counts ('1' | '0'), and optionally seconds the next attempt waits and the enqueue grace. Requeues the attempt (a new
 # attempt will lease it), fails the job once it has used max attempts, or cancels it when its owner asked to (a new
 # attempt would start without the flag and run to the end). An attempt that does not count (its worker, not the job,
-# was at fault) is `excused`: max attempts allows that many more.
+# was at fault) is `excused`: max attempts allows that many more; so is one whose progress passed every earlier one's.
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
 _REQUEUE = """
 fenced(ARGV[1])
@@ -597,7 +597,11 @@ if field('cancel_requested') == '1' then
   return 'cancelled'
 end
 local attempts = tonumber(field('attempt')) - tonumber(field('excused') or '0')
-if ARGV[6] == '0' then
+-- An attempt that got further than every one before it is no sign of a job that cannot run: a long one meets deploys,
+-- preemptions and restarts, and three anywhere in it failed it. One that got nowhere new counts.
+local progress, furthest = tonumber(field('progress') or '0'), tonumber(field('furthest') or '0')
+if progress > furthest then redis.call('HSET', JOB, 'furthest', progress) end
+if ARGV[6] == '0' or progress > furthest then
   redis.call('HINCRBY', JOB, 'excused', 1)
 elseif attempts >= tonumber(ARGV[3]) then
   move('failed', t)

@@ -332,6 +332,26 @@ def test_an_attempt_sent_back_because_of_another_job_does_not_count(jobs: JobSto
     assert failed.error.code == "device_lost" and failed.error.message == "gave up after 2 attempts; the last: x"
 
 
+def test_an_attempt_that_got_further_than_every_one_before_does_not_count(jobs: JobStore):
+    """A long job whose worker was killed three times (deploys, preemptions), each time further on (a kill resumes
+    from its kept windows), failed `worker_restarted` with its work done; an attempt that gets nowhere new still counts,
+    so a job that kills its worker at the same point fails after `max_attempts`."""
+    jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=2, prefix="vsrq-further-" + secrets.token_hex(4))
+    job = make(jobs)
+    for progress in (10, 35, 60, 85):  # four restarts, each further on: none counts
+        lease = jobs.lease(job.id, "w", 30)
+        lease.heartbeat(progress=progress)
+        assert jobs.take_back([job.id]) == {job.id: Status.QUEUED}, progress
+    for attempt in (5, 6):  # then twice no further than 85: the second is the job's second counted attempt
+        lease = jobs.lease(job.id, "w", 30)
+        assert lease.attempt == attempt
+        lease.heartbeat(progress=85)
+        requeued = jobs.take_back([job.id])
+    assert requeued == {job.id: Status.FAILED}
+    failed = jobs.require(job.id)
+    assert failed.error.code == "worker_restarted" and failed.error.message.startswith("gave up after 2 attempts")
+
+
 def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_over(jobs: JobStore):
     """An origin that is down gets time (worker.attempt.retry_wait_s): nobody sends the retry's message, `unsent`
     hands the job to the reaper when its wait ends, not `enqueue_grace_s` after it."""
