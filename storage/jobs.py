@@ -276,7 +276,7 @@ class Video(BaseModel):
     size: str | None = Field(description="output WxH once known (OpenAI's field)")
     seconds: str | None = Field(description="output duration once known (OpenAI's field)")
     # OpenAI's SDKs type both as string | null: absent, a typed client read `undefined`
-    prompt: None = Field(None, description="OpenAI's field: null (super-resolution takes no prompt; one sent is ignored)")
+    prompt: None = Field(None, description="OpenAI's field: null (super-resolution takes no prompt; one is ignored)")
     remixed_from_video_id: None = Field(None, description="OpenAI's field: null (vsrq offers no remix)")
     params: dict[str, Any]
     input: VideoInput

@@ -109,8 +109,8 @@ def _load_model(**_: Any) -> None:
 
 def _check_job_store() -> None:
     """A worker whose Redis refuses its password or user (VSRQ_REDIS_URL: a rotation half done) could lease no job:
-    each message it took went back to the broker, its job waiting behind it. Redis out of reach is an outage, waited out.
-    """
+    each message it took went back to the broker, its job waiting behind it. Redis out of reach is an outage: waited
+    out."""
     try:
         service.jobs().redis.ping()
     except redis.exceptions.AuthenticationError:

@@ -289,9 +289,10 @@ def _probe(path: Path, size: int, limits: Limits) -> MediaInfo:
             DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name"), counts.get(s.id))
             for s in tracks
         )
+        metadata = dict(container.metadata)
         return MediaInfo(
-            path, container.format.name, size, video, audio, subtitles, dict(container.metadata), other_video, chapters, covers,
-            data, scan.cut_short,
+            path, container.format.name, size, video, audio, subtitles, metadata, other_video, chapters, covers, data,
+            scan.cut_short,
         )  # fmt: skip
 
 
