@@ -72,7 +72,8 @@ def _coding() -> str:
 
 
 def check_coding() -> None:
-    """The app's `before_request`: a body in a coding this API does not read is refused before a byte of it is."""
+    """A blueprint's `before_request`, after authentication: a body in a coding this API does not read is refused
+    before a byte of it is."""
     coding = _coding()
     has_body = request.content_length or request.headers.get("Transfer-Encoding", "").lower() == "chunked"
     if coding in ("", "identity") or not has_body:
@@ -91,16 +92,21 @@ def check_coding() -> None:
 
 def read_json(limit: int) -> bytes:
     """Up to `limit` + 1 bytes of the request's JSON body, decompressed where its Content-Encoding says so: a small
-    compressed body that inflates past the limit stops there."""
+    compressed body that inflates past the limit stops there, and one whose compressed bytes pass it is refused as a
+    plain one is (bytes after the compressed stream would otherwise be read, and kept, to the body's end)."""
     if _coding() not in JSON_CODINGS:
         return request.stream.read(limit + 1)
+    detail = f"The body is not the {_coding()} data its Content-Encoding says."
+    too_large = f"A JSON body is limited to {limit} bytes, compressed or not."
+    stream = Capped(request.stream, limit, too_large, "body_too_large")
     inflater, out = zlib.decompressobj(_GZIP_OR_ZLIB), bytearray()
     try:
-        while len(out) <= limit and (chunk := request.stream.read(64 * 1024)):
+        while len(out) <= limit and not inflater.eof and (chunk := stream.read(64 * 1024)):
             out += inflater.decompress(chunk, limit + 1 - len(out))
     except zlib.error:
-        detail = f"The body is not the {_coding()} data its Content-Encoding says."
         raise ApiError(400, "malformed_json", detail) from None
+    if len(out) <= limit and (not inflater.eof or inflater.unused_data or stream.read(1)):  # cut short, or more after
+        raise ApiError(400, "malformed_json", detail)
     return bytes(out)
 
 
@@ -137,14 +143,14 @@ class Capped:
     """A body stream that answers 413 once more than `limit` bytes came through it: a chunked body declares no
     length to refuse up front, so its bytes count as they arrive."""
 
-    def __init__(self, stream: BinaryIO, limit: int, detail: str) -> None:
-        self._stream, self._left, self._detail = stream, limit, detail
+    def __init__(self, stream: BinaryIO, limit: int, detail: str, code: str = "upload_too_large") -> None:
+        self._stream, self._left, self._detail, self._code = stream, limit, detail, code
 
     def read(self, size: int = -1) -> bytes:
         data = self._stream.read(size)
         self._left -= len(data)
         if self._left < 0:
-            raise ApiError(413, "upload_too_large", self._detail)
+            raise ApiError(413, self._code, self._detail)
         return data
 
 
@@ -169,5 +175,4 @@ def register(app: Flask) -> None:
         return inner(environ, start_response)
 
     app.wsgi_app = timed
-    app.before_request(check_coding)
     app.teardown_request(_release_body_slot)

@@ -97,7 +97,7 @@ class Problem(BaseModel):
             fields = "; ".join(
                 f"{item.field}: {item.message}" if item.field else item.message
                 for item in self.errors or []
-                if item.message not in self.detail  # a detail that is the one field's reason: not said twice
+                if not self.detail.rstrip(".").endswith(item.message.rstrip("."))  # a detail ending with it: said once
             )
             self.error = OpenAIError(
                 message=f"{self.detail} {fields}" if fields else self.detail,
@@ -176,8 +176,9 @@ def _no_route(error: HTTPException) -> Response:
     if error.code == 404:
         return problem(404, "not_found", f"No endpoint at {request.path}; /openapi.json lists the API's endpoints.")
     allow = getattr(error, "valid_methods", None) or []
-    detail = f"{request.method} is not offered on {request.path}; it takes {', '.join(allow)}."
-    return problem(405, "method_not_allowed", detail, headers={"Allow": ", ".join(allow)})
+    takes = f"; it takes {', '.join(allow)}" if allow else ""
+    detail = f"{request.method} is not offered on {request.path}{takes}."
+    return problem(405, "method_not_allowed", detail, headers={"Allow": ", ".join(allow)} if allow else None)
 
 
 def register(app: Flask) -> None:

@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.http import parse_options_header
-from werkzeug.sansio.multipart import NEED_DATA, Data, Epilogue, Field, File, MultipartDecoder
+from werkzeug.sansio.multipart import NEED_DATA, Data, Epilogue, Field, File, MultipartDecoder, State
 
 from api.errors import ApiError
 
@@ -72,7 +72,8 @@ class FormReader:
             except RequestEntityTooLarge:
                 raise ApiError(413, "too_many_parts", f"A form may have at most {MAX_PARTS} parts.") from None
             except ValueError as error:
-                if self._ended:  # Werkzeug says "cannot parse beyond State.DATA": its state, not the sender's fault
+                # Werkzeug says "cannot parse beyond State.DATA": its state, not what the sender did
+                if self._ended and self._decoder.state in (State.PART, State.DATA, State.DATA_START):
                     detail = "The multipart body ended before its closing boundary: the upload was cut short."
                 else:
                     detail = f"The multipart body cannot be parsed: {error}"

@@ -13,7 +13,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from redis.exceptions import RedisError
 
 from api.auth import admit_caller, owner
-from api.body import Capped, hold_body_slot
+from api.body import Capped, check_coding, hold_body_slot
 from api.errors import ApiError
 from api.multipart import FormField, FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
@@ -26,6 +26,7 @@ blueprint = Blueprint("uploads", __name__)
 
 
 blueprint.before_request(admit_caller)
+blueprint.before_request(check_coding)
 blueprint.before_request(hold_body_slot)
 
 

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from api import idempotency
 from api.auth import admit_caller, owner
-from api.body import hold_body_slot, parse_json, read_json
+from api.body import check_coding, hold_body_slot, parse_json, read_json
 from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
@@ -48,6 +48,7 @@ MAX_JSON_BYTES = 1024 * 1024
 
 
 blueprint.before_request(admit_caller)
+blueprint.before_request(check_coding)
 blueprint.before_request(hold_body_slot)
 
 

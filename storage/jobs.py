@@ -580,10 +580,11 @@ return ARGV[3]
 """
 
 # ARGV: fence, error JSON, max attempts, result ttl, only when the lease has expired ('1' | '0'), whether the attempt
-# counts ('1' | '0'), and optionally seconds the next attempt waits and the enqueue grace. Requeues the attempt (a new
+# counts ('1' | '0'), and optionally seconds the next attempt waits, the enqueue grace and whether its worker died
+# ('1': the reaper's requeue, excused where it got further than every attempt before). Requeues the attempt (a new
 # attempt will lease it), fails the job once it has used max attempts, or cancels it when its owner asked to (a new
 # attempt would start without the flag and run to the end). An attempt that does not count (its worker, not the job,
-# was at fault) is `excused`: max attempts allows that many more; so is one whose progress passed every earlier one's.
+# was at fault) is `excused`: max attempts allows that many more.
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
 _REQUEUE = """
 fenced(ARGV[1])
@@ -597,11 +598,12 @@ if field('cancel_requested') == '1' then
   return 'cancelled'
 end
 local attempts = tonumber(field('attempt')) - tonumber(field('excused') or '0')
--- An attempt that got further than every one before it is no sign of a job that cannot run: a long one meets deploys,
--- preemptions and restarts, and three anywhere in it failed it. One that got nowhere new counts.
+-- An attempt whose worker died (the reaper's requeue, ARGV[9]) after getting further than every one before it is no
+-- sign of a job that cannot run: a long one meets deploys, preemptions and restarts, and three anywhere in it failed
+-- it. One that got nowhere new counts, as does every retry its worker chose (an error it caught).
 local progress, furthest = tonumber(field('progress') or '0'), tonumber(field('furthest') or '0')
 if progress > furthest then redis.call('HSET', JOB, 'furthest', progress) end
-if ARGV[6] == '0' or progress > furthest then
+if ARGV[6] == '0' or (ARGV[9] == '1' and progress > furthest) then
   redis.call('HINCRBY', JOB, 'excused', 1)
 elseif attempts >= tonumber(ARGV[3]) then
   move('failed', t)
@@ -1055,7 +1057,7 @@ class JobStore:
                 fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(
                     "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s,
-                    int(expired_only), 1,
+                    int(expired_only), 1, 0, self.enqueue_grace_s, 1,
                 ).decode()  # fmt: skip
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue

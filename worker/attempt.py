@@ -78,8 +78,10 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
 STORAGE_REFUSED = "storage_refused_worker"
 EX_CONFIG = 78  # sysexits.h: a configuration error; a supervisor restarts it, and its start says what is wrong
 UNCOUNTED = (TailStuck.code, STORAGE_REFUSED, WorkerOutdated.code)  # retries the job's max attempts do not count
-# How long a job that asks for what its worker does not know waits out of line: a rolling deploy's new workers start
+# How long a job that asks for what its worker does not know waits out of line: a rolling deploy's new workers start;
+# and how many times it is given back so before it fails (an hour: a fleet left on an older image, a rollback)
 OUTDATED_WAIT_S = 30.0
+OUTDATED_TRIES = 120
 def storage_refuses_worker() -> bool:
     """Whether storage refuses this worker itself (its key, a rotation half done; its bucket), whatever the job: its
     bucket refused too. A job's own object may be refused alone (its ACL; a missing key to a caller without

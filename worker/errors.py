@@ -33,6 +33,12 @@ class WorkerOutdated(CodedError):
     code = "worker_outdated"
 
 
+class NoWorkerKnows(PermanentError):
+    """The job was given back as `WorkerOutdated` for `OUTDATED_TRIES` in a row: no newer worker came."""
+
+    code = "worker_outdated"
+
+
 class TailStuck(CodedError):
     """The previous job's tail is stuck on this worker: the job that waited for it goes back to the queue, for another
     worker (worker.attempt.classify retries it)."""

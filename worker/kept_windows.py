@@ -116,12 +116,13 @@ class BlobWindowStore:
         kept_alive: Callable[[], AbstractContextManager[None]] = nullcontext,
         keep_last: Callable[[], bool] = lambda: False,
         earlier: bool = True,
+        uploads_behind: int = UPLOADS_BEHIND,
     ) -> None:
         """`progress` is called as bytes move; `kept_alive` wraps each window's uploads (the attempt's lease must
         outlive an unanswered request); `keep_last`, asked as the job's last window is committed: whether it is kept
         too (see the module's docstring); `earlier`: whether an earlier attempt may have kept windows (`KeptPrefix`):
         where none can have, the prefix is not listed and its marker goes with the first window kept."""
-        self.keep_last, self.earlier = keep_last, earlier
+        self.keep_last, self.earlier, self.uploads_behind = keep_last, earlier, uploads_behind
         windows = f"{work_prefix(job_id)}windows/"
         named = hashlib.sha256(key.encode()).hexdigest()[:16]  # any key, a safe blob name (`windows_key`'s: hex)
         self.blobs, self.prefix, self.progress = blobs, f"{windows}{named}/", progress
@@ -135,7 +136,7 @@ class BlobWindowStore:
             self._resume(windows)
 
     def _resume(self, windows: str) -> None:
-        """Downloads what an earlier attempt kept under this key; deletes other keys' windows."""
+        """Lists what an earlier attempt kept under this key (`load` downloads each); deletes other keys' windows."""
         names, older = set(), set()
         for blob in self.blobs.keys(windows):
             if blob.startswith(self.prefix):
@@ -157,15 +158,24 @@ class BlobWindowStore:
 
     def load(self, index: int) -> StoredWindow | None:
         """The window an earlier attempt kept, downloaded now (files of one whose upload was cut short stay out); its
-        local files go at once, the replay reading the pages it has open."""
+        local files go at once, the replay reading the pages it has open. A replay saves work, no more: a window that
+        storage does not give (an outage, a file gone) is computed again."""
         names = [self.local._path(index, suffix).name for suffix in SUFFIXES]
         if not {names[0], names[-1]} <= self.listed:
             return None
-        for name in names:
-            if name in self.listed:
-                self.blobs.download(self.prefix + name, self.directory / name, self.progress)
         try:
+            with self.kept_alive():  # the lease outlives a request that hangs
+                for name in names:
+                    if name in self.listed:
+                        self.blobs.download(self.prefix + name, self.directory / name, self.progress)
             return self.local.load(index)
+        except FATAL:
+            raise
+        except Exception as error:
+            if isinstance(wrapped := getattr(error, "kwargs", {}).get("error"), FATAL):  # the heartbeat's, in botocore
+                raise wrapped from error
+            log.warning("kept window %d not replayed: blob storage did not give it (%s)", index, error)
+            return None
         finally:
             self.local.forget(index)
 
@@ -189,9 +199,9 @@ class BlobWindowStore:
             log.warning("kept windows not dropped: blob storage unavailable", exc_info=True)
 
     def release_local(self) -> None:
-        """Once the engine is done: every window is in the encoder, so the local raw copies (as big as the raw output)
-        go once the uploads queued before are done (not under one in flight), rather than when the tail ends; a held
-        tail would keep them on the worker's disk. A later attempt reads blob storage, not these."""
+        """Once the engine is done: every window is in the encoder, so what is left of the local raw copies (each goes
+        once it is up) goes once the uploads queued before are done (not under one in flight), rather than when the
+        tail ends; a held tail would keep them on the worker's disk. A later attempt reads blob storage, not these."""
         self.uploads.submit(self.local.clear, upload=False)
 
     def join(self) -> float:
@@ -265,7 +275,7 @@ class _UploadingRecorder:
         if self.last and not self.store.keep_last():  # decided now, as the job's tail is handed over
             self.local.discard()
             return
-        if (behind := self.store.uploads.behind()) >= UPLOADS_BEHIND:
+        if (behind := self.store.uploads.behind()) >= self.store.uploads_behind:
             log.info("window %d not kept: %d windows still wait for their upload", self.index, behind)
             self.local.discard()
             return

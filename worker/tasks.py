@@ -52,6 +52,8 @@ from storage.queue import UPSCALE_TASK, send_upscale
 from worker import heap, metrics, service, signals, started  # signals: importing it connects the process's handlers
 from worker.attempt import (
     EX_CONFIG,
+    OUTDATED_TRIES,
+    OUTDATED_WAIT_S,
     discard,
     discard_attempt,
     end,
@@ -61,7 +63,7 @@ from worker.attempt import (
 )
 from worker.celery_app import app
 from worker.costs import charge, job_limits
-from worker.errors import TailStuck, WorkerOutdated
+from worker.errors import NoWorkerKnows, TailStuck, WorkerOutdated
 from worker.fetch import fetch
 from worker.finisher import Finisher, Turn
 from worker.heartbeat import UPLOADING, Heartbeat
@@ -346,11 +348,7 @@ class _Tail:
 
 def _head(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> _Tail:
     if unknown := sorted(set(job.asks) - JOB_PARAMS):
-        log.warning("%s asks for %s, which this worker does not know: the API that took it is newer than this worker "
-                    "(deploy workers before the API); the job goes back to the queue", job.id, ", ".join(unknown))  # fmt: skip
-        names = ", ".join(f"`{name}`" for name in unknown)
-        raise WorkerOutdated(f"The worker that took the job is older than the API and does not know {names}; a newer "
-                             "worker will run it.")  # fmt: skip
+        _outdated(job, unknown)
     config = service.worker_settings()
     default_steps = service.upscaler().default_steps
     options = replace(
@@ -706,6 +704,21 @@ def _previews(job_id: str, result: UpscaleResult, directory: Path) -> dict[str, 
         log.warning("%s: no thumbnail or sprite sheet", job_id, exc_info=True)
         return {}
     return {"thumbnail": made.thumbnail, "spritesheet": made.spritesheet}
+
+
+def _outdated(job: JobRecord, unknown: list[str]) -> None:
+    """Gives back a job that asks for params this worker does not know (WorkerOutdated), or fails it once it has been
+    given back so for an hour."""
+    names = ", ".join(f"`{name}`" for name in unknown)
+    reasons = [event.detail.get("reason") or {} for event in service.jobs().events(job.id) if event.type == "requeued"]
+    if sum(reason.get("code") == WorkerOutdated.code for reason in reasons) >= OUTDATED_TRIES:
+        hours = OUTDATED_TRIES * OUTDATED_WAIT_S / 3600
+        raise NoWorkerKnows(f"No worker that took the job in {hours:g} h knows {names}: the workers are older than the "
+                            "API; deploy workers that do, and send the job again.")  # fmt: skip
+    log.warning("%s asks for %s, which this worker does not know: the API that took it is newer than this worker "
+                "(deploy workers before the API); the job goes back to the queue", job.id, ", ".join(unknown))  # fmt: skip
+    raise WorkerOutdated(f"The worker that took the job is older than the API and does not know {names}; a newer "
+                         "worker will run it.")  # fmt: skip
 
 
 # The params `job_options` reads: a job that asks for another (JobRecord.asks) came from a newer API

@@ -36,9 +36,9 @@ from kombu.exceptions import OperationalError
 from infra.stack import Stack, free_ports
 from storage.blobs import S3BlobStore, output_prefix
 from storage.config import Settings
-from storage.jobs import TERMINAL, InputInfo, JobRecord, JobStore, Status, open_redis
+from storage.jobs import TERMINAL, InputInfo, JobEvent, JobRecord, JobStore, Status, open_redis
 from storage.queue import UPSCALE_TASK, make_celery
-from worker.attempt import EX_CONFIG
+from worker.attempt import EX_CONFIG, OUTDATED_TRIES
 from worker.errors import Cancelled
 from worker.heartbeat import Heartbeat
 from worker.media.synthetic import write_clip
@@ -809,13 +809,18 @@ def test_a_job_from_a_newer_api_goes_back_rather_than_run_without_what_it_asks(e
     """A rolling deploy, the API first: a worker older than a field a job asked for (`background`, field-rate
     `deinterlace`) ran it as if unset, completed, its record claiming the setting. The record says what the caller set
     (`asks`); a worker that does not know one of those gives the job back, uncounted, to wait for a newer worker."""
-    plain, white = create(api, clips["small"]), create(api, clips["small"], background="#FFFFFF")
+    plain, white, stale = (create(api, clips["small"], **fields) for fields in ({}, {"background": "#FFFFFF"}, {}))
     assert jobs.require(plain).asks == ["seed", "sr_resolution_scale"]  # what the caller set, at other than defaults
     assert jobs.require(white).asks == ["background", "seed", "sr_resolution_scale"]
-    # the record a newer API writes for a field this worker does not have
+    # the records a newer API writes for a field this worker does not have; one given back so for an hour already
+    for job_id in (white, stale):
+        params = {**json.loads(jobs.redis.hget(f"vsrq:job:{job_id}", "params")), "sharpen": "strong"}
+        asks = json.dumps(["background", "sharpen"])
+        jobs.redis.hset(f"vsrq:job:{job_id}", mapping={"params": json.dumps(params), "asks": asks})
+    reason = {"code": "worker_outdated", "message": "The worker that took the job is older than the API"}
+    given_back = JobEvent(type="requeued", at=time.time(), attempt=1, status=Status.QUEUED, detail={"reason": reason})
+    jobs.redis.rpush(f"vsrq:job:{stale}:events", *[given_back.model_dump_json()] * OUTDATED_TRIES)
     record = f"vsrq:job:{white}"
-    params = {**json.loads(jobs.redis.hget(record, "params")), "sharpen": "strong"}
-    jobs.redis.hset(record, mapping={"params": json.dumps(params), "asks": json.dumps(["background", "sharpen"])})
     worker = started(processes.worker(env, QUEUE, logs).start())
     try:
         [done] = wait_all(jobs, [plain], limit_s=120)
@@ -830,6 +835,10 @@ def test_a_job_from_a_newer_api_goes_back_rather_than_run_without_what_it_asks(e
         job = jobs.require(white)
         assert (job.status, job.output, jobs.redis.hget(record, "excused")) == (Status.QUEUED, None, b"1"), job
         assert "deploy workers before the API" in worker.text()
+        # given back so for an hour (a fleet left on an older image): it fails, saying what to do, rather than loop
+        failed = wait_until(jobs, stale, ended, limit_s=60)
+        assert (failed.status, failed.error.code) == (Status.FAILED, "worker_outdated"), failed
+        assert "deploy workers that do" in failed.error.message
     finally:
         worker.stop()
 

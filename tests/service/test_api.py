@@ -324,7 +324,9 @@ def test_a_compressed_json_create_is_read_and_an_upload_must_come_as_it_is(api, 
         assert (response.json()["input"]["upload_id"], response.json()["metadata"]) == (uploaded["id"], {"ref": "gz"})
     # a few KiB that inflate past the JSON limit stop there; bytes that are not what the coding says are refused
     bomb = gzip.compress(b'{"metadata": "' + b" " * (8 * MiB) + b'"}')
-    for data, status, code in ((bomb, 413, "body_too_large"), (b"{not gzip}", 400, "malformed_json")):
+    junk = gzip.compress(b"{}") + os.urandom(2 * MiB)  # read to its end and kept, bytes after the stream were
+    cases = ((bomb, 413, "body_too_large"), (b"{not gzip}", 400, "malformed_json"), (junk, 400, "malformed_json"))
+    for data, status, code in cases:
         sent = requests.post(f"{api}/v1/videos", data=data, headers={**headers, "Content-Encoding": "gzip"}, timeout=10)
         assert_problem(sent, status, code)
     assert_problem(

@@ -350,6 +350,12 @@ def test_an_attempt_that_got_further_than_every_one_before_does_not_count(jobs: 
     assert requeued == {job.id: Status.FAILED}
     failed = jobs.require(job.id)
     assert failed.error.code == "worker_restarted" and failed.error.message.startswith("gave up after 2 attempts")
+    # a retry its worker chose (an error it caught) counts however far it got: VSRQ_MAX_ATTEMPTS=1 means one try
+    other = make(jobs)
+    for progress, status in ((40, Status.QUEUED), (70, Status.FAILED)):
+        lease = jobs.lease(other.id, "w", 30)
+        lease.heartbeat(progress=progress)
+        assert lease.retry("storage_unavailable", "x") == status
 
 
 def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_over(jobs: JobStore):

@@ -206,7 +206,7 @@ def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
     source = write_clip(tmp_path / "input.mp4", frames, (144, 192), audio_codec="aac")
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)
     job_id = f"video_{secrets.token_hex(4)}"
-    store = BlobWindowStore(s3, job_id, tmp_path / "windows", "key")
+    store = BlobWindowStore(s3, job_id, tmp_path / "windows", "key", uploads_behind=100)  # none skipped, however slow
     encoding = begin_upscale(source, tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
     store.wait(60)  # the uploads handed over by the engine's end
     written = window_files(path.name for path in (tmp_path / "windows").iterdir())
@@ -485,7 +485,7 @@ def test_kept_windows_made_otherwise_are_never_mixed_into_an_output(
 
     def attempt(name: str, cancelled=None):
         upscaler = Recording(engine)
-        store = BlobWindowStore(s3, job_id, tmp_path / name, "key")
+        store = BlobWindowStore(s3, job_id, tmp_path / name, "key", uploads_behind=100)  # none skipped
         output = tmp_path / f"{name}.mp4"
         try:
             return upscaler, upscale_file(source, output, upscaler, HIGH, cancelled=cancelled, store=store)
@@ -689,7 +689,7 @@ def test_a_long_job_holds_a_few_windows_on_the_worker_s_disk_not_its_whole_outpu
         sampler.join(10)
     every = scratch_bytes(source, 2, options.window, options.window_overlap)
     held = scratch_bytes(source, 2, options.window, options.window_overlap, windows_held=UPLOADS_BEHIND + 1)
-    assert result.windows == 11 and len(kept_windows(s3, job_id)) == 11
+    assert result.windows == 11 and 1 <= len(kept_windows(s3, job_id)) <= 11  # all but those storage fell behind on
     assert 0 < peak[0] <= held - (tmp_path / "output.mp4").stat().st_size and held < every / 2, (peak, held, every)
     store.close()
     s3.delete_prefix(work_prefix(job_id))
@@ -752,7 +752,10 @@ def test_a_lease_lost_during_the_last_kept_window_s_upload_stops_the_attempt_at_
     (tmp_path / "input.mp4").write_bytes(long_clip)
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)  # 4 windows
     with held_window_upload(settings, "window-00002.u8") as (slow, partition):
-        store = BlobWindowStore(slow, job.id, tmp_path / "windows", "key", beat.transfer, beat.kept_alive)
+        # none skipped however slow the machine: the held one is the third
+        store = BlobWindowStore(
+            slow, job.id, tmp_path / "windows", "key", beat.transfer, beat.kept_alive, uploads_behind=100
+        )
         encoding = begin_upscale(
             tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, beat.window, beat.cancelled, store
         )  # the engine's beats keep the lease as the worker's do

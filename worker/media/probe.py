@@ -235,7 +235,8 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
     except (InputUnreadable, InputCorrupt):
         if header_only(path):
             raise InputEmpty(
-                f"{path.name} holds a WebM header and nothing after it: a recording stopped before its first frame"
+                f"{path.name} holds a Matroska (WebM) header and nothing after it: a recording stopped before its "
+                "first frame"
             ) from None
         # no packet said so (the probe reads them for it): FFmpeg could not open or decode the file first
         if (scheme := protection(path)) is not None:

@@ -173,8 +173,8 @@ def _pictures(
 # Codecs whose alpha is always meant (animations for the web): a frame of theirs transparent everywhere is a blank
 # frame of the animation (a sticker fading in starts with one), not an alpha channel left unused.
 _WEB_ALPHA = frozenset({"gif", "apng", "webp", "vp8", "vp9", "avif"})
-# Lossy alpha rounds an opaque picture's to 246-254 (Chrome's MediaRecorder, whose canvas capture keeps an alpha
-# channel, in its first keyframes): shown over the background as it is, but no transparency to tell a user about
+# VP8/VP9's lossy alpha rounds an opaque picture's to 246-254 (Chrome's MediaRecorder, whose canvas capture keeps an
+# alpha channel, in its first keyframes): shown over the background as it is, but no transparency to tell a user about
 NEARLY_OPAQUE = 240 / 255
 
 
@@ -191,7 +191,7 @@ def _over(rgba: np.ndarray, background: tuple[int, int, int], reading: Reading, 
     top = np.iinfo(rgba.dtype).max
     if alpha.min() == top or (alpha.max() == 0 and codec not in _WEB_ALPHA and not reading.transparent):
         return np.ascontiguousarray(rgb)
-    reading.transparent += bool(alpha.min() < top * NEARLY_OPAQUE)
+    reading.transparent += bool(alpha.min() < (top * NEARLY_OPAQUE if codec in ("vp8", "vp9") else top))
     wide = np.uint64 if rgba.dtype == np.uint16 else np.uint32
     under = np.array(background, dtype=wide) * (top // 255)  # 8-bit to the frame's scale (x257 at 16 bits)
     return ((rgb.astype(wide) * alpha + under * (top - alpha) + top // 2) // top).astype(rgba.dtype)

@@ -325,9 +325,11 @@ def upscale_windows(
                 sink(dequantise(torch.from_numpy(np.array(stored.pixels[start : start + 8]))))
             tail, restored = stored.tail, restored + 1
             made.append(stored.made)
+            stored = None  # its pages go before the next window is downloaded (the scratch estimate counts one)
             if progress is not None:
                 progress(WindowProgress(window.index, len(plan.windows), "restored", 1, 1, tiles))
             continue
+        stored = None  # kept otherwise: computed again, its pages not held meanwhile (its file is gone already)
 
         def on_progress(event: Progress, index: int = window.index, tiles: int | None = tiles) -> None:
             if progress is not None:
