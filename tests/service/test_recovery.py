@@ -264,8 +264,9 @@ def test_a_first_attempt_of_one_window_sends_no_request_for_its_windows_unless_i
         lease = jobs.lease(job.id, name, lease_s=60)
         prefix = KeptPrefix(lease.attempt)
         prefix.store = BlobWindowStore(
-            blobs, job.id, tmp_path / name, "key", keep_last=lambda: tail_held, earlier=prefix.earlier
-        )
+            blobs, job.id, tmp_path / name, "key", keep_last=lambda: tail_held, earlier=prefix.earlier,
+            uploads_behind=100,
+        )  # fmt: skip
         encoding = begin_upscale(source, tmp_path / f"{name}.mp4", LanczosUpscaler(), options, store=prefix.store)
         prefix.store.release_local()
         result = encoding.finish()
@@ -310,7 +311,7 @@ def test_kept_windows_in_a_local_store_resume_a_job_and_never_replay_into_anothe
 
     def attempt(key: str, cancel_after: int | None = None) -> tuple[list[int], torch.Tensor | None]:
         upscaler, out = Recording(LanczosUpscaler()), []
-        store = BlobWindowStore(blobs, "video_1", tmp_path / secrets.token_hex(4), key)
+        store = BlobWindowStore(blobs, "video_1", tmp_path / secrets.token_hex(4), key, uploads_behind=100)
         try:
             upscale_windows(
                 upscaler, iter(video), plan, SRRequest(scale=2), lambda f: out.append(quantise(f)), store=store,
@@ -344,7 +345,7 @@ def test_an_upload_that_lands_after_the_next_attempt_began_never_reaches_another
 
     def attempt(key: str, video: list[np.ndarray], run: bool = True) -> tuple[list[int], torch.Tensor | None]:
         upscaler, out = Recording(LanczosUpscaler()), []
-        store = BlobWindowStore(s3, job_id, tmp_path / secrets.token_hex(4), key)
+        store = BlobWindowStore(s3, job_id, tmp_path / secrets.token_hex(4), key, uploads_behind=100)
         if run:
             sink = lambda frames: out.append(quantise(frames))
             upscale_windows(upscaler, iter(video), plan, SRRequest(scale=2), sink, store=store)
@@ -413,7 +414,7 @@ def test_a_job_whose_windows_were_all_kept_reports_the_quality_that_made_them(
     options = replace(job_options(job.params, LanczosUpscaler.default_steps), window=13, window_overlap=4)
     key = windows_key(job, job.input.sha256, "lanczos", options, LanczosUpscaler())
     (tmp_path / "input.mp4").write_bytes(long_clip)
-    store = BlobWindowStore(s3, job.id, tmp_path / "windows", key)
+    store = BlobWindowStore(s3, job.id, tmp_path / "windows", key, uploads_behind=100)
     store.keep_last = lambda: True
     upscale_file(tmp_path / "input.mp4", tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
     assert len(kept_windows(s3, job.id)) == 4
@@ -454,7 +455,7 @@ def test_windows_kept_for_other_input_bytes_are_never_replayed(request, settings
     options = replace(job_options(job.params, LanczosUpscaler.default_steps), window=13, window_overlap=4)
     (tmp_path / "old.mp4").write_bytes(long_clip)
     kept_for = windows_key(job, old.sha256, "lanczos", options, LanczosUpscaler())
-    store = BlobWindowStore(s3, job.id, tmp_path / "windows", kept_for)
+    store = BlobWindowStore(s3, job.id, tmp_path / "windows", kept_for, uploads_behind=100)
     upscale_file(tmp_path / "old.mp4", tmp_path / "old-output.mp4", LanczosUpscaler(), options, store=store)
     assert len(kept_windows(s3, job.id)) == 3  # all but the last
     # The key now holds other bytes: the same 37 frames, but not the same pixels
