@@ -34,7 +34,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -810,7 +810,7 @@ class JobStore:
         queue: str,
         params: dict[str, Any],
         input: InputInfo,
-        asks: list[str] = (),
+        asks: Iterable[str] = (),
         metadata: dict[str, Any] | None = None,
         webhook_url: str | None = None,
         job_id: str | None = None,

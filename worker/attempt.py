@@ -82,6 +82,8 @@ UNCOUNTED = (TailStuck.code, STORAGE_REFUSED, WorkerOutdated.code)  # retries th
 # and how many times it is given back so before it fails (an hour: a fleet left on an older image, a rollback)
 OUTDATED_WAIT_S = 30.0
 OUTDATED_TRIES = 120
+
+
 def storage_refuses_worker() -> bool:
     """Whether storage refuses this worker itself (its key, a rotation half done; its bucket), whatever the job: its
     bucket refused too. A job's own object may be refused alone (its ACL; a missing key to a caller without

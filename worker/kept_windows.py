@@ -11,10 +11,10 @@ every window until the engine was done (as big as the raw output: 16.7 GB for 10
 what is left goes (`release_local`, after the uploads), the attempt's tail needing only the input and the MP4. The
 tail waits for the uploads (`join`) after the encoder's flush and check, before anything that must not race them (the
 job's end deletes the prefix). An attempt that ends otherwise (failed, cancelled, its lease lost) does not wait for
-them (`close`): a window not kept is only computed again by the next attempt. The key is the job's, not the attempt's; each key has a
-prefix of its own, as an upload `close` left in flight may land after the next attempt has begun: under its own key,
-which an attempt with another key never reads (it deletes the older keys' windows as it begins; the job's end, or the
-reaper's sweep, deletes the job's work prefix).
+them (`close`): a window not kept is only computed again by the next attempt. The key is the job's, not the
+attempt's; each key has a prefix of its own, as an upload `close` left in flight may land after the next attempt has
+begun: under its own key, which an attempt with another key never reads (it deletes the older keys' windows as it
+begins; the job's end, or the reaper's sweep, deletes the job's work prefix).
 
 The job's last window is kept only where the job's tail may wait (`keep_last`, asked at the window's commit, as the
 engine hands the job's tail over: the worker's finisher still holds other jobs' tails, worker.finisher). Where the
