@@ -67,6 +67,10 @@ _GZIP_OR_ZLIB = 32 + zlib.MAX_WBITS
 JSON_CODINGS = frozenset({"gzip", "x-gzip", "deflate"})
 
 
+def _has_body() -> bool:
+    return bool(request.content_length) or request.headers.get("Transfer-Encoding", "").lower() == "chunked"
+
+
 def _coding() -> str:
     return request.headers.get("Content-Encoding", "").strip().lower()
 
@@ -75,8 +79,7 @@ def check_coding() -> None:
     """A blueprint's `before_request`, after authentication: a body in a coding this API does not read is refused
     before a byte of it is."""
     coding = _coding()
-    has_body = request.content_length or request.headers.get("Transfer-Encoding", "").lower() == "chunked"
-    if coding in ("", "identity") or not has_body:
+    if coding in ("", "identity") or not _has_body():
         return
     if request.mimetype != "application/json":
         raise ApiError(
@@ -157,7 +160,7 @@ class Capped:
 def hold_body_slot() -> None:
     """A blueprint's `before_request`, after authentication: a request with a body takes one of the key's body
     slots until it ends (`register` releases it)."""
-    if request.content_length or request.headers.get("Transfer-Encoding", "").lower() == "chunked":
+    if _has_body():
         svc = services()
         g.body_slot = svc.limiter.body_slot(g.api_key, svc.settings)
 

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from infra.children import die_with_parent
-from storage.config import Settings, loopback_host, unknown_variables
+from storage.config import Settings, loopback_host, say_unknown_variables
 from storage.logs import dict_config, settings_secrets
 
 _settings = Settings()  # VSRQ_BIND, VSRQ_WEB_WORKERS, VSRQ_WEB_THREADS among them
@@ -71,8 +71,7 @@ def when_ready(server) -> None:
 
 
 def on_starting(server) -> None:
-    if unknown := unknown_variables():
-        server.log.warning("VSRQ_* variables no setting reads, ignored: %s", ", ".join(unknown))
+    say_unknown_variables(server.log)
     metrics_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     metrics_dir.mkdir(parents=True, exist_ok=True)
     for stale in metrics_dir.glob("*.db"):

@@ -16,7 +16,7 @@ import secrets
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -61,6 +61,12 @@ def unknown_variables(known: Iterable[str] = (), other_prefix: str = "VSRQ_WORKE
         close = difflib.get_close_matches(name, names, n=1)
         said.append(f"{name} (not {close[0]}?)" if close else name)
     return said
+
+
+def say_unknown_variables(log: Any, known: Iterable[str] = (), other_prefix: str = "VSRQ_WORKER_") -> None:
+    """Logs, at a process's start, the VSRQ_* names it ignores (`unknown_variables`); `log`: any logger."""
+    if unknown := unknown_variables(known, other_prefix):
+        log.warning("VSRQ_* variables no setting reads, ignored: %s", ", ".join(unknown))
 
 
 def loopback_host(host: str) -> bool:

@@ -17,7 +17,7 @@ from time import monotonic
 
 from celery import Celery
 
-from storage.config import Settings, unknown_variables
+from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobStore, Status
 from storage.lifecycle import sweep
 from storage.logs import configure, settings_secrets
@@ -109,8 +109,7 @@ def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     log.info("reaping every %g s, sweeping storage every %g s", settings.reap_interval_s, settings.sweep_interval_s)
-    if unknown := unknown_variables():
-        log.warning("VSRQ_* variables no setting reads, ignored: %s", ", ".join(unknown))
+    say_unknown_variables(log)
     next_sweep = monotonic()
     queues = list(dict.fromkeys(settings.models.values()))
     lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)

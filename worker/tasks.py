@@ -34,7 +34,7 @@ from celery.signals import worker_init, worker_shutdown
 from celery.worker import state as worker_state
 
 from storage.blobs import BlobInfo, BlobNotFound, attempt_output_key, output_prefix, preview_key
-from storage.config import unknown_variables
+from storage.config import say_unknown_variables
 from storage.jobs import (
     FileDigest,
     InvalidTransition,
@@ -93,8 +93,7 @@ def _load_model(**_: Any) -> None:
     heap.fix_mmap_threshold()  # before any job: its frames must not stay resident in glibc's arenas once freed
     config = service.worker_settings()
     worker_names = {f"VSRQ_WORKER_{name.upper()}" for name in type(config).model_fields}
-    if unknown := unknown_variables(worker_names, other_prefix=""):
-        log.warning("VSRQ_* variables no setting reads, ignored: %s", ", ".join(unknown))
+    say_unknown_variables(log, worker_names, other_prefix="")
     _check_job_store()
     _check_storage()
     _finisher.held = config.tails_held
@@ -116,10 +115,7 @@ def _check_job_store() -> None:
     try:
         service.jobs().redis.ping()
     except redis.exceptions.AuthenticationError:
-        log.error("the job store's Redis refuses this worker's password or user: check VSRQ_REDIS_URL; exiting "
-                  "(status %d)", EX_CONFIG)  # fmt: skip
-        logging.shutdown()
-        os._exit(EX_CONFIG)
+        _exit_refused("the job store's Redis refuses this worker's password or user: check VSRQ_REDIS_URL")
     except redis.exceptions.RedisError:
         pass
 
@@ -130,11 +126,16 @@ def _check_storage() -> None:
     reach is no reason: each job waits an outage out."""
     if storage_refuses_worker():
         settings = service.settings()
-        log.error("blob storage refuses this worker (its bucket %r at %s answers 403 or 404): check "
-                  "VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY and VSRQ_S3_BUCKET; exiting (status %d)", settings.s3_bucket,
-                  settings.s3_endpoint_url, EX_CONFIG)  # fmt: skip
-        logging.shutdown()
-        os._exit(EX_CONFIG)
+        _exit_refused(f"blob storage refuses this worker (its bucket {settings.s3_bucket!r} at "
+                      f"{settings.s3_endpoint_url} answers 403 or 404): check VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY "
+                      "and VSRQ_S3_BUCKET")  # fmt: skip
+
+
+def _exit_refused(why: str) -> None:
+    """Stops a worker at its start that a store it needs refuses: a supervisor restarts it, and this line says why."""
+    log.error("%s; exiting (status %d)", why, EX_CONFIG)
+    logging.shutdown()
+    os._exit(EX_CONFIG)
 
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased

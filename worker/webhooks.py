@@ -32,7 +32,7 @@ import urllib3
 from celery.signals import worker_init
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
-from storage.config import Settings, unknown_variables
+from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobNotFound, JobStore
 from storage.logs import job_context
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
@@ -49,8 +49,7 @@ log = logging.getLogger("vsrq.webhooks")
 @worker_init.connect
 def _say_unknown_variables(**_: Any) -> None:
     """A misspelt VSRQ_* name is said at start, as the API, the GPU worker and the reaper say it."""
-    if unknown := unknown_variables():
-        log.warning("VSRQ_* variables no setting reads, ignored: %s", ", ".join(unknown))
+    say_unknown_variables(log)
 
 
 @cache

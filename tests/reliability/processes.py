@@ -107,21 +107,19 @@ def stop_all(processes: list[Process], timeout_s: float = 30) -> None:
 
 def worker(env: dict[str, str], queue: str, logs: Path, model: str = "lanczos") -> Process:
     """A solo Celery worker, as the Procfile runs one; `started()` waits until it consumes."""
-    name = f"faults-{secrets.token_hex(3)}"
-    command = [
-        sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
-        "-Q", queue, "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat",
-        "--loglevel", "info",
-    ]  # fmt: skip
     settings = {**env, **WORKER_THREADS, "VSRQ_WORKER_MODEL": model, "VSRQ_WORKER_DEVICES": "cpu"}
-    return Process(name, command, settings, logs / f"{name}.log")
+    return _celery("faults", "worker.tasks", "solo", 1, queue, settings, logs)
 
 
 def webhooks(env: dict[str, str], queue: str, logs: Path) -> Process:
     """The Procfile's webhook worker (threads), on `queue`."""
-    name = f"hooks-{secrets.token_hex(3)}"
+    return _celery("hooks", "worker.webhooks", "threads", 2, queue, env, logs)
+
+
+def _celery(kind: str, app: str, pool: str, concurrency: int, queue: str, env: dict[str, str], logs: Path) -> Process:
+    name = f"{kind}-{secrets.token_hex(3)}"
     command = [
-        sys.executable, "-m", "celery", "-A", "worker.webhooks", "worker", "--pool", "threads", "--concurrency", "2",
+        sys.executable, "-m", "celery", "-A", app, "worker", "--pool", pool, "--concurrency", str(concurrency),
         "-Q", queue, "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat",
         "--loglevel", "info",
     ]  # fmt: skip

@@ -447,9 +447,10 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     size = path.stat().st_size
     try:
         for packet in container.demux():
-            if packet.size and cut_off(packet, size):
+            if packet.size == 0:
+                continue
+            if cut_off(packet, size):
                 scan.cut_short = True
-            if packet.size == 0 or cut_off(packet, size):
                 continue
             owner = packet.stream
             # every packet: a packager may leave the first seconds clear (Shaka Packager: 5 s) and encrypt the rest

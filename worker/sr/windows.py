@@ -218,18 +218,20 @@ class DirectoryWindowStore:
         return _DirectoryRecorder(self, index)
 
     def drop(self) -> None:
-        for path in self.directory.glob("window-*"):
+        self._unlink("window-*")
+        (self.directory / f"{self.MARKER}.partial").unlink(missing_ok=True)
+
+    def _unlink(self, pattern: str) -> None:
+        for path in self.directory.glob(pattern):
             if self._OWN.fullmatch(path.name):
                 path.unlink(missing_ok=True)
-        (self.directory / f"{self.MARKER}.partial").unlink(missing_ok=True)
 
     def join(self) -> float:
         return 0.0
 
     def forget(self, index: int) -> None:
         """Deletes one window's files (kept elsewhere: blob storage). A replay already reading them keeps its pages."""
-        for suffix in ("u8", "u8.partial", "tail.npy", "json"):
-            self._path(index, suffix).unlink(missing_ok=True)
+        self._unlink(f"window-{index:05d}.*")
 
     def clear(self) -> None:
         """Deletes the store's files, and its directory where nothing else is left in it."""
