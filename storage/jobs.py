@@ -191,7 +191,8 @@ class JobRecord(BaseModel):
     seq: int  # creation order: listing cursor
     status: Status
     stage: Stage | None = None
-    progress: int = 0
+    progress: int = 0  # this attempt's: a new attempt starts again from 0
+    furthest: int = 0  # the furthest progress of the attempts before it (set as each was requeued)
     attempt: int = 0  # 0 until first leased
     lease_token: str | None = None  # the holding lease's: attempt numbers repeat when Redis loses acknowledged writes
     cancel_requested: bool = False
@@ -256,7 +257,10 @@ class Video(BaseModel):
     object: Literal["video"] = "video"
     model: str
     status: Status
-    progress: int
+    progress: int = Field(
+        description="percent done, 0-100; it never goes back: an attempt that resumes after a worker's restart shows "
+        "the furthest an earlier one got until it passes that"
+    )
     stage: Stage | None
     queue_position: int | None = Field(
         description="jobs ahead of this one in its queue (0: next); null unless queued, and while a retry waits (its "
@@ -291,7 +295,8 @@ class Video(BaseModel):
             id=job.id,
             model=job.model,
             status=job.status,
-            progress=job.progress,
+            # a resumed attempt replays its kept windows from 0: a client's progress bar must not go back meanwhile
+            progress=max(job.progress, job.furthest),
             stage=job.stage,
             queue_position=queue_position if job.status == Status.QUEUED else None,
             retry_at=_int(job.retry_at) if job.status == Status.QUEUED and queue_position is None else None,

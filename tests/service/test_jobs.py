@@ -358,6 +358,23 @@ def test_an_attempt_that_got_further_than_every_one_before_does_not_count(jobs: 
         assert lease.retry("storage_unavailable", "x") == status
 
 
+def test_progress_a_client_sees_never_goes_back_when_an_attempt_resumes(jobs: JobStore):
+    """A worker restarted at 60 % resumes from its kept windows, its new attempt counting again from 0: the job said
+    0 % (a progress bar, the OpenAI SDK's `create_and_poll`, went back) until it got past where it was."""
+    job = make(jobs)
+    lease = jobs.lease(job.id, "w", 30)
+    lease.heartbeat(progress=60)
+    jobs.take_back([job.id])
+    assert jobs.view(jobs.require(job.id)).progress == 60  # queued again
+    lease = jobs.lease(job.id, "w", 30)
+    seen = [jobs.view(jobs.require(job.id)).progress]
+    for progress in (5, 59, 61, 90):
+        lease.heartbeat(progress=progress)
+        seen.append(jobs.view(jobs.require(job.id)).progress)
+    assert seen == [60, 60, 60, 61, 90]
+    assert jobs.require(job.id).progress == 90  # the attempt's own, which the reaper's count of attempts reads
+
+
 def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_over(jobs: JobStore):
     """An origin that is down gets time (worker.attempt.retry_wait_s): nobody sends the retry's message, `unsent`
     hands the job to the reaper when its wait ends, not `enqueue_grace_s` after it."""
