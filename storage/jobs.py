@@ -214,6 +214,12 @@ class JobRecord(BaseModel):
     retry_at: float | None = None  # a retry told to wait (`JobStore.retry`): not leased before, out of line until sent
     updated_at: float
 
+    @property
+    def shown_progress(self) -> int:
+        """What its owner sees: a resumed attempt replays its kept windows from 0, and a progress bar must not go
+        back meanwhile."""
+        return max(self.progress, self.furthest)
+
 
 class VideoInput(BaseModel):
     bytes: int | None = Field(description="the input file's size; for a URL input, null until the worker fetched it")
@@ -295,8 +301,7 @@ class Video(BaseModel):
             id=job.id,
             model=job.model,
             status=job.status,
-            # a resumed attempt replays its kept windows from 0: a client's progress bar must not go back meanwhile
-            progress=max(job.progress, job.furthest),
+            progress=job.shown_progress,
             stage=job.stage,
             queue_position=queue_position if job.status == Status.QUEUED else None,
             retry_at=_int(job.retry_at) if job.status == Status.QUEUED and queue_position is None else None,

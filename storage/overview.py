@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.blobs import refusal
-from storage.jobs import JobStore, Status
+from storage.jobs import JobRecord, JobStore, Stage, Status
 from storage.workers import WorkerInfo, WorkerRegistry
 
 
@@ -34,10 +34,20 @@ class Health(BaseModel):
         return not self.problems
 
 
+class Running(BaseModel):
+    """A job a live worker runs, as far as it got."""
+
+    stage: Stage | None
+    progress: int  # as its owner sees it (`JobRecord.shown_progress`)
+    attempt: int
+    started_at: float | None  # the job's first attempt's start
+
+
 class Overview(BaseModel):
     queues: dict[str, int]  # queue -> jobs queued on it
     jobs: dict[Status, int]  # status -> jobs (records still kept)
     workers: list[WorkerInfo]
+    running: dict[str, Running] = {}  # job id -> how far it got, for each live worker's job
     health: Health | None = None
     lost_messages_resent: int = 0  # queued jobs' messages the reaper sent again, lost by dying consumers (worker.lost)
 
@@ -156,6 +166,11 @@ def overview(
         queues={queue: jobs.queue_depth(queue) for queue in names},
         jobs=job_counts(jobs),
         workers=workers,
+        running={job.id: _running(job) for job in map(jobs.get, {w.job for w in workers if w.job}) if job},
         health=health(jobs, workers, models, reaper_stale_s),
         lost_messages_resent=int(jobs.redis.get(_resent_key(jobs)) or 0),
     )
+
+
+def _running(job: JobRecord) -> Running:
+    return Running(stage=job.stage, progress=job.shown_progress, attempt=job.attempt, started_at=job.started_at)
