@@ -113,7 +113,10 @@ class ApiKey(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="VSRQ_", env_file=".env", extra="ignore")
+    # `unlimited` lifts a limit that has none as a value (VSRQ_MEGAPIXEL_FRAMES_PER_HOUR=unlimited)
+    model_config = SettingsConfigDict(
+        env_prefix="VSRQ_", env_file=".env", extra="ignore", env_parse_none_str="unlimited"
+    )
 
     # Redis holds the job records and is Celery's broker.
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -203,8 +206,8 @@ class Settings(BaseSettings):
     max_output_pixels: int | None = Field(7680 * 4320, ge=1)
     max_output_megapixel_frames: float | None = Field(150_000, gt=0)
     # The input's length (a slideshow lecture at 1 fps is long in seconds and small in compute); its frames at most
-    # 60 a second of it (`worker.costs.job_limits`)
-    max_input_seconds: float = Field(3600, gt=0)
+    # 60 a second of it (`worker.costs.job_limits`); None: the compute limits above bound it alone
+    max_input_seconds: float | None = Field(3600, gt=0)
     megapixel_frames_per_hour: float | None = Field(1_000_000, gt=0)
     result_ttl_s: int = Field(7 * 24 * 3600, ge=60)  # finished jobs keep their output this long (expires_at)
     # The reaper's storage sweep (storage.lifecycle): uploads no job claims, writes never finished

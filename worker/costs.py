@@ -23,7 +23,7 @@ def job_limits(job: JobRecord, limits: Limits = Limits()) -> Limits:
         max_output_pixels=pixels,
         max_output_megapixel_frames=per_job,
         max_seconds=seconds,
-        max_frames=max(limits.max_frames or 0, round(seconds * 60)),
+        max_frames=None if seconds is None else max(limits.max_frames or 0, round(seconds * 60)),
     )
 
 

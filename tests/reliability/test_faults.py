@@ -24,6 +24,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from pathlib import Path
 from unittest import mock
 
@@ -41,6 +42,10 @@ from storage.queue import UPSCALE_TASK, make_celery
 from worker.attempt import EX_CONFIG, OUTDATED_TRIES
 from worker.errors import Cancelled
 from worker.heartbeat import Heartbeat
+from worker import service
+from worker.costs import job_limits
+from worker.media.errors import InputTooLarge
+from worker.media.probe import probe
 from worker.media.synthetic import write_clip
 
 from . import processes
@@ -852,6 +857,25 @@ def test_an_input_longer_than_the_operators_limit_fails_naming_it(workers, api, 
     assert done.status == Status.COMPLETED, done
     assert (refused.status, refused.error.code) == (Status.FAILED, "input_too_large"), refused
     assert "the limit is 1 s" in refused.error.message, refused.error
+
+
+def test_an_operator_lifts_a_limit_by_setting_it_unlimited(jobs, monkeypatch, tmp_path):
+    """A limit that None lifts (README: "None: unlimited") could not be lifted: `VSRQ_MAX_INPUT_SECONDS` took only
+    a number, and `none` or an empty value failed the settings. `unlimited` lifts it: a 3,700 s lecture at 1 fps runs"""
+    lecture = write_clip(tmp_path / "lecture.mp4", 3700, (16, 16), Fraction(1), video_options={"preset": "ultrafast"})
+    job = jobs.create(owner="o", model="lanczos", queue="q", params={}, input=InputInfo(key="uploads/o/x", bytes=1))
+    service.settings.cache_clear()  # the worker reads its settings once
+    with pytest.raises(InputTooLarge, match="the limit is 3600 s"):
+        probe(lecture, job_limits(job))
+    for name in ("VSRQ_MAX_INPUT_SECONDS", "VSRQ_MAX_OUTPUT_MEGAPIXEL_FRAMES", "VSRQ_MEGAPIXEL_FRAMES_PER_HOUR"):
+        monkeypatch.setenv(name, "unlimited")
+    service.settings.cache_clear()
+    try:
+        assert service.settings().compute_limits(job.owner)[1:] == (None, None)
+        assert probe(lecture, job_limits(job)).video.frames == 3700
+    finally:
+        monkeypatch.undo()
+        service.settings.cache_clear()
 
 
 def test_a_job_that_kills_its_worker_fails_after_max_attempts(env, api, reaper, jobs, blobs, clips, logs, tmp_path):
