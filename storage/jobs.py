@@ -756,6 +756,11 @@ class JobStore:
             name: redis.register_script(_script(body)) for name, body in scripts.items()
         }
 
+    def check_access(self) -> None:
+        """Raises what Redis answers a client it does not authenticate (`AuthenticationError`), or may not run the
+        store's scripts on its keys (an ACL user without them: `NoPermissionError`); runs one that reads nothing."""
+        self.redis.register_script("return 1")(keys=[self._job_key("access-check"), self._leases_key])
+
     # keys
     def _job_key(self, job_id: str) -> str:
         return job_key(self.prefix, job_id)

@@ -109,13 +109,16 @@ def _load_model(**_: Any) -> None:
 
 
 def _check_job_store() -> None:
-    """A worker whose Redis refuses its password or user (VSRQ_REDIS_URL: a rotation half done) could lease no job:
-    each message it took went back to the broker, its job waiting behind it. Redis out of reach is an outage: waited
-    out."""
+    """A worker whose Redis refuses its password, its user or that user's commands (VSRQ_REDIS_URL: a rotation half
+    done, an ACL) could lease no job: each message it took went back to the broker, its job waiting behind it. Redis
+    out of reach is an outage: waited out."""
     try:
-        service.jobs().redis.ping()
+        service.jobs().check_access()
     except redis.exceptions.AuthenticationError:
         _exit_refused("the job store's Redis refuses this worker's password or user: check VSRQ_REDIS_URL")
+    except redis.exceptions.NoPermissionError as error:  # an ACL user whose PING passed leased nothing
+        _exit_refused(f"the job store's Redis refuses this worker's user the scripts or keys it needs ({error}): "
+                      "check its ACL (VSRQ_REDIS_URL's user)")  # fmt: skip
     except redis.exceptions.RedisError:
         pass
 

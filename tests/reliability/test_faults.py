@@ -18,6 +18,7 @@ import math
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import statistics
@@ -778,13 +779,24 @@ def _wrong_redis_password(env: dict[str, str]) -> dict[str, str]:
             "VSRQ_BROKER_URL": env.get("VSRQ_BROKER_URL") or env["VSRQ_REDIS_URL"]}  # fmt: skip
 
 
+def _redis_user_without_the_stores_keys(env: dict[str, str]) -> dict[str, str]:
+    """An ACL user that authenticates and may PING, its keys another application's (`~cache:*`)."""
+    user, host_port = "other-app-" + secrets.token_hex(3), env["VSRQ_REDIS_URL"].split("://", 1)[1]
+    redis.Redis.from_url(env["VSRQ_REDIS_URL"]).acl_setuser(
+        user, enabled=True, passwords=["+its-password"], keys=["cache:*"], commands=["+@all"]
+    )
+    return {"VSRQ_REDIS_URL": f"redis://{user}:its-password@{host_port}",
+            "VSRQ_BROKER_URL": env.get("VSRQ_BROKER_URL") or env["VSRQ_REDIS_URL"]}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("wrong", "said"),
     [
         (lambda env: {"VSRQ_S3_SECRET_KEY": "not-the-store-s-secret"}, ["blob storage refuses", "VSRQ_S3_SECRET_KEY"]),
         (_wrong_redis_password, ["Redis refuses this worker's password or user", "VSRQ_REDIS_URL"]),
+        (_redis_user_without_the_stores_keys, ["refuses this worker's user the scripts or keys it needs", "ACL"]),
     ],
-    ids=["storage", "redis"],
+    ids=["storage", "redis", "redis-acl"],
 )
 def test_a_worker_that_storage_or_redis_refuses_takes_no_job(wrong, said, env, api, jobs, clips, logs):
     """A worker whose S3 secret is not the store's (a key rotation half done) started, registered, looked healthy and
