@@ -33,7 +33,7 @@ class FormFile:
     name: str
     filename: str
     content_type: str
-    stream: BinaryIO  # valid until the next part is read
+    stream: _PartStream  # valid until the next part is read
 
 
 def boundary_of(content_type: str | None) -> bytes:
@@ -123,16 +123,24 @@ class _PartStream:
         self._events, self._buffer, self._done = events, bytearray(), False
 
     def read(self, size: int = -1) -> bytes:
-        while not self._done and (size < 0 or len(self._buffer) < size):
-            event = next(self._events)
-            self._buffer += event.data
-            self._done = not event.more_data
+        self._fill(size)
         if size < 0 or size >= len(self._buffer):
             data, self._buffer = bytes(self._buffer), bytearray()
         else:
             data = bytes(self._buffer[:size])
             del self._buffer[:size]
         return data
+
+    def peek(self, size: int) -> bytes:
+        """The next `size` bytes (fewer at the part's end), left to be read."""
+        self._fill(size)
+        return bytes(self._buffer[:size])
+
+    def _fill(self, size: int) -> None:
+        while not self._done and (size < 0 or len(self._buffer) < size):
+            event = next(self._events)
+            self._buffer += event.data
+            self._done = not event.more_data
 
     def skip_rest(self) -> None:
         while self.read(CHUNK):

@@ -17,6 +17,7 @@ from api.body import Capped, check_coding, hold_body_slot
 from api.errors import ApiError
 from api.multipart import FormField, FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
+from api.sniff import PEEK_BYTES, not_a_video
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
 
@@ -100,6 +101,9 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
                     f"Only one file is accepted, in `{'` or `'.join(sorted(file_fields))}`; got `{part.name}`.",
                 )
             else:
+                if kind := not_a_video(part.stream.peek(PEEK_BYTES)):  # said now, not after the queue's wait
+                    name = f"`{part.filename}`" if part.filename else f"The file in `{part.name}`"
+                    raise ApiError(422, "input_no_video", f"{name} is {kind}, not a video.")
                 upload_id = new_upload_id()
                 try:
                     blob = blobs.put(
