@@ -193,6 +193,7 @@ class JobRecord(BaseModel):
     stage: Stage | None = None
     progress: int = 0  # this attempt's: a new attempt starts again from 0
     furthest: int = 0  # the furthest progress of the attempts before it (set as each was requeued)
+    eta: float | None = None  # when the attempt's worker expects its engine to finish (Redis time), while upscaling
     attempt: int = 0  # 0 until first leased
     lease_token: str | None = None  # the holding lease's: attempt numbers repeat when Redis loses acknowledged writes
     cancel_requested: bool = False
@@ -268,6 +269,11 @@ class Video(BaseModel):
         "the furthest an earlier one got until it passes that"
     )
     stage: Stage | None
+    eta: int | None = Field(
+        None,
+        description="while `upscaling`: when the worker expects to finish upscaling (epoch seconds), at the pace of "
+        "the windows it has computed so far; the encoder's last frames and the upload follow. Null until it can tell",
+    )
     queue_position: int | None = Field(
         description="jobs ahead of this one in its queue (0: next); null unless queued, and while a retry waits (its "
         "`requeued` event's `retry_in_s`)"
@@ -303,6 +309,7 @@ class Video(BaseModel):
             status=job.status,
             progress=job.shown_progress,
             stage=job.stage,
+            eta=_int(job.eta) if job.status == Status.IN_PROGRESS and job.stage == "upscaling" else None,
             queue_position=queue_position if job.status == Status.QUEUED else None,
             retry_at=_int(job.retry_at) if job.status == Status.QUEUED and queue_position is None else None,
             attempt=job.attempt,
@@ -500,7 +507,7 @@ local function move(to, t)
 end
 local function finish(t, ttl)
   redis.call('HSET', JOB, 'completed_at', t, 'expires_at', t + ttl)
-  redis.call('HDEL', JOB, 'stage')
+  redis.call('HDEL', JOB, 'stage', 'eta')
 end
 """
 )
@@ -534,14 +541,14 @@ move('in_progress', t)
 local attempt = redis.call('HINCRBY', JOB, 'attempt', 1)
 hold()
 redis.call('HSET', JOB, 'progress', 0, 'cancel_requested', 0)
-redis.call('HDEL', JOB, 'stage', 'error')
+redis.call('HDEL', JOB, 'stage', 'error', 'eta')
 if not field('started_at') then redis.call('HSET', JOB, 'started_at', t) end
 event('leased', t, {worker = ARGV[1]})
 return attempt
 """
 
 # ARGV: fence, lease seconds, progress ('' = unchanged), stage ('' = unchanged), a JSON object of input fields to set
-# (media, bytes, sha256; '' = unchanged).
+# (media, bytes, sha256; '' = unchanged), the engine's seconds left ('' = unchanged).
 # Extends the lease; progress never goes back within an attempt. Returns 1 when cancellation was requested.
 _TOUCH = """
 fenced(ARGV[1])
@@ -556,6 +563,7 @@ if ARGV[4] ~= '' and ARGV[4] ~= field('stage') then
   redis.call('HSET', JOB, 'stage', ARGV[4])
   event('stage', t, {stage = ARGV[4]})
 end
+if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', JOB, 'eta', t + tonumber(ARGV[6])) end
 if ARGV[5] ~= '' then
   local input = cjson.decode(field('input'))
   for name, value in pairs(cjson.decode(ARGV[5])) do input[name] = value end
@@ -626,7 +634,7 @@ elseif attempts >= tonumber(ARGV[3]) then
 end
 move('queued', t)
 redis.call('HSET', JOB, 'progress', 0)
-redis.call('HDEL', JOB, 'stage')
+redis.call('HDEL', JOB, 'stage', 'eta')
 local wait = tonumber(ARGV[7] or '0')
 if wait > 0 then
   -- No message yet: its mark in UNSENT makes `unsent` hand it to the reaper once the wait is over, and `sent` ranks
@@ -959,10 +967,11 @@ class JobStore:
         stage: Stage | None = None,
         input_media: MediaInfo | None = None,
         input_file: FileDigest | None = None,
+        seconds_left: float | None = None,
     ) -> bool:
         """Heartbeat: extends the lease, records progress / stage / the input's probe / a fetched input's size and
-        digest. Returns whether the owner asked to cancel. Raises `StaleAttempt` when the lease `fence` (`Lease.fence`)
-        no longer holds the job."""
+        digest / the engine's `seconds_left` (its `eta`). Returns whether the owner asked to cancel. Raises
+        `StaleAttempt` when the lease `fence` (`Lease.fence`) no longer holds the job."""
         fields = {
             **({"media": input_media.model_dump(mode="json")} if input_media else {}),
             **(input_file.model_dump(mode="json") if input_file else {}),
@@ -975,6 +984,7 @@ class JobStore:
             "" if progress is None else int(progress),
             stage or "",
             json.dumps(fields) if fields else "",
+            "" if seconds_left is None else f"{seconds_left:.1f}",
         )
         return bool(flag)
 
@@ -1163,6 +1173,7 @@ class Lease:
         stage: Stage | None = None,
         input_media: MediaInfo | None = None,
         input_file: FileDigest | None = None,
+        seconds_left: float | None = None,
     ) -> bool:
         """Returns True when the owner asked to cancel."""
         return self.store.touch(
@@ -1173,6 +1184,7 @@ class Lease:
             stage=stage,
             input_media=input_media,
             input_file=input_file,
+            seconds_left=seconds_left,
         )
 
     def complete(self, output: OutputInfo) -> JobRecord:

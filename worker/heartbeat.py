@@ -48,8 +48,8 @@ class Heartbeat:
     the next one (a beat that is not forced and meets one on its way is dropped instead: later ones supersede it).
     Forced beats (stages, a window's end) are sent from the caller's thread, after any beat on its way."""
 
-    def __init__(self, lease: Lease, every_s: float) -> None:
-        self.lease, self.every_s = lease, every_s
+    def __init__(self, lease: Lease, every_s: float, pace: Pace | None = None) -> None:
+        self.lease, self.every_s, self.pace = lease, every_s, pace or Pace()
         self.cancel_requested = False
         self._last = -inf
         self._extended = lease.asked_at  # the lease holds until lease_s after this, the last delivered beat's start
@@ -65,6 +65,7 @@ class Heartbeat:
         stage: Stage | None = None,
         input_media: MediaInfo | None = None,
         input_file: FileDigest | None = None,
+        seconds_left: float | None = None,
         force: bool = False,
     ) -> bool:
         """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job, and Redis's
@@ -75,7 +76,8 @@ class Heartbeat:
         background = False
         try:
             self._raise_if_lost()  # (a forced beat may have waited for one that found the attempt over)
-            fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file}
+            fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file,
+                      "seconds_left": seconds_left}  # fmt: skip
             self._undelivered |= {name: value for name, value in fields.items() if value is not None}
             if force:
                 self._beat()
@@ -144,6 +146,7 @@ class Heartbeat:
         self.send(
             progress=1 + int((UPSCALED - 1) * event.fraction),
             stage="encoding" if last else "upscaling",  # after the last window: the encoder's flush
+            seconds_left=self.pace.seconds_left(event),
             force=finished,
         )
 
@@ -230,3 +233,25 @@ class Heartbeat:
         finally:
             done.set()
             thread.join()
+
+
+class Pace:
+    """The engine's seconds left at the pace of the windows this attempt computes: windows an earlier attempt kept come
+    back in moments and say nothing of it, nor does the first unit's time (a new shape's graphs). None until it has
+    computed for `after_s` and 1 % of the job."""
+
+    def __init__(self, after_s: float = 10.0) -> None:
+        self.after_s = after_s
+        self._since: tuple[float, float] | None = None  # (when, fraction) at the first computed unit
+
+    def seconds_left(self, event: WindowProgress) -> float | None:
+        if event.stage == "restored":
+            return None
+        now = monotonic()
+        if self._since is None:
+            self._since = (now, event.fraction)
+            return None
+        elapsed, done = now - self._since[0], event.fraction - self._since[1]
+        if elapsed < self.after_s or done < 0.01:
+            return None
+        return (1 - event.fraction) * elapsed / done

@@ -46,6 +46,13 @@ function clock(seconds) {
   return `${Math.floor(s / 60)}:${String(s % 60).padStart(2, "0")}`;
 }
 
+// The worker's estimate of its engine's end (the job's `eta`), as a person reads a wait.
+function timeLeft(eta) {
+  const minutes = (eta - Date.now() / 1000) / 60;
+  if (minutes < 1) return "under a minute left";
+  return minutes < 90 ? `about ${Math.round(minutes)} min left` : `about ${(minutes / 60).toFixed(1)} h left`;
+}
+
 const relative = new Intl.RelativeTimeFormat(undefined, {numeric: "auto"});
 function ago(unixSeconds) {
   const seconds = Math.round(unixSeconds - Date.now() / 1000);
@@ -455,7 +462,8 @@ function stageText(job) {
     case "in_progress": {
       const stage = STAGE_LABEL[job.stage] || "Starting";
       const attempt = job.attempt > 1 ? ` · attempt ${job.attempt}` : "";
-      return job.cancel_requested ? "Cancelling…" : `${stage} · ${job.progress} %${attempt}`;
+      const left = job.eta ? ` · ${timeLeft(job.eta)}` : "";
+      return job.cancel_requested ? "Cancelling…" : `${stage} · ${job.progress} %${left}${attempt}`;
     }
     case "completed":
       return job.started_at && job.completed_at

@@ -22,6 +22,8 @@ from storage.jobs import (
     Status,
     new_lease_token,
 )
+from worker.heartbeat import Heartbeat, Pace
+from worker.sr.windows import WindowProgress
 
 MEDIA = MediaInfo(width=96, height=64, frames=9, fps=24.0, duration=0.375, audio=False)
 
@@ -373,6 +375,31 @@ def test_progress_a_client_sees_never_goes_back_when_an_attempt_resumes(jobs: Jo
         seen.append(jobs.view(jobs.require(job.id)).progress)
     assert seen == [60, 60, 60, 61, 90]
     assert jobs.require(job.id).progress == 90  # the attempt's own, which the reaper's count of attempts reads
+
+
+def test_a_running_job_says_when_its_upscaling_should_end(jobs: JobStore):
+    """A long job said only its percentage. Its `eta` is the worker's estimate at the pace of the windows it computes:
+    windows an earlier attempt kept (replayed in moments) do not make it promise too soon."""
+    job = make(jobs)
+    lease = jobs.lease(job.id, "w", 30)
+    beat = Heartbeat(lease, every_s=0, pace=Pace(after_s=0.4))
+    view = lambda: jobs.view(jobs.require(job.id))  # noqa: E731
+    windows = 25
+    for window in range(10):  # ten kept by an attempt before: back at once
+        beat.window(WindowProgress(window, windows, "restored", 1, 1, None))
+    assert view().eta is None
+    started = time.monotonic()
+    for window in range(10, 15):  # five computed
+        time.sleep(0.4)
+        beat.window(WindowProgress(window, windows, "upscaling", 1, 1, None))
+    pace = (time.monotonic() - started - 0.4) / 4  # the first computed window starts the clock: four since
+    eta = view().eta  # ten windows left: counting the kept ones' moments would say ~1 s
+    assert eta is not None and abs(eta - (time.time() + 10 * pace)) <= 1.2, (eta - time.time(), 10 * pace)
+    for window in range(15, windows):
+        beat.window(WindowProgress(window, windows, "upscaling", 1, 1, None))
+    assert (view().stage, view().eta) == ("encoding", None)  # the engine is done: the tail follows
+    jobs.take_back([job.id])
+    assert view().eta is None and jobs.require(job.id).eta is None
 
 
 def test_a_retry_told_to_wait_gets_its_message_from_the_reaper_once_the_wait_is_over(jobs: JobStore):
