@@ -96,12 +96,14 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _job(running: dict[str, Running], job_id: str | None, now: float) -> str:
-    """`video_… upscaling 45 % attempt 2, running 3m10s`: how far a worker's job got (its record may have gone)."""
+    """`video_… upscaling 45 % attempt 2, running 3m10s, about 4m05s left`: how far a worker's job got (its record
+    may have gone)."""
     job = running.get(job_id)
     if job is None:
         return job_id or "-"
     since = f", running {_clock(now - job.started_at)}" if job.started_at else ""
-    return f"{job_id} {job.stage or 'starting'} {job.progress} % attempt {job.attempt}{since}"
+    left = f", about {_clock(job.eta - now)} left" if job.eta else ""
+    return f"{job_id} {job.stage or 'starting'} {job.progress} % attempt {job.attempt}{since}{left}"
 
 
 def _clock(seconds: float) -> str:

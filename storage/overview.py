@@ -41,6 +41,7 @@ class Running(BaseModel):
     progress: int  # as its owner sees it (`JobRecord.shown_progress`)
     attempt: int
     started_at: float | None  # the job's first attempt's start
+    eta: float | None = None  # while upscaling: when its worker expects the engine to finish (`JobRecord.eta`)
 
 
 class Overview(BaseModel):
@@ -173,4 +174,7 @@ def overview(
 
 
 def _running(job: JobRecord) -> Running:
-    return Running(stage=job.stage, progress=job.shown_progress, attempt=job.attempt, started_at=job.started_at)
+    eta = job.eta if job.stage == "upscaling" else None
+    return Running(
+        stage=job.stage, progress=job.shown_progress, attempt=job.attempt, started_at=job.started_at, eta=eta
+    )

@@ -54,22 +54,25 @@ def test_vsrq_status_lists_a_live_worker(service_env, settings, tmp_path):
 
 
 def test_vsrq_status_shows_how_far_each_workers_job_got(service_env):
-    """An operator saw a worker's job id only: which stage, how far and which attempt took `vsrq events`."""
+    """An operator saw a worker's job id only: its stage, how far, which attempt and when it ends took `vsrq events`."""
     env = {**service_env, "VSRQ_REDIS_URL": service_env["VSRQ_REDIS_URL"].rsplit("/", 1)[0] + "/7"}  # a db of its own
     client = redis.Redis.from_url(env["VSRQ_REDIS_URL"])
     client.flushdb()
     jobs = JobStore(client, result_ttl_s=60, max_attempts=3)
     job = jobs.create(owner="o", model="k6-vsr", queue=QUEUE, params={}, input=InputInfo(key="uploads/o/x", bytes=1))
     lease = jobs.lease(job.id, "gpu0@host", 30)
-    lease.heartbeat(progress=45, stage="upscaling")
+    lease.heartbeat(progress=45, stage="upscaling", seconds_left=250)
     WorkerRegistry(client).register(
         WorkerInfo(name="gpu0@host", queues=[QUEUE], model="lanczos", devices=["cpu"], host="h", pid=1, started_at=0,
                    job=job.id)  # fmt: skip
     )
     running = json.loads(vsrq_status(env, "--json").stdout)["running"]
-    assert running[job.id] | {"started_at": 0} == {"stage": "upscaling", "progress": 45, "attempt": 1, "started_at": 0}
+    assert running[job.id] | {"started_at": 0, "eta": 0} == {
+        "stage": "upscaling", "progress": 45, "attempt": 1, "started_at": 0, "eta": 0
+    }
+    assert 240 < running[job.id]["eta"] - time.time() <= 250
     line = next(line for line in vsrq_status(env).stdout.splitlines() if "gpu0@host" in line)
-    assert re.search(rf"job {job.id} upscaling 45 % attempt 1, running \d+s  beat", line), line
+    assert re.search(rf"job {job.id} upscaling 45 % attempt 1, running \d+s, about 4m0\ds left  beat", line), line
     client.flushdb()
 
 
