@@ -194,6 +194,7 @@ class JobRecord(BaseModel):
     progress: int = 0  # this attempt's: a new attempt starts again from 0
     furthest: int = 0  # the furthest progress of the attempts before it (set as each was requeued)
     eta: float | None = None  # when the attempt's worker expects its engine to finish (Redis time), while upscaling
+    planned_size: str | None = None  # the output's WxH as the worker planned it from the probe, before it is written
     attempt: int = 0  # 0 until first leased
     lease_token: str | None = None  # the holding lease's: attempt numbers repeat when Redis loses acknowledged writes
     cancel_requested: bool = False
@@ -319,8 +320,8 @@ class Video(BaseModel):
             completed_at=_int(job.completed_at),
             expires_at=_int(job.expires_at),
             error=job.error,
-            size=f"{media.width}x{media.height}" if media else None,
-            seconds=f"{media.duration:g}" if media else None,
+            size=f"{media.width}x{media.height}" if media else job.planned_size,
+            seconds=f"{(media or job.input.media).duration:g}" if media or job.input.media else None,
             params=job.params,
             input=VideoInput(**job.input.model_dump(include=set(VideoInput.model_fields))),
             output=VideoOutput(
@@ -548,7 +549,8 @@ return attempt
 """
 
 # ARGV: fence, lease seconds, progress ('' = unchanged), stage ('' = unchanged), a JSON object of input fields to set
-# (media, bytes, sha256; '' = unchanged), the engine's seconds left ('' = unchanged).
+# (media, bytes, sha256; '' = unchanged), the engine's seconds left ('' = unchanged), the output's planned WxH ('' =
+# unchanged).
 # Extends the lease; progress never goes back within an attempt. Returns 1 when cancellation was requested.
 _TOUCH = """
 fenced(ARGV[1])
@@ -564,6 +566,7 @@ if ARGV[4] ~= '' and ARGV[4] ~= field('stage') then
   event('stage', t, {stage = ARGV[4]})
 end
 if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', JOB, 'eta', t + tonumber(ARGV[6])) end
+if ARGV[7] and ARGV[7] ~= '' then redis.call('HSET', JOB, 'planned_size', ARGV[7]) end
 if ARGV[5] ~= '' then
   local input = cjson.decode(field('input'))
   for name, value in pairs(cjson.decode(ARGV[5])) do input[name] = value end
@@ -968,10 +971,11 @@ class JobStore:
         input_media: MediaInfo | None = None,
         input_file: FileDigest | None = None,
         seconds_left: float | None = None,
+        output_size: tuple[int, int] | None = None,
     ) -> bool:
         """Heartbeat: extends the lease, records progress / stage / the input's probe / a fetched input's size and
-        digest / the engine's `seconds_left` (its `eta`). Returns whether the owner asked to cancel. Raises
-        `StaleAttempt` when the lease `fence` (`Lease.fence`) no longer holds the job."""
+        digest / the engine's `seconds_left` (its `eta`) / the output's planned (width, height). Returns whether the
+        owner asked to cancel. Raises `StaleAttempt` when the lease `fence` (`Lease.fence`) no longer holds the job."""
         fields = {
             **({"media": input_media.model_dump(mode="json")} if input_media else {}),
             **(input_file.model_dump(mode="json") if input_file else {}),
@@ -985,6 +989,7 @@ class JobStore:
             stage or "",
             json.dumps(fields) if fields else "",
             "" if seconds_left is None else f"{seconds_left:.1f}",
+            "" if output_size is None else f"{output_size[0]}x{output_size[1]}",
         )
         return bool(flag)
 
@@ -1174,6 +1179,7 @@ class Lease:
         input_media: MediaInfo | None = None,
         input_file: FileDigest | None = None,
         seconds_left: float | None = None,
+        output_size: tuple[int, int] | None = None,
     ) -> bool:
         """Returns True when the owner asked to cancel."""
         return self.store.touch(
@@ -1185,6 +1191,7 @@ class Lease:
             input_media=input_media,
             input_file=input_file,
             seconds_left=seconds_left,
+            output_size=output_size,
         )
 
     def complete(self, output: OutputInfo) -> JobRecord:

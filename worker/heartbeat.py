@@ -66,6 +66,7 @@ class Heartbeat:
         input_media: MediaInfo | None = None,
         input_file: FileDigest | None = None,
         seconds_left: float | None = None,
+        output_size: tuple[int, int] | None = None,
         force: bool = False,
     ) -> bool:
         """Returns whether the owner asked to cancel; raises `StaleAttempt` when this attempt lost the job, and Redis's
@@ -77,7 +78,7 @@ class Heartbeat:
         try:
             self._raise_if_lost()  # (a forced beat may have waited for one that found the attempt over)
             fields = {"progress": progress, "stage": stage, "input_media": input_media, "input_file": input_file,
-                      "seconds_left": seconds_left}  # fmt: skip
+                      "seconds_left": seconds_left, "output_size": output_size}  # fmt: skip
             self._undelivered |= {name: value for name, value in fields.items() if value is not None}
             if force:
                 self._beat()

@@ -417,7 +417,10 @@ def _head(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) -> 
         cleanup.callback(kept.close)
         head["windows_kept"] = monotonic()
         graphs = _graphs_built()
-        encoding = begin_upscale(source, output, service.upscaler(), options, beat.window, beat.cancelled, kept)
+        encoding = begin_upscale(
+            source, output, service.upscaler(), options, beat.window, beat.cancelled, kept,
+            probed=lambda media, size: beat.send(input_media=media_info(media), output_size=size, force=True),
+        )  # fmt: skip
         graphs = _graphs_built() - graphs
         # the raw windows are encoded: once uploaded they go (a held tail must not hold them), the engine not waiting
         # for the last kept window's upload, which the tail joins after the encoder's flush and check

@@ -141,10 +141,12 @@ def begin_upscale(
     progress: Callable[[WindowProgress], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     store: WindowStore | None = None,
+    probed: Callable[[MediaInfo, tuple[int, int]], None] | None = None,
 ) -> Encoding:
     """`upscale_file` up to the engine's last window: every frame is upscaled and handed to the encoder. What is left
     (the encoder's flush, the read-back check) needs no upscaler: `Encoding.finish()` does it, on any thread, so a
-    worker can start its next job's engine meanwhile. On an error here nothing is left behind."""
+    worker can start its next job's engine meanwhile. On an error here nothing is left behind. `probed` is told what
+    the input is and the output's (width, height) as soon as the limits have passed them."""
     started = perf_counter()
     source, output = Path(source), Path(output)
 
@@ -178,6 +180,8 @@ def begin_upscale(
         sar = options.target.pixel_aspect(video.sar)
     size = upscaler.output_size(video.height, video.width, options.request.scale)
     check_size(options.codec, size)
+    if probed is not None:
+        probed(source_info, size[::-1])
     if options.admit is not None:  # charged once nothing refuses the job
         options.admit(cost)
     plan = plan_windows(video.frames, options.window, options.window_overlap)

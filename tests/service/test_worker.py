@@ -255,7 +255,9 @@ def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):
     # long enough (lanczos over 241 frames, two windows) to be caught while it runs
     clip = write_clip(tmp_path / "long.mp4", 241, (128, 192), crf=30).read_bytes()
     job_id = create(api, clip)["id"]
-    wait_for(api, job_id, worker, until=lambda job: job["stage"] == "upscaling" or job["status"] in TERMINAL)
+    running = wait_for(api, job_id, worker, until=lambda job: job["stage"] == "upscaling" or job["status"] in TERMINAL)
+    # what the input is, known from the probe on: it was said only as the output was uploaded
+    assert (running["input"]["media"]["frames"], running["size"], running["seconds"]) == (241, "384x256", "10.0417")
     response = requests.post(f"{api}/v1/videos/{job_id}/cancel", headers=auth("dave"), timeout=10)
     assert response.status_code == 200, response.text
     job = wait_for(api, job_id, worker)
