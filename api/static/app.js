@@ -18,8 +18,9 @@ const $ = (id) => document.getElementById(id);
 // `session` counts sign-ins and -outs: a list fetched for an earlier one is dropped; one `poll` runs at a time
 const state = {
   key: null, open: false, session: 0, polling: false, pollAgain: false, listed: LIST_PAGE, picked: null,
-  pickedMedia: null, jobs: new Map(), outputs: new Map(), comparing: null, timer: null,
+  pickedMedia: null, jobs: new Map(), outputs: new Map(), comparing: null, compareFrom: null, timer: null, upload: null,
 };
+const REDUCED_MOTION = window.matchMedia("(prefers-reduced-motion: reduce)");
 
 // -- small helpers -------------------------------------------------------------------------------------------------
 
@@ -73,7 +74,15 @@ function toast(message, kind = "info") {
 }
 
 function fail(error) {
-  toast(error.message || String(error), "error");
+  // fetch's own TypeError ("Failed to fetch") is the network's, not the service's answer
+  const unreachable = error instanceof TypeError;
+  toast(unreachable ? "Cannot reach the service: check the connection and try again." : error.message || String(error),
+    "error");
+}
+
+// Said to screen readers: what changed where a person is not looking (a job that ended).
+function announce(message) {
+  $("announce").textContent = message;
 }
 
 // -- the API -------------------------------------------------------------------------------------------------------
@@ -134,8 +143,22 @@ const originals = (() => {
       memory.delete(id);
       await run("readwrite", (store) => store.delete(id)).catch(() => {});
     },
+    async ids() {
+      return await run("readonly", (store) => store.getAllKeys()).catch(() => []);
+    },
   };
 })();
+
+// Originals of jobs the service no longer has (deleted elsewhere, expired) go: up to 1 GiB each stayed in the browser.
+async function forgetGone(ids) {
+  for (const id of ids) {
+    try {
+      await api(`/v1/videos/${encodeURIComponent(id)}`);
+    } catch (error) {
+      if (error.status === 404) await originals.delete(id);
+    }
+  }
+}
 
 // -- the key -------------------------------------------------------------------------------------------------------
 
@@ -189,6 +212,7 @@ function showWorkspace() {
   $("sign-out").hidden = !state.key;  // no key to forget where the service asks for none
   loadModels();
   poll();
+  originals.ids().then(forgetGone);
 }
 
 async function loadModels() {
@@ -206,16 +230,33 @@ async function loadModels() {
 
 // -- picking a file ------------------------------------------------------------------------------------------------
 
+// What a picked file certainly is when it is no video, by the type the browser gives it (the service checks too).
+function notVideo(file) {
+  const type = file.type;
+  if (type.startsWith("audio/")) return "an audio file";
+  if (type.startsWith("text/") || type === "application/pdf" || type === "application/zip") return "a document";
+  if (["image/jpeg", "image/bmp", "image/tiff", "image/heic", "image/heif", "image/svg+xml"].includes(type)) {
+    return "a still picture";
+  }
+  return null;
+}
+
 function pick(file) {
   if (!file) return;
+  if (state.upload) {
+    toast("A video is uploading: cancel it first to pick another.", "error");
+    return;
+  }
   state.picked = file;
   state.pickedMedia = null;
   $("picked-name").textContent = file.name;
   $("picked-info").textContent = bytes(file.size);
   $("picked").hidden = false;
   $("dropzone").hidden = true;
-  $("submit").disabled = false;
-  $("form-error").textContent = "";
+  const wrong = file.size === 0 ? "empty (0 bytes)" : notVideo(file);
+  $("submit").disabled = Boolean(wrong);
+  $("form-error").textContent = wrong ? `${file.name} is ${wrong}, not a video: pick a video file.` : "";
+  if (wrong) return;
   // Read its size where the browser can decode it (not every container can be played here; the service reads more).
   const probe = document.createElement("video");
   probe.preload = "metadata";
@@ -247,26 +288,39 @@ function pick(file) {
 }
 
 function unpick() {
+  const focused = $("picked").contains(document.activeElement);
   state.picked = null;
   state.pickedMedia = null;
   $("picked").hidden = true;
   $("dropzone").hidden = false;
   $("submit").disabled = true;
   $("file").value = "";
+  $("form-error").textContent = "";
   outputSize();
+  if (focused) $("dropzone").focus();
 }
 
 function chosenScale() {
   return document.querySelector('input[name="sr_resolution_scale"]:checked').value;
 }
 
+const TARGETS = {hd: [1280, 720], fullhd: [1920, 1080], "2k": [2560, 1440]};
+
 function outputSize() {
   const media = state.pickedMedia;
   const scale = Number(chosenScale());
-  $("out-size").textContent = media
-    ? `Output ${Math.round(media.width * scale)}×${Math.round(media.height * scale)}` +
-      ($("target").value ? ", then downscaled to the target resolution" : "")
-    : "";
+  if (!media) {
+    $("out-size").textContent = "";
+    return;
+  }
+  const [width, height] = [Math.round(media.width * scale), Math.round(media.height * scale)];
+  const custom = /^(\d+)x(\d+)$/.exec($("custom-target").value.trim());
+  const target = $("target").value === "custom" ? custom && [Number(custom[1]), Number(custom[2])]
+    : TARGETS[$("target").value];
+  // the service never upscales to a target: one larger than the output leaves it as it is
+  const smaller = target && (width > target[0] || height > target[1]);
+  $("out-size").textContent = `Output ${width}×${height}` + (smaller ? `, then downscaled to fit ${target[0]}×${target[1]}`
+    : target ? `, already within ${target[0]}×${target[1]}` : "");
 }
 
 // -- creating a job ------------------------------------------------------------------------------------------------
@@ -309,11 +363,17 @@ function submit(event) {
     bar.setAttribute("aria-valuenow", String(percent));
     $("upload-text").textContent = `Uploading ${percent} % · ${bytes(loaded)} of ${bytes(total)}`;
   };
-  xhr.upload.onprogress = (progress) => setProgress(progress.loaded, progress.total);
+  let sent = 0;  // nothing sent when the request fails: the service never answered
+  xhr.upload.onprogress = (progress) => {
+    sent = progress.loaded;
+    setProgress(progress.loaded, progress.total);
+  };
   const done = () => {
+    state.upload = null;
     $("upload").hidden = true;
     $("submit").disabled = !state.picked;
     $("submit").textContent = "Upscale";
+    $("unpick").textContent = "Change";
   };
   xhr.onload = async () => {
     done();
@@ -321,7 +381,7 @@ function submit(event) {
       const job = xhr.response;
       await originals.put(job.id, file);
       unpick();
-      toast(`Uploaded ${file.name}: the job is queued.`);
+      toast(`Uploaded ${file.name}.`);
       upsertJob(job);
       poll();
     } else {
@@ -331,22 +391,49 @@ function submit(event) {
   };
   xhr.onerror = () => {
     done();
-    $("form-error").textContent = "The upload was interrupted: check the connection and try again.";
+    $("form-error").textContent = sent ? "The upload was interrupted: check the connection and try again."
+      : "Cannot reach the service: check the connection and try again.";
   };
+  xhr.onabort = () => {
+    done();
+    $("form-error").textContent = "Upload cancelled.";
+  };
+  state.upload = xhr;
   $("form-error").textContent = "";
   $("upload").hidden = false;
   $("submit").disabled = true;
   $("submit").textContent = "Uploading…";
+  $("unpick").textContent = "Cancel upload";
   setProgress(0, file.size);
   xhr.send(form);
 }
 
+// The form's control for each field the API names in `errors`.
+const FIELD_INPUT = {
+  model: "model", seed: "seed", sr_tile_min_overlap: "overlap", sr_target_resolution: "custom-target",
+  sr_target_resize_mode: "resize", output_codec: "codec", output_crf: "crf", quality: "quality",
+  deinterlace: "deinterlace", background: "background", video_reference: "dropzone",
+};
+
 function showFormError(error) {
   const fields = (error.body && error.body.errors) || [];
+  for (const input of document.querySelectorAll("#job-form [aria-invalid]")) input.removeAttribute("aria-invalid");
+  const inputs = fields.map((item) => $(FIELD_INPUT[item.field])).filter(Boolean);
+  const label = (item) => {
+    const input = $(FIELD_INPUT[item.field]);
+    const text = input && document.querySelector(`label[for="${input.id}"]`);
+    return text ? text.textContent : item.field || "request";
+  };
   $("form-error").replaceChildren(
     fields.length ? "Check these fields:" : error.message,  // the API's detail points at `errors`, listed here
-    ...fields.map((item) => el("span", {class: "field-error"}, `${item.field || "request"}: ${item.message}`)),
+    ...fields.map((item) => el("span", {class: "field-error"}, `${label(item)}: ${item.message}`)),
   );
+  for (const input of inputs) input.setAttribute("aria-invalid", "true");
+  if (inputs.length) {
+    const details = inputs[0].closest("details");
+    if (details) details.open = true;
+    inputs[0].focus();
+  }
 }
 
 // -- the job list --------------------------------------------------------------------------------------------------
@@ -422,7 +509,9 @@ async function poll() {
   }
   if (jobs) {
     const ids = new Set(jobs.map((job) => job.id));
-    for (const id of state.jobs.keys()) if (!ids.has(id)) removeJob(id);
+    const gone = [...state.jobs.keys()].filter((id) => !ids.has(id));
+    gone.forEach(removeJob);
+    forgetGone(gone);  // deleted or expired, or only off the list's newest: the service says which
     jobs.forEach(upsertJob);
     placeRows(jobs);
     $("jobs-updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;
@@ -466,10 +555,9 @@ function stageText(job) {
       return job.cancel_requested ? "Cancelling…" : `${stage} · ${job.progress} %${left}${attempt}`;
     }
     case "completed":
-      return job.started_at && job.completed_at
-        ? `Done in ${clock(job.completed_at - job.started_at)} · ${job.progress} %` : `Done · ${job.progress} %`;
+      return job.started_at && job.completed_at ? `Done in ${clock(job.completed_at - job.started_at)}` : "Done";
     case "failed":
-      return "Failed";
+      return "";  // the badge says it, the error line why
     default:
       return "Cancelled";
   }
@@ -481,6 +569,9 @@ function upsertJob(job) {
     entry = {job, row: buildRow(job)};
     state.jobs.set(job.id, entry);
     $("jobs").prepend(entry.row);  // a job just made; `poll` puts the list in order
+  }
+  if (entry.job.status !== job.status && !ACTIVE.has(job.status)) {
+    announce(`${job.input.filename || job.id}: ${STATUS_LABEL[job.status] || job.status}`);
   }
   entry.job = job;
   fillRow(entry.row, job);
@@ -500,6 +591,12 @@ function removeJob(id) {
   $("jobs-empty").hidden = state.jobs.size > 0;
 }
 
+// A row's button, named for a screen reader with the job's file ("Delete clip.mp4", not twenty "Delete"s).
+function action(kind, text, name, onclick, attributes = {}) {
+  return el("button", {type: "button", class: "ghost", "data-action": kind, "aria-label": `${text} ${name}`, onclick,
+    ...attributes}, text);
+}
+
 function buildRow(job) {
   const name = job.input.filename || job.id;
   const row = el("li", {class: "job", "data-id": job.id},
@@ -512,12 +609,11 @@ function buildRow(job) {
     el("div", {class: "job-foot"},
       el("span", {class: "job-stage small"}),
       el("div", {class: "actions"},
-        el("button", {type: "button", class: "ghost", "data-action": "compare", onclick: () => compare(job.id)}, "Compare"),
-        el("button", {type: "button", class: "ghost", "data-action": "download", onclick: () => download(job.id)}, "Download"),
-        el("button", {type: "button", class: "ghost", "data-action": "cancel", onclick: () => cancel(job.id)}, "Cancel"),
-        el("button", {type: "button", class: "ghost", "data-action": "history", "aria-expanded": "false",
-          onclick: () => history(job.id)}, "History"),
-        el("button", {type: "button", class: "ghost danger", "data-action": "delete", onclick: () => remove(job.id)}, "Delete"))),
+        action("compare", "Compare", name, () => compare(job.id)),
+        action("download", "Download", name, () => download(job.id)),
+        action("cancel", "Cancel", name, () => cancel(job.id)),
+        action("history", "History", name, () => history(job.id), {"aria-expanded": "false"}),
+        action("delete", "Delete", name, () => remove(job.id), {class: "ghost danger"}))),
     el("p", {class: "job-error error small"}),
     el("ul", {class: "job-notes small", "aria-label": `Notes on ${name}`, hidden: ""}),
     el("ol", {class: "job-history small muted", hidden: ""}));
@@ -596,18 +692,43 @@ function fillRow(row, job) {
   for (const button of row.querySelectorAll("[data-action]")) button.hidden = !show[button.dataset.action];
 }
 
-async function outputUrl(id) {
+// The result as a blob: URL (fetched with the key's header: a plain link would carry none), `progress` told of each
+// chunk as a fraction of the whole.
+async function outputUrl(id, progress = () => {}) {
   if (!state.outputs.has(id)) {
-    const blob = await (await api(`/v1/videos/${encodeURIComponent(id)}/content`)).blob();
-    state.outputs.set(id, URL.createObjectURL(blob));
+    const response = await api(`/v1/videos/${encodeURIComponent(id)}/content`);
+    const total = Number(response.headers.get("Content-Length")) || 0;
+    const chunks = [];
+    let received = 0;
+    for (const reader = response.body.getReader(); ;) {
+      const {done, value} = await reader.read();
+      if (done) break;
+      chunks.push(value);
+      received += value.length;
+      if (total) progress(received / total);
+    }
+    state.outputs.set(id, URL.createObjectURL(new Blob(chunks, {type: "video/mp4"})));
   }
   return state.outputs.get(id);
 }
 
+// Runs `work` with `button` saying how far it got, and not pressed again meanwhile.
+async function busy(button, work) {
+  const text = button.textContent;
+  button.disabled = true;
+  try {
+    return await work((fraction) => { button.textContent = `${Math.round(100 * fraction)} %`; });
+  } finally {
+    button.disabled = false;
+    button.textContent = text;
+  }
+}
+
 async function download(id) {
   const job = state.jobs.get(id).job;
+  const button = state.jobs.get(id).row.querySelector("[data-action='download']");
   try {
-    const link = el("a", {href: await outputUrl(id)});
+    const link = el("a", {href: await busy(button, (progress) => outputUrl(id, progress))});
     const stem = (job.input.filename || job.id).replace(/\.[^.]+$/, "");
     link.download = `${stem}-x${Number(job.params.sr_resolution_scale)}.mp4`;
     document.body.append(link);
@@ -642,23 +763,35 @@ async function remove(id) {
 
 // -- before / after ------------------------------------------------------------------------------------------------
 
+const NOT_HERE = "The original is not in this browser (it was uploaded from elsewhere): only the result is shown.";
+const NOT_PLAYABLE = "This browser cannot play the original's format: only the result is shown.";
+
+function withoutOriginal(message) {
+  $("no-before").textContent = message;
+  $("no-before").hidden = false;
+  $("stage").classList.add("no-original");
+}
+
 async function compare(id) {
   const job = state.jobs.get(id).job;
   const before = $("before");
   const after = $("after");
+  const button = state.jobs.get(id).row.querySelector("[data-action='compare']");
   try {
-    after.src = await outputUrl(id);
+    after.src = await busy(button, (progress) => outputUrl(id, progress));
   } catch (error) {
     fail(error);
     return;
   }
+  state.compareFrom = button;
   const original = await originals.get(id);
   if (before.src.startsWith("blob:")) URL.revokeObjectURL(before.src);
   before.removeAttribute("src");
   if (original) before.src = URL.createObjectURL(original);
   before.load();
-  $("no-before").hidden = Boolean(original);
-  $("stage").classList.toggle("no-original", !original);
+  $("no-before").hidden = true;
+  $("stage").classList.remove("no-original");
+  if (!original) withoutOriginal(NOT_HERE);
   state.comparing = id;
   const media = job.input.media;
   $("before-size").textContent = media ? `${media.width}×${media.height}` : "";
@@ -668,7 +801,8 @@ async function compare(id) {
   $("stage").style.setProperty("--ratio", `${width} / ${height}`);
   $("compare").hidden = false;
   $("play").textContent = "Play";
-  $("compare").scrollIntoView({behavior: "smooth", block: "start"});
+  $("compare").scrollIntoView({behavior: REDUCED_MOTION.matches ? "auto" : "smooth", block: "start"});
+  $("play").focus({preventScroll: true});
 }
 
 function closeCompare() {
@@ -680,7 +814,11 @@ function closeCompare() {
   before.removeAttribute("src");
   after.removeAttribute("src");
   state.comparing = null;
+  const wasOpen = !$("compare").hidden;
   $("compare").hidden = true;
+  // back where the comparison was asked for, not on <body>
+  if (wasOpen && state.compareFrom && state.compareFrom.isConnected) state.compareFrom.focus();
+  state.compareFrom = null;
 }
 
 // The result leads; the original follows it (play, pause, seek), nudged back whenever it drifts.
@@ -729,6 +867,15 @@ function wirePlayer() {
     });
   }
   $("compare-close").addEventListener("click", closeCompare);
+  $("compare").addEventListener("keydown", (event) => {
+    if (event.key === "Escape") closeCompare();
+  });
+  // AVI, MPEG-4 Part 2, WMV...: kept for the comparison but no <video> plays them
+  const unplayable = () => {
+    if (before.getAttribute("src")) withoutOriginal(NOT_PLAYABLE);
+  };
+  before.addEventListener("error", unplayable);
+  before.addEventListener("loadedmetadata", () => { if (!before.videoWidth) unplayable(); });
 }
 
 // -- start ---------------------------------------------------------------------------------------------------------
@@ -749,13 +896,19 @@ function wireForm() {
   zone.addEventListener("drop", (event) => {
     event.preventDefault();
     zone.classList.remove("over");
-    pick(event.dataTransfer.files[0]);
+    const files = event.dataTransfer.files;
+    if (files.length > 1) toast(`One video at a time: ${files[0].name} is picked.`);
+    pick(files[0]);
   });
   // A file dropped anywhere else would make the browser navigate away from the page.
   window.addEventListener("dragover", (event) => event.preventDefault());
   window.addEventListener("drop", (event) => event.preventDefault());
   $("file").addEventListener("change", () => pick($("file").files[0]));
-  $("unpick").addEventListener("click", unpick);
+  $("unpick").addEventListener("click", () => (state.upload ? state.upload.abort() : unpick()));
+  window.addEventListener("beforeunload", (event) => {
+    if (state.upload) event.preventDefault();  // the browser asks before an upload in flight is lost
+  });
+  $("custom-target").addEventListener("input", outputSize);
   for (const radio of document.querySelectorAll('input[name="sr_resolution_scale"]')) {
     radio.addEventListener("change", outputSize);
   }

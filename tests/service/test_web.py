@@ -150,7 +150,7 @@ def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_c
         page.wait_for_timeout(50)
     expect(row.locator(".badge")).to_have_text("Completed", timeout=5000)
     expect(bar).to_have_attribute("aria-valuenow", "100")
-    expect(row.locator(".job-stage")).to_contain_text("100 %")
+    expect(row.locator(".job-stage")).to_have_text(re.compile(r"^Done in \d+:\d\d$"))
     expect(row.locator(".job-meta")).to_contain_text(f"2× · lanczos · {width}×{height} → {2 * width}×{2 * height}")
     assert seen == sorted(seen), f"progress went back: {seen}"
     upload_texts = page.evaluate("window.uploadTexts")
@@ -223,9 +223,14 @@ def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_c
     # -- a reload keeps the key (remembered) and the original (IndexedDB): the comparison still has both sides
     page.reload()
     expect(row.locator(".badge")).to_have_text("Completed")
-    row.get_by_role("button", name="Compare").click()
+    # by keyboard: the comparison takes the focus (it stayed in the list, 82 Tabs from Play), Escape gives it back
+    row.get_by_role("button", name="Compare").press("Enter")
+    expect(compare.get_by_role("button", name="Play")).to_be_focused()
     expect(page.locator("#no-before")).to_be_hidden()
     until(page, "document.getElementById('before').readyState >= 2")
+    page.keyboard.press("Escape")
+    expect(compare).to_be_hidden()
+    expect(row.get_by_role("button", name="Compare")).to_be_focused()
 
     assert not [url for url in urls if KEYS[KEY] in url], "the API key went into a URL"
     assert problems == [], problems
@@ -327,6 +332,40 @@ def test_with_auth_off_the_page_asks_for_no_key_and_hides_no_job_still_going(ope
     until(page, f"{rows}.length === 53")
     assert [row.get_attribute("data-id") for row in page.locator("#jobs > li").all()] == made[::-1]
     expect(page.get_by_role("button", name="Show older jobs")).to_be_hidden()
+
+
+def test_on_a_phone_a_long_name_stays_on_screen_and_a_song_is_refused_before_its_upload(
+    open_api, browser_context, corpus_cache, tmp_path
+):
+    """One 200-character file name made the page 2,390 px wide on a phone (2,746 on a desktop): every job's buttons
+    off-screen. A song was uploaded whole, then failed as no video."""
+    from playwright.sync_api import expect
+
+    page = browser_context.new_page()
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(f"{open_api}/")
+    drop(page, "#dropzone", corpus_cache / "hachoir-marc_kravetz.mp3", kind="audio/mpeg")
+    expect(page.locator("#form-error")).to_have_text(
+        "hachoir-marc_kravetz.mp3 is an audio file, not a video: pick a video file."
+    )
+    expect(page.get_by_role("button", name="Upscale", exact=True)).to_be_disabled()
+    page.get_by_role("button", name="Change").click()
+    expect(page.locator("#dropzone")).to_be_focused()  # not <body>: a keyboard user goes on from there
+
+    long = write_clip(tmp_path / f"{'holiday' * 28}.mp4", 8, SIZE)
+    drop(page, "#dropzone", long)
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    row = page.locator("li.job", has_text="holiday" * 28)
+    expect(row.locator(".badge")).to_have_text("Queued")
+    try:
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        cancel = row.get_by_role("button", name=f"Cancel {long.name}")  # named after its job for a screen reader
+        box = cancel.bounding_box()
+        assert 0 <= box["x"] and box["x"] + box["width"] <= 390, box
+    finally:  # gone again, so the other test's listing of this owner holds only its own jobs
+        job_id = row.get_attribute("data-id")
+        assert requests.post(f"{open_api}/v1/videos/{job_id}/cancel", timeout=10).status_code == 200
+        assert requests.delete(f"{open_api}/v1/videos/{job_id}", timeout=10).status_code == 200
 
 
 def test_try_it_out_in_the_docs_creates_a_job(open_api, browser_context, tmp_path):
