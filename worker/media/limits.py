@@ -43,7 +43,8 @@ class Limits:
         if self.max_output_pixels is not None and pixels > self.max_output_pixels:
             raise OutputTooLarge(
                 f"the output would be {width}x{height} ({pixels / 1e6:.1f} megapixels a frame); the limit "
-                f"(max_output_pixels) is {self.max_output_pixels / 1e6:.1f}: pick a smaller scale or a target"
+                f"(max_output_pixels) is {self.max_output_pixels / 1e6:.1f} megapixels: pick a smaller scale or a "
+                "target resolution"
             )
         if self.max_output_megapixel_frames is not None and cost > self.max_output_megapixel_frames:
             raise OutputTooLarge(
