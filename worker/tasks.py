@@ -503,7 +503,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     #    `end` deletes what landed, and the stopped upload what lands after it. The poster frame and sprite sheet are
     #    made meanwhile, then uploaded.
     spans: dict[str, tuple[float, float]] = {}  # each step's start and end, for the `run` event (`_note_run`)
-    flushed = tail.encoding.flush()
+    flushed = tail.encoding.flush(alive=beat.send)  # its lease, and the watch for a stuck tail, see it go on
     at = monotonic()
     source = tail.encoding.result.source
     beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(source), force=True)

@@ -290,10 +290,12 @@ class Encoding:
         self.flush()
         return self.check()
 
-    def flush(self) -> Path:
+    def flush(self, alive: Callable[[], object] | None = None) -> Path:
         """5. Flushes the encoder: the finished file, under its hidden name beside the output until `check` puts it in
-        place or deletes it (a file opened before `check` stays readable either way)."""
+        place or deletes it (a file opened before `check` stays readable either way). `alive` is called as the sound
+        after the last frame is muxed (an hour of it to re-encode takes minutes)."""
         began = monotonic()
+        self._writer.alive = alive
         try:
             with self._writer:  # leaving it closes the writer (the flush); one that fails deletes the file
                 pass

@@ -1446,6 +1446,20 @@ def test_a_message_behind_a_stuck_tail_goes_to_the_front_and_costs_no_attempt(
     assert [requeue["reason"]["code"] for requeue in requeues(jobs, tailing)] == ["lease_expired"]
 
 
+def test_sound_reencoded_after_the_last_frame_keeps_its_tail_alive(api, reaper, jobs, workers, tmp_path):
+    """A second of video with an hour of MP2 sound (within every limit): the sound after the last frame is re-encoded
+    to AAC as the encoder flushes, minutes with no heartbeat. The worker took the tail for a stuck one and exited, its
+    lease ran out, and after four attempts the job failed `lease_expired`. Here five minutes of sound, seconds to
+    re-encode, against a lease of 3 s and a stall limit of 2 s."""
+    talk = write_clip(tmp_path / "talk.mkv", 24, (32, 48), audio_codec="mp2", layout="mono", audio_seconds=300)
+    started(workers(VSRQ_LEASE_S="3", VSRQ_WORKER_TAIL_STALL_S="2"))
+    talk_id = create(api, talk.read_bytes())
+    [done] = wait_all(jobs, [talk_id], limit_s=240)
+    requeued = requeues(jobs, talk_id)
+    assert (done.status, done.attempt, requeued) == (Status.COMPLETED, 1, []), (done, requeued)
+    assert any("re-encoded to AAC" in note for note in done.output.notes), done.output.notes
+
+
 def test_a_completed_tail_held_in_its_cleanup_is_not_taken_for_a_stuck_one(
     stack, api, reaper, jobs, blobs, clips, workers
 ):

@@ -17,7 +17,7 @@ output is interleaved and nothing is buffered beyond the muxer's own queue.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -161,9 +161,13 @@ class Passthrough:
                 marked.add(stream.type)
             self.handlers[stream.index] = handler
 
-    def mux_until(self, seconds: float | None) -> None:
-        """Mux every carried packet that starts before `seconds` of output time (None: all that remain)."""
+    def mux_until(self, seconds: float | None, alive: Callable[[], object] | None = None) -> None:
+        """Mux every carried packet that starts before `seconds` of output time (None: all that remain). `alive` is
+        called for each: after the last frame, an hour of sound to re-encode takes minutes, and the job's lease and
+        its worker's watch for a stuck tail must see it go on."""
         while True:
+            if alive is not None:
+                alive()
             packet, self._pending = self._pending, None
             if packet is None:
                 with self.reading():

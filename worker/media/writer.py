@@ -254,6 +254,7 @@ class Mp4Writer:
             raise ValueError("a delayed start needs timestamps (a time base finer than the frame rate)")
         self.timestamps, self.passthrough, self.start = timestamps, passthrough, start
         self._on_frame = on_frame
+        self.alive: Callable[[], object] | None = None  # told the carried streams' tail goes on (Passthrough.mux_until)
         self._durations = _durations(timestamps, start, last_duration) if timestamps is not None else {}
         self._held: list[av.Packet] | None = []  # packets whose decode time precedes the first frame (B-frames)
         self._tail: av.Packet | None = None  # the latest packet in decode order: the last one ends the track
@@ -342,7 +343,7 @@ class Mp4Writer:
             self._release_held()
             self._mux_tail()
             if self.passthrough is not None:
-                self.passthrough.mux_until(None)
+                self.passthrough.mux_until(None, self.alive)
         except BaseException as error:  # handed to the producer thread
             self._error = error
             while not drained and self._queue.get() is not _DONE:  # unblock a producer waiting on a full queue
