@@ -367,6 +367,12 @@ def _unknown_codec(path: Path) -> Path:
     return path
 
 
+def _long_sound(path: Path) -> Path:
+    """A second of video and ten of sound, written as a live Matroska stream is: no duration declared. It passed the
+    length limit and came back as long as its sound."""
+    return write_clip(path, 24, SIZE, audio_codec="aac", audio_seconds=10, container_options={"live": "1"})
+
+
 def _joined(path: Path, later_first: bool) -> Path:
     """Two recordings joined end to end (`cat a.ts b.ts`), each with its own clock: the second's timestamps start
     over (the same times again), or start before the first's (it ran back)."""
@@ -413,6 +419,7 @@ BAD = {
     "unsupported codec": ("clip.mkv", _unknown_codec, "input_unsupported_codec", Limits()),
     "too many frames": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_frames=20)),
     "too long": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_seconds=0.5)),
+    "sound too long": ("clip.mkv", _long_sound, "input_too_large", Limits(max_seconds=5)),
     "too big a file": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_bytes=1000)),
     # failed only when muxing the output (after all the work), as an internal error
     "joined, times repeat": ("clip.ts", lambda p: _joined(p, False), "input_corrupt", Limits()),

@@ -466,6 +466,12 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
                 if owner.type == "audio" and not packet.duration and owner.index in scan.extents:
                     end = start + start - scan.audio_latest[owner.index]  # as a copy times it (passthrough._Copy)
                 scan.end, scan.first = max(scan.end, end), min(scan.first, start)
+                # every stream's, the sound's too: a second of video with ten hours of it came back ten hours long
+                if limits.max_seconds is not None and scan.end - scan.first > limits.max_seconds:
+                    raise InputTooLarge(
+                        f"{path.name} lasts over {limits.max_seconds:.0f} s (its {owner.type} runs to "
+                        f"{scan.end - scan.first:.0f} s); the limit is {limits.max_seconds:.0f} s"
+                    )
                 if owner.type == "audio" and not packet.is_discard:
                     scan.audio_latest[owner.index] = start
                     first, last, longest = scan.extents.get(owner.index, (start, end, 0.0))

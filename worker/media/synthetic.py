@@ -53,15 +53,16 @@ def write_clip(
     sample_aspect_ratio: Fraction | None = None,
     audio_seconds: float | None = None,
     chapters: Sequence[tuple[float, float, str]] = (),
+    container_options: Mapping[str, str] | None = None,
 ) -> Path:
     """Write a clip of the pattern, stored `size` = (height, width) before any display `rotation` (degrees
     counter-clockwise). `timestamps` (in `time_base`) make it variable-rate; `subtitles` is SRT text; the tone
-    lasts as long as the video unless `audio_seconds` says otherwise; `video_options` go to the encoder; `chapters`
-    are (start, end, title) in seconds."""
+    lasts as long as the video unless `audio_seconds` says otherwise; `video_options` go to the encoder,
+    `container_options` to the muxer; `chapters` are (start, end, title) in seconds."""
     path = Path(path)
     height, width = size
     options = {"x265-params": "log-level=error"} if video_codec == "libx265" else {}
-    with av.open(str(path), "w") as container, tempfile.TemporaryDirectory() as scratch:
+    with av.open(str(path), "w", options=container_options) as container, tempfile.TemporaryDirectory() as scratch:
         container.metadata.update(metadata or {})
         if chapters:
             container.set_chapters([
