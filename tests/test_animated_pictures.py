@@ -61,6 +61,19 @@ def test_an_animated_webp_over_a_limit_is_refused_before_it_is_decoded(corpus_ca
         probe(corpus_cache / WEBP, Limits(max_pixels=200 * 200))
 
 
+def test_an_animated_webp_declaring_a_huge_canvas_is_too_large_not_an_internal_error(corpus_cache, tmp_path):
+    """The real animation with its canvas declared 16000x16000 (1.5 KB): Pillow refused it as a decompression bomb,
+    an error of its own, and the job failed `internal_error`."""
+    data = bytearray((corpus_cache / WEBP).read_bytes())
+    data[24:30] = (16000 - 1).to_bytes(3, "little") * 2  # VP8X: canvas width - 1, height - 1
+    huge = tmp_path / "huge.webp"
+    huge.write_bytes(data)
+    with pytest.raises(InputTooLarge, match="16000x16000; the limit is 8.3 Mpx"):
+        probe(huge)
+    with pytest.raises(InputTooLarge, match="canvas is too large to decode"):
+        probe(huge, Limits(max_pixels=None))
+
+
 def test_a_still_webp_is_still_refused_as_a_picture(corpus_cache, tmp_path):
     still = tmp_path / "still.webp"
     with Image.open(corpus_cache / GIF) as gif:

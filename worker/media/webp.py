@@ -31,6 +31,16 @@ def animated(path: str | Path) -> bool:
     return len(head) == 21 and head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and bool(head[20] & 0x02)
 
 
+def canvas(path: str | Path) -> tuple[int, int] | None:
+    """The animation's canvas (width, height) as its extended header (VP8X) declares it, read before any decoder
+    (Pillow refuses one over ~179 Mpx with an error of its own, before the limits are checked)."""
+    with open(path, "rb") as file:
+        head = file.read(30)
+    if len(head) < 30 or head[12:16] != b"VP8X":
+        return None
+    return 1 + int.from_bytes(head[24:27], "little"), 1 + int.from_bytes(head[27:30], "little")
+
+
 def extent(path: Path) -> tuple[tuple[int, int], int]:
     """((width, height), frames), read from the file's chunks: no frame is decoded beyond the one Pillow decodes at
     open."""
@@ -41,13 +51,14 @@ def extent(path: Path) -> tuple[tuple[int, int], int]:
 def frame_times(path: Path, limits: Limits) -> tuple[tuple[int, int], list[int], int]:
     """((width, height), each frame's start in milliseconds, how long the last one is shown), limits checked before
     a frame is decoded beyond the one Pillow decodes at open."""
+    declared = canvas(path)
+    if declared is not None:
+        _check_pixels(path, *declared, limits)
     try:
         with Image.open(path) as image:
             size, count = image.size, image.n_frames
             (width, height), least = size, limits.min_frames
-            if limits.max_pixels is not None and width * height > limits.max_pixels:
-                limit = limits.max_pixels / 1e6
-                raise InputTooLarge(f"{path.name} is {width}x{height}; the limit is {limit:.1f} Mpx per frame")
+            _check_pixels(path, width, height, limits)
             if limits.max_frames is not None and count > limits.max_frames:
                 raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
             if count < least:
@@ -58,9 +69,17 @@ def frame_times(path: Path, limits: Limits) -> tuple[tuple[int, int], list[int],
                 image.load()  # its timing comes with its pixels: Pillow's WebP reader gives no other way
                 starts.append(shown)
                 shown += _shown(image.info.get("duration", 0))
+    except Image.DecompressionBombError as error:  # a canvas under the limits never meets it
+        raise InputTooLarge(f"{path.name}: its canvas is too large to decode ({error})") from None
     except (OSError, UnidentifiedImageError, EOFError, ValueError) as error:
         raise InputCorrupt(f"{path.name}: its animation cannot be read ({error})") from None
     return size, starts, shown - starts[-1]
+
+
+def _check_pixels(path: Path, width: int, height: int, limits: Limits) -> None:
+    if limits.max_pixels is not None and width * height > limits.max_pixels:
+        limit = limits.max_pixels / 1e6
+        raise InputTooLarge(f"{path.name} is {width}x{height}; the limit is {limit:.1f} Mpx per frame")
 
 
 def read(path: Path) -> Iterator[np.ndarray]:
