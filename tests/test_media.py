@@ -1316,3 +1316,22 @@ def test_a_10_bit_source_asked_in_h264_is_written_at_8_bits_and_says_why(tmp_pat
     result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), replace(FAST, codec="h264"))
     assert probe(tmp_path / "out.mp4").video.bit_depth == 8
     assert any("written at 8 bits" in note and "hevc" in note for note in result.notes), result.notes
+
+
+def test_the_probe_beats_as_it_reads_and_stops_at_a_cancel(tmp_path, corpus_cache):
+    """A probe of minutes (thousands of animated WebP frames on a 4K canvas, a long all-keyframe source) sent no
+    heartbeat: it outlasted the lease three times and the job failed `lease_expired`, however it was cancelled."""
+    from worker.errors import Cancelled
+
+    clip = write_clip(tmp_path / "clip.mp4", FRAMES, SIZE, audio_codec="aac")
+    for source in (clip, corpus_cache / "pillow-iss634.webp"):
+        beats: list[int] = []
+
+        def alive() -> bool:
+            beats.append(1)
+            return False  # not cancelled
+
+        probe(source, alive=alive)
+        assert len(beats) >= FRAMES, (source.name, len(beats))
+        with pytest.raises(Cancelled):
+            probe(source, alive=lambda: True)

@@ -161,7 +161,7 @@ def begin_upscale(
 
     # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field or film cadence,
     #    what follows plans, writes and checks the frames the reader makes: twice the source's, or four in five
-    source_info = info = probe(source, options.limits)
+    source_info = info = probe(source, options.limits, cancelled)
     recounted = at_cadence(info.video, options.deinterlace)
     if recounted is not None:
         info = replace(info, video=recounted)

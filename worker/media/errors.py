@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
-from worker.errors import PermanentError
+from collections.abc import Callable
+
+from worker.errors import Cancelled, PermanentError
 
 
 class InputNotFound(PermanentError):
@@ -97,3 +99,9 @@ BAD_INPUT_CODES = frozenset(
         OutputUnwritable,
     )
 )
+
+
+def stop_if_asked(alive: Callable[[], bool] | None) -> None:
+    """Calls a long read's `alive` (a job's heartbeat), raising `Cancelled` when it says the owner asked to cancel."""
+    if alive is not None and alive():
+        raise Cancelled("the job was cancelled")

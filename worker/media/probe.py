@@ -29,6 +29,7 @@ from worker.media.errors import (
     InputTooShort,
     InputUnreadable,
     InputUnsupportedCodec,
+    stop_if_asked,
 )
 from worker.media.field_pictures import second_fields
 from worker.media.limits import Limits
@@ -220,8 +221,10 @@ def existing(path: str | Path) -> Path:
     return path
 
 
-def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
-    """Everything the job needs to know about `path`, or the typed error that says why it cannot be taken."""
+def probe(path: str | Path, limits: Limits = Limits(), alive: Callable[[], bool] | None = None) -> MediaInfo:
+    """Everything the job needs to know about `path`, or the typed error that says why it cannot be taken. `alive`
+    is called as it reads (a job's heartbeat: a probe of a long file outlasted the lease), and stops it with
+    `Cancelled` when it returns True."""
     path = existing(path)
     size = path.stat().st_size
     if size == 0:
@@ -229,9 +232,9 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
     if limits.max_bytes is not None and size > limits.max_bytes:
         raise InputTooLarge(f"{path.name} is {size / 2**30:.1f} GiB; the limit is {limits.max_bytes / 2**30:.1f} GiB")
     if webp.animated(path):
-        return _animated_webp(path, size, limits)
+        return _animated_webp(path, size, limits, alive)
     try:
-        return _probe(path, size, limits)
+        return _probe(path, size, limits, alive)
     except (InputUnreadable, InputCorrupt):
         if header_only(path):
             raise InputEmpty(
@@ -247,7 +250,7 @@ def probe(path: str | Path, limits: Limits = Limits()) -> MediaInfo:
         raise
 
 
-def _probe(path: Path, size: int, limits: Limits) -> MediaInfo:
+def _probe(path: Path, size: int, limits: Limits, alive: Callable[[], bool] | None) -> MediaInfo:
     try:
         container = open_input(path, metadata_errors="replace")
     except AVError as error:
@@ -255,7 +258,7 @@ def _probe(path: Path, size: int, limits: Limits) -> MediaInfo:
     with container:
         stream = _video_stream(container, path)
         _check_declared(container, stream, path, limits)
-        scan = _scan(container, stream, path, limits)
+        scan = _scan(container, stream, path, limits, alive)
         video = _video_info(stream, scan, path, limits)
         alpha = alpha_track.alpha_stream(container, path, stream)
         video = replace(video, alpha_index=alpha.index) if alpha is not None else video
@@ -297,9 +300,9 @@ def _probe(path: Path, size: int, limits: Limits) -> MediaInfo:
         )  # fmt: skip
 
 
-def _animated_webp(path: Path, size: int, limits: Limits) -> MediaInfo:
+def _animated_webp(path: Path, size: int, limits: Limits, alive: Callable[[], bool] | None) -> MediaInfo:
     """An animated WebP, as libwebp reads it (`webp`): RGBA frames, each at its own time, no sound."""
-    (width, height), starts, last = webp.frame_times(path, limits)
+    (width, height), starts, last = webp.frame_times(path, limits, alive)
     clock = _frame_clock([], [*starts], webp.TIME_BASE, lambda first: last, path, limits)
     video = VideoInfo(
         index=0, codec="webp", width=width, height=height, rotation=0, pix_fmt="rgba", bit_depth=8,
@@ -393,6 +396,7 @@ class _Scan:
     audio_latest: dict[int, float] = field(default_factory=dict)  # audio -> its latest packet's start, seconds
     end: float = 0.0  # latest packet end over all streams, seconds
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
+    earliest: float = math.inf  # earliest packet start over all streams, seconds (a live stream's: wall-clock time)
     keyframe_seen: bool = False
     cut_short: bool = False  # a packet the file's end cuts through was left out
     key_pts: int | None = None  # the first keyframe's presentation time
@@ -438,7 +442,13 @@ def cut_off(packet: av.Packet, size: int) -> bool:
     return packet.is_corrupt and packet.pos >= 0 and packet.pos + packet.size >= size
 
 
-def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: Path, limits: Limits) -> _Scan:
+def _scan(
+    container: av.container.InputContainer,
+    stream: av.VideoStream,
+    path: Path,
+    limits: Limits,
+    alive: Callable[[], bool] | None = None,
+) -> _Scan:
     scan = _Scan(decode_timed=iso_bmff(container), track_duration=stream.duration)
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
@@ -447,6 +457,7 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
     size = path.stat().st_size
     try:
         for packet in container.demux():
+            stop_if_asked(alive)
             if packet.size == 0:
                 continue
             if cut_off(packet, size):
@@ -466,11 +477,12 @@ def _scan(container: av.container.InputContainer, stream: av.VideoStream, path: 
                 if owner.type == "audio" and not packet.duration and owner.index in scan.extents:
                     end = start + start - scan.audio_latest[owner.index]  # as a copy times it (passthrough._Copy)
                 scan.end, scan.first = max(scan.end, end), min(scan.first, start)
+                scan.earliest = min(scan.earliest, start)
                 # every stream's, the sound's too: a second of video with ten hours of it came back ten hours long
-                if limits.max_seconds is not None and scan.end - scan.first > limits.max_seconds:
+                if limits.max_seconds is not None and scan.end - scan.earliest > limits.max_seconds:
                     raise InputTooLarge(
                         f"{path.name} lasts over {limits.max_seconds:.0f} s (its {owner.type} runs to "
-                        f"{scan.end - scan.first:.0f} s); the limit is {limits.max_seconds:.0f} s"
+                        f"{scan.end - scan.earliest:.0f} s); the limit is {limits.max_seconds:.0f} s"
                     )
                 if owner.type == "audio" and not packet.is_discard:
                     scan.audio_latest[owner.index] = start

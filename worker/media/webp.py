@@ -5,14 +5,14 @@ the reader take its frames from here, the rest of the job is as for any other so
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from worker.media.errors import InputCorrupt, InputTooLarge, InputTooShort
+from worker.media.errors import InputCorrupt, InputTooLarge, InputTooShort, stop_if_asked
 from worker.media.limits import Limits
 
 TIME_BASE = Fraction(1, 1000)  # WebP times frames in milliseconds
@@ -48,7 +48,9 @@ def extent(path: Path) -> tuple[tuple[int, int], int]:
         return image.size, image.n_frames
 
 
-def frame_times(path: Path, limits: Limits) -> tuple[tuple[int, int], list[int], int]:
+def frame_times(
+    path: Path, limits: Limits, alive: Callable[[], bool] | None = None
+) -> tuple[tuple[int, int], list[int], int]:
     """((width, height), each frame's start in milliseconds, how long the last one is shown), limits checked before
     a frame is decoded beyond the one Pillow decodes at open."""
     declared = canvas(path)
@@ -65,6 +67,7 @@ def frame_times(path: Path, limits: Limits) -> tuple[tuple[int, int], list[int],
                 raise InputTooShort(f"{path.name} has {count} frame(s): a still image, not a video (at least {least})")
             starts, shown = [], 0
             for index in range(count):
+                stop_if_asked(alive)  # every frame is decoded on its canvas: minutes for thousands on a 4K one
                 image.seek(index)
                 image.load()  # its timing comes with its pixels: Pillow's WebP reader gives no other way
                 starts.append(shown)
