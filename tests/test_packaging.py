@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tomllib
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,18 @@ def test_the_client_extra_installs_no_model_stack_and_no_service(client_env):
     packages = installed(client_env)
     assert {"vsrq", "requests", "requests-toolbelt", "tenacity", "tqdm"} <= packages
     assert packages & NOT_FOR_CLIENTS == set()
+
+
+def test_the_wheel_ships_what_the_embedded_stack_reads(client_env):
+    """`pip install 'vsrq[dev]'` gave a `vsrq demo` and a `vsrq dev` that failed at once (FileNotFoundError): the wheel
+    had no infra/redis.conf nor infra/seaweedfs/s3.json, which they start Redis and SeaweedFS with."""
+    from infra.stack import REDIS_CONF, S3_CONFIG
+
+    (wheel,) = (client_env.parent / "wheels").glob("vsrq-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    read = {path.relative_to(ROOT).as_posix() for path in (REDIS_CONF, S3_CONFIG)}
+    assert read | {"api/static/index.html", "vsrq-0.1.0.dist-info/licenses/LICENSE"} <= names, sorted(names)[:20]
 
 
 def test_vsrq_bulk_runs_from_the_client_install(client_env, tmp_path):
