@@ -39,6 +39,12 @@ log = logging.getLogger("vsrq")
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "dev" and args.port is None:  # not argparse's default: its error named `--port`, not given
+        try:
+            args.port = _port(os.environ.get("VSRQ_DEV_PORT", "8000"))
+        except argparse.ArgumentTypeError as error:
+            print(f"vsrq dev: VSRQ_DEV_PORT: {error}", file=sys.stderr)
+            return 2
     # `kill`, `timeout`, `docker stop`, a supervisor, a CI job cancelled: unwound as Ctrl-C is, from the first moment
     # (loading torch takes seconds): no hidden .partial left, bulk's report written, the dev stack stopped
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -121,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--dir", type=Path, default=Path("var/dev"))
     dev.add_argument("--model", default="lanczos", help="the worker's checkpoint directory, hub id, or 'lanczos'")
     dev.add_argument("--devices", default="cpu")
-    dev.add_argument("--port", type=_port, default=os.environ.get("VSRQ_DEV_PORT", "8000"),
+    dev.add_argument("--port", type=_port, default=None,
                      help="the API's port on 127.0.0.1 (default: $VSRQ_DEV_PORT, else 8000)")  # fmt: skip
 
     status = commands.add_parser("status", help="the service now: queue depths, workers and their jobs, jobs by status")

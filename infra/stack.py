@@ -185,7 +185,8 @@ class Stack:
         self._spawn(
             "weed",
             [
-                binary("weed"), "mini", f"-dir={directory}",
+                # its logs with the stack's, not in $TMPDIR (glog's default), where every start left six files
+                binary("weed"), f"-logdir={directory}", "mini", f"-dir={directory}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
                 f"-s3.config={S3_CONFIG}", f"-bucket={self.bucket}",
                 f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}",

@@ -237,6 +237,12 @@ def test_dev_on_a_port_in_use_says_so_and_how_to_choose_another(tmp_path):
     assert not (tmp_path / "a" / "stack").exists()  # Redis and SeaweedFS were not started
     bad = vsrq("dev", "--port", "70000")
     assert bad.returncode == 2 and "is not a port" in bad.stderr and "Traceback" not in bad.stderr
+    # the variable's own mistake, named: "argument --port" blamed a flag nobody gave
+    bad_env = subprocess.run(
+        [sys.executable, "-m", "client.cli", "dev"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "VSRQ_DEV_PORT": "abc"},
+    )  # fmt: skip
+    assert (bad_env.returncode, bad_env.stderr) == (2, "vsrq dev: VSRQ_DEV_PORT: 'abc' is not a port (1-65535)\n")
 
 
 def test_status_without_a_stack_says_how_to_start_one(tmp_path):
