@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                          "named, e.g. '#FFFFFF' for dark line art")  # fmt: skip
     upscale.add_argument("--preset", default="medium", help="encoder speed preset (x264 names; AV1 maps them)")
     upscale.add_argument("--window", type=int, default=121, help="frames per temporal window (1 + 4k)")
-    upscale.add_argument("--window-overlap", type=int, default=16, help="frames neighbouring windows crossfade over")
+    upscale.add_argument("--window-overlap", type=int, default=None,
+                         help="frames neighbouring windows crossfade over (default: 16, at most half the window)")
     upscale.add_argument("--keep-windows", type=Path, metavar="DIR", help="keep finished windows in DIR: rerunning resumes")
     _limit_arguments(upscale)
 
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("input", type=Path)
     probe.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
     probe.add_argument("--window", type=int, default=121)
-    probe.add_argument("--window-overlap", type=int, default=16)
+    probe.add_argument("--window-overlap", type=int, default=None)
     probe.add_argument("--json", action="store_true", help="machine-readable")
     _limit_arguments(probe)
 

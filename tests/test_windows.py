@@ -37,6 +37,15 @@ def test_bad_window_settings_are_refused(window, overlap):
         plan_windows(300, window, overlap)
 
 
+def test_a_short_window_alone_takes_the_overlap_it_can_hold():
+    """`--window 9` alone was refused: "the window overlap must be in [0, 4] frames, got 16", a 16 nobody gave."""
+    plan = plan_windows(11, 9)
+    assert (plan.overlap, [(w.start, w.stop) for w in plan.windows]) == (4, [(0, 9), (5, 11)])
+    assert plan_windows(300).overlap == 16  # the default where the window holds it
+    with pytest.raises(InvalidRequest, match="got 16"):  # an overlap asked for is still checked
+        plan_windows(11, 9, 16)
+
+
 @dataclass
 class Offset:
     """A x1 'upscaler' adding a different constant per window, emitting in chunks of 3 like a streaming decode."""

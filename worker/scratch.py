@@ -31,7 +31,7 @@ import av
 
 from worker.media import webp
 from worker.media.source import fragmented, open_input
-from worker.sr.windows import DEFAULT_OVERLAP, DEFAULT_WINDOW, window_count
+from worker.sr.windows import DEFAULT_WINDOW, overlap_for, window_count
 
 JOB_PREFIX = "vsrq-job-"  # a job's scratch directory
 _LOCK = "lock"  # flock'ed by the directory's process for its life
@@ -99,7 +99,7 @@ def scratch_bytes(
     source: Path,
     scale: float,
     window: int = DEFAULT_WINDOW,
-    overlap: int = DEFAULT_OVERLAP,
+    overlap: int | None = None,
     max_frames: int | None = None,
     windows_held: int | None = None,
 ) -> int:
@@ -117,6 +117,7 @@ def scratch_bytes(
             width, height = stream.codec_context.width, stream.codec_context.height
     frames = min(frames, max_frames) if max_frames else frames
     pixels = scale * scale
+    overlap = overlap_for(window, overlap)
     count = window_count(frames, window, overlap)
     held = count if windows_held is None else min(count, windows_held)
     raw = frames if held == count else held * window

@@ -39,7 +39,6 @@ from worker.resized import Resized
 from worker.sr import tiling
 from worker.sr.request import RunInfo, SRRequest
 from worker.sr.windows import (
-    DEFAULT_OVERLAP,
     DEFAULT_WINDOW,
     KeptWindowsDisagree,
     WindowProgress,
@@ -61,7 +60,7 @@ class UpscaleOptions:
     request: SRRequest = SRRequest()  # scale, steps, seed, tiling; the window index is added to its noise key
     target: Target | None = None  # downscale the result to a target resolution
     window: int = DEFAULT_WINDOW  # frames per temporal window (1 + 4k)
-    window_overlap: int = DEFAULT_OVERLAP
+    window_overlap: int | None = None  # None: DEFAULT_OVERLAP, at most half the window
     codec: str = "h264"
     crf: int = 18
     preset: str = "medium"

@@ -30,7 +30,7 @@ from worker.frames import dequantise, quantise
 from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
 
 DEFAULT_WINDOW = 121  # frames the released checkpoint was trained on (5 s at 24 fps)
-DEFAULT_OVERLAP = 16
+DEFAULT_OVERLAP = 16  # at most half a shorter window (`overlap_for`)
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,15 @@ class WindowPlan:
         return window.frames - (self.overlap if window.index < len(self.windows) - 1 else 0)
 
 
-def plan_windows(frames: int, window: int = DEFAULT_WINDOW, overlap: int = DEFAULT_OVERLAP) -> WindowPlan:
+def overlap_for(window: int, overlap: int | None) -> int:
+    """The overlap asked for, else the default as far as `window` takes it: `--window 9` alone was refused for the
+    default's 16 frames, which the person never gave."""
+    return min(DEFAULT_OVERLAP, (window - 1) // 2) if overlap is None else overlap
+
+
+def plan_windows(frames: int, window: int = DEFAULT_WINDOW, overlap: int | None = None) -> WindowPlan:
     """As few windows as cover `frames` with at most `window` frames each, all of one balanced length."""
+    overlap = overlap_for(window, overlap)
     if window < 5 or (window - 1) % 4:
         raise InvalidRequest(f"the window must be 1 + 4k frames (5, 9, ..., 121), got {window}")
     if not 0 <= 2 * overlap < window:
@@ -79,8 +86,9 @@ def plan_windows(frames: int, window: int = DEFAULT_WINDOW, overlap: int = DEFAU
     return WindowPlan(frames, length, overlap, windows)
 
 
-def window_count(frames: int, window: int = DEFAULT_WINDOW, overlap: int = DEFAULT_OVERLAP) -> int:
+def window_count(frames: int, window: int = DEFAULT_WINDOW, overlap: int | None = None) -> int:
     """How many windows `plan_windows` cuts `frames` into, without making them (a bound on a header's claim)."""
+    overlap = overlap_for(window, overlap)
     return 1 if frames <= window else math.ceil((frames - overlap) / (window - overlap))
 
 
