@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vsrq: cancelled", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `vsrq probe IN | head -3`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit would raise again
+        return 141  # 128 + SIGPIPE, as a shell's own commands end
     except Exception as error:
         if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] not in OUR_PACKAGES:
             print(f"vsrq {args.command} needs the {extra} extra: pip install 'vsrq[{extra}]' (no module {error.name!r})",

@@ -176,6 +176,31 @@ def test_missing_model_exits_3_without_traceback_or_output(tmp_path):
     assert not (tmp_path / "out.mp4").exists()
 
 
+def test_what_needs_no_model_is_refused_before_one_loads(tmp_path):
+    """A one-frame input, `--window 9` with an overlap it cannot hold, HEVC below x265's least size: each was refused
+    only once the model had loaded (7-13 s on the CPU with the tiny checkpoint; a 13 GB load on a GPU). The model
+    named here does not exist: it is never reached. And `vsrq probe IN | head -1` ends quietly (BrokenPipeError was
+    an internal error)."""
+    one = write_clip(tmp_path / "one.mp4", num_frames=1)
+    five = write_clip(tmp_path / "five.mp4", num_frames=5, size=(8, 8))
+    model = ["--model", str(tmp_path / "no-model")]
+    for source, options, said in (
+        (one, [], "input_too_short"),
+        (five, ["--window", "9", "--window-overlap", "16"], "the window overlap must be in [0, 4] frames"),
+        (five, ["--codec", "hevc"], "hevc is written at 64x64 or more"),
+    ):
+        result = vsrq("upscale", str(source), "-o", str(tmp_path / "out.mp4"), *model, *options)
+        assert result.returncode == 2 and said in result.stderr, (options, result.returncode, result.stderr)
+    read, write = os.pipe()
+    os.close(read)  # a reader that has gone, as `head` has once it has its lines
+    try:
+        piped = subprocess.run([sys.executable, "-m", "client.cli", "probe", str(five)], stdout=write,
+                               stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (piped.returncode, piped.stderr) == (141, ""), (piped.returncode, piped.stderr)
+
+
 def test_an_hevc_output_smaller_than_x265_takes_is_refused_not_a_crash(tmp_path):
     """A 256x128 clip fit into a 48x24 box, in HEVC: x265 corrupted the heap and the process aborted (exit -6,
     "corrupted size vs. prev_size"); as a job, its worker died on every attempt. It is refused before any work."""

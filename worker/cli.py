@@ -83,6 +83,7 @@ def upscale(args: argparse.Namespace) -> int:
         background=args.background,
         limits=_limits(args),
     )
+    _refuse_before_loading(args, options)
     upscaler = open_upscaler(args.model, args.devices.split(","), warmup_frames=None)  # one job compiles what it needs
     key = _job_key(args, upscaler.signature(options.request))
     bar = tqdm(total=1, unit="window", dynamic_ncols=True, disable=None, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
@@ -125,6 +126,20 @@ def upscale(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     return 0
+
+
+def _refuse_before_loading(args: argparse.Namespace, options) -> None:
+    """What needs no model refused before one loads (seconds on the CPU, a 13 GB checkpoint on a GPU): the input's
+    limits, the windows, the codec's least size. The job probes again, as it must (`begin_upscale`)."""
+    from worker.media.probe import probe
+    from worker.media.writer import check_size
+    from worker.sr import tiling
+    from worker.sr.windows import plan_windows
+
+    video = probe(args.input, options.limits).video
+    plan_windows(video.frames, options.window, options.window_overlap)
+    if options.target is None:  # a target's output is sized by it, and checked by the job
+        check_size(options.codec, tiling.output_size(video.height, video.width, args.scale))
 
 
 def _job_key(args: argparse.Namespace, signature: str) -> str:
