@@ -140,12 +140,12 @@ def begin_upscale(
     progress: Callable[[WindowProgress], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     store: WindowStore | None = None,
-    probed: Callable[[MediaInfo, tuple[int, int]], None] | None = None,
+    probed: Callable[[MediaInfo, tuple[int, int] | None], None] | None = None,
 ) -> Encoding:
     """`upscale_file` up to the engine's last window: every frame is upscaled and handed to the encoder. What is left
     (the encoder's flush, the read-back check) needs no upscaler: `Encoding.finish()` does it, on any thread, so a
     worker can start its next job's engine meanwhile. On an error here nothing is left behind. `probed` is told what
-    the input is and the output's (width, height) as soon as the limits have passed them."""
+    the input is once probed (the output's size None), and again with the output's (width, height) once planned."""
     started = perf_counter()
     source, output = Path(source), Path(output)
 
@@ -168,6 +168,8 @@ def begin_upscale(
     # a film on an NTSC disc, read frame for frame, keeps two blended frames in every five: the notes say so
     looks_telecined = cadence != "film" and telecined(source, source_info.video)
     head = {"probed": monotonic()}
+    if probed is not None:  # said before anything below refuses the job: its owner sees what was read
+        probed(source_info, None)
 
     # 3. Plan: output size, temporal windows, the streams carried over, and what the output must be
     snap = getattr(upscaler, "snap", 1)  # the model's alignment, to tell tile padding from alignment padding

@@ -275,6 +275,11 @@ def test_a_corrupt_upload_fails_with_an_input_code_and_the_worker_goes_on(api, w
     job = wait_for(api, create(api, b"this is not a video\n" * 500)["id"], worker)
     assert job["status"] == "failed" and job["error"]["code"] == "input_unreadable", job
     assert "Traceback" not in job["error"]["message"]
+    # refused after its probe: what was read is said beside why (it was null, the message naming the size)
+    exact = {"sr_target_resolution": "4000x4000", "sr_target_resize_mode": "exact"}
+    job = wait_for(api, create(api, stereo_clip, **exact)["id"], worker)
+    assert (job["status"], job["error"]["code"]) == ("failed", "invalid_request"), job
+    assert job["input"]["media"] is not None and job["seconds"] is not None, job
     assert wait_for(api, create(api, stereo_clip)["id"], worker)["status"] == "completed"
 
 
