@@ -20,30 +20,35 @@ def demo(args: argparse.Namespace) -> int:
     """The main job end to end on the embedded stack: a generated clip with audio goes in over the API, a job runs
     on a CPU worker with a tiny random checkpoint, the MP4 comes back."""
     from client.http import Client
-    from infra.dev import DevStack
+    from infra.dev import DevStack, StackUnavailable, claim
     from worker.media.synthetic import write_clip
     from worker.sr.checkpoint import write_tiny
 
-    args.dir.mkdir(parents=True, exist_ok=True)
-    model = args.dir / "tiny-checkpoint"
-    if not (model / "model_index.json").exists():
-        write_tiny(model, "piflow", True, 0)
-        print(f"wrote a tiny random piflow checkpoint to {model}")
-    source = write_clip(args.dir / "input.mp4", num_frames=33, size=(64, 96), audio_codec="aac")
-    print(f"generated {source} (96x64, 33 frames, stereo tone)")
-    with DevStack(args.dir / "stack", str(model)) as stack:
-        print(f"stack up: Redis, SeaweedFS, API {stack.url}, a CPU worker, the reaper (logs in {stack.root})")
-        api = Client(stack.url, stack.token)
-        job = api.create_from_file(source, {"sr_resolution_scale": "2"})  # SGLang's request form, unchanged
-        print(f"POST /v1/videos -> {job['id']} {job['status']}")
-        job = api.wait(job["id"], poll_s=0.5, on_update=lambda job: print(
-            f"  {job['status']:<11} {job.get('stage') or '':<10} {job['progress']:3d} %"))  # fmt: skip
-        if job["status"] != "completed":
-            print(f"vsrq: the job ended {job['status']}: {job.get('error')}", file=sys.stderr)
-            return 1
-        output = api.download(job["id"], args.dir / "output-x2.mp4", sha256=job["output"]["sha256"])
-    print(f"{output}: {json.dumps(job['output'])}")
-    return 0
+    try:
+        held = claim(args.dir)  # before its files are written: another demo may be reading them
+    except StackUnavailable as error:
+        print(f"vsrq demo: {error.code}: {error.message}", file=sys.stderr)
+        return 2
+    with held:
+        model = args.dir / "tiny-checkpoint"
+        if not (model / "model_index.json").exists():
+            write_tiny(model, "piflow", True, 0)
+            print(f"wrote a tiny random piflow checkpoint to {model}")
+        source = write_clip(args.dir / "input.mp4", num_frames=33, size=(64, 96), audio_codec="aac")
+        print(f"generated {source} (96x64, 33 frames, stereo tone)")
+        with DevStack(args.dir / "stack", str(model)) as stack:
+            print(f"stack up: Redis, SeaweedFS, API {stack.url}, a CPU worker, the reaper (logs in {stack.root})")
+            api = Client(stack.url, stack.token)
+            job = api.create_from_file(source, {"sr_resolution_scale": "2"})  # SGLang's request form, unchanged
+            print(f"POST /v1/videos -> {job['id']} {job['status']}")
+            job = api.wait(job["id"], poll_s=0.5, on_update=lambda job: print(
+                f"  {job['status']:<11} {job.get('stage') or '':<10} {job['progress']:3d} %"))  # fmt: skip
+            if job["status"] != "completed":
+                print(f"vsrq: the job ended {job['status']}: {job.get('error')}", file=sys.stderr)
+                return 1
+            output = api.download(job["id"], args.dir / "output-x2.mp4", sha256=job["output"]["sha256"])
+        print(f"{output}: {json.dumps(job['output'])}")
+        return 0
 
 
 def status(args: argparse.Namespace) -> int:
@@ -115,12 +120,12 @@ def dev(args: argparse.Namespace) -> int:
     import signal
 
     from client import devstate
-    from infra.dev import DevStack, PortUnavailable
+    from infra.dev import DevStack, StackUnavailable
 
     stack = DevStack(args.dir, args.model, args.devices, args.port)
     try:
         stack.start()  # not `with stack`: entering would start it a second time, on the port it now holds
-    except PortUnavailable as error:
+    except StackUnavailable as error:
         print(f"vsrq dev: {error.code}: {error.message}", file=sys.stderr)
         return 2
     try:

@@ -14,6 +14,7 @@ a state file (client.devstate) that `vsrq status` and `vsrq bulk` read.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import requests
 
@@ -37,12 +39,38 @@ ROOT = Path(__file__).resolve().parents[1]
 QUEUE = "vsrq.k6"
 
 
-class PortUnavailable(Exception):
-    """The API's port cannot be had: a user's error to act on (another port), not ours."""
+class StackUnavailable(Exception):
+    """The stack cannot start for a reason its user acts on (another port, another directory), not ours."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code, self.message = code, message
+
+
+class PortUnavailable(StackUnavailable):
+    """The API's port cannot be had."""
+
+
+def claim(directory: Path) -> TextIO:
+    """Holds `directory` for this process until the handle closes or the process ends, however it ends (an flock):
+    two `make demo` in one clone started a second Redis on the first one's files and broke SeaweedFS's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / "in-use.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise StackUnavailable(
+            "directory_in_use",
+            f"{directory} is in use by another `vsrq dev` or `vsrq demo` (pid {holder}): stop it, or give this one "
+            "another --dir",
+        ) from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 class DevStack:
@@ -60,6 +88,7 @@ class DevStack:
         self.services = Supervisor()
         self.supervisor = Supervisor()
         self._state_files: list[Path] = []
+        self._claimed: TextIO | None = None
 
     def env(self) -> dict[str, str]:
         return {
@@ -80,7 +109,7 @@ class DevStack:
         }
 
     def start(self, timeout_s: float = 120) -> DevStack:
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._claimed = claim(self.root)
         self.token, self.secret = self._credentials()
         self._claim_port()
         try:
@@ -198,6 +227,9 @@ class DevStack:
         self.services.stop()
         self.stack.stop()  # the services' current processes, restarted ones included
         self.services.close()
+        if self._claimed is not None:
+            self._claimed.close()
+            self._claimed = None
 
     def __enter__(self) -> DevStack:
         return self.start()

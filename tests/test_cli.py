@@ -270,6 +270,24 @@ def test_dev_on_a_port_in_use_says_so_and_how_to_choose_another(tmp_path):
     assert (bad_env.returncode, bad_env.stderr) == (2, "vsrq dev: VSRQ_DEV_PORT: 'abc' is not a port (1-65535)\n")
 
 
+def test_a_second_demo_or_dev_on_one_directory_is_refused_at_once(tmp_path):
+    """Two `make demo` in one clone: the second rewrote the first's input, started a second Redis on its files, and
+    died minutes later in SeaweedFS's Go stack trace (`internal_error`)."""
+    from infra.dev import claim
+
+    with claim(tmp_path / "demo"):  # as a running demo holds it
+        demo = vsrq("demo", "--dir", str(tmp_path / "demo"))
+        dev = vsrq("dev", "--dir", str(tmp_path / "demo"), "--port", "1")
+    said = f"{tmp_path / 'demo'} is in use by another `vsrq dev` or `vsrq demo` (pid {os.getpid()})"
+    for command, result in (("demo", demo), ("dev", dev)):
+        assert result.returncode == 2 and result.stderr.startswith(f"vsrq {command}: directory_in_use: {said}"), (
+            command, result.returncode, result.stderr,
+        )  # fmt: skip
+    assert sorted(path.name for path in (tmp_path / "demo").iterdir()) == ["in-use.lock"]  # nothing written
+    with claim(tmp_path / "demo"):  # free again once its holder is done
+        pass
+
+
 def test_status_without_a_stack_says_how_to_start_one(tmp_path):
     from infra.stack import free_ports
 
