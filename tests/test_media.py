@@ -701,14 +701,14 @@ def test_an_mp4_whose_edit_list_skips_whole_gops_is_not_taken_for_a_cut_file(tmp
 def _cut(path: Path, cuts: list[tuple[float, float]]) -> Path:
     """Give every track of an MP4 (moov last, one media edit) the edits `cuts`, (start, end) seconds of its media: a
     clip cut in QuickTime without re-encoding plays those parts one after another."""
-    from worker.media import edit_list, mp4_boxes
+    from worker.media import mp4_boxes
 
     data = bytearray(path.read_bytes())
     with open(path, "rb") as handle:
         _, start, end = next(box for box in mp4_boxes.top_level(handle, 0, len(data)) if box[0] == b"moov")
     assert end == len(data)
     moov = data[start:]
-    movie_scale = edit_list._movie_timescale(moov)
+    movie_scale = mp4_boxes.movie_timescale(moov)
     for trak in reversed(list(mp4_boxes.children(moov, 8, len(moov), b"trak"))):
         _, mdhd, _ = next(mp4_boxes.children(moov, trak[1], trak[2], b"mdhd"))
         media_scale = struct.unpack_from(">I", moov, mdhd + 12)[0]
@@ -1335,3 +1335,25 @@ def test_the_probe_beats_as_it_reads_and_stops_at_a_cancel(tmp_path, corpus_cach
         assert len(beats) >= FRAMES, (source.name, len(beats))
         with pytest.raises(Cancelled):
             probe(source, alive=lambda: True)
+
+
+def test_a_variable_rate_mp4_with_b_frames_keeps_its_length(tmp_path):
+    """Frames reordered (B-frames) at a variable rate: the decode span is no measure of the last frame's time. A phone
+    clip came back 0.151 s longer than its source (its last frame 0.188 s against the edit list's 0.037 s), its
+    picture running past its sound."""
+    from worker.media.mp4_boxes import movie, presented
+
+    times = [0, 320, 2704, 3408, 9648, 10624, 11296, 14880, 16240, 16560, 19056, 19680, 25968]  # a recording's, 1/16000
+    source = write_clip(tmp_path / "vfr.mp4", len(times), SIZE, timestamps=times, time_base=Fraction(1, 16000),
+                        audio_codec="aac")  # fmt: skip
+    with av.open(str(source)) as container:
+        stream = container.streams.video[0]
+        packets = [packet for packet in container.demux(stream) if packet.size]
+        track = stream.id
+    assert any(packet.pts != packet.dts for packet in packets)  # reordered: B-frames
+    shown = presented(movie(source), track)
+    output = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), UpscaleOptions(preset="ultrafast")).output
+    with av.open(str(output)) as container:
+        stream = container.streams.video[0]
+        written = presented(movie(output), stream.id)
+    assert abs(float(written - shown)) <= 0.002, (float(shown), float(written))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from worker.media.mp4_boxes import children, top_level
+from worker.media.mp4_boxes import children, movie_timescale, top_level
 
 
 def skip(path: str | Path, edits: list[tuple[int, int]]) -> None:
@@ -27,7 +27,7 @@ def skip(path: str | Path, edits: list[tuple[int, int]]) -> None:
         _, start, end = moov
         handle.seek(start)
         data = bytearray(handle.read(end - start))
-        movie_scale = _movie_timescale(data)
+        movie_scale = movie_timescale(data)
         for trak in children(data, 0, len(data), b"trak"):
             track = _track_id(data, trak)
             if track in wanted:
@@ -36,12 +36,6 @@ def skip(path: str | Path, edits: list[tuple[int, int]]) -> None:
             raise ValueError(f"{Path(path).name} has no edit list for track(s) {sorted(wanted)}")
         handle.seek(start)
         handle.write(data)
-
-
-def _movie_timescale(data: bytearray) -> int:
-    _, payload, _ = next(children(data, 8, len(data), b"mvhd"))
-    version = data[payload]
-    return struct.unpack_from(">I", data, payload + (20 if version == 1 else 12))[0]
 
 
 def _track_id(data: bytearray, trak: tuple[int, int, int]) -> int:

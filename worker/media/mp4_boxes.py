@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import BinaryIO
 
@@ -88,3 +89,35 @@ def chapter_tracks(data: bytes | bytearray) -> set[int]:
                 found.update(struct.unpack_from(f">{(size - 8) // 4}I", data, position + 8))
             position += size
     return found
+
+
+def presented(data: bytes | bytearray, track: int) -> Fraction | None:
+    """Seconds of the track's media its edit list shows (its edits that are not empty, summed), or None where it has
+    none, or an edit plays at another rate: how long a player shows the track, its last frame included."""
+    timescale = movie_timescale(data)
+    for trak, _, end in children(data, 8, len(data), b"trak"):
+        if track_id(data, trak, end) != track:
+            continue
+        elst = next(children(data, trak, end, b"elst"), None)
+        if elst is None or not timescale:
+            return None
+        version, (count,) = data[elst[1]], struct.unpack_from(">I", data, elst[1] + 4)
+        entry, layout = (20, ">QqhH") if version == 1 else (12, ">IihH")
+        shown = 0
+        for index in range(count):
+            duration, media_time, rate, _ = struct.unpack_from(layout, data, elst[1] + 8 + index * entry)
+            if media_time == -1:  # an empty edit: the track starts later
+                continue
+            if rate != 1:
+                return None
+            shown += duration
+        return Fraction(shown, timescale)
+    return None
+
+
+def movie_timescale(data: bytes | bytearray) -> int:
+    """The movie header's (mvhd) units a second, in which edit lists count; 0 without one."""
+    mvhd = next(children(data, 8, len(data), b"mvhd"), None)
+    if mvhd is None:
+        return 0
+    return struct.unpack_from(">I", data, mvhd[1] + (20 if data[mvhd[1]] == 1 else 12))[0]

@@ -34,7 +34,7 @@ from worker.media.errors import (
 from worker.media.field_pictures import second_fields
 from worker.media.limits import Limits
 from worker.media.matroska import codec_ids, header_only
-from worker.media.mp4_boxes import chapter_tracks, children, movie
+from worker.media.mp4_boxes import chapter_tracks, children, movie, presented
 from worker.media.protection import protection
 from worker.media.side_data import SideData, side_data
 from worker.media.source import alpha_beside, fragmented, iso_bmff, open_input, unpacker
@@ -388,6 +388,7 @@ class _Scan:
     timestamps: list[int | None] = field(default_factory=list)  # presented frames, decode order
     decode_timed: bool = False  # the container times samples by decode-time gaps (ISO BMFF: MP4, MOV, 3GP)
     track_duration: int | None = None  # the stream's own (an MP4's: its samples' durations summed)
+    presented: int | None = None  # an MP4 track's edit list: how long it is shown, in the stream's time base
     latest: int | None = None  # the latest presentation time so far (B-frames come back earlier)
     latest_duration: int = 0  # that frame's packet duration
     decode_start: int | None = None  # the presented frames' earliest decode time
@@ -426,12 +427,24 @@ class _Scan:
             return 0
         if not self.decode_timed:
             return self.latest_duration
+        # what the edit list shows, where it says: with B-frames at a variable rate the decode span is no measure
+        # (a phone clip's last frame came back 0.188 s long, its edit list showing it 0.037 s)
+        if self.presented is not None and self.presented > self.latest - first:
+            return self.presented - (self.latest - first)
         end = self.decode_end
         # FFmpeg hands VP9 in MP4 (Chrome's MediaRecorder `video/mp4`) packets of 0 or 1 tick, not its samples'
         # durations: its last frame lasted a tick, and the MP4's edit list, in milliseconds, then cut it off
         if self.latest_duration <= 1 and self.track_duration:
             end = max(end, self.decode_start + self.track_duration)
         return max(0, first + end - self.decode_start - self.latest)
+
+
+def _presented(path: Path, stream: av.VideoStream) -> int | None:
+    """How long an MP4's edit list shows the video track, in the stream's time base (None: not an MP4, no edit list,
+    or one PyAV's stream does not name: a track ID is MOV's `stream.id`)."""
+    data = movie(path) if stream.time_base else b""
+    shown = presented(data, stream.id) if data else None
+    return None if shown is None else round(shown / stream.time_base)
 
 
 def cut_off(packet: av.Packet, size: int) -> bool:
@@ -449,7 +462,8 @@ def _scan(
     limits: Limits,
     alive: Callable[[], bool] | None = None,
 ) -> _Scan:
-    scan = _Scan(decode_timed=iso_bmff(container), track_duration=stream.duration)
+    mp4 = iso_bmff(container)
+    scan = _Scan(decode_timed=mp4, track_duration=stream.duration, presented=_presented(path, stream) if mp4 else None)
     stream.thread_type = "AUTO"
     decode_declared_picture(stream)
     unpack = unpacker(stream)
