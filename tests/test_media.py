@@ -367,6 +367,29 @@ def _unknown_codec(path: Path) -> Path:
     return path
 
 
+def _intra_sizes(path: Path) -> Path:
+    """MJPEG whose frames the probe decodes for their size (an intra-only codec's keyframes: one a second) are 48x32,
+    the others 96x64: past a limit of 48x32x2 pixels, as a 45 MB file's 12000x12000 frames were past 4K and took its
+    worker to 4.5 GB, decoded whole."""
+    small = {0, 1, 9, 17}  # what the probe samples at 8 frames a second
+    with av.open(str(path), "w", format="mov") as container:
+        stream = container.add_stream("mjpeg", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 48, 32, "yuvj420p"
+        for index in range(24):
+            width, height = (48, 32) if index in small else (96, 64)
+            encoder = av.CodecContext.create("mjpeg", "w")
+            encoder.width, encoder.height, encoder.pix_fmt = width, height, "yuvj420p"
+            encoder.time_base = Fraction(1, 8)
+            pixels = np.full((height, width, 3), 40 * (index % 6), np.uint8)
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24").reformat(format="yuvj420p")
+            frame.pts = index
+            for packet in [*encoder.encode(frame), *encoder.encode(None)]:
+                packet.stream, packet.pts, packet.dts, packet.duration = stream, index, index, 1
+                packet.time_base = Fraction(1, 8)
+                container.mux(packet)
+    return path
+
+
 def _long_sound(path: Path) -> Path:
     """A second of video and ten of sound, written as a live Matroska stream is: no duration declared. It passed the
     length limit and came back as long as its sound."""
@@ -420,6 +443,7 @@ BAD = {
     "too many frames": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_frames=20)),
     "too long": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_seconds=0.5)),
     "sound too long": ("clip.mkv", _long_sound, "input_too_large", Limits(max_seconds=5)),
+    "frames the probe skips too large": ("clip.mov", _intra_sizes, "input_too_large", Limits(max_pixels=48 * 32 * 2)),
     "too big a file": ("clip.mp4", lambda p: write_clip(p, FRAMES, SIZE), "input_too_large", Limits(max_bytes=1000)),
     # failed only when muxing the output (after all the work), as an internal error
     "joined, times repeat": ("clip.ts", lambda p: _joined(p, False), "input_corrupt", Limits()),

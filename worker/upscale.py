@@ -223,7 +223,8 @@ def begin_upscale(
                 )
             )
             head["writer_open"] = monotonic()
-            with closing(prefetch(read_frames(source, video, reading, cadence, behind), plan.length)) as frames:
+            reader = read_frames(source, video, reading, cadence, behind, options.limits.max_pixels)
+            with closing(prefetch(reader, plan.length)) as frames:
                 frames = _marking(frames, plan.windows[0].stop if plan.windows else 0, head)
                 run = upscale_windows(
                     upscaler, frames, plan, options.request, writer.write, progress, cancelled, store,

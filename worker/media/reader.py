@@ -20,7 +20,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from worker.media import alpha_track, webp
-from worker.media.errors import InputCorrupt
+from worker.media.errors import InputCorrupt, InputTooLarge
 from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
 from worker.media.side_data import SideData, side_data
 from worker.media.source import decoder, open_input, unpacker
@@ -102,18 +102,20 @@ def read_frames(
     reading: Reading | None = None,
     cadence: str = "frame",
     background: tuple[int, int, int] = BLACK,
+    max_pixels: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Every frame of the probed `video` stream in presentation order, (H, W, 3) RGB: uint8, or uint16 (full 16-bit
     scale) for sources deeper than 8 bits. Frames flagged interlaced are deinterlaced (`reading` counts them); at the
     `field` cadence two frames come out of every source frame, one at each field's instant, at `film` four of every
     five, telecine undone (`video` then counts them: `at_cadence`). Frames with an alpha channel are composited over
     `background` (8-bit RGB; `reading` counts those it made a difference to). Raises `InputCorrupt` if decoding fails
-    or yields another frame count."""
+    or yields another frame count, `InputTooLarge` for a frame over `max_pixels` the probe did not see (it decodes
+    an intra-only codec's keyframes once a second: MJPEG's others of 12000x12000 took a worker to 4.5 GB)."""
     reading = reading or Reading()
     if video.codec == "webp":  # animated WebP: FFmpeg cannot decode it (`webp`)
         pictures = (_over(rgba, background, reading, video.codec) for rgba in webp.read(Path(path)))
     else:
-        pictures = _pictures(path, video, reading, cadence, background)
+        pictures = _pictures(path, video, reading, cadence, background, max_pixels)
     count = 0
     try:
         for pixels in pictures:
@@ -130,7 +132,12 @@ def read_frames(
 
 
 def _pictures(
-    path: str | Path, video: VideoInfo, reading: Reading, cadence: str, background: tuple[int, int, int]
+    path: str | Path,
+    video: VideoInfo,
+    reading: Reading,
+    cadence: str,
+    background: tuple[int, int, int],
+    max_pixels: int | None = None,
 ) -> Iterator[np.ndarray]:
     """The frames FFmpeg decodes, as `read_frames` hands them on (it counts them)."""
     pixel_format, with_alpha = ("rgb24", "rgba") if video.bit_depth <= 8 else ("rgb48le", "rgba64le")
@@ -151,6 +158,11 @@ def _pictures(
         decode_declared_picture(stream)
         frames = _decode(container, stream, Path(path).stat().st_size)
         for frame in _deinterlaced(frames, stream, reading, cadence):
+            if max_pixels is not None and frame.width * frame.height > max_pixels:
+                raise InputTooLarge(
+                    f"{Path(path).name} has a frame of {frame.width}x{frame.height} at {float(frame.time or 0):.3f} s; "
+                    f"the limit is {max_pixels / 1e6:.1f} Mpx per frame"
+                )
             colour = _source_colour(frame)
             shape = _shape(frame, stream)
             first = shape if first is None else first
