@@ -15,11 +15,15 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 MIN_PYTHON = (3, 11)
 # The test environment: 1.9 GB installed (torch's CPU build is most of it), plus pip's unpacking beside it
 NEEDED_BYTES = 3 * 1024**3
+# pip unpacks each package in the temporary directory first: torch's the largest (its CUDA build ~1 GB where the
+# lock's CPU build is not taken); a 60 MB TMPDIR failed setup with "No space left on device", naming nothing
+TEMP_BYTES = 1024**3
 
 
 def here() -> tuple[str, str, str]:
@@ -40,7 +44,7 @@ def other_machine(lock_for: tuple[str, str]) -> str:
     )
 
 
-def problems(venv: Path) -> list[str]:
+def problems(venv: Path, temp_needed: int = TEMP_BYTES) -> list[str]:
     found = []
     version = ".".join(map(str, sys.version_info[:3]))
     if sys.version_info[:2] < MIN_PYTHON:
@@ -61,6 +65,12 @@ def problems(venv: Path) -> list[str]:
         found.append(
             f"{room / 1024**3:.1f} GiB free where {venv} goes: the environment needs about "
             f"{NEEDED_BYTES / 1024**3:.0f} GiB; free some, or `make setup VENV=/path/with/room`"
+        )
+    temporary = Path(tempfile.gettempdir())
+    if (room := shutil.disk_usage(temporary).free) < temp_needed:
+        found.append(
+            f"{room / 1024**3:.1f} GiB free in {temporary}, the temporary directory, where pip unpacks each package "
+            f"(torch's needs about {temp_needed / 1024**3:.0f} GiB): free some, or `TMPDIR=/path/with/room make setup`"
         )
     return found
 

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 import venv
 import zipfile
@@ -84,8 +85,14 @@ def test_vsrq_bulk_runs_from_the_client_install(client_env, tmp_path):
     assert "usage:" in result.stdout and "--concurrency" in result.stdout
 
 
-def test_setup_says_what_is_missing_before_installing(tmp_path):
+def test_setup_says_what_is_missing_before_installing(tmp_path, monkeypatch):
     assert problems(tmp_path / ".venv") == []
+    # a small TMPDIR failed pip with "No space left on device", naming no directory
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    [said] = problems(tmp_path / ".venv", temp_needed=2**62)
+    assert said.startswith(f"{shutil.disk_usage(tmp_path).free / 1024**3:.1f} GiB free in {tmp_path}, the temporary")
+    assert "TMPDIR=/path/with/room make setup" in said
 
 
 def make_setup(tmp_path: Path, lock_for: str) -> tuple[subprocess.CompletedProcess, str]:
