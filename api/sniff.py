@@ -26,8 +26,9 @@ def not_a_video(head: bytes) -> str | None:
         return "WAV audio"
     if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
         return "AIFF audio"
-    if head.startswith(b"OggS") and (codec := _ogg_codec(head)) in _OGG_AUDIO.values():
-        return f"Ogg {codec} audio"
+    codecs = _ogg_streams(head) if head.startswith(b"OggS") else []
+    if codecs and all(codec in _OGG_AUDIO.values() for codec in codecs):
+        return f"Ogg {' and '.join(sorted(set(codecs)))} audio"
     if head[4:8] == b"ftyp" and head[8:12] in _AUDIO_BRANDS:
         return "M4A audio"
     if head.startswith(b"%PDF-"):
@@ -41,12 +42,19 @@ def not_a_video(head: bytes) -> str | None:
     return None
 
 
-def _ogg_codec(head: bytes) -> str | None:
-    """The codec of an Ogg file's first packet (it starts after the first page's segment table)."""
-    if len(head) < 27:
-        return None
-    packet = head[27 + head[26] :]
-    return next((name for magic, name in _OGG_AUDIO.items() if packet.startswith(magic)), None)
+def _ogg_streams(head: bytes) -> list[str | None]:
+    """Each stream's codec (None: not audio) from an Ogg file's first pages, one per stream that begins there (BOS):
+    a Theora video's may come after its Vorbis sound's. Empty where `head` ends among them."""
+    codecs, at = [], 0
+    while head[at : at + 4] == b"OggS" and at + 27 <= len(head) and head[at + 5] & 0x02:  # a beginning of stream
+        segments = head[at + 26]
+        payload = at + 27 + segments
+        if payload > len(head):
+            return []
+        packet = head[payload:]
+        codecs.append(next((name for magic, name in _OGG_AUDIO.items() if packet.startswith(magic)), None))
+        at = payload + sum(head[at + 27 : payload])
+    return codecs if at <= len(head) else []
 
 
 def _still_png(head: bytes) -> bool:

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     target, extra = COMMANDS[args.command]
     module, _, function = target.partition(":")
     try:
-        return getattr(importlib.import_module(module), function)(args)
+        status = getattr(importlib.import_module(module), function)(args)
+        sys.stdout.flush()  # here, not at the interpreter's exit: a reader gone (`| head`) is met inside the try
+        return status
     except KeyboardInterrupt:
         print("vsrq: cancelled", file=sys.stderr)
         return 130

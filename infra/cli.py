@@ -113,7 +113,8 @@ def _job(running: dict[str, Running], job_id: str | None, now: float) -> str:
 
 def _clock(seconds: float) -> str:
     minutes, seconds = divmod(max(0, int(seconds)), 60)
-    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def dev(args: argparse.Namespace) -> int:

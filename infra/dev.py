@@ -110,8 +110,12 @@ class DevStack:
 
     def start(self, timeout_s: float = 120) -> DevStack:
         self._claimed = claim(self.root)
-        self.token, self.secret = self._credentials()
-        self._claim_port()
+        try:
+            self.token, self.secret = self._credentials()
+            self._claim_port()
+        except BaseException:  # the directory is this process's no more
+            self.stop()
+            raise
         try:
             self.stack.start()
             for name, process in self.stack.processes.items():  # same ports and data directory when restarted

@@ -21,9 +21,9 @@ from pathlib import Path
 MIN_PYTHON = (3, 11)
 # The test environment: 1.9 GB installed (torch's CPU build is most of it), plus pip's unpacking beside it
 NEEDED_BYTES = 3 * 1024**3
-# pip unpacks each package in the temporary directory first: torch's the largest (its CUDA build ~1 GB where the
-# lock's CPU build is not taken); a 60 MB TMPDIR failed setup with "No space left on device", naming nothing
-TEMP_BYTES = 1024**3
+# pip unpacks each package in the temporary directory first, torch's CPU build (~200 MB) the largest the lock takes;
+# a 60 MB TMPDIR failed setup with "No space left on device", naming nothing
+TEMP_BYTES = 400 * 1024**2
 
 
 def here() -> tuple[str, str, str]:
@@ -69,8 +69,8 @@ def problems(venv: Path, temp_needed: int = TEMP_BYTES) -> list[str]:
     temporary = Path(tempfile.gettempdir())
     if (room := shutil.disk_usage(temporary).free) < temp_needed:
         found.append(
-            f"{room / 1024**3:.1f} GiB free in {temporary}, the temporary directory, where pip unpacks each package "
-            f"(torch's needs about {temp_needed / 1024**3:.0f} GiB): free some, or `TMPDIR=/path/with/room make setup`"
+            f"{room / 1024**2:.0f} MB free in {temporary}, the temporary directory, where pip unpacks each package "
+            f"(torch's needs about {temp_needed / 1024**2:.0f} MB): free some, or `TMPDIR=/path/with/room make setup`"
         )
     return found
 

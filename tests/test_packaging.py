@@ -75,7 +75,8 @@ def test_the_wheel_ships_what_the_embedded_stack_reads(client_env):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     read = {path.relative_to(ROOT).as_posix() for path in (REDIS_CONF, S3_CONFIG)}
-    assert read | {"api/static/index.html", "vsrq-0.1.0.dist-info/licenses/LICENSE"} <= names, sorted(names)[:20]
+    assert read | {"api/static/index.html"} <= names, sorted(names)[:20]
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names), sorted(names)[-10:]
 
 
 def test_vsrq_bulk_runs_from_the_client_install(client_env, tmp_path):
@@ -91,7 +92,7 @@ def test_setup_says_what_is_missing_before_installing(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     [said] = problems(tmp_path / ".venv", temp_needed=2**62)
-    assert said.startswith(f"{shutil.disk_usage(tmp_path).free / 1024**3:.1f} GiB free in {tmp_path}, the temporary")
+    assert said.startswith(f"{shutil.disk_usage(tmp_path).free / 1024**2:.0f} MB free in {tmp_path}, the temporary")
     assert "TMPDIR=/path/with/room make setup" in said
 
 

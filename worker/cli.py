@@ -13,6 +13,7 @@ import json
 import secrets
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -22,6 +23,9 @@ from worker.media.errors import BAD_INPUT_CODES, OutputExists
 MP4_SUFFIXES = (".mp4", ".m4v", ".mov")  # the names players know the written file's container by
 EXIT_CODES = {"invalid_request": 2, "output_exists": 2, "output_unwritable": 2, "model_not_found": 3, "cancelled": 130}
 EXIT_CODES |= dict.fromkeys(BAD_INPUT_CODES, 2)
+
+if TYPE_CHECKING:  # imported where a command runs: `vsrq --help` loads no torch
+    from worker.upscale import UpscaleOptions
 
 
 def _reported(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -128,9 +132,10 @@ def upscale(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_before_loading(args: argparse.Namespace, options) -> None:
+def _refuse_before_loading(args: argparse.Namespace, options: UpscaleOptions) -> None:
     """What needs no model refused before one loads (seconds on the CPU, a 13 GB checkpoint on a GPU): the input's
-    limits, the windows, the codec's least size. The job probes again, as it must (`begin_upscale`)."""
+    and the output's limits, the windows, the codec's least size. The job probes again (`begin_upscale`): seconds
+    for a long 4K input, against the load."""
     from worker.media.probe import probe
     from worker.media.writer import check_size
     from worker.sr import tiling
@@ -138,17 +143,23 @@ def _refuse_before_loading(args: argparse.Namespace, options) -> None:
 
     video = probe(args.input, options.limits).video
     plan_windows(video.frames, options.window, options.window_overlap)
+    size = tiling.output_size(video.height, video.width, args.scale)
+    options.limits.check_output(*size, video.frames)  # before any target: what the model computes
     if options.target is None:  # a target's output is sized by it, and checked by the job
-        check_size(options.codec, tiling.output_size(video.height, video.width, args.scale))
+        check_size(options.codec, size)
 
 
 def _job_key(args: argparse.Namespace, signature: str) -> str:
     """Names the job a kept window belongs to: the input file as it is now, the model, every option that changes
     the frames (not the encoder's, which only sees them afterwards) and what else does on this machine (`signature`:
     the performance mode `auto` picked, the split, the FP8 attention backend)."""
+    from worker.sr.windows import overlap_for
+
     stat = args.input.stat()
+    # the overlap resolved: windows kept under the default's 16 resume though the option is now left unset
+    overlap = overlap_for(args.window, args.window_overlap)
     fields = [str(args.input.resolve()), stat.st_size, stat.st_mtime_ns, args.model, args.devices, args.scale, args.seed,
-              args.steps, args.min_overlap, args.window, args.window_overlap, args.target_resolution, args.resize_mode,
+              args.steps, args.min_overlap, args.window, overlap, args.target_resolution, args.resize_mode,
               args.quality, args.deinterlace, args.background, signature]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()
 

@@ -74,8 +74,8 @@ function toast(message, kind = "info") {
 }
 
 function fail(error) {
-  // fetch's own TypeError ("Failed to fetch") is the network's, not the service's answer
-  const unreachable = error instanceof TypeError;
+  // fetch's own TypeError ("Failed to fetch", Firefox's "NetworkError…") is the network's, not the service's answer
+  const unreachable = error instanceof TypeError && /fetch|network/i.test(error.message);
   toast(unreachable ? "Cannot reach the service: check the connection and try again." : error.message || String(error),
     "error");
 }
@@ -143,13 +143,11 @@ const originals = (() => {
       memory.delete(id);
       await run("readwrite", (store) => store.delete(id)).catch(() => {});
     },
-    async ids() {
-      return await run("readonly", (store) => store.getAllKeys()).catch(() => []);
-    },
   };
 })();
 
-// Originals of jobs the service no longer has (deleted elsewhere, expired) go: up to 1 GiB each stayed in the browser.
+// Originals of this key's jobs the service no longer has (deleted elsewhere, expired while listed) go: up to 1 GiB
+// each stayed in the browser. Only jobs this key listed: another key's are another owner's, 404 to this one.
 async function forgetGone(ids) {
   for (const id of ids) {
     try {
@@ -188,6 +186,7 @@ async function connect(event) {
 }
 
 function signOut(message) {
+  if (state.upload) state.upload.abort();
   sessionStorage.removeItem(KEY);
   localStorage.removeItem(KEY);
   state.key = null;
@@ -212,7 +211,6 @@ function showWorkspace() {
   $("sign-out").hidden = !state.key;  // no key to forget where the service asks for none
   loadModels();
   poll();
-  originals.ids().then(forgetGone);
 }
 
 async function loadModels() {
@@ -231,14 +229,18 @@ async function loadModels() {
 // -- picking a file ------------------------------------------------------------------------------------------------
 
 // What a picked file certainly is when it is no video, by the type the browser gives it (the service checks too).
+// Not `audio/*` nor `text/*` whole: an Ogg file with Theora is `audio/ogg`, and Linux calls `.ts` a text type.
+const NOT_VIDEO = {
+  "audio/mpeg": "an audio file", "audio/flac": "an audio file", "audio/x-flac": "an audio file",
+  "audio/wav": "an audio file", "audio/x-wav": "an audio file", "audio/aac": "an audio file",
+  "audio/x-m4a": "an audio file", "audio/opus": "an audio file", "application/pdf": "a document",
+  "application/zip": "a document", "text/plain": "a document", "image/jpeg": "a still picture",
+  "image/bmp": "a still picture", "image/tiff": "a still picture", "image/heic": "a still picture",
+  "image/svg+xml": "a still picture",
+};
+
 function notVideo(file) {
-  const type = file.type;
-  if (type.startsWith("audio/")) return "an audio file";
-  if (type.startsWith("text/") || type === "application/pdf" || type === "application/zip") return "a document";
-  if (["image/jpeg", "image/bmp", "image/tiff", "image/heic", "image/heif", "image/svg+xml"].includes(type)) {
-    return "a still picture";
-  }
-  return null;
+  return NOT_VIDEO[file.type] || null;
 }
 
 function pick(file) {
@@ -319,8 +321,9 @@ function outputSize() {
     : TARGETS[$("target").value];
   // the service never upscales to a target: one larger than the output leaves it as it is
   const smaller = target && (width > target[0] || height > target[1]);
-  $("out-size").textContent = `Output ${width}×${height}` + (smaller ? `, then downscaled to fit ${target[0]}×${target[1]}`
-    : target ? `, already within ${target[0]}×${target[1]}` : "");
+  const box = target && `${target[0]}×${target[1]}`;
+  $("out-size").textContent = `Output ${width}×${height}` +
+    (smaller ? `, then downscaled to fit ${box}` : target ? `, already within ${box}` : "");
 }
 
 // -- creating a job ------------------------------------------------------------------------------------------------
@@ -368,12 +371,15 @@ function submit(event) {
     sent = progress.loaded;
     setProgress(progress.loaded, progress.total);
   };
+  // all of it sent: the service is making the job, which a cancel here would not stop (the page said "cancelled")
+  xhr.upload.onload = () => { $("unpick").disabled = true; };
   const done = () => {
     state.upload = null;
     $("upload").hidden = true;
     $("submit").disabled = !state.picked;
     $("submit").textContent = "Upscale";
     $("unpick").textContent = "Change";
+    $("unpick").disabled = false;
   };
   xhr.onload = async () => {
     done();
@@ -906,7 +912,10 @@ function wireForm() {
   $("file").addEventListener("change", () => pick($("file").files[0]));
   $("unpick").addEventListener("click", () => (state.upload ? state.upload.abort() : unpick()));
   window.addEventListener("beforeunload", (event) => {
-    if (state.upload) event.preventDefault();  // the browser asks before an upload in flight is lost
+    if (state.upload) {  // the browser asks before an upload in flight is lost
+      event.preventDefault();
+      event.returnValue = "";
+    }
   });
   $("custom-target").addEventListener("input", outputSize);
   for (const radio of document.querySelectorAll('input[name="sr_resolution_scale"]')) {

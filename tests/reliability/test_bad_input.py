@@ -49,6 +49,16 @@ def patched(data: bytes, box: bytes, offset: int, value: int) -> bytes:
     return data[:at] + struct.pack(">I", value) + data[at + 4 :]
 
 
+def test_the_upload_sniff_names_no_video_of_the_corpus(corpus_cache):
+    """What api/sniff.py refuses as it arrives, over every real file of the corpus: the songs, never a video (an Ogg
+    with Theora, an MPEG-TS whose packets could start like an MP3 frame, an animated PNG)."""
+    from api.sniff import PEEK_BYTES, not_a_video
+
+    heads = {path.name: path.read_bytes()[:PEEK_BYTES] for path in sorted(corpus_cache.iterdir())}
+    named = {name: kind for name, head in heads.items() if (kind := not_a_video(head))}
+    assert set(named) == {*NOT_VIDEOS.values(), "pymediainfo-sample_with_cover.mp3"}, named
+
+
 def picture(kind: str = "PNG") -> bytes:
     """A still picture (or a one-page PDF of it), as Pillow writes one."""
     out = io.BytesIO()

@@ -61,7 +61,7 @@ def test_vsrq_status_shows_how_far_each_workers_job_got(service_env):
     jobs = JobStore(client, result_ttl_s=60, max_attempts=3)
     job = jobs.create(owner="o", model="k6-vsr", queue=QUEUE, params={}, input=InputInfo(key="uploads/o/x", bytes=1))
     lease = jobs.lease(job.id, "gpu0@host", 30)
-    lease.heartbeat(progress=45, stage="upscaling", seconds_left=250)
+    lease.heartbeat(progress=45, stage="upscaling", seconds_left=3600)
     WorkerRegistry(client).register(
         WorkerInfo(name="gpu0@host", queues=[QUEUE], model="lanczos", devices=["cpu"], host="h", pid=1, started_at=0,
                    job=job.id)  # fmt: skip
@@ -70,9 +70,9 @@ def test_vsrq_status_shows_how_far_each_workers_job_got(service_env):
     assert running[job.id] | {"started_at": 0, "eta": 0} == {
         "stage": "upscaling", "progress": 45, "attempt": 1, "started_at": 0, "eta": 0
     }
-    assert 240 < running[job.id]["eta"] - time.time() <= 250
+    assert 3500 < running[job.id]["eta"] - time.time() <= 3600  # a loaded machine's CLI start takes seconds
     line = next(line for line in vsrq_status(env).stdout.splitlines() if "gpu0@host" in line)
-    assert re.search(rf"job {job.id} upscaling 45 % attempt 1, running \d+s, about 4m0\ds left  beat", line), line
+    assert re.search(rf"job {job.id} upscaling 45 % attempt 1, running \d+s, about 59m\d\ds left  beat", line), line
     client.flushdb()
 
 

@@ -103,6 +103,7 @@ def presented(data: bytes | bytearray, track: int) -> Fraction | None:
             return None
         version, (count,) = data[elst[1]], struct.unpack_from(">I", data, elst[1] + 4)
         entry, layout = (20, ">QqhH") if version == 1 else (12, ">IihH")
+        count = min(count, (elst[2] - elst[1] - 8) // entry)  # a damaged count reads no box beyond its own
         shown = 0
         for index in range(count):
             duration, media_time, rate, _ = struct.unpack_from(layout, data, elst[1] + 8 + index * entry)

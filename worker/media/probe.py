@@ -397,7 +397,9 @@ class _Scan:
     audio_latest: dict[int, float] = field(default_factory=dict)  # audio -> its latest packet's start, seconds
     end: float = 0.0  # latest packet end over all streams, seconds
     first: float = 0.0  # earliest packet start over all streams, seconds, where before 0 (an encoder's priming)
-    earliest: float = math.inf  # earliest packet start over all streams, seconds (a live stream's: wall-clock time)
+    # the span of the video and audio packets, seconds (a live stream's times are wall-clock ones)
+    earliest: float = math.inf
+    latest_end: float = -math.inf
     keyframe_seen: bool = False
     cut_short: bool = False  # a packet the file's end cuts through was left out
     key_pts: int | None = None  # the first keyframe's presentation time
@@ -443,7 +445,10 @@ def _presented(path: Path, stream: av.VideoStream) -> int | None:
     """How long an MP4's edit list shows the video track, in the stream's time base (None: not an MP4, no edit list,
     or one PyAV's stream does not name: a track ID is MOV's `stream.id`)."""
     data = movie(path) if stream.time_base else b""
-    shown = presented(data, stream.id) if data else None
+    try:
+        shown = presented(data, stream.id) if data else None
+    except struct.error:  # a box cut short: the decode span measures it, as before
+        return None
     return None if shown is None else round(shown / stream.time_base)
 
 
@@ -491,12 +496,13 @@ def _scan(
                 if owner.type == "audio" and not packet.duration and owner.index in scan.extents:
                     end = start + start - scan.audio_latest[owner.index]  # as a copy times it (passthrough._Copy)
                 scan.end, scan.first = max(scan.end, end), min(scan.first, start)
-                scan.earliest = min(scan.earliest, start)
-                # every stream's, the sound's too: a second of video with ten hours of it came back ten hours long
-                if limits.max_seconds is not None and scan.end - scan.earliest > limits.max_seconds:
+                if owner.type in ("video", "audio"):  # not a data track's clock (teletext, SCTE-35), nor subtitles
+                    scan.earliest, scan.latest_end = min(scan.earliest, start), max(scan.latest_end, end)
+                # the sound's too: a second of video with ten hours of it came back ten hours long
+                if limits.max_seconds is not None and scan.latest_end - scan.earliest > limits.max_seconds:
                     raise InputTooLarge(
-                        f"{path.name} lasts over {limits.max_seconds:.0f} s (its {owner.type} runs to "
-                        f"{scan.end - scan.earliest:.0f} s); the limit is {limits.max_seconds:.0f} s"
+                        f"{path.name} lasts over {limits.max_seconds:g} s (its {owner.type} runs to "
+                        f"{scan.latest_end - scan.earliest:.0f} s); the limit is {limits.max_seconds:g} s"
                     )
                 if owner.type == "audio" and not packet.is_discard:
                     scan.audio_latest[owner.index] = start
