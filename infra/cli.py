@@ -69,6 +69,7 @@ def status(args: argparse.Namespace) -> int:
             WorkerRegistry(redis, ttl_s=settings.worker_ttl_s),
             settings.models,
             settings.reaper_stale_s,
+            running=True,
         )
     except (RedisConnectionError, RedisTimeoutError) as error:
         print(f"vsrq: redis_unavailable: {_unreachable(settings, error)}", file=sys.stderr)

@@ -222,6 +222,11 @@ class JobRecord(BaseModel):
         back meanwhile."""
         return max(self.progress, self.furthest)
 
+    @property
+    def shown_eta(self) -> float | None:
+        """The worker's estimate of its engine's end, while it upscales: after it, the tail follows."""
+        return self.eta if self.status == Status.IN_PROGRESS and self.stage == "upscaling" else None
+
 
 class VideoInput(BaseModel):
     bytes: int | None = Field(description="the input file's size; for a URL input, null until the worker fetched it")
@@ -310,7 +315,7 @@ class Video(BaseModel):
             status=job.status,
             progress=job.shown_progress,
             stage=job.stage,
-            eta=_int(job.eta) if job.status == Status.IN_PROGRESS and job.stage == "upscaling" else None,
+            eta=_int(job.shown_eta),
             queue_position=queue_position if job.status == Status.QUEUED else None,
             retry_at=_int(job.retry_at) if job.status == Status.QUEUED and queue_position is None else None,
             attempt=job.attempt,
@@ -565,8 +570,8 @@ if ARGV[4] ~= '' and ARGV[4] ~= field('stage') then
   redis.call('HSET', JOB, 'stage', ARGV[4])
   event('stage', t, {stage = ARGV[4]})
 end
-if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', JOB, 'eta', t + tonumber(ARGV[6])) end
-if ARGV[7] and ARGV[7] ~= '' then redis.call('HSET', JOB, 'planned_size', ARGV[7]) end
+if ARGV[6] ~= '' then redis.call('HSET', JOB, 'eta', t + tonumber(ARGV[6])) end
+if ARGV[7] ~= '' then redis.call('HSET', JOB, 'planned_size', ARGV[7]) end
 if ARGV[5] ~= '' then
   local input = cjson.decode(field('input'))
   for name, value in pairs(cjson.decode(ARGV[5])) do input[name] = value end

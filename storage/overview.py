@@ -41,7 +41,7 @@ class Running(BaseModel):
     progress: int  # as its owner sees it (`JobRecord.shown_progress`)
     attempt: int
     started_at: float | None  # the job's first attempt's start
-    eta: float | None = None  # while upscaling: when its worker expects the engine to finish (`JobRecord.eta`)
+    eta: float | None = None  # while upscaling: when its worker expects the engine to finish (`JobRecord.shown_eta`)
 
 
 class Overview(BaseModel):
@@ -157,24 +157,30 @@ def job_counts(jobs: JobStore) -> dict[Status, int]:
 
 
 def overview(
-    jobs: JobStore, registry: WorkerRegistry, models: dict[str, str], reaper_stale_s: float = 60
+    jobs: JobStore,
+    registry: WorkerRegistry,
+    models: dict[str, str],
+    reaper_stale_s: float = 60,
+    running: bool = False,
 ) -> Overview:
     """`models`: those the settings serve, and their queues; a queue that a live model worker takes from is shown too
-    (a misrouted worker)."""
+    (a misrouted worker). `running`: read each live worker's job too (`vsrq status`; /metrics, scraped every few
+    seconds, exports none of it)."""
     workers = registry.list()
     names = sorted(set(models.values()).union(*(worker.queues for worker in workers if worker.model)))
     return Overview(
         queues={queue: jobs.queue_depth(queue) for queue in names},
         jobs=job_counts(jobs),
         workers=workers,
-        running={job.id: _running(job) for job in map(jobs.get, {w.job for w in workers if w.job}) if job},
+        running={job.id: _running(job) for job in map(jobs.get, {w.job for w in workers if w.job}) if job}
+        if running
+        else {},
         health=health(jobs, workers, models, reaper_stale_s),
         lost_messages_resent=int(jobs.redis.get(_resent_key(jobs)) or 0),
     )
 
 
 def _running(job: JobRecord) -> Running:
-    eta = job.eta if job.stage == "upscaling" else None
     return Running(
-        stage=job.stage, progress=job.shown_progress, attempt=job.attempt, started_at=job.started_at, eta=eta
+        stage=job.stage, progress=job.shown_progress, attempt=job.attempt, started_at=job.started_at, eta=job.shown_eta
     )

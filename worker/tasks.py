@@ -505,8 +505,7 @@ def _complete(tail: _Tail, overlapped: bool) -> None:
     spans: dict[str, tuple[float, float]] = {}  # each step's start and end, for the `run` event (`_note_run`)
     flushed = tail.encoding.flush(alive=beat.send)  # its lease, and the watch for a stuck tail, see it go on
     at = monotonic()
-    source = tail.encoding.result.source
-    beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", input_media=media_info(source), force=True)
+    beat.stop_if_cancelled(progress=UPLOADING, stage="uploading", force=True)  # its media said once probed
     spans["uploading_beat"] = (at, monotonic())
     stop = threading.Event()  # set: the upload stops at its next progress and is not tried again
     # opened before the check, which renames the file (or deletes it) as the upload reads it; closed by the upload
