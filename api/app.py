@@ -19,6 +19,7 @@ from storage.config import Settings
 from storage.jobs import JobStore, open_redis
 from storage.logs import current_job
 from storage.queue import make_celery
+from storage.uploads import UploadStore
 
 log = logging.getLogger("vsrq.api")
 
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         celery=make_celery(settings),
         idempotency=Idempotency(redis, settings.idempotency_ttl_s, settings.idempotency_in_flight_ttl_s),
         limiter=RateLimiter(redis),
+        uploads=UploadStore(redis, ttl_s=settings.upload_ttl_s),
     )
     request_id.register(app)  # first: every answer and every line logged for it carries the id
     errors.register(app)

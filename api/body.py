@@ -113,6 +113,25 @@ def read_json(limit: int) -> bytes:
     return bytes(out)
 
 
+MAX_JSON_BYTES = 1024 * 1024
+
+
+def json_object() -> dict[str, Any]:
+    """The request's body as a JSON object, at most `MAX_JSON_BYTES`."""
+    raw = read_json(MAX_JSON_BYTES)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ApiError(
+            413, "body_too_large", f"A JSON body is limited to {MAX_JSON_BYTES} bytes; send videos as multipart."
+        )
+    try:
+        body = parse_json(raw)
+    except ValueError:
+        raise ApiError(400, "malformed_json", "The body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "malformed_json", "The body must be a JSON object.")
+    return body
+
+
 class TimedInput:
     """`wsgi.input` whose reads that time out (the worker's pacing) answer 408 rather than look like a disconnect."""
 

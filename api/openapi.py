@@ -28,10 +28,13 @@ from api.errors import Problem
 from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.request_id import HEADER as REQUEST_ID_HEADER
 from api.request_id import SANE as SANE_REQUEST_ID
-from api.schemas import SGLANG_IGNORED, CreateRequest, JobOptions, ListQuery, UpscaleParams
+from api.schemas import (
+    SGLANG_IGNORED, CompleteUpload, CreateRequest, DeclareUpload, JobOptions, ListQuery, UpscaleParams,
+)  # fmt: skip
 from api.services import services
 from storage.config import Settings
 from storage.jobs import Video, VideoEventList
+from storage.uploads import PART_MAX_BYTES
 
 blueprint = Blueprint("openapi", __name__)
 DOCS_PATH = "/docs"
@@ -70,14 +73,45 @@ class VideoDeleted(BaseModel):
     deleted: Literal[True]
 
 
+class UploadFile(BaseModel):
+    """OpenAI's File object, for a completed upload: its `id` is the upload's."""
+
+    id: str = Field(description="name it as `upload_id`, or as `input_reference.file_id`")
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"]
+
+
 class Upload(BaseModel):
-    id: str = Field(description="name it as `upload_id` in a JSON create")
+    """OpenAI's Upload object, with ours: `key`, `sha256`, `content_type`, `received_bytes`, `part_ids`."""
+
+    id: str = Field(description="name it as `upload_id` in a JSON create, or as `input_reference.file_id`")
     object: Literal["upload"]
-    key: str
+    bytes: int
+    created_at: int
+    expires_at: int = Field(description="a pending upload expires then; a completed one no job names is deleted then")
+    filename: str
+    purpose: str
+    status: Literal["pending", "completed", "cancelled", "expired"]
+    file: UploadFile | None
+    key: str | None = Field(description="where the file is stored, once completed")
+    sha256: str | None
+    content_type: str
+    received_bytes: int = Field(description="the bytes of the parts stored so far")
+    part_ids: list[str] = Field(description="pending: the parts stored so far; completed: in the order joined")
+
+
+class UploadPart(BaseModel):
+    id: str = Field(description="name it in `part_ids` to complete the upload")
+    object: Literal["upload.part"]
+    created_at: int
+    upload_id: str
     bytes: int
     sha256: str
-    filename: str
-    content_type: str
 
 
 class Health(BaseModel):
@@ -138,6 +172,15 @@ VideoEditForm = create_model(
     **_IGNORED,
 )
 UploadForm = create_model("UploadForm", file=(bytes, Field(description="the video")))
+UploadPartForm = create_model(
+    "UploadPartForm", data=(bytes, Field(description=f"the part's bytes, at most {PART_MAX_BYTES} (64 MiB)"))
+)
+UploadDeclareJson = create_model("UploadDeclareJson", __base__=DeclareUpload, __doc__=DeclareUpload.__doc__)
+UploadCompleteJson = create_model(
+    "UploadCompleteJson",
+    __base__=CompleteUpload,
+    __doc__="The parts, in the order they make the file; `md5` (hex) is checked against the joined file's.",
+)
 
 
 # -- The document ----------------------------------------------------------------------------------------------------
@@ -151,6 +194,9 @@ def _problems(*statuses: int) -> dict[str, Any]:
         **{str(status): {**answer, "description": described.get(status, "see `code`")} for status in statuses},
         "default": {**answer, "description": "any other error: 4xx is the caller's to fix, 5xx is ours"},
     }
+
+
+_UPLOAD_ID = {"name": "upload_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def _json(model: str, description: str) -> dict[str, Any]:
@@ -267,8 +313,9 @@ def _null_as_text(form: dict[str, Any]) -> None:
 
 def document(settings: Settings) -> dict[str, Any]:
     models = [
-        Video, VideoList, VideoEventList, VideoDeleted, Upload, Health, Problem, VideoCreateJson, VideoCreateForm,
-        VideoEditJson, VideoEditForm, UploadForm, Model, ModelList,
+        Video, VideoList, VideoEventList, VideoDeleted, Upload, UploadPart, Health, Problem, VideoCreateJson,
+        VideoCreateForm, VideoEditJson, VideoEditForm, UploadForm, UploadPartForm, UploadDeclareJson,
+        UploadCompleteJson, Model, ModelList,
     ]  # fmt: skip
     _, definitions = models_json_schema(
         [(model, "validation" if model.__name__.endswith(("Json", "Form")) else "serialization") for model in models],
@@ -414,13 +461,65 @@ def document(settings: Settings) -> dict[str, Any]:
         "/v1/uploads": {
             "post": {
                 "operationId": "createUpload",
-                "summary": "Store a video for later jobs",
+                "summary": "Store a video for later jobs; or, as JSON, declare one that comes in parts",
                 "tags": ["uploads"],
                 "requestBody": {
                     "required": True,
-                    "content": {"multipart/form-data": {"schema": {"$ref": _REF.format(model="UploadForm")}}},
+                    "content": {
+                        "multipart/form-data": {"schema": {"$ref": _REF.format(model="UploadForm")}},
+                        "application/json": {"schema": {"$ref": _REF.format(model="UploadDeclareJson")}},
+                    },
                 },
-                "responses": {"201": _json("Upload", "stored"), **_problems(400, 401, 413, 415, 422, 429)},
+                "responses": {
+                    "201": _json("Upload", "stored (completed), or declared (pending)"),
+                    **_problems(400, 401, 413, 415, 422, 429),
+                },
+            }
+        },
+        "/v1/uploads/{upload_id}": {
+            "get": {
+                "operationId": "getUpload",
+                "summary": "An upload: pending with the parts stored so far, or completed",
+                "tags": ["uploads"],
+                "parameters": [_UPLOAD_ID],
+                "responses": {"200": _json("Upload", "the upload"), **_problems(401, 404, 429)},
+            }
+        },
+        "/v1/uploads/{upload_id}/parts": {
+            "post": {
+                "operationId": "addUploadPart",
+                "summary": "One part of an upload in parts (a failed one is sent again, not the file)",
+                "tags": ["uploads"],
+                "parameters": [_UPLOAD_ID],
+                "requestBody": {
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": {"$ref": _REF.format(model="UploadPartForm")}}},
+                },
+                "responses": {
+                    "201": _json("UploadPart", "stored"), **_problems(400, 401, 404, 409, 413, 415, 422, 429)
+                },
+            }
+        },
+        "/v1/uploads/{upload_id}/complete": {
+            "post": {
+                "operationId": "completeUpload",
+                "summary": "Join the parts, in the order named, into the file jobs name",
+                "tags": ["uploads"],
+                "parameters": [_UPLOAD_ID],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(model="UploadCompleteJson")}}},
+                },
+                "responses": {"200": _json("Upload", "completed"), **_problems(400, 401, 404, 409, 413, 422, 429)},
+            }
+        },
+        "/v1/uploads/{upload_id}/cancel": {
+            "post": {
+                "operationId": "cancelUpload",
+                "summary": "Drop a pending upload and its parts",
+                "tags": ["uploads"],
+                "parameters": [_UPLOAD_ID],
+                "responses": {"200": _json("Upload", "cancelled"), **_problems(401, 404, 409, 429)},
             }
         },
         "/livez": {

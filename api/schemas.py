@@ -284,6 +284,24 @@ class CreateRequest(BaseModel):
         return self._video_url_field
 
 
+class DeclareUpload(BaseModel):
+    """OpenAI's `uploads.create` body; `purpose` is kept and shown, nothing more (a video is what every upload is)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bytes: int = Field(ge=1)
+    filename: str = Field(min_length=1, max_length=1024)
+    mime_type: str = Field(min_length=1, max_length=255)
+    purpose: str | None = Field(None, max_length=64)
+
+
+class CompleteUpload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    part_ids: list[str] = Field(min_length=1)
+    md5: str | None = Field(None, pattern=r"^[0-9a-fA-F]{32}$")
+
+
 class ListQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

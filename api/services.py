@@ -13,6 +13,7 @@ from api.ratelimit import RateLimiter
 from storage.blobs import BlobStore
 from storage.config import Settings
 from storage.jobs import JobStore
+from storage.uploads import UploadStore
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Services:
     celery: Celery
     idempotency: Idempotency
     limiter: RateLimiter
+    uploads: UploadStore
 
 
 def services() -> Services:

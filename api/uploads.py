@@ -1,6 +1,11 @@
 """Receiving videos: a multipart body's file streamed into the blob store under a server-chosen key, its size capped
 while it streams, its SHA-256 computed on the way. `POST /v1/uploads` stores a file for later jobs (JSON create names
 it by `upload_id`); a multipart `POST /v1/videos` stores its file the same way.
+
+A file too large to send in one go comes in parts, as OpenAI's Uploads API takes one (its SDK's
+`uploads.upload_file_chunked`): `POST /v1/uploads` as JSON declares it, `/parts` takes each part (a dropped
+connection costs that part only), `/complete` joins them in the order named, `/cancel` drops them
+(storage.uploads holds the upload's state).
 """
 
 from __future__ import annotations
@@ -8,18 +13,25 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import TypeVar
 
 from flask import Blueprint, Response, g, jsonify, request
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
 from api.auth import admit_caller, owner
-from api.body import Capped, check_coding, hold_body_slot
-from api.errors import ApiError
+from api.body import Capped, check_coding, hold_body_slot, json_object
+from api.errors import ApiError, field_errors
 from api.multipart import FormField, FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
+from api.schemas import CompleteUpload, DeclareUpload
 from api.sniff import PEEK_BYTES, not_a_video
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
+from storage.uploads import (
+    PART_MAX_BYTES, JoinedParts, NotPending, PartRefused, UploadNotFound, UploadRecord, UploadStatus, new_part_id,
+    part_key,
+)  # fmt: skip
 
 log = logging.getLogger("vsrq.api.uploads")
 
@@ -53,14 +65,22 @@ class ReceivedForm:
 def _upload_limit() -> int:
     """The caller's upload size limit; a body declared larger than it is refused before a byte is read."""
     limit = limits_of(g.api_key, services().settings).upload_bytes
-    if request.content_length is not None and request.content_length > limit + _FORM_SLACK:
-        raise ApiError(413, "upload_too_large", f"Uploads are limited to {limit} bytes.")
+    _check_declared(limit, _too_large(limit))
     return limit
 
 
-def _form(limit: int, file_fields: frozenset[str]) -> FormReader:
+def _too_large(limit: int) -> str:
+    return f"Uploads are limited to {limit} bytes."
+
+
+def _check_declared(limit: int, message: str) -> None:
+    if request.content_length is not None and request.content_length > limit + _FORM_SLACK:
+        raise ApiError(413, "upload_too_large", message)
+
+
+def _form(limit: int, file_fields: frozenset[str], message: str | None = None) -> FormReader:
     """The request's form, its bytes counted as they stream (a chunked body declares no length to check first)."""
-    body = Capped(request.stream, limit + _FORM_SLACK, f"Uploads are limited to {limit} bytes.")
+    body = Capped(request.stream, limit + _FORM_SLACK, message or _too_large(limit))
     settings = services().settings
     return FormReader(body, boundary_of(request.content_type), settings.max_form_field_bytes, file_fields)
 
@@ -81,13 +101,18 @@ def _take(fields: dict[str, str | None], part: FormField) -> None:
     fields[part.name] = None if part.value == "null" else part.value
 
 
-def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
-    """Reads the request's form, streaming its one file (in one of `file_fields`) to uploads/{owner}/{upload_id}.
+def receive_form(file_fields: frozenset[str], *, part_of: str | None = None) -> ReceivedForm:
+    """Reads the request's form, streaming its one file (in one of `file_fields`) to uploads/{owner}/{upload_id}, or
+    as a part of the upload `part_of` (its id then the part's).
 
     Whatever goes wrong after the file was stored (a second file, a bad field) deletes it again."""
-    limit = _upload_limit()
+    if part_of is None:
+        limit, too_large = _upload_limit(), None
+    else:
+        limit, too_large = PART_MAX_BYTES, f"A part is limited to {PART_MAX_BYTES} bytes (64 MiB)."
+        _check_declared(limit, too_large)
     blobs = services().blobs
-    reader = _form(limit, file_fields)
+    reader = _form(limit, file_fields, too_large)
     fields: dict[str, str | None] = {}
     stored: StoredFile | None = None
     try:
@@ -101,17 +126,16 @@ def receive_form(file_fields: frozenset[str]) -> ReceivedForm:
                     f"Only one file is accepted, in `{'` or `'.join(sorted(file_fields))}`; got `{part.name}`.",
                 )
             else:
-                if kind := not_a_video(part.stream.peek(PEEK_BYTES)):  # said now, not after the queue's wait
+                if part_of is None and (kind := not_a_video(part.stream.peek(PEEK_BYTES))):  # now, not after a wait
                     name = f"`{part.filename}`" if part.filename else f"The file in `{part.name}`"
                     raise ApiError(422, "input_no_video", f"{name} is {kind}, not a video.")
-                upload_id = new_upload_id()
+                stored_id = new_upload_id() if part_of is None else new_part_id()
+                key = upload_key(owner(), stored_id) if part_of is None else part_key(owner(), part_of, stored_id)
                 try:
-                    blob = blobs.put(
-                        upload_key(owner(), upload_id), part.stream, content_type=part.content_type, max_bytes=limit
-                    )
+                    blob = blobs.put(key, part.stream, content_type=part.content_type, max_bytes=limit)
                 except TooLarge:
-                    raise ApiError(413, "upload_too_large", f"Uploads are limited to {limit} bytes.") from None
-                stored = StoredFile(part.name, part.filename, part.content_type, upload_id, blob)
+                    raise ApiError(413, "upload_too_large", too_large or _too_large(limit)) from None
+                stored = StoredFile(part.name, part.filename, part.content_type, stored_id, blob)
                 if blob.size == 0:  # said now: a job would fail on it only after the queue's wait
                     raise ApiError(422, "input_empty", f"The file in `{part.name}` is empty (0 bytes).")
     except BaseException:
@@ -143,19 +167,31 @@ def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str | None], str |
 
 @blueprint.post("/v1/uploads")
 def create_upload() -> tuple[Response, int]:
-    """A video stored for later jobs: multipart with the file in `file`."""
-    if request.mimetype != "multipart/form-data":  # unlike a create, no JSON body: it would name no file
-        raise ApiError(415, "unsupported_media_type", "Send multipart/form-data with the video in the field `file`.")
+    """A video stored for later jobs: multipart with the file in `file`; or, as JSON, an upload declared to come in
+    parts (OpenAI's `uploads.create`)."""
+    if request.mimetype == "application/json":
+        return _declare_upload()
+    if request.mimetype != "multipart/form-data":
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            "Send multipart/form-data with the video in the field `file`, or JSON declaring an upload in parts.",
+        )
     form = receive_form(frozenset({"file"}))
     if form.file is None:
         raise ApiError(422, "missing_file", "Send the video in the multipart field `file`.")
-    if form.file.filename:  # its jobs' name for it, nothing more: an upload is not failed for it
-        svc = services()
-        try:
-            svc.redis.set(_name_key(form.file.blob.key), form.file.filename, ex=svc.settings.upload_ttl_s)
-        except RedisError:
-            log.warning("%s: its file name was not kept", form.file.upload_id, exc_info=True)
-    return jsonify(upload_object(form.file)), 201
+    svc, file = services(), form.file
+    try:
+        if file.filename:  # its jobs' name for it, nothing more: an upload is not failed for it
+            svc.redis.set(_name_key(file.blob.key), file.filename, ex=svc.settings.upload_ttl_s)
+        record = svc.uploads.record_whole(
+            file.upload_id, owner(), filename=file.filename, size=file.blob.size, mime_type=file.content_type,
+            sha256=file.blob.sha256,
+        )  # fmt: skip
+    except RedisError:  # the file is stored: a job may name it, only its name and GET /v1/uploads/{id} are lost
+        log.warning("%s: its record was not kept", file.upload_id, exc_info=True)
+        record = svc.uploads.unrecorded(file.upload_id, owner(), file.filename, file.blob, file.content_type)
+    return jsonify(upload_view(record)), 201
 
 
 def upload_name(key: str) -> str | None:
@@ -169,13 +205,191 @@ def _name_key(key: str) -> str:
     return f"vsrq:upload-name:{key}"
 
 
-def upload_object(file: StoredFile) -> dict:
-    return {
-        "id": file.upload_id,
-        "object": "upload",
-        "key": file.blob.key,
-        "bytes": file.blob.size,
-        "sha256": file.blob.sha256,
-        "filename": file.filename,
-        "content_type": file.content_type,
+def upload_view(record: UploadRecord) -> dict:
+    """OpenAI's Upload object, with ours: where it is stored (`key`), its `sha256`, the bytes received so far."""
+    completed = record.status is UploadStatus.COMPLETED
+    file = {
+        "id": record.id,  # what `upload_id` or `input_reference.file_id` names
+        "object": "file",
+        "bytes": record.bytes,
+        "created_at": record.created_at,
+        "expires_at": record.expires_at,
+        "filename": record.filename,
+        "purpose": record.purpose or "user_data",
+        "status": "processed",
     }
+    return {
+        "id": record.id,
+        "object": "upload",
+        "bytes": record.bytes,
+        "created_at": record.created_at,
+        "expires_at": record.expires_at,
+        "filename": record.filename,
+        "purpose": record.purpose or "user_data",
+        # OpenAI's statuses have no step between pending and completed: one being joined is still pending
+        "status": UploadStatus.PENDING if record.status is UploadStatus.COMPLETING else record.status,
+        "file": file if completed else None,
+        "key": upload_key(record.owner, record.id) if completed else None,
+        "sha256": record.sha256,
+        "content_type": record.mime_type,
+        "received_bytes": record.bytes if completed else record.received,
+        "part_ids": (record.part_ids or []) if completed else sorted(record.parts),
+    }
+
+
+Asked = TypeVar("Asked", bound=BaseModel)
+
+
+def _validated(model: type[Asked]) -> Asked:
+    try:
+        return model.model_validate(json_object())
+    except ValidationError as error:
+        raise ApiError(422, "invalid_request", "The request has invalid fields: see `errors`.",
+                       errors=field_errors(error)) from None  # fmt: skip
+
+
+def _declare_upload() -> tuple[Response, int]:
+    declared = _validated(DeclareUpload)
+    limit = limits_of(g.api_key, services().settings).upload_bytes
+    if declared.bytes > limit:
+        raise ApiError(413, "upload_too_large", _too_large(limit))
+    record = services().uploads.create(
+        new_upload_id(), owner(), filename=declared.filename, size=declared.bytes, mime_type=declared.mime_type,
+        purpose=declared.purpose,
+    )  # fmt: skip
+    return jsonify(upload_view(record)), 201
+
+
+def _pending(upload_id: str) -> UploadRecord:
+    """The caller's upload, which must still take parts."""
+    record = _record(upload_id)
+    if record.status not in (UploadStatus.PENDING, UploadStatus.COMPLETING):
+        raise _not_pending(upload_id, record.status)
+    return record
+
+
+def _record(upload_id: str) -> UploadRecord:
+    try:
+        return services().uploads.get(upload_id, owner())
+    except UploadNotFound:
+        raise ApiError(404, "upload_not_found", "No such upload.") from None
+
+
+def _not_pending(upload_id: str, status: UploadStatus) -> ApiError:
+    if status is UploadStatus.COMPLETING:
+        return ApiError(409, "upload_completing", f"Upload `{upload_id}` is being completed: its parts are joined.",
+                        headers={"Retry-After": "5"})  # fmt: skip
+    return ApiError(409, f"upload_{status}", f"Upload `{upload_id}` is {status}: it takes no more parts.")
+
+
+@blueprint.get("/v1/uploads/<upload_id>")
+def get_upload(upload_id: str) -> Response:
+    return jsonify(upload_view(_record(upload_id)))
+
+
+@blueprint.post("/v1/uploads/<upload_id>/parts")
+def add_part(upload_id: str) -> tuple[Response, int]:
+    """One part of an upload in parts, multipart in `data` (OpenAI's `uploads.parts.create`), at most 64 MiB."""
+    _pending(upload_id)
+    if request.mimetype != "multipart/form-data":
+        raise ApiError(415, "unsupported_media_type", "Send multipart/form-data with the part in the field `data`.")
+    form = receive_form(frozenset({"data"}), part_of=upload_id)
+    if form.file is None:
+        raise ApiError(422, "missing_file", "Send the part in the multipart field `data`.")
+    part = form.file
+    try:
+        services().uploads.add_part(upload_id, part.upload_id, part.blob.size)
+    except BaseException as error:
+        services().blobs.delete(part.blob.key)
+        if isinstance(error, PartRefused):
+            raise ApiError(413 if error.code == "upload_too_large" else 422, error.code, error.message) from None
+        if isinstance(error, NotPending):
+            raise _not_pending(upload_id, error.status) from None
+        if isinstance(error, UploadNotFound):
+            raise ApiError(404, "upload_not_found", "No such upload.") from None
+        raise
+    created = services().uploads.get(upload_id, owner()).created_at
+    view = {"id": part.upload_id, "object": "upload.part", "created_at": created, "upload_id": upload_id,
+            "bytes": part.blob.size, "sha256": part.blob.sha256}  # fmt: skip
+    return jsonify(view), 201
+
+
+@blueprint.post("/v1/uploads/<upload_id>/complete")
+def complete_upload(upload_id: str) -> Response:
+    """Joins the parts in the order `part_ids` names them into the upload's one file (OpenAI's `uploads.complete`).
+    Completing it again with the same parts answers it again (a retry whose first answer was lost)."""
+    asked = _validated(CompleteUpload)
+    record = _record(upload_id)
+    if record.status is UploadStatus.COMPLETED and record.part_ids == asked.part_ids:
+        return jsonify(upload_view(record))
+    store = services().uploads
+    try:
+        store.begin_complete(upload_id)
+    except NotPending as error:
+        raise _not_pending(upload_id, error.status) from None
+    try:
+        record = store.get(upload_id, owner())  # its parts, which no request adds to meanwhile
+        sha256 = _join(record, asked)
+    except BaseException:
+        store.reopen(upload_id)
+        raise
+    store.completed(upload_id, asked.part_ids, sha256)
+    svc = services()
+    try:
+        svc.redis.set(_name_key(upload_key(owner(), upload_id)), record.filename, ex=svc.settings.upload_ttl_s)
+    except RedisError:
+        log.warning("%s: its file name was not kept", upload_id, exc_info=True)
+    _drop_parts(upload_id)
+    return jsonify(upload_view(store.get(upload_id, owner())))
+
+
+def _join(record: UploadRecord, asked: CompleteUpload) -> str:
+    """Writes the named parts, in order, as the upload's file; its SHA-256. Refuses what the caller can mend."""
+    unknown = [part for part in asked.part_ids if part not in record.parts]
+    repeated = len(set(asked.part_ids)) != len(asked.part_ids)
+    if unknown or repeated:
+        message = f"Upload `{record.id}` has no part {', '.join(unknown)}." if unknown else "A part is named twice."
+        raise ApiError(422, "invalid_parts", message, errors=_about("part_ids", "invalid_parts", message))
+    total = sum(record.parts[part] for part in asked.part_ids)
+    if total != record.bytes:
+        message = f"The parts named hold {total} bytes; the upload declared {record.bytes}."
+        raise ApiError(422, "upload_incomplete", message, errors=_about("part_ids", "upload_incomplete", message))
+    blobs = services().blobs
+    joined = JoinedParts(blobs, [part_key(record.owner, record.id, part) for part in asked.part_ids])
+    try:
+        if kind := not_a_video(joined.peek(PEEK_BYTES)):
+            raise ApiError(422, "input_no_video", f"`{record.filename}` is {kind}, not a video.")
+        key = upload_key(record.owner, record.id)
+        blob = blobs.put(key, joined, content_type=record.mime_type, max_bytes=record.bytes)
+    finally:
+        joined.close()
+    if asked.md5 is not None and joined.md5.hexdigest() != asked.md5.lower():
+        blobs.delete(key)
+        message = f"The parts joined have MD5 {joined.md5.hexdigest()}, not {asked.md5}."
+        raise ApiError(422, "md5_mismatch", message, errors=_about("md5", "md5_mismatch", message))
+    return blob.sha256
+
+
+def _about(field: str, code: str, message: str) -> list[dict[str, str]]:
+    return [{"field": field, "code": code, "message": message}]
+
+
+@blueprint.post("/v1/uploads/<upload_id>/cancel")
+def cancel_upload(upload_id: str) -> Response:
+    """Drops a pending upload and its parts (OpenAI's `uploads.cancel`); cancelling it again answers it again."""
+    try:
+        services().uploads.cancel(upload_id)
+    except UploadNotFound:
+        raise ApiError(404, "upload_not_found", "No such upload.") from None
+    except NotPending as error:
+        raise _not_pending(upload_id, error.status) from None
+    _drop_parts(upload_id)
+    return jsonify(upload_view(_record(upload_id)))
+
+
+def _drop_parts(upload_id: str) -> None:
+    """Its parts' blobs, once they are no use (what is left goes with the TTL: storage.lifecycle)."""
+    try:
+        services().blobs.delete_prefix(part_key(owner(), upload_id, ""))
+    except Exception:
+        log.warning("%s: its parts were not deleted (the storage sweep will)", upload_id, exc_info=True)

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from api import idempotency
 from api.auth import admit_caller, owner
-from api.body import check_coding, hold_body_slot, parse_json, read_json
+from api.body import check_coding, hold_body_slot, json_object
 from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
@@ -38,13 +38,13 @@ from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive,
 from storage.lifecycle import delete_job_files
 from storage.queue import send_upscale
 from storage.ssrf import UnsafeUrl, public_addresses
+from storage.uploads import UploadNotFound, UploadStatus
 from storage.webhooks import Outbox, relay_now
 
 blueprint = Blueprint("videos", __name__)
 
 VIDEO_FILES = frozenset({"video_reference", "input_reference"})  # SGLang takes the video in either
 EDIT_FILES = frozenset({"video"})  # OpenAI's SDK sends `videos.edit`'s source as `video`
-MAX_JSON_BYTES = 1024 * 1024
 
 
 blueprint.before_request(admit_caller)
@@ -114,7 +114,7 @@ def _create(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
 
 def _create_from_request(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
     if request.mimetype == "application/json":
-        body = _json_body()
+        body = json_object()
         return 200, _create_job(*_named_input(body, files)), idempotency.fingerprint("json", body)
 
     form = receive_form(files)
@@ -143,24 +143,9 @@ def _create_from_request(files: frozenset[str]) -> tuple[int, dict[str, Any], st
 def _fingerprint(files: frozenset[str]) -> str:
     """The fingerprint of this request, read without creating anything (to compare a repeat with the first)."""
     if request.mimetype == "application/json":
-        return idempotency.fingerprint("json", _json_body())
+        return idempotency.fingerprint("json", json_object())
     fields, digest = hash_form(files)
     return idempotency.fingerprint("multipart", {"fields": fields, "file": digest})
-
-
-def _json_body() -> dict[str, Any]:
-    raw = read_json(MAX_JSON_BYTES)
-    if len(raw) > MAX_JSON_BYTES:
-        raise ApiError(
-            413, "body_too_large", f"A JSON body is limited to {MAX_JSON_BYTES} bytes; send videos as multipart."
-        )
-    try:
-        body = parse_json(raw)
-    except ValueError:
-        raise ApiError(400, "malformed_json", "The body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "malformed_json", "The body must be a JSON object.")
-    return body
 
 
 def _referenced_input(create: CreateRequest) -> InputInfo:
@@ -190,9 +175,22 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
     except BlobError:
         blob = None
     if blob is None:
-        raise ApiError(404, "upload_not_found", "No such upload.")
+        raise _no_upload(create.upload_id)
     name = upload_name(key)
     return InputInfo(key=key, bytes=blob.size, filename=name, upload_id=key.rsplit("/", 1)[1], owned_by_job=False)
+
+
+def _no_upload(upload_id: str | None) -> ApiError:
+    """Why a named upload is not there to upscale: one still taking its parts says so."""
+    try:
+        record = services().uploads.get(upload_id, owner()) if upload_id else None
+    except UploadNotFound:
+        record = None
+    if record is not None and record.status in (UploadStatus.PENDING, UploadStatus.COMPLETING):
+        return ApiError(409, "upload_not_completed",
+                        f"Upload `{upload_id}` is pending: complete it (POST /v1/uploads/{upload_id}/complete) first.",
+                        headers={"x-should-retry": "false"})  # fmt: skip
+    return ApiError(404, "upload_not_found", "No such upload.")
 
 
 def _named_input(body: dict[str, Any], files: frozenset[str]) -> tuple[CreateRequest, InputInfo]:

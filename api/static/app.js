@@ -350,15 +350,6 @@ function submit(event) {
   event.preventDefault();
   const file = state.picked;
   if (!file) return;
-  const form = new FormData();
-  for (const [name, value] of Object.entries(formFields())) form.append(name, value);
-  form.append("video_reference", file, file.name);
-
-  const xhr = new XMLHttpRequest(); // fetch() reports no upload progress
-  xhr.open("POST", "/v1/videos");
-  for (const [name, value] of Object.entries(authorization())) xhr.setRequestHeader(name, value);
-  if (crypto.randomUUID) xhr.setRequestHeader("Idempotency-Key", crypto.randomUUID());
-  xhr.responseType = "json";
   const bar = document.querySelector("#upload .bar");
   const setProgress = (loaded, total) => {
     const percent = total ? Math.round((100 * loaded) / total) : 0;
@@ -366,13 +357,6 @@ function submit(event) {
     bar.setAttribute("aria-valuenow", String(percent));
     $("upload-text").textContent = `Uploading ${percent} % · ${bytes(loaded)} of ${bytes(total)}`;
   };
-  let sent = 0;  // nothing sent when the request fails: the service never answered
-  xhr.upload.onprogress = (progress) => {
-    sent = progress.loaded;
-    setProgress(progress.loaded, progress.total);
-  };
-  // all of it sent: the service is making the job, which a cancel here would not stop (the page said "cancelled")
-  xhr.upload.onload = () => { $("unpick").disabled = true; };
   const done = () => {
     state.upload = null;
     $("upload").hidden = true;
@@ -381,37 +365,140 @@ function submit(event) {
     $("unpick").textContent = "Change";
     $("unpick").disabled = false;
   };
-  xhr.onload = async () => {
-    done();
-    if (xhr.status === 200) {
-      const job = xhr.response;
+  const ui = {
+    progress: setProgress,
+    // all of it sent: the service is making the job, which a cancel here would not stop (the page said "cancelled")
+    sent: () => { $("unpick").disabled = true; },
+    created: async (job) => {
+      done();
       await originals.put(job.id, file);
       unpick();
       toast(`Uploaded ${file.name}.`);
       upsertJob(job);
       poll();
-    } else {
-      if (xhr.status === 401) refused();
-      showFormError(new ApiError(xhr.status, xhr.response));
-    }
+    },
+    refused: (error) => {
+      done();
+      if (error.status === 401) refused();
+      showFormError(error);
+    },
+    failed: (message) => {
+      done();
+      $("form-error").textContent = message;
+    },
   };
-  xhr.onerror = () => {
-    done();
-    $("form-error").textContent = sent ? "The upload was interrupted: check the connection and try again."
-      : "Cannot reach the service: check the connection and try again.";
-  };
-  xhr.onabort = () => {
-    done();
-    $("form-error").textContent = "Upload cancelled.";
-  };
-  state.upload = xhr;
+  state.upload = file.size > PART_BYTES ? sendInParts(file, ui) : sendWhole(file, ui);
   $("form-error").textContent = "";
   $("upload").hidden = false;
   $("submit").disabled = true;
   $("submit").textContent = "Uploading…";
   $("unpick").textContent = "Cancel upload";
   setProgress(0, file.size);
+}
+
+function jobHeaders() {
+  return crypto.randomUUID ? {"Idempotency-Key": crypto.randomUUID()} : {};
+}
+
+// A file of one part goes in one request, the job's form with it; what `abort()` stops.
+function sendWhole(file, ui) {
+  const form = new FormData();
+  for (const [name, value] of Object.entries(formFields())) form.append(name, value);
+  form.append("video_reference", file, file.name);
+  const xhr = new XMLHttpRequest(); // fetch() reports no upload progress
+  xhr.open("POST", "/v1/videos");
+  for (const [name, value] of Object.entries({...authorization(), ...jobHeaders()})) xhr.setRequestHeader(name, value);
+  xhr.responseType = "json";
+  let sent = 0;  // nothing sent when the request fails: the service never answered
+  xhr.upload.onprogress = (progress) => {
+    sent = progress.loaded;
+    ui.progress(progress.loaded, progress.total);
+  };
+  xhr.upload.onload = ui.sent;
+  xhr.onload = () => {
+    if (xhr.status === 200) ui.created(xhr.response);
+    else ui.refused(new ApiError(xhr.status, xhr.response));
+  };
+  xhr.onerror = () => ui.failed(sent ? "The upload was interrupted: check the connection and try again."
+    : "Cannot reach the service: check the connection and try again.");
+  xhr.onabort = () => ui.failed("Upload cancelled.");
   xhr.send(form);
+  return xhr;
+}
+
+// A larger file goes in parts (POST /v1/uploads as JSON, its /parts, /complete, then the job naming it): a connection
+// that drops costs the part in flight, sent again once the network is back, not the file.
+const PART_BYTES = 8 * 1024 * 1024;
+const TRANSIENT = [408, 429, 500, 502, 503, 504];
+
+function sendInParts(file, ui) {
+  const upload = {id: null, xhr: null, aborted: false};
+  upload.abort = () => {
+    upload.aborted = true;
+    if (upload.xhr) upload.xhr.abort();
+    if (upload.id) api(`/v1/uploads/${upload.id}/cancel`, {method: "POST"}).catch(() => {});  // its parts go
+    ui.failed("Upload cancelled.");
+  };
+  const post = (path, body, headers = {}) => api(path, {
+    method: "POST", headers: {"Content-Type": "application/json", ...headers}, body: JSON.stringify(body),
+  }).then((response) => response.json());
+  const count = Math.ceil(file.size / PART_BYTES);
+  (async () => {
+    const declared = {bytes: file.size, filename: file.name, mime_type: file.type || "video/mp4", purpose: "user_data"};
+    upload.id = (await again(upload, "the upload", () => post("/v1/uploads", declared))).id;
+    const parts = [];
+    for (let at = 0; at < file.size; at += PART_BYTES) {
+      const part = file.slice(at, at + PART_BYTES);
+      const progress = (loaded) => ui.progress(at + Math.min(loaded, part.size), file.size);
+      parts.push(await again(upload, `part ${parts.length + 1} of ${count}`, () => sendPart(upload, part, progress)));
+    }
+    ui.sent();
+    await again(upload, "the last step", () => post(`/v1/uploads/${upload.id}/complete`, {part_ids: parts}));
+    const job = {...formFields(), upload_id: upload.id};
+    const headers = jobHeaders();  // one key for every try: a retry whose first answer was lost makes no second job
+    ui.created(await again(upload, "the job", () => post("/v1/videos", job, headers)));
+  })().catch((error) => {
+    if (upload.aborted) return;
+    if (error instanceof ApiError) ui.refused(error);
+    else ui.failed("Cannot reach the service: check the connection and try again.");
+  });
+  return upload;
+}
+
+function sendPart(upload, part, progress) {
+  return new Promise((resolve, reject) => {
+    const xhr = new XMLHttpRequest(); // fetch() reports no upload progress
+    upload.xhr = xhr;
+    xhr.open("POST", `/v1/uploads/${upload.id}/parts`);
+    for (const [name, value] of Object.entries(authorization())) xhr.setRequestHeader(name, value);
+    xhr.responseType = "json";
+    xhr.upload.onprogress = (event) => progress(event.loaded);
+    xhr.onload = () => (xhr.status === 201 ? resolve(xhr.response.id) : reject(new ApiError(xhr.status, xhr.response)));
+    xhr.onerror = () => reject(new TypeError("the connection dropped"));
+    xhr.onabort = () => reject(new DOMException("cancelled", "AbortError"));
+    const form = new FormData();
+    form.append("data", part, "part");
+    xhr.send(form);
+  });
+}
+
+// `attempt()` until it answers, through dropped connections and the service's passing refusals (waiting 1, 2, 4 …
+// 30 s, or until the browser is back online); what the caller must mend, or a cancel, ends it.
+async function again(upload, what, attempt) {
+  for (let tries = 0; ; tries += 1) {
+    try {
+      return await attempt();
+    } catch (error) {
+      if (upload.aborted || (error instanceof ApiError && !TRANSIENT.includes(error.status))) throw error;
+      const wait = Math.min(30, 2 ** tries);
+      $("upload-text").textContent = navigator.onLine ? `Connection lost sending ${what}: trying again in ${wait} s…`
+        : `Offline: ${what} is sent again once the connection is back.`;
+      await new Promise((resolve) => {
+        if (navigator.onLine) setTimeout(resolve, wait * 1000);
+        window.addEventListener("online", resolve, {once: true});
+      });
+    }
+  }
 }
 
 // The form's control for each field the API names in `errors`.

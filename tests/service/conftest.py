@@ -31,7 +31,8 @@ MiB = 1024 * 1024
 # refused upload has already sent parts (a real multipart upload to abort).
 UPLOAD_LIMIT = 11 * MiB
 PART = 5 * MiB
-KEYS = {name: f"sk-test-{name}-{'0' * 16}" for name in ("alice", "bob", "carol", "dave", "erin", "fuzz", "web", "bulk")}
+NAMES = ("alice", "bob", "carol", "dave", "erin", "fuzz", "web", "bulk", "parts")
+KEYS = {name: f"sk-test-{name}-{'0' * 16}" for name in NAMES}
 # Standard Webhooks secrets: whsec_ + base64 of 32 bytes
 WEBHOOK_SECRETS = {name: "whsec_" + base64.b64encode(f"hooks of {name}".ljust(32).encode()).decode() for name in KEYS}
 MODELS = {"k6-vsr": "vsrq.k6", "lanczos": "vsrq.cpu"}

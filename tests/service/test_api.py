@@ -244,10 +244,14 @@ def test_metadata_sent_as_a_json_blob_is_a_field(api, clip):
     assert_problem(response, 422, "unexpected_file")
 
 
-def test_an_upload_says_it_takes_multipart_only(api):
-    response = requests.post(f"{api}/v1/uploads", json={"file": "clip.mp4"}, headers=auth("alice"), timeout=10)
+def test_an_upload_says_it_takes_multipart_or_a_declaration(api):
+    response = requests.post(f"{api}/v1/uploads", data=b"clip", headers=auth("alice"), timeout=10)
     body = assert_problem(response, 415, "unsupported_media_type")
-    assert "`file`" in body["detail"] and "json" not in body["detail"].lower()
+    assert "`file`" in body["detail"] and "JSON declaring an upload in parts" in body["detail"]
+    # JSON is a declaration of an upload in parts: one that names a file instead says what it lacks
+    response = requests.post(f"{api}/v1/uploads", json={"file": "clip.mp4"}, headers=auth("alice"), timeout=10)
+    fields = {item["field"] for item in assert_problem(response, 422, "invalid_request")["errors"]}
+    assert fields == {"file", "bytes", "filename", "mime_type"}
 
 
 def test_server_paths_are_refused(api, clip, s3):

@@ -376,6 +376,22 @@ def test_openai_input_reference_object_names_an_upload_or_a_url(anonymous_api, l
     assert refused.value.param == "input_reference" and "https" in refused.value.message
 
 
+def test_openai_sdk_uploads_a_video_in_parts_that_a_job_then_upscales(anonymous_api, lanczos_worker, in_mp4, sdk):
+    """`uploads.upload_file_chunked`, what OpenAI's SDK offers for files too big for one request: create, a request
+    per part, complete; its `file.id` is what `input_reference.file_id` names."""
+    size = in_mp4.stat().st_size
+    upload = sdk.uploads.upload_file_chunked(
+        file=in_mp4, mime_type="video/mp4", purpose="user_data", part_size=size // 3 + 1
+    )
+    assert (upload.status, upload.bytes, upload.filename, upload.file.bytes) == ("completed", size, "in.mp4", size)
+    assert upload.model_extra["sha256"] == hashlib.sha256(in_mp4.read_bytes()).hexdigest()
+    assert len(upload.model_extra["part_ids"]) == 3
+    named = {"input_reference": {"file_id": upload.file.id}, "sr_resolution_scale": 2}
+    done = sdk.videos.create_and_poll(prompt="x", model="lanczos", extra_body=named)
+    assert (done.status, done.size, done.model_extra["input"]["upload_id"]) == ("completed", "96x64", upload.id)
+    assert done.model_extra["input"]["filename"] == "in.mp4"
+
+
 def test_a_request_id_the_sdk_reports_is_the_one_in_the_api_log(anonymous_api, anonymous_api_log, sdk, in_mp4):
     """A user quotes `e.request_id` to an operator, who greps the API's log for it."""
     clip = ("in.mp4", in_mp4.read_bytes(), "video/mp4")

@@ -6,9 +6,11 @@ before and after, plays and downloads the result, cancels and deletes a job. Wha
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
+import struct
 import time
 from collections.abc import Iterator
 from fractions import Fraction
@@ -388,3 +390,54 @@ def test_try_it_out_in_the_docs_creates_a_job(open_api, browser_context, tmp_pat
     # gone again, so the other test's listing of this owner holds only its own jobs, in either order
     assert requests.post(f"{open_api}/v1/videos/{job['id']}/cancel", timeout=10).status_code == 200
     assert requests.delete(f"{open_api}/v1/videos/{job['id']}", timeout=10).status_code == 200
+
+
+def test_a_large_video_goes_in_parts_and_a_part_whose_connection_drops_is_sent_again(
+    open_api, browser_context, corpus_cache, tmp_path
+):
+    """A 9.5 MiB phone video (the corpus's, padded by an MP4 `free` box) goes in two parts; the second's connection
+    drops as it is sent. The page says so, sends that part again, not the file, and the job names the whole file."""
+    from playwright.sync_api import expect
+
+    phone = (corpus_cache / "forensics-VID_20191220_170832.mp4").read_bytes()
+    padding = 6 * 1024 * 1024 + 512 * 1024
+    video = phone + struct.pack(">I4s", 8 + padding, b"free") + bytes(padding)
+    path = tmp_path / "on the train.mp4"
+    path.write_bytes(video)
+    page = browser_context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    sent: list[str] = []
+
+    def part(route) -> None:
+        sent.append(route.request.url)
+        if len(sent) == 2:
+            route.abort("connectionreset")
+        else:
+            route.continue_()
+
+    page.route("**/v1/uploads/*/parts", part)
+    page.goto(f"{open_api}/")
+    page.get_by_label("Model", exact=True).select_option("lanczos")
+    drop(page, "#dropzone", path)
+    expect(page.locator("#picked-name")).to_have_text("on the train.mp4")
+    page.evaluate(
+        """() => {
+            const text = document.getElementById("upload-text");
+            window.uploadTexts = [];
+            new MutationObserver(() => window.uploadTexts.push(text.textContent))
+                .observe(text, {childList: true, characterData: true, subtree: true});
+        }"""
+    )
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    expect(page.get_by_text("Uploaded on the train.mp4.")).to_be_visible(timeout=30_000)
+
+    assert len(sent) == 3 and sent[1] == sent[2], sent  # part 1, part 2 dropped, part 2 again
+    texts = page.evaluate("window.uploadTexts")
+    assert any(text.startswith("Connection lost sending part 2 of 2") for text in texts), texts
+    (job,) = requests.get(f"{open_api}/v1/videos?limit=1", timeout=10).json()["data"]
+    upload = requests.get(f"{open_api}/v1/uploads/{job['input']['upload_id']}", timeout=10).json()
+    assert (upload["status"], upload["bytes"], job["input"]["filename"]) == ("completed", len(video), path.name)
+    assert upload["sha256"] == hashlib.sha256(video).hexdigest()
+    assert (job["model"], job["params"]["sr_resolution_scale"]) == ("lanczos", 2) and not problems
+    requests.post(f"{open_api}/v1/videos/{job['id']}/cancel", timeout=10)
