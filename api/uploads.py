@@ -29,7 +29,7 @@ from api.sniff import PEEK_BYTES, not_a_video
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
 from storage.uploads import (
-    PART_MAX_BYTES, JoinedParts, NotPending, PartRefused, UploadNotFound, UploadRecord, UploadStatus, new_part_id,
+    PART_MAX_BYTES, NotPending, PartRefused, UploadNotFound, UploadRecord, UploadStatus, new_part_id,
     part_key,
 )  # fmt: skip
 
@@ -343,7 +343,7 @@ def complete_upload(upload_id: str) -> Response:
     return jsonify(upload_view(store.get(upload_id, owner())))
 
 
-def _join(record: UploadRecord, asked: CompleteUpload) -> str:
+def _join(record: UploadRecord, asked: CompleteUpload) -> str | None:
     """Writes the named parts, in order, as the upload's file; its SHA-256. Refuses what the caller can mend."""
     unknown = [part for part in asked.part_ids if part not in record.parts]
     repeated = len(set(asked.part_ids)) != len(asked.part_ids)
@@ -355,19 +355,33 @@ def _join(record: UploadRecord, asked: CompleteUpload) -> str:
         message = f"The parts named hold {total} bytes; the upload declared {record.bytes}."
         raise ApiError(422, "upload_incomplete", message, errors=_about("part_ids", "upload_incomplete", message))
     blobs = services().blobs
-    joined = JoinedParts(blobs, [part_key(record.owner, record.id, part) for part in asked.part_ids])
-    try:
-        if kind := not_a_video(joined.peek(PEEK_BYTES)):
-            raise ApiError(422, "input_no_video", f"`{record.filename}` is {kind}, not a video.")
-        key = upload_key(record.owner, record.id)
-        blob = blobs.put(key, joined, content_type=record.mime_type, max_bytes=record.bytes)
-    finally:
-        joined.close()
-    if asked.md5 is not None and joined.md5.hexdigest() != asked.md5.lower():
-        blobs.delete(key)
-        message = f"The parts joined have MD5 {joined.md5.hexdigest()}, not {asked.md5}."
+    sources = [part_key(record.owner, record.id, part) for part in asked.part_ids]
+    if kind := not_a_video(_first_bytes(sources, [record.parts[part] for part in asked.part_ids], PEEK_BYTES)):
+        raise ApiError(422, "input_no_video", f"`{record.filename}` is {kind}, not a video.")
+    blob = blobs.join(upload_key(record.owner, record.id), sources, content_type=record.mime_type)
+    if asked.md5 is None:
+        return blob.sha256  # None where storage joined the parts itself: the worker hashes what it downloads
+    md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
+    with blobs.open(blob.key) as joined:
+        while chunk := joined.read(8 * 1024 * 1024):
+            md5.update(chunk)
+            sha256.update(chunk)
+    if md5.hexdigest() != asked.md5.lower():
+        blobs.delete(blob.key)
+        message = f"The parts joined have MD5 {md5.hexdigest()}, not {asked.md5}."
         raise ApiError(422, "md5_mismatch", message, errors=_about("md5", "md5_mismatch", message))
-    return blob.sha256
+    return sha256.hexdigest()
+
+
+def _first_bytes(keys: list[str], sizes: list[int], count: int) -> bytes:
+    """The first `count` bytes of the blobs `keys` (of `sizes`) joined."""
+    data = b""
+    for key, size in zip(keys, sizes, strict=True):
+        if (wanted := min(size, count - len(data))) <= 0:
+            break
+        with services().blobs.open(key, byte_range=(0, wanted - 1)) as stream:
+            data += stream.read()
+    return data
 
 
 def _about(field: str, code: str, message: str) -> list[dict[str, str]]:

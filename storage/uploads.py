@@ -20,17 +20,15 @@ TTL: the storage sweep deletes blobs under uploads/ that no job names (storage.l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import BinaryIO
 
 from redis import Redis
 
-from storage.blobs import BlobInfo, BlobStore
+from storage.blobs import BlobInfo
 
 # OpenAI's part size limit, and the SDK's `upload_file_chunked` part size
 PART_MAX_BYTES = 64 * 1024 * 1024
@@ -225,10 +223,10 @@ class UploadStore:
         """A completion refused: the upload takes parts again (what the caller can fix: a part missing, or over)."""
         self._move(keys=self._keys(upload_id), args=[UploadStatus.PENDING, UploadStatus.COMPLETING])
 
-    def completed(self, upload_id: str, part_ids: list[str], sha256: str) -> None:
+    def completed(self, upload_id: str, part_ids: list[str], sha256: str | None) -> None:
         """The parts are joined: the upload is a file any job may name, kept as long as a whole upload."""
         now = self._now()
-        fields = ["part_ids", json.dumps(part_ids), "sha256", sha256, "expires_at", now + self.ttl_s]
+        fields = ["part_ids", json.dumps(part_ids), "sha256", sha256 or "", "expires_at", now + self.ttl_s]
         self._move(keys=self._keys(upload_id), args=[UploadStatus.COMPLETED, UploadStatus.COMPLETING, *fields])
         self.redis.expire(self._keys(upload_id)[0], self.ttl_s + 24 * 3600)
 
@@ -238,43 +236,3 @@ class UploadStore:
             raise UploadNotFound(upload_id)
         if status not in ("ok", UploadStatus.CANCELLED):
             raise NotPending(UploadStatus(status))
-
-
-class JoinedParts:
-    """Blobs read one after another as one stream, hashed (MD5, for the caller's `md5`) as they are read."""
-
-    def __init__(self, blobs: BlobStore, keys: list[str]) -> None:
-        self._blobs, self._keys = blobs, iter(keys)
-        self._current: BinaryIO | None = None
-        self._ahead = b""  # what `peek` read
-        self.md5 = hashlib.md5(usedforsecurity=False)
-
-    def peek(self, size: int) -> bytes:
-        while len(self._ahead) < size and (chunk := self._read(size - len(self._ahead))):
-            self._ahead += chunk
-        return self._ahead[:size]
-
-    def read(self, size: int = -1) -> bytes:
-        if size < 0:
-            return b"".join(iter(lambda: self.read(8 * 1024 * 1024), b""))
-        if self._ahead:
-            chunk, self._ahead = self._ahead[:size], self._ahead[size:]
-            return chunk
-        return self._read(size)
-
-    def _read(self, size: int) -> bytes:
-        while True:
-            if self._current is None:
-                key = next(self._keys, None)
-                if key is None:
-                    return b""
-                self._current = self._blobs.open(key)
-            if chunk := self._current.read(size):
-                self.md5.update(chunk)
-                return chunk
-            self._current.close()
-            self._current = None
-
-    def close(self) -> None:
-        if self._current is not None:
-            self._current.close()

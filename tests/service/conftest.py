@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -176,6 +177,12 @@ def log_lines(log: Path, request_id: str) -> list[dict]:
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
+
+
+def padded(video: bytes, size: int) -> bytes:
+    """`video` (an MP4) grown to `size` bytes by a `free` box, MP4's own padding: a larger real file to upload."""
+    padding = size - len(video) - 8
+    return video + struct.pack(">I4s", 8 + padding, b"free") + bytes(padding)
 
 
 def auth(name: str) -> dict[str, str]:

@@ -380,8 +380,9 @@ def test_openai_sdk_uploads_a_video_in_parts_that_a_job_then_upscales(anonymous_
     """`uploads.upload_file_chunked`, what OpenAI's SDK offers for files too big for one request: create, a request
     per part, complete; its `file.id` is what `input_reference.file_id` names."""
     size = in_mp4.stat().st_size
+    md5 = hashlib.md5(in_mp4.read_bytes()).hexdigest()
     upload = sdk.uploads.upload_file_chunked(
-        file=in_mp4, mime_type="video/mp4", purpose="user_data", part_size=size // 3 + 1
+        file=in_mp4, mime_type="video/mp4", purpose="user_data", part_size=size // 3 + 1, md5=md5
     )
     assert (upload.status, upload.bytes, upload.filename, upload.file.bytes) == ("completed", size, "in.mp4", size)
     assert upload.model_extra["sha256"] == hashlib.sha256(in_mp4.read_bytes()).hexdigest()
