@@ -89,14 +89,17 @@ class UploadRecord:
     sha256: str | None
 
 
-# KEYS: record, parts. ARGV: part id, its size, the most parts. Records the part if the upload still takes it.
+# KEYS: record, parts. ARGV: part id, its size, the most parts. Records the part if the upload still takes it: no part
+# larger than the upload, and no more than twice its bytes in all (a part whose answer was lost lands again when sent
+# again, and only the parts named at completion count)
 _ADD_PART = """
 local now = tonumber(redis.call('TIME')[1])
 local r = redis.call('HMGET', KEYS[1], 'status', 'bytes', 'received', 'expires_at')
 if not r[1] then return {'missing'} end
 if r[1] ~= 'pending' then return {r[1]} end
 if tonumber(r[4]) <= now then return {'expired'} end
-if tonumber(r[3]) + tonumber(ARGV[2]) > tonumber(r[2]) then return {'over', r[3]} end
+local size, declared = tonumber(ARGV[2]), tonumber(r[2])
+if size > declared or tonumber(r[3]) + size > 2 * declared then return {'over'} end
 if redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[3]) then return {'too_many'} end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'received', ARGV[2])
@@ -206,7 +209,8 @@ class UploadStore:
         if answer[0] == "missing":
             raise UploadNotFound(upload_id)
         if answer[0] == "over":
-            raise PartRefused("upload_too_large", f"This part would take the upload past the bytes it declared.")
+            message = "This part is larger than the upload, or takes its parts past twice its bytes."
+            raise PartRefused("upload_too_large", message)
         if answer[0] == "too_many":
             raise PartRefused("too_many_parts", f"An upload takes at most {MAX_PARTS} parts.")
         raise NotPending(UploadStatus(answer[0]))

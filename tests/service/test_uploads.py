@@ -161,7 +161,7 @@ def test_an_upload_in_parts_is_bounded_as_one_sent_whole(api, s3, video):
     assert_problem(declare(api, 10, expires_after={"anchor": "created_at", "seconds": 60}), 422, "invalid_request")
 
     upload_id = declared(api, 1000)
-    assert_problem(send_part(api, upload_id, video[:1001]), 413, "upload_too_large")  # past the bytes declared
+    assert_problem(send_part(api, upload_id, video[:1001]), 413, "upload_too_large")  # larger than the upload
     assert_problem(send_part(api, upload_id, b""), 422, "input_empty")
     json_part = requests.post(f"{api}/v1/uploads/{upload_id}/parts", json={"data": "x"}, headers=auth(KEY), timeout=10)
     assert_problem(json_part, 415, "unsupported_media_type")
@@ -177,6 +177,18 @@ def test_an_upload_in_parts_is_bounded_as_one_sent_whole(api, s3, video):
     ):
         assert_problem(response, 404, "upload_not_found")
     assert get(api, upload_id).json()["received_bytes"] == 1000
+
+
+def test_a_part_sent_again_after_its_answer_was_lost_does_not_block_the_upload(api, s3, video):
+    """OpenAI's SDK sends a part again when its answer times out, though the first may have landed: both are kept
+    (only the parts named at completion count), up to twice the upload's bytes in all."""
+    upload_id = declared(api, 1000)
+    first, again = sent(api, upload_id, video[:600]), sent(api, upload_id, video[:600])
+    assert_problem(send_part(api, upload_id, video[:900]), 413, "upload_too_large")  # 2,100 of at most 2,000
+    rest = sent(api, upload_id, video[600:1000])
+    done = complete(api, upload_id, [again, rest], md5=hashlib.md5(video[:1000]).hexdigest())
+    assert done.status_code == 200, done.text
+    assert first not in done.json()["part_ids"] and parts_left(s3, upload_id) == []
 
 
 def test_a_cancelled_upload_drops_its_parts_and_a_pending_one_is_named_as_such(api, s3, video):
