@@ -1,6 +1,8 @@
 """What an upload's first bytes say it is, where that is certainly no video: a song, a document or a photo sent by
-mistake is refused as it arrives, not failed by a worker after the queue's wait. The worker's probe, which reads the
-whole file, decides everything else (an audio-only MP4 or WebM, a still GIF, a damaged video).
+mistake is refused as it arrives, not failed by a worker after the queue's wait; and, once stored, an MP4 whose
+tracks are all sound (`mp4_without_video`: a song or a voice memo saved as .mp4, a DASH audio rendition). The
+worker's probe, which reads the whole file, decides everything else (an audio-only WebM, a still GIF, a damaged
+video).
 
 Exact signatures of a few formats rather than a general sniffer: one that guesses refuses the videos it misnames
 (an M2TS packet's timestamp can begin like an MP3 frame)."""
@@ -8,6 +10,7 @@ Exact signatures of a few formats rather than a general sniffer: one that guesse
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterator
 
 # enough for a PNG's chunks before its image data (where an animated one says so) behind a colour profile
 PEEK_BYTES = 64 * 1024
@@ -69,3 +72,69 @@ def _still_png(head: bytes) -> bool:
             return True
         at += 12 + length  # length, type, data, CRC
     return False
+
+
+# -- MP4 (and QuickTime): the handler of each track, read box by box ---------------------------------------------------
+
+# A read of `length` bytes at `offset` of the stored file (fewer at its end)
+ReadAt = Callable[[int, int], bytes]
+_TOP_LEVEL = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"uuid", b"pdin", b"styp", b"sidx", b"moof"}
+_VISUAL = {b"vide", b"pict", b"auxv"}  # video, HEIF/AVIF picture sequences, auxiliary video (depth, alpha)
+_MOST_BOXES = 4096  # a file of more boxes than this at the levels walked is not judged here
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def mp4_without_video(read_at: ReadAt, size: int) -> str | None:
+    """How to name an MP4 or QuickTime file of `size` bytes whose every track is known and none is video ("an MP4
+    with sound only"); None for any other file, or one whose boxes do not say (cut short, malformed, no track)."""
+    if read_at(4, 4) not in _TOP_LEVEL:
+        return None
+    try:
+        handlers = list(_track_handlers(read_at, size))
+    except _Unreadable:
+        return None
+    if not handlers or _VISUAL & set(handlers):
+        return None
+    return "an MP4 with sound only" if set(handlers) == {b"soun"} else "an MP4 without a video track"
+
+
+def _track_handlers(read_at: ReadAt, size: int) -> Iterator[bytes]:
+    """Each track's handler type (moov/trak/mdia/hdlr), where the movie box may lie after gigabytes of media data."""
+    budget = [_MOST_BOXES]
+    moov = next((box for box in _boxes(read_at, 0, size, budget) if box[0] == b"moov"), None)
+    if moov is None:
+        raise _Unreadable
+    for kind, start, end in _boxes(read_at, moov[1], moov[2], budget):
+        if kind != b"trak":
+            continue
+        mdia = next((box for box in _boxes(read_at, start, end, budget) if box[0] == b"mdia"), None)
+        hdlr = mdia and next((box for box in _boxes(read_at, mdia[1], mdia[2], budget) if box[0] == b"hdlr"), None)
+        if hdlr is None or hdlr[2] - hdlr[1] < 12:
+            raise _Unreadable
+        # version and flags, then ISO's pre_defined or QuickTime's component type, then the handler (its subtype)
+        yield read_at(hdlr[1] + 8, 4)
+
+
+def _boxes(read_at: ReadAt, start: int, end: int, budget: list[int]) -> Iterator[tuple[bytes, int, int]]:
+    """The boxes from `start` to `end`: (type, where its payload starts, where it ends)."""
+    at = start
+    while at + 8 <= end:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Unreadable
+        header = read_at(at, 16)
+        if len(header) < 8:
+            raise _Unreadable
+        length, kind = struct.unpack(">I4s", header[:8])
+        payload = at + 8
+        if length == 1 and len(header) == 16:  # a 64-bit size follows
+            length, payload = struct.unpack(">Q", header[8:16])[0], at + 16
+        elif length == 0:  # to the end of its parent
+            length = end - at
+        if length < payload - at or at + length > end:
+            raise _Unreadable
+        yield kind, payload, at + length
+        at += length

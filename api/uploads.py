@@ -25,7 +25,7 @@ from api.errors import ApiError, field_errors
 from api.multipart import FormField, FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
 from api.schemas import CompleteUpload, DeclareUpload
-from api.sniff import PEEK_BYTES, not_a_video
+from api.sniff import PEEK_BYTES, mp4_without_video, not_a_video
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
 from storage.uploads import (
@@ -126,8 +126,9 @@ def receive_form(file_fields: frozenset[str], *, part_of: str | None = None) -> 
                     f"Only one file is accepted, in `{'` or `'.join(sorted(file_fields))}`; got `{part.name}`.",
                 )
             else:
-                if part_of is None and (kind := not_a_video(part.stream.peek(PEEK_BYTES))):  # now, not after a wait
-                    name = f"`{part.filename}`" if part.filename else f"The file in `{part.name}`"
+                head = part.stream.peek(PEEK_BYTES) if part_of is None else b""
+                name = f"`{part.filename}`" if part.filename else f"The file in `{part.name}`"
+                if kind := not_a_video(head):  # said now, not after the queue's wait
                     raise ApiError(422, "input_no_video", f"{name} is {kind}, not a video.")
                 stored_id = new_upload_id() if part_of is None else new_part_id()
                 key = upload_key(owner(), stored_id) if part_of is None else part_key(owner(), part_of, stored_id)
@@ -138,6 +139,8 @@ def receive_form(file_fields: frozenset[str], *, part_of: str | None = None) -> 
                 stored = StoredFile(part.name, part.filename, part.content_type, stored_id, blob)
                 if blob.size == 0:  # said now: a job would fail on it only after the queue's wait
                     raise ApiError(422, "input_empty", f"The file in `{part.name}` is empty (0 bytes).")
+                if part_of is None:
+                    _refuse_without_video(blob, head, name)
     except BaseException:
         if stored is not None:
             blobs.delete(stored.blob.key)
@@ -356,9 +359,15 @@ def _join(record: UploadRecord, asked: CompleteUpload) -> str | None:
         raise ApiError(422, "upload_incomplete", message, errors=_about("part_ids", "upload_incomplete", message))
     blobs = services().blobs
     sources = [part_key(record.owner, record.id, part) for part in asked.part_ids]
-    if kind := not_a_video(_first_bytes(sources, [record.parts[part] for part in asked.part_ids], PEEK_BYTES)):
+    head = _first_bytes(sources, [record.parts[part] for part in asked.part_ids], PEEK_BYTES)
+    if kind := not_a_video(head):
         raise ApiError(422, "input_no_video", f"`{record.filename}` is {kind}, not a video.")
     blob = blobs.join(upload_key(record.owner, record.id), sources, content_type=record.mime_type)
+    try:
+        _refuse_without_video(blob, head, f"`{record.filename}`")
+    except ApiError:
+        blobs.delete(blob.key)
+        raise
     if asked.md5 is None:
         return blob.sha256  # None where storage joined the parts itself: the worker hashes what it downloads
     md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
@@ -371,6 +380,32 @@ def _join(record: UploadRecord, asked: CompleteUpload) -> str | None:
         message = f"The parts joined have MD5 {md5.hexdigest()}, not {asked.md5}."
         raise ApiError(422, "md5_mismatch", message, errors=_about("md5", "md5_mismatch", message))
     return sha256.hexdigest()
+
+
+def _refuse_without_video(blob: BlobInfo, head: bytes, name: str) -> None:
+    """Refuses a stored MP4 whose tracks are all sound (or text): its movie box may come after its media data, so it
+    is read from storage where `head` (the file's first bytes) ends before it."""
+    blobs, blocks = services().blobs, {}
+
+    def read_at(offset: int, length: int) -> bytes:
+        if offset + length <= len(head) or offset >= blob.size:
+            return head[offset : offset + length]
+        data = b""
+        for block in range(offset // _BLOCK, (min(offset + length, blob.size) - 1) // _BLOCK + 1):
+            if block not in blocks and len(blocks) == _MOST_BLOCKS:
+                return b""  # boxes spread so far are not judged here: the worker's probe will
+            if block not in blocks:  # a few reads of storage, one per 64 KiB reached
+                with blobs.open(blob.key, (block * _BLOCK, min((block + 1) * _BLOCK, blob.size) - 1)) as stream:
+                    blocks[block] = stream.read()
+            data += blocks[block]
+        start = offset - (offset // _BLOCK) * _BLOCK
+        return data[start : start + length]
+
+    if kind := mp4_without_video(read_at, blob.size):
+        raise ApiError(422, "input_no_video", f"{name} is {kind}, not a video.")
+
+
+_BLOCK, _MOST_BLOCKS = 64 * 1024, 64
 
 
 def _first_bytes(keys: list[str], sizes: list[int], count: int) -> bytes:

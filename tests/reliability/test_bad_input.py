@@ -59,6 +59,24 @@ def test_the_upload_sniff_names_no_video_of_the_corpus(corpus_cache):
     assert set(named) == {*NOT_VIDEOS.values(), "pymediainfo-sample_with_cover.mp3"}, named
 
 
+def test_mp4s_without_a_video_track_are_named_and_no_other_file_of_the_corpus(corpus_cache):
+    """What api/sniff.py refuses once an MP4 is stored, read from its boxes: songs and captions saved as MP4 (their
+    tracks all sound, or text), never a video, nor a file whose boxes do not say."""
+    from api.sniff import mp4_without_video
+
+    named = {}
+    for path in sorted(corpus_cache.iterdir()):
+        data = path.read_bytes()
+        if kind := mp4_without_video(lambda offset, length, data=data: data[offset : offset + length], len(data)):
+            named[path.name] = kind
+    assert named == {
+        "mutagen-alac.m4a": "an MP4 with sound only", "mutagen-covr-with-name.m4a": "an MP4 with sound only",
+        "mutagen-no-tags.3g2": "an MP4 with sound only", "pymediainfo-mp4-with-audio.mp4": "an MP4 with sound only",
+        "pymediainfo-vbr_requires_parsespeed_1.mp4": "an MP4 with sound only",
+        "muxjs-test-webvtt-init.mp4": "an MP4 without a video track",
+    }  # fmt: skip
+
+
 def picture(kind: str = "PNG") -> bytes:
     """A still picture (or a one-page PDF of it), as Pillow writes one."""
     out = io.BytesIO()
@@ -240,7 +258,7 @@ NOT_VIDEOS = {
 }  # fmt: skip
 
 
-def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corpus_cache):
+def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corpus_cache, tmp_path):
     url = rel_api.url
     before = sorted(s3.keys(f"uploads/{KEY}/"))
     answered: dict[str, tuple[requests.Response, int, str]] = {}
@@ -280,6 +298,11 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
             for name, data in {
                 **{name: (corpus_cache / file).read_bytes() for name, file in NOT_VIDEOS.items()},
                 "png": picture(), "jpeg": picture("JPEG"), "pdf": picture("PDF"), "zip": zipped(clip),
+                "mp4 with sound only": (corpus_cache / "pymediainfo-mp4-with-audio.mp4").read_bytes(),
+                # its movie box after 75 KB of sound: read from storage, past the bytes peeked as it arrived
+                "mp4 with sound only, its boxes last": remux(
+                    corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "sintel-sound.mp4", ("audio",)
+                ),
             }.items()
         },  # fmt: skip
         "video in another field": (

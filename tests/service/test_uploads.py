@@ -208,12 +208,13 @@ def test_a_cancelled_upload_drops_its_parts_and_a_pending_one_is_named_as_such(a
 
 
 def test_a_song_sent_in_parts_is_refused_as_its_parts_are_joined(api, s3, corpus_cache):
-    song = (corpus_cache / "hachoir-marc_kravetz.mp3").read_bytes()
-    upload_id = declared(api, len(song))
-    part_ids = [sent(api, upload_id, piece) for piece in thirds(song)]
-    refused = assert_problem(complete(api, upload_id, part_ids), 422, "input_no_video")
-    assert "MP3" in refused["detail"] and "phone.mp4" in refused["detail"]
-    assert not s3.exists(f"uploads/{KEY}/{upload_id}")
+    for name, said in (("hachoir-marc_kravetz.mp3", "MP3 audio"), ("pymediainfo-mp4-with-audio.mp4", "sound only")):
+        song = (corpus_cache / name).read_bytes()
+        upload_id = declared(api, len(song))
+        part_ids = [sent(api, upload_id, piece) for piece in thirds(song)]
+        refused = assert_problem(complete(api, upload_id, part_ids), 422, "input_no_video")
+        assert said in refused["detail"] and "phone.mp4" in refused["detail"]
+        assert not s3.exists(f"uploads/{KEY}/{upload_id}")
 
 
 def test_an_upload_sent_whole_answers_as_a_completed_one(api, video):
