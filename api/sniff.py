@@ -1,8 +1,8 @@
 """What an upload's first bytes say it is, where that is certainly no video: a song, a document or a photo sent by
-mistake is refused as it arrives, not failed by a worker after the queue's wait; and, once stored, an MP4 whose
-tracks are all sound (`mp4_without_video`: a song or a voice memo saved as .mp4, a DASH audio rendition). The
-worker's probe, which reads the whole file, decides everything else (an audio-only WebM, a still GIF, a damaged
-video).
+mistake is refused as it arrives, not failed by a worker after the queue's wait; and, once stored, an MP4, WebM or
+Matroska file whose tracks are all sound (`without_video`: a song or a voice memo saved as .mp4, a DASH audio
+rendition, a browser's audio-only recording, a downloader's audio track). The worker's probe, which reads the whole
+file, decides everything else (a still GIF, a damaged video).
 
 Exact signatures of a few formats rather than a general sniffer: one that guesses refuses the videos it misnames
 (an M2TS packet's timestamp can begin like an MP3 frame)."""
@@ -79,7 +79,8 @@ def _still_png(head: bytes) -> bool:
 # A read of `length` bytes at `offset` of the stored file (fewer at its end)
 ReadAt = Callable[[int, int], bytes]
 _TOP_LEVEL = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"uuid", b"pdin", b"styp", b"sidx", b"moof"}
-_VISUAL = {b"vide", b"pict", b"auxv"}  # video, HEIF/AVIF picture sequences, auxiliary video (depth, alpha)
+# What a track holds, by its handler: any other (video, picture sequences, auxiliary video, hints) may hold pictures
+_HANDLER_KINDS = {b"soun": "sound", b"text": "text", b"sbtl": "text", b"subt": "text", b"clcp": "text"}
 _MOST_BOXES = 4096  # a file of more boxes than this at the levels walked is not judged here
 
 
@@ -87,18 +88,22 @@ class _Unreadable(Exception):
     pass
 
 
-def mp4_without_video(read_at: ReadAt, size: int) -> str | None:
-    """How to name an MP4 or QuickTime file of `size` bytes whose every track is known and none is video ("an MP4
-    with sound only"); None for any other file, or one whose boxes do not say (cut short, malformed, no track)."""
-    if read_at(4, 4) not in _TOP_LEVEL:
-        return None
+def without_video(read_at: ReadAt, size: int) -> str | None:
+    """How to name an MP4, QuickTime, WebM or Matroska file of `size` bytes whose every track is known and none is
+    video ("an MP4 with sound only"); None for any other file, or one whose structure does not say (cut short,
+    malformed, no track)."""
     try:
-        handlers = list(_track_handlers(read_at, size))
+        if read_at(4, 4) in _TOP_LEVEL:
+            kinds, name = {_HANDLER_KINDS.get(handler) for handler in _track_handlers(read_at, size)}, "an MP4"
+        elif read_at(0, 4) == _EBML:
+            kinds, name = _matroska_track_kinds(read_at, size)
+        else:
+            return None
     except _Unreadable:
         return None
-    if not handlers or _VISUAL & set(handlers):
+    if not kinds or not kinds <= {"sound", "text"}:  # None: a kind not known to hold no picture
         return None
-    return "an MP4 with sound only" if set(handlers) == {b"soun"} else "an MP4 without a video track"
+    return f"{name} with sound only" if kinds == {"sound"} else f"{name} without a video track"
 
 
 def _track_handlers(read_at: ReadAt, size: int) -> Iterator[bytes]:
@@ -138,3 +143,68 @@ def _boxes(read_at: ReadAt, start: int, end: int, budget: list[int]) -> Iterator
             raise _Unreadable
         yield kind, payload, at + length
         at += length
+
+
+# -- WebM and Matroska: each track's type, read element by element ------------------------------------------------------
+
+_EBML = b"\x1a\x45\xdf\xa3"
+_SEGMENT, _TRACKS, _TRACK_ENTRY, _TRACK_TYPE, _CLUSTER, _DOC_TYPE = (
+    0x18538067, 0x1654AE6B, 0xAE, 0x83, 0x1F43B675, 0x4282
+)  # fmt: skip
+_TRACK_KINDS = {2: "sound", 0x11: "text"}  # Matroska's TrackType: 1 is video, 3 complex, 0x10 a logo …
+
+
+def _matroska_track_kinds(read_at: ReadAt, size: int) -> tuple[set[str | None], str]:
+    """The kinds of the tracks a Matroska file declares before its first cluster, and how to name the file."""
+    budget = [_MOST_BOXES]
+    header = next(_elements(read_at, 0, size, budget))
+    doc_type = next((read_at(start, min(end - start, 16)) for id_, start, end in _elements(
+        read_at, header[1], header[2], budget) if id_ == _DOC_TYPE), b"")  # fmt: skip
+    name = "a WebM" if doc_type.rstrip(b"\0") == b"webm" else "a Matroska file"
+    segment = next((element for element in _elements(read_at, header[2], size, budget) if element[0] == _SEGMENT), None)
+    if segment is None:
+        raise _Unreadable
+    for id_, start, end in _elements(read_at, segment[1], segment[2], budget):
+        if id_ == _CLUSTER:  # media before any track was declared
+            raise _Unreadable
+        if id_ == _TRACKS:
+            kinds = set()
+            for entry in (e for e in _elements(read_at, start, end, budget) if e[0] == _TRACK_ENTRY):
+                kind = next((e for e in _elements(read_at, entry[1], entry[2], budget) if e[0] == _TRACK_TYPE), None)
+                if kind is None or not 1 <= kind[2] - kind[1] <= 8:
+                    raise _Unreadable
+                kinds.add(_TRACK_KINDS.get(int.from_bytes(read_at(kind[1], kind[2] - kind[1]), "big")))
+            return kinds, name
+    raise _Unreadable
+
+
+def _elements(read_at: ReadAt, start: int, end: int, budget: list[int]) -> Iterator[tuple[int, int, int]]:
+    """The EBML elements from `start` to `end`: (id, where its data starts, where it ends); one of unknown size (a
+    live recording's segment) runs to `end`."""
+    at = start
+    while at < end:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Unreadable
+        head = read_at(at, 12)
+        id_length = _vint_length(head, 0, 4)
+        size_length = _vint_length(head, id_length, 8)
+        element_id = int.from_bytes(head[:id_length], "big")
+        raw = head[id_length : id_length + size_length]
+        length = int.from_bytes(raw, "big") & ((1 << (7 * size_length)) - 1)
+        data = at + id_length + size_length
+        stop = end if length == (1 << (7 * size_length)) - 1 else data + length  # all ones: unknown
+        if stop > end:
+            raise _Unreadable
+        yield element_id, data, stop
+        at = stop
+
+
+def _vint_length(data: bytes, at: int, most: int) -> int:
+    """An EBML variable-length integer's length, from the leading zeros of its first byte."""
+    if at >= len(data) or data[at] == 0:
+        raise _Unreadable
+    length = 8 - data[at].bit_length() + 1
+    if length > most or at + length > len(data):
+        raise _Unreadable
+    return length

@@ -25,7 +25,7 @@ from api.errors import ApiError, field_errors
 from api.multipart import FormField, FormFile, FormReader, boundary_of
 from api.ratelimit import limits_of
 from api.schemas import CompleteUpload, DeclareUpload
-from api.sniff import PEEK_BYTES, mp4_without_video, not_a_video
+from api.sniff import PEEK_BYTES, without_video, not_a_video
 from api.services import services
 from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
 from storage.uploads import (
@@ -401,7 +401,7 @@ def _refuse_without_video(blob: BlobInfo, head: bytes, name: str) -> None:
         start = offset - (offset // _BLOCK) * _BLOCK
         return data[start : start + length]
 
-    if kind := mp4_without_video(read_at, blob.size):
+    if kind := without_video(read_at, blob.size):
         raise ApiError(422, "input_no_video", f"{name} is {kind}, not a video.")
 
 

@@ -32,9 +32,12 @@ BOUNDARY = "vsrq-bad-input"
 # -- the corpus of files -------------------------------------------------------------------------------------------
 
 
-def remux(source: Path, target: Path, kinds: tuple[str, ...] = ("video", "audio"), **options: str) -> bytes:
-    """`source`'s streams of `kinds`, copied packet for packet into an MP4 (muxer `options`, e.g. faststart)."""
-    with av.open(str(source)) as given, av.open(str(target), "w", format="mp4", options=options) as written:
+def remux(
+    source: Path, target: Path, kinds: tuple[str, ...] = ("video", "audio"), container: str = "mp4", **options: str
+) -> bytes:
+    """`source`'s streams of `kinds`, copied packet for packet into an MP4 (or `container`; muxer `options`, e.g.
+    faststart)."""
+    with av.open(str(source)) as given, av.open(str(target), "w", format=container, options=options) as written:
         streams = {s.index: written.add_stream_from_template(s) for s in given.streams if s.type in kinds}
         for packet in given.demux(*[s for s in given.streams if s.index in streams]):
             if packet.dts is not None:
@@ -59,21 +62,22 @@ def test_the_upload_sniff_names_no_video_of_the_corpus(corpus_cache):
     assert set(named) == {*NOT_VIDEOS.values(), "pymediainfo-sample_with_cover.mp3"}, named
 
 
-def test_mp4s_without_a_video_track_are_named_and_no_other_file_of_the_corpus(corpus_cache):
-    """What api/sniff.py refuses once an MP4 is stored, read from its boxes: songs and captions saved as MP4 (their
-    tracks all sound, or text), never a video, nor a file whose boxes do not say."""
-    from api.sniff import mp4_without_video
+def test_files_without_a_video_track_are_named_and_no_other_file_of_the_corpus(corpus_cache):
+    """What api/sniff.py refuses once an MP4 or a Matroska file is stored, read from its boxes or elements: songs and
+    captions saved so (their tracks all sound, or text), never a video, nor a file whose structure does not say."""
+    from api.sniff import without_video
 
     named = {}
     for path in sorted(corpus_cache.iterdir()):
         data = path.read_bytes()
-        if kind := mp4_without_video(lambda offset, length, data=data: data[offset : offset + length], len(data)):
+        if kind := without_video(lambda offset, length, data=data: data[offset : offset + length], len(data)):
             named[path.name] = kind
     assert named == {
         "mutagen-alac.m4a": "an MP4 with sound only", "mutagen-covr-with-name.m4a": "an MP4 with sound only",
         "mutagen-no-tags.3g2": "an MP4 with sound only", "pymediainfo-mp4-with-audio.mp4": "an MP4 with sound only",
         "pymediainfo-vbr_requires_parsespeed_1.mp4": "an MP4 with sound only",
         "muxjs-test-webvtt-init.mp4": "an MP4 without a video track",
+        "pymediainfo-sample.mkv": "a Matroska file without a video track",  # its one track subtitles
     }  # fmt: skip
 
 
@@ -116,7 +120,8 @@ def bad_files(scratch: Path) -> dict[str, tuple[bytes, str]]:
             "input_corrupt",
         ),
         "mkv cut": (mkv[: len(mkv) * 6 // 10], "input_corrupt"),
-        "audio only": (remux(plain, scratch / "audio.m4a", kinds=("audio",)), "input_no_video"),
+        # an HLS audio rendition: MPEG-TS, whose tracks the upload does not read (an MP4's or a WebM's it does)
+        "audio only": (remux(plain, scratch / "audio.ts", kinds=("audio",), container="mpegts"), "input_no_video"),
         "one frame": (write_clip(scratch / "one.mp4", 1, (32, 48)).read_bytes(), "input_too_short"),
         "declared 60000x60000": (y4m(60000, 60000), "input_unreadable"),  # FFmpeg refuses the size itself
         "declared 8000x8000": (y4m(8000, 8000), "input_too_large"),  # over our 4K limit, before a packet is read
@@ -299,6 +304,9 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
                 **{name: (corpus_cache / file).read_bytes() for name, file in NOT_VIDEOS.items()},
                 "png": picture(), "jpeg": picture("JPEG"), "pdf": picture("PDF"), "zip": zipped(clip),
                 "mp4 with sound only": (corpus_cache / "pymediainfo-mp4-with-audio.mp4").read_bytes(),
+                "webm with sound only": remux(  # as a downloader keeps a video's sound track
+                    corpus_cache / "ffprobe-client-input.webm", tmp_path / "opus.webm", ("audio",), container="webm"
+                ),
                 # its movie box after 75 KB of sound: read from storage, past the bytes peeked as it arrived
                 "mp4 with sound only, its boxes last": remux(
                     corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "sintel-sound.mp4", ("audio",)
