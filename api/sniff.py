@@ -74,7 +74,7 @@ def _still_png(head: bytes) -> bool:
     return False
 
 
-# -- MP4 (and QuickTime): the handler of each track, read box by box ---------------------------------------------------
+# -- MP4 (and QuickTime): the handler of each track, read box by box --------------------------------------------------
 
 # A read of `length` bytes at `offset` of the stored file (fewer at its end)
 ReadAt = Callable[[int, int], bytes]
@@ -145,7 +145,7 @@ def _boxes(read_at: ReadAt, start: int, end: int, budget: list[int]) -> Iterator
         at += length
 
 
-# -- WebM and Matroska: each track's type, read element by element ------------------------------------------------------
+# -- WebM and Matroska: each track's type, read element by element ----------------------------------------------------
 
 _EBML = b"\x1a\x45\xdf\xa3"
 _SEGMENT, _TRACKS, _TRACK_ENTRY, _TRACK_TYPE, _CLUSTER, _DOC_TYPE = (
