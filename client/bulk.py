@@ -46,7 +46,7 @@ import requests
 from tqdm import tqdm
 
 from client import config
-from client.http import TERMINAL, ApiProblem, Client, DownloadMismatch
+from client.http import PART_BYTES, TERMINAL, ApiProblem, Client, DownloadMismatch
 
 # What a folder's videos are named: what the service reads, with their common spellings, animated pictures included
 # (.png and .avif are mostly stills: a manifest sends those). Other files are left out, and counted on the way.
@@ -56,6 +56,7 @@ VIDEO_SUFFIXES = frozenset(
      ".gif", ".webp", ".apng", ".avifs"}
 )  # fmt: skip
 ALIASES = {"scale": "sr_resolution_scale"}
+MIB = 1024 * 1024
 # A default output's name (`_default_output`): what it is named after, then its scale
 _OUTPUT_NAME = re.compile(r"(.+)-x(?:2|2\.25|4)\.mp4")
 # The API's `sr_resolution_scale` where a create names none (SGLang's; api/schemas.py `UpscaleParams`, which the
@@ -110,6 +111,7 @@ class Entry:
     sha256: str | None = None  # of the output, as the job recorded it
     queued_s: int | None = None
     running_s: int | None = None
+    upload_id: str | None = None  # a file sent in parts, once all of them are up
 
 
 def _digest(*parts: Any) -> str:
@@ -349,6 +351,7 @@ class Bulk:
     wait: bool = False
     poll_s: float = 2.0
     download: Path | None = None
+    part_bytes: int = PART_BYTES  # a file larger than this goes in parts
     entries: dict[str, Entry] = field(default_factory=dict)
     in_the_way: set[str] = field(default_factory=set)  # items whose output path holds another file, this run
     resumed: int = 0  # items an earlier run had submitted already
@@ -456,7 +459,6 @@ class Bulk:
         self.entries[item.id] = entry
 
     def _submit(self, item: Item) -> None:
-        entry = self.entries[item.id]
         try:
             job = self._create(item)
         except requests.RequestException:
@@ -464,23 +466,24 @@ class Bulk:
         except ApiProblem as problem:
             if problem.transient or problem.status == 401:
                 raise
-            entry = replace(entry, status="failed", error_code=problem.code, error_message=problem.message)
+            entry = replace(self.entries[item.id], status="failed", error_code=problem.code,
+                            error_message=problem.message)  # fmt: skip
         except _source_errors() as error:
-            entry = replace(entry, status="failed", error_code="source_unreadable", error_message=str(error))
-        else:
-            entry = _observed(replace(entry, job_id=job["id"]), job)
+            entry = replace(self.entries[item.id], status="failed", error_code="source_unreadable",
+                            error_message=str(error))  # fmt: skip
+        else:  # the entry as `_create` left it: an upload in parts is journalled before its job is made
+            entry = _observed(replace(self.entries[item.id], job_id=job["id"]), job)
         self._save(item, entry)
 
     def _create(self, item: Item) -> dict[str, Any]:
         label = {"bulk_source": item.source[-512:]}  # the job says where it came from (metadata values: 512 chars)
-        form = {**item.fields, "metadata": json.dumps(label)}
         if item.location.startswith(("https://", "http://")):
             return self.client.create_from_url(
                 item.location, {**item.fields, "metadata": label}, idempotency_key=item.idempotency_key(item.stamp)
             )
         if not item.location.startswith("s3://"):
             key = item.idempotency_key(_file_sha256(Path(item.location)))
-            return self.client.create_from_file(item.location, form, idempotency_key=key)
+            return self._from_file(item, Path(item.location), key, label)
         bucket, name = _split_s3(item.location)
         key = item.idempotency_key(item.stamp)
         if bucket == self.service_bucket:
@@ -492,7 +495,28 @@ class Bulk:
         with tempfile.TemporaryDirectory(prefix="vsrq-bulk-") as scratch:
             local = Path(scratch) / PurePosixPath(name).name
             self.s3().download_file(bucket, name, str(local))
-            return self.client.create_from_file(local, form, idempotency_key=key)
+            return self._from_file(item, local, key, label)
+
+    def _from_file(self, item: Item, path: Path, key: str, label: dict[str, str]) -> dict[str, Any]:
+        """A local file: sent with its create where it fits in one part; else uploaded in parts first, the upload
+        journalled, so that a rerun names the same upload (and the API replays a create whose answer was lost)."""
+        if path.stat().st_size <= self.part_bytes:
+            form = {**item.fields, "metadata": json.dumps(label)}
+            return self.client.create_from_file(path, form, idempotency_key=key)
+        upload_id = self.entries[item.id].upload_id
+        if upload_id is None or self._upload_gone(upload_id):
+            upload_id = self.client.upload_in_parts(path, self.part_bytes)
+            self._save(item, replace(self.entries[item.id], upload_id=upload_id))
+        fields = {**item.fields, "metadata": label}
+        return self.client.create_from_upload(upload_id, fields, idempotency_key=key)
+
+    def _upload_gone(self, upload_id: str) -> bool:
+        try:
+            return self.client.upload(upload_id)["status"] != "completed"
+        except ApiProblem as problem:
+            if problem.status == 404:  # expired and swept, or the service's storage was reset
+                return True
+            raise
 
     def _follow(self, item: Item) -> None:
         entry = self.entries[item.id]
@@ -583,6 +607,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"vsrq: bulk: bad_field: --set {assignment!r} is not FIELD=VALUE", file=sys.stderr)
             return 2
         defaults[ALIASES.get(name, name)] = value
+    if not 1 <= args.part_size <= 64:
+        print("vsrq: bulk: bad_part_size: --part-size is 1 to 64 (MiB): the service takes parts of at most 64 MiB",
+              file=sys.stderr)  # fmt: skip
+        return 2
     s3 = _lazy(lambda: s3_client(args.s3_endpoint_url))
     try:
         items, left_out = plan(args.source, defaults, s3, args.download)
@@ -597,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
     report.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal(journal_path(report))
     bulk = Bulk(Client(url, token), items, journal, s3, args.service_bucket or config.service_bucket(),
-                max(1, args.concurrency), args.wait, args.poll, args.download)  # fmt: skip
+                max(1, args.concurrency), args.wait, args.poll, args.download, args.part_size * MIB)  # fmt: skip
     try:
         bulk.run()
     except KeyboardInterrupt:  # what was in flight ended and is journalled (`Bulk.run`); the report is written below

@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     bulk.add_argument("--quality", choices=("lossless", "high"), help="for every video: the tier (default lossless)")
     bulk.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any other create field")
     bulk.add_argument("--concurrency", type=int, default=4, help="requests in flight: uploads, polls, downloads")
+    bulk.add_argument("--part-size", type=int, default=64, metavar="MIB",
+                      help="a file larger than this goes up in parts of this size, each sent again alone when its "
+                           "connection drops (default 64: OpenAI's part size, under the 100 MB some proxies allow)")
     bulk.add_argument("--wait", action="store_true", help="poll until every job has ended")
     bulk.add_argument("--poll", type=float, default=2.0, metavar="SECONDS", help="between polls of one job")
     bulk.add_argument("--download", type=Path, metavar="DIR", help="fetch outputs into DIR (existing files are kept)")

@@ -32,6 +32,9 @@ from tenacity import (
 )
 
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
+# A local file larger than this goes up in parts of this size (OpenAI's part size; under the 100 MB a body may have
+# through some proxies), not in one request
+PART_BYTES = 64 * 1024 * 1024
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 log = logging.getLogger("vsrq.client")
 
@@ -119,6 +122,33 @@ class Client:
                 return self._request("POST", "/v1/videos", data=form, headers=_headers(key, form.content_type))
 
         return self._retry(send).json()
+
+    def upload_in_parts(self, path: str | Path, part_bytes: int = PART_BYTES) -> str:
+        """A local file as an upload in parts (OpenAI's Uploads API): each part retried alone, so a connection that
+        drops costs that part, not the file. The completed upload's id, which a job names as `upload_id`."""
+        path = Path(path)
+        size, name = path.stat().st_size, path.name
+        declared = {"bytes": size, "filename": name, "mime_type": mimetypes.guess_type(name)[0] or "video/mp4"}
+        upload = self._retry(lambda: self._request("POST", "/v1/uploads", json=declared)).json()
+        part_ids = []
+        with open(path, "rb") as video:
+            while data := video.read(part_bytes):  # one part in memory: what a retry sends again
+                part = self._retry(lambda data=data: self._request(
+                    "POST", f"/v1/uploads/{upload['id']}/parts", files={"data": (name, data, "application/octet-stream")}
+                )).json()  # fmt: skip
+                part_ids.append(part["id"])
+        body = {"part_ids": part_ids}  # completing again with the same parts answers the same upload
+        self._retry(lambda: self._request("POST", f"/v1/uploads/{upload['id']}/complete", json=body))
+        return upload["id"]
+
+    def upload(self, upload_id: str) -> dict[str, Any]:
+        return self._retry(lambda: self._request("GET", f"/v1/uploads/{upload_id}")).json()
+
+    def create_from_upload(
+        self, upload_id: str, fields: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> dict[str, Any]:
+        """A job on an earlier upload of the caller's (`upload_id`)."""
+        return self._create_json({**fields, "upload_id": upload_id}, idempotency_key)
 
     def create_from_key(
         self, key: str, fields: dict[str, Any], *, idempotency_key: str | None = None

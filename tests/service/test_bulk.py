@@ -27,7 +27,7 @@ from client.bulk import Bulk, BulkError, Journal, journal_path, plan
 from client.http import ApiProblem, Client, retry_after
 from worker.media.synthetic import write_clip
 
-from .conftest import KEYS, ROOT, as_a_shell_starts_it, auth
+from .conftest import KEYS, ROOT, as_a_shell_starts_it, auth, padded
 from .test_worker import celery_worker
 
 NOT_A_VIDEO = b"this is not a video\n" * 500
@@ -150,6 +150,33 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     assert "10 videos: 10 submitted (10 by an earlier run), 10 completed" in third.stdout
     assert job_count(api) - before == 10
     assert {path: path.stat().st_mtime_ns for path in out.rglob("*.mp4")} == stamps
+
+
+def test_a_file_larger_than_a_part_goes_in_parts_and_a_rerun_names_the_same_upload(api, worker, tmp_path):
+    """`--part-size 1`: a 2.5 MiB MP4 goes up in three parts (each retried alone), its job names the upload. A rerun
+    whose journal lost the job (its create's answer lost to a kill) names the same upload: the API replays the job."""
+    folder, report = tmp_path / "in", tmp_path / "report.csv"
+    folder.mkdir()
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48), audio_codec="aac").read_bytes()
+    (folder / "long.mp4").write_bytes(padded(clip, 5 * 1024 * 1024 // 2))
+    command = bulk_command(api, folder, report, "--part-size", "1", "--scale", "2")
+    before = job_count(api)
+    first = run_bulk(command)
+    assert first.returncode == 0, first.stdout + first.stderr
+    row = by_source(report)["long.mp4"]
+    job = requests.get(f"{api}/v1/videos/{row['job_id']}", headers=auth("bulk"), timeout=10).json()
+    upload = requests.get(f"{api}/v1/uploads/{job['input']['upload_id']}", headers=auth("bulk"), timeout=10).json()
+    assert (upload["status"], upload["bytes"], len(upload["part_ids"])) == ("completed", 5 * 1024 * 1024 // 2, 3)
+    assert job["input"]["filename"] == "long.mp4" and job["metadata"] == {"bulk_source": "long.mp4"}
+
+    with sqlite3.connect(journal_path(report)) as db:  # the create's answer never came back
+        (entry,) = [json.loads(entry) for (entry,) in db.execute("SELECT entry FROM entries")]
+        assert entry["upload_id"] == upload["id"]
+        db.execute("UPDATE entries SET entry = ?", (json.dumps({**entry, "job_id": None, "status": "pending"}),))
+    second = run_bulk(command)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert by_source(report)["long.mp4"]["job_id"] == row["job_id"] and job_count(api) - before == 1
+    assert run_bulk([*command[:-4], "--part-size", "65"]).returncode == 2  # the service takes parts of 64 MiB
 
 
 def test_many_jobs_are_followed_by_listing_not_one_request_each_per_poll(api, worker, tmp_path):
