@@ -130,12 +130,11 @@ class Client:
         size, name = path.stat().st_size, path.name
         declared = {"bytes": size, "filename": name, "mime_type": mimetypes.guess_type(name)[0] or "video/mp4"}
         upload = self._retry(lambda: self._request("POST", "/v1/uploads", json=declared)).json()
-        part_ids = []
+        part_ids, parts_url = [], f"/v1/uploads/{upload['id']}/parts"
         with open(path, "rb") as video:
             while data := video.read(part_bytes):  # one part in memory: what a retry sends again
-                part = self._retry(lambda data=data: self._request(
-                    "POST", f"/v1/uploads/{upload['id']}/parts", files={"data": (name, data, "application/octet-stream")}
-                )).json()  # fmt: skip
+                files = {"data": (name, data, "application/octet-stream")}
+                part = self._retry(lambda files=files: self._request("POST", parts_url, files=files)).json()
                 part_ids.append(part["id"])
         body = {"part_ids": part_ids}  # completing again with the same parts answers the same upload
         self._retry(lambda: self._request("POST", f"/v1/uploads/{upload['id']}/complete", json=body))
