@@ -189,6 +189,7 @@ function signOut(message) {
   if (state.upload) state.upload.abort();
   sessionStorage.removeItem(KEY);
   localStorage.removeItem(KEY);
+  keptUploads.clear();  // the next person on this browser sees no file names
   state.key = null;
   state.open = false;
   state.session += 1;
@@ -433,10 +434,12 @@ const TRANSIENT = [408, 429, 500, 502, 503, 504];
 
 function sendInParts(file, ui) {
   const upload = {id: null, xhr: null, aborted: false};
+  const kept = keptUploads.of(file);
   upload.abort = () => {
     upload.aborted = true;
     if (upload.xhr) upload.xhr.abort();
     if (upload.id) api(`/v1/uploads/${upload.id}/cancel`, {method: "POST"}).catch(() => {});  // its parts go
+    kept.forget();
     ui.failed("Upload cancelled.");
   };
   const post = (path, body, headers = {}) => api(path, {
@@ -444,16 +447,30 @@ function sendInParts(file, ui) {
   }).then((response) => response.json());
   const count = Math.ceil(file.size / PART_BYTES);
   (async () => {
-    const declared = {bytes: file.size, filename: file.name, mime_type: file.type || "video/mp4", purpose: "user_data"};
-    upload.id = (await again(upload, "the upload", () => post("/v1/uploads", declared))).id;
-    const parts = [];
-    for (let at = 0; at < file.size; at += PART_BYTES) {
+    // The same file picked again after a reload, a crash or a lost connection: its parts already up are not sent
+    const earlier = kept.read();
+    const found = earlier && await api(`/v1/uploads/${earlier.id}`).then((r) => r.json()).catch(() => null);
+    const parts = found && found.status === "pending" ? earlier.parts.map((id) => found.part_ids.includes(id) && id)
+      : [];
+    if (parts.some(Boolean)) {
+      upload.id = found.id;
+      toast(`Resuming ${file.name}: ${parts.filter(Boolean).length} of ${count} parts were sent before.`);
+    } else {
+      const declared = {bytes: file.size, filename: file.name, mime_type: file.type || "video/mp4",
+        purpose: "user_data"};
+      upload.id = (await again(upload, "the upload", () => post("/v1/uploads", declared))).id;
+      parts.length = 0;
+    }
+    for (let index = 0, at = 0; at < file.size; index += 1, at += PART_BYTES) {
+      if (parts[index]) continue;
       const part = file.slice(at, at + PART_BYTES);
       const progress = (loaded) => ui.progress(at + Math.min(loaded, part.size), file.size);
-      parts.push(await again(upload, `part ${parts.length + 1} of ${count}`, () => sendPart(upload, part, progress)));
+      parts[index] = await again(upload, `part ${index + 1} of ${count}`, () => sendPart(upload, part, progress));
+      kept.write(upload.id, parts);
     }
     ui.sent();
     await again(upload, "the last step", () => post(`/v1/uploads/${upload.id}/complete`, {part_ids: parts}));
+    kept.forget();
     const job = {...formFields(), upload_id: upload.id};
     const headers = jobHeaders();  // one key for every try: a retry whose first answer was lost makes no second job
     ui.created(await again(upload, "the job", () => post("/v1/videos", job, headers)));
@@ -464,6 +481,41 @@ function sendInParts(file, ui) {
   });
   return upload;
 }
+
+// Uploads in parts not yet completed, by file (name, size, last change) in localStorage: which parts are up, so the
+// same file picked again resumes where it stopped. Kept as long as the service keeps a pending upload (a day).
+const keptUploads = (() => {
+  const NAME = "vsrq-uploads";
+  const DAY_MS = 24 * 3600 * 1000;
+  const all = () => {
+    try { return JSON.parse(localStorage.getItem(NAME)) || {}; } catch { return {}; }
+  };
+  const save = (uploads) => {
+    try { localStorage.setItem(NAME, JSON.stringify(uploads)); } catch { /* full or forbidden: no resume, that is all */ }
+  };
+  return {
+    of(file) {
+      const key = `${file.name}\n${file.size}\n${file.lastModified}`;
+      return {
+        read() {
+          const kept = all()[key];
+          return kept && Date.now() - kept.at < DAY_MS && kept.part_bytes === PART_BYTES ? kept : null;
+        },
+        write(id, parts) {
+          const uploads = Object.fromEntries(Object.entries(all()).filter(([, kept]) => Date.now() - kept.at < DAY_MS));
+          save({...uploads, [key]: {id, parts, part_bytes: PART_BYTES, at: Date.now()}});
+        },
+        forget() {
+          const {[key]: _, ...others} = all();
+          save(others);
+        },
+      };
+    },
+    clear() {
+      localStorage.removeItem(NAME);
+    },
+  };
+})();
 
 function sendPart(upload, part, progress) {
   return new Promise((resolve, reject) => {

@@ -75,13 +75,13 @@ def browser_context(tmp_path_factory) -> Iterator:
 def drop(page, selector: str, path: Path, kind: str = "video/mp4") -> None:
     """Drops the file on the element as a person's drag and drop does: a `drop` event carrying it."""
     transfer = page.evaluate_handle(
-        """([data, name, kind]) => {
+        """([data, name, kind, changed]) => {
             const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
             const transfer = new DataTransfer();
-            transfer.items.add(new File([bytes], name, {type: kind}));
+            transfer.items.add(new File([bytes], name, {type: kind, lastModified: changed}));
             return transfer;
         }""",
-        [base64.b64encode(path.read_bytes()).decode(), path.name, kind],
+        [base64.b64encode(path.read_bytes()).decode(), path.name, kind, path.stat().st_mtime_ns // 1_000_000],
     )
     page.dispatch_event(selector, "drop", {"dataTransfer": transfer})
 
@@ -438,4 +438,47 @@ def test_a_large_video_goes_in_parts_and_a_part_whose_connection_drops_is_sent_a
     with s3.open(upload["key"]) as stored:  # joined inside storage: the parts were S3-sized
         assert hashlib.sha256(stored.read()).digest() == hashlib.sha256(video).digest()
     assert (job["model"], job["params"]["sr_resolution_scale"]) == ("lanczos", 2) and not problems
+    requests.post(f"{open_api}/v1/videos/{job['id']}/cancel", timeout=10)
+
+
+def test_an_upload_in_parts_cut_by_a_reload_resumes_when_the_same_file_is_picked_again(
+    open_api, browser_context, corpus_cache, tmp_path
+):
+    """The second part cannot get through (a captive portal, a dead link) and the person reloads: picking the same
+    file again sends only what was missing, to the same upload."""
+    from playwright.sync_api import expect
+
+    path = tmp_path / "holiday.mp4"
+    path.write_bytes(padded((corpus_cache / "forensics-VID_20191220_170832.mp4").read_bytes(), 19 * 1024 * 1024 // 2))
+    page = browser_context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())  # "Leave site? Changes may not be saved": yes
+    sent: list[str] = []
+    blocked = [True]
+
+    def part(route) -> None:
+        sent.append(route.request.url)
+        if blocked[0] and len(sent) > 1:
+            route.abort("connectionreset")
+        else:
+            route.continue_()
+
+    page.route("**/v1/uploads/*/parts", part)
+    page.goto(f"{open_api}/")
+    page.get_by_label("Model", exact=True).select_option("lanczos")
+    drop(page, "#dropzone", path)
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    until(page, "document.getElementById('upload-text').textContent.startsWith('Connection lost sending part 2')")
+    page.reload()
+
+    upload_url, blocked[0] = sent[0], False
+    sent.clear()
+    page.get_by_label("Model", exact=True).select_option("lanczos")
+    drop(page, "#dropzone", path)
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    expect(page.get_by_text("Resuming holiday.mp4: 1 of 2 parts were sent before.")).to_be_visible()
+    expect(page.get_by_text("Uploaded holiday.mp4.")).to_be_visible(timeout=30_000)
+    assert sent == [upload_url], sent  # the second part only, to the same upload
+    (job,) = requests.get(f"{open_api}/v1/videos?limit=1", timeout=10).json()["data"]
+    assert job["input"]["upload_id"] in upload_url
+    assert page.evaluate("localStorage.getItem('vsrq-uploads')") == "{}"  # nothing left to resume
     requests.post(f"{open_api}/v1/videos/{job['id']}/cancel", timeout=10)
