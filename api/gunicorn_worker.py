@@ -32,6 +32,7 @@ from typing import Any
 
 from gunicorn import util
 from gunicorn.http import wsgi
+from gunicorn.http.body import LengthReader
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from api.errors import Problem
@@ -219,9 +220,14 @@ def advertising_keepalive(default_headers: Any, timeout_s: int) -> Any:
     """gunicorn's HTTP/1 status line and connection headers, plus `Keep-Alive: timeout=N` on an answer that keeps the
     connection: clients that read it (browsers, Node's undici) stop reusing an idle connection before the server closes
     it, instead of sending a request into that close. An application cannot set it: gunicorn drops hop-by-hop headers.
-    HTTP/2 answers build their headers elsewhere."""
+    An answer given before more of the body than the drain reads (a refused upload or part) says `Connection: close`:
+    it said keep-alive, then closed, and a client's next request on it failed (`RemoteDisconnected`). HTTP/2 answers
+    build their headers elsewhere."""
 
     def headers(response: wsgi.Response) -> list[str]:
+        reader = getattr(getattr(response.req, "body", None), "reader", None)
+        if isinstance(reader, LengthReader) and reader.length > _DRAIN_MAX_BYTES:
+            response.force_close()  # the rest of its body is not drained (`PacedConn.drain`): say the close
         lines = default_headers(response)
         if not response.upgrade and not response.should_close():
             lines.append(f"Keep-Alive: timeout={timeout_s}\r\n")

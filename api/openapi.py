@@ -279,7 +279,17 @@ def _page(operation_id: str, summary: str) -> dict[str, Any]:
     }
 
 
-def _creating(bodies: str, idempotency_key: dict[str, Any]) -> dict[str, Any]:
+# SGLang's cookbook request, as a form's fields: what Swagger UI fills in, and a create the document's own example
+# makes (Schemathesis sends it first)
+_SGLANG_FORM = {
+    "video_reference": "(the video file)", "sr_resolution_scale": 2, "sr_tiles_batch_size": 1, "num_inference_steps": 2,
+    "seed": 42,
+}  # fmt: skip
+
+
+def _creating(
+    bodies: str, idempotency_key: dict[str, Any], form_example: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """An operation that creates a job from the `{bodies}Form` (multipart) or `{bodies}Json` request body."""
     return {
         "tags": ["videos"],
@@ -290,6 +300,7 @@ def _creating(bodies: str, idempotency_key: dict[str, Any]) -> dict[str, Any]:
                 "multipart/form-data": {
                     "schema": {"$ref": _REF.format(model=f"{bodies}Form")},
                     "encoding": {"metadata": {"contentType": "application/json"}},
+                    **({"example": form_example} if form_example else {}),
                 },
                 "application/json": {"schema": {"$ref": _REF.format(model=f"{bodies}Json")}},
             },
@@ -351,7 +362,7 @@ def document(settings: Settings) -> dict[str, Any]:
             "post": {
                 "operationId": "createVideo",
                 "summary": "Create a job: upload a video (multipart) or name an upload (JSON)",
-                **_creating("VideoCreate", idempotency_key),
+                **_creating("VideoCreate", idempotency_key, _SGLANG_FORM),
             },
             "get": {
                 "operationId": "listVideos",

@@ -16,7 +16,8 @@ import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
+    AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, ValidationInfo,
+    field_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -289,9 +290,9 @@ class DeclareUpload(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    bytes: int = Field(ge=1)
-    filename: str = Field(min_length=1, max_length=1024)
-    mime_type: str = Field(min_length=1, max_length=255)
+    bytes: StrictInt = Field(ge=1)
+    filename: str = Field(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$")  # a label: no controls
+    mime_type: str = Field(max_length=255, pattern=r"^[\w.+-]+/[\w.+-]+$")  # type/subtype
     purpose: str | None = Field(None, max_length=64)
 
 

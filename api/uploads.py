@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -278,11 +279,18 @@ def _record(upload_id: str) -> UploadRecord:
         raise ApiError(404, "upload_not_found", "No such upload.") from None
 
 
+_WHAT_NOW = {
+    UploadStatus.COMPLETED: "name it in a job as `upload_id`",
+    UploadStatus.CANCELLED: "declare a new upload to send the file again",
+    UploadStatus.EXPIRED: "declare a new upload to send the file again",
+}
+
+
 def _not_pending(upload_id: str, status: UploadStatus) -> ApiError:
-    if status is UploadStatus.COMPLETING:
+    if status is UploadStatus.COMPLETING:  # a retry may succeed: OpenAI's SDK retries it after Retry-After
         return ApiError(409, "upload_completing", f"Upload `{upload_id}` is being completed: its parts are joined.",
                         headers={"Retry-After": "5"})  # fmt: skip
-    return ApiError(409, f"upload_{status}", f"Upload `{upload_id}` is {status}: it takes no more parts.")
+    return ApiError(409, f"upload_{status}", f"Upload `{upload_id}` is {status}: {_WHAT_NOW[status]}.")
 
 
 @blueprint.get("/v1/uploads/<upload_id>")
@@ -321,18 +329,20 @@ def add_part(upload_id: str) -> tuple[Response, int]:
 def complete_upload(upload_id: str) -> Response:
     """Joins the parts in the order `part_ids` names them into the upload's one file (OpenAI's `uploads.complete`).
     Completing it again with the same parts answers it again (a retry whose first answer was lost)."""
-    asked = _validated(CompleteUpload)
-    record = _record(upload_id)
+    asked, store = _validated(CompleteUpload), services().uploads
+    record = _completing_elsewhere(upload_id)
     if record.status is UploadStatus.COMPLETED and record.part_ids == asked.part_ids:
+        if asked.md5 is not None:
+            _check_md5(record, asked.md5)
         return jsonify(upload_view(record))
-    store = services().uploads
     try:
         store.begin_complete(upload_id)
     except NotPending as error:
         raise _not_pending(upload_id, error.status) from None
     try:
-        record = store.get(upload_id, owner())  # its parts, which no request adds to meanwhile
-        sha256 = _join(record, asked)
+        with store.holding(upload_id):  # no other completion while this one lives, however long it joins
+            record = store.get(upload_id, owner())  # its parts, which no request adds to meanwhile
+            sha256 = _join(record, asked)
     except BaseException:
         store.reopen(upload_id)
         raise
@@ -344,6 +354,40 @@ def complete_upload(upload_id: str) -> Response:
         log.warning("%s: its file name was not kept", upload_id, exc_info=True)
     _drop_parts(upload_id)
     return jsonify(upload_view(store.get(upload_id, owner())))
+
+
+def _completing_elsewhere(upload_id: str) -> UploadRecord:
+    """The upload, once no other request is joining its parts: a completion retried while the first still runs
+    (OpenAI's SDK gives up on its answer after its timeout) waits for it, then answers what it did."""
+    deadline = time.monotonic() + _WAIT_FOR_COMPLETION_S
+    while (record := _record(upload_id)).status is UploadStatus.COMPLETING and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return record
+
+
+_WAIT_FOR_COMPLETION_S = 60
+
+
+def _check_md5(record: UploadRecord, md5: str) -> None:
+    """Refuses an `md5` that is not the completed upload's file's."""
+    found, _ = _digests(upload_key(record.owner, record.id))
+    if found != md5.lower():
+        raise _md5_refused(found, md5)
+
+
+def _digests(key: str) -> tuple[str, str]:
+    """A stored file's MD5 and SHA-256, read once."""
+    md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
+    with services().blobs.open(key) as stored:
+        while chunk := stored.read(8 * 1024 * 1024):
+            md5.update(chunk)
+            sha256.update(chunk)
+    return md5.hexdigest(), sha256.hexdigest()
+
+
+def _md5_refused(found: str, asked: str) -> ApiError:
+    message = f"The parts joined have MD5 {found}, not {asked}."
+    return ApiError(422, "md5_mismatch", message, errors=_about("md5", "md5_mismatch", message))
 
 
 def _join(record: UploadRecord, asked: CompleteUpload) -> str | None:
@@ -370,16 +414,11 @@ def _join(record: UploadRecord, asked: CompleteUpload) -> str | None:
         raise
     if asked.md5 is None:
         return blob.sha256  # None where storage joined the parts itself: the worker hashes what it downloads
-    md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
-    with blobs.open(blob.key) as joined:
-        while chunk := joined.read(8 * 1024 * 1024):
-            md5.update(chunk)
-            sha256.update(chunk)
-    if md5.hexdigest() != asked.md5.lower():
+    md5, sha256 = _digests(blob.key)
+    if md5 != asked.md5.lower():
         blobs.delete(blob.key)
-        message = f"The parts joined have MD5 {md5.hexdigest()}, not {asked.md5}."
-        raise ApiError(422, "md5_mismatch", message, errors=_about("md5", "md5_mismatch", message))
-    return sha256.hexdigest()
+        raise _md5_refused(md5, asked.md5)
+    return sha256
 
 
 def _refuse_without_video(blob: BlobInfo, head: bytes, name: str) -> None:
@@ -426,6 +465,8 @@ def _about(field: str, code: str, message: str) -> list[dict[str, str]]:
 @blueprint.post("/v1/uploads/<upload_id>/cancel")
 def cancel_upload(upload_id: str) -> Response:
     """Drops a pending upload and its parts (OpenAI's `uploads.cancel`); cancelling it again answers it again."""
+    if (status := _record(upload_id).status) is UploadStatus.EXPIRED:  # another key's answers as a missing one
+        raise _not_pending(upload_id, status)
     try:
         services().uploads.cancel(upload_id)
     except UploadNotFound:

@@ -188,8 +188,9 @@ def _no_upload(upload_id: str | None) -> ApiError:
         record = None
     if record is not None and record.status in (UploadStatus.PENDING, UploadStatus.COMPLETING):
         return ApiError(409, "upload_not_completed",
-                        f"Upload `{upload_id}` is pending: complete it (POST /v1/uploads/{upload_id}/complete) first.",
-                        headers={"x-should-retry": "false"})  # fmt: skip
+                        f"Upload `{upload_id}` is pending: complete it (POST /v1/uploads/{upload_id}/complete) first.")
+    if record is not None and record.status is UploadStatus.EXPIRED:
+        return ApiError(409, "upload_expired", f"Upload `{upload_id}` expired before it was completed: send it again.")
     return ApiError(404, "upload_not_found", "No such upload.")
 
 

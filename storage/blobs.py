@@ -125,7 +125,8 @@ class BlobStore(Protocol):
 
     def join(self, key: str, sources: list[str], *, content_type: str = "application/octet-stream") -> BlobInfo:
         """The blobs `sources`, in order, written as one at `key` (its sha256 where it was read to join it); raises
-        `BlobNotFound` for a missing source, leaving nothing at `key`."""
+        `BlobNotFound` for a missing source, leaving nothing at `key`. One join of a key at a time: a write of it
+        begun before and left unfinished (its process killed) is dropped."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -315,6 +316,10 @@ class S3BlobStore:
         # Copied inside storage, part by part (UploadPartCopy): 1 GiB of 64 MiB parts in 3.8 s on a local SeaweedFS,
         # 14-18 s read through and written back. S3 takes no part under 5 MiB but the last: such sources are read.
         sizes = [self._size(source) for source in sources]
+        # One join of a key runs at a time (its caller holds it): one begun before was killed midway, its parts kept
+        for stale in self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=key).get("Uploads", []):
+            if stale["Key"] == key:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=stale["UploadId"])
         if any(size < MIN_PART_BYTES for size in sizes[:-1]):
             return _join_by_reading(self, key, sources, content_type)
         upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key, ContentType=content_type)[

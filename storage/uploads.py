@@ -21,20 +21,28 @@ TTL: the storage sweep deletes blobs under uploads/ that no job names (storage.l
 from __future__ import annotations
 
 import json
+import logging
 import secrets
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 
 from redis import Redis
+from redis.exceptions import RedisError
 
 from storage.blobs import BlobInfo
+
+log = logging.getLogger("vsrq.uploads")
 
 # OpenAI's part size limit, and the SDK's `upload_file_chunked` part size
 PART_MAX_BYTES = 64 * 1024 * 1024
 MAX_PARTS = 10_000  # S3's multipart limit; 64 MiB parts are 640 GB
-# A `complete` that died joining its parts (its API process killed) holds the upload this long; then another may
-COMPLETING_HOLD_S = 600
+# A completion holds its upload this long at a time, renewed while it joins the parts: one whose API process was
+# killed lets another take over this soon after
+COMPLETING_HOLD_S = 30
 
 
 class UploadStatus(StrEnum):
@@ -109,7 +117,8 @@ return {'ok'}
 
 # KEYS: record. ARGV: the hold. pending (or a completing whose hold ran out) → completing; answers the status found.
 _BEGIN_COMPLETE = """
-local now = tonumber(redis.call('TIME')[1])
+local time = redis.call('TIME')
+local now = tonumber(time[1]) + tonumber(time[2]) / 1e6
 local r = redis.call('HMGET', KEYS[1], 'status', 'expires_at', 'completing_until')
 if not r[1] then return 'missing' end
 if r[1] == 'pending' and tonumber(r[2]) <= now then return 'expired' end
@@ -131,12 +140,22 @@ return 'ok'
 """
 
 
+# KEYS: record. ARGV: the hold. A completion still running renews its hold.
+_RENEW = """
+if redis.call('HGET', KEYS[1], 'status') == 'completing' then
+  local time = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'completing_until', tonumber(time[1]) + tonumber(time[2]) / 1e6 + tonumber(ARGV[1]))
+end
+"""
+
+
 class UploadStore:
-    def __init__(self, redis: Redis, *, ttl_s: int, prefix: str = "vsrq") -> None:
-        self.redis, self.ttl_s, self.prefix = redis, ttl_s, prefix
+    def __init__(self, redis: Redis, *, ttl_s: int, prefix: str = "vsrq", hold_s: float = COMPLETING_HOLD_S) -> None:
+        self.redis, self.ttl_s, self.prefix, self.hold_s = redis, ttl_s, prefix, hold_s
         self._add_part = redis.register_script(_ADD_PART)
         self._begin_complete = redis.register_script(_BEGIN_COMPLETE)
         self._move = redis.register_script(_MOVE)
+        self._renew = redis.register_script(_RENEW)
 
     def _keys(self, upload_id: str) -> list[str]:
         record = f"{self.prefix}:upload:{upload_id}"
@@ -217,11 +236,31 @@ class UploadStore:
 
     def begin_complete(self, upload_id: str) -> None:
         """Holds the upload for its completion: no part is added meanwhile, and no other completion runs."""
-        status = self._begin_complete(keys=self._keys(upload_id)[:1], args=[COMPLETING_HOLD_S]).decode()
+        status = self._begin_complete(keys=self._keys(upload_id)[:1], args=[self.hold_s]).decode()
         if status == "missing":
             raise UploadNotFound(upload_id)
         if status != "ok":
             raise NotPending(UploadStatus(status))
+
+    @contextmanager
+    def holding(self, upload_id: str) -> Iterator[None]:
+        """Renews the completion's hold while the block runs (a thread of its own: joining parts blocks for long)."""
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(self.hold_s / 3):
+                try:
+                    self._renew(keys=self._keys(upload_id)[:1], args=[self.hold_s])
+                except RedisError:  # the next beat tries again; the hold outlives a few
+                    log.warning("%s: its completion's hold was not renewed", upload_id, exc_info=True)
+
+        renewer = threading.Thread(target=renew, name=f"hold-{upload_id}", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            renewer.join()
 
     def reopen(self, upload_id: str) -> None:
         """A completion refused: the upload takes parts again (what the caller can fix: a part missing, or over)."""

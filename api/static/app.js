@@ -438,7 +438,7 @@ function sendInParts(file, ui) {
   upload.abort = () => {
     upload.aborted = true;
     if (upload.xhr) upload.xhr.abort();
-    if (upload.id) api(`/v1/uploads/${upload.id}/cancel`, {method: "POST"}).catch(() => {});  // its parts go
+    if (upload.id) cancelUpload(upload.id);  // else once its declaration answers, below
     kept.forget();
     ui.failed("Upload cancelled.");
   };
@@ -452,15 +452,17 @@ function sendInParts(file, ui) {
     const found = earlier && await api(`/v1/uploads/${earlier.id}`).then((r) => r.json()).catch(() => null);
     const parts = found && found.status === "pending" ? earlier.parts.map((id) => found.part_ids.includes(id) && id)
       : [];
+    let id = found && found.id;
     if (parts.some(Boolean)) {
-      upload.id = found.id;
       toast(`Resuming ${file.name}: ${parts.filter(Boolean).length} of ${count} parts were sent before.`);
     } else {
       const declared = {bytes: file.size, filename: file.name, mime_type: file.type || "video/mp4",
         purpose: "user_data"};
-      upload.id = (await again(upload, "the upload", () => post("/v1/uploads", declared))).id;
+      id = (await again(upload, "the upload", () => post("/v1/uploads", declared))).id;
       parts.length = 0;
     }
+    if (upload.aborted) return cancelUpload(id);  // cancelled while it was being looked up or declared
+    upload.id = id;
     for (let index = 0, at = 0; at < file.size; index += 1, at += PART_BYTES) {
       if (parts[index]) continue;
       const part = file.slice(at, at + PART_BYTES);
@@ -491,7 +493,9 @@ const keptUploads = (() => {
     try { return JSON.parse(localStorage.getItem(NAME)) || {}; } catch { return {}; }
   };
   const save = (uploads) => {
-    try { localStorage.setItem(NAME, JSON.stringify(uploads)); } catch { /* full or forbidden: no resume, that is all */ }
+    try {
+      localStorage.setItem(NAME, JSON.stringify(uploads));
+    } catch { /* full or forbidden: no resume, that is all */ }
   };
   return {
     of(file) {
@@ -535,22 +539,46 @@ function sendPart(upload, part, progress) {
 }
 
 // `attempt()` until it answers, through dropped connections and the service's passing refusals (waiting 1, 2, 4 …
-// 30 s, or until the browser is back online); what the caller must mend, or a cancel, ends it.
+// 30 s, or until the browser is back online); what the caller must mend, or a cancel, ends it: nothing more is sent.
 async function again(upload, what, attempt) {
   for (let tries = 0; ; tries += 1) {
+    if (upload.aborted) throw new DOMException("cancelled", "AbortError");
     try {
       return await attempt();
     } catch (error) {
-      if (upload.aborted || (error instanceof ApiError && !TRANSIENT.includes(error.status))) throw error;
+      if (upload.aborted || (error instanceof ApiError && !passing(error))) throw error;
       const wait = Math.min(30, 2 ** tries);
       $("upload-text").textContent = navigator.onLine ? `Connection lost sending ${what}: trying again in ${wait} s…`
         : `Offline: ${what} is sent again once the connection is back.`;
-      await new Promise((resolve) => {
-        if (navigator.onLine) setTimeout(resolve, wait * 1000);
-        window.addEventListener("online", resolve, {once: true});
-      });
+      await online(wait);
     }
   }
+}
+
+// A refusal that a later try may not meet: the service busy, or completing the same upload for a request it lost.
+function passing(error) {
+  const completing = error.status === 409 && error.body && error.body.code === "upload_completing";
+  return TRANSIENT.includes(error.status) || completing;
+}
+
+function online(wait) {
+  return new Promise((resolve) => {
+    if (navigator.onLine) setTimeout(resolve, wait * 1000);
+    window.addEventListener("online", resolve, {once: true});
+  });
+}
+
+// A cancelled upload's parts go on the service; a cancel sent offline is sent again once the browser is back online.
+async function cancelUpload(id) {
+  for (let tries = 0; tries < 8; tries += 1) {
+    try {
+      return await api(`/v1/uploads/${id}/cancel`, {method: "POST"});
+    } catch (error) {
+      if (error instanceof ApiError && !passing(error)) return null;  // gone, or completed meanwhile
+      await online(Math.min(30, 2 ** tries));
+    }
+  }
+  return null;
 }
 
 // The form's control for each field the API names in `errors`.

@@ -148,6 +148,7 @@ def test_a_completion_refused_leaves_the_upload_to_mend(api, s3, video):
 
     # The SDK retries a completion whose answer it lost: the same parts answer the same upload; others are refused
     assert complete(api, upload_id, part_ids).json() == done.json()
+    assert_problem(complete(api, upload_id, part_ids, md5="0" * 32), 422, "md5_mismatch")  # checked again
     assert_problem(complete(api, upload_id, part_ids[:2]), 409, "upload_completed")
     assert_problem(send_part(api, upload_id, b"more"), 409, "upload_completed")
     assert_problem(requests.post(f"{api}/v1/uploads/{upload_id}/cancel", headers=auth(KEY), timeout=10), 409,
@@ -159,6 +160,8 @@ def test_an_upload_in_parts_is_bounded_as_one_sent_whole(api, s3, video):
     refused = assert_problem(declare(api, 10, bytes=0, filename=""), 422, "invalid_request")
     assert {item["field"] for item in refused["errors"]} == {"bytes", "filename"}
     assert_problem(declare(api, 10, expires_after={"anchor": "created_at", "seconds": 60}), 422, "invalid_request")
+    for odd in ({"bytes": "100"}, {"bytes": True}, {"mime_type": "not a type"}, {"filename": "a\r\nb.mp4"}):
+        assert_problem(declare(api, 10, **odd), 422, "invalid_request")
 
     upload_id = declared(api, 1000)
     assert_problem(send_part(api, upload_id, video[:1001]), 413, "upload_too_large")  # larger than the upload
@@ -176,7 +179,8 @@ def test_an_upload_in_parts_is_bounded_as_one_sent_whole(api, s3, video):
         requests.post(f"{api}/v1/uploads/{upload_id}/cancel", headers=auth("bob"), timeout=10),
     ):
         assert_problem(response, 404, "upload_not_found")
-    assert get(api, upload_id).json()["received_bytes"] == 1000
+    shown = get(api, upload_id).json()
+    assert (shown["status"], shown["received_bytes"]) == ("pending", 1000)  # bob's cancel cancelled nothing
 
 
 def test_a_part_sent_again_after_its_answer_was_lost_does_not_block_the_upload(api, s3, video):
@@ -241,3 +245,44 @@ def test_a_pending_upload_expires_and_then_takes_nothing(redis_client):
         with pytest.raises(NotPending) as refused:
             attempt()
         assert refused.value.status is UploadStatus.EXPIRED
+
+
+def test_a_completion_sent_again_while_the_first_joins_waits_for_it(api, redis_client, video):
+    """OpenAI's SDK gives up on a completion's answer after its timeout and sends it again while the first still
+    joins the parts: the second waits (it answered 409 at once, which the SDK raised), and where the first ends
+    without completing, does the join itself."""
+    upload_id = declared(api, len(video))
+    part_ids = [sent(api, upload_id, piece) for piece in thirds(video)]
+    first = UploadStore(redis_client, ttl_s=3600)
+    first.begin_complete(upload_id)  # a request joining its parts
+
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(complete, api, upload_id, part_ids)
+        time.sleep(1.5)
+        assert not second.done(), second.result().text
+        first.reopen(upload_id)  # the first ends without completing (its client's fault, or its process killed)
+        done = second.result(timeout=30)
+    assert done.status_code == 200 and done.json()["status"] == "completed", done.text
+
+
+def test_a_completion_whose_process_died_lets_another_take_over_once_its_hold_lapses(redis_client):
+    store = UploadStore(redis_client, ttl_s=60, prefix="vsrq-test-hold", hold_s=1)
+    store.create("upload_" + "h" * 24, "me", filename="a.mp4", size=10, mime_type="video/mp4", purpose=None)
+    store.begin_complete("upload_" + "h" * 24)
+    with store.holding("upload_" + "h" * 24):  # alive: renewed while it joins, however long
+        time.sleep(2)
+        with pytest.raises(NotPending) as held:
+            store.begin_complete("upload_" + "h" * 24)
+        assert held.value.status is UploadStatus.COMPLETING
+    time.sleep(1.2)  # its renewals stopped, as a killed process's do
+    store.begin_complete("upload_" + "h" * 24)
+
+
+def test_an_expired_upload_says_so_to_a_job_and_to_a_cancel(api, redis_client, video):
+    upload_id = declared(api, len(video))
+    redis_client.hset(f"vsrq:upload:{upload_id}", "expires_at", 0)  # its day has passed
+    assert get(api, upload_id).json()["status"] == "expired"
+    named = requests.post(f"{api}/v1/videos", json={"upload_id": upload_id}, headers=auth(KEY), timeout=10)
+    assert "send it again" in assert_problem(named, 409, "upload_expired")["detail"]
+    cancel = requests.post(f"{api}/v1/uploads/{upload_id}/cancel", headers=auth(KEY), timeout=10)
+    assert_problem(cancel, 409, "upload_expired")

@@ -482,3 +482,55 @@ def test_an_upload_in_parts_cut_by_a_reload_resumes_when_the_same_file_is_picked
     assert job["input"]["upload_id"] in upload_url
     assert page.evaluate("localStorage.getItem('vsrq-uploads')") == "{}"  # nothing left to resume
     requests.post(f"{open_api}/v1/videos/{job['id']}/cancel", timeout=10)
+
+
+def test_a_cancelled_upload_in_parts_sends_nothing_more_whenever_it_is_cancelled(
+    open_api, browser_context, corpus_cache, tmp_path
+):
+    """Cancelled while it is being declared, or offline mid-part: no part is sent after, and the service's upload is
+    cancelled (its parts deleted) once the cancel gets through. Both went on sending, and a job was made."""
+    path = tmp_path / "walk.mp4"
+    path.write_bytes(padded((corpus_cache / "forensics-VID_20191220_170832.mp4").read_bytes(), 19 * 1024 * 1024 // 2))
+    page = browser_context.new_page()
+    declared: list[str] = []
+    page.on("response", lambda answer: answer.url.endswith("/v1/uploads") and declared.append(answer.json()["id"]))
+    held, parts = [], []
+    page.route("**/v1/uploads", lambda route: held.append(route))  # the declaration's answer is late
+    page.route("**/v1/uploads/*/parts", lambda route: (parts.append(route.request.url), route.continue_()))
+    page.goto(f"{open_api}/")
+    page.get_by_label("Model", exact=True).select_option("lanczos")
+
+    def cancelled(upload_id: str) -> bool:
+        return requests.get(f"{open_api}/v1/uploads/{upload_id}", timeout=10).json()["status"] == "cancelled"
+
+    # -- cancelled while its declaration is on its way
+    drop(page, "#dropzone", path)
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    until(page, "document.getElementById('unpick').textContent === 'Cancel upload'")
+    page.wait_for_timeout(200)
+    page.get_by_role("button", name="Cancel upload").click()
+    held[0].continue_()
+    page.unroute("**/v1/uploads")
+    for _ in range(100):
+        if declared and cancelled(declared[0]):
+            break
+        page.wait_for_timeout(100)
+    assert declared and cancelled(declared[0]) and parts == [], (declared, parts)
+
+    # -- cancelled offline, mid-part; the browser back online
+    drop(page, "#dropzone", path)
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    until(page, "document.getElementById('upload-text').textContent.startsWith('Uploading')")
+    browser_context.set_offline(True)
+    until(page, "document.getElementById('upload-text').textContent.startsWith('Offline')")
+    page.get_by_role("button", name="Cancel upload").click()
+    sent_before = len(parts)
+    browser_context.set_offline(False)
+    for _ in range(100):
+        if len(declared) == 2 and cancelled(declared[1]):
+            break
+        page.wait_for_timeout(100)
+    page.wait_for_timeout(1500)  # a part that would have been sent again by now
+    assert len(declared) == 2 and cancelled(declared[1]) and len(parts) == sent_before, (declared, parts)
+    jobs = requests.get(f"{open_api}/v1/videos?limit=5", timeout=10).json()["data"]
+    assert not [job for job in jobs if job["input"]["upload_id"] in declared]
