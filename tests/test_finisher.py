@@ -2,8 +2,10 @@
 task that hands it, so its worker takes the next job; tails still run one at a time, in order, and only so many
 are held."""
 
+import gc
 import shutil
 import threading
+import weakref
 from time import monotonic
 
 from worker.finisher import Finisher
@@ -96,3 +98,28 @@ def test_the_tails_waiting_behind_a_stuck_one_are_waited_for_not_the_stuck_one()
     assert monotonic() - began < 5
     stuck.set()
     assert finisher.wait(30)
+
+
+def test_a_tail_that_has_ended_is_not_kept_until_the_next_one_is_handed():
+    """The task hands `tail.silent_s`, a bound method of the job's tail (its encoder, the writer's streams and their
+    FFmpeg threads, the job's record): once the tail's thread has ended, nothing of it stays referenced, though no
+    other tail is handed after it (the worker's last job before an idle spell)."""
+
+    class Tail:  # stands for worker.tasks._Tail
+        def silent_s(self):
+            return 0.0
+
+    refs, go = [], threading.Event()
+    finisher = Finisher(held=2)
+
+    def hand():  # as the task does: its tail is referred to by the finisher alone once it returns
+        tail = Tail()
+        refs.append(weakref.ref(tail))
+        finisher.hand(lambda turn: go.wait(30) and tail.silent_s(), tail.silent_s)
+
+    hand()
+    go.set()
+    assert finisher.wait(30) and not finisher.busy()
+    gc.collect()
+    assert refs[0]() is None  # with the finisher's list holding (thread, silent_s), kept until the next `room`/`hand`
+    assert finisher.silent_s() == 0.0 and finisher.room(0)

@@ -3,6 +3,7 @@ the audio in sync, subtitles and metadata, and a typed error with nothing left b
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import re
@@ -10,6 +11,7 @@ import resource
 import struct
 import subprocess
 import sys
+import weakref
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -23,9 +25,9 @@ from tests.mediatools import read_back
 from worker.errors import PermanentError
 from worker.media.errors import InputCorrupt
 from worker.media.limits import Limits
-from worker.media.passthrough import aac_format
+from worker.media.passthrough import Passthrough, aac_format, plan_streams
 from worker.media.probe import probe
-from worker.media.reader import _source_colour, read_frames
+from worker.media.reader import _source_colour, prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.synthetic import _write_audio, gradient_clip, pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
@@ -1381,3 +1383,50 @@ def test_a_variable_rate_mp4_with_b_frames_keeps_its_length(tmp_path):
         stream = container.streams.video[0]
         written = presented(movie(output), stream.id)
     assert abs(float(written - shown)) <= 0.002, (float(shown), float(written))
+
+
+def test_a_passthrough_goes_with_its_last_reference_not_with_the_cycle_collector(tmp_path):
+    """Its handlers hold it back weakly: a passthrough that held them and was held by them stayed, with their decoders
+    and encoders and the FFmpeg threads these run (256 for 64 sound tracks re-encoded), until Python's cyclic
+    collector ran, jobs later on a worker."""
+    source = write_clip(tmp_path / "in.mov", 6, SIZE, Fraction(24), audio_codec="pcm_s16le")  # re-encoded to AAC
+    info = probe(source, Limits())
+    passthrough = Passthrough(info, plan_streams(info), offset=0.0)
+    with av.open(str(tmp_path / "out.mp4"), "w") as output:
+        passthrough.add_streams(output)
+    assert passthrough.handlers
+    gone = weakref.ref(passthrough)
+    gc.disable()
+    try:
+        passthrough.close()
+        del passthrough
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def test_a_decoding_error_handed_on_by_prefetch_keeps_nothing_of_the_decoder_s_stack(tmp_path):
+    """The error `prefetch` raises in its consumer once held the consumer's frame in its traceback and that frame held
+    the error: a cycle that kept every frame of the decoder's stack, with their locals (a refused 8000x8000 picture,
+    the decoder and its threads), until Python's cyclic collector ran."""
+    pictures = []
+
+    class Picture:
+        pass
+
+    def decoded():
+        picture = Picture()  # a local of the decoder's frame, as `_pictures`'s refused frame is
+        pictures.append(weakref.ref(picture))
+        yield 1
+        raise InputCorrupt("a frame too many")
+
+    gc.disable()
+    try:
+        try:
+            for _ in prefetch(decoded(), 2):
+                pass
+        except InputCorrupt:
+            pass
+        assert pictures and pictures[0]() is None
+    finally:
+        gc.enable()

@@ -35,14 +35,14 @@ class Finisher:
     def __init__(self, held: int = HELD) -> None:
         self.held = held
         # in the order handed: each tail's thread, and how long it has shown no sign of life
-        self._pending: list[tuple[threading.Thread, Callable[[], float]]] = []
+        self._pending: list[_Held] = []
 
     def busy(self) -> bool:
-        return any(thread.is_alive() for thread, _ in self._pending)
+        return any(held.thread.is_alive() for held in self._pending)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Waits for every tail in flight, up to `timeout_s`: whether none is left."""
-        return _ended([thread for thread, _ in self._pending], timeout_s)
+        return _ended([held.thread for held in self._pending], timeout_s)
 
     def room(self, timeout_s: float | None = None, fits: Callable[[], bool] = lambda: True) -> bool:
         """Waits up to `timeout_s` until another tail can be handed: fewer than `held` in flight and, while any is,
@@ -50,23 +50,23 @@ class Finisher:
         nothing). Whether one can."""
         if self._fits(fits):
             return True
-        _ended([self._pending[0][0]], timeout_s)
+        _ended([self._pending[0].thread], timeout_s)
         return self._fits(fits)
 
     def _fits(self, fits: Callable[[], bool]) -> bool:
-        self._pending = [(thread, silent_s) for thread, silent_s in self._pending if thread.is_alive()]
+        self._pending = [held for held in self._pending if held.thread.is_alive()]
         return not self._pending or (len(self._pending) < self.held and fits())
 
     def wait_behind(self, timeout_s: float) -> bool:
         """Waits up to `timeout_s` for the tails behind the oldest in flight (those waiting their turn): whether they
         have ended."""
-        alive = [thread for thread, _ in self._pending if thread.is_alive()]
+        alive = [held.thread for held in self._pending if held.thread.is_alive()]
         return _ended(alive[1:], timeout_s)
 
     def silent_s(self) -> float:
         """How long the oldest tail in flight (the one running) has shown no sign of life (no heartbeat of its lease
         delivered); 0 if none."""
-        return next((silent_s() for thread, silent_s in self._pending if thread.is_alive()), 0.0)
+        return next((held.silent_s() for held in self._pending if held.thread.is_alive()), 0.0)
 
     def hand(self, tail: Callable[[Turn], None], silent_s: Callable[[], float]) -> None:
         """Runs `tail(turn)` on a thread of its own, in the caller's context (its log lines keep the job id): the tail
@@ -76,16 +76,38 @@ class Finisher:
         if not self.room(0):
             raise RuntimeError(f"{self.held} tails are still in flight")
         # all of them: one that ended early (cancelled while it waited) lets no other through
-        before = [thread for thread, _ in self._pending]
+        before = [held.thread for held in self._pending]
 
         def turn(timeout_s: float | None) -> bool:
             return _ended(before, timeout_s)
 
-        thread = threading.Thread(
-            target=contextvars.copy_context().run, args=(_run, tail, turn), name="vsrq-tail", daemon=True
+        held = _Held(silent_s)
+        # the tail in a list its thread empties: the thread's own arguments keep no reference to it once it has run
+        held.thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(_run, [tail], turn, held), name="vsrq-tail", daemon=True
         )
-        self._pending.append((thread, silent_s))
-        thread.start()
+        self._pending.append(held)
+        held.thread.start()
+
+
+class _Held:
+    """A tail handed: its thread, and its `silent_s` until it ends. `silent_s` is the tail's bound method, so it holds
+    the job's whole tail (its encoder, the writer's streams and their FFmpeg threads, the job's record): dropped when
+    the tail ends, not when the next job's tail is handed, which may be hours later on an idle worker (after a job of 64
+    sound tracks: ~60 MiB of heap and 256 FFmpeg threads kept)."""
+
+    __slots__ = ("silent_s", "thread")
+
+    def __init__(self, silent_s: Callable[[], float]) -> None:
+        self.silent_s = silent_s
+        self.thread: threading.Thread
+
+    def ended(self) -> None:
+        self.silent_s = _no_sign_needed
+
+
+def _no_sign_needed() -> float:
+    return 0.0
 
 
 def _ended(threads: list[threading.Thread], timeout_s: float | None) -> bool:
@@ -95,8 +117,11 @@ def _ended(threads: list[threading.Thread], timeout_s: float | None) -> bool:
     return not any(thread.is_alive() for thread in threads)
 
 
-def _run(tail: Callable[[Turn], None], turn: Turn) -> None:
+def _run(tails: list[Callable[[Turn], None]], turn: Turn, held: _Held) -> None:
+    tail = tails.pop()  # the job's tail is dropped when this returns: nothing else refers to it
     try:
         tail(turn)
     except BaseException:  # a tail handles its own errors: one that escapes is a bug
         log.exception("a job's tail failed outside its attempt's error handling")
+    finally:
+        held.ended()

@@ -17,6 +17,7 @@ output is interleaved and nothing is buffered beyond the muxer's own queue.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -209,8 +210,16 @@ class Passthrough:
 
 class _Handler:
     def __init__(self, stream: av.stream.Stream, output: av.container.OutputContainer, passthrough: Passthrough) -> None:
-        self.source, self.passthrough = stream, passthrough
+        # held weakly: the passthrough holds its handlers, and a cycle would keep them (their decoders and encoders,
+        # whose FFmpeg threads run on: 256 for 64 sound tracks) until Python's cyclic collector runs, jobs later
+        self.source, self._passthrough = stream, weakref.ref(passthrough)
         self.output = self._add(output)
+
+    @property
+    def passthrough(self) -> Passthrough:
+        passthrough = self._passthrough()
+        assert passthrough is not None, "a handler outlived its passthrough"
+        return passthrough
 
     def _add(self, output: av.container.OutputContainer) -> av.stream.Stream:
         raise NotImplementedError

@@ -392,7 +392,12 @@ def prefetch(items: Iterable[T], depth: int) -> Iterator[T]:
             item, error = buffer.get()
             if item is _END:
                 if error is not None:
-                    raise error
+                    try:
+                        raise error
+                    finally:  # its traceback holds this frame: a cycle that kept the error, with every frame of the
+                        # decoder's stack and their locals (the container, its decoder and the decoder's threads, the
+                        # refused frame) until Python's cyclic collector ran, jobs later
+                        del error
                 return
             yield item
     finally:
