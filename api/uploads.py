@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from flask import Blueprint, Response, g, jsonify, request
@@ -28,7 +28,7 @@ from api.ratelimit import limits_of
 from api.schemas import CompleteUpload, DeclareUpload
 from api.sniff import PEEK_BYTES, without_video, not_a_video
 from api.services import services
-from storage.blobs import BlobInfo, TooLarge, new_upload_id, upload_key
+from storage.blobs import BlobInfo, BlobNotFound, TooLarge, new_upload_id, read_at, upload_key
 from storage.uploads import (
     PART_MAX_BYTES, NotPending, PartRefused, UploadNotFound, UploadRecord, UploadStatus, new_part_id,
     part_key,
@@ -46,6 +46,8 @@ blueprint.before_request(hold_body_slot)
 
 # Form overhead on top of the file: boundaries, part headers, the non-file fields.
 _FORM_SLACK = 1024 * 1024
+# How long a completion sent again waits for the one still joining the upload's parts (a dead one's hold lapses first)
+WAIT_FOR_COMPLETION_S = 60
 
 
 @dataclass
@@ -53,7 +55,7 @@ class StoredFile:
     field: str
     filename: str
     content_type: str
-    upload_id: str
+    id: str  # the upload's, or the part's
     blob: BlobInfo
 
 
@@ -163,7 +165,7 @@ def hash_form(file_fields: frozenset[str]) -> tuple[dict[str, str | None], str |
             while chunk := part.stream.read(1024 * 1024):
                 size += len(chunk)
                 if size > limit:
-                    raise ApiError(413, "upload_too_large", f"Uploads are limited to {limit} bytes.")
+                    raise ApiError(413, "upload_too_large", _too_large(limit))
                 hasher.update(chunk)
             digest = hasher.hexdigest()
     return fields, digest
@@ -189,12 +191,12 @@ def create_upload() -> tuple[Response, int]:
         if file.filename:  # its jobs' name for it, nothing more: an upload is not failed for it
             svc.redis.set(_name_key(file.blob.key), file.filename, ex=svc.settings.upload_ttl_s)
         record = svc.uploads.record_whole(
-            file.upload_id, owner(), filename=file.filename, size=file.blob.size, mime_type=file.content_type,
+            file.id, owner(), filename=file.filename, size=file.blob.size, mime_type=file.content_type,
             sha256=file.blob.sha256,
         )  # fmt: skip
     except RedisError:  # the file is stored: a job may name it, only its name and GET /v1/uploads/{id} are lost
-        log.warning("%s: its record was not kept", file.upload_id, exc_info=True)
-        record = svc.uploads.unrecorded(file.upload_id, owner(), file.filename, file.blob, file.content_type)
+        log.warning("%s: its record was not kept", file.id, exc_info=True)
+        record = svc.uploads.unrecorded(file.id, owner(), file.filename, file.blob, file.content_type)
     return jsonify(upload_view(record)), 201
 
 
@@ -265,9 +267,9 @@ def _declare_upload() -> tuple[Response, int]:
 
 
 def _pending(upload_id: str) -> UploadRecord:
-    """The caller's upload, which must still take parts."""
+    """The caller's upload, which must still take parts (refused before its part's body is read)."""
     record = _record(upload_id)
-    if record.status not in (UploadStatus.PENDING, UploadStatus.COMPLETING):
+    if record.status is not UploadStatus.PENDING:
         raise _not_pending(upload_id, record.status)
     return record
 
@@ -276,7 +278,12 @@ def _record(upload_id: str) -> UploadRecord:
     try:
         return services().uploads.get(upload_id, owner())
     except UploadNotFound:
-        raise ApiError(404, "upload_not_found", "No such upload.") from None
+        raise no_such_upload() from None
+
+
+def no_such_upload() -> ApiError:
+    """Missing, or another key's: the same answer."""
+    return ApiError(404, "upload_not_found", "No such upload.")
 
 
 _WHAT_NOW = {
@@ -295,7 +302,10 @@ def _not_pending(upload_id: str, status: UploadStatus) -> ApiError:
 
 @blueprint.get("/v1/uploads/<upload_id>")
 def get_upload(upload_id: str) -> Response:
-    return jsonify(upload_view(_record(upload_id)))
+    record = _record(upload_id)
+    if record.status is UploadStatus.COMPLETED and not services().blobs.exists(upload_key(record.owner, record.id)):
+        record = replace(record, status=UploadStatus.EXPIRED)  # its file deleted: no job named it within its TTL
+    return jsonify(upload_view(record))
 
 
 @blueprint.post("/v1/uploads/<upload_id>/parts")
@@ -309,7 +319,7 @@ def add_part(upload_id: str) -> tuple[Response, int]:
         raise ApiError(422, "missing_file", "Send the part in the multipart field `data`.")
     part = form.file
     try:
-        services().uploads.add_part(upload_id, part.upload_id, part.blob.size)
+        created = services().uploads.add_part(upload_id, part.id, part.blob.size)
     except BaseException as error:
         services().blobs.delete(part.blob.key)
         if isinstance(error, PartRefused):
@@ -317,10 +327,9 @@ def add_part(upload_id: str) -> tuple[Response, int]:
         if isinstance(error, NotPending):
             raise _not_pending(upload_id, error.status) from None
         if isinstance(error, UploadNotFound):
-            raise ApiError(404, "upload_not_found", "No such upload.") from None
+            raise no_such_upload() from None
         raise
-    created = services().uploads.get(upload_id, owner()).created_at
-    view = {"id": part.upload_id, "object": "upload.part", "created_at": created, "upload_id": upload_id,
+    view = {"id": part.id, "object": "upload.part", "created_at": created, "upload_id": upload_id,
             "bytes": part.blob.size, "sha256": part.blob.sha256}  # fmt: skip
     return jsonify(view), 201
 
@@ -336,17 +345,18 @@ def complete_upload(upload_id: str) -> Response:
             _check_md5(record, asked.md5)
         return jsonify(upload_view(record))
     try:
-        store.begin_complete(upload_id)
+        token = store.begin_complete(upload_id)
     except NotPending as error:
         raise _not_pending(upload_id, error.status) from None
     try:
-        with store.holding(upload_id):  # no other completion while this one lives, however long it joins
+        with store.holding(upload_id, token):  # no other completion while this one lives, however long it joins
             record = store.get(upload_id, owner())  # its parts, which no request adds to meanwhile
             sha256 = _join(record, asked)
     except BaseException:
-        store.reopen(upload_id)
+        store.reopen(upload_id, token)
         raise
-    store.completed(upload_id, asked.part_ids, sha256)
+    if not store.completed(upload_id, token, asked.part_ids, sha256):  # its hold lapsed: another completion runs
+        raise _not_pending(upload_id, UploadStatus.COMPLETING)
     svc = services()
     try:
         svc.redis.set(_name_key(upload_key(owner(), upload_id)), record.filename, ex=svc.settings.upload_ttl_s)
@@ -358,14 +368,12 @@ def complete_upload(upload_id: str) -> Response:
 
 def _completing_elsewhere(upload_id: str) -> UploadRecord:
     """The upload, once no other request is joining its parts: a completion retried while the first still runs
-    (OpenAI's SDK gives up on its answer after its timeout) waits for it, then answers what it did."""
-    deadline = time.monotonic() + _WAIT_FOR_COMPLETION_S
+    (OpenAI's SDK gives up on its answer after its timeout) waits for it, then answers what it did. One whose process
+    died reads pending once its hold lapses."""
+    deadline = time.monotonic() + WAIT_FOR_COMPLETION_S
     while (record := _record(upload_id)).status is UploadStatus.COMPLETING and time.monotonic() < deadline:
         time.sleep(0.2)
     return record
-
-
-_WAIT_FOR_COMPLETION_S = 60
 
 
 def _check_md5(record: UploadRecord, md5: str) -> None:
@@ -391,7 +399,8 @@ def _md5_refused(found: str, asked: str) -> ApiError:
 
 
 def _join(record: UploadRecord, asked: CompleteUpload) -> str | None:
-    """Writes the named parts, in order, as the upload's file; its SHA-256. Refuses what the caller can mend."""
+    """Writes the named parts, in order, as the upload's file; its SHA-256 where it was read. Refuses parts that do
+    not make the declared file, a file that is no video, an `md5` that is not its own: the file is then not kept."""
     unknown = [part for part in asked.part_ids if part not in record.parts]
     repeated = len(set(asked.part_ids)) != len(asked.part_ids)
     if unknown or repeated:
@@ -406,45 +415,29 @@ def _join(record: UploadRecord, asked: CompleteUpload) -> str | None:
     head = _first_bytes(sources, [record.parts[part] for part in asked.part_ids], PEEK_BYTES)
     if kind := not_a_video(head):
         raise ApiError(422, "input_no_video", f"`{record.filename}` is {kind}, not a video.")
-    blob = blobs.join(upload_key(record.owner, record.id), sources, content_type=record.mime_type)
     try:
+        blob = blobs.join(upload_key(record.owner, record.id), sources, content_type=record.mime_type)
+    except BlobNotFound as gone:  # swept as the upload neared its expiry
+        message = f"A part of upload `{record.id}` is no longer stored ({gone}): send it again."
+        raise ApiError(422, "invalid_parts", message, errors=_about("part_ids", "invalid_parts", message)) from None
+    try:  # the file is there for a job to name only once the upload is completed
         _refuse_without_video(blob, head, f"`{record.filename}`")
-    except ApiError:
+        if asked.md5 is None:
+            return blob.sha256  # None where storage joined the parts itself: the worker hashes what it downloads
+        md5, sha256 = _digests(blob.key)
+        if md5 != asked.md5.lower():
+            raise _md5_refused(md5, asked.md5)
+        return sha256
+    except BaseException:
         blobs.delete(blob.key)
         raise
-    if asked.md5 is None:
-        return blob.sha256  # None where storage joined the parts itself: the worker hashes what it downloads
-    md5, sha256 = _digests(blob.key)
-    if md5 != asked.md5.lower():
-        blobs.delete(blob.key)
-        raise _md5_refused(md5, asked.md5)
-    return sha256
 
 
 def _refuse_without_video(blob: BlobInfo, head: bytes, name: str) -> None:
-    """Refuses a stored MP4 whose tracks are all sound (or text): its movie box may come after its media data, so it
-    is read from storage where `head` (the file's first bytes) ends before it."""
-    blobs, blocks = services().blobs, {}
-
-    def read_at(offset: int, length: int) -> bytes:
-        if offset + length <= len(head) or offset >= blob.size:
-            return head[offset : offset + length]
-        data = b""
-        for block in range(offset // _BLOCK, (min(offset + length, blob.size) - 1) // _BLOCK + 1):
-            if block not in blocks and len(blocks) == _MOST_BLOCKS:
-                return b""  # boxes spread so far are not judged here: the worker's probe will
-            if block not in blocks:  # a few reads of storage, one per 64 KiB reached
-                with blobs.open(blob.key, (block * _BLOCK, min((block + 1) * _BLOCK, blob.size) - 1)) as stream:
-                    blocks[block] = stream.read()
-            data += blocks[block]
-        start = offset - (offset // _BLOCK) * _BLOCK
-        return data[start : start + length]
-
-    if kind := without_video(read_at, blob.size):
+    """Refuses a stored MP4, WebM or Matroska file whose tracks are all sound (or text): its movie box may come after
+    its media data, so it is read from storage where `head` (the file's first bytes) ends before it."""
+    if kind := without_video(read_at(services().blobs, blob, head), blob.size):
         raise ApiError(422, "input_no_video", f"{name} is {kind}, not a video.")
-
-
-_BLOCK, _MOST_BLOCKS = 64 * 1024, 64
 
 
 def _first_bytes(keys: list[str], sizes: list[int], count: int) -> bytes:
@@ -470,7 +463,7 @@ def cancel_upload(upload_id: str) -> Response:
     try:
         services().uploads.cancel(upload_id)
     except UploadNotFound:
-        raise ApiError(404, "upload_not_found", "No such upload.") from None
+        raise no_such_upload() from None
     except NotPending as error:
         raise _not_pending(upload_id, error.status) from None
     _drop_parts(upload_id)

@@ -32,13 +32,13 @@ from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
-from api.uploads import hash_form, receive_form, upload_name
+from api.uploads import hash_form, no_such_upload, receive_form, upload_name
 from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files
 from storage.queue import send_upscale
 from storage.ssrf import UnsafeUrl, public_addresses
-from storage.uploads import UploadNotFound, UploadStatus
+from storage.uploads import UploadNotFound, UploadStatus, parts_prefix
 from storage.webhooks import Outbox, relay_now
 
 blueprint = Blueprint("videos", __name__)
@@ -129,7 +129,7 @@ def _create_from_request(files: frozenset[str]) -> tuple[int, dict[str, Any], st
             bytes=stored.blob.size,
             sha256=stored.blob.sha256,
             filename=stored.filename,
-            upload_id=stored.upload_id,
+            upload_id=stored.id,
             owned_by_job=True,
         )
         body = _create_job(create, source)
@@ -168,30 +168,36 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
     caller = owner()
     key = upload_key(caller, create.upload_id) if create.upload_id else create.input_key
     # Another caller's upload, or any key outside the caller's uploads, answers exactly as a missing one; so does a key
-    # that is not plainly spelled: `uploads/{caller}/../{other}/...` starts like the caller's (and S3 answers it 400).
-    ours = key.startswith(upload_key(caller, "")) and SAFE_KEY.fullmatch(key)
+    # that is not plainly spelled: `uploads/{caller}/../{other}/...` starts like the caller's (and S3 answers it 400),
+    # and one part of an upload in parts.
+    mine, part = key.startswith(upload_key(caller, "")), key.startswith(parts_prefix(caller))
+    ours = SAFE_KEY.fullmatch(key) and mine and not part
+    upload_id = key.rsplit("/", 1)[1]
+    if ours and (refused := _unfinished(upload_id)):
+        raise refused
     try:
         blob = services().blobs.head(key) if ours else None
     except BlobError:
         blob = None
     if blob is None:
-        raise _no_upload(create.upload_id)
-    name = upload_name(key)
-    return InputInfo(key=key, bytes=blob.size, filename=name, upload_id=key.rsplit("/", 1)[1], owned_by_job=False)
+        raise no_such_upload()
+    return InputInfo(key=key, bytes=blob.size, filename=upload_name(key), upload_id=upload_id, owned_by_job=False)
 
 
-def _no_upload(upload_id: str | None) -> ApiError:
-    """Why a named upload is not there to upscale: one still taking its parts says so."""
+def _unfinished(upload_id: str) -> ApiError | None:
+    """Why an upload of the caller's is no input (yet, or any more): still taking its parts, cancelled or expired.
+    None for a completed one, and for one no record was kept of (uploaded before records were)."""
     try:
-        record = services().uploads.get(upload_id, owner()) if upload_id else None
+        record = services().uploads.get(upload_id, owner())
     except UploadNotFound:
-        record = None
-    if record is not None and record.status in (UploadStatus.PENDING, UploadStatus.COMPLETING):
+        return None
+    if record.status in (UploadStatus.PENDING, UploadStatus.COMPLETING):
         return ApiError(409, "upload_not_completed",
                         f"Upload `{upload_id}` is pending: complete it (POST /v1/uploads/{upload_id}/complete) first.")
-    if record is not None and record.status is UploadStatus.EXPIRED:
-        return ApiError(409, "upload_expired", f"Upload `{upload_id}` expired before it was completed: send it again.")
-    return ApiError(404, "upload_not_found", "No such upload.")
+    if record.status is not UploadStatus.COMPLETED:
+        return ApiError(409, f"upload_{record.status}",
+                        f"Upload `{upload_id}` was {record.status} before it was completed: send the file again.")
+    return None
 
 
 def _named_input(body: dict[str, Any], files: frozenset[str]) -> tuple[CreateRequest, InputInfo]:

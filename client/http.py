@@ -2,8 +2,8 @@
 
 It speaks HTTP only (requests; never imports torch or the server's modules). Every call is retried with tenacity on
 what a later try can fix: connection errors, timeouts, 5xx, 429 and 503 (waiting what `Retry-After` says), and 409
-`idempotency_in_flight`. A create always carries an `Idempotency-Key` (a random one unless the caller derives its
-own, as `vsrq bulk` does to survive reruns), so that its retries never make a second job.
+`idempotency_in_flight` or `upload_completing`. A create always carries an `Idempotency-Key` (a random one unless the
+caller derives its own, as `vsrq bulk` does to survive reruns), so that its retries never make a second job.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ TERMINAL = frozenset({"completed", "failed", "cancelled"})
 # through some proxies), not in one request
 PART_BYTES = 64 * 1024 * 1024
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+# A create still running under its idempotency key; an upload's parts still being joined by an earlier completion
+_RETRY_409 = frozenset({"idempotency_in_flight", "upload_completing"})
 log = logging.getLogger("vsrq.client")
 
 
@@ -48,7 +50,7 @@ class ApiProblem(Exception):
 
     @property
     def transient(self) -> bool:
-        return self.status in _TRANSIENT_STATUS or (self.status == 409 and self.code == "idempotency_in_flight")
+        return self.status in _TRANSIENT_STATUS or (self.status == 409 and self.code in _RETRY_409)
 
 
 class DownloadMismatch(Exception):

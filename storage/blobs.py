@@ -185,6 +185,30 @@ class _Joined:
             self._current.close()
 
 
+_BLOCK = 64 * 1024  # what `read_at` reads of a blob at a time
+
+
+def read_at(store: BlobStore, blob: BlobInfo, head: bytes, most_blocks: int = 64) -> Callable[[int, int], bytes]:
+    """Reads of a stored blob at any offset (`read(offset, length)`), for parsers that seek: its first bytes from
+    `head`, the rest by ranged reads of 64 KiB blocks, each read once; past `most_blocks` of them (4 MiB), empty."""
+    blocks: dict[int, bytes] = {}
+
+    def read(offset: int, length: int) -> bytes:
+        if offset + length <= len(head) or offset >= blob.size:
+            return head[offset : offset + length]
+        first, last = offset // _BLOCK, (min(offset + length, blob.size) - 1) // _BLOCK
+        for block in range(first, last + 1):
+            if block not in blocks:
+                if len(blocks) == most_blocks:
+                    return b""
+                with store.open(blob.key, (block * _BLOCK, min((block + 1) * _BLOCK, blob.size) - 1)) as stream:
+                    blocks[block] = stream.read()
+        data = b"".join(blocks[block] for block in range(first, last + 1))
+        return data[offset - first * _BLOCK :][:length]
+
+    return read
+
+
 def _join_by_reading(store: BlobStore, key: str, sources: list[str], content_type: str) -> BlobInfo:
     joined = _Joined(store, sources)
     try:

@@ -40,6 +40,7 @@ log = logging.getLogger("vsrq.uploads")
 # OpenAI's part size limit, and the SDK's `upload_file_chunked` part size
 PART_MAX_BYTES = 64 * 1024 * 1024
 MAX_PARTS = 10_000  # S3's multipart limit; 64 MiB parts are 640 GB
+KEPT_AFTER_S = 24 * 3600  # a record is kept this long past its expiry, so that it answers `expired`, not not found
 # A completion holds its upload this long at a time, renewed while it joins the parts: one whose API process was
 # killed lets another take over this soon after
 COMPLETING_HOLD_S = 30
@@ -75,9 +76,13 @@ def new_part_id() -> str:
     return "part_" + secrets.token_hex(12)
 
 
-def part_key(owner: str, upload_id: str, part_id: str) -> str:
+def parts_prefix(owner: str) -> str:
     # Beside the owner's uploads, never one of them: an upload's id starts "upload_"
-    return f"uploads/{owner}/parts/{upload_id}/{part_id}"
+    return f"uploads/{owner}/parts/"
+
+
+def part_key(owner: str, upload_id: str, part_id: str) -> str:
+    return f"{parts_prefix(owner)}{upload_id}/{part_id}"
 
 
 @dataclass(frozen=True)
@@ -97,55 +102,73 @@ class UploadRecord:
     sha256: str | None
 
 
+# Every script's first lines: Redis's time, and the upload's status as it stands now. A completion whose hold lapsed
+# (its API process died mid-join) leaves the upload pending again; a pending one past its expiry is expired.
+_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+local function current(key)
+  local r = redis.call('HMGET', key, 'status', 'expires_at', 'completing_until')
+  if not r[1] then return 'missing' end
+  if r[1] == 'completing' and tonumber(r[3]) <= now then
+    redis.call('HSET', key, 'status', 'pending', 'completing_token', '')
+    r[1] = 'pending'
+  end
+  if r[1] == 'pending' and tonumber(r[2]) <= now then return 'expired' end
+  return r[1]
+end
+"""
+
 # KEYS: record, parts. ARGV: part id, its size, the most parts. Records the part if the upload still takes it: no part
 # larger than the upload, and no more than twice its bytes in all (a part whose answer was lost lands again when sent
-# again, and only the parts named at completion count)
-_ADD_PART = """
-local now = tonumber(redis.call('TIME')[1])
-local r = redis.call('HMGET', KEYS[1], 'status', 'bytes', 'received', 'expires_at')
-if not r[1] then return {'missing'} end
-if r[1] ~= 'pending' then return {r[1]} end
-if tonumber(r[4]) <= now then return {'expired'} end
-local size, declared = tonumber(ARGV[2]), tonumber(r[2])
-if size > declared or tonumber(r[3]) + size > 2 * declared then return {'over'} end
+# again, and only the parts named at completion count). Answers when it was recorded.
+_ADD_PART = _NOW + """
+local status = current(KEYS[1])
+if status ~= 'pending' then return {status} end
+local r = redis.call('HMGET', KEYS[1], 'bytes', 'received')
+local size, declared = tonumber(ARGV[2]), tonumber(r[1])
+if size > declared or tonumber(r[2]) + size > 2 * declared then return {'over'} end
 if redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[3]) then return {'too_many'} end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'received', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], redis.call('PTTL', KEYS[1]))
-return {'ok'}
+return {'ok', math.floor(now)}
 """
 
-# KEYS: record. ARGV: the hold. pending (or a completing whose hold ran out) → completing; answers the status found.
-_BEGIN_COMPLETE = """
-local time = redis.call('TIME')
-local now = tonumber(time[1]) + tonumber(time[2]) / 1e6
-local r = redis.call('HMGET', KEYS[1], 'status', 'expires_at', 'completing_until')
-if not r[1] then return 'missing' end
-if r[1] == 'pending' and tonumber(r[2]) <= now then return 'expired' end
-if r[1] == 'pending' or (r[1] == 'completing' and tonumber(r[3]) <= now) then
-  redis.call('HSET', KEYS[1], 'status', 'completing', 'completing_until', now + tonumber(ARGV[1]))
-  return 'ok'
-end
-return r[1]
-"""
-
-# KEYS: record, parts. ARGV: the status to go to from `from`, ARGV[3..]: field, value pairs to set.
-_MOVE = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 'missing' end
-if status ~= ARGV[2] then return status end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], unpack(ARGV, 3))
-if ARGV[1] ~= 'pending' then redis.call('DEL', KEYS[2]) end
+# KEYS: record. ARGV: the hold, the completion's token. pending → completing, held by that token; answers the status.
+_BEGIN_COMPLETE = _NOW + """
+local status = current(KEYS[1])
+if status ~= 'pending' then return status end
+redis.call('HSET', KEYS[1], 'status', 'completing', 'completing_until', now + tonumber(ARGV[1]),
+           'completing_token', ARGV[2])
 return 'ok'
 """
 
+# KEYS: record. ARGV: the hold, the token. The completion holding the upload renews its hold; 0 if it lost it.
+_RENEW = _NOW + """
+local r = redis.call('HMGET', KEYS[1], 'status', 'completing_token')
+if r[1] ~= 'completing' or r[2] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'completing_until', now + tonumber(ARGV[1]))
+return 1
+"""
 
-# KEYS: record. ARGV: the hold. A completion still running renews its hold.
-_RENEW = """
-if redis.call('HGET', KEYS[1], 'status') == 'completing' then
-  local time = redis.call('TIME')
-  redis.call('HSET', KEYS[1], 'completing_until', tonumber(time[1]) + tonumber(time[2]) / 1e6 + tonumber(ARGV[1]))
-end
+# KEYS: record, parts. ARGV: the token, the status to end in, then field, value pairs. The completion holding the
+# upload ends: completed (its parts' record goes) or pending again; answers the status found where it holds it no more.
+_END_COMPLETE = """
+local r = redis.call('HMGET', KEYS[1], 'status', 'completing_token')
+if r[1] ~= 'completing' or r[2] ~= ARGV[1] then return r[1] or 'missing' end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'completing_token', '', unpack(ARGV, 3))
+if ARGV[2] ~= 'pending' then redis.call('DEL', KEYS[2]) end
+return 'ok'
+"""
+
+# KEYS: record, parts. A pending upload cancelled (its parts' record goes); answers the status found.
+_CANCEL = _NOW + """
+local status = current(KEYS[1])
+if status ~= 'pending' then return status end
+redis.call('HSET', KEYS[1], 'status', 'cancelled')
+redis.call('DEL', KEYS[2])
+return 'ok'
 """
 
 
@@ -154,8 +177,9 @@ class UploadStore:
         self.redis, self.ttl_s, self.prefix, self.hold_s = redis, ttl_s, prefix, hold_s
         self._add_part = redis.register_script(_ADD_PART)
         self._begin_complete = redis.register_script(_BEGIN_COMPLETE)
-        self._move = redis.register_script(_MOVE)
         self._renew = redis.register_script(_RENEW)
+        self._end_complete = redis.register_script(_END_COMPLETE)
+        self._cancel = redis.register_script(_CANCEL)
 
     def _keys(self, upload_id: str) -> list[str]:
         record = f"{self.prefix}:upload:{upload_id}"
@@ -189,8 +213,7 @@ class UploadStore:
             "created_at": now, "expires_at": now + self.ttl_s, "status": status, "received": 0, "sha256": sha256 or "",
         }  # fmt: skip
         record = self._keys(upload_id)[0]
-        # Kept a day past its expiry, so that it answers `expired` rather than not found
-        self.redis.pipeline().hset(record, mapping=fields).expire(record, self.ttl_s + 24 * 3600).execute()
+        self.redis.pipeline().hset(record, mapping=fields).expire(record, self.ttl_s + KEPT_AFTER_S).execute()
         return self.get(upload_id, owner)
 
     def get(self, upload_id: str, owner: str) -> UploadRecord:
@@ -201,8 +224,10 @@ class UploadStore:
         if not fields or fields[b"owner"].decode() != owner:
             raise UploadNotFound(upload_id)
         text = {name.decode(): value.decode() for name, value in fields.items()}
-        part_ids, status = text.get("part_ids"), UploadStatus(text["status"])
-        if status is UploadStatus.PENDING and int(text["expires_at"]) <= now[0]:
+        part_ids, status, now_s = text.get("part_ids"), UploadStatus(text["status"]), now[0] + now[1] / 1e6
+        if status is UploadStatus.COMPLETING and float(text["completing_until"]) <= now_s:
+            status = UploadStatus.PENDING  # its completion died: the next script to run says so (`_NOW`)
+        if status is UploadStatus.PENDING and int(text["expires_at"]) <= now_s:
             status = UploadStatus.EXPIRED
         return UploadRecord(
             id=upload_id,
@@ -220,11 +245,13 @@ class UploadStore:
             sha256=text["sha256"] or None,
         )
 
-    def add_part(self, upload_id: str, part_id: str, size: int) -> None:
-        """Records a stored part; raises NotPending, PartRefused or UploadNotFound when the upload takes it no more."""
-        answer = [item.decode() for item in self._add_part(keys=self._keys(upload_id), args=[part_id, size, MAX_PARTS])]
+    def add_part(self, upload_id: str, part_id: str, size: int) -> int:
+        """Records a stored part, and when; raises NotPending, PartRefused or UploadNotFound when the upload takes it
+        no more."""
+        answer = self._add_part(keys=self._keys(upload_id), args=[part_id, size, MAX_PARTS])
+        answer[0] = answer[0].decode()
         if answer[0] == "ok":
-            return
+            return int(answer[1])
         if answer[0] == "missing":
             raise UploadNotFound(upload_id)
         if answer[0] == "over":
@@ -234,23 +261,26 @@ class UploadStore:
             raise PartRefused("too_many_parts", f"An upload takes at most {MAX_PARTS} parts.")
         raise NotPending(UploadStatus(answer[0]))
 
-    def begin_complete(self, upload_id: str) -> None:
-        """Holds the upload for its completion: no part is added meanwhile, and no other completion runs."""
-        status = self._begin_complete(keys=self._keys(upload_id)[:1], args=[self.hold_s]).decode()
+    def begin_complete(self, upload_id: str) -> str:
+        """Holds the upload for its completion: no part is added meanwhile, and no other completion runs. The hold's
+        token, which renews and ends it."""
+        token = secrets.token_hex(8)
+        status = self._begin_complete(keys=self._keys(upload_id)[:1], args=[self.hold_s, token]).decode()
         if status == "missing":
             raise UploadNotFound(upload_id)
         if status != "ok":
             raise NotPending(UploadStatus(status))
+        return token
 
     @contextmanager
-    def holding(self, upload_id: str) -> Iterator[None]:
+    def holding(self, upload_id: str, token: str) -> Iterator[None]:
         """Renews the completion's hold while the block runs (a thread of its own: joining parts blocks for long)."""
         stop = threading.Event()
 
         def renew() -> None:
             while not stop.wait(self.hold_s / 3):
                 try:
-                    self._renew(keys=self._keys(upload_id)[:1], args=[self.hold_s])
+                    self._renew(keys=self._keys(upload_id)[:1], args=[self.hold_s, token])
                 except RedisError:  # the next beat tries again; the hold outlives a few
                     log.warning("%s: its completion's hold was not renewed", upload_id, exc_info=True)
 
@@ -262,19 +292,22 @@ class UploadStore:
             stop.set()
             renewer.join()
 
-    def reopen(self, upload_id: str) -> None:
-        """A completion refused: the upload takes parts again (what the caller can fix: a part missing, or over)."""
-        self._move(keys=self._keys(upload_id), args=[UploadStatus.PENDING, UploadStatus.COMPLETING])
+    def reopen(self, upload_id: str, token: str) -> None:
+        """A completion that failed (refused, or an error): the upload takes parts again, unless another completion
+        holds it now."""
+        self._end_complete(keys=self._keys(upload_id), args=[token, UploadStatus.PENDING])
 
-    def completed(self, upload_id: str, part_ids: list[str], sha256: str | None) -> None:
-        """The parts are joined: the upload is a file any job may name, kept as long as a whole upload."""
+    def completed(self, upload_id: str, token: str, part_ids: list[str], sha256: str | None) -> bool:
+        """The parts are joined: the upload is a file any job may name, kept as long as a whole upload. False where
+        this completion held it no more (its hold lapsed and another took it over)."""
         now = self._now()
         fields = ["part_ids", json.dumps(part_ids), "sha256", sha256 or "", "expires_at", now + self.ttl_s]
-        self._move(keys=self._keys(upload_id), args=[UploadStatus.COMPLETED, UploadStatus.COMPLETING, *fields])
-        self.redis.expire(self._keys(upload_id)[0], self.ttl_s + 24 * 3600)
+        ended = self._end_complete(keys=self._keys(upload_id), args=[token, UploadStatus.COMPLETED, *fields])
+        self.redis.expire(self._keys(upload_id)[0], self.ttl_s + KEPT_AFTER_S)
+        return ended.decode() == "ok"
 
     def cancel(self, upload_id: str) -> None:
-        status = self._move(keys=self._keys(upload_id), args=[UploadStatus.CANCELLED, UploadStatus.PENDING]).decode()
+        status = self._cancel(keys=self._keys(upload_id)).decode()
         if status == "missing":
             raise UploadNotFound(upload_id)
         if status not in ("ok", UploadStatus.CANCELLED):

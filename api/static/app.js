@@ -448,12 +448,14 @@ function sendInParts(file, ui) {
   const count = Math.ceil(file.size / PART_BYTES);
   (async () => {
     // The same file picked again after a reload, a crash or a lost connection: its parts already up are not sent
+    // (or, completed before the job was made, none is)
     const earlier = kept.read();
     const found = earlier && await api(`/v1/uploads/${earlier.id}`).then((r) => r.json()).catch(() => null);
-    const parts = found && found.status === "pending" ? earlier.parts.map((id) => found.part_ids.includes(id) && id)
-      : [];
+    const usable = found && ["pending", "completed"].includes(found.status);
+    const parts = usable ? earlier.parts.map((id) => found.part_ids.includes(id) && id) : [];
+    const completed = usable && found.status === "completed" && parts.length === count && parts.every(Boolean);
     let id = found && found.id;
-    if (parts.some(Boolean)) {
+    if (parts.some(Boolean) && (found.status === "pending" || completed)) {
       toast(`Resuming ${file.name}: ${parts.filter(Boolean).length} of ${count} parts were sent before.`);
     } else {
       const declared = {bytes: file.size, filename: file.name, mime_type: file.type || "video/mp4",
@@ -468,14 +470,19 @@ function sendInParts(file, ui) {
       const part = file.slice(at, at + PART_BYTES);
       const progress = (loaded) => ui.progress(at + Math.min(loaded, part.size), file.size);
       parts[index] = await again(upload, `part ${index + 1} of ${count}`, () => sendPart(upload, part, progress));
+      if (upload.aborted) return;  // cancelled as the part landed: nothing is kept to resume
       kept.write(upload.id, parts);
     }
+    if (!completed) {
+      await again(upload, "the last step", () => post(`/v1/uploads/${upload.id}/complete`, {part_ids: parts}));
+    }
+    if (upload.aborted) return;
     ui.sent();
-    await again(upload, "the last step", () => post(`/v1/uploads/${upload.id}/complete`, {part_ids: parts}));
-    kept.forget();
     const job = {...formFields(), upload_id: upload.id};
     const headers = jobHeaders();  // one key for every try: a retry whose first answer was lost makes no second job
-    ui.created(await again(upload, "the job", () => post("/v1/videos", job, headers)));
+    const made = await again(upload, "the job", () => post("/v1/videos", job, headers));
+    kept.forget();
+    ui.created(made);
   })().catch((error) => {
     if (upload.aborted) return;
     if (error instanceof ApiError) ui.refused(error);
@@ -538,15 +545,18 @@ function sendPart(upload, part, progress) {
   });
 }
 
-// `attempt()` until it answers, through dropped connections and the service's passing refusals (waiting 1, 2, 4 …
-// 30 s, or until the browser is back online); what the caller must mend, or a cancel, ends it: nothing more is sent.
+// `attempt()` until it answers, through dropped connections and a few of the service's passing refusals (waiting 1,
+// 2, 4 … 30 s, or until the browser is back online); what the caller must mend, or a cancel, ends it: nothing more
+// is sent.
 async function again(upload, what, attempt) {
-  for (let tries = 0; ; tries += 1) {
+  for (let tries = 0, refusals = 0; ; tries += 1) {
     if (upload.aborted) throw new DOMException("cancelled", "AbortError");
     try {
       return await attempt();
     } catch (error) {
-      if (upload.aborted || (error instanceof ApiError && !passing(error))) throw error;
+      const refused = error instanceof ApiError;
+      refusals += refused;  // a service that keeps failing is said after ~2 min; a lost network is waited for
+      if (upload.aborted || (refused && (!passing(error) || refusals > 6))) throw error;
       const wait = Math.min(30, 2 ** tries);
       $("upload-text").textContent = navigator.onLine ? `Connection lost sending ${what}: trying again in ${wait} s…`
         : `Offline: ${what} is sent again once the connection is back.`;

@@ -201,6 +201,11 @@ def test_a_cancelled_upload_drops_its_parts_and_a_pending_one_is_named_as_such(a
     named = requests.post(f"{api}/v1/videos", json={"upload_id": upload_id}, headers=auth(KEY), timeout=10)
     assert "/complete" in assert_problem(named, 409, "upload_not_completed")["detail"]
 
+    (part_id,) = get(api, upload_id).json()["part_ids"]
+    by_key = {"input_key": f"uploads/{KEY}/parts/{upload_id}/{part_id}"}  # one part of it is no video either
+    named = requests.post(f"{api}/v1/videos", json=by_key, headers=auth(KEY), timeout=10)
+    assert_problem(named, 404, "upload_not_found")
+
     cancel = requests.post(f"{api}/v1/uploads/{upload_id}/cancel", headers=auth(KEY), timeout=10)
     assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"
     assert parts_left(s3, upload_id) == []
@@ -208,7 +213,7 @@ def test_a_cancelled_upload_drops_its_parts_and_a_pending_one_is_named_as_such(a
     assert_problem(send_part(api, upload_id, video[:10]), 409, "upload_cancelled")
     assert_problem(complete(api, upload_id, ["part_" + "0" * 24]), 409, "upload_cancelled")
     named = requests.post(f"{api}/v1/videos", json={"upload_id": upload_id}, headers=auth(KEY), timeout=10)
-    assert_problem(named, 404, "upload_not_found")
+    assert "send the file again" in assert_problem(named, 409, "upload_cancelled")["detail"]
 
 
 def test_a_song_sent_in_parts_is_refused_as_its_parts_are_joined(api, s3, corpus_cache):
@@ -221,7 +226,7 @@ def test_a_song_sent_in_parts_is_refused_as_its_parts_are_joined(api, s3, corpus
         assert not s3.exists(f"uploads/{KEY}/{upload_id}")
 
 
-def test_an_upload_sent_whole_answers_as_a_completed_one(api, video):
+def test_an_upload_sent_whole_answers_as_a_completed_one(api, s3, video):
     response = requests.post(
         f"{api}/v1/uploads", files={"file": ("phone.mp4", video, "video/mp4")}, headers=auth(KEY), timeout=30
     )
@@ -230,6 +235,8 @@ def test_an_upload_sent_whole_answers_as_a_completed_one(api, video):
     assert (whole["status"], whole["bytes"], whole["file"]["id"]) == ("completed", len(video), whole["id"])
     assert whole["sha256"] == hashlib.sha256(video).hexdigest() and whole["filename"] == "phone.mp4"
     assert get(api, whole["id"]).json() == whole
+    s3.delete(whole["key"])  # no job named it within its TTL: the storage sweep deleted it
+    assert get(api, whole["id"]).json()["status"] == "expired"  # what `vsrq bulk` asks before naming it again
 
 
 def test_a_pending_upload_expires_and_then_takes_nothing(redis_client):
@@ -254,28 +261,37 @@ def test_a_completion_sent_again_while_the_first_joins_waits_for_it(api, redis_c
     upload_id = declared(api, len(video))
     part_ids = [sent(api, upload_id, piece) for piece in thirds(video)]
     first = UploadStore(redis_client, ttl_s=3600)
-    first.begin_complete(upload_id)  # a request joining its parts
+    token = first.begin_complete(upload_id)  # a request joining its parts
 
     with ThreadPoolExecutor(1) as pool:
         second = pool.submit(complete, api, upload_id, part_ids)
         time.sleep(1.5)
         assert not second.done(), second.result().text
-        first.reopen(upload_id)  # the first ends without completing (its client's fault, or its process killed)
+        first.reopen(upload_id, token)  # the first ends without completing (its client's fault, or its process killed)
         done = second.result(timeout=30)
     assert done.status_code == 200 and done.json()["status"] == "completed", done.text
 
 
 def test_a_completion_whose_process_died_lets_another_take_over_once_its_hold_lapses(redis_client):
-    store = UploadStore(redis_client, ttl_s=60, prefix="vsrq-test-hold", hold_s=1)
-    store.create("upload_" + "h" * 24, "me", filename="a.mp4", size=10, mime_type="video/mp4", purpose=None)
-    store.begin_complete("upload_" + "h" * 24)
-    with store.holding("upload_" + "h" * 24):  # alive: renewed while it joins, however long
+    """Its hold renewed while it joins; once its renewals stop (its process killed), the upload takes parts, a cancel
+    or another completion again, and the dead one's late end changes nothing of the one that took over."""
+    store, upload_id = UploadStore(redis_client, ttl_s=60, prefix="vsrq-test-hold", hold_s=1), "upload_" + "h" * 24
+    store.create(upload_id, "me", filename="a.mp4", size=10, mime_type="video/mp4", purpose=None)
+    dead = store.begin_complete(upload_id)
+    with store.holding(upload_id, dead):  # alive: renewed while it joins, however long
         time.sleep(2)
         with pytest.raises(NotPending) as held:
-            store.begin_complete("upload_" + "h" * 24)
+            store.add_part(upload_id, "part_" + "1" * 24, 5)
         assert held.value.status is UploadStatus.COMPLETING
     time.sleep(1.2)  # its renewals stopped, as a killed process's do
-    store.begin_complete("upload_" + "h" * 24)
+    assert store.get(upload_id, "me").status is UploadStatus.PENDING
+    store.add_part(upload_id, "part_" + "1" * 24, 10)
+    alive = store.begin_complete(upload_id)
+    store.reopen(upload_id, dead)  # the dead one's failure, late
+    assert not store.completed(upload_id, dead, ["part_" + "1" * 24], None)
+    assert store.get(upload_id, "me").status is UploadStatus.COMPLETING
+    assert store.completed(upload_id, alive, ["part_" + "1" * 24], None)
+    assert store.get(upload_id, "me").status is UploadStatus.COMPLETED
 
 
 def test_an_expired_upload_says_so_to_a_job_and_to_a_cancel(api, redis_client, video):
@@ -283,6 +299,6 @@ def test_an_expired_upload_says_so_to_a_job_and_to_a_cancel(api, redis_client, v
     redis_client.hset(f"vsrq:upload:{upload_id}", "expires_at", 0)  # its day has passed
     assert get(api, upload_id).json()["status"] == "expired"
     named = requests.post(f"{api}/v1/videos", json={"upload_id": upload_id}, headers=auth(KEY), timeout=10)
-    assert "send it again" in assert_problem(named, 409, "upload_expired")["detail"]
+    assert "send the file again" in assert_problem(named, 409, "upload_expired")["detail"]
     cancel = requests.post(f"{api}/v1/uploads/{upload_id}/cancel", headers=auth(KEY), timeout=10)
     assert_problem(cancel, 409, "upload_expired")
