@@ -11,7 +11,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -86,6 +86,33 @@ def drop(page, selector: str, path: Path, kind: str = "video/mp4") -> None:
     page.dispatch_event(selector, "drop", {"dataTransfer": transfer})
 
 
+def watch_upload_text(page) -> None:
+    """Keeps what the upload's progress text said, as it changed, in `window.uploadTexts`."""
+    page.evaluate(
+        """() => {
+            const text = document.getElementById("upload-text");
+            window.uploadTexts = [];
+            new MutationObserver(() => window.uploadTexts.push(text.textContent))
+                .observe(text, {childList: true, characterData: true, subtree: true});
+        }"""
+    )
+
+
+def route_parts(page, drops: Callable[[int], bool]) -> list[str]:
+    """The URL of each part the page sends, in order; the n-th (from 1) has its connection reset where `drops(n)`."""
+    sent: list[str] = []
+
+    def part(route) -> None:
+        sent.append(route.request.url)
+        if drops(len(sent)):
+            route.abort("connectionreset")
+        else:
+            route.continue_()
+
+    page.route("**/v1/uploads/*/parts", part)
+    return sent
+
+
 def until(page, expression: str, timeout_s: float = 20) -> None:
     """Waits for a JS expression to hold. (Playwright's own waiting evaluates strings with eval(), which the page's
     Content-Security-Policy rightly forbids.)"""
@@ -128,14 +155,7 @@ def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_c
     height, width = SIZE
     expect(page.locator("#picked-info")).to_contain_text(f"{width}×{height}")
     expect(page.locator("#out-size")).to_have_text(f"Output {2 * width}×{2 * height}")
-    page.evaluate(  # what the upload's progress text said, as it changed
-        """() => {
-            const text = document.getElementById("upload-text");
-            window.uploadTexts = [];
-            new MutationObserver(() => window.uploadTexts.push(text.textContent))
-                .observe(text, {childList: true, characterData: true, subtree: true});
-        }"""
-    )
+    watch_upload_text(page)
     page.get_by_role("button", name="Upscale", exact=True).click()
 
     # -- the job appears and its progress climbs to 100 %
@@ -404,28 +424,12 @@ def test_a_large_video_goes_in_parts_and_a_part_whose_connection_drops_is_sent_a
     page = browser_context.new_page()
     problems: list[str] = []
     page.on("pageerror", lambda error: problems.append(str(error)))
-    sent: list[str] = []
-
-    def part(route) -> None:
-        sent.append(route.request.url)
-        if len(sent) == 2:
-            route.abort("connectionreset")
-        else:
-            route.continue_()
-
-    page.route("**/v1/uploads/*/parts", part)
+    sent = route_parts(page, lambda nth: nth == 2)
     page.goto(f"{open_api}/")
     page.get_by_label("Model", exact=True).select_option("lanczos")
     drop(page, "#dropzone", path)
     expect(page.locator("#picked-name")).to_have_text("on the train.mp4")
-    page.evaluate(
-        """() => {
-            const text = document.getElementById("upload-text");
-            window.uploadTexts = [];
-            new MutationObserver(() => window.uploadTexts.push(text.textContent))
-                .observe(text, {childList: true, characterData: true, subtree: true});
-        }"""
-    )
+    watch_upload_text(page)
     page.get_by_role("button", name="Upscale", exact=True).click()
     expect(page.get_by_text("Uploaded on the train.mp4.")).to_be_visible(timeout=30_000)
 
@@ -452,17 +456,8 @@ def test_an_upload_in_parts_cut_by_a_reload_resumes_when_the_same_file_is_picked
     path.write_bytes(padded((corpus_cache / "forensics-VID_20191220_170832.mp4").read_bytes(), 19 * 1024 * 1024 // 2))
     page = browser_context.new_page()
     page.on("dialog", lambda dialog: dialog.accept())  # "Leave site? Changes may not be saved": yes
-    sent: list[str] = []
     blocked = [True]
-
-    def part(route) -> None:
-        sent.append(route.request.url)
-        if blocked[0] and len(sent) > 1:
-            route.abort("connectionreset")
-        else:
-            route.continue_()
-
-    page.route("**/v1/uploads/*/parts", part)
+    sent = route_parts(page, lambda nth: blocked[0] and nth > 1)
     page.goto(f"{open_api}/")
     page.get_by_label("Model", exact=True).select_option("lanczos")
     drop(page, "#dropzone", path)
@@ -494,9 +489,9 @@ def test_a_cancelled_upload_in_parts_sends_nothing_more_whenever_it_is_cancelled
     page = browser_context.new_page()
     declared: list[str] = []
     page.on("response", lambda answer: answer.url.endswith("/v1/uploads") and declared.append(answer.json()["id"]))
-    held, parts = [], []
+    held: list = []
     page.route("**/v1/uploads", lambda route: held.append(route))  # the declaration's answer is late
-    page.route("**/v1/uploads/*/parts", lambda route: (parts.append(route.request.url), route.continue_()))
+    parts = route_parts(page, lambda nth: False)
     page.goto(f"{open_api}/")
     page.get_by_label("Model", exact=True).select_option("lanczos")
 
