@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 # enough for a PNG's chunks before its image data (where an animated one says so) behind a colour profile
 PEEK_BYTES = 64 * 1024
@@ -78,6 +79,7 @@ def _still_png(head: bytes) -> bool:
 
 # A read of `length` bytes at `offset` of the stored file (fewer at its end)
 ReadAt = Callable[[int, int], bytes]
+Kind = TypeVar("Kind", bytes, int)  # a box's type, an element's id
 _TOP_LEVEL = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"uuid", b"pdin", b"styp", b"sidx", b"moof"}
 # What a track holds, by its handler: any other (video, picture sequences, auxiliary video, hints) may hold pictures
 _HANDLER_KINDS = {b"soun": "sound", b"text": "text", b"sbtl": "text", b"subt": "text", b"clcp": "text"}
@@ -109,18 +111,23 @@ def without_video(read_at: ReadAt, size: int) -> str | None:
 def _track_handlers(read_at: ReadAt, size: int) -> Iterator[bytes]:
     """Each track's handler type (moov/trak/mdia/hdlr), where the movie box may lie after gigabytes of media data."""
     budget = [_MOST_BOXES]
-    moov = next((box for box in _boxes(read_at, 0, size, budget) if box[0] == b"moov"), None)
+    moov = _first(_boxes(read_at, 0, size, budget), b"moov")
     if moov is None:
         raise _Unreadable
     for kind, start, end in _boxes(read_at, moov[1], moov[2], budget):
         if kind != b"trak":
             continue
-        mdia = next((box for box in _boxes(read_at, start, end, budget) if box[0] == b"mdia"), None)
-        hdlr = mdia and next((box for box in _boxes(read_at, mdia[1], mdia[2], budget) if box[0] == b"hdlr"), None)
+        mdia = _first(_boxes(read_at, start, end, budget), b"mdia")
+        hdlr = mdia and _first(_boxes(read_at, mdia[1], mdia[2], budget), b"hdlr")
         if hdlr is None or hdlr[2] - hdlr[1] < 12:
             raise _Unreadable
         # version and flags, then ISO's pre_defined or QuickTime's component type, then the handler (its subtype)
         yield read_at(hdlr[1] + 8, 4)
+
+
+def _first(children: Iterator[tuple[Kind, int, int]], kind: Kind) -> tuple[Kind, int, int] | None:
+    """The first of `children` (boxes, or elements: (kind, where its data starts, where it ends)) of `kind`."""
+    return next((child for child in children if child[0] == kind), None)
 
 
 def _boxes(read_at: ReadAt, start: int, end: int, budget: list[int]) -> Iterator[tuple[bytes, int, int]]:
@@ -158,10 +165,10 @@ def _matroska_track_kinds(read_at: ReadAt, size: int) -> tuple[set[str | None], 
     """The kinds of the tracks a Matroska file declares before its first cluster, and how to name the file."""
     budget = [_MOST_BOXES]
     header = next(_elements(read_at, 0, size, budget))
-    doc_type = next((read_at(start, min(end - start, 16)) for id_, start, end in _elements(
-        read_at, header[1], header[2], budget) if id_ == _DOC_TYPE), b"")  # fmt: skip
-    name = "a WebM" if doc_type.rstrip(b"\0") == b"webm" else "a Matroska file"
-    segment = next((element for element in _elements(read_at, header[2], size, budget) if element[0] == _SEGMENT), None)
+    doc_type = _first(_elements(read_at, header[1], header[2], budget), _DOC_TYPE)
+    webm = doc_type is not None and read_at(doc_type[1], min(doc_type[2] - doc_type[1], 16)).rstrip(b"\0") == b"webm"
+    name = "a WebM" if webm else "a Matroska file"
+    segment = _first(_elements(read_at, header[2], size, budget), _SEGMENT)
     if segment is None:
         raise _Unreadable
     for id_, start, end in _elements(read_at, segment[1], segment[2], budget):
@@ -170,7 +177,7 @@ def _matroska_track_kinds(read_at: ReadAt, size: int) -> tuple[set[str | None], 
         if id_ == _TRACKS:
             kinds = set()
             for entry in (e for e in _elements(read_at, start, end, budget) if e[0] == _TRACK_ENTRY):
-                kind = next((e for e in _elements(read_at, entry[1], entry[2], budget) if e[0] == _TRACK_TYPE), None)
+                kind = _first(_elements(read_at, entry[1], entry[2], budget), _TRACK_TYPE)
                 if kind is None or not 1 <= kind[2] - kind[1] <= 8:
                     raise _Unreadable
                 kinds.add(_TRACK_KINDS.get(int.from_bytes(read_at(kind[1], kind[2] - kind[1]), "big")))
