@@ -458,8 +458,7 @@ def _about(field: str, code: str, message: str) -> list[dict[str, str]]:
 @blueprint.post("/v1/uploads/<upload_id>/cancel")
 def cancel_upload(upload_id: str) -> Response:
     """Drops a pending upload and its parts (OpenAI's `uploads.cancel`); cancelling it again answers it again."""
-    if (status := _record(upload_id).status) is UploadStatus.EXPIRED:  # another key's answers as a missing one
-        raise _not_pending(upload_id, status)
+    _record(upload_id)  # another key's answers as a missing one
     try:
         services().uploads.cancel(upload_id)
     except UploadNotFound:

@@ -607,9 +607,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"vsrq: bulk: bad_field: --set {assignment!r} is not FIELD=VALUE", file=sys.stderr)
             return 2
         defaults[ALIASES.get(name, name)] = value
-    if not 1 <= args.part_size <= 64:
-        print("vsrq: bulk: bad_part_size: --part-size is 1 to 64 (MiB): the service takes parts of at most 64 MiB",
-              file=sys.stderr)  # fmt: skip
+    if not 1 <= args.part_size * MIB <= PART_BYTES:  # the client's part size is the service's most
+        print(f"vsrq: bulk: bad_part_size: --part-size is 1 to {PART_BYTES // MIB} (MiB): the service takes parts of "
+              f"at most {PART_BYTES // MIB} MiB", file=sys.stderr)  # fmt: skip
         return 2
     s3 = _lazy(lambda: s3_client(args.s3_endpoint_url))
     try:

@@ -3,7 +3,8 @@ completed in the order the caller names, or cancelled. A dropped connection cost
 
     pending ──complete──▶ completing ──joined──▶ completed
        │  ▲                    │
-       │  └────refused─────────┘   (a part missing, an md5 not the file's, not a video)
+       │  └────refused─────────┘   (a part missing, an md5 not the file's, not a video; or its hold lapsed: the
+       │                            completing request's process died)
        ├──cancel──▶ cancelled
        └──(its expires_at passes)──▶ expired
 
@@ -192,29 +193,34 @@ class UploadStore:
         self, upload_id: str, owner: str, *, filename: str, size: int, mime_type: str, purpose: str | None
     ) -> UploadRecord:
         """A pending upload of `size` bytes, taking parts until it expires (the upload TTL from now)."""
-        return self._write(upload_id, owner, filename, size, mime_type, purpose, UploadStatus.PENDING, None)
+        return self._write(self._new(upload_id, owner, filename, size, mime_type, purpose, None, self._now()))
 
     def record_whole(
         self, upload_id: str, owner: str, *, filename: str, size: int, mime_type: str, sha256: str
     ) -> UploadRecord:
         """A file sent whole: completed as it is recorded."""
-        return self._write(upload_id, owner, filename, size, mime_type, None, UploadStatus.COMPLETED, sha256)
+        return self._write(self._new(upload_id, owner, filename, size, mime_type, None, sha256, self._now()))
 
     def unrecorded(self, upload_id: str, owner: str, filename: str, blob: BlobInfo, mime_type: str) -> UploadRecord:
         """A file sent whole whose record could not be written, as it would read."""
-        now = int(blob.modified or time.time())
-        return UploadRecord(upload_id, owner, filename, blob.size, mime_type, None, now, now + self.ttl_s,
-                            UploadStatus.COMPLETED, blob.size, {}, None, blob.sha256)  # fmt: skip
+        return self._new(upload_id, owner, filename, blob.size, mime_type, None, blob.sha256,
+                         int(blob.modified or time.time()))  # fmt: skip
 
-    def _write(self, upload_id, owner, filename, size, mime_type, purpose, status, sha256) -> UploadRecord:
-        now = self._now()
+    def _new(self, upload_id, owner, filename, size, mime_type, purpose, sha256, now) -> UploadRecord:
+        """A new upload's record: completed where its file came whole (`sha256` known), else pending."""
+        status, received = (UploadStatus.COMPLETED, size) if sha256 else (UploadStatus.PENDING, 0)
+        return UploadRecord(upload_id, owner, filename, size, mime_type, purpose, now, now + self.ttl_s, status,
+                            received, {}, None, sha256)  # fmt: skip
+
+    def _write(self, record: UploadRecord) -> UploadRecord:
         fields = {
-            "owner": owner, "filename": filename, "bytes": size, "mime_type": mime_type, "purpose": purpose or "",
-            "created_at": now, "expires_at": now + self.ttl_s, "status": status, "received": 0, "sha256": sha256 or "",
+            "owner": record.owner, "filename": record.filename, "bytes": record.bytes, "mime_type": record.mime_type,
+            "purpose": record.purpose or "", "created_at": record.created_at, "expires_at": record.expires_at,
+            "status": record.status, "received": record.received, "sha256": record.sha256 or "",
         }  # fmt: skip
-        record = self._keys(upload_id)[0]
-        self.redis.pipeline().hset(record, mapping=fields).expire(record, self.ttl_s + KEPT_AFTER_S).execute()
-        return self.get(upload_id, owner)
+        key = self._keys(record.id)[0]
+        self.redis.pipeline().hset(key, mapping=fields).expire(key, self.ttl_s + KEPT_AFTER_S).execute()
+        return record
 
     def get(self, upload_id: str, owner: str) -> UploadRecord:
         """The caller's upload; another caller's answers as a missing one."""
