@@ -1,8 +1,8 @@
 """What an upload's first bytes say it is, where that is certainly no video: a song, a document or a photo sent by
-mistake is refused as it arrives, not failed by a worker after the queue's wait; and, once stored, an MP4, WebM or
-Matroska file whose tracks are all sound (`without_video`: a song or a voice memo saved as .mp4, a DASH audio
-rendition, a browser's audio-only recording, a downloader's audio track). The worker's probe, which reads the whole
-file, decides everything else (a still GIF, a damaged video).
+mistake is refused as it arrives, not failed by a worker after the queue's wait; and, once stored, an MP4, WebM,
+Matroska or MPEG-TS file whose tracks are all sound (`without_video`: a song or a voice memo saved as .mp4, a DASH or
+HLS audio rendition, a browser's audio-only recording, a downloader's audio track, a Blu-ray's sound kept alone).
+The worker's probe, which reads the whole file, decides everything else (a still GIF, a damaged video).
 
 Exact signatures of a few formats rather than a general sniffer: one that guesses refuses the videos it misnames
 (an M2TS packet's timestamp can begin like an MP3 frame)."""
@@ -91,21 +91,23 @@ class _Unreadable(Exception):
 
 
 def without_video(read_at: ReadAt, size: int) -> str | None:
-    """How to name an MP4, QuickTime, WebM or Matroska file of `size` bytes whose every track is known and none is
-    video ("an MP4 with sound only"); None for any other file, or one whose structure does not say (cut short,
-    malformed, no track)."""
+    """How to name an MP4, QuickTime, WebM, Matroska or MPEG-TS file of `size` bytes whose every track is known and
+    none is video ("an MP4 with sound only"); None for any other file, or one whose structure does not say (cut
+    short, malformed, no track)."""
     try:
         if read_at(4, 4) in _TOP_LEVEL:
             kinds, name = {_HANDLER_KINDS.get(handler) for handler in _track_handlers(read_at, size)}, "an MP4"
         elif read_at(0, 4) == _EBML:
             kinds, name = _matroska_track_kinds(read_at, size)
+        elif (packet := _packet_layout(read_at)) is not None:
+            kinds, name = _transport_stream_kinds(read_at, size, *packet), "an MPEG transport stream"
         else:
             return None
     except _Unreadable:
         return None
-    if not kinds or not kinds <= {"sound", "text"}:  # None: a kind not known to hold no picture
+    if not kinds or not kinds <= {"sound", "text", "data"}:  # None: a kind not known to hold no picture
         return None
-    return f"{name} with sound only" if kinds == {"sound"} else f"{name} without a video track"
+    return f"{name} with sound only" if kinds - {"data"} == {"sound"} else f"{name} without a video track"
 
 
 def _track_handlers(read_at: ReadAt, size: int) -> Iterator[bytes]:
@@ -215,3 +217,122 @@ def _vint_length(data: bytes, at: int, most: int) -> int:
     if length > most or at + length > len(data):
         raise _Unreadable
     return length
+
+
+# -- MPEG-TS (and M2TS): each elementary stream's type, from the program tables ---------------------------------------
+
+_SYNC = 0x47
+_TS_SCAN_BYTES = 1 << 20  # tables repeat every ~0.1 s: a 1 MiB stretch of even a song's stream holds them
+# ISO 13818-1's and ATSC's stream types that are sound everywhere: MPEG audio, AAC (ADTS, LATM, raw), AC-3, E-AC-3.
+# Blu-ray's other sound types are not here: 0x80 and 0x82-0x86 are video or cue data in other systems
+_STREAM_KINDS = {0x03: "sound", 0x04: "sound", 0x0F: "sound", 0x11: "sound", 0x1C: "sound", 0x81: "sound",
+                 0x87: "sound", 0x15: "data"}  # fmt: skip  # 0x15: timed metadata (HLS's ID3 tags)
+# A private stream (0x06) says what it is in its descriptors: DVB's AC-3, E-AC-3, DTS and AAC, its subtitles and
+# teletext; a registration's format identifier (Opus, SMPTE 302M's PCM)
+_DESCRIPTOR_KINDS = {0x6A: "sound", 0x7A: "sound", 0x7B: "sound", 0x7C: "sound", 0x59: "text", 0x56: "text"}
+_REGISTERED_KINDS = {b"Opus": "sound", b"AC-3": "sound", b"EAC3": "sound", b"BSSD": "sound"}
+
+
+def _packet_layout(read_at: ReadAt) -> tuple[int, int] | None:
+    """(packet size, offset of the first sync byte) where the file starts as a transport stream: 188-byte packets,
+    or M2TS's 192 (a 4-byte timestamp before each); None for anything else."""
+    head = read_at(0, 4 + 3 * 192)
+    for size, first in ((188, 0), (192, 4)):
+        if len(head) >= first + 2 * size + 1 and all(head[first + n * size] == _SYNC for n in range(3)):
+            return size, first
+    return None
+
+
+def _transport_stream_kinds(read_at: ReadAt, size: int, packet: int, first: int) -> set[str | None]:
+    """The kinds of every elementary stream of every program the stream's first tables list (PAT, then each PMT),
+    read from its first `_TS_SCAN_BYTES`; each table in one packet, as muxers write them."""
+    programs: dict[int, set[str | None] | None] | None = None  # PMT PID -> its streams' kinds, once read
+    end = min(size, _TS_SCAN_BYTES)
+    for at in range(first, end - packet + first + 1, packet):
+        header = read_at(at, 4)
+        if len(header) < 4 or header[0] != _SYNC:
+            raise _Unreadable
+        if not header[1] & 0x40:  # no table starts in this packet
+            continue
+        pid = (header[1] & 0x1F) << 8 | header[2]
+        if not (pid == 0 if programs is None else programs.get(pid, ()) is None):  # the PAT, then its PMTs
+            continue
+        payload = read_at(at + 4, packet - first - 4)
+        if header[3] & 0x20:  # an adaptation field comes first
+            payload = payload[1 + payload[0] :] if payload else b""
+        table = _section(payload, 0x00 if pid == 0 else 0x02)
+        if table is None:
+            continue
+        if programs is None:
+            programs = {pmt: None for pmt in _pat_pmts(table)}
+            if not programs:
+                raise _Unreadable
+        else:
+            programs[pid] = _pmt_kinds(table)
+        if all(kinds is not None for kinds in programs.values()):
+            return set().union(*programs.values())
+    raise _Unreadable
+
+
+def _section(payload: bytes, table_id: int) -> bytes | None:
+    """The table section of `table_id` starting in a packet's payload (its pointer field first), without its CRC;
+    None for another table, one not yet current, or one of several sections; `_Unreadable` for a section that runs
+    into the next packet or fails its CRC."""
+    if not payload or 1 + payload[0] + 3 > len(payload):
+        raise _Unreadable
+    section = payload[1 + payload[0] :]
+    if section[0] != table_id:
+        return None
+    length = 3 + ((section[1] & 0x0F) << 8 | section[2])
+    if length > len(section) or length < 12 or _crc32_mpeg2(section[:length]):
+        raise _Unreadable
+    if not section[5] & 0x01 or section[6] or section[7]:  # not current; section 0 of 0 only
+        return None
+    return section[: length - 4]
+
+
+def _pat_pmts(section: bytes) -> set[int]:
+    """The PMT PIDs a PAT names (program 0 names the network table, not a program)."""
+    entries = section[8:]
+    return {
+        (entries[n + 2] & 0x1F) << 8 | entries[n + 3]
+        for n in range(0, len(entries) - 3, 4)
+        if entries[n : n + 2] != b"\0\0"
+    }
+
+
+def _pmt_kinds(section: bytes) -> set[str | None]:
+    """The kinds of a PMT's elementary streams (None: a type that may hold pictures, or one not known)."""
+    kinds: set[str | None] = set()
+    at = 12 + ((section[10] & 0x0F) << 8 | section[11])
+    while at + 5 <= len(section):
+        stream_type, info = section[at], (section[at + 3] & 0x0F) << 8 | section[at + 4]
+        descriptors = section[at + 5 : at + 5 + info]
+        kinds.add(_STREAM_KINDS.get(stream_type) if stream_type != 0x06 else _private_kind(descriptors))
+        at += 5 + info
+    return kinds
+
+
+def _private_kind(descriptors: bytes) -> str | None:
+    """What a private stream's descriptors say it holds."""
+    at = 0
+    while at + 2 <= len(descriptors):
+        tag, length = descriptors[at], descriptors[at + 1]
+        body = descriptors[at + 2 : at + 2 + length]
+        kind = _REGISTERED_KINDS.get(body[:4]) if tag == 0x05 else _DESCRIPTOR_KINDS.get(tag)
+        if kind is not None:
+            return kind
+        at += 2 + length
+    return None
+
+
+def _crc32_mpeg2(data: bytes) -> int:
+    """MPEG-2's CRC-32 (not zlib's: unreflected, no final XOR): 0 over a whole section whose CRC is right. Eight
+    lines rather than a dependency of the API's image; a table is at most a packet long."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = (crc << 1) ^ 0x04C11DB7 if crc & 0x80000000 else crc << 1
+        crc &= 0xFFFFFFFF
+    return crc

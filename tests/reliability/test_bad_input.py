@@ -81,6 +81,29 @@ def test_files_without_a_video_track_are_named_and_no_other_file_of_the_corpus(c
     }  # fmt: skip
 
 
+def test_an_mpeg_ts_is_judged_only_by_the_tables_it_reads_whole(corpus_cache, tmp_path):
+    """An MPEG-TS is refused at upload only where its program tables (PAT, PMTs, CRCs right) list no stream that may
+    hold pictures; a private stream that does not say what it holds (AAC in an M2TS: FFmpeg probes its packets), a
+    broken table or a stream cut before its tables is left to the worker's probe."""
+    from api.sniff import without_video
+
+    def judged(data: bytes) -> str | None:
+        return without_video(lambda offset, length: data[offset : offset + length], len(data))
+
+    sound = remux(corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "sound.ts", ("audio",), "mpegts")
+    assert judged(sound) == "an MPEG transport stream with sound only"
+    pat = next(at for at in range(0, len(sound), 188) if sound[at + 1] & 0x1F == 0 and sound[at + 2] == 0)
+    assert judged(sound[: pat + 188]) is None  # its PMT not reached
+    video = remux(corpus_cache / "hachoir-sample.ts", tmp_path / "video.ts", ("video",), "mpegts")
+    pmt = next(at for at in range(0, len(video), 188) if video[at + 1] & 0x40 and video[at + 5] == 0x02)
+    entry = pmt + 5 + 12 + ((video[pmt + 15] & 0x0F) << 8 | video[pmt + 16])  # its first stream's type
+    assert judged(video) is None and video[entry] == 0x02  # MPEG-2 video
+    assert judged(video[:entry] + b"\x0f" + video[entry + 1 :]) is None  # a damaged table (it says AAC; its CRC not)
+    private = remux(corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "aac.m2ts", ("audio",), "mpegts",
+                    mpegts_m2ts_mode="1")  # fmt: skip
+    assert judged(private) is None
+
+
 def picture(kind: str = "PNG") -> bytes:
     """A still picture (or a one-page PDF of it), as Pillow writes one."""
     out = io.BytesIO()
@@ -120,8 +143,6 @@ def bad_files(scratch: Path) -> dict[str, tuple[bytes, str]]:
             "input_corrupt",
         ),
         "mkv cut": (mkv[: len(mkv) * 6 // 10], "input_corrupt"),
-        # an HLS audio rendition: MPEG-TS, whose tracks the upload does not read (an MP4's or a WebM's it does)
-        "audio only": (remux(plain, scratch / "audio.ts", kinds=("audio",), container="mpegts"), "input_no_video"),
         "one frame": (write_clip(scratch / "one.mp4", 1, (32, 48)).read_bytes(), "input_too_short"),
         "declared 60000x60000": (y4m(60000, 60000), "input_unreadable"),  # FFmpeg refuses the size itself
         "declared 8000x8000": (y4m(8000, 8000), "input_too_large"),  # over our 4K limit, before a packet is read
@@ -256,7 +277,8 @@ def field_cases(clip: bytes) -> dict[str, tuple[dict[str, str], int, str]]:
 
 
 # Not videos, refused as the upload arrives (api/sniff.py) rather than failed by a worker after the queue's wait:
-# real songs from the corpus, and what a person picks by mistake. An audio-only MP4 or WebM is left to the worker.
+# real songs from the corpus, and what a person picks by mistake; once stored, MP4, Matroska and MPEG-TS files whose
+# tracks are all sound.
 NOT_VIDEOS = {
     "mp3": "hachoir-marc_kravetz.mp3", "flac": "mutagen-silence-44-s.flac", "opus": "mutagen-example.opus",
     "m4a": "mutagen-alac.m4a", "ogg vorbis": "forensics-debian.ogg",
@@ -310,6 +332,13 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
                 # its movie box after 75 KB of sound: read from storage, past the bytes peeked as it arrived
                 "mp4 with sound only, its boxes last": remux(
                     corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "sintel-sound.mp4", ("audio",)
+                ),
+                "mpeg-ts with sound only": remux(  # an HLS audio rendition's segment (AAC)
+                    corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "sintel-sound.ts", ("audio",), "mpegts"
+                ),
+                "m2ts with sound only": remux(  # a Blu-ray or AVCHD stream's sound kept alone (AC-3)
+                    write_clip(tmp_path / "ac3.mkv", 9, (32, 48), audio_codec="ac3"), tmp_path / "ac3.m2ts",
+                    ("audio",), "mpegts", mpegts_m2ts_mode="1",
                 ),
             }.items()
         },  # fmt: skip
@@ -391,6 +420,8 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
     # Werkzeug's words for a body cut short were "cannot parse beyond State.DATA"
     assert "cut short" in answered["unterminated part"][0].json()["detail"]
     assert answered["mp3 named .mp4"][0].json()["detail"] == "`clip.mp4` is MP3 audio, not a video."
+    sound_ts = answered["mpeg-ts with sound only named .mp4"][0].json()["detail"]
+    assert sound_ts == "`clip.mp4` is an MPEG transport stream with sound only, not a video.", sound_ts
     assert sorted(s3.keys(f"uploads/{KEY}/")) == before  # nothing refused was kept
     print(f"FIGURE bad_input requests: {len(answered)} bad requests -> {len(answered)} x 4xx problem+json, 0 x 5xx")
 
