@@ -108,9 +108,7 @@ def stage_tflop(height: int, width: int, frames: int, scale: float, tile_sizes, 
     if frames > DEFAULT_WINDOW:
         windows = [stage_tflop(height, width, window.frames, scale, tile_sizes, snap) for window in plan_windows(frames).windows]
         return {stage: sum(window[stage] for window in windows) for stage in windows[0]}
-    tiling_scale, _ = tiling.split_scale(scale)
-    padded = (-(-side // snap) * snap for side in tiling.pre_upscaled_size(height, width, scale))  # as the engine pads
-    plan = tiling.plan_tiles(*padded, tiling_scale, tile_sizes, snap)
+    plan = tiling.plan_video(height, width, scale, tile_sizes, snap)  # the engine's plan
     tokens = ((frames - 1) // 4 + 1) * (plan.base_height // snap) * (plan.base_width // snap)
     ratio = tokens / W1_TOKENS
     tiles = len(plan.tiles)

@@ -113,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     probe = commands.add_parser("probe", help="what vsrq sees in a file, and what upscaling it would do")
     probe.add_argument("input", type=Path)
     probe.add_argument("--scale", type=float, choices=(2, 2.25, 4), default=2)
+    probe.add_argument("--min-overlap", type=float, default=0.2, help="least share of a tile its neighbours overlap")
+    probe.add_argument("--target-resolution", help="then downscale to hd, fullhd, 2k or WxH (never upscales)")
+    probe.add_argument("--resize-mode", choices=("fit", "exact"), default="fit", help="fit keeps the aspect ratio")
+    probe.add_argument("--deinterlace", choices=("frame", "field", "film"), default="frame",
+                       help="the frames an interlaced source is read as (see upscale)")  # fmt: skip
     probe.add_argument("--window", type=int, default=121)
     probe.add_argument("--window-overlap", type=int, default=None)
     probe.add_argument("--json", action="store_true", help="machine-readable")
@@ -176,6 +181,12 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-seconds", type=float, default=default.max_seconds, help="(default: %(default)s)")
     limits.add_argument("--max-bytes", type=int, default=default.max_bytes, help="file size (default: %(default)s)")
     limits.add_argument("--min-frames", type=int, default=default.min_frames, help="(default: %(default)s)")
+    output = parser.add_argument_group("output limits (what the model computes, before any target; refused before "
+                                       "a model loads)")  # fmt: skip
+    output.add_argument("--max-output-pixels", type=int, default=default.max_output_pixels,
+                        help="per frame (default: %(default)s)")  # fmt: skip
+    output.add_argument("--max-output-megapixel-frames", type=float, default=default.max_output_megapixel_frames,
+                        help="per job: a service key's budget (default: %(default)s)")  # fmt: skip
 
 
 def _port(text: str) -> int:

@@ -89,6 +89,33 @@ def test_probe_says_when_a_source_looks_like_telecined_film(corpus_cache, tmp_pa
     assert "--deinterlace field gives a frame for each field (59.94 frames/s)" in said
 
 
+def test_probe_plans_the_tiles_windows_and_cost_a_job_would_compute(corpus_cache, tmp_path):
+    """A real 384x288 clip of 446 frames: before any GPU time, `vsrq probe` says the engine's tile plan (at x4 each
+    768x512 output tile is a 192x128 input tile, 3x3 of them), the windows, the cost against the limits, and the size
+    a target leaves; a clip over a service key's budget is refused as the job would refuse it, its plan still said."""
+    clip = str(corpus_cache / "hachoir-flashmob.mkv")
+    said = vsrq("probe", clip, "--scale", "4", "--target-resolution", "hd")
+    assert said.returncode == 0, said.stderr
+    assert "upscale x4: 1536x1152, 446 frames in 5 window(s) of up to 105, then 960x720 (hd, fit)\n" in said.stdout
+    assert "  tiles: 9 a window, 45 in all, each 192x128 of the 384x288 model input to 768x512" in said.stdout
+    assert "  computes 789 megapixel-frames (limit 150,000), 1.8 megapixels a frame (limit 33.2)\n" in said.stdout
+    # x2.25: the x1.125 pre-upscaled 432x324, padded to the VAE's 16-pixel grid, in 384x256 tiles
+    plan = json.loads(vsrq("probe", clip, "--scale", "2.25", "--json").stdout)["plan"]
+    assert plan["tiles"] == {"per_window": 4, "total": 20, "input_tile": [384, 256], "output_tile": [768, 512],
+                             "model_input": [432, 336]}  # fmt: skip
+    assert (plan["output_size"], plan["target_size"], plan["refused"]) == ([864, 648], None, None)
+
+    over = vsrq("probe", clip, "--scale", "4", "--max-output-megapixel-frames", "500", "--json")
+    assert over.returncode == 2 and over.stderr.startswith("vsrq: output_too_large: the output would be 789 megapixel")
+    plan = json.loads(over.stdout)["plan"]
+    assert (plan["megapixel_frames"], plan["refused"]["code"]) == (789.185, "output_too_large")
+    # an interlaced clip read a frame for each field: twice its frames, and their cost
+    interlaced = write_clip(tmp_path / "camcorder.mp4", 13, (144, 256), Fraction(25),
+                            video_options={"x264-params": "interlaced=1:tff=1"})  # fmt: skip
+    fields = vsrq("probe", str(interlaced), "--deinterlace", "field").stdout
+    assert "upscale x2: 512x288, 26 frames in 1 window(s)" in fields and "--deinterlace field gives" not in fields
+
+
 def test_closed_captions_in_the_video_stream_are_said_to_be_left_out(corpus_cache, tmp_path):
     """CEA-608 captions ride in H.264's pictures (A/53 side data): the output's pictures are new ones without them,
     and the notes said nothing."""

@@ -43,7 +43,9 @@ def _reported(command: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 def _limits(args: argparse.Namespace):
     from worker.media.limits import Limits
 
-    return Limits(args.max_pixels, args.max_frames, args.max_seconds, args.max_bytes, args.min_frames)
+    return Limits(args.max_pixels, args.max_frames, args.max_seconds, args.max_bytes, args.min_frames,
+                  max_output_pixels=args.max_output_pixels,
+                  max_output_megapixel_frames=args.max_output_megapixel_frames)  # fmt: skip
 
 
 @_reported
@@ -166,37 +168,79 @@ def _job_key(args: argparse.Namespace, signature: str) -> str:
 
 @_reported
 def probe(args: argparse.Namespace) -> int:
+    """What the file is and what a job on it would compute, planned by the engine's own functions with the released
+    checkpoint's tile sizes (no model loads): a batch is sized, and a refusal seen, before any GPU time."""
+    from worker.media.errors import OutputTooLarge
+    from worker.media.limits import Limits
     from worker.media.passthrough import plan_streams
     from worker.media.probe import probe
-    from worker.media.reader import telecined
+    from worker.media.reader import at_cadence, telecined
+    from worker.media.resize import Target
     from worker.sr import tiling
     from worker.sr.windows import plan_windows
 
-    info = probe(args.input, _limits(args))
-    video = info.video
+    limits = _limits(args)
+    info = probe(args.input, limits)
+    video = at_cadence(info.video, args.deinterlace) or info.video  # the frames the job reads, as it counts them
     height, width = tiling.output_size(video.height, video.width, args.scale)
     plan = plan_windows(video.frames, args.window, args.window_overlap)
+    tiles = tiling.plan_video(video.height, video.width, args.scale, tiling.RELEASED_TILE_SIZES, tiling.RELEASED_SNAP,
+                              args.min_overlap)  # fmt: skip
+    target = Target.parse(args.target_resolution, args.resize_mode) if args.target_resolution else None
+    written = target.size(height, width, video.sar) if target else None
+    cost = Limits.none().check_output(height, width, video.frames)  # the megapixel-frames, said over a limit too
+    try:  # the job's own check, on what the model computes (before any downscale to a target)
+        limits.check_output(height, width, video.frames)
+        refused = None
+    except OutputTooLarge as error:
+        refused = error
     carried = plan_streams(info)
-    film = telecined(args.input, video)  # what the job's notes would say after the fact, said before it
+    film = telecined(args.input, info.video)  # what the job's notes would say after the fact, said before it
     if args.json:
         print(json.dumps(info.to_dict() | {"plan": {
             "output_size": [width, height],
+            "target_size": list(written[::-1]) if written else None,
             "windows": [[w.start, w.stop] for w in plan.windows],
+            "tiles": {
+                "per_window": len(tiles.tiles),
+                "total": len(tiles.tiles) * len(plan.windows),
+                "input_tile": [tiles.tile_width, tiles.tile_height],
+                "output_tile": [tiles.base_width, tiles.base_height],
+                "model_input": [tiles.width, tiles.height],
+            },
+            "megapixel_frames": round(cost, 3),
+            "limits": {"max_output_pixels": limits.max_output_pixels,
+                       "max_output_megapixel_frames": limits.max_output_megapixel_frames},
+            "refused": refused and {"code": refused.code, "message": refused.message},
             "streams": [{"index": c.index, "kind": c.kind, "action": c.action, "detail": c.detail} for c in carried],
             "looks_telecined": film,
-        }}, indent=2))
-        return 0
-    print("\n".join(info.describe()))
-    print(f"upscale x{args.scale:g}: {width}x{height}, {video.frames} frames in {len(plan.windows)} window(s) of up to {plan.length}")
-    for c in carried:
-        print(f"  {c.describe()}")
-    if film:
-        print("looks like telecined film (3:2 pulldown repeats a field in two of every five frames): "
-              "--deinterlace film gives the film's own 23.976 frames back")
-    elif video.interlaced or video.turns_interlaced:
-        print("interlaced (each frame two fields of different instants): deinterlaced as it is read, a frame for "
-              f"each frame; --deinterlace field gives a frame for each field ({float(2 * video.fps):.5g} frames/s)")
+        }}, indent=2))  # fmt: skip
+    else:
+        print("\n".join(info.describe()))
+        then = f", then {written[1]}x{written[0]} ({args.target_resolution}, {target.mode})" if written else ""
+        print(f"upscale x{args.scale:g}: {width}x{height}, {video.frames} frames in {len(plan.windows)} window(s) "
+              f"of up to {plan.length}{then}")
+        print(f"  tiles: {len(tiles.tiles)} a window, {len(tiles.tiles) * len(plan.windows)} in all, each "
+              f"{tiles.tile_width}x{tiles.tile_height} of the {tiles.width}x{tiles.height} model input to "
+              f"{tiles.base_width}x{tiles.base_height} (the released model's tiles)")
+        most_pixels = limits.max_output_pixels and limits.max_output_pixels / 1e6
+        print(f"  computes {_against(cost, limits.max_output_megapixel_frames, ',.0f', 'megapixel-frames')}, "
+              f"{_against(height * width / 1e6, most_pixels, '.1f', 'megapixels a frame')}")
+        for c in carried:
+            print(f"  {c.describe()}")
+        if film:
+            print("looks like telecined film (3:2 pulldown repeats a field in two of every five frames): "
+                  "--deinterlace film gives the film's own 23.976 frames back")
+        elif (video.interlaced or video.turns_interlaced) and args.deinterlace == "frame":
+            print("interlaced (each frame two fields of different instants): deinterlaced as it is read, a frame for "
+                  f"each frame; --deinterlace field gives a frame for each field ({float(2 * video.fps):.5g} frames/s)")
+    if refused is not None:  # as `vsrq upscale` would end, before loading a model: a batch script skips the file
+        raise refused
     return 0
+
+
+def _against(value: float, limit: float | None, spec: str, unit: str) -> str:
+    return f"{value:{spec}} {unit} " + (f"(limit {limit:{spec}})" if limit is not None else "(no limit)")
 
 
 @_reported

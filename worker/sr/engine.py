@@ -367,13 +367,13 @@ class SREngine:
             frames = F.interpolate(video[0].transpose(0, 1), size=(model_height, model_width), mode="bilinear", align_corners=False)
             video = frames.transpose(0, 1).unsqueeze(0)
 
-        # 3. Pad to what the model takes: 1 + 4k frames, sizes a multiple of the VAE factor and at least one tile
-        base = tiling.choose_base_tile(model_height, model_width, self.tile_sizes)
-        video = self._pad(video, base, tiling_scale)
+        # 3. Plan the tiles (`vsrq probe` plans with the same call); pad to what the model takes: 1 + 4k frames,
+        #    sizes a multiple of the VAE factor and at least one tile
+        plan = tiling.plan_video(height, width, request.scale, self.tile_sizes, self.snap, request.min_overlap)
+        video = self._pad(video, plan.height, plan.width)
         _, _, padded_frames, padded_height, padded_width = video.shape
 
-        # 4. Plan the tiles and share the work out over the devices: whole tiles, or a tile over a group (`split`)
-        plan = tiling.plan_tiles(padded_height, padded_width, tiling_scale, self.tile_sizes, self.snap, request.min_overlap, base)
+        # 4. Share the work out over the devices: whole tiles, or a tile over a group (`split`)
         schedule = Schedule.split(plan.tiles, len(self.replicas), _split.degree(len(plan.tiles), len(self.replicas), self.split))
         latent_frames = self._latent_frames(padded_frames)
         tracker.total = len(plan.tiles) * (request.num_inference_steps + len(self._segments(latent_frames)))
@@ -429,15 +429,13 @@ class SREngine:
 
     # --- step 3 -----------------------------------------------------------------------------------------------
 
-    def _pad(self, video: torch.Tensor, base: tuple[int, int], tiling_scale: int) -> torch.Tensor:
-        """Repeat the last frame up to 1 + 4k frames; mirror the edges out to the VAE grid and one tile."""
+    def _pad(self, video: torch.Tensor, padded_height: int, padded_width: int) -> torch.Tensor:
+        """Repeat the last frame up to 1 + 4k frames; mirror the edges out to the plan's size (`tiling.padded_size`:
+        the VAE grid and one tile)."""
         *_, num_frames, height, width = video.shape
         extra_frames = -(num_frames - 1) % self.frame_stride
         if extra_frames:
             video = torch.cat([video, video[:, :, -1:].expand(-1, -1, extra_frames, -1, -1)], dim=2)
-        padded_height, padded_width = (
-            max(-(-size // self.snap) * self.snap, tile // tiling_scale) for size, tile in zip((height, width), base)
-        )
         pad_bottom, pad_right = padded_height - height, padded_width - width
         if pad_bottom or pad_right:
             # Reflection needs the pad to be shorter than the side; tiny inputs fall back to edge replication.

@@ -14,6 +14,10 @@ import torch
 SCALES = (2, 2.25, 4)
 # The x2.25 route bilinearly pre-upscales the input by this factor, then runs the x2 path.
 PRE_UPSCALE_2_25 = 1.125
+# The released checkpoint's (checkpoint.HUB_ID) transformer `tile_sizes` and VAE spatial factor: what `vsrq probe`
+# plans with, as it loads no model (a job plans with the loaded checkpoint's own).
+RELEASED_TILE_SIZES = ((512, 512), (512, 768), (768, 512))
+RELEASED_SNAP = 16
 
 
 @dataclass(frozen=True)
@@ -150,3 +154,26 @@ def plan_tiles(
         snap=snap,
         tiles=tiles,
     )
+
+
+def padded_size(height: int, width: int, base: tuple[int, int], tiling_scale: int, snap: int) -> tuple[int, int]:
+    """The model input's size: each side up to the VAE grid (`snap`) and to at least one input tile of `base`."""
+    return tuple(max(-(-size // snap) * snap, tile // tiling_scale) for size, tile in zip((height, width), base))
+
+
+def plan_video(
+    height: int,
+    width: int,
+    scale: float,
+    tile_sizes: tuple[tuple[int, int], ...],
+    snap: int,
+    min_overlap: float = 0.2,
+) -> TilePlan:
+    """The tiles a `height` x `width` video is upscaled in at `scale`, as the engine runs them: after the x2.25
+    pre-upscale, at the trained size closest to its aspect ratio, over the input padded to `padded_size`."""
+    tiling_scale, _ = split_scale(scale)
+    model_height, model_width = pre_upscaled_size(height, width, scale)
+    # chosen on the unpadded input: padding to the grid must not turn a tile's shape
+    base = choose_base_tile(model_height, model_width, tile_sizes)
+    padded = padded_size(model_height, model_width, base, tiling_scale, snap)
+    return plan_tiles(*padded, tiling_scale, tile_sizes, snap, min_overlap, base)
