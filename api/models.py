@@ -1,7 +1,8 @@
 """GET /v1/models: the models this service serves, in OpenAI's list shape (as OpenAI-compatible servers answer it).
 
 A model is a name clients put in `model` on create; each is served by the workers of one queue (its pipeline group).
-What a worker actually ran is on each finished job (`output.model`).
+What a worker actually ran is on each finished job (`output.model`); the quality tiers a model's jobs can run are
+read from its queue's registered workers (storage/workers.py), so the web page offers no tier that would do nothing.
 """
 
 from __future__ import annotations
@@ -13,21 +14,38 @@ from flask import Blueprint, Response, jsonify
 
 from api.auth import admit_caller
 from api.errors import ApiError
+from api.schemas import QUALITIES
 from api.services import services
+from storage.workers import WorkerInfo, WorkerRegistry
 
 blueprint = Blueprint("models", __name__)
 blueprint.before_request(admit_caller)
 STARTED = int(time.time())  # OpenAI's `created`: a configured name exists from the process's start
 
 
-def _model(name: str, queue: str) -> dict[str, Any]:
+def _model(name: str, queue: str, workers: list[WorkerInfo]) -> dict[str, Any]:
     default = name == services().settings.default_model
-    return {"id": name, "object": "model", "created": STARTED, "owned_by": "vsrq", "queue": queue, "default": default}
+    return {"id": name, "object": "model", "created": STARTED, "owned_by": "vsrq", "queue": queue, "default": default,
+            "qualities": _qualities(queue, workers)}  # fmt: skip
+
+
+def _qualities(queue: str, workers: list[WorkerInfo]) -> list[str]:
+    """The tiers the model's jobs can run: lanczos has no faster path (a `high` job of it runs `lossless`, and says so),
+    so a queue only lanczos workers take offers `lossless` alone. Every tier while none is registered: not known."""
+    models = {worker.model for worker in workers if worker.model and queue in worker.queues}
+    return list(QUALITIES) if models - {"lanczos"} or not models else ["lossless"]
+
+
+def _workers() -> list[WorkerInfo]:
+    svc = services()
+    return WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s).list()
 
 
 @blueprint.get("/v1/models")
 def list_models() -> Response:
-    return jsonify(object="list", data=[_model(name, queue) for name, queue in services().settings.models.items()])
+    workers = _workers()  # one registry read for the list
+    models = services().settings.models.items()
+    return jsonify(object="list", data=[_model(name, queue, workers) for name, queue in models])
 
 
 @blueprint.get("/v1/models/<path:model_id>")
@@ -35,4 +53,4 @@ def get_model(model_id: str) -> Response:
     queue = services().settings.models.get(model_id)
     if queue is None:
         raise ApiError(404, "model_not_found", f"Model {model_id!r} is not served here; GET /v1/models lists them.")
-    return jsonify(_model(model_id, queue))
+    return jsonify(_model(model_id, queue, _workers()))

@@ -60,6 +60,10 @@ class Model(BaseModel):
     owned_by: str
     queue: str = Field(description="the Celery queue (pipeline group) whose workers serve it")
     default: bool = Field(description="the model a create without `model` gets")
+    qualities: list[Literal["lossless", "high"]] = Field(
+        description="the `quality` tiers its jobs can run, by the workers registered on its queue: `lossless` alone "
+        "where they all run lanczos (a `high` job runs `lossless`); every tier while none is registered"
+    )
 
 
 class ModelList(BaseModel):

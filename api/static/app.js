@@ -19,6 +19,7 @@ const $ = (id) => document.getElementById(id);
 const state = {
   key: null, open: false, session: 0, polling: false, pollAgain: false, listed: LIST_PAGE, picked: null,
   pickedMedia: null, jobs: new Map(), outputs: new Map(), comparing: null, compareFrom: null, timer: null, upload: null,
+  qualities: new Map(),  // model -> the quality tiers its workers run (`loadQualities`)
 };
 const REDUCED_MOTION = window.matchMedia("(prefers-reduced-motion: reduce)");
 
@@ -210,7 +211,7 @@ function showWorkspace() {
   $("connect").hidden = true;
   $("workspace").hidden = false;
   $("sign-out").hidden = !state.key;  // no key to forget where the service asks for none
-  loadModels();
+  loadModels().then(loadQualities);  // at each sign-in: workers come and go
   poll();
 }
 
@@ -225,6 +226,32 @@ async function loadModels() {
   } catch {
     select.append(el("option", {value: ""}, "Default model"));
   }
+}
+
+// The tiers each model's workers run (GET /v1/models): a model whose workers are all lanczos has no faster one, and
+// `high` would run the exact engine all the same, so it is not offered. Unknown (an older API, no answer): all are.
+async function loadQualities() {
+  try {
+    const models = await (await api("/v1/models")).json();
+    state.qualities = new Map(models.data.map((model) => [model.id, model.qualities]));
+  } catch {
+    state.qualities = new Map();
+  }
+  offerQualities();
+}
+
+function offerQualities() {
+  const select = $("quality");
+  const hint = $("quality-hint");
+  hint.dataset.faster ??= hint.textContent;  // the tier's own description, shown where it is offered
+  const model = $("model").value;
+  const tiers = state.qualities.get(model);
+  const none = Boolean(tiers) && !tiers.includes("high");
+  select.querySelector('option[value="high"]').disabled = none;
+  if (none && select.value === "high") select.value = "lossless";
+  hint.textContent = none
+    ? `Faster is not available for ${model}: its workers run a classical upscaler, which has no 8-bit mode.`
+    : hint.dataset.faster;
 }
 
 // -- picking a file ------------------------------------------------------------------------------------------------
@@ -1102,6 +1129,7 @@ function wireForm() {
     $("custom-field").hidden = $("target").value !== "custom";
     outputSize();
   });
+  $("model").addEventListener("change", offerQualities);
   $("job-form").addEventListener("submit", submit);
   $("key-form").addEventListener("submit", connect);
   $("sign-out").addEventListener("click", () => signOut());
