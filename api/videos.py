@@ -172,7 +172,7 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
     # and one part of an upload in parts.
     mine, part = key.startswith(upload_key(caller, "")), key.startswith(parts_prefix(caller))
     ours = SAFE_KEY.fullmatch(key) and mine and not part
-    upload_id = key.rsplit("/", 1)[1]
+    upload_id = key.rsplit("/", 1)[-1]  # a key without a slash ("a") is no upload of the caller's: 404 below
     if ours and (refused := _unfinished(upload_id)):
         raise refused
     try:

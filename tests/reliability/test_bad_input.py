@@ -364,6 +364,9 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
             404,
             "upload_not_found",
         ),
+        "json key without a slash": (
+            lambda: raw_post(url, b'{"input_key": "a"}', "application/json"), 404, "upload_not_found"
+        ),
         "json upload id traversal": (
             lambda: raw_post(url, b'{"upload_id": "upload_../../alice"}', "application/json"), 422, "invalid_request"
         ),
