@@ -1,4 +1,4 @@
-"""What an upload's first bytes say it is, where that is certainly no video: a song, a document or a photo sent by
+"""What an upload's first bytes say it is, where that is certainly no video: a song, a document, a photo or text sent by
 mistake is refused as it arrives, not failed by a worker after the queue's wait; and, once stored, an MP4, WebM,
 Matroska or MPEG-TS file whose tracks are all sound (`without_video`: a song or a voice memo saved as .mp4, a DASH or
 HLS audio rendition, a browser's audio-only recording, a downloader's audio track, a Blu-ray's sound kept alone).
@@ -9,6 +9,7 @@ Exact signatures of a few formats rather than a general sniffer: one that guesse
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -43,7 +44,31 @@ def not_a_video(head: bytes) -> str | None:
         return "a JPEG photo"
     if head.startswith(b"\x89PNG\r\n\x1a\n") and _still_png(head):
         return "a still PNG picture"
-    return None
+    return _text(head)
+
+
+# Text a person may pick for the video it goes with; an HLS playlist or a DASH manifest only names a video's segments
+_TEXTS = ((b"#EXTM3U", "an HLS playlist (it only names the video's segments)"), (b"WEBVTT", "WebVTT subtitles"))
+_SRT_CUE = re.compile(rb"\A\d+\r?\n\d\d:\d\d:\d\d,\d{3} --> ")
+_CONTROLS = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # all but tab, line feed, form feed, carriage return
+
+
+def _text(head: bytes) -> str | None:
+    """How to name `head` where it is text (UTF-8, no control characters), which no video is: a YUV4MPEG2 stream's
+    header is, but not its frames."""
+    body = head.removeprefix(b"\xef\xbb\xbf")  # a byte order mark
+    if not body or body.startswith(b"YUV4MPEG2 ") or _CONTROLS.search(body):
+        return None
+    try:
+        body.decode()
+    except UnicodeDecodeError as error:  # only a character cut by the peek's end may be incomplete
+        if error.reason != "unexpected end of data":
+            return None
+    if body.lstrip().startswith(b"<") and b"<MPD" in body[:4096]:
+        return "a DASH manifest (it only names the video's segments)"
+    if _SRT_CUE.match(body.lstrip()):
+        return "SRT subtitles"
+    return next((name for magic, name in _TEXTS if body.startswith(magic)), "a text file")
 
 
 def _ogg_streams(head: bytes) -> list[str | None]:

@@ -131,7 +131,6 @@ def bad_files(scratch: Path) -> dict[str, tuple[bytes, str]]:
     mdat = moov_first.index(b"mdat")
     mkv = write_clip(scratch / "clip.mkv", 17, (32, 48), audio_codec="libopus").read_bytes()
     return {
-        "text": (b"this is not a video\n" * 200, "input_unreadable"),
         # seeded: FFmpeg's probe finds audio or subtitles in about 1 of 150 noise files (measured), a job then failed
         # as input_no_video
         "random bytes": (random.Random(0).randbytes(20_000), "input_unreadable"),
@@ -325,6 +324,9 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
             for name, data in {
                 **{name: (corpus_cache / file).read_bytes() for name, file in NOT_VIDEOS.items()},
                 "png": picture(), "jpeg": picture("JPEG"), "pdf": picture("PDF"), "zip": zipped(clip),
+                "text": "Notes for the edit: cut at 0:42, keep the ending.\r\n".encode() * 200,
+                "hls playlist": b"#EXTM3U\n#EXT-X-TARGETDURATION:6\n#EXTINF:6.0,\nsegment0.ts\n#EXT-X-ENDLIST\n",
+                "srt subtitles": "1\n00:00:01,000 --> 00:00:03,500\nBonjour à tous\n\n".encode(),
                 "mp4 with sound only": (corpus_cache / "pymediainfo-mp4-with-audio.mp4").read_bytes(),
                 "webm with sound only": remux(  # as a downloader keeps a video's sound track
                     corpus_cache / "ffprobe-client-input.webm", tmp_path / "opus.webm", ("audio",), container="webm"
@@ -423,6 +425,9 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
     # Werkzeug's words for a body cut short were "cannot parse beyond State.DATA"
     assert "cut short" in answered["unterminated part"][0].json()["detail"]
     assert answered["mp3 named .mp4"][0].json()["detail"] == "`clip.mp4` is MP3 audio, not a video."
+    assert answered["hls playlist named .mp4"][0].json()["detail"] == (
+        "`clip.mp4` is an HLS playlist (it only names the video's segments), not a video."
+    )
     sound_ts = answered["mpeg-ts with sound only named .mp4"][0].json()["detail"]
     assert sound_ts == "`clip.mp4` is an MPEG transport stream with sound only, not a video.", sound_ts
     assert sorted(s3.keys(f"uploads/{KEY}/")) == before  # nothing refused was kept

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import secrets
 import signal
 import struct
@@ -43,6 +44,9 @@ MODELS = {"k6-vsr": "vsrq.k6", "lanczos": "vsrq.cpu"}
 # default, 5.9 s with one thread each, the same bytes out. (Only the workers: one thread doubled the in-process compile
 # tests' time.)
 WORKER_THREADS = {"OMP_NUM_THREADS": "1"}
+# Bytes no demuxer reads, which pass the upload's checks (text, a song, a photo are refused as they arrive): a job on
+# them fails `input_unreadable` at the worker's probe. Seeded: FFmpeg finds sound in about 1 noise file of 150.
+UNREADABLE = random.Random(0).randbytes(20_000)
 
 
 def vsrq(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

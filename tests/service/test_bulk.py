@@ -27,11 +27,8 @@ from client.bulk import Bulk, BulkError, Journal, journal_path, plan
 from client.http import ApiProblem, Client, retry_after
 from worker.media.synthetic import write_clip
 
-from .conftest import KEYS, ROOT, as_a_shell_starts_it, auth, padded
+from .conftest import KEYS, ROOT, UNREADABLE, as_a_shell_starts_it, auth, padded
 from .test_worker import celery_worker
-
-NOT_A_VIDEO = b"this is not a video\n" * 500
-
 
 @pytest.fixture(scope="module")
 def worker(service_env, redis_client, tmp_path_factory) -> Iterator[Path]:
@@ -217,7 +214,7 @@ def test_a_deployment_with_shorter_pages_has_each_job_asked_about(api, worker, t
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
 def test_a_manifest_carries_per_row_parameters_and_reports_a_bad_file(api, worker, tmp_path, kind):
     write_clip(tmp_path / "a.mp4", 9, (32, 48), audio_codec="aac")
-    (tmp_path / "bad.mp4").write_bytes(NOT_A_VIDEO)
+    (tmp_path / "bad.mp4").write_bytes(UNREADABLE)
     seed = {"csv": 11, "jsonl": 12}[kind]  # the two formats make their own jobs
     rows = [
         {"source": "a.mp4", "scale": 2, "seed": seed, "output": "x2/a.mp4"},
@@ -262,7 +259,7 @@ def test_a_folder_sends_its_animated_pictures_and_never_reports_another_file_as_
     write_clip(folder / "anim.gif", 13, (32, 48), video_codec="gif", pix_fmt="rgb8")
     write_clip(folder / "phone.3g2", 11, (32, 48))
     (folder / "notes.txt").write_text("not a video")
-    (folder / "._phone.3g2").write_bytes(NOT_A_VIDEO)  # a macOS resource fork: a video's name, not a video
+    (folder / "._phone.3g2").write_bytes(UNREADABLE)  # a macOS resource fork: a video's name, not a video
     command = bulk_command(api, folder, report, "--scale", "2", "--seed", "21", "--wait", "--download", str(out))
 
     first = run_bulk(command)

@@ -4,9 +4,11 @@ every response conforming to the document."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -14,9 +16,11 @@ from openapi_spec_validator import validate
 
 from api.app import create_app
 from api.schemas import JobOptions, UpscaleParams
+from worker.media.synthetic import write_clip
 
 from .conftest import KEYS, auth
 
+HOOKS = Path(__file__).with_name("schemathesis_hooks.py")  # the examples carry a real video
 FUZZ_KEY = "fuzz"  # a key of its own: the jobs Schemathesis creates are cancelled afterwards, and bother no one
 
 
@@ -134,8 +138,11 @@ def test_schemathesis_finds_no_5xx_and_no_response_off_the_document(api, tmp_pat
         "--max-examples", "10", "--generation-deterministic",  # the same requests on every run: CI stays stable
         "--workers", "1", "--request-timeout", "30", "--no-color", "--report-dir", str(tmp_path),
     ]  # fmt: skip
+    write_clip(tmp_path / "clip.mp4", 9, (32, 48))
+    hooks = {"SCHEMATHESIS_HOOKS": str(HOOKS), "VSRQ_FUZZ_VIDEO": str(tmp_path / "clip.mp4")}
     try:
-        run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                             env=os.environ | hooks)  # fmt: skip
     finally:
         created = cancel_queued_jobs(api, FUZZ_KEY)
     print(run.stdout[-3000:])

@@ -36,7 +36,7 @@ from storage.webhooks import QUEUE
 from worker.backoff import retry_after_s
 from worker.webhooks import backoff
 
-from .conftest import ROOT, WEBHOOK_SECRETS, auth, serve_api
+from .conftest import ROOT, UNREADABLE, WEBHOOK_SECRETS, auth, serve_api
 from .receiver import Receiver
 from .test_worker import celery_worker, create, get, wait_for
 
@@ -267,7 +267,7 @@ def test_a_completed_job_is_delivered_until_the_receiver_takes_it(
 
 def test_a_failed_job_sends_video_failed(hooks_api, upscaler, webhook_worker, relay, receiver, jobs):
     path = receiver.path()
-    job_id = create(hooks_api, b"this is not a video\n" * 500, webhook_url=receiver.url(path))["id"]
+    job_id = create(hooks_api, UNREADABLE, webhook_url=receiver.url(path))["id"]
     assert wait_for(hooks_api, job_id, upscaler)["status"] == "failed"
     (call,) = receiver.wait(path, 1)
     verify(call.body, call.headers, [SECRET])

@@ -43,7 +43,7 @@ from worker.scratch import scratch_bytes
 from worker.tasks import JOB_PARAMS, job_options
 from worker.sr.checkpoint import write_tiny
 
-from .conftest import ROOT, WORKER_THREADS, auth, broker_messages, vsrq
+from .conftest import ROOT, UNREADABLE, WORKER_THREADS, auth, broker_messages, vsrq
 
 TERMINAL = ("completed", "failed", "cancelled")
 
@@ -272,7 +272,7 @@ def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):
 
 
 def test_a_corrupt_upload_fails_with_an_input_code_and_the_worker_goes_on(api, worker, stereo_clip):
-    job = wait_for(api, create(api, b"this is not a video\n" * 500)["id"], worker)
+    job = wait_for(api, create(api, UNREADABLE)["id"], worker)
     assert job["status"] == "failed" and job["error"]["code"] == "input_unreadable", job
     assert "Traceback" not in job["error"]["message"]
     # refused after its probe: what was read is said beside why (it was null, the message naming the size)
