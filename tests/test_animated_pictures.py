@@ -4,6 +4,9 @@ its decoder's reading). FFmpeg decodes GIF and APNG; animated WebP, which it can
 
 from __future__ import annotations
 
+import struct
+import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import av
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 
-from worker.media.errors import InputNoVideo, InputTooLarge
+from worker.media.errors import InputNoVideo, InputTooLarge, OutputTooLarge
 from worker.media.limits import Limits
 from worker.media.probe import probe
 from worker.sr.lanczos import LanczosUpscaler
@@ -20,6 +23,7 @@ from worker.upscale import UpscaleOptions, upscale_file
 
 FAST = UpscaleOptions(request=SRRequest(scale=2), preset="ultrafast", crf=0)
 WEBP, GIF = "pillow-iss634.webp", "pillow-iss634.gif"  # one animation: the WebP is the GIF made lossless
+APNG = "pillow-apng-delay.png"
 TRANSPARENT = "the source has transparent pixels ({}): MP4 has no alpha, so they were shown over {}"  # the note
 BLACK = "black (background=#RRGGBB names another colour)"
 
@@ -72,6 +76,48 @@ def test_an_animated_webp_declaring_a_huge_canvas_is_too_large_not_an_internal_e
         probe(huge)
     with pytest.raises(InputTooLarge, match="canvas is too large to decode"):
         probe(huge, Limits(max_pixels=None))
+
+
+@pytest.mark.parametrize("name", [GIF, APNG])
+def test_an_animation_declaring_a_huge_canvas_is_too_large_before_it_is_decoded(corpus_cache, tmp_path, name):
+    """The real animation with its canvas declared 65535x65535: FFmpeg's decoder refused the GIF's as bad data
+    (input_corrupt: "cannot be read to the end (Invalid argument)"), its demuxer took the APNG for a still PNG
+    (input_no_video). Neither told the user the file is too large, nor what the limit is."""
+    data = bytearray((corpus_cache / name).read_bytes())
+    if name == GIF:
+        data[6:10] = struct.pack("<HH", 65535, 65535)  # the logical screen
+    else:
+        data[16:24] = struct.pack(">II", 65535, 65535)  # IHDR's size, then its CRC
+        data[29:33] = struct.pack(">I", zlib.crc32(data[12:29]))
+    huge = tmp_path / f"huge-{name}"
+    huge.write_bytes(data)
+    with pytest.raises(InputTooLarge, match=f"65535x65535; the limit is {Limits().max_pixels / 1e6:.1f} Mpx"):
+        probe(huge)
+
+
+@pytest.mark.parametrize("name", [GIF, APNG, WEBP])
+def test_an_animation_over_a_limit_is_refused_before_its_frames_are_read(corpus_cache, tmp_path, name):
+    """Every frame was read before the output's limits refused the job (each WebP frame decoded on its canvas: minutes
+    for a few thousand on a 4K one, in a file of 200 KB), or before the count passed max_frames (each APNG keyframe
+    decoded on the way). What the file declares refuses it first: the job's heartbeat, called for each frame read,
+    is never called."""
+    source = corpus_cache / name
+    video = probe(source).video
+    heard = []
+
+    def alive() -> bool:
+        heard.append(True)
+        return False
+
+    size = LanczosUpscaler().output_size(video.height, video.width, FAST.request.scale)
+    cost = Limits.none().check_output(*size, video.frames)
+    over = replace(FAST, limits=Limits(max_output_megapixel_frames=cost * 0.99))
+    with pytest.raises(OutputTooLarge, match=f"{video.frames} frames of {size[1]}x{size[0]}"):
+        upscale_file(source, tmp_path / "refused.mp4", LanczosUpscaler(), over, cancelled=alive)
+    assert not heard
+    with pytest.raises(InputTooLarge, match=f"more than {video.frames - 1} frames"):
+        probe(source, Limits(max_frames=video.frames - 1), alive)
+    assert not heard
 
 
 def test_a_still_webp_is_still_refused_as_a_picture(corpus_cache, tmp_path):

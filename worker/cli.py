@@ -143,7 +143,7 @@ def _refuse_before_loading(args: argparse.Namespace, options: UpscaleOptions) ->
     from worker.sr import tiling
     from worker.sr.windows import plan_windows
 
-    video = probe(args.input, options.limits).video
+    video = probe(args.input, options.limits, output_size=lambda h, w: tiling.output_size(h, w, args.scale)).video
     plan_windows(video.frames, options.window, options.window_overlap)
     size = tiling.output_size(video.height, video.width, args.scale)
     options.limits.check_output(*size, video.frames)  # before any target: what the model computes

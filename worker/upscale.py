@@ -158,9 +158,11 @@ def begin_upscale(
         raise ValueError(f"deinterlace must be one of {CADENCES}, got {options.deinterlace!r}")
     behind = _rgb(options.background)
 
-    # 2. Probe the input and check the limits: a file we refuse costs no GPU time. At the field or film cadence,
+    # 2. Probe the input and check the limits: a file we refuse costs no GPU time (nor, where it declares its frames,
+    #    the CPU to decode them before the output's are checked). At the field or film cadence,
     #    what follows plans, writes and checks the frames the reader makes: twice the source's, or four in five
-    source_info = info = probe(source, options.limits, cancelled)
+    scale = options.request.scale
+    source_info = info = probe(source, options.limits, cancelled, lambda h, w: upscaler.output_size(h, w, scale))
     recounted = at_cadence(info.video, options.deinterlace)
     if recounted is not None:
         info = replace(info, video=recounted)

@@ -2,8 +2,8 @@
 
 One demux pass over the whole file (packets only; just the first video frame is decoded) gives the exact frame
 count, every frame's timestamp (constant or variable rate), each audio stream's extent, and catches truncated
-files. Limits are checked as early as the file can tell them: size before opening, declared dimensions and
-duration before reading a packet, the frame count while counting.
+files. Limits are checked as early as the file can tell them: size before opening, an animated picture's canvas and
+frames before it is opened, declared dimensions and duration before reading a packet, the frame count while counting.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import av
 
-from worker.media import alpha_track, webp
+from worker.media import alpha_track, animation, webp
 from worker.media.errors import (
     InputCorrupt,
     InputEmpty,
@@ -221,16 +221,24 @@ def existing(path: str | Path) -> Path:
     return path
 
 
-def probe(path: str | Path, limits: Limits = Limits(), alive: Callable[[], bool] | None = None) -> MediaInfo:
+def probe(
+    path: str | Path,
+    limits: Limits = Limits(),
+    alive: Callable[[], bool] | None = None,
+    output_size: Callable[[int, int], tuple[int, int]] | None = None,
+) -> MediaInfo:
     """Everything the job needs to know about `path`, or the typed error that says why it cannot be taken. `alive`
     is called as it reads (a job's heartbeat: a probe of a long file outlasted the lease), and stops it with
-    `Cancelled` when it returns True."""
+    `Cancelled` when it returns True. `output_size(height, width)` is the (height, width) the job makes of a frame:
+    where the file declares its frames, the output limits are checked on them too, before any is decoded."""
     path = existing(path)
     size = path.stat().st_size
     if size == 0:
         raise InputEmpty(f"{path.name} is empty (0 bytes)")
     if limits.max_bytes is not None and size > limits.max_bytes:
         raise InputTooLarge(f"{path.name} is {size / 2**30:.1f} GiB; the limit is {limits.max_bytes / 2**30:.1f} GiB")
+    if (declared := animation.declared(path)) is not None:
+        _check_animation(declared, path, limits, output_size)
     if webp.animated(path):
         return _animated_webp(path, size, limits, alive)
     try:
@@ -365,6 +373,22 @@ def _check_declared(container: av.container.InputContainer, stream: av.VideoStre
     declared = None if fragmented(container, stream) or container.duration is None else container.duration / 1e6
     if declared is not None and limits.max_seconds is not None and declared > limits.max_seconds:
         raise InputTooLarge(f"{path.name} lasts {declared:.0f} s; the limit is {limits.max_seconds:.0f} s")
+
+
+def _check_animation(
+    declared: animation.Declared,
+    path: Path,
+    limits: Limits,
+    output_size: Callable[[int, int], tuple[int, int]] | None,
+) -> None:
+    """What an animated picture declares, before its decoder sees it: FFmpeg refused a 65535x65535 GIF as bad data
+    (input_corrupt), and a 4K WebP of thousands of 1x1 frames took minutes to decode before its output was refused."""
+    _check_pixels(declared.width, declared.height, path, limits)
+    if limits.max_frames is not None and declared.frames > limits.max_frames:
+        raise InputTooLarge(f"{path.name} has more than {limits.max_frames} frames, the limit")
+    # a still picture is refused as one (input_too_short), not for the output it would make
+    if output_size is not None and declared.frames >= limits.min_frames:
+        limits.check_output(*output_size(declared.height, declared.width), declared.frames)
 
 
 def _check_pixels(width: int, height: int, path: Path, limits: Limits) -> None:
