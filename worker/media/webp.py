@@ -31,16 +31,6 @@ def animated(path: str | Path) -> bool:
     return len(head) == 21 and head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and bool(head[20] & 0x02)
 
 
-def canvas(path: str | Path) -> tuple[int, int] | None:
-    """The animation's canvas (width, height) as its extended header (VP8X) declares it, read before any decoder
-    (Pillow refuses one over ~179 Mpx with an error of its own, before the limits are checked)."""
-    with open(path, "rb") as file:
-        head = file.read(30)
-    if len(head) < 30 or head[12:16] != b"VP8X":
-        return None
-    return 1 + int.from_bytes(head[24:27], "little"), 1 + int.from_bytes(head[27:30], "little")
-
-
 def extent(path: Path) -> tuple[tuple[int, int], int]:
     """((width, height), frames), read from the file's chunks: no frame is decoded beyond the one Pillow decodes at
     open."""
@@ -52,10 +42,8 @@ def frame_times(
     path: Path, limits: Limits, alive: Callable[[], bool] | None = None
 ) -> tuple[tuple[int, int], list[int], int]:
     """((width, height), each frame's start in milliseconds, how long the last one is shown), limits checked before
-    a frame is decoded beyond the one Pillow decodes at open."""
-    declared = canvas(path)
-    if declared is not None:
-        _check_pixels(path, *declared, limits)
+    a frame is decoded beyond the one Pillow decodes at open (the canvas the file declares, before Pillow opens it:
+    the probe's, `animation.declared`)."""
     try:
         with Image.open(path) as image:
             size, count = image.size, image.n_frames
