@@ -184,7 +184,9 @@ def hold_body_slot() -> None:
         g.body_slot = svc.limiter.body_slot(g.api_key, svc.settings)
 
 
-def _release_body_slot(_: BaseException | None) -> None:
+def release_body_slot(_: BaseException | None = None) -> None:
+    """The request's body slot goes: at its end, or once its body is read where it goes on (a create that waits for
+    its job, api.prefer)."""
     if (token := g.pop("body_slot", None)) is not None:
         services().limiter.release_body(g.api_key, token)
 
@@ -197,4 +199,4 @@ def register(app: Flask) -> None:
         return inner(environ, start_response)
 
     app.wsgi_app = timed
-    app.teardown_request(_release_body_slot)
+    app.teardown_request(release_body_slot)

@@ -25,9 +25,9 @@ from urllib.parse import unquote, urlsplit
 from flask import Blueprint, Response, g, jsonify, redirect, request
 from pydantic import ValidationError
 
-from api import idempotency
+from api import idempotency, prefer
 from api.auth import admit_caller, owner
-from api.body import check_coding, hold_body_slot, json_object
+from api.body import check_coding, hold_body_slot, json_object, release_body_slot
 from api.errors import ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
@@ -78,12 +78,12 @@ def _created(files: frozenset[str]) -> tuple[Response, int]:
     key = idempotency.key_from(request.headers)
     if key is None:
         status, body, _ = _create(files)
-        return _job_response(body), status
+        return _answer(body), status
     store, caller = services().idempotency, owner()
     remembered = store.claim(caller, key)
     if remembered is not None:
         replay = store.check_replay(remembered, lambda: _fingerprint(files))
-        response = _job_response(replay.body)
+        response = _answer(replay.body)
         response.headers["Idempotent-Replayed"] = "true"
         return response, replay.status
     try:
@@ -92,7 +92,20 @@ def _created(files: frozenset[str]) -> tuple[Response, int]:
         store.release(caller, key)  # a failed request is not remembered: the caller may fix it and retry
         raise
     store.finish(caller, key, fingerprint, status, body)
-    return _job_response(body), status
+    return _answer(body), status
+
+
+def _answer(created: dict[str, Any]) -> Response:
+    """The created job; with `Prefer: wait`, as it is once it ended or the wait is up (api.prefer). What an
+    `Idempotency-Key` remembers is the job as created: a retry waits again."""
+    if (seconds := prefer.asked_wait(request.headers)) is None:
+        return _job_response(created)
+    release_body_slot()  # the body is read: waiting must not hold one of the key's uploads back
+    if (job := prefer.wait_to_end(created["id"], seconds)) is None:
+        return _job_response(created)
+    response = _job_response(_body(job))
+    response.headers["Preference-Applied"] = f"wait={seconds}"
+    return response
 
 
 def _job_response(body: dict[str, Any]) -> Response:

@@ -634,3 +634,18 @@ def test_the_api_never_imports_torch(service_env):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_a_create_that_prefers_to_wait_answers_as_the_wait_runs_out(api, clip):
+    """`Prefer: wait=N` with no worker to run the job: the answer comes after N seconds, the job still queued, and
+    says it waited; a wait that is no number, or another preference, is ignored (RFC 7240): answered at once."""
+    started = time.monotonic()
+    response = create(api, "erin", clip, headers={"Prefer": "respond-async, wait=2"})
+    waited = time.monotonic() - started
+    assert response.status_code == 200 and response.json()["status"] == "queued", response.text
+    assert response.headers["Preference-Applied"] == "wait=2" and 2 <= waited < 10, (response.headers, waited)
+    for ignored in ("wait=soon", "respond-async", "wait=0"):
+        started = time.monotonic()
+        response = create(api, "erin", clip, headers={"Prefer": ignored})
+        assert response.status_code == 200 and "Preference-Applied" not in response.headers, (ignored, response.headers)
+        assert time.monotonic() - started < 2, ignored

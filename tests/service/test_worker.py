@@ -271,6 +271,25 @@ def test_cancel_stops_a_running_job(api, worker, jobs, s3, tmp_path):
     assert said and not any("Traceback" in line for line in said), said
 
 
+def test_a_create_that_prefers_to_wait_answers_with_its_finished_job(api, worker, stereo_clip):
+    """Replicate's `Prefer: wait`: a short clip's job comes back finished in the request that sent it, its output there
+    to download, no polling; so does a failed one, with its error."""
+    files = {"video_reference": ("clip.mp4", stereo_clip, "video/mp4")}
+    data = {"model": "lanczos", "sr_resolution_scale": "2"}
+    response = requests.post(f"{api}/v1/videos", data=data, files=files, headers=auth("dave") | {"Prefer": "wait"},
+                             timeout=90)  # fmt: skip
+    job = response.json()
+    assert (response.status_code, job["status"]) == (200, "completed"), (job, worker.read_text()[-3000:])
+    assert response.headers["Preference-Applied"] == "wait=60" and "openai-poll-after-ms" not in response.headers
+    content = requests.get(f"{api}/v1/videos/{job['id']}/content", headers=auth("dave"), timeout=30)
+    assert content.status_code == 200 and content.content[4:8] == b"ftyp"
+    assert len(content.content) == job["output"]["bytes"]
+    files = {"video_reference": ("clip.mp4", UNREADABLE, "video/mp4")}
+    response = requests.post(f"{api}/v1/videos", data=data, files=files, headers=auth("dave") | {"Prefer": "wait=30"},
+                             timeout=60)  # fmt: skip
+    assert (response.json()["status"], response.json()["error"]["code"]) == ("failed", "input_unreadable")
+
+
 def test_a_corrupt_upload_fails_with_an_input_code_and_the_worker_goes_on(api, worker, stereo_clip):
     job = wait_for(api, create(api, UNREADABLE)["id"], worker)
     assert job["status"] == "failed" and job["error"]["code"] == "input_unreadable", job

@@ -1,0 +1,75 @@
+"""`Prefer: wait` (RFC 7240's preference, as Replicate's API takes it): a create that waits, up to a minute, for its
+job to end and answers with the job as it then is, so a short clip's upscale comes back in the request that sent it.
+
+    Prefer: wait        up to 60 s
+    Prefer: wait=10     up to 10 s (1 to 60)
+
+The answer says `Preference-Applied: wait=N` where it waited; the job may still be queued or running when the time is
+up, and the client polls as it would have. A waiting request holds one of its process's threads, so at most half of
+them wait at once: a request beyond that is answered at once, without `Preference-Applied`. An unknown preference or a
+wait that is no number is ignored, as RFC 7240 asks.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from time import monotonic, sleep
+
+from werkzeug.datastructures import Headers
+
+from api.services import services
+from storage.jobs import JobNotFound, JobRecord, Status
+
+MAX_WAIT_S = 60
+POLL_S = 0.2  # a job's record is read this often while a request waits on it
+ENDED = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)
+
+_slots: threading.BoundedSemaphore | None = None
+_slots_made = threading.Lock()
+
+
+def asked_wait(headers: Headers) -> int | None:
+    """The seconds a `Prefer: wait[=N]` header asks to wait, at most `MAX_WAIT_S`; None where it asks none."""
+    for header in headers.getlist("Prefer"):
+        for preference in header.split(","):
+            name, _, value = preference.split(";")[0].partition("=")
+            if name.strip().lower() != "wait":
+                continue
+            value = value.strip().strip('"')
+            if not value:
+                return MAX_WAIT_S
+            try:
+                seconds = float(value)
+            except ValueError:
+                return None
+            return min(MAX_WAIT_S, math.ceil(seconds)) if seconds > 0 and math.isfinite(seconds) else None
+    return None
+
+
+def wait_to_end(job_id: str, seconds: int) -> JobRecord | None:
+    """The job once it has ended, or as it is after `seconds`; None where no thread may wait now, or the job is gone
+    (deleted meanwhile)."""
+    slots = _waiting_slots()
+    if not slots.acquire(blocking=False):
+        return None
+    try:
+        deadline = monotonic() + seconds
+        while True:
+            job = services().jobs.get(job_id)
+            if job.status in ENDED or (left := deadline - monotonic()) <= 0:
+                return job
+            sleep(min(POLL_S, left))
+    except JobNotFound:
+        return None
+    finally:
+        slots.release()
+
+
+def _waiting_slots() -> threading.BoundedSemaphore:
+    """Half of the process's request threads (gunicorn's `threads`), made at the first wait."""
+    global _slots
+    with _slots_made:
+        if _slots is None:
+            _slots = threading.BoundedSemaphore(max(1, services().settings.web_threads // 2))
+        return _slots
