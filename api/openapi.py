@@ -29,11 +29,11 @@ from api.idempotency import HEADER as IDEMPOTENCY_HEADER
 from api.request_id import HEADER as REQUEST_ID_HEADER
 from api.request_id import SANE as SANE_REQUEST_ID
 from api.schemas import (
-    SGLANG_IGNORED, CompleteUpload, CreateRequest, DeclareUpload, JobOptions, ListQuery, UpscaleParams,
+    SCALES, SGLANG_IGNORED, CompleteUpload, CreateRequest, DeclareUpload, JobOptions, ListQuery, UpscaleParams,
 )  # fmt: skip
 from api.services import services
 from storage.config import Settings
-from storage.jobs import Video, VideoEventList
+from storage.jobs import Video, VideoEventList, VideoWebhook
 from storage.uploads import PART_MAX_BYTES
 
 blueprint = Blueprint("openapi", __name__)
@@ -190,14 +190,43 @@ UploadCompleteJson = create_model(
 # -- The document ----------------------------------------------------------------------------------------------------
 
 
+def _header(description: str, required: bool = True) -> dict[str, Any]:
+    return {"description": description, "required": required, "schema": {"type": "string"}}
+
+
+_PROBLEM = {"content": {"application/problem+json": {"schema": {"$ref": _REF.format(model="Problem")}}}}
+# The headers a problem answer of that status always carries: api/auth.py's 401, api/videos.py's 416, and every 429
+# (api/ratelimit.py's limits and api/auth.py's throttled guessing say when to come back)
+_PROBLEM_HEADERS = {
+    401: {"WWW-Authenticate": _header('`Bearer realm="vsrq"`: the scheme to authenticate with')},
+    416: {"Content-Range": _header("`bytes */length`: the video's length")},
+    429: {"Retry-After": _header("seconds until a request may succeed")},
+}
+
+
 def _problems(*statuses: int) -> dict[str, Any]:
     """problem+json answers: the statuses this operation gives for a reason of its own, and any other one."""
-    answer = {"content": {"application/problem+json": {"schema": {"$ref": _REF.format(model="Problem")}}}}
     described = {401: "no valid API key", 404: "no such job (another key's jobs are missing too)"}
     return {
-        **{str(status): {**answer, "description": described.get(status, "see `code`")} for status in statuses},
-        "default": {**answer, "description": "any other error: 4xx is the caller's to fix, 5xx is ours"},
+        **{
+            str(status): {
+                **_PROBLEM,
+                "description": described.get(status, "see `code`"),
+                **({"headers": _PROBLEM_HEADERS[status]} if status in _PROBLEM_HEADERS else {}),
+            }
+            for status in statuses
+        },
+        "default": {**_PROBLEM, "description": "any other error: 4xx is the caller's to fix, 5xx is ours"},
     }
+
+
+# gunicorn's own answers (api/gunicorn_worker.py), given before the app sees the request, whatever its path: a
+# request line or headers over its limits. Declared on every operation, not left to `default`, so that clients can
+# tell them apart.
+_GUNICORN_REFUSALS = {
+    "414": {**_PROBLEM, "description": "the request line is too long (gunicorn's `limit_request_line`)"},
+    "431": {**_PROBLEM, "description": "the request's headers are too large or too many (gunicorn's limits)"},
+}
 
 
 _UPLOAD_ID = {"name": "upload_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -229,10 +258,6 @@ def _job_operation(
     return {"summary": summary, "tags": ["videos"], "parameters": parameters, **extra}
 
 
-def _header(description: str) -> dict[str, Any]:
-    return {"description": description, "schema": {"type": "string"}}
-
-
 # Every answer the app gives carries the request id (api/request_id.py), and every operation takes a client's own:
 # declared on each operation, so generated clients expose both, and Schemathesis checks the header on every answer it
 # gets. The header is a component (one description, not one per answer); the parameter is written out in each
@@ -255,6 +280,7 @@ _REQUEST_ID_PARAMETER = {
 
 
 def _with_request_id(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every operation with the request id, and gunicorn's refusals (which carry one too)."""
     header = {REQUEST_ID_HEADER: {"$ref": f"#/components/headers/{REQUEST_ID_HEADER}"}}
     return {
         path: {
@@ -263,12 +289,71 @@ def _with_request_id(paths: dict[str, Any]) -> dict[str, Any]:
                 "parameters": [*operation.get("parameters", ()), _REQUEST_ID_PARAMETER],
                 "responses": {
                     status: {**response, "headers": {**response.get("headers", {}), **header}}
-                    for status, response in operation["responses"].items()
+                    for status, response in {
+                        **operation["responses"],
+                        **(_without_bodies(_GUNICORN_REFUSALS) if method == "head" else _GUNICORN_REFUSALS),
+                    }.items()
                 },
             }
             for method, operation in item.items()
         }
         for path, item in paths.items()
+    }
+
+
+# GET /v1/videos/{job_id}/content (api/videos.py `video_content`), and HEAD, which Flask answers with the same
+# view and no body: its headers are what a download manager or a player probes for the size and name.
+_CONTENT_HEADERS = (
+    ("Range", "one range: `bytes=first-last`, `bytes=first-` or `bytes=-suffix`"),
+    ("If-Range", "the ETag the range belongs to: another one gets the whole video"),
+    ("If-None-Match", "the ETag you have: 304 while it is still this video"),
+)
+_VARIANT = {
+    "name": "variant",
+    "in": "query",
+    "required": False,
+    "description": "video (the MP4, default), thumbnail (a JPEG of the middle frame) or spritesheet (a JPEG grid of "
+    "up to 25 frames across the video, 5 to a row); `0` is taken for the video too, as SGLang numbers its outputs "
+    "(not listed: a generated type would offer it beside the names)",
+    "schema": {"type": "string", "enum": ["video", "thumbnail", "spritesheet"]},
+}
+_FILE = {"schema": {"type": "string", "format": "binary"}}
+_FILE_HEADERS = {
+    "ETag": _header("the file's SHA-256, quoted"),
+    "Accept-Ranges": _header("bytes"),
+    "Content-Disposition": _header('`attachment; filename="{job_id}.mp4"` (`{job_id}.{variant}.jpg` for a JPEG)'),
+}
+_CONTENT_RESPONSES = {
+    "200": {
+        "description": "the MP4, or the JPEG the variant names",
+        "headers": {**_FILE_HEADERS, "Content-Length": _header("the file's size in bytes")},
+        "content": {"video/mp4": _FILE, "image/jpeg": _FILE},
+    },
+    "206": {
+        "description": "the one byte range a `Range` header asked for",
+        "headers": {
+            **_FILE_HEADERS,
+            "Content-Range": _header("bytes first-last/length"),
+            "Content-Length": _header("the range's size in bytes"),
+        },
+        "content": {"video/mp4": _FILE, "image/jpeg": _FILE},
+    },
+    "302": {
+        "description": "a presigned URL to fetch it from (when the service delivers by redirect)",
+        "headers": {"Location": _header("the presigned URL")},
+    },
+    "304": {
+        "description": "`If-None-Match` names the ETag (the output's SHA-256): not modified",
+        "headers": _FILE_HEADERS,
+    },
+    **_problems(401, 404, 409, 410, 416, 422),
+}
+
+
+def _without_bodies(responses: dict[str, Any]) -> dict[str, Any]:
+    """A GET's answers as HEAD gets them: the same statuses and headers, no content."""
+    return {
+        status: {key: part for key, part in answer.items() if key != "content"} for status, answer in responses.items()
     }
 
 
@@ -286,8 +371,8 @@ def _page(operation_id: str, summary: str) -> dict[str, Any]:
 # SGLang's cookbook request, as a form's fields: what Swagger UI fills in, and a create the document's own example
 # makes (Schemathesis sends it first)
 _SGLANG_FORM = {
-    "video_reference": "(the video file)", "sr_resolution_scale": 2, "sr_tiles_batch_size": 1, "num_inference_steps": 2,
-    "seed": 42,
+    "video_reference": "(the video file)", "sr_resolution_scale": "2", "sr_tiles_batch_size": 1,
+    "num_inference_steps": 2, "seed": 42,
 }  # fmt: skip
 
 
@@ -316,20 +401,70 @@ def _creating(
     }
 
 
+_NULL_AS_TEXT = "in a form, the text `null` (or an empty value) is this null: not given"
+
+
 def _null_as_text(form: dict[str, Any]) -> None:
     """A form has no null: the text `null` stands for it (`api.uploads._take`), as JavaScript's FormData writes a
-    null and Swagger UI's "Try it out" sends a field whose default is null. Its schema says so where null is not text
-    already (a string field takes the text `null` as it is)."""
+    null and Swagger UI's "Try it out" sends a field whose default is null. The null branch of a field's schema says
+    so in words: a `const "null"` beside it would make generated types take the text (`number | null | "null"`),
+    which no client writes, while the field's values are text in a form anyway."""
     for field in form["properties"].values():
-        kinds = field.get("anyOf", [])
-        if {"type": "null"} in kinds and not any(kind.get("type") == "string" for kind in kinds):
-            kinds.append({"const": "null", "description": "in a form, the text null: not given"})
+        for kind in field.get("anyOf", []):
+            if kind == {"type": "null"}:
+                kind["description"] = _NULL_AS_TEXT
+
+
+# What a job's end POSTs to its `webhook_url` (worker/webhooks.py), signed as Standard Webhooks says
+# (storage/signatures.py): one event per ended job, named by the status it ended in.
+_WEBHOOKS = {
+    "video.completed": "A job completed: `data.output` says what ran, GET /v1/videos/{id}/content downloads it",
+    "video.failed": "A job failed: `data.error` says why",
+    "video.cancelled": "A job was cancelled",
+}
+_SIGNATURE_HEADERS = {
+    "webhook-id": "the event's id, the body's `id`: the same on every retry, so dedupe on it",
+    "webhook-timestamp": "when this attempt was signed (Unix seconds): refuse one far from your clock",
+    "webhook-signature": "space-separated `v1,<base64 HMAC-SHA256>` of `{webhook-id}.{webhook-timestamp}.{raw body}`, "
+    "one per signing secret of the key (its `webhook_secret`, `whsec_` + base64)",
+}
+
+
+def _webhook(event: str, summary: str) -> dict[str, Any]:
+    status = event.removeprefix("video.")
+    body = {
+        "allOf": [
+            {"$ref": _REF.format(model="VideoWebhook")},
+            {"properties": {"type": {"const": event}, "data": {"properties": {"status": {"const": status}}}}},
+        ]
+    }
+    return {
+        "operationId": f"video{status.title()}Webhook",
+        "summary": summary,
+        "description": "POSTed to the job's `webhook_url` once it has ended, as JSON. Verify the signature on the raw "
+        "body (`standardwebhooks`, or OpenAI's SDK `webhooks.unwrap`) before trusting it.",
+        "tags": ["webhooks"],
+        "security": [],  # signed, with the key's webhook_secret: no bearer token is sent
+        "parameters": [
+            {"name": name, "in": "header", "required": True, "description": description, "schema": {"type": "string"}}
+            for name, description in _SIGNATURE_HEADERS.items()
+        ],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {
+            "2XX": {"description": "delivered: not sent again"},
+            "410": {"description": "Gone: the event is given up, not sent again"},
+            "default": {
+                "description": "sent again later with backoff (not sooner than a `Retry-After`), up to the service's "
+                "`webhook_max_attempts`; a 3xx is not followed, and is retried too"
+            },
+        },
+    }
 
 
 def document(settings: Settings) -> dict[str, Any]:
     models = [
-        Video, VideoList, VideoEventList, VideoDeleted, Upload, UploadPart, Health, Problem, VideoCreateJson,
-        VideoCreateForm, VideoEditJson, VideoEditForm, UploadForm, UploadPartForm, UploadDeclareJson,
+        Video, VideoWebhook, VideoList, VideoEventList, VideoDeleted, Upload, UploadPart, Health, Problem,
+        VideoCreateJson, VideoCreateForm, VideoEditJson, VideoEditForm, UploadForm, UploadPartForm, UploadDeclareJson,
         UploadCompleteJson, Model, ModelList,
     ]  # fmt: skip
     _, definitions = models_json_schema(
@@ -337,11 +472,19 @@ def document(settings: Settings) -> dict[str, Any]:
         ref_template=_REF,
     )
     schemas = definitions["$defs"]
-    served = {"enum": list(settings.models), "default": settings.default_model}
+    served = {"type": "string", "enum": list(settings.models), "default": settings.default_model}
     for body in ("VideoCreateJson", "VideoCreateForm", "VideoEditJson", "VideoEditForm"):
         schemas[body]["properties"]["model"] = {**served, "description": "a model this deployment serves"}
     for form in ("VideoCreateForm", "VideoEditForm"):
         _null_as_text(schemas[form])
+        # the scale as the text a form sends: openapi-python-client's multipart writer cannot send a number `const`
+        # (its code calls isinstance on a Literal), while a text enum it writes as it is
+        scale = schemas[form]["properties"]["sr_resolution_scale"]
+        scale.pop("anyOf")
+        scale.update(type="string", enum=[f"{value:g}" for value in SCALES], default=f"{scale['default']:g}")
+        # ignored whatever it is (a JSON body may send any value), and a form's value is text
+        schemas[form]["properties"]["prompt"]["type"] = "string"
+        del schemas[form]["properties"]["prompt"]["default"]  # null, which a text field cannot hold
 
     listing = ListQuery.model_json_schema()
     list_parameters = [
@@ -414,47 +557,17 @@ def document(settings: Settings) -> dict[str, Any]:
                 "Download the upscaled MP4 of a completed job (one byte range at a time, for players that seek), or "
                 "its poster frame or sprite sheet",
                 operationId="getVideoContent",
-                headers=(
-                    ("Range", "one range: `bytes=first-last`, `bytes=first-` or `bytes=-suffix`"),
-                    ("If-Range", "the ETag the range belongs to: another one gets the whole video"),
-                    ("If-None-Match", "the ETag you have: 304 while it is still this video"),
-                ),
-                extra_parameters=[
-                    {
-                        "name": "variant",
-                        "in": "query",
-                        "required": False,
-                        "description": "video (the MP4, default), thumbnail (a JPEG of the middle frame) or "
-                        "spritesheet (a JPEG grid of up to 25 frames across the video, 5 to a row); `0` is the "
-                        "video, as SGLang numbers its outputs",
-                        "schema": {"type": "string", "enum": ["video", "thumbnail", "spritesheet", "0"]},
-                    }
-                ],
-                responses={
-                    "200": {
-                        "description": "the MP4, or the JPEG the variant names",
-                        "headers": {"ETag": _header("the file's SHA-256"), "Accept-Ranges": _header("bytes")},
-                        "content": {
-                            "video/mp4": {"schema": {"type": "string", "format": "binary"}},
-                            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
-                        },
-                    },
-                    "206": {
-                        "description": "the one byte range a `Range` header asked for",
-                        "headers": {"Content-Range": _header("bytes first-last/length")},
-                        "content": {
-                            "video/mp4": {"schema": {"type": "string", "format": "binary"}},
-                            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
-                        },
-                    },
-                    "302": {
-                        "description": "a presigned URL to fetch it from (when the service delivers by redirect)",
-                        "headers": {"Location": _header("the presigned URL")},
-                    },
-                    "304": {"description": "`If-None-Match` names the ETag (the output's SHA-256): not modified"},
-                    **_problems(401, 404, 409, 410, 416, 422),
-                },
-            )
+                headers=_CONTENT_HEADERS,
+                extra_parameters=[_VARIANT],
+                responses=_CONTENT_RESPONSES,
+            ),
+            "head": _job_operation(
+                "The headers a download would answer with (its length, ETag, file name), and no body",
+                operationId="headVideoContent",
+                headers=_CONTENT_HEADERS,
+                extra_parameters=[_VARIANT],
+                responses=_without_bodies(_CONTENT_RESPONSES),
+            ),
         },
         "/v1/models": {
             "get": {
@@ -610,9 +723,14 @@ def document(settings: Settings) -> dict[str, Any]:
             {"name": "uploads", "description": "videos stored for later jobs"},
             {"name": "models", "description": "the models served"},
             {"name": "service", "description": "health, metrics and this document"},
+            {"name": "webhooks", "description": "what a job's end sends to its `webhook_url`"},
         ],
+        # relative: the API serves this document itself, so its own origin is the server (a deployment's public URL
+        # is not in its settings)
+        "servers": [{"url": "/", "description": "the API that serves this document"}],
         "security": [{"bearer": []}],
         "paths": _with_request_id(paths),
+        "webhooks": {event: {"post": _webhook(event, summary)} for event, summary in _WEBHOOKS.items()},
         "components": {
             "schemas": schemas,
             "headers": {REQUEST_ID_HEADER: _REQUEST_ID_HEADER},

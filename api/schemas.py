@@ -133,12 +133,20 @@ def _https(url: str) -> str:
 HttpsUrl = Annotated[str, Field(max_length=2048), AfterValidator(_https)]
 
 
+def _scales(schema: dict[str, Any]) -> None:
+    """`sr_resolution_scale` is one of SCALES: said as numeric `const`s, not a float `enum`, which
+    openapi-python-client cannot make a type of (it dropped both creates) while `2 | 2.25 | 4` is what TypeScript
+    generators make of these."""
+    del schema["type"]
+    schema["anyOf"] = [{"type": "number", "const": int(scale) if scale.is_integer() else scale} for scale in SCALES]
+
+
 class UpscaleParams(BaseModel):
     """SGLang's SR fields (same names, same defaults) and our output options: what the worker runs with."""
 
     model_config = ConfigDict(extra="forbid")
 
-    sr_resolution_scale: float = Field(2.25, json_schema_extra={"enum": list(SCALES)})  # checked by _scale
+    sr_resolution_scale: float = Field(2.25, json_schema_extra=_scales)  # checked by _scale
     sr_tiles_batch_size: int = Field(1, ge=1, le=64)
     sr_tile_min_overlap: float = Field(0.2, ge=0.0, lt=1.0)
     sr_target_resolution: str | None = Field(

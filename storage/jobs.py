@@ -297,9 +297,14 @@ class Video(BaseModel):
     error: JobErrorInfo | None
     size: str | None = Field(description="output WxH once known (OpenAI's field)")
     seconds: str | None = Field(description="output duration once known (OpenAI's field)")
-    # OpenAI's SDKs type both as string | null: absent, a typed client read `undefined`
-    prompt: None = Field(None, description="OpenAI's field: null (super-resolution takes no prompt; one is ignored)")
-    remixed_from_video_id: None = Field(None, description="OpenAI's field: null (vsrq offers no remix)")
+    # OpenAI's SDKs type both as string | null: absent, a typed client read `undefined`. Declared as OpenAI does (a
+    # `null`-only type is dropped by openapi-typescript's readers), though vsrq always sends null
+    prompt: str | None = Field(
+        None, description="OpenAI's field: always null here (super-resolution takes no prompt; one is ignored)"
+    )
+    remixed_from_video_id: str | None = Field(
+        None, description="OpenAI's field: always null here (vsrq offers no remix)"
+    )
     params: dict[str, Any]
     input: VideoInput
     output: VideoOutput | None
@@ -422,6 +427,19 @@ def _script(body: str) -> str:
         + "\nend\nlocal ok, result = pcall(body)\nif ok or type(result) == 'table' then return result end\n"
         + "error(result, 0)\n"
     )
+
+
+class VideoWebhook(BaseModel):
+    """The body of a job's webhook, POSTed when it ends (worker.webhooks): Standard Webhooks' type, timestamp and
+    data, and OpenAI's event fields (id, object, created_at) that its SDK's `webhooks.unwrap` reads. The
+    /openapi.json `webhooks` describe it from this model."""
+
+    id: str = Field(description="the `webhook-id` header: the same on every retry, so receivers dedupe on either")
+    object: Literal["event"]
+    type: Literal["video.completed", "video.failed", "video.cancelled"]  # `announce`: 'video.' .. the ended status
+    created_at: int = Field(description="when the job ended (epoch seconds)")
+    timestamp: str = Field(json_schema_extra={"format": "date-time"}, description="the same instant, in UTC")
+    data: Video = Field(description="the job as GET /v1/videos/{id} shows it (ended, so final)")
 
 
 def _int(value: float | None) -> int | None:

@@ -33,7 +33,7 @@ from celery.signals import worker_init
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
 from storage.config import Settings, say_unknown_variables
-from storage.jobs import JobNotFound, JobStore
+from storage.jobs import JobNotFound, JobStore, VideoWebhook
 from storage.logs import job_context
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
 from storage.signatures import signed_headers
@@ -100,16 +100,15 @@ def _payload(started: Started, box: Outbox, jobs: JobStore) -> bytes | None:
     job = jobs.get(started.event.job)
     if job is None:
         return None
-    body = {
-        # Standard Webhooks' type / timestamp / data, and OpenAI's event fields (id, object, created_at) that its SDK's
-        # `webhooks.unwrap` reads: the id is the webhook-id, the same on every retry, so receivers dedupe on either
-        "id": started.event_id,
-        "object": "event",
-        "type": started.event.type,
-        "created_at": int(started.event.at),
-        "timestamp": datetime.fromtimestamp(started.event.at, UTC).isoformat().replace("+00:00", "Z"),
-        "data": jobs.view(job).model_dump(mode="json"),
-    }
+    # the model the document's `webhooks` are made from, so what is sent is what it says
+    body = VideoWebhook(
+        id=started.event_id,
+        object="event",
+        type=started.event.type,
+        created_at=int(started.event.at),
+        timestamp=datetime.fromtimestamp(started.event.at, UTC).isoformat().replace("+00:00", "Z"),
+        data=jobs.view(job),
+    ).model_dump(mode="json")
     return box.keep_payload(started.event_id, json.dumps(body, separators=(",", ":")).encode())
 
 

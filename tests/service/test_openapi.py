@@ -4,18 +4,27 @@ every response conforming to the document."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
+from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
 
 from api.app import create_app
 from api.schemas import JobOptions, UpscaleParams
+from storage.blobs import attempt_output_key, upload_key
+from storage.jobs import InputInfo, OutputInfo
+from storage.webhooks import Outbox, event_id
+from worker import webhooks
 from worker.media.synthetic import write_clip
 
 from .conftest import KEYS, auth
@@ -42,10 +51,11 @@ def test_every_route_of_the_app_is_documented_with_its_methods(document, setting
         (re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
         for rule in app.url_map.iter_rules()
         if not re.search(r"<(?:path:)?(?:path|filename)>", rule.rule)  # static assets
-        for method in rule.methods - {"HEAD", "OPTIONS"}
+        for method in rule.methods - {"OPTIONS"}
     }
     documented = {(path, method) for path, item in document["paths"].items() for method in item}
-    assert served - documented == set(), "routes missing from api/openapi.py"
+    # Flask answers HEAD on every GET route: documented where a client has a use for it (a download's size and name)
+    assert {route for route in served if route[1] != "head"} - documented == set(), "routes missing"
     assert documented - served == set(), "documented routes that do not exist"
 
 
@@ -56,7 +66,8 @@ def test_requests_are_described_by_the_models_the_api_validates_with(document, s
     assert {"upload_id", "input_key"} <= set(schemas["VideoCreateJson"]["properties"])
     assert schemas["VideoCreateForm"]["required"] == ["video_reference"]
     assert schemas["VideoCreateForm"]["properties"]["model"]["enum"] == list(settings.models)
-    assert schemas["VideoCreateJson"]["properties"]["sr_resolution_scale"]["enum"] == [2, 2.25, 4]
+    scales = schemas["VideoCreateJson"]["properties"]["sr_resolution_scale"]["anyOf"]
+    assert [kind["const"] for kind in scales] == [2, 2.25, 4]
     listing = {parameter["name"]: parameter for parameter in document["paths"]["/v1/videos"]["get"]["parameters"]}
     assert listing["limit"]["schema"]["maximum"] == settings.list_limit_max
     # every operation but the public pages needs the bearer key
@@ -148,3 +159,145 @@ def test_schemathesis_finds_no_5xx_and_no_response_off_the_document(api, tmp_pat
     print(run.stdout[-3000:])
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-5000:]
     assert created > 0, "no generated create was accepted: the document describes requests the API refuses"
+
+
+# -- What client generators make of the document (openapi-python-client, openapi-typescript + openapi-fetch) ---------
+
+
+def nodes(node: Any, where: str = "#") -> Iterator[tuple[str, dict]]:
+    """Every object in the document, with its JSON pointer."""
+    if isinstance(node, dict):
+        yield where, node
+        for key, value in node.items():
+            yield from nodes(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from nodes(value, f"{where}/{index}")
+
+
+def test_generated_types_are_what_a_client_writes(document):
+    """What generators could not type, or typed as no client writes a value: a float enum made openapi-python-client
+    drop both creates; a `type: null` property is dropped from openapi-typescript's types; a `const "null"` beside a
+    form's number gave `number | null | "null"`; an enum or a field with no type came out `unknown`."""
+    for where, node in nodes(document):
+        if isinstance(node.get("enum"), list):
+            assert "type" in node, f"{where}: an enum with no type"
+            assert not any(isinstance(value, float) for value in node["enum"]), f"{where}: a float enum"
+        assert node.get("const") != "null", f"{where}: the text null as a value"
+    schemas = document["components"]["schemas"]
+    for name, schema in schemas.items():
+        nulls = [field for field, kind in schema.get("properties", {}).items() if kind.get("type") == "null"]
+        assert nulls == [], f"{name}: {nulls} typed as null alone"
+    for name in ("prompt", "remixed_from_video_id"):  # OpenAI's string | null; always null here
+        assert [kind["type"] for kind in schemas["Video"]["properties"][name]["anyOf"]] == ["string", "null"]
+    for body in ("VideoCreateJson", "VideoEditJson"):
+        kinds = schemas[body]["properties"]["sr_resolution_scale"]["anyOf"]
+        assert [(kind["type"], kind["const"]) for kind in kinds] == [("number", 2), ("number", 2.25), ("number", 4)]
+    for form in ("VideoCreateForm", "VideoEditForm"):
+        properties = schemas[form]["properties"]
+        # a form's values are text: the scales as a form writes them (a number const broke the generated form writer)
+        assert properties["sr_resolution_scale"]["enum"] == ["2", "2.25", "4"]
+        untyped = [name for name, field in properties.items() if "type" not in field and "anyOf" not in field]
+        assert untyped == [], f"{form}: no type for {untyped}"
+    content = document["paths"]["/v1/videos/{job_id}/content"]["get"]["parameters"]
+    [variant] = [parameter for parameter in content if parameter["name"] == "variant"]
+    assert variant["schema"]["enum"] == ["video", "thumbnail", "spritesheet"]  # `0` is taken, not offered
+
+
+# -- Every header and status the API really sends is declared ------------------------------------------------------
+
+# Framing and the standard entity headers: every HTTP client reads them whatever the document says.
+FRAMING = {"content-type", "content-length", "date", "server", "connection", "keep-alive", "transfer-encoding"}
+
+
+@pytest.fixture(scope="module")
+def completed(jobs, s3, tmp_path_factory) -> tuple[str, int]:
+    """A completed job of erin's whose output is a real MP4 in SeaweedFS, promoted through the real state machine (as
+    test_range.py's): (its id, the MP4's size)."""
+    body = write_clip(tmp_path_factory.mktemp("openapi") / "out.mp4", 9, (32, 48)).read_bytes()
+    job = jobs.create(
+        owner="erin", model="lanczos", queue="vsrq.openapi-test", params={},
+        input=InputInfo(key=upload_key("erin", "x")),
+    )  # fmt: skip
+    lease = jobs.lease(job.id, "openapi-test", lease_s=60)
+    stored = s3.put(attempt_output_key(job.id, lease.attempt, lease.token), io.BytesIO(body), content_type="video/mp4")
+    lease.complete(OutputInfo(key=stored.key, bytes=stored.size, sha256=stored.sha256))
+    return job.id, len(body)
+
+
+def off_the_document(document: dict, path: str, method: str, response: requests.Response) -> set[str]:
+    """The headers `response` carries that its operation's answer of that status does not declare, and those it
+    declares required that `response` lacks (or the status itself, where only `default` covers it)."""
+    answers = document["paths"][path][method.lower()]["responses"]
+    if str(response.status_code) not in answers:
+        return {f"status {response.status_code}"}
+    declared = answers[str(response.status_code)].get("headers", {})
+    required = {name.lower() for name, header in declared.items() if header.get("required")}
+    sent = {name.lower() for name in response.headers}
+    return (sent - {name.lower() for name in declared} - FRAMING) | {f"no {name}" for name in required - sent}
+
+
+def test_every_header_the_api_sends_is_declared(document, api, completed):
+    job_id, size = completed
+    content, erin = "/v1/videos/{job_id}/content", auth("erin")
+    url = f"{api}/v1/videos/{job_id}/content"
+    etag = requests.head(url, headers=erin, timeout=30).headers.get("ETag")
+    many_headers = {f"X-Field-{number}": "1" for number in range(120)}
+    sent = {
+        "401": ("/v1/videos", requests.get(f"{api}/v1/videos", headers={"Authorization": "Bearer x"}, timeout=30)),
+        "200": (content, requests.get(url, headers=erin, timeout=30)),
+        "206": (content, requests.get(url, headers=erin | {"Range": "bytes=0-9"}, timeout=30)),
+        "304": (content, requests.get(url, headers=erin | {"If-None-Match": str(etag)}, timeout=30)),
+        "416": (content, requests.get(url, headers=erin | {"Range": f"bytes={size}-"}, timeout=30)),
+        "HEAD 200": (content, requests.head(url, headers=erin, timeout=30)),
+        "HEAD 206": (content, requests.head(url, headers=erin | {"Range": "bytes=0-9"}, timeout=30)),
+        # gunicorn's refusals, before the app: a request line over its 4094 bytes, more than its 100 header fields
+        "414": ("/v1/videos", requests.get(f"{api}/v1/videos?after={'x' * 5000}", headers=erin, timeout=30)),
+        "431": ("/v1/videos", requests.get(f"{api}/v1/videos", headers=many_headers, timeout=30)),
+    }  # fmt: skip
+    for case, (path, response) in sent.items():
+        assert str(response.status_code) == case.split()[-1], (case, response.status_code, response.text[:200])
+        assert off_the_document(document, path, response.request.method, response) == set(), case
+    # the HEAD tells a download's size and name without its bytes
+    head = sent["HEAD 200"][1]
+    assert head.content == b"" and int(head.headers["Content-Length"]) == size
+    assert head.headers["Content-Disposition"] == f'attachment; filename="{job_id}.mp4"'
+    # `0`, no longer offered in the document, is still the video
+    assert requests.get(url, params={"variant": "0"}, headers=erin, timeout=30).headers["ETag"] == etag
+
+
+# -- servers and webhooks ------------------------------------------------------------------------------------------
+
+
+def test_the_document_names_its_server_and_the_webhooks_a_job_sends(document, jobs, settings, monkeypatch):
+    """The webhook a job's end sends, built by the webhook worker's own code (worker.webhooks `_attempt`, with its
+    POST caught here), is what the document's `webhooks` say: body and Standard Webhooks headers."""
+    assert document["servers"] == [{"url": "/", "description": "the API that serves this document"}]
+    assert set(document["webhooks"]) == {"video.completed", "video.failed", "video.cancelled"}
+    # a queued job of dave's (who has a webhook secret), cancelled: its webhook is in the outbox
+    job = jobs.create(
+        owner="dave", model="k6-vsr", queue="vsrq.openapi-test", params={}, input=InputInfo(key="uploads/dave/x"),
+        webhook_url="https://hooks.example.com/vsrq",
+    )  # fmt: skip
+    jobs.cancel(job.id)
+    box = Outbox(jobs.redis, jobs.prefix)
+    claim = box.take_one(event_id(job.id, "cancelled"), 60)
+    assert claim is not None
+    posted = []
+    monkeypatch.setattr(webhooks, "post", lambda url, body, headers, _: posted.append((body, headers)))
+    try:
+        webhooks._attempt(box.start(claim.event_id, claim.claim, 60), settings, box, jobs)
+    finally:
+        box.done(claim.event_id, claim.claim)  # never sent: no delivery worker of another module picks it up
+    [(body, headers)] = posted
+
+    operation = document["webhooks"]["video.cancelled"]["post"]
+    declared = {parameter["name"] for parameter in operation["parameters"] if parameter["in"] == "header"}
+    assert set(headers) - {"Content-Type"} == declared
+    assert headers["Content-Type"] in operation["requestBody"]["content"]
+    # the body's schema, its $refs resolved within the document
+    pointer = "#/webhooks/{event}/post/requestBody/content/application~1json/schema"
+    payload = json.loads(body)
+    Draft202012Validator({**document, "$ref": pointer.format(event="video.cancelled")}).validate(payload)
+    for other in ("video.completed", "video.failed"):  # each event's body names its own type and status
+        assert not Draft202012Validator({**document, "$ref": pointer.format(event=other)}).is_valid(payload)
