@@ -376,13 +376,24 @@ _SGLANG_FORM = {
 }  # fmt: skip
 
 
+# Replicate's sync mode (api/prefer.py): the create answers once its job has ended, or the wait is up
+_PREFER = {
+    "name": "Prefer",
+    "in": "header",
+    "required": False,
+    "description": "`wait` (up to 60 s) or `wait=N` (1 to 60): answer once the job has ended, or N seconds have "
+    "passed, with the job as it then is (`Preference-Applied` says it waited); other preferences are ignored",
+    "schema": {"type": "string", "examples": ["wait", "wait=10"]},
+}
+
+
 def _creating(
     bodies: str, idempotency_key: dict[str, Any], form_example: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """An operation that creates a job from the `{bodies}Form` (multipart) or `{bodies}Json` request body."""
     return {
         "tags": ["videos"],
-        "parameters": [idempotency_key],
+        "parameters": [idempotency_key, _PREFER],
         "requestBody": {
             "required": True,
             "content": {
@@ -395,7 +406,11 @@ def _creating(
             },
         },
         "responses": {
-            "200": {**_json("Video", "the job, queued"), "links": _JOB_LINKS},
+            "200": {
+                **_json("Video", "the job, queued; with `Prefer: wait`, as it is once ended or the wait is up"),
+                "headers": {"Preference-Applied": _header("`wait=N` where the request waited N seconds", False)},
+                "links": _JOB_LINKS,
+            },
             **_problems(400, 401, 404, 409, 413, 415, 422, 429, 503),
         },
     }
