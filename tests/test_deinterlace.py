@@ -18,7 +18,7 @@ import pytest
 from tests.field_pictures import mpeg2_fields, paff
 from worker.errors import Cancelled
 from worker.media.probe import probe
-from worker.media.reader import _source_colour, at_cadence, read_frames
+from worker.media.reader import EXACT_8_BIT, _source_colour, at_cadence, read_frames
 from worker.media.synthetic import _write_audio, tone
 from worker.sr.lanczos import LanczosUpscaler
 from worker.sr.request import SRRequest
@@ -219,7 +219,8 @@ def test_mpeg2_field_pictures_as_broadcast_encoders_code_them_are_one_frame_a_pa
 def plain(path: Path) -> list[np.ndarray]:
     """Every frame as PyAV converts it, with no filter: what `read_frames` gives for progressive video (test_reader)."""
     with av.open(str(path)) as container:
-        return [frame.to_ndarray(format="rgb24", **_source_colour(frame)) for frame in container.decode(video=0)]
+        return [frame.to_ndarray(format="rgb24", **_source_colour(frame), interpolation=EXACT_8_BIT)
+                for frame in container.decode(video=0)]  # fmt: skip
 
 
 def test_a_source_that_turns_interlaced_midway_has_those_frames_deinterlaced_and_says_how_many(instants, tmp_path):

@@ -27,7 +27,7 @@ from worker.media.errors import InputCorrupt
 from worker.media.limits import Limits
 from worker.media.passthrough import Passthrough, aac_format, plan_streams
 from worker.media.probe import probe
-from worker.media.reader import _source_colour, prefetch, read_frames
+from worker.media.reader import EXACT_8_BIT, _source_colour, prefetch, read_frames
 from worker.media.resize import Target
 from worker.media.synthetic import _write_audio, gradient_clip, pattern, tone, write_clip
 from worker.media.writer import Mp4Writer
@@ -1161,7 +1161,8 @@ def test_packed_b_frames_in_avi_without_the_divx_flag_are_read_whole(tmp_path):
     source = _packed_avi(tmp_path / "in.avi", 24, divx_flag=False)
     flagged = _packed_avi(tmp_path / "flagged.avi", 24, divx_flag=True)
     with av.open(str(flagged)) as container:  # the oracle: FFmpeg's decoder reordering them itself
-        expected = [frame.to_ndarray(format="rgb24", **_source_colour(frame)) for frame in container.decode(video=0)]
+        expected = [frame.to_ndarray(format="rgb24", **_source_colour(frame), interpolation=EXACT_8_BIT)
+                    for frame in container.decode(video=0)]  # fmt: skip
     got = list(read_frames(source, probe(source).video))
     assert len(got) == len(expected) == 24
     assert all(np.array_equal(frame, reference) for frame, reference in zip(got, expected))

@@ -56,10 +56,12 @@ def test_the_pipeline_phase_reads_a_real_clip_as_the_worker_sees_it(corpus_cache
     import numpy as np
 
     from bench.quality import _clip
+    from worker.media.reader import EXACT_8_BIT, _source_colour
 
     source = corpus_cache / "puremagic-test.3g2"  # 176x144 H.263 from a phone, more than 5 frames
     video = _clip(source, 5)
     assert video.shape == (5, 3, 144, 176) and video.dtype == torch.float32
     with av.open(str(source)) as container:
-        fifth = [frame for _, frame in zip(range(5), container.decode(video=0))][-1].to_ndarray(format="rgb24")
+        fifth = [frame for _, frame in zip(range(5), container.decode(video=0))][-1]
+        fifth = fifth.to_ndarray(format="rgb24", **_source_colour(fifth), interpolation=EXACT_8_BIT)
     assert torch.equal((video[4] * 255).round().to(torch.uint8), torch.from_numpy(np.ascontiguousarray(fifth.transpose(2, 0, 1))))

@@ -11,9 +11,10 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from av.video.reformatter import ColorRange
 
 from worker.media.probe import decode_declared_picture, probe
-from worker.media.reader import _source_colour, read_frames
+from worker.media.reader import EXACT_8_BIT, _source_colour, read_frames
 from worker.media.synthetic import write_clip
 
 # Real files (tests/corpus/manifest.toml) of each kind of conversion: 10-bit HEVC (BT.601 tagged), RGB (argb) and
@@ -30,6 +31,11 @@ CORPUS = [
 FRAMES = 24  # the first ones of each file
 
 
+def _exact(frame: av.VideoFrame, video) -> dict:
+    """PyAV's conversion of `frame` as the reader asks it: the source's colours, swscale's exact path at 8 bits."""
+    return _source_colour(frame) | ({"interpolation": EXACT_8_BIT} if video.bit_depth <= 8 else {})
+
+
 def plain_pyav(path: Path, count: int) -> list[np.ndarray]:
     """The first `count` frames as PyAV gives them: each frame's own `to_ndarray`, turned upright."""
     video = probe(path).video
@@ -41,7 +47,7 @@ def plain_pyav(path: Path, count: int) -> list[np.ndarray]:
         decode_declared_picture(stream)
         frames = islice(container.decode(stream), count)
         return [
-            np.rot90(frame.to_ndarray(format=pixel_format, width=width, height=height, **_source_colour(frame)), turns)
+            np.rot90(frame.to_ndarray(format=pixel_format, width=width, height=height, **_exact(frame, video)), turns)
             for frame in frames
         ]
 
@@ -101,7 +107,8 @@ def test_a_stream_that_changes_size_mid_way_is_scaled_to_its_largest_part_as_pya
 def _converted(path: Path, parts: slice, height: int, width: int) -> list[np.ndarray]:
     with av.open(str(path)) as container:
         frames = list(container.decode(video=0))[parts]
-        return [frame.to_ndarray(format="rgb24", width=width, height=height, **_source_colour(frame)) for frame in frames]
+        return [frame.to_ndarray(format="rgb24", width=width, height=height, **_source_colour(frame),
+                                 interpolation=EXACT_8_BIT) for frame in frames]  # fmt: skip
 
 
 def test_a_smaller_part_of_another_shape_keeps_its_shape_between_black_bars(tmp_path):
@@ -180,3 +187,29 @@ def test_a_title_that_fades_out_to_transparent_shows_the_background_to_its_end(t
     assert len(frames) == 4 and frames[0][..., 1].max() < 8  # opaque red
     assert 120 < frames[1][..., 1].mean() < 136  # red at half over white
     assert all(frame.min() > 247 for frame in frames[2:]), [frame.reshape(-1, 3)[0] for frame in frames[2:]]
+
+
+@pytest.mark.parametrize("matrix", ["bt601", "bt709"])
+def test_8_bit_pictures_are_read_in_their_exact_colours(tmp_path, matrix):
+    """75 % colour bars as a broadcast or DV source stores them (8-bit 4:2:0, limited range; BT.601 at 640x480,
+    BT.709 at 1920x1080), written losslessly: each bar is read as its Y'CbCr values convert to, within rounding.
+    swscale's fast path read them up to 3 levels off (the green bar 188 for 190.6, white 190 for 191): every 8-bit
+    source's colours shifted."""
+    from bench.colour_read import WEIGHTS, bars_frame
+
+    colorspace, kr, kb, (height, width) = WEIGHTS[matrix]
+    frame, exact = bars_frame(kr, kb, height, width)
+    frame.colorspace, frame.color_range = colorspace, ColorRange.MPEG
+    path = tmp_path / f"bars-{matrix}.mkv"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("ffv1", rate=25)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.colorspace, stream.codec_context.color_range = colorspace, ColorRange.MPEG
+        for index in range(2):
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    picture = next(read_frames(path, probe(path).video)).astype(float)
+    bars = [picture[:, bar * width // 8 + 16 : (bar + 1) * width // 8 - 16].reshape(-1, 3).mean(0) for bar in range(8)]
+    error = np.abs(np.array(bars) - exact).max()
+    assert error <= 0.75, (error, np.round(bars, 1).tolist(), np.round(exact, 1).tolist())

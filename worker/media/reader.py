@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import av
 import numpy as np
-from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
+from av.video.reformatter import ColorRange, Colorspace, Interpolation, VideoReformatter
 
 from worker.media import alpha_track, webp
 from worker.media.errors import InputCorrupt, InputTooLarge
@@ -32,10 +32,14 @@ PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
 # How frames are read, for what is keyed on the frames read (kept windows): windows computed from interlaced frames
 # read otherwise (as stored, before deinterlacing), from a stream that changes size read at its first part's size, or
 # from packed B-frames read packed (every B-frame dropped), or from a source deeper than 8 bits kept at 8 bits (before
-# 10-bit outputs), or with their alpha dropped (before it was shown over black), are never replayed beside these.
+# 10-bit outputs), or with their alpha dropped (before it was shown over black), or 8-bit pictures converted by
+# swscale's fast path, are never replayed beside these.
 READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked; "
-           "deeper sources kept at 16 bits; alpha shown over black")
+           "deeper sources kept at 16 bits; alpha shown over black; 8-bit YUV to RGB exact")
 BLACK = (0, 0, 0)  # what transparent pixels are shown over unless a job names another `background`
+# swscale's fast 8-bit YUV -> RGB path is up to 3 levels of 255 off (a 75 % green bar read as 188 for 190.6, white as
+# 190 for 191); its exact one costs a few ms more a 1080p frame (bench/RESULTS.md)
+EXACT_8_BIT = Interpolation.BILINEAR | Interpolation.ACCURATE_RND | Interpolation.FULL_CHR_H_INT
 
 
 @dataclass
@@ -141,6 +145,7 @@ def _pictures(
 ) -> Iterator[np.ndarray]:
     """The frames FFmpeg decodes, as `read_frames` hands them on (it counts them)."""
     pixel_format, with_alpha = ("rgb24", "rgba") if video.bit_depth <= 8 else ("rgb48le", "rgba64le")
+    interpolation = EXACT_8_BIT if video.bit_depth <= 8 else None
     turns = video.rotation // 90
     # Stored frames are the displayed ones before rotation; a stream that changes size mid-way is scaled to the size
     # of its largest part (probe: `VideoInfo.sizes`), its parts of another shape kept in shape (`_inside`).
@@ -170,7 +175,8 @@ def _pictures(
             inner = _inside(width, height, shape / first) if resized else None
             alpha = any(component.is_alpha for component in frame.format.components)
             pixels = reformatter.reformat(
-                frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour
+                frame, *(inner or (width, height)), with_alpha if alpha else pixel_format, **colour,
+                interpolation=interpolation,
             ).to_ndarray()
             pixels = _over(pixels, background, reading, video.codec) if alpha else pixels
             if (alpha_frame := next(alphas, None)) is not None:
