@@ -1310,6 +1310,21 @@ def test_hdr10_mastering_display_and_light_levels_are_kept(tmp_path, codec):
     assert any("mastering display and light levels kept" in note for note in result.notes), result.notes
 
 
+@pytest.mark.parametrize(("size", "tags"), [((576, 720), (5, 6)), ((480, 720), (6, 6)), ((360, 640), (1, 1)),
+                                            ((720, 1280), (1, 1))])  # fmt: skip
+def test_an_untagged_source_is_written_with_the_primaries_players_assumed_of_it(tmp_path, size, tags):
+    """An untagged PAL or NTSC source (a DV tape's capture, a DVD's rip) is read with BT.601's matrix and shown with its
+    system's primaries; its output, HD-sized, was tagged BT.709 throughout, so players showed it with other primaries
+    than the source's. It now names what players assumed of the source (mpv's guess by size); matrix BT.709, as
+    written; a source of another size keeps BT.709."""
+    source = write_clip(tmp_path / "in.mp4", 3, size)
+    assert (probe(source).video.color_primaries, probe(source).video.color_trc) == (2, 2)  # untagged
+    output = tmp_path / "out.mp4"
+    upscale_file(source, output, LanczosUpscaler(), FAST)
+    video = probe(output).video
+    assert (video.color_primaries, video.color_trc, video.color_matrix) == (*tags, 1)
+
+
 def _luma_levels(path: Path) -> tuple[str, int]:
     """The first frame's pixel format and the distinct luma codes along its middle row (the ramp's direction)."""
     with av.open(str(path)) as container:

@@ -214,7 +214,7 @@ def begin_upscale(
                     passthrough=Passthrough(info, carried, offset=clock),
                     metadata=output_metadata(info),
                     language=video.language,
-                    colour=(_tag(video.color_primaries), _tag(video.color_trc)),
+                    colour=_colour_tags(video),
                     sample_aspect_ratio=sar,
                     chapters=output_chapters(info.chapters, clock),
                     on_frame=previews.take,
@@ -400,9 +400,19 @@ def _levers(runs: tuple[RunInfo, ...]) -> dict[str, str]:
     return {lever: "+".join(sorted(how)) for lever, how in ways.items()}
 
 
-def _tag(value: int) -> int:
-    """A colour tag worth keeping; unspecified (2) or reserved (0) ones become BT.709, what players assume in HD."""
-    return value if value not in (0, 2) else BT709
+SMPTE170M, BT470BG = 6, 5  # AVCOL_PRI_SMPTE170M (525-line SD; as a transfer, BT.601's) / AVCOL_PRI_BT470BG (625-line)
+
+
+def _colour_tags(video: VideoInfo) -> tuple[int, int]:
+    """The output's primaries and transfer: the source's. Where it names none (or a reserved value), what players
+    assumed of it, by its stored size as mpv guesses: an untagged 720x576 DV tape is PAL's BT.470 BG, a 720x480 one
+    SMPTE 170M, anything else BT.709. Its RGB values are never converted between primaries, and the output, HD-sized,
+    would otherwise be taken for BT.709's."""
+    sd = video.width < 1280 and video.height <= 576
+    guess = {576: BT470BG, 480: SMPTE170M, 486: SMPTE170M}.get(video.height, BT709) if sd else BT709
+    primaries = video.color_primaries if video.color_primaries not in (0, 2) else guess
+    transfer = video.color_trc if video.color_trc not in (0, 2) else (BT709 if guess == BT709 else SMPTE170M)
+    return primaries, transfer
 
 
 def _notes(
