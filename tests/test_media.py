@@ -1325,6 +1325,23 @@ def test_an_untagged_source_is_written_with_the_primaries_players_assumed_of_it(
     assert (video.color_primaries, video.color_trc, video.color_matrix) == (*tags, 1)
 
 
+@pytest.mark.parametrize(("pix_fmt", "said"), [
+    ("yuv422p", "4:2:2: the output's is 4:2:0, as every output here is written for players to take it (half the colour "
+                "resolution down the picture)"),
+    ("yuv444p10le", "4:4:4: the output's is 4:2:0, as every output here is written for players to take it (half the "
+                    "colour resolution across and down)"),
+    ("yuv420p", None),
+])  # fmt: skip
+def test_a_source_with_finer_colour_than_4_2_0_says_its_output_has_half(tmp_path, pix_fmt, said):
+    """A 4:2:2 camera or mezzanine master (XDCAM, ProRes, DNxHR) or a 4:4:4 one came out 4:2:0 with notes that named
+    its depth, never its colour resolution halved. Now they say it; a 4:2:0 source's say nothing of it."""
+    source = write_clip(tmp_path / "in.mp4", 3, (64, 96), pix_fmt=pix_fmt)
+    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
+    assert probe(tmp_path / "out.mp4").video.pix_fmt in ("yuv420p", "yuv420p10le")
+    told = [note for note in result.notes if "the output's is 4:2:0" in note]
+    assert told == ([f"the source's colour is {said}"] if said else []), result.notes
+
+
 def _luma_levels(path: Path) -> tuple[str, int]:
     """The first frame's pixel format and the distinct luma codes along its middle row (the ramp's direction)."""
     with av.open(str(path)) as container:

@@ -7,6 +7,7 @@ import os
 import re
 import tempfile
 
+import av
 import torch
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing
@@ -400,6 +401,24 @@ def _levers(runs: tuple[RunInfo, ...]) -> dict[str, str]:
     return {lever: "+".join(sorted(how)) for lever, how in ways.items()}
 
 
+# What each colour sampling finer than 4:2:0 loses in it, by the chroma planes' share of a 16x16 picture's width and
+# height (4:2:0's is 8x8; DV's 4:1:1, 4x16, is no finer: nothing said)
+_FINER = {(8, 16): ("4:2:2", "down the picture"), (16, 8): ("4:4:0", "across"), (16, 16): ("4:4:4", "across and down")}
+
+
+def _finer_colour(pix_fmt: str) -> tuple[str, str] | None:
+    """How a source samples its colour, and what 4:2:0 halves of it, where that is finer than 4:2:0 (RGB, 4:4:4,
+    4:2:2, as ProRes, DNxHR, XDCAM and camera masters are); None for 4:2:0, a coarser one, grey or a palette."""
+    try:
+        layout = av.VideoFormat(pix_fmt, 16, 16)
+    except ValueError:  # a format this FFmpeg does not name
+        return None
+    if layout.is_rgb:
+        return "RGB", "across and down"
+    colour = [c for c in layout.components if not c.is_luma and not c.is_alpha]
+    return _FINER.get((colour[0].width, colour[0].height)) if len(colour) == 2 else None
+
+
 SMPTE170M, BT470BG = 6, 5  # AVCOL_PRI_SMPTE170M (525-line SD; as a transfer, BT.601's) / AVCOL_PRI_BT470BG (625-line)
 
 
@@ -518,6 +537,10 @@ def _notes(
                      f"Apple's, few hardware decoders); ask for {codecs} to keep 10 bits")
     elif deep:
         notes.append(f"the source is {video.bit_depth}-bit: it was upscaled and written at 10 bits (yuv420p10le)")
+    if (sampling := _finer_colour(video.pix_fmt)) is not None:
+        finer, halved = sampling
+        notes.append(f"the source's colour is {finer}: the output's is 4:2:0, as every output here is written for "
+                     f"players to take it (half the colour resolution {halved})")
     if source.undecodable:  # the sound is kept from its start: the picture may begin after it
         delay = video.start - clock
         later = f"; the first frame shown is at {delay:.3f} s of the output" if delay >= 0.0005 else ""
