@@ -128,7 +128,7 @@ def without_video(read_at: ReadAt, size: int) -> str | None:
             kinds, name = _transport_stream_kinds(read_at, size, *packet), "an MPEG transport stream"
         else:
             return None
-    except _Unreadable:
+    except (_Unreadable, IndexError, struct.error):  # a hostile file's structure must not be a 500: the probe decides
         return None
     if not kinds or not kinds <= {"sound", "text", "data"}:  # None: a kind not known to hold no picture
         return None
@@ -271,7 +271,8 @@ def _packet_layout(read_at: ReadAt) -> tuple[int, int] | None:
 def _transport_stream_kinds(read_at: ReadAt, size: int, packet: int, first: int) -> set[str | None]:
     """The kinds of every elementary stream of every program the stream's first tables list (PAT, then each PMT),
     read from its first `_TS_SCAN_BYTES`; each table in one packet, as muxers write them."""
-    programs: dict[int, set[str | None] | None] | None = None  # PMT PID -> its streams' kinds, once read
+    # (PMT PID, program number) -> the program's streams' kinds, once read: programs may share a PMT PID
+    programs: dict[tuple[int, int], set[str | None] | None] | None = None
     end = min(size, _TS_SCAN_BYTES)
     for at in range(first, end - packet + first + 1, packet):
         header = read_at(at, 4)
@@ -280,8 +281,8 @@ def _transport_stream_kinds(read_at: ReadAt, size: int, packet: int, first: int)
         if not header[1] & 0x40:  # no table starts in this packet
             continue
         pid = (header[1] & 0x1F) << 8 | header[2]
-        if not (pid == 0 if programs is None else programs.get(pid, ()) is None):  # the PAT, then its PMTs
-            continue
+        if not (pid == 0 if programs is None else any(p == pid and k is None for (p, _), k in programs.items())):
+            continue  # the PAT, then the PMTs it names
         payload = read_at(at + 4, packet - first - 4)
         if header[3] & 0x20:  # an adaptation field comes first
             payload = payload[1 + payload[0] :] if payload else b""
@@ -289,11 +290,11 @@ def _transport_stream_kinds(read_at: ReadAt, size: int, packet: int, first: int)
         if table is None:
             continue
         if programs is None:
-            programs = {pmt: None for pmt in _pat_pmts(table)}
+            programs = dict.fromkeys(_pat_programs(table))
             if not programs:
                 raise _Unreadable
-        else:
-            programs[pid] = _pmt_kinds(table)
+        elif (pid, program := int.from_bytes(table[3:5], "big")) in programs:
+            programs[pid, program] = _pmt_kinds(table)
         if all(kinds is not None for kinds in programs.values()):
             return set().union(*programs.values())
     raise _Unreadable
@@ -316,11 +317,11 @@ def _section(payload: bytes, table_id: int) -> bytes | None:
     return section[: length - 4]
 
 
-def _pat_pmts(section: bytes) -> set[int]:
-    """The PMT PIDs a PAT names (program 0 names the network table, not a program)."""
+def _pat_programs(section: bytes) -> set[tuple[int, int]]:
+    """The (PMT PID, program number) of each program a PAT names (program 0 names the network table, no program)."""
     entries = section[8:]
     return {
-        (entries[n + 2] & 0x1F) << 8 | entries[n + 3]
+        ((entries[n + 2] & 0x1F) << 8 | entries[n + 3], int.from_bytes(entries[n : n + 2], "big"))
         for n in range(0, len(entries) - 3, 4)
         if entries[n : n + 2] != b"\0\0"
     }
@@ -329,7 +330,8 @@ def _pat_pmts(section: bytes) -> set[int]:
 def _pmt_kinds(section: bytes) -> set[str | None]:
     """The kinds of a PMT's elementary streams (None: a type that may hold pictures, or one not known)."""
     kinds: set[str | None] = set()
-    at = 12 + ((section[10] & 0x0F) << 8 | section[11])
+    if len(section) < 12 or (at := 12 + ((section[10] & 0x0F) << 8 | section[11])) > len(section):
+        raise _Unreadable  # a section too short for its own header
     while at + 5 <= len(section):
         stream_type, info = section[at], (section[at + 3] & 0x0F) << 8 | section[at + 4]
         descriptors = section[at + 5 : at + 5 + info]
@@ -351,13 +353,23 @@ def _private_kind(descriptors: bytes) -> str | None:
     return None
 
 
+def _crc_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7 if crc & 0x80000000 else crc << 1) & 0xFFFFFFFF
+        table.append(crc)
+    return tuple(table)
+
+
+_CRC_TABLE = _crc_table()
+
+
 def _crc32_mpeg2(data: bytes) -> int:
-    """MPEG-2's CRC-32 (not zlib's: unreflected, no final XOR): 0 over a whole section whose CRC is right. Eight
-    lines rather than a dependency of the API's image; a table is at most a packet long."""
+    """MPEG-2's CRC-32 (not zlib's: unreflected, no final XOR): 0 over a whole section whose CRC is right. A few lines
+    rather than a dependency of the API's image; a table is at most a packet long."""
     crc = 0xFFFFFFFF
     for byte in data:
-        crc ^= byte << 24
-        for _ in range(8):
-            crc = (crc << 1) ^ 0x04C11DB7 if crc & 0x80000000 else crc << 1
-        crc &= 0xFFFFFFFF
+        crc = ((crc << 8) & 0xFFFFFFFF) ^ _CRC_TABLE[(crc >> 24) ^ byte]
     return crc

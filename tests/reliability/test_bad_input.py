@@ -102,6 +102,29 @@ def test_an_mpeg_ts_is_judged_only_by_the_tables_it_reads_whole(corpus_cache, tm
     private = remux(corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "aac.m2ts", ("audio",), "mpegts",
                     mpegts_m2ts_mode="1")  # fmt: skip
     assert judged(private) is None
+    # crafted: a radio programme and a TV one whose tables share a PID (the radio's read first), and a PMT too short
+    # for its own header (its CRC right: it was an IndexError, a 500)
+    pat = _ts_packet(0, _ts_table(0x00, b"\x00\x01\xc1\x00\x00" + b"\x00\x01\xe1\x00" + b"\x00\x02\xe1\x00"))
+    radio = _ts_packet(0x100, _ts_table(0x02, b"\x00\x01\xc1\x00\x00\xe1\x01\xf0\x00" + b"\x0f\xe1\x01\xf0\x00"))
+    tv = _ts_packet(0x100, _ts_table(0x02, b"\x00\x02\xc1\x00\x00\xe1\x02\xf0\x00" + b"\x1b\xe1\x02\xf0\x00"))
+    alone = _ts_packet(0, _ts_table(0x00, b"\x00\x01\xc1\x00\x00" + b"\x00\x01\xe1\x00"))  # the radio's alone
+    assert judged(alone + radio + radio) == "an MPEG transport stream with sound only"
+    assert judged(pat + radio + radio + tv) is None and judged(pat + radio + radio) is None  # the TV one not read
+    assert judged(pat + _ts_packet(0x100, _ts_table(0x02, b"\x00\x01\xc1\x00\x00")) + pat) is None
+
+
+def _ts_table(table_id: int, body: bytes) -> bytes:
+    """A PSI table section: its id, its length, `body` (from the table id extension on), and its CRC."""
+    from api.sniff import _crc32_mpeg2
+
+    head = bytes([table_id, 0xB0 | (len(body) + 4) >> 8, (len(body) + 4) & 0xFF]) + body
+    return head + _crc32_mpeg2(head).to_bytes(4, "big")
+
+
+def _ts_packet(pid: int, section: bytes) -> bytes:
+    """A 188-byte transport packet starting `section` (its pointer field 0), stuffed."""
+    payload = b"\x00" + section
+    return bytes([0x47, 0x40 | pid >> 8, pid & 0xFF, 0x10]) + payload + b"\xff" * (184 - len(payload))
 
 
 def picture(kind: str = "PNG") -> bytes:
