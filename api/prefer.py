@@ -6,8 +6,8 @@ job to end and answers with the job as it then is, so a short clip's upscale com
 
 The answer says `Preference-Applied: wait=N` where it waited; the job may still be queued or running when the time is
 up, and the client polls as it would have. A waiting request holds one of its process's threads, so at most half of
-them wait at once: a request beyond that is answered at once, without `Preference-Applied`. An unknown preference or a
-wait that is no number is ignored, as RFC 7240 asks.
+them wait at once, whoever asks (none where a process runs one thread): a request beyond that is answered at once,
+without `Preference-Applied`. An unknown preference or a wait that is no number is ignored, as RFC 7240 asks.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from time import monotonic, sleep
 from werkzeug.datastructures import Headers
 
 from api.services import services
-from storage.jobs import JobNotFound, JobRecord, Status
+from storage.jobs import TERMINAL, JobRecord
 
 MAX_WAIT_S = 60
 POLL_S = 0.2  # a job's record is read this often while a request waits on it
-ENDED = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)
 
 _slots: threading.BoundedSemaphore | None = None
 _slots_made = threading.Lock()
@@ -55,21 +54,19 @@ def wait_to_end(job_id: str, seconds: int) -> JobRecord | None:
         return None
     try:
         deadline = monotonic() + seconds
-        while True:
-            job = services().jobs.get(job_id)
-            if job.status in ENDED or (left := deadline - monotonic()) <= 0:
+        while (job := services().jobs.get(job_id)) is not None:
+            if job.status in TERMINAL or (left := deadline - monotonic()) <= 0:
                 return job
             sleep(min(POLL_S, left))
-    except JobNotFound:
-        return None
+        return None  # deleted while it waited: the create's answer stands
     finally:
         slots.release()
 
 
 def _waiting_slots() -> threading.BoundedSemaphore:
-    """Half of the process's request threads (gunicorn's `threads`), made at the first wait."""
+    """Half of the process's request threads (gunicorn's `threads`, rounded down), made at the first wait."""
     global _slots
     with _slots_made:
         if _slots is None:
-            _slots = threading.BoundedSemaphore(max(1, services().settings.web_threads // 2))
+            _slots = threading.BoundedSemaphore(services().settings.web_threads // 2)
         return _slots

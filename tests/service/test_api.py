@@ -644,8 +644,22 @@ def test_a_create_that_prefers_to_wait_answers_as_the_wait_runs_out(api, clip):
     waited = time.monotonic() - started
     assert response.status_code == 200 and response.json()["status"] == "queued", response.text
     assert response.headers["Preference-Applied"] == "wait=2" and 2 <= waited < 10, (response.headers, waited)
+    # the job deleted while its create waits: the create's answer stands, at once (it was a 500)
+    answer: list[requests.Response] = []
+    waiting = threading.Thread(target=lambda: answer.append(create(api, "erin", clip, headers={"Prefer": "wait=20"})))
+    started = time.monotonic()
+    waiting.start()
+    while not (queued := requests.get(f"{api}/v1/videos?limit=1", headers=auth("erin"), timeout=10).json()["data"]) or (
+        queued[0]["created_at"] < int(started) or queued[0]["id"] == response.json()["id"]
+    ):
+        time.sleep(0.1)
+    assert requests.delete(f"{api}/v1/videos/{queued[0]['id']}", headers=auth("erin"), timeout=10).status_code == 200
+    waiting.join(30)
+    assert answer[0].status_code == 200 and answer[0].json()["id"] == queued[0]["id"], answer[0].text
+    assert "Preference-Applied" not in answer[0].headers and time.monotonic() - started < 10
     for ignored in ("wait=soon", "respond-async", "wait=0"):
         started = time.monotonic()
         response = create(api, "erin", clip, headers={"Prefer": ignored})
         assert response.status_code == 200 and "Preference-Applied" not in response.headers, (ignored, response.headers)
         assert time.monotonic() - started < 2, ignored
+
