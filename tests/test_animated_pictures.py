@@ -256,3 +256,19 @@ def test_an_animated_avif_takes_its_alpha_from_its_alpha_track(corpus_cache, tmp
         transparent = picture[..., 3] == 0
         assert transparent.any() and shown[transparent].mean() < 16, shown[transparent].mean()
         assert np.abs(shown - picture[..., :3] * (picture[..., 3:] / 255)).mean() < 16
+
+
+def test_a_long_walk_over_an_animation_s_blocks_beats_the_job_s_heart(tmp_path):
+    """What an animation declares is counted by walking its blocks in Python: a hostile GIF of millions of 1-byte
+    blocks (9 MiB here; 16 GiB are allowed) kept the probe walking with no heartbeat, so the job's lease could run
+    out and another worker walk it again. The walk calls the job's `alive` as it goes, and a cancel stops it."""
+    from worker.errors import Cancelled
+    from worker.media import animation
+
+    image = b"\x2c" + struct.pack("<HHHHB", 0, 0, 8, 8, 0) + b"\x02" + b"\x01\x00" * (9 << 19) + b"\x00"
+    path = tmp_path / "blocks.gif"
+    path.write_bytes(b"GIF89a" + struct.pack("<HHBBB", 8, 8, 0, 0, 0) + image + b"\x3b")
+    heard = []
+    assert animation.declared(path, lambda: heard.append(True) or False) == (8, 8, 1) and heard
+    with pytest.raises(Cancelled):
+        animation.declared(path, lambda: True)

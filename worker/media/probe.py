@@ -237,7 +237,7 @@ def probe(
         raise InputEmpty(f"{path.name} is empty (0 bytes)")
     if limits.max_bytes is not None and size > limits.max_bytes:
         raise InputTooLarge(f"{path.name} is {size / 2**30:.1f} GiB; the limit is {limits.max_bytes / 2**30:.1f} GiB")
-    if (declared := animation.declared(path)) is not None:
+    if (declared := animation.declared(path, alive)) is not None:
         _check_animation(declared, path, limits, output_size)
     if webp.animated(path):
         return _animated_webp(path, size, limits, alive)
