@@ -30,10 +30,13 @@ def _model(name: str, queue: str, workers: list[WorkerInfo]) -> dict[str, Any]:
 
 
 def _qualities(queue: str, workers: list[WorkerInfo]) -> list[str]:
-    """The tiers the model's jobs can run: lanczos has no faster path (a `high` job of it runs `lossless`, and says so),
-    so a queue only lanczos workers take offers `lossless` alone. Every tier while none is registered: not known."""
-    models = {worker.model for worker in workers if worker.model and queue in worker.queues}
-    return list(QUALITIES) if models - {"lanczos"} or not models else ["lossless"]
+    """The tiers the model's jobs can run as asked, by what its queue's workers registered (worker.signals): `high`
+    where one of them runs it faster (not lanczos, nor a GPU without FP8 GEMMs: their `high` jobs run `lossless`, and
+    say so). Every tier while none is registered, or one registered before workers said: not known."""
+    said = [worker.qualities for worker in workers if worker.model and queue in worker.queues]
+    if not said or None in said:
+        return list(QUALITIES)
+    return [tier for tier in QUALITIES if any(tier in qualities for qualities in said)]
 
 
 def _workers() -> list[WorkerInfo]:

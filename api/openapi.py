@@ -61,8 +61,9 @@ class Model(BaseModel):
     queue: str = Field(description="the Celery queue (pipeline group) whose workers serve it")
     default: bool = Field(description="the model a create without `model` gets")
     qualities: list[Literal["lossless", "high"]] = Field(
-        description="the `quality` tiers its jobs can run, by the workers registered on its queue: `lossless` alone "
-        "where they all run lanczos (a `high` job runs `lossless`); every tier while none is registered"
+        description="the `quality` tiers its jobs run as asked, by what the workers registered on its queue say: "
+        "`lossless` alone where none has a faster path (lanczos, GPUs without FP8 GEMMs: a `high` job runs "
+        "`lossless`); every tier while none is registered"
     )
 
 

@@ -29,9 +29,11 @@ class WorkerInfo(BaseModel):
     started_at: float
     heartbeat_at: float = 0.0
     job: str | None = None  # the job it is running
+    # the `quality` tiers its model runs as asked; None: a worker that runs none, or one before it said (not known)
+    qualities: list[str] | None = None
 
 
-_JSON_FIELDS = ("queues", "devices", "gpus")
+_JSON_FIELDS = ("queues", "devices", "gpus", "qualities")
 
 
 class WorkerRegistry:
@@ -89,7 +91,7 @@ class WorkerRegistry:
 def _from_hash(raw: dict[bytes, bytes]) -> WorkerInfo:
     data: dict[str, object] = {key.decode(): value.decode() for key, value in raw.items()}
     for name in _JSON_FIELDS:
-        data[name] = json.loads(data[name])
+        data[name] = json.loads(data[name]) if name in data else None  # `qualities`: absent in older workers' entries
     for name in ("model", "served", "job"):  # stored as "" when None
         data[name] = data.get(name) or None
     return WorkerInfo.model_validate(data)

@@ -121,6 +121,7 @@ def _register(sender: Any, **_: Any) -> None:
             queues=sorted(queue.name for queue in sender.task_consumer.queues),
             model=service.worker_settings().model if runs_jobs else None,
             served=service.worker_settings().served if runs_jobs else None,
+            qualities=list(service.upscaler().qualities) if runs_jobs else None,
             devices=devices,
             gpus=_gpu_names(devices),
             host=socket.gethostname(),

@@ -228,8 +228,8 @@ async function loadModels() {
   }
 }
 
-// The tiers each model's workers run (GET /v1/models): a model whose workers are all lanczos has no faster one, and
-// `high` would run the exact engine all the same, so it is not offered. Unknown (an older API, no answer): all are.
+// The tiers each model's workers run (GET /v1/models): where none of them has a faster path (lanczos, GPUs without
+// FP8), `high` would run the exact engine all the same, so it is not offered. Unknown (an older API, no answer): all.
 async function loadQualities() {
   try {
     const models = await (await api("/v1/models")).json();
@@ -250,7 +250,8 @@ function offerQualities() {
   select.querySelector('option[value="high"]').disabled = none;
   if (none && select.value === "high") select.value = "lossless";
   hint.textContent = none
-    ? `Faster is not available for ${model}: its workers run a classical upscaler, which has no 8-bit mode.`
+    ? `Faster is not available for ${model}: its workers have no faster path (a classical upscaler, or GPUs without `
+      + "8-bit float arithmetic)."
     : hint.dataset.faster;
 }
 

@@ -20,6 +20,7 @@ from pydantic import SecretStr
 
 from storage.blobs import attempt_output_key, output_prefix
 from storage.jobs import OutputInfo
+from storage.workers import WorkerInfo, WorkerRegistry
 
 from .conftest import KEYS, ROOT, UPLOAD_LIMIT, MiB, auth, broker_messages
 
@@ -663,3 +664,29 @@ def test_a_create_that_prefers_to_wait_answers_as_the_wait_runs_out(api, clip):
         assert response.status_code == 200 and "Preference-Applied" not in response.headers, (ignored, response.headers)
         assert time.monotonic() - started < 2, ignored
 
+
+def test_a_model_offers_the_faster_tier_only_where_a_worker_of_its_queue_runs_it(api, redis_client):
+    """GET /v1/models says which tiers each model's jobs run as asked, from what its queue's workers registered: a GPU
+    without FP8 GEMMs (an A100) registers `lossless` alone and the web page then offers no "Faster"; a Hopper card
+    both; with none registered, or one of the version before (which said nothing), every tier: not known."""
+    registry = WorkerRegistry(redis_client, ttl_s=30)
+
+    def offered() -> list[str]:
+        served = requests.get(f"{api}/v1/models", headers=auth("alice"), timeout=10).json()["data"]
+        return {model["id"]: model["qualities"] for model in served}["k6-vsr"]
+
+    assert offered() == ["lossless", "high"]
+    a100 = WorkerInfo(name="a100@test", queues=["vsrq.k6"], model="/models/k6", devices=["cuda:0"], host="gpu-a",
+                      pid=1, started_at=0.0, qualities=["lossless"])  # fmt: skip
+    try:
+        registry.register(a100)
+        assert offered() == ["lossless"]
+        registry.register(a100.model_copy(update={"name": "h100@test", "qualities": ["lossless", "high"]}))
+        assert offered() == ["lossless", "high"]
+        registry.remove("h100@test")
+        registry.register(a100.model_copy(update={"name": "older@test"}))
+        redis_client.hdel("vsrq:worker:older@test", "qualities")  # as a worker of the version before wrote it
+        assert offered() == ["lossless", "high"]
+    finally:
+        for name in ("a100@test", "h100@test", "older@test"):
+            registry.remove(name)

@@ -310,8 +310,9 @@ def test_a_person_asks_for_a_frame_per_field_and_reads_what_ran(api, browser_con
 @pytest.mark.usefixtures("worker")
 def test_the_faster_tier_is_offered_only_for_a_model_whose_workers_have_one(api, browser_context):
     """`lanczos` is a classical upscaler: a `high` job of it runs the exact engine all the same (and says so after the
-    fact). The page knows it from the workers registered on its queue: for lanczos it offers no "Faster (FP8)" and
-    says why; for k6-vsr, the diffusion model, it does."""
+    fact). The page knows it from the workers registered on its queue (each says its tiers: test_api's
+    `..._only_where_a_worker_of_its_queue_runs_it`): for lanczos it offers no "Faster (FP8)" and says why; for k6-vsr,
+    no worker of which is registered here, it does."""
     from playwright.sync_api import expect
 
     for _ in range(200):  # the worker registers once Celery is ready: seconds after its fixture starts it
@@ -340,8 +341,8 @@ def test_the_faster_tier_is_offered_only_for_a_model_whose_workers_have_one(api,
     model.select_option("lanczos")
     expect(faster).to_be_disabled()
     expect(speed).to_have_value("lossless")  # the choice made for k6-vsr is not sent for a model without it
-    expect(hint).to_have_text("Faster is not available for lanczos: its workers run a classical upscaler, which has "
-                              "no 8-bit mode.")  # fmt: skip
+    expect(hint).to_have_text("Faster is not available for lanczos: its workers have no faster path (a classical "
+                              "upscaler, or GPUs without 8-bit float arithmetic).")  # fmt: skip
     model.select_option("k6-vsr")
     expect(faster).to_be_enabled()
     expect(hint).to_contain_text("Faster runs parts of the model in 8-bit floats")

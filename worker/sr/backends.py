@@ -106,6 +106,7 @@ def _allocator_configured() -> bool:
 
 class Upscaler(Protocol):
     devices: list[torch.device]
+    qualities: tuple[str, ...]  # the `quality` tiers it runs as asked (`high`: only where its levers run faster)
 
     def output_size(self, height: int, width: int, scale: float) -> tuple[int, int]: ...
 

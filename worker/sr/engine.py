@@ -203,6 +203,13 @@ class SREngine:
     def devices(self) -> list[torch.device]:
         return [replica.device for replica in self.replicas]
 
+    @property
+    def qualities(self) -> tuple[str, ...]:
+        """The tiers it runs as asked: `high` where it has levers and its FP8 GEMMs run on every device (an A100's
+        `high` would change the arithmetic for no speed: its workers offer `lossless` alone, by the registry)."""
+        faster = self.high_levers and all(quality.fp8_supported(device) for device in self.devices)
+        return (LOSSLESS, HIGH) if faster else (LOSSLESS,)
+
     def signature(self, request: SRRequest) -> str:
         """What decides the bits this engine gives `request`, beyond the request: windows kept under another
         signature are never replayed into this engine's output (worker.kept_windows). Left out, as they give the same

@@ -16,12 +16,13 @@ from PIL import Image
 from worker.errors import Cancelled, InvalidRequest
 from worker.frames import unit
 from worker.sr import tiling
-from worker.sr.request import FrameSink, Progress, RunInfo, SRRequest
+from worker.sr.request import LOSSLESS, FrameSink, Progress, RunInfo, SRRequest
 
 
 class LanczosUpscaler:
     devices = [torch.device("cpu")]
     default_steps = None  # a resampling filter: no denoising steps
+    qualities = (LOSSLESS,)  # no faster path: a `high` job runs, and says, `lossless`
 
     def signature(self, request: SRRequest) -> str:
         """What decides the bits beyond the request (`SREngine.signature`): Pillow's resampling."""
