@@ -223,7 +223,7 @@ def test_a_job_that_ends_sends_its_webhook_without_waiting_for_the_reaper(
     (call,) = receiver.wait(completed, 1, limit_s=10)
     assert json.loads(call.body)["type"] == "video.completed"
     # no k6 worker here: it stays queued
-    queued = create(hooks_api, b"queued, never run", model="k6-vsr", webhook_url=receiver.url(cancelled))
+    queued = create(hooks_api, UNREADABLE, model="k6-vsr", webhook_url=receiver.url(cancelled))
     requests.post(f"{hooks_api}/v1/videos/{queued['id']}/cancel", headers=auth("dave"), timeout=10).raise_for_status()
     (call,) = receiver.wait(cancelled, 1, limit_s=10)
     assert json.loads(call.body)["type"] == "video.cancelled"
@@ -283,7 +283,7 @@ def test_a_failed_job_sends_video_failed(hooks_api, upscaler, webhook_worker, re
 
 def test_a_cancelled_job_sends_video_cancelled(hooks_api, webhook_worker, relay, receiver):
     path = receiver.path()
-    job = create(hooks_api, b"queued, never run", model="k6-vsr", webhook_url=receiver.url(path))  # no k6 worker here
+    job = create(hooks_api, UNREADABLE, model="k6-vsr", webhook_url=receiver.url(path))  # no k6 worker here
     response = requests.post(f"{hooks_api}/v1/videos/{job['id']}/cancel", headers=auth("dave"), timeout=10)
     assert response.json()["status"] == "cancelled"
     (call,) = receiver.wait(path, 1)
