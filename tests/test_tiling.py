@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
 import torch
 from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import _hann_window_2d, _tile_positions
 
-from worker.sr.tiling import hann_window_2d, output_size, plan_tiles, pre_upscaled_size, split_scale, tile_positions
+from worker.sr.tiling import (
+    RELEASED_TILE_SIZES as FULL_TILES,
+    hann_window_2d,
+    output_size,
+    plan_tiles,
+    pre_upscaled_size,
+    split_scale,
+    tile_positions,
+)
 
-FULL_TILES = ((512, 512), (512, 768), (768, 512))
+
+def test_the_released_tile_sizes_are_the_transformer_s_own():
+    """`vsrq probe` plans with these without loading a model: the K6 SR transformer's default, which the released
+    checkpoint's config keeps (../shared/docs/kandinsky6-sr.md)."""
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRTransformer3DModel
+
+    default = inspect.signature(Kandinsky6SRTransformer3DModel.__init__).parameters["tile_sizes"].default
+    assert FULL_TILES == tuple(map(tuple, default))
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.2, 0.5, 0.9])

@@ -537,7 +537,8 @@ def _notes(
                      f"Apple's, few hardware decoders); ask for {codecs} to keep 10 bits")
     elif deep:
         notes.append(f"the source is {video.bit_depth}-bit: it was upscaled and written at 10 bits (yuv420p10le)")
-    if (sampling := _finer_colour(video.pix_fmt)) is not None:
+    # an animated WebP is read through Pillow as RGBA whatever its frames hold (lossy ones are 4:2:0): nothing said
+    if video.codec != "webp" and (sampling := _finer_colour(video.pix_fmt)) is not None:
         finer, halved = sampling
         notes.append(f"the source's colour is {finer}: the output's is 4:2:0, as every output here is written for "
                      f"players to take it (half the colour resolution {halved})")

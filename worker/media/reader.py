@@ -37,8 +37,8 @@ PARITY = {2: "tff", 5: "tff", 3: "bff", 4: "bff"}
 READING = ("interlaced frames deinterlaced: bwdif send_frame; sized for the largest part; packed B-frames unpacked; "
            "deeper sources kept at 16 bits; alpha shown over black; 8-bit YUV to RGB exact")
 BLACK = (0, 0, 0)  # what transparent pixels are shown over unless a job names another `background`
-# swscale's fast 8-bit YUV -> RGB path is up to 3 levels of 255 off (a 75 % green bar read as 188 for 190.6, white as
-# 190 for 191); its exact one costs a few ms more a 1080p frame (bench/RESULTS.md)
+# swscale's fast 8-bit YUV -> RGB path rounds early, every colour a few levels off; its exact one costs a few ms more
+# a frame (bench/RESULTS.md, "Reading 8-bit pictures in their colours")
 EXACT_8_BIT = Interpolation.BILINEAR | Interpolation.ACCURATE_RND | Interpolation.FULL_CHR_H_INT
 
 
