@@ -386,6 +386,7 @@ _PREFER = {
     "passed, with the job as it then is (`Preference-Applied` says it waited); other preferences are ignored",
     "schema": {"type": "string", "examples": ["wait", "wait=10"]},
 }
+_PREFERENCE_APPLIED = _header("`wait=N` where the request waited N seconds", False)
 
 
 def _creating(
@@ -409,7 +410,7 @@ def _creating(
         "responses": {
             "200": {
                 **_json("Video", "the job, queued; with `Prefer: wait`, as it is once ended or the wait is up"),
-                "headers": {"Preference-Applied": _header("`wait=N` where the request waited N seconds", False)},
+                "headers": {"Preference-Applied": _PREFERENCE_APPLIED},
                 "links": _JOB_LINKS,
             },
             **_problems(400, 401, 404, 409, 413, 415, 422, 429, 503),
@@ -546,7 +547,14 @@ def document(settings: Settings) -> dict[str, Any]:
             "get": _job_operation(
                 "Poll a job",
                 operationId="getVideo",
-                responses={"200": _json("Video", "the job"), **_problems(401, 404)},
+                extra_parameters=[_PREFER],
+                responses={
+                    "200": {
+                        **_json("Video", "the job; with `Prefer: wait`, once it has ended or the wait is up"),
+                        "headers": {"Preference-Applied": _PREFERENCE_APPLIED},
+                    },
+                    **_problems(401, 404),
+                },
             ),
             "delete": _job_operation(
                 "Delete a job and its files (cancel a running one first)",

@@ -1,5 +1,6 @@
 """`Prefer: wait` (RFC 7240's preference, as Replicate's API takes it): a create that waits, up to a minute, for its
-job to end and answers with the job as it then is, so a short clip's upscale comes back in the request that sent it.
+job to end and answers with the job as it then is, so a short clip's upscale comes back in the request that sent it;
+a poll (GET /v1/videos/{id}) that waits so too.
 
     Prefer: wait        up to 60 s
     Prefer: wait=10     up to 10 s (1 to 60)

@@ -295,7 +295,15 @@ def _body(job: JobRecord) -> dict[str, Any]:
 
 @blueprint.get("/v1/videos/<job_id>")
 def get_video(job_id: str) -> Response:
-    return _job_response(_body(services().jobs.require(job_id, owner())))
+    """The job; with `Prefer: wait`, once it has ended or the wait is up (a create whose own wait ran out, polled on
+    with one request a minute rather than one a second)."""
+    job = services().jobs.require(job_id, owner())
+    seconds = prefer.asked_wait(request.headers)
+    if seconds is None or (waited := prefer.wait_to_end(job.id, seconds)) is None:
+        return _job_response(_body(job))
+    response = _job_response(_body(waited))
+    response.headers["Preference-Applied"] = f"wait={seconds}"
+    return response
 
 
 @blueprint.get("/v1/videos/<job_id>/events")

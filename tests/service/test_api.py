@@ -658,6 +658,12 @@ def test_a_create_that_prefers_to_wait_answers_as_the_wait_runs_out(api, clip):
     waiting.join(30)
     assert answer[0].status_code == 200 and answer[0].json()["id"] == queued[0]["id"], answer[0].text
     assert "Preference-Applied" not in answer[0].headers and time.monotonic() - started < 10
+    # a poll that prefers to wait: as long, then the job as it is
+    started = time.monotonic()
+    polled = requests.get(f"{api}/v1/videos/{response.json()['id']}", headers=auth("erin") | {"Prefer": "wait=1"},
+                          timeout=30)  # fmt: skip
+    assert (polled.json()["status"], polled.headers["Preference-Applied"]) == ("queued", "wait=1")
+    assert 1 <= time.monotonic() - started < 8
     for ignored in ("wait=soon", "respond-async", "wait=0"):
         started = time.monotonic()
         response = create(api, "erin", clip, headers={"Prefer": ignored})

@@ -288,6 +288,10 @@ def test_a_create_that_prefers_to_wait_answers_with_its_finished_job(api, worker
     response = requests.post(f"{api}/v1/videos", data=data, files=files, headers=auth("dave") | {"Prefer": "wait=30"},
                              timeout=60)  # fmt: skip
     assert (response.json()["status"], response.json()["error"]["code"]) == ("failed", "input_unreadable")
+    # a poll that prefers to wait answers once the job has ended, in one request
+    job = create(api, stereo_clip)
+    response = requests.get(f"{api}/v1/videos/{job['id']}", headers=auth("dave") | {"Prefer": "wait=60"}, timeout=90)
+    assert (response.json()["status"], response.headers["Preference-Applied"]) == ("completed", "wait=60")
 
 
 def test_a_corrupt_upload_fails_with_an_input_code_and_the_worker_goes_on(api, worker, stereo_clip):
