@@ -1072,6 +1072,28 @@ def test_an_mp4s_cover_art_and_timecode_are_kept(tmp_path):
     assert {c.describe() for c in result.carried} >= {"cover art #3 (mjpeg): copied", "data #2 (timecode 01:02:03:04): kept as the output's timecode"}
 
 
+def test_a_timecode_s_reel_name_is_said_to_be_left_out(tmp_path):
+    """A camera master's QuickTime timecode track names its reel (the card or tape: "A001"): the output's MP4 keeps the
+    timecode, and FFmpeg writes a reel name in QuickTime's timecode track only. The notes said the timecode was kept
+    and nothing of the reel; they now say the reel name is not."""
+    source = tmp_path / "master.mov"
+    with av.open(str(source), "w") as container:
+        stream = container.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        stream.metadata.update({"timecode": "01:00:00:00", "reel_name": "A001"})  # its timecode track takes both
+        for index in range(3):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 96, 3), 40 * index, np.uint8), format="rgb24")
+            frame.pts = index
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    result = upscale_file(source, tmp_path / "out.mp4", LanczosUpscaler(), FAST)
+    said = ("data #1 (timecode 01:00:00:00; reel A001 not kept: MP4's timecode track has no reel name): kept as the "
+            "output's timecode")  # fmt: skip
+    assert said in {c.describe() for c in result.carried}, result.carried
+    with av.open(str(tmp_path / "out.mp4")) as container:
+        assert [s.metadata.get("timecode") for s in container.streams.data] == ["01:00:00:00"]
+
+
 @pytest.mark.parametrize(
     ("timecode", "written", "carried"),
     [

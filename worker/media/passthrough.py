@@ -93,14 +93,16 @@ def plan_streams(info: MediaInfo) -> tuple[Carried, ...]:
             text, fps = info.video.timecode, info.video.fps
             written = recount(text, data.count, fps) if data.count else text
             rate = f"the output's rate ({float(fps):.4g} fps)"
+            # FFmpeg writes a reel name in QuickTime's timecode track only: an MP4's has no place for it
+            reel = f"; reel {data.reel} not kept: MP4's timecode track has no reel name" if data.reel else ""
             if written is None:
                 why = f"drop-frame at {data.count.frames} a second, which {rate} does not count"
                 carried.append(Carried(data.index, "data", "drop", f"timecode {text}, {why}"))
             elif written != text:
                 how = f"counted at {output_count(fps)} a second as {rate} is, not {data.count.frames}"
-                carried.append(Carried(data.index, "data", "timecode", f"timecode {text} as {written}, {how}"))
+                carried.append(Carried(data.index, "data", "timecode", f"timecode {text} as {written}, {how}{reel}"))
             else:
-                carried.append(Carried(data.index, "data", "timecode", f"timecode {text}"))
+                carried.append(Carried(data.index, "data", "timecode", f"timecode {text}{reel}"))
         else:
             what = data.handler or "unknown"
             carried.append(Carried(data.index, "data", "drop", f"{what}, a data track only its maker's software reads"))

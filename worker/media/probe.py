@@ -156,6 +156,7 @@ class DataInfo:
     timecode: str | None  # a timecode track's (tmcd) first timecode
     handler: str | None  # what its maker calls it: "TimeCodeHandler", "GoPro MET" (telemetry), …
     count: Count | None = None  # what the timecode counts at (its frames a second, drop-frame), where it was read
+    reel: str | None = None  # a timecode track's reel name (a camera's card or tape: "A001")
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,8 @@ def _probe(path: Path, size: int, limits: Limits, alive: Callable[[], bool] | No
             tracks = [s for s in tracks if s.id not in chaptered]
         counts = timecode_counts(path) if any(s.metadata.get("timecode") for s in tracks) else {}
         data = tuple(
-            DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name"), counts.get(s.id))
+            DataInfo(s.index, s.metadata.get("timecode"), s.metadata.get("handler_name"), counts.get(s.id),
+                     s.metadata.get("reel_name") or None)  # fmt: skip
             for s in tracks
         )
         metadata = dict(container.metadata)
