@@ -113,6 +113,20 @@ def route_parts(page, drops: Callable[[int], bool]) -> list[str]:
     return sent
 
 
+def signed_in(browser_context, api: str):
+    """A new page of the web app, signed in with the test's key (it may be remembered from an earlier test), and the
+    page errors it raises as they come."""
+    page = browser_context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.goto(f"{api}/")
+    until(page, "!document.getElementById('connect').hidden || !document.getElementById('workspace').hidden")
+    if page.locator("#connect").is_visible():  # run alone, the key was not remembered by the test before
+        page.get_by_role("textbox", name="API key").fill(KEYS[KEY])
+        page.get_by_role("button", name="Connect").click()
+    return page, problems
+
+
 def until(page, expression: str, timeout_s: float = 20) -> None:
     """Waits for a JS expression to hold. (Playwright's own waiting evaluates strings with eval(), which the page's
     Content-Security-Policy rightly forbids.)"""
@@ -265,14 +279,7 @@ def test_a_person_asks_for_a_frame_per_field_and_reads_what_ran(api, browser_con
 
     clip = write_clip(tmp_path / "camcorder.mp4", 13, SIZE, Fraction(25), audio_codec="aac",
                       video_options={"x264-params": "interlaced=1:tff=1"})  # fmt: skip
-    page = browser_context.new_page()
-    problems: list[str] = []
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    page.goto(f"{api}/")
-    until(page, "!document.getElementById('connect').hidden || !document.getElementById('workspace').hidden")
-    if page.locator("#connect").is_visible():  # run alone, the key was not remembered by the test before
-        page.get_by_role("textbox", name="API key").fill(KEYS[KEY])
-        page.get_by_role("button", name="Connect").click()
+    page, problems = signed_in(browser_context, api)
     expect(page.get_by_role("heading", name="Upscale a video")).to_be_visible()
 
     page.get_by_label("Model", exact=True).select_option("lanczos")
@@ -322,14 +329,7 @@ def test_the_faster_tier_is_offered_only_for_a_model_whose_workers_have_one(api,
         time.sleep(0.1)
     else:
         pytest.fail(f"no lanczos worker registered: {served}")
-    page = browser_context.new_page()
-    problems: list[str] = []
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    page.goto(f"{api}/")
-    until(page, "!document.getElementById('connect').hidden || !document.getElementById('workspace').hidden")
-    if page.locator("#connect").is_visible():  # run alone, the key was not remembered by the test before
-        page.get_by_role("textbox", name="API key").fill(KEYS[KEY])
-        page.get_by_role("button", name="Connect").click()
+    page, problems = signed_in(browser_context, api)
     page.get_by_text("Advanced settings").click()
     model, speed = page.get_by_label("Model", exact=True), page.get_by_label("Speed")
     faster, hint = speed.locator('option[value="high"]'), page.locator("#quality-hint")
