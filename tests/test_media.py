@@ -322,6 +322,8 @@ def test_hevc_and_av1_outputs(tmp_path, codec, name):
     upscale_file(source, output, LanczosUpscaler(), UpscaleOptions(request=SRRequest(scale=2), codec=codec, crf=30, preset="ultrafast"))
     back = read_back(output)
     assert (back.codec, back.frames, back.width, back.height, len(back.audio)) == (name, 5, 192, 128, 1)
+    with av.open(str(output)) as container:  # progressive, as an H.264 output says (x265 left it unknown: 0)
+        assert container.streams.video[0].codec_context.field_order == 1
 
 
 def test_an_input_smaller_than_one_tile_is_padded_and_said_so(tmp_path, engine):

@@ -25,6 +25,7 @@ from worker.media.passthrough import Passthrough
 
 _DONE = None
 BT709 = 1  # AVCOL_SPC_BT709 / AVCOL_PRI_BT709 / AVCOL_TRC_BT709
+_PROGRESSIVE = 1  # AV_FIELD_PROGRESSIVE
 BT2020 = 9  # AVCOL_PRI_BT2020 / AVCOL_SPC_BT2020_NCL
 # The codecs whose output may be 10-bit (yuv420p10le): what a deeper source is written in. H.264's High 10 is left
 # out though x264 has it: hardware decoders (every Apple device, most phones and TVs) do not play it (`output_depth`).
@@ -278,6 +279,9 @@ class Mp4Writer:
         self.stream.pix_fmt = "yuv420p10le" if depth == 10 else "yuv420p"
         self._dtype = torch.uint16 if depth == 10 else torch.uint8
         self.stream.codec_context.thread_type = thread_type
+        # every frame written is whole (interlaced sources are deinterlaced as read): x264 says so itself, x265 and
+        # SVT-AV1 leave the MP4's field order unknown, which players and ffprobe report as such
+        self.stream.codec_context.field_order = _PROGRESSIVE
         if sample_aspect_ratio != 1:
             self.stream.codec_context.sample_aspect_ratio = sample_aspect_ratio
         if codec == "hevc":
