@@ -53,17 +53,23 @@ _SRT_CUE = re.compile(rb"\A\d+\r?\n\d\d:\d\d:\d\d,\d{3} --> ")
 _CONTROLS = re.compile(rb"[\x00-\x08\x0b\x0e-\x1f\x7f]")  # all but tab, line feed, form feed, carriage return
 
 
+# UTF-16 and UTF-32 by their byte order marks (UTF-32's first: its little-endian mark begins as UTF-16's)
+_WIDE_TEXT = ((b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"), (b"\xff\xfe", "utf-16-le"),
+              (b"\xfe\xff", "utf-16-be"))  # fmt: skip
+
+
 def _text(head: bytes) -> str | None:
-    """How to name `head` where it is text (UTF-8, no control characters), which no video is: a YUV4MPEG2 stream's
-    header is, but not its frames."""
-    body = head.removeprefix(b"\xef\xbb\xbf")  # a byte order mark
+    """How to name `head` where it is text (no control characters but tabs, line and form feeds, carriage returns:
+    UTF-8, a one-byte code page such as Latin-1, or UTF-16/32 after their byte order mark), which no video is: every
+    container's header has such bytes, and a YUV4MPEG2 stream's, which has none, is known by its signature."""
+    body = head.removeprefix(b"\xef\xbb\xbf")  # UTF-8's byte order mark
+    wide = next((code for mark, code in _WIDE_TEXT if body.startswith(mark)), None)
+    if wide is not None:
+        width = 4 if "32" in wide else 2
+        text = body[len(next(mark for mark, code in _WIDE_TEXT if code == wide)) :]
+        body = text[: len(text) // width * width].decode(wide, errors="replace").encode()
     if not body or body.startswith(b"YUV4MPEG2 ") or _CONTROLS.search(body):
         return None
-    try:
-        body.decode()
-    except UnicodeDecodeError as error:  # only a character cut by the peek's end may be incomplete
-        if error.reason != "unexpected end of data":
-            return None
     if body.lstrip().startswith(b"<") and b"<MPD" in body[:4096]:
         return "a DASH manifest (it only names the video's segments)"
     if _SRT_CUE.match(body.lstrip()):
@@ -252,6 +258,10 @@ _TS_SCAN_BYTES = 1 << 20  # tables repeat every ~0.1 s: a 1 MiB stretch of even 
 # Blu-ray's other sound types are not here: 0x80 and 0x82-0x86 are video or cue data in other systems
 _STREAM_KINDS = {0x03: "sound", 0x04: "sound", 0x0F: "sound", 0x11: "sound", 0x1C: "sound", 0x81: "sound",
                  0x87: "sound", 0x15: "data"}  # fmt: skip  # 0x15: timed metadata (HLS's ID3 tags)
+# ... but in a programme registered as Blu-ray's ("HDMV", AVCHD's too): LPCM, AC-3, DTS, TrueHD, E-AC-3, DTS-HD and
+# the secondary sound; its graphics (PGS) and text subtitles
+_BLU_RAY_KINDS = _STREAM_KINDS | dict.fromkeys((0x80, 0x82, 0x83, 0x84, 0x85, 0x86, 0xA1, 0xA2), "sound") | {
+    0x90: "text", 0x92: "text"}  # fmt: skip
 # A private stream (0x06) says what it is in its descriptors: DVB's AC-3, E-AC-3, DTS and AAC, its subtitles and
 # teletext; a registration's format identifier (Opus, SMPTE 302M's PCM)
 _DESCRIPTOR_KINDS = {0x6A: "sound", 0x7A: "sound", 0x7B: "sound", 0x7C: "sound", 0x59: "text", 0x56: "text"}
@@ -332,25 +342,35 @@ def _pmt_kinds(section: bytes) -> set[str | None]:
     kinds: set[str | None] = set()
     if len(section) < 12 or (at := 12 + ((section[10] & 0x0F) << 8 | section[11])) > len(section):
         raise _Unreadable  # a section too short for its own header
+    types = _BLU_RAY_KINDS if b"HDMV" in _registrations(section[12:at]) else _STREAM_KINDS
     while at + 5 <= len(section):
         stream_type, info = section[at], (section[at + 3] & 0x0F) << 8 | section[at + 4]
         descriptors = section[at + 5 : at + 5 + info]
-        kinds.add(_STREAM_KINDS.get(stream_type) if stream_type != 0x06 else _private_kind(descriptors))
+        kinds.add(types.get(stream_type) if stream_type != 0x06 else _private_kind(descriptors))
         at += 5 + info
     return kinds
 
 
 def _private_kind(descriptors: bytes) -> str | None:
     """What a private stream's descriptors say it holds."""
-    at = 0
-    while at + 2 <= len(descriptors):
-        tag, length = descriptors[at], descriptors[at + 1]
-        body = descriptors[at + 2 : at + 2 + length]
+    for tag, body in _descriptors(descriptors):
         kind = _REGISTERED_KINDS.get(body[:4]) if tag == 0x05 else _DESCRIPTOR_KINDS.get(tag)
         if kind is not None:
             return kind
-        at += 2 + length
     return None
+
+
+def _registrations(descriptors: bytes) -> set[bytes]:
+    """The format identifiers of a descriptor loop's registration descriptors."""
+    return {body[:4] for tag, body in _descriptors(descriptors) if tag == 0x05}
+
+
+def _descriptors(loop: bytes) -> Iterator[tuple[int, bytes]]:
+    """A descriptor loop's (tag, body) pairs."""
+    at = 0
+    while at + 2 <= len(loop):
+        yield loop[at], loop[at + 2 : at + 2 + loop[at + 1]]
+        at += 2 + loop[at + 1]
 
 
 def _crc_table() -> tuple[int, ...]:

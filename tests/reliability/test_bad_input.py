@@ -111,6 +111,13 @@ def test_an_mpeg_ts_is_judged_only_by_the_tables_it_reads_whole(corpus_cache, tm
     assert judged(alone + radio + radio) == "an MPEG transport stream with sound only"
     assert judged(pat + radio + radio + tv) is None and judged(pat + radio + radio) is None  # the TV one not read
     assert judged(pat + _ts_packet(0x100, _ts_table(0x02, b"\x00\x01\xc1\x00\x00")) + pat) is None
+    # Blu-ray's LPCM (0x80) is sound where the programme is registered as Blu-ray's (HDMV), and no judge's elsewhere
+    lpcm = b"\x80\xe1\x01\xf0\x00"
+    blu_ray = _ts_packet(0x100, _ts_table(0x02, b"\x00\x01\xc1\x00\x00\xe1\x01\xf0\x06\x05\x04HDMV" + lpcm))
+    other = _ts_packet(0x100, _ts_table(0x02, b"\x00\x01\xc1\x00\x00\xe1\x01\xf0\x00" + lpcm))
+    assert (judged(alone + blu_ray + blu_ray), judged(alone + other + other)) == (
+        "an MPEG transport stream with sound only", None
+    )
 
 
 def _ts_table(table_id: int, body: bytes) -> bytes:
@@ -350,6 +357,8 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
                 "text": "Notes for the edit: cut at 0:42, keep the ending.\r\n".encode() * 200,
                 "hls playlist": b"#EXTM3U\n#EXT-X-TARGETDURATION:6\n#EXTINF:6.0,\nsegment0.ts\n#EXT-X-ENDLIST\n",
                 "srt subtitles": "1\n00:00:01,000 --> 00:00:03,500\nBonjour à tous\n\n".encode(),
+                "utf-16 subtitles": "1\r\n00:00:01,000 --> 00:00:03,500\r\nBonjour à tous\r\n".encode("utf-16"),
+                "latin-1 subtitles": "1\n00:00:01,000 --> 00:00:03,500\nGrüße aus Köln\n".encode("latin-1"),
                 "mp4 with sound only": (corpus_cache / "pymediainfo-mp4-with-audio.mp4").read_bytes(),
                 "webm with sound only": remux(  # as a downloader keeps a video's sound track
                     corpus_cache / "ffprobe-client-input.webm", tmp_path / "opus.webm", ("audio",), container="webm"
