@@ -182,6 +182,11 @@ class PacedSocket:
     def restart(self) -> None:
         self._started, self._received = time.monotonic(), 0
 
+    @property
+    def raw(self) -> socket.socket:
+        """The socket itself, for a look that must not be paced (api.prefer's: whether the client hung up)."""
+        return self._sock
+
     def settimeout(self, timeout: float | None) -> None:
         self._bound = timeout
 

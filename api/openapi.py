@@ -386,7 +386,7 @@ _PREFER = {
     "passed, with the job as it then is (`Preference-Applied` says it waited); other preferences are ignored",
     "schema": {"type": "string", "examples": ["wait", "wait=10"]},
 }
-_PREFERENCE_APPLIED = _header("`wait=N` where the request waited N seconds", False)
+_PREFERENCE_APPLIED = _header("`wait=N` where the request waited: up to N seconds, less where the job ended", False)
 
 
 def _creating(

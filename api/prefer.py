@@ -8,19 +8,21 @@ a poll (GET /v1/videos/{id}) that waits so too.
 The answer says `Preference-Applied: wait=N` where it waited; the job may still be queued or running when the time is
 up, and the client polls as it would have. A waiting request holds one of its process's threads, so at most half of
 them wait at once, whoever asks (none where a process runs one thread): a request beyond that is answered at once,
-without `Preference-Applied`. An unknown preference or a wait that is no number is ignored, as RFC 7240 asks.
+without `Preference-Applied`; one whose client hangs up stops waiting. An unknown preference or a wait that is no
+number is ignored, as RFC 7240 asks.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 import threading
 from time import monotonic, sleep
 
 from werkzeug.datastructures import Headers
 
 from api.services import services
-from storage.jobs import TERMINAL, JobRecord
+from storage.jobs import TERMINAL, JobNotFound, JobRecord
 
 MAX_WAIT_S = 60
 POLL_S = 0.2  # a job's record is read this often while a request waits on it
@@ -47,9 +49,10 @@ def asked_wait(headers: Headers) -> int | None:
     return None
 
 
-def wait_to_end(job_id: str, seconds: int) -> JobRecord | None:
-    """The job once it has ended, or as it is after `seconds`; None where no thread may wait now, or the job is gone
-    (deleted meanwhile)."""
+def wait_to_end(job_id: str, seconds: int, client: socket.socket | None = None) -> JobRecord | None:
+    """The job once it has ended, or as it is after `seconds`; None where no thread may wait now, or the `client`
+    (the request's connection) has gone, whose slot then goes to another. `JobNotFound` where the job was deleted
+    meanwhile."""
     slots = _waiting_slots()
     if not slots.acquire(blocking=False):
         return None
@@ -58,10 +61,23 @@ def wait_to_end(job_id: str, seconds: int) -> JobRecord | None:
         while (job := services().jobs.get(job_id)) is not None:
             if job.status in TERMINAL or (left := deadline - monotonic()) <= 0:
                 return job
+            if client is not None and _hung_up(client):
+                return None
             sleep(min(POLL_S, left))
-        return None  # deleted while it waited: the create's answer stands
+        raise JobNotFound(job_id)
     finally:
         slots.release()
+
+
+def _hung_up(client: socket.socket) -> bool:
+    """Whether the client closed its connection: it reads as ended (a request sent after this one, on a connection
+    kept alive, is still unread: not an end). `client` may be gunicorn's paced wrapper (api.gunicorn_worker)."""
+    try:
+        return getattr(client, "raw", client).recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
 
 
 def _waiting_slots() -> threading.BoundedSemaphore:

@@ -101,7 +101,11 @@ def _answer(created: dict[str, Any]) -> Response:
     if (seconds := prefer.asked_wait(request.headers)) is None:
         return _job_response(created)
     release_body_slot()  # the body is read: waiting must not hold one of the key's uploads back
-    if (job := prefer.wait_to_end(created["id"], seconds)) is None:
+    try:
+        job = prefer.wait_to_end(created["id"], seconds, request.environ.get("gunicorn.socket"))
+    except JobNotFound:  # deleted by its owner meanwhile: what was created is what this request did
+        job = None
+    if job is None:
         return _job_response(created)
     response = _job_response(_body(job))
     response.headers["Preference-Applied"] = f"wait={seconds}"
@@ -299,7 +303,9 @@ def get_video(job_id: str) -> Response:
     with one request a minute rather than one a second)."""
     job = services().jobs.require(job_id, owner())
     seconds = prefer.asked_wait(request.headers)
-    if seconds is None or (waited := prefer.wait_to_end(job.id, seconds)) is None:
+    client = request.environ.get("gunicorn.socket")
+    # a job deleted meanwhile is 404 (JobNotFound), as it would be to a poll then
+    if seconds is None or (waited := prefer.wait_to_end(job.id, seconds, client)) is None:
         return _job_response(_body(job))
     response = _job_response(_body(waited))
     response.headers["Preference-Applied"] = f"wait={seconds}"

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -658,12 +659,21 @@ def test_a_create_that_prefers_to_wait_answers_as_the_wait_runs_out(api, clip):
     waiting.join(30)
     assert answer[0].status_code == 200 and answer[0].json()["id"] == queued[0]["id"], answer[0].text
     assert "Preference-Applied" not in answer[0].headers and time.monotonic() - started < 10
-    # a poll that prefers to wait: as long, then the job as it is
+    # a poll that prefers to wait: as long, then the job as it is; a 404 where its job is deleted meanwhile
     started = time.monotonic()
     polled = requests.get(f"{api}/v1/videos/{response.json()['id']}", headers=auth("erin") | {"Prefer": "wait=1"},
                           timeout=30)  # fmt: skip
     assert (polled.json()["status"], polled.headers["Preference-Applied"]) == ("queued", "wait=1")
     assert 1 <= time.monotonic() - started < 8
+    doomed = create(api, "erin", clip).json()["id"]
+    waiting = threading.Thread(target=lambda: answer.append(requests.get(
+        f"{api}/v1/videos/{doomed}", headers=auth("erin") | {"Prefer": "wait=20"}, timeout=30)))  # fmt: skip
+    started = time.monotonic()
+    waiting.start()
+    time.sleep(0.5)
+    assert requests.delete(f"{api}/v1/videos/{doomed}", headers=auth("erin"), timeout=10).status_code == 200
+    waiting.join(30)
+    assert answer[-1].status_code == 404 and time.monotonic() - started < 10, answer[-1].text
     for ignored in ("wait=soon", "respond-async", "wait=0"):
         started = time.monotonic()
         response = create(api, "erin", clip, headers={"Prefer": ignored})
@@ -696,3 +706,30 @@ def test_a_model_offers_the_faster_tier_only_where_a_worker_of_its_queue_runs_it
     finally:
         for name in ("a100@test", "h100@test", "older@test"):
             registry.remove(name)
+
+
+def test_a_wait_ends_when_its_client_hangs_up_and_a_deleted_job_is_404_to_a_waiting_poll(settings, jobs):
+    """A waiting request holds one of half its process's threads: a client that hung up (a script killed, a browser
+    tab closed) held it for the whole minute, and with it `Prefer: wait` from others. The wait looks at the connection
+    as it polls, and a request sent after it on the same connection is no hang-up."""
+    from api import prefer
+    from api.app import create_app
+    from storage.jobs import InputInfo, JobNotFound
+
+    job = jobs.create(owner="erin", model="k6-vsr", queue="vsrq.k6", params={}, input=InputInfo(key="k", bytes=1))
+    (kept, client), (left, gone) = socket.socketpair(), socket.socketpair()
+    with create_app(settings).app_context():
+        try:
+            started = time.monotonic()
+            assert prefer.wait_to_end(job.id, 1, kept).status == "queued" and time.monotonic() - started >= 1
+            client.sendall(b"GET /v1/videos HTTP/1.1\r\n\r\n")  # the next request, kept alive: still there
+            assert prefer.wait_to_end(job.id, 1, kept).status == "queued"
+            gone.close()
+            started = time.monotonic()
+            assert prefer.wait_to_end(job.id, 30, left) is None and time.monotonic() - started < 2
+            jobs.delete(job.id)
+            with pytest.raises(JobNotFound):
+                prefer.wait_to_end(job.id, 30)
+        finally:
+            for end in (kept, client, left):
+                end.close()
