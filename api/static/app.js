@@ -88,9 +88,12 @@ function announce(message) {
 
 // -- the API -------------------------------------------------------------------------------------------------------
 
+// The API's words mark names as code, in backticks (`clip.mp4` is a text file): shown here as the names themselves
+const readable = (text) => String(text).replace(/`([^`]*)`/g, "$1");
+
 class ApiError extends Error {
   constructor(status, body) {
-    super((body && (body.detail || body.title)) || `The service answered ${status}.`);
+    super(readable((body && (body.detail || body.title)) || `The service answered ${status}.`));
     this.status = status;
     this.body = body;
   }
@@ -840,7 +843,7 @@ function eventText(event) {
     case "requeued": return `Attempt ${event.attempt} ended: ${event.reason.message} (${event.reason.code}); it will run again`;
     case "cancel_requested": return "Cancel asked";
     case "completed": return "Completed";
-    case "failed": return `Failed: ${event.error.message} (${event.error.code})`;
+    case "failed": return `Failed: ${readable(event.error.message)} (${event.error.code})`;
     case "cancelled": return "Cancelled";
     case "webhook": {
       const hook = event.webhook;
@@ -887,7 +890,7 @@ function fillRow(row, job) {
   bar.setAttribute("aria-valuenow", String(job.progress));
   bar.hidden = !ACTIVE.has(job.status) && job.status !== "completed";
   row.querySelector(".job-stage").textContent = stageText(job);
-  row.querySelector(".job-error").textContent = job.error ? `${job.error.message} (${job.error.code})` : "";
+  row.querySelector(".job-error").textContent = job.error ? `${readable(job.error.message)} (${job.error.code})` : "";
   // what the worker says a person should know of the run: deinterlaced, streams left out, a tier it could not run
   const notes = row.querySelector(".job-notes");
   const said = (job.output && job.output.notes) || [];

@@ -410,6 +410,12 @@ def test_on_a_phone_a_long_name_stays_on_screen_and_a_song_is_refused_before_its
     expect(page.get_by_role("button", name="Upscale", exact=True)).to_be_disabled()
     page.get_by_role("button", name="Change").click()
     expect(page.locator("#dropzone")).to_be_focused()  # not <body>: a keyboard user goes on from there
+    # the service's refusal, in words without the API's backticks ("`notes.mp4` is a text file")
+    (tmp_path / "notes.mp4").write_text("Cut at 0:42, keep the ending.\n")
+    drop(page, "#dropzone", tmp_path / "notes.mp4")
+    page.get_by_role("button", name="Upscale", exact=True).click()
+    expect(page.locator("#form-error")).to_have_text("notes.mp4 is a text file, not a video.")
+    page.get_by_role("button", name="Change").click()
 
     long = write_clip(tmp_path / f"{'holiday' * 28}.mp4", 8, SIZE)
     drop(page, "#dropzone", long)
