@@ -23,8 +23,8 @@ _AUDIO_BRANDS = {b"M4A ", b"M4B ", b"M4P "}  # iTunes' audio, audiobook and prot
 
 def not_a_video(head: bytes) -> str | None:
     """What `head` (a file's first bytes) is, as a person would name it, when it is certainly not a video; else None."""
-    if head.startswith(b"ID3"):
-        return "MP3 audio"
+    if head.startswith(b"ID3"):  # an ID3 tag, then the sound: MP3 frames, or ADTS's AAC (an HLS audio segment)
+        return "AAC audio" if _adts(head[_id3_end(head) : _id3_end(head) + 2]) else "MP3 audio"
     if head.startswith(b"fLaC"):
         return "FLAC audio"
     if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
@@ -75,6 +75,17 @@ def _text(head: bytes) -> str | None:
     if _SRT_CUE.match(body.lstrip()):
         return "SRT subtitles"
     return next((name for magic, name in _TEXTS if body.startswith(magic)), "a text file")
+
+
+def _id3_end(head: bytes) -> int:
+    """Where an ID3v2 tag at the start of `head` ends: its 10-byte header, its size (7 bits a byte), a footer."""
+    size = sum((byte & 0x7F) << (7 * (3 - at)) for at, byte in enumerate(head[6:10]))
+    return 10 + size + (10 if len(head) > 5 and head[5] & 0x10 else 0)
+
+
+def _adts(frame: bytes) -> bool:
+    """Whether `frame` starts with an ADTS header's sync word and its layer bits (00), as AAC's frames do."""
+    return len(frame) == 2 and frame[0] == 0xFF and frame[1] & 0xF6 == 0xF0
 
 
 def _ogg_streams(head: bytes) -> list[str | None]:

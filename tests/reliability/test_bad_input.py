@@ -359,6 +359,10 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
                 "srt subtitles": "1\n00:00:01,000 --> 00:00:03,500\nBonjour à tous\n\n".encode(),
                 "utf-16 subtitles": "1\r\n00:00:01,000 --> 00:00:03,500\r\nBonjour à tous\r\n".encode("utf-16"),
                 "latin-1 subtitles": "1\n00:00:01,000 --> 00:00:03,500\nGrüße aus Köln\n".encode("latin-1"),
+                # an HLS audio segment (packed audio): an ID3 tag (its timestamp), then AAC's ADTS frames
+                "hls aac segment": b"ID3\x04\x00\x00\x00\x00\x00\x00" + remux(
+                    corpus_cache / "muxjs-sintel-captions.ts", tmp_path / "sound.aac", ("audio",), "adts"
+                ),
                 "mp4 with sound only": (corpus_cache / "pymediainfo-mp4-with-audio.mp4").read_bytes(),
                 "webm with sound only": remux(  # as a downloader keeps a video's sound track
                     corpus_cache / "ffprobe-client-input.webm", tmp_path / "opus.webm", ("audio",), container="webm"
@@ -460,6 +464,7 @@ def test_bad_requests_are_4xx_problems_and_store_nothing(rel_api, clip, s3, corp
     assert answered["hls playlist named .mp4"][0].json()["detail"] == (
         "`clip.mp4` is an HLS playlist (it only names the video's segments), not a video."
     )
+    assert answered["hls aac segment named .mp4"][0].json()["detail"] == "`clip.mp4` is AAC audio, not a video."
     sound_ts = answered["mpeg-ts with sound only named .mp4"][0].json()["detail"]
     assert sound_ts == "`clip.mp4` is an MPEG transport stream with sound only, not a video.", sound_ts
     assert sorted(s3.keys(f"uploads/{KEY}/")) == before  # nothing refused was kept
