@@ -24,7 +24,7 @@ _AUDIO_BRANDS = {b"M4A ", b"M4B ", b"M4P "}  # iTunes' audio, audiobook and prot
 def not_a_video(head: bytes) -> str | None:
     """What `head` (a file's first bytes) is, as a person would name it, when it is certainly not a video; else None."""
     if head.startswith(b"ID3"):  # an ID3 tag, then the sound: MP3 frames, or ADTS's AAC (an HLS audio segment)
-        return "AAC audio" if _adts(head[_id3_end(head) : _id3_end(head) + 2]) else "MP3 audio"
+        return "AAC audio" if _adts(head[(end := _id3_end(head)) : end + 2]) else "MP3 audio"
     if head.startswith(b"fLaC"):
         return "FLAC audio"
     if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
@@ -63,11 +63,11 @@ def _text(head: bytes) -> str | None:
     UTF-8, a one-byte code page such as Latin-1, or UTF-16/32 after their byte order mark), which no video is: every
     container's header has such bytes, and a YUV4MPEG2 stream's, which has none, is known by its signature."""
     body = head.removeprefix(b"\xef\xbb\xbf")  # UTF-8's byte order mark
-    wide = next((code for mark, code in _WIDE_TEXT if body.startswith(mark)), None)
-    if wide is not None:
-        width = 4 if "32" in wide else 2
-        text = body[len(next(mark for mark, code in _WIDE_TEXT if code == wide)) :]
-        body = text[: len(text) // width * width].decode(wide, errors="replace").encode()
+    if (wide := next(((mark, code) for mark, code in _WIDE_TEXT if body.startswith(mark)), None)) is not None:
+        mark, code = wide
+        width = 4 if "32" in code else 2
+        text = body[len(mark) :]  # whole characters only: the peek may end inside one
+        body = text[: len(text) // width * width].decode(code, errors="replace").encode()
     if not body or body.startswith(b"YUV4MPEG2 ") or _CONTROLS.search(body):
         return None
     if body.lstrip().startswith(b"<") and b"<MPD" in body[:4096]:
