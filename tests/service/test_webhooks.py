@@ -25,6 +25,7 @@ import pytest
 import requests
 import standardwebhooks
 import trustme
+from jsonschema import Draft202012Validator
 from pydantic import ValidationError
 
 from infra.stack import free_ports
@@ -273,6 +274,15 @@ def test_a_failed_job_sends_video_failed(hooks_api, upscaler, webhook_worker, re
     verify(call.body, call.headers, [SECRET])
     payload = json.loads(call.body)
     assert (payload["type"], payload["data"]["error"]["code"]) == ("video.failed", "input_unreadable")
+    # what was delivered is what /openapi.json's `webhooks` say (body and Standard Webhooks headers), and no other event
+    document = requests.get(f"{hooks_api}/openapi.json", timeout=10).json()
+    operation = document["webhooks"]["video.failed"]["post"]
+    declared = {parameter["name"].lower() for parameter in operation["parameters"] if parameter["in"] == "header"}
+    assert declared <= {name.lower() for name in call.headers}
+    assert call.headers["Content-Type"] in operation["requestBody"]["content"]
+    schema = "#/webhooks/{}/post/requestBody/content/application~1json/schema"
+    Draft202012Validator({**document, "$ref": schema.format("video.failed")}).validate(payload)
+    assert not Draft202012Validator({**document, "$ref": schema.format("video.completed")}).is_valid(payload)
     # a receiver verifies with the reference library as its docs show, or with OpenAI's SDK, and reads OpenAI's event
     assert standardwebhooks.Webhook(SECRET).verify(call.body, call.headers) == payload
     event = openai.OpenAI(api_key="unused", webhook_secret=SECRET).webhooks.unwrap(call.body, call.headers)
