@@ -96,17 +96,22 @@ def _created(files: frozenset[str]) -> tuple[Response, int]:
 
 
 def _answer(created: dict[str, Any]) -> Response:
-    """The created job; with `Prefer: wait`, as it is once it ended or the wait is up (api.prefer). What an
-    `Idempotency-Key` remembers is the job as created: a retry waits again."""
-    if (seconds := prefer.asked_wait(request.headers)) is None:
-        return _job_response(created)
-    release_body_slot()  # the body is read: waiting must not hold one of the key's uploads back
+    """The created job; with `Prefer: wait`, as it is once it ended or the wait is up. What an `Idempotency-Key`
+    remembers is the job as created: a retry waits again."""
     try:
-        job = prefer.wait_to_end(created["id"], seconds, request.environ.get("gunicorn.socket"))
+        return _waited(created)
     except JobNotFound:  # deleted by its owner meanwhile: what was created is what this request did
-        job = None
-    if job is None:
         return _job_response(created)
+
+
+def _waited(shown: dict[str, Any]) -> Response:
+    """`shown` (a job as GET shows it) as the answer; with `Prefer: wait` (api.prefer), the job as it is once it has
+    ended or the wait is up. `JobNotFound` where it was deleted meanwhile."""
+    if (seconds := prefer.asked_wait(request.headers)) is None:
+        return _job_response(shown)
+    release_body_slot()  # a create's body is read: waiting must not hold one of the key's uploads back
+    if (job := prefer.wait_to_end(shown["id"], seconds, request.environ.get("gunicorn.socket"))) is None:
+        return _job_response(shown)
     response = _job_response(_body(job))
     response.headers["Preference-Applied"] = f"wait={seconds}"
     return response
@@ -301,15 +306,8 @@ def _body(job: JobRecord) -> dict[str, Any]:
 def get_video(job_id: str) -> Response:
     """The job; with `Prefer: wait`, once it has ended or the wait is up (a create whose own wait ran out, polled on
     with one request a minute rather than one a second)."""
-    job = services().jobs.require(job_id, owner())
-    seconds = prefer.asked_wait(request.headers)
-    client = request.environ.get("gunicorn.socket")
-    # a job deleted meanwhile is 404 (JobNotFound), as it would be to a poll then
-    if seconds is None or (waited := prefer.wait_to_end(job.id, seconds, client)) is None:
-        return _job_response(_body(job))
-    response = _job_response(_body(waited))
-    response.headers["Preference-Applied"] = f"wait={seconds}"
-    return response
+    # a job deleted while the poll waits is 404 (JobNotFound), as it would be to a poll then
+    return _waited(_body(services().jobs.require(job_id, owner())))
 
 
 @blueprint.get("/v1/videos/<job_id>/events")
