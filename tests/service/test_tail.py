@@ -135,8 +135,9 @@ def test_an_attempt_that_failed_beside_its_hung_upload_ends_before_its_lease_can
     (`storage_retry_s`) and the lease after it, as at the defaults with a lease under a minute (3 x 61 s against
     120 s of keep-alive): the attempt fails with the check's error at once rather than once those tries have ended,
     by when the reaper (run here as often as it runs) would have requeued the job and the failure would be lost to a
-    retry. The request, let through after the attempt ended, lands: the stopped upload deletes it."""
-    timeout_s, retry_s, lease_s = 2, 1, 2
+    retry. The request, let through after the attempt ended, lands: the stopped upload deletes it. The lease leaves a
+    loaded 2-core machine seconds for the flush and the check (2 s was outlasted there once)."""
+    timeout_s, retry_s, lease_s = 4, 1, 6  # 3 x 5 s of tries against 7 s of keep-alive and lease
     partition = storage_through(
         settings,
         worker_here,
