@@ -144,8 +144,19 @@ def test_a_cancelled_job_resumes_from_kept_windows_and_matches_an_uninterrupted_
     computed, partial = run(store, cancelled=lambda: len(kept()) == 2)  # dies as the third window starts
     assert computed == [0, 1] and len(partial) < 24
 
+    # a window's float tail (the next window fades from it) goes once the next window is kept: a replay needs none
+    tails = lambda: sorted(p.name for p in (tmp_path / "windows").glob("*.tail.npy"))
+    assert kept() == ["window-00000.json", "window-00001.json"] and tails() == ["window-00001.tail.npy"]
+
     computed, resumed = run(DirectoryWindowStore(tmp_path / "windows", key))
     assert computed == [2, 3]  # only the missing windows
+    assert torch.equal(resumed, uninterrupted)
+    assert tails() == []  # the last window has none
+
+    # window 1 kept, then not replayed (its pixels lost): window 0's tail, dropped, is computed again for it
+    (tmp_path / "windows" / "window-00001.u8").unlink()
+    computed, resumed = run(DirectoryWindowStore(tmp_path / "windows", key))
+    assert computed == [0, 1]  # window 0's frames replayed, its tail computed; 2 and 3 replayed
     assert torch.equal(resumed, uninterrupted)
 
     computed, _ = run(DirectoryWindowStore(tmp_path / "windows", "another job"))
@@ -195,7 +206,7 @@ def test_windows_kept_by_another_version_replay_when_readable_and_are_computed_a
     resumed = Offset()
     replayed = collect(resumed, iter(video), plan, store=DirectoryWindowStore(tmp_path / "windows", "job"))
     assert torch.equal(replayed, uninterrupted)
-    assert [key[-1] for key in resumed.calls] == [1, 2]
+    assert [key[-1] for key in resumed.calls] == [0, 1, 2]  # window 0 replayed, then run again for its tail
 
 
 @pytest.mark.parametrize("pixels", ["missing", "short"])
@@ -212,7 +223,7 @@ def test_a_kept_window_whose_pixel_file_is_missing_or_short_is_computed_again(pi
     resumed = Offset()
     replayed = collect(resumed, iter(video), plan, store=DirectoryWindowStore(tmp_path / "windows", "job"))
     assert torch.equal(quantise(replayed), quantise(uninterrupted))  # the encoder's frames
-    assert [key[-1] for key in resumed.calls] == [1]
+    assert [key[-1] for key in resumed.calls] == [0, 1]  # window 0 replayed, then run again for its tail
 
 
 def test_16_bit_windows_are_kept_whole_and_8_bit_ones_never_replay_into_a_10_bit_output(tmp_path):

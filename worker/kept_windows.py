@@ -127,11 +127,13 @@ class BlobWindowStore:
         named = hashlib.sha256(key.encode()).hexdigest()[:16]  # any key, a safe blob name (`windows_key`'s: hex)
         self.blobs, self.prefix, self.progress = blobs, f"{windows}{named}/", progress
         self.kept_alive, self.directory = kept_alive, directory
-        self.local = DirectoryWindowStore(directory, key)
+        # its local copies go once uploaded: the tail a window supersedes goes from blob storage (`_keep`)
+        self.local = DirectoryWindowStore(directory, key, drop_superseded_tails=False)
         self.uploads = _Uploader()
         self.uploading = False  # a file handed to the uploader: the prefix may hold it (`KeptPrefix`)
         self._marked = earlier  # the marker is in storage; uploaded with the first window where not
         self.listed: set[str] = set()  # the kept windows' files an earlier attempt left under this key
+        self.stored: set[str] = set()  # the files this attempt uploaded
         if earlier:
             self._resume(windows)
 
@@ -238,6 +240,9 @@ class BlobWindowStore:
                         self.progress(0)
                     if path.exists():  # no `tail.npy` for the job's last window (kept or not), nor any with no overlap
                         self._upload(path)
+                        self.stored.add(path.name)
+            if (superseded := self.local.superseded_tail(index)) in self.stored | self.listed:
+                self._delete(superseded)
         except FATAL:
             raise
         except Exception as error:
@@ -252,6 +257,16 @@ class BlobWindowStore:
             log.warning("window %d not kept: blob storage unavailable", index, exc_info=True)
         finally:
             self.local.forget(index)  # up or not, this attempt never reads it again: a later one reads blob storage
+
+    def _delete(self, name: str) -> None:
+        """Deletes a file of the store's that no window needs any longer, if it is there; storage that fails leaves it
+        for the job's end (it saves space, no more)."""
+        try:
+            self.blobs.delete(self.prefix + name)
+            self.stored.discard(name)
+            self.listed.discard(name)
+        except Exception as error:
+            log.info("%s left for the job's end: blob storage did not delete it (%s)", name, error)
 
     def _read(self, name: str) -> bytes:
         with self.blobs.open(self.prefix + name) as stream:
