@@ -4,14 +4,16 @@ died) replays them and computes only the missing ones.
 A `DirectoryWindowStore` in the attempt's scratch directory, mirrored to work/{job_id}/windows/{key digest}/: the
 attempt downloads each window kept so far as its turn comes, replays it and deletes its local copy, and uploads each
 window once it is committed, on a thread of its own (`_Uploader`) so that the engine goes on with the next window
-meanwhile, deleting its local copy once it is up. A window committed while `UPLOADS_BEHIND` are still waiting (storage
-slower than the engine) is not kept. So the scratch disk holds a few windows whatever the clip's length: holding
-every window until the engine was done (as big as the raw output: 16.7 GB for 10 minutes of 320x180 at x2, 448 GB for
-1080p), a long job filled the worker's disk and failed three attempts as `worker_disk_full`. Once the engine is done
-what is left goes (`release_local`, after the uploads), the attempt's tail needing only the input and the MP4. The
-tail waits for the uploads (`join`) after the encoder's flush and check, before anything that must not race them (the
-job's end deletes the prefix). An attempt that ends otherwise (failed, cancelled, its lease lost) does not wait for
-them (`close`): a window not kept is only computed again by the next attempt. The key is the job's, not the
+meanwhile, deleting its local copy once it is up. Its frames go as FFV1 (`worker.media.lossless`: the same bytes back,
+several times smaller for real video) where that is smaller than raw, and its float overlap tail goes from storage once
+the next window is kept (`DirectoryWindowStore.superseded_tail`). A window committed while `UPLOADS_BEHIND` are still
+waiting (storage slower than the engine) is not kept. So the scratch disk holds a few windows whatever the clip's
+length: holding every window until the engine was done (as big as the raw output: 16.7 GB for 10 minutes of 320x180 at
+x2, 448 GB for 1080p), a long job filled the worker's disk and failed three attempts as `worker_disk_full`. Once the
+engine is done what is left goes (`release_local`, after the uploads), the attempt's tail needing only the input and the
+MP4. The tail waits for the uploads (`join`) after the encoder's flush and check, before anything that must not race
+them (the job's end deletes the prefix). An attempt that ends otherwise (failed, cancelled, its lease lost) does not
+wait for them (`close`): a window not kept is only computed again by the next attempt. The key is the job's, not the
 attempt's; each key has a prefix of its own, as an upload `close` left in flight may land after the next attempt has
 begun: under its own key, which an attempt with another key never reads (it deletes the older keys' windows as it
 begins; the job's end, or the reaper's sweep, deletes the job's work prefix).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import json
 import logging
 import threading
 from collections import deque
@@ -55,6 +58,7 @@ import torch
 from storage.blobs import BlobStore, Progress, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
 from worker.errors import Cancelled
+from worker.media import lossless
 from worker.media.reader import READING
 from worker.sr.request import RunInfo
 from worker.sr.windows import DirectoryWindowStore, StoredWindow, WindowRecorder
@@ -66,8 +70,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("vsrq.worker")
 
 MARKER = DirectoryWindowStore.MARKER  # the key the windows were computed for
-# A window's files in upload order: its JSON says it is complete, so it goes last (and is what `_complete` looks for).
-SUFFIXES = ("u8", "tail.npy", "json")
+# A window's files in upload order: its frames (FFV1 in Matroska where that is smaller than the raw frames, `_pack`),
+# its tail, then its JSON, which says it is complete, so it goes last (and is what `load` looks for).
+PIXELS = ("mkv", "u8")
+SUFFIXES = (*PIXELS, "tail.npy", "json")
 # Raised by a transfer's heartbeat (Redis's error once the lease has run out): the attempt must stop
 FATAL = (Cancelled, StaleAttempt, redis.exceptions.RedisError)
 # What an attempt's end (`close`) gives the upload in flight: a store that answers lands a window in about that (see
@@ -162,14 +168,19 @@ class BlobWindowStore:
         """The window an earlier attempt kept, downloaded now (files of one whose upload was cut short stay out); its
         local files go at once, the replay reading the pages it has open. A replay saves work, no more: a window that
         storage does not give (an outage, a file gone) is computed again."""
-        names = [self.local._path(index, suffix).name for suffix in SUFFIXES]
-        if not {names[0], names[-1]} <= self.listed:
+        path = partial(self.local._path, index)
+        packed, raw, tail, meta = (path(suffix).name for suffix in SUFFIXES)
+        pixels = next((name for name in (packed, raw) if name in self.listed), None)
+        if pixels is None or meta not in self.listed:
             return None
         try:
             with self.kept_alive():  # the lease outlives a request that hangs
-                for name in names:
+                for name in (pixels, tail, meta):
                     if name in self.listed:
                         self.blobs.download(self.prefix + name, self.directory / name, self.progress)
+                if pixels == packed:
+                    kept = json.loads(path("json").read_text())
+                    lossless.expand(path("mkv"), tuple(kept["shape"]), kept.get("dtype", "uint8"), path("u8"))
             return self.local.load(index)
         except FATAL:
             raise
@@ -234,6 +245,7 @@ class BlobWindowStore:
                 if not self._marked:  # the first window this job keeps (no earlier attempt): its key first
                     self._upload(self.directory / MARKER)
                     self._marked = True
+                self._pack(index)
                 for suffix in SUFFIXES:
                     path = self.local._path(index, suffix)
                     if self.progress is not None:  # a cancel or a lost lease, seen before a request that may hang
@@ -257,6 +269,21 @@ class BlobWindowStore:
             log.warning("window %d not kept: blob storage unavailable", index, exc_info=True)
         finally:
             self.local.forget(index)  # up or not, this attempt never reads it again: a later one reads blob storage
+
+    def _pack(self, index: int) -> None:
+        """The window's raw frames as FFV1 (`worker.media.lossless`), in their place where that is smaller: noise (a
+        random checkpoint's output) is not. Raw where FFV1 fails: kept all the same."""
+        raw, packed = self.local._path(index, "u8"), self.local._path(index, "mkv")
+        try:
+            kept = json.loads(self.local._path(index, "json").read_text())
+            lossless.compress(raw, tuple(kept["shape"]), kept["dtype"], packed)
+        except Exception:
+            if not raw.exists():  # `close` deleted the local files: the attempt has ended
+                raise
+            log.warning("window %d kept raw: its frames were not compressed", index, exc_info=True)
+            packed.unlink(missing_ok=True)
+            return
+        (raw if packed.stat().st_size < raw.stat().st_size else packed).unlink()
 
     def _delete(self, name: str) -> None:
         """Deletes a file of the store's that no window needs any longer, if it is there; storage that fails leaves it

@@ -106,8 +106,8 @@ def scratch_bytes(
     """What the running job (its input `source`, upscaled `scale` times in temporal windows of `window` frames that
     overlap by `overlap`) will write to its scratch disk at most: its upscaled frames as raw RGB (kept windows, the
     encoder's input) and its windows' float overlap tails, of `windows_held` windows at once (None: every window, as
-    `vsrq upscale --keep-windows` keeps them), and an MP4 of its input's bits per pixel. Read from the header alone,
-    before the probe: at most `max_frames` (the probe refuses more)."""
+    `vsrq upscale --keep-windows` keeps them, and two tails), and an MP4 of its input's bits per pixel. Read from
+    the header alone, before the probe: at most `max_frames` (the probe refuses more)."""
     if webp.animated(source):  # FFmpeg reads its first frame only
         (width, height), frames = webp.extent(source)
     else:
@@ -121,7 +121,8 @@ def scratch_bytes(
     count = window_count(frames, window, overlap)
     held = count if windows_held is None else min(count, windows_held)
     raw = frames if held == count else held * window
-    tails = min(count - 1, held) * overlap * 4  # float32: 4 bytes a sample
+    # float32, 4 bytes a sample; a folder of every window drops a window's tail as the next is kept (as it commits, two)
+    tails = min(count - 1, held if windows_held is not None else 2) * overlap * 4
     return round((raw + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)
 
 

@@ -452,7 +452,8 @@ def _scratch_need(job: JobRecord, source: Path, options: UpscaleOptions) -> int 
     try:
         return scratch_bytes(
             source, options.request.scale, options.window, options.window_overlap, options.limits.max_frames,
-            windows_held=UPLOADS_BEHIND + 1,  # those waiting for their upload, and the one being written
+            # those waiting for their upload, the one being written, and one's FFV1 copy as it is packed
+            windows_held=UPLOADS_BEHIND + 2,
         )  # fmt: skip
     except Exception as error:
         log.warning("%s: its scratch not estimated (%s)", job.id, error)

@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from worker import service
 from worker.errors import Cancelled, InvalidRequest
 from worker.frames import quantise
 from worker.heartbeat import Heartbeat
+from worker.media import lossless
 from worker.kept_windows import UPLOADS_BEHIND, BlobWindowStore, windows_key
 from worker.media.synthetic import write_clip
 from worker.reaper import reap_once
@@ -216,9 +218,15 @@ def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
     uploaded = window_files(s3.keys(work_prefix(job_id)))
     assert result.windows == (1 if frames == 13 else 4) and result.restored == 0
     assert written == {} and sorted(uploaded) == kept, (written, uploaded)
-    # each whole; a window's float tail went once the next window was kept (only the next window's computation reads
-    # it, and a replay computes it again where that one is not replayed after all: tests/test_windows.py)
-    assert all(uploaded[i] == {"u8", "json"} | ({"tail.npy"} if i == kept[-1] else set()) for i in kept), uploaded
+    # each whole, its frames as FFV1; a window's float tail went once the next window was kept (only the next
+    # window's computation reads it, and a replay computes it again where that one is not replayed after all:
+    # tests/test_windows.py)
+    assert all(uploaded[i] == {"mkv", "json"} | ({"tail.npy"} if i == kept[-1] else set()) for i in kept), uploaded
+    if kept:
+        packed = sum(s3.head(key).size for key in s3.keys(work_prefix(job_id)) if key.endswith(".mkv"))
+        raw = sum(map(len, pixels_of(s3, job_id)))
+        print(f"FIGURE kept_frames: {raw} bytes of frames kept in {packed} ({raw / packed:.1f} x smaller)")
+        assert packed < raw / 2, (raw, packed)
     # every window is committed, the last dropping its local copy (a file's unlink)
     assert (result.kept_upload_s > 0) == bool(kept) and 0 < result.windows_s["kept"], result
     s3.delete_prefix(work_prefix(job_id))
@@ -334,7 +342,7 @@ def test_kept_windows_in_a_local_store_resume_a_job_and_never_replay_into_anothe
     assert attempt("new options")[0] == [0, 1, 2]  # kept for other options: recomputed, never replayed
 
 
-@pytest.mark.parametrize("late", ["window-00001.json", "window-00001.u8"])
+@pytest.mark.parametrize("late", ["json", "pixels"])
 def test_an_upload_that_lands_after_the_next_attempt_began_never_reaches_another_key(late, s3, tmp_path):
     """An attempt kept windows for its key (the input's old bytes); the next attempt, with another key, began, and
     then one of the first attempt's uploads (left in flight by its `close`) landed: a window's JSON alone (the next
@@ -356,19 +364,21 @@ def test_an_upload_that_lands_after_the_next_attempt_began_never_reaches_another
         return upscaler.windows, torch.cat(out) if out else None
 
     attempt("old bytes", old)
-    landing = [key for key in s3.keys(work_prefix(job_id)) if key.endswith(late)]
+    suffixes = (".json",) if late == "json" else (".mkv", ".u8")  # its frames, FFV1 or raw
+    landing = [key for key in s3.keys(work_prefix(job_id)) if key.endswith(tuple(f"window-00001{s}" for s in suffixes))]
+    assert len(landing) == 1, landing
     uploaded = {}
     for key in landing:
         with s3.open(key) as stream:
             uploaded[key] = stream.read()
-    attempt("new bytes", new, run=late.endswith(".u8"))  # the window's JSON lands alone, or its pixels over the new
+    attempt("new bytes", new, run=late == "pixels")  # the window's JSON lands alone, or its pixels over the new
     for key, data in uploaded.items():
         s3.put(key, io.BytesIO(data))
 
     computed, resumed = attempt("new bytes", new)
     _, expected = attempt("expected", new)
     # the last window is never kept: computed by every attempt
-    assert computed == ([2] if late.endswith(".u8") else [0, 1, 2]) and torch.equal(resumed, expected)
+    assert computed == ([2] if late == "pixels" else [0, 1, 2]) and torch.equal(resumed, expected)
     s3.delete_prefix(work_prefix(job_id))
 
 
@@ -378,9 +388,20 @@ EMULATED = {"fp8_linear": "scaled_mm_rowwise", "fp8_attention": "fp8_emulated"}
 
 
 def pixels_of(blobs: BlobStore, job_id: str) -> list[bytes]:
-    """The frames the job's attempts handed their encoder, window by window, as blob storage keeps them."""
-    names = sorted(key for key in blobs.keys(f"{work_prefix(job_id)}windows/") if key.endswith(".u8"))
-    return [blobs.open(name).read() for name in names]
+    """The frames the job's attempts handed their encoder, window by window, as blob storage keeps them (raw, or
+    FFV1 expanded)."""
+    frames = []
+    for meta in kept_windows(blobs, job_id):
+        kept, stem = json.loads(blobs.open(meta).read()), meta.removesuffix(".json")
+        if blobs.exists(f"{stem}.u8"):
+            frames.append(blobs.open(f"{stem}.u8").read())
+            continue
+        with tempfile.TemporaryDirectory() as directory:
+            packed, raw = Path(directory, "window.mkv"), Path(directory, "window.u8")
+            packed.write_bytes(blobs.open(f"{stem}.mkv").read())
+            lossless.expand(packed, tuple(kept["shape"]), kept["dtype"], raw)
+            frames.append(raw.read_bytes())
+    return frames
 
 
 @pytest.mark.parametrize("model", ["k6", "lanczos"])
@@ -756,7 +777,7 @@ def test_a_lease_lost_during_the_last_kept_window_s_upload_stops_the_attempt_at_
     beat = Heartbeat(lease, every_s=0.2)
     (tmp_path / "input.mp4").write_bytes(long_clip)
     options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)  # 4 windows
-    with held_window_upload(settings, "window-00002.u8") as (slow, partition):
+    with held_window_upload(settings, "window-00002.mkv") as (slow, partition):
         # none skipped however slow the machine: the held one is the third
         store = BlobWindowStore(
             slow, job.id, tmp_path / "windows", "key", beat.transfer, beat.kept_alive, uploads_behind=100
@@ -767,7 +788,7 @@ def test_a_lease_lost_during_the_last_kept_window_s_upload_stops_the_attempt_at_
         wait_until(lambda: partition.held == 1, 30)
         wait_until(lambda: jobs.reap().get(job.id) == "queued", 30, step_s=0.1)
         jobs.lease(job.id, "attempt-2", lease_s=60)  # the job is another attempt's now
-        partition.release(b"/window-00002.u8 ")
+        partition.release(b"/window-00002.mkv ")
         with pytest.raises((StaleAttempt, redis.exceptions.RedisError)):
             encoding.finish()
     assert not uploader_threads()

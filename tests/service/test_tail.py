@@ -215,7 +215,7 @@ def test_a_job_keeps_its_last_window_iff_a_tail_is_held_as_its_engine_ends(
             head(behind, lease)
             # the one window's raw frames and its JSON (written last: it replays), as the held tail still waits
             kept = wait_until(lambda: landed(s3.keys(work_prefix(behind.id))), 30)
-            assert kept == {0: {"u8", "json"}} and tasks._finisher.busy(), kept
+            assert kept == {0: {"mkv", "json"}} and tasks._finisher.busy(), kept
             partition.release(put)
         else:
             # its input's download (its HEAD), before its engine: a first attempt sends nothing for its windows
@@ -322,7 +322,7 @@ def upload_refused_check_held(
         lease = service.jobs().lease(job.id, "test-tail/1", lease_s=lease_s)
         output_key = attempt_output_key(job.id, lease.attempt, lease.token)
         partition.refuse(f"PUT /{settings.s3_bucket}/{output_key} ".encode())
-        kept = b"/window-00000.u8 "  # the kept window's first file: its JSON (and the `join`) wait behind it
+        kept = b"/window-00000.mkv "  # the kept window's first file: its JSON (and the `join`) wait behind it
         partition.hold(kept)
         prefix = KeptPrefix(lease.attempt)
         with tasks._attempt(job, lease, output_key, prefix):
@@ -475,7 +475,7 @@ def test_a_job_sent_back_behind_a_stuck_tail_keeps_its_last_window_for_its_next_
         download = f" /{settings.s3_bucket}/{behind.input.key} ".encode()
         # its one window's raw frames (49 MB: a multipart upload, begun and its parts held), the JSON after them (the
         # stuck job kept no window: no tail was held as its engine ended)
-        kept = b"/window-00000.u8?"
+        kept = b"/window-00000.mkv?"
         partition.hold(download)
         partition.hold(kept)
         task = threading.Thread(target=tasks.upscale, args=(behind.id,), daemon=True)
@@ -496,7 +496,7 @@ def test_a_job_sent_back_behind_a_stuck_tail_keeps_its_last_window_for_its_next_
         partition.close()
     reasons = [event.detail["reason"]["code"] for event in jobs.events(behind.id) if event.type == "requeued"]
     assert (sent_back.status, reasons) == ("queued", ["worker_tail_stuck"]), (sent_back, reasons)
-    assert files == {0: {"u8", "json"}}, files
+    assert files == {0: {"mkv", "json"}}, files
     lease = service.jobs().lease(behind.id, "test-tail/2", lease_s=60)
     head(behind, lease)
     assert tasks._finisher.wait(60)

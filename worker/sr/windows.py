@@ -166,7 +166,7 @@ class DirectoryWindowStore:
     (`refuse_foreign`)."""
 
     MARKER = "job.json"  # {"key": key}: the job the windows were computed for
-    _OWN = re.compile(r"window-\d{5,}\.(json|u8|u8\.partial|tail\.npy)|job\.json\.partial")
+    _OWN = re.compile(r"window-\d{5,}\.(json|u8|u8\.partial|tail\.npy|mkv)|job\.json\.partial")
 
     def __init__(self, directory: str | Path, key: str, drop_superseded_tails: bool = True) -> None:
         """`drop_superseded_tails`: a window's tail goes once the next window is kept (`superseded_tail`)."""
