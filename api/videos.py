@@ -35,7 +35,7 @@ from api.services import services
 from api.uploads import hash_form, no_such_upload, receive_form, upload_name
 from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
-from storage.lifecycle import delete_job_files
+from storage.lifecycle import delete_job_files, forget_attempts
 from storage.queue import send_upscale
 from storage.ssrf import UnsafeUrl, public_addresses
 from storage.uploads import UploadNotFound, UploadStatus, parts_prefix
@@ -359,7 +359,9 @@ def cancel_video(job_id: str) -> Response:
         job = jobs.cancel(job_id)
     except InvalidTransition:
         raise ApiError(409, "not_cancellable", "The job has already ended.") from None
-    if job.status == Status.CANCELLED and job.webhook_url:  # a queued job ends at once: its webhook goes out now
+    if job.status == Status.CANCELLED:  # a queued job ends at once: what an earlier attempt kept goes
+        forget_attempts(services().blobs, job)
+    if job.status == Status.CANCELLED and job.webhook_url:  # and its webhook goes out now
         claim_s = services().settings.webhook_claim_s
         relay_now(Outbox(jobs.redis, jobs.prefix), services().celery, claim_s, job.id, Status.CANCELLED)
     return jsonify(_body(job))

@@ -41,6 +41,20 @@ def delete_job_files(blobs: BlobStore, job: JobRecord) -> None:
         blobs.delete(job.input.key)
 
 
+def forget_attempts(blobs: BlobStore, job: JobRecord) -> None:
+    """The files of a job that ended with no attempt to clean up after it (cancelled while queued after an attempt,
+    or failed or cancelled as its lease ran out or its worker was found dead): its kept windows and what its attempts
+    uploaded, none of it promoted. Deleted now, not at the next sweep (d): a long job's windows are hundreds of GB.
+    Storage that fails leaves them to the sweep."""
+    if job.status not in TERMINAL or job.output is not None or job.attempt == 0:  # nothing an attempt left, or kept
+        return
+    try:
+        blobs.delete_prefix(work_prefix(job.id))
+        blobs.delete_prefix(output_prefix(job.id))
+    except Exception as error:
+        log.warning("%s: its kept windows and outputs are left to the storage sweep (%s)", job.id, error)
+
+
 @dataclass(frozen=True)
 class SweepReport:
     multipart_aborted: int = 0

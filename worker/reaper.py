@@ -19,7 +19,7 @@ from celery import Celery
 
 from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobStore, Status
-from storage.lifecycle import sweep
+from storage.lifecycle import forget_attempts, sweep
 from storage.logs import configure, settings_secrets
 from storage.overview import lost_message_resent, reaper_passed
 from storage.queue import send_upscale
@@ -44,6 +44,8 @@ def reap_once(
         job = jobs.get(job_id)
         if status == Status.QUEUED and job is not None:
             send_upscale(celery, jobs, job, first=True)  # it waited its turn already: first among the queued
+        elif job is not None:  # failed or cancelled with no attempt alive to clean up
+            forget_attempts(service.blobs(), job)
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
     for job in jobs.unsent(enqueue_grace_s):
         # a job attempted before ranks first among the queued (JobStore's queue order): its message goes there too

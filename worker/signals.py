@@ -20,6 +20,7 @@ import redis.exceptions
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
 
 from storage.jobs import Status
+from storage.lifecycle import forget_attempts
 from storage.logs import configure, current_job, settings_secrets
 from storage.queue import UPSCALE_TASK, send_upscale
 from storage.workers import WorkerInfo, WorkerRegistry
@@ -65,8 +66,10 @@ def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
             return holder_name == name and (int(holder_pid) == pid or not psutil.pid_exists(int(holder_pid)))
 
         for job_id, status in jobs.take_back(jobs.leased_by(dead)).items():
-            if status == Status.QUEUED and (job := jobs.get(job_id)) is not None:
+            if (job := jobs.get(job_id)) is not None and status == Status.QUEUED:
                 send_upscale(sender.app, jobs, job, first=True)  # its turn had come
+            elif job is not None:  # failed or cancelled: the dead attempt's files go now
+                forget_attempts(service.blobs(), job)
             log.warning("%s: held by this worker's dead predecessor, now %s", job_id, status, extra={"job_id": job_id})
     except redis.exceptions.RedisError as error:  # then the reaper requeues them once their leases run out
         log.warning("could not look for a dead predecessor's jobs: %s", error)

@@ -189,6 +189,54 @@ def test_a_worker_restarted_under_its_name_takes_back_its_dead_predecessor_s_job
     assert json.loads(said)["message"] == f"{job.id}: held by this worker's dead predecessor, now queued"
 
 
+def test_a_job_cancelled_while_its_worker_is_dead_leaves_nothing_of_its_attempt(
+    service_env, settings, jobs, s3, long_clip, tmp_path
+):
+    """A user trial: the worker killed once the job had kept a window, the job cancelled meanwhile, the worker started
+    again under its name: the job ended `cancelled` there, and its kept windows stayed in blob storage until the
+    storage sweep, 10 minutes later by default (hundreds of GB for a long job). They go as it ends."""
+    queue = f"vsrq.cancelled-dead-{secrets.token_hex(3)}"
+    job = create_record(jobs, s3, long_clip, queue)
+    enqueue(jobs, settings, job)
+    env = {**service_env, **WINDOWS, "VSRQ_LEASE_S": "60"}
+    name = f"cancelled-dead-{secrets.token_hex(3)}@localhost"
+    with celery_worker(env, "lanczos", queue, tmp_path / "killed.log", name=name) as log:
+        wait_until(lambda: kept_windows(s3, job.id), 120, log, step_s=0.02)
+        os.kill(int(jobs.require(job.id).worker.rsplit("/", 1)[1]), signal.SIGKILL)
+    assert jobs.cancel(job.id).status == "in_progress"  # asked: its attempt is the one to end it, and it is dead
+    with celery_worker(env, "lanczos", queue, tmp_path / "restarted.log", name=name) as log:
+        done = wait_until(lambda: ended(jobs, job.id), 60, log)
+        assert done.status == "cancelled", done
+        # deleted just after the record changed (the storage sweep's first pass is 10 minutes after a start)
+        files = lambda: [*s3.keys(work_prefix(job.id)), *s3.keys(output_prefix(job.id))]
+        wait_until(lambda: not files(), 10, log)
+
+
+@pytest.mark.parametrize("end", ["cancelled_while_queued", "cancelled_as_its_lease_ran_out", "failed_at_its_last"])
+def test_a_job_that_ends_with_no_attempt_alive_leaves_nothing_of_its_attempts(
+    end, api, settings, redis_client, s3, queue, clip, monkeypatch
+):
+    """A job an earlier attempt kept windows for (and uploaded an output it never promoted) ends with no attempt
+    alive to clean up: cancelled over the API while queued again, or cancelled or failed by the reaper as its lease
+    ran out. Its files go as it ends, not at the storage sweep."""
+    monkeypatch.setattr(service, "blobs", lambda: s3)  # the reaper's store: the session's SeaweedFS
+    jobs = JobStore(redis_client, result_ttl_s=60, max_attempts=1 if end == "failed_at_its_last" else 3)
+    job = create_record(jobs, s3, clip, queue)
+    lease = jobs.lease(job.id, "test-recovery/1", lease_s=1)
+    for key in (f"{work_prefix(job.id)}windows/0123456789abcdef/window-00000.mkv", f"{output_prefix(job.id)}a1.mp4"):
+        s3.put(key, io.BytesIO(b"kept"))
+    if end == "cancelled_while_queued":
+        assert lease.retry("worker_lost", "its worker gave it back") == "queued"
+        answer = requests.post(f"{api}/v1/videos/{job.id}/cancel", headers=auth("erin"), timeout=30)
+        assert answer.json()["status"] == "cancelled", answer.text
+    else:
+        if end == "cancelled_as_its_lease_ran_out":
+            jobs.cancel(job.id)
+        time.sleep(1.1)
+        assert reap_once(jobs, make_celery(settings)).get(job.id) == end.split("_")[0]
+    assert not any(s3.keys(work_prefix(job.id))) and not any(s3.keys(output_prefix(job.id)))
+
+
 def window_files(keys: Iterator[str] | list[str]) -> dict[int, set[str]]:
     """Window index -> the suffixes of its files (u8, tail.npy, json)."""
     files: dict[int, set[str]] = {}
