@@ -83,6 +83,9 @@ CLOSE_WAIT_S = 1.0
 # Windows waiting for their upload (the one in flight included) past which a newly committed window is not kept: its
 # local copy would add to the scratch disk's while the engine outruns storage
 UPLOADS_BEHIND = 2
+# Windows an attempt's scratch holds at most: those waiting for their upload, the one being written, and one's FFV1
+# copy as it is packed (`worker.scratch`)
+WINDOWS_HELD = UPLOADS_BEHIND + 2
 
 
 def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:

@@ -67,7 +67,7 @@ from worker.errors import NoWorkerKnows, TailStuck, WorkerOutdated
 from worker.fetch import fetch
 from worker.finisher import Finisher, Turn
 from worker.heartbeat import UPLOADING, Heartbeat
-from worker.kept_windows import UPLOADS_BEHIND, BlobWindowStore, KeptPrefix, windows_key
+from worker.kept_windows import WINDOWS_HELD, BlobWindowStore, KeptPrefix, windows_key
 from worker.media.errors import InputNotFound
 from worker.media.previews import make_previews
 from worker.media.probe import MediaInfo as ProbedMedia
@@ -452,8 +452,7 @@ def _scratch_need(job: JobRecord, source: Path, options: UpscaleOptions) -> int 
     try:
         return scratch_bytes(
             source, options.request.scale, options.window, options.window_overlap, options.limits.max_frames,
-            # those waiting for their upload, the one being written, and one's FFV1 copy as it is packed
-            windows_held=UPLOADS_BEHIND + 2,
+            windows_held=WINDOWS_HELD,
         )  # fmt: skip
     except Exception as error:
         log.warning("%s: its scratch not estimated (%s)", job.id, error)
