@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 
@@ -151,16 +152,18 @@ def test_a_missing_input_a_bad_option_or_output_name_exit_2_with_their_code(tmp_
     assert (missing.returncode, missing.stderr) == (2, said)
     source = write_clip(tmp_path / "in.mp4", num_frames=5)
     absent = f"cuda:{torch.cuda.device_count()}"
-    for option, said in (
-        (["--devices", "bogus"], "vsrq: invalid_request: unknown device 'bogus': cpu, cuda or cuda:N"),
-        (["--devices", absent], f"vsrq: invalid_request: {absent} is not a GPU of this machine: "),
-        (["--crf", "60"], "vsrq: invalid_request: crf must be 0 to 51 for h264 (lower is better), got 60"),
-        (["--crf", "60", "--codec", "hevc"], "vsrq: invalid_request: crf must be 0 to 51 for hevc"),
-        (["--preset", "bogus"], "vsrq: invalid_request: preset must be one of ultrafast, superfast, "),
-        (["--preset", "placebo", "--codec", "av1"], "vsrq: invalid_request: preset must be one of "),
-        (["-o", str(tmp_path / "out.mkv")], "vsrq: invalid_request: the output is an MP4: name it out.mp4, not out"),
-    ):
-        result = vsrq("upscale", str(source), *lanczos, *option)
+    refusals = {
+        ("--devices", "bogus"): "vsrq: invalid_request: unknown device 'bogus': cpu, cuda or cuda:N",
+        ("--devices", absent): f"vsrq: invalid_request: {absent} is not a GPU of this machine: ",
+        ("--crf", "60"): "vsrq: invalid_request: crf must be 0 to 51 for h264 (lower is better), got 60",
+        ("--crf", "60", "--codec", "hevc"): "vsrq: invalid_request: crf must be 0 to 51 for hevc",
+        ("--preset", "bogus"): "vsrq: invalid_request: preset must be one of ultrafast, superfast, ",
+        ("--preset", "placebo", "--codec", "av1"): "vsrq: invalid_request: preset must be one of ",
+        ("-o", str(tmp_path / "out.mkv")): "vsrq: invalid_request: the output is an MP4: name it out.mp4, not out",
+    }
+    with ThreadPoolExecutor(4) as pool:  # processes of their own, side by side: each start imports torch
+        results = pool.map(lambda option: vsrq("upscale", str(source), *lanczos, *option), refusals)
+    for (option, said), result in zip(refusals.items(), results):
         assert result.returncode == 2 and result.stderr.startswith(said), (option, result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.mp4"]
     # /proc takes no new file, though os.access says it does to root: this was an internal error (exit 1) there
