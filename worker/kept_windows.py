@@ -83,6 +83,9 @@ CLOSE_WAIT_S = 1.0
 # Windows waiting for their upload (the one in flight included) past which a newly committed window is not kept: its
 # local copy would add to the scratch disk's while the engine outruns storage
 UPLOADS_BEHIND = 2
+# How windows are kept, in their key: a worker from before tails were dropped once superseded would replay a window
+# without its tail into a seam, so windows kept one way are never replayed by a worker keeping them another
+LAYOUT = "tails dropped once superseded; frames as FFV1 where smaller"
 # Windows an attempt's scratch holds at most: those waiting for their upload, the one being written, and one's FFV1
 # copy as it is packed (`worker.scratch`)
 WINDOWS_HELD = UPLOADS_BEHIND + 2
@@ -91,12 +94,12 @@ WINDOWS_HELD = UPLOADS_BEHIND + 2
 def windows_key(job: JobRecord, input_sha256: str, model: str, options: UpscaleOptions, upscaler: Upscaler) -> str:
     """What the kept windows were computed from: a window kept for other input bytes (a URL that served others this
     attempt, a referenced key written again), under another model, other options or an upscaler that gives other bits
-    (`signature`: e.g. another decode segment, split or FP8 attention backend) or frames read another way (`READING`:
-    a worker from before interlaced frames were deinterlaced) never replays.
+    (`signature`: e.g. another decode segment, split or FP8 attention backend), frames read another way (`READING`:
+    a worker from before interlaced frames were deinterlaced) or windows kept another way (`LAYOUT`) never replays.
     What gives the same bits (where the weights live, the decode order) is not in it: a requeued job keeps its
     windows on a worker that offloads."""
     signature = upscaler.signature(options.request)
-    named = f"{job.id}\n{input_sha256}\n{model}\n{options!r}\n{signature}\n{READING}"
+    named = f"{job.id}\n{input_sha256}\n{model}\n{options!r}\n{signature}\n{READING}\n{LAYOUT}"
     return hashlib.sha256(named.encode()).hexdigest()
 
 

@@ -256,8 +256,8 @@ class DirectoryWindowStore:
     def superseded_tail(index: int) -> str | None:
         """The file that window `index`, once kept, makes useless: the previous window's tail, read only to compute
         this one (a replay of this one needs none; `upscale_windows` computes it again where this one is not
-        replayed after all). As big as 15 % of a window's frames in float32, 1.6 GB a window at 2160p: kept, the
-        tails were over a third of a long job's kept windows."""
+        replayed after all). 16 frames in float32, 61 % of the bytes of a 121-frame window's 105 finished ones (1.6
+        GB at 2160p): kept, the tails were over a third of a long job's kept windows."""
         return f"window-{index - 1:05d}.tail.npy" if index > 0 else None
 
 
