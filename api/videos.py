@@ -359,11 +359,11 @@ def cancel_video(job_id: str) -> Response:
         job = jobs.cancel(job_id)
     except InvalidTransition:
         raise ApiError(409, "not_cancellable", "The job has already ended.") from None
-    if job.status == Status.CANCELLED:  # a queued job ends at once: what an earlier attempt kept goes
-        forget_attempts(services().blobs, job)
-    if job.status == Status.CANCELLED and job.webhook_url:  # and its webhook goes out now
+    if job.status == Status.CANCELLED and job.webhook_url:  # a queued job ends at once: its webhook goes out now
         claim_s = services().settings.webhook_claim_s
         relay_now(Outbox(jobs.redis, jobs.prefix), services().celery, claim_s, job.id, Status.CANCELLED)
+    if job.status == Status.CANCELLED:  # and what an earlier attempt kept goes
+        forget_attempts(services().blobs, job)
     return jsonify(_body(job))
 
 

@@ -36,16 +36,16 @@ def test_a_real_window_comes_back_byte_for_byte_and_smaller(dtype, corpus_cache,
     ratio = raw.stat().st_size / packed.stat().st_size
     print(f"FIGURE lossless {frames.dtype.name} {frames.shape}: {ratio:.2f} x smaller")
     assert back.read_bytes() == raw.read_bytes()
-    assert ratio > 1.5
+    assert ratio > 1.3  # 3.4 at 8 bits, 1.7 at 16 (their low bits are lanczos' rounding)
 
 
 def test_noise_comes_back_byte_for_byte_and_a_file_of_other_frames_is_refused(tmp_path):
-    frames = np.random.default_rng(0).integers(0, 256, (5, 18, 34, 3), dtype=np.uint8)  # odd sizes, no structure
+    frames = np.random.default_rng(0).integers(0, 256, (5, 17, 35, 3), dtype=np.uint8)  # odd sizes, no structure
     raw, packed, back = tmp_path / "w.u8", tmp_path / "w.mkv", tmp_path / "back.u8"
     raw.write_bytes(frames.tobytes())
     compress(raw, frames.shape, "uint8", packed)
     expand(packed, frames.shape, "uint8", back)
     assert back.read_bytes() == raw.read_bytes()
-    for other in ((4, 18, 34, 3), (6, 18, 34, 3), (5, 18, 36, 3)):  # fewer frames, more, another size
+    for other in ((4, 17, 35, 3), (6, 17, 35, 3), (5, 17, 37, 3)):  # fewer frames, more, another size
         with pytest.raises(ValueError):
             expand(packed, other, "uint8", back)

@@ -226,6 +226,24 @@ def test_a_kept_window_whose_pixel_file_is_missing_or_short_is_computed_again(pi
     assert [key[-1] for key in resumed.calls] == [0, 1]  # window 0 replayed, then run again for its tail
 
 
+@pytest.mark.parametrize(("length", "overlap", "stand_alone"), [(25, 11, False), (17, 4, True)])
+def test_a_window_computed_after_replays_fades_from_the_uninterrupted_tail(length, overlap, stand_alone, tmp_path):
+    """Window 2 lost after windows 0 and 1 were kept: computed again, it fades from window 1's tail. Where windows are
+    shorter than twice their overlap (a reviewer's 21 frames over 11), a tail holds frames faded into from the window
+    before it: kept then, never dropped and computed again alone, which gave other pixels."""
+    video, plan = frames(40), plan_windows(40, window=length, overlap=overlap)  # 3 windows
+    assert len(plan.windows) == 3 and plan.tails_stand_alone == stand_alone
+    store = DirectoryWindowStore(tmp_path / "windows", "job")
+    uninterrupted = collect(Offset(), iter(video), plan, store=store)
+    tails = sorted(path.name for path in store.directory.glob("*.tail.npy"))
+    assert tails == ([] if stand_alone else ["window-00000.tail.npy", "window-00001.tail.npy"])
+    store._path(2, "u8").unlink()
+    resumed = Offset()
+    replayed = collect(resumed, iter(video), plan, store=DirectoryWindowStore(tmp_path / "windows", "job"))
+    assert torch.equal(quantise(replayed), quantise(uninterrupted))
+    assert [key[-1] for key in resumed.calls] == ([1, 2] if stand_alone else [2])  # window 1 again for its tail
+
+
 def test_16_bit_windows_are_kept_whole_and_8_bit_ones_never_replay_into_a_10_bit_output(tmp_path):
     """A 10-bit output's frames are quantised to 16 bits; its kept windows keep them so (8 bits would band the
     resumed part of the output), and windows kept at 8 bits are computed again rather than replayed into it."""

@@ -244,14 +244,17 @@ class BlobWindowStore:
             log.warning("a kept window's upload outlived its attempt by %g s: left to end on its own", CLOSE_WAIT_S)
         self.local.clear()
 
-    def _keep(self, index: int) -> None:
-        """Uploads a committed window's files, its JSON last: one cut short never replays."""
+    def _keep(self, index: int, supersedes: bool) -> None:
+        """Uploads a committed window's files, its JSON last: one cut short never replays. Once its JSON is up, the
+        previous window's tail goes where `supersedes` says this window's replay makes it useless."""
         try:
+            if self.uploads.stopped:  # the attempt has ended: `close` deletes the local files
+                return
+            self._pack(index)  # CPU work, before the keep-alive: its budget is for requests that hang
             with self.kept_alive():
                 if not self._marked:  # the first window this job keeps (no earlier attempt): its key first
                     self._upload(self.directory / MARKER)
                     self._marked = True
-                self._pack(index)
                 for suffix in SUFFIXES:
                     path = self.local._path(index, suffix)
                     if self.progress is not None:  # a cancel or a lost lease, seen before a request that may hang
@@ -259,8 +262,10 @@ class BlobWindowStore:
                     if path.exists():  # no `tail.npy` for the job's last window (kept or not), nor any with no overlap
                         self._upload(path)
                         self.stored.add(path.name)
-            if (superseded := self.local.superseded_tail(index)) in self.stored | self.listed:
-                self._delete(superseded)
+                # not where `close` deleted the JSON before its upload: the window is not kept, the tail still needed
+                superseded = self.local.superseded_tail(index)
+                if supersedes and f"window-{index:05d}.json" in self.stored and superseded in self.stored | self.listed:
+                    self._delete(superseded)
         except FATAL:
             raise
         except Exception as error:
@@ -318,7 +323,7 @@ class _UploadingRecorder:
     def add(self, pixels: np.ndarray) -> None:
         self.local.add(pixels)
 
-    def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
+    def commit(self, tail: torch.Tensor | None, made: RunInfo, supersedes: bool = True) -> None:
         self.store.uploads.raise_if_failed()  # an earlier window's upload found the attempt over
         if self.last and not self.store.keep_last():  # decided now, as the job's tail is handed over
             self.local.discard()
@@ -327,9 +332,9 @@ class _UploadingRecorder:
             log.info("window %d not kept: %d windows still wait for their upload", self.index, behind)
             self.local.discard()
             return
-        self.local.commit(tail, made)
+        self.local.commit(tail, made, supersedes)
         self.store.uploading = True
-        self.store.uploads.submit(partial(self.store._keep, self.index))
+        self.store.uploads.submit(partial(self.store._keep, self.index, supersedes))
 
 
 class _Uploader:

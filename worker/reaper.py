@@ -40,12 +40,13 @@ def reap_once(
     wait is over, and, given `lost` (the looks of earlier passes), one whose message the broker has not held for its
     grace."""
     outcome = jobs.reap()
+    ended = []  # failed or cancelled with no attempt alive to clean up: their files go once the messages are sent
     for job_id, status in outcome.items():
         job = jobs.get(job_id)
         if status == Status.QUEUED and job is not None:
             send_upscale(celery, jobs, job, first=True)  # it waited its turn already: first among the queued
-        elif job is not None:  # failed or cancelled with no attempt alive to clean up
-            forget_attempts(service.blobs(), job)
+        elif job is not None:
+            ended.append(job)
         log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
     for job in jobs.unsent(enqueue_grace_s):
         # a job attempted before ranks first among the queued (JobStore's queue order): its message goes there too
@@ -61,6 +62,8 @@ def reap_once(
             "%s: queued, its message held by no queue nor consumer for %g s or more (a dying consumer took it): sent "
             "again", job.id, lost.grace_s, extra={"job_id": job.id},
         )  # fmt: skip
+    for job in ended:  # storage that hangs holds the pass here, after every message it had to send
+        forget_attempts(service.blobs(), job)
     return outcome
 
 

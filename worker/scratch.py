@@ -120,7 +120,8 @@ def scratch_bytes(
     overlap = overlap_for(window, overlap)
     count = window_count(frames, window, overlap)
     held = count if windows_held is None else min(count, windows_held)
-    raw = frames if held == count else held * window
+    # a store's windows held include one's FFV1 copy as it is packed, beside every window of a short job
+    raw = frames if windows_held is None else min(frames + window, windows_held * window)
     # float32, 4 bytes a sample; a folder of every window drops a window's tail as the next is kept (as it commits, two)
     tails = min(count - 1, held if windows_held is not None else 2) * overlap * 4
     return round((raw + tails) * width * height * pixels * 3 + source.stat().st_size * pixels)

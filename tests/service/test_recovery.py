@@ -207,7 +207,7 @@ def test_a_job_cancelled_while_its_worker_is_dead_leaves_nothing_of_its_attempt(
     with celery_worker(env, "lanczos", queue, tmp_path / "restarted.log", name=name) as log:
         done = wait_until(lambda: ended(jobs, job.id), 60, log)
         assert done.status == "cancelled", done
-        # deleted just after the record changed (the storage sweep's first pass is 10 minutes after a start)
+        # deleted just after the record changed, by the restarted worker (no reaper, and so no storage sweep, here)
         files = lambda: [*s3.keys(work_prefix(job.id)), *s3.keys(output_prefix(job.id))]
         wait_until(lambda: not files(), 10, log)
 

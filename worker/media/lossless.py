@@ -1,6 +1,6 @@
 """Frames kept losslessly: a kept window's raw RGB frames as FFV1 (FFmpeg's lossless intra-frame codec) in Matroska,
 and back to the very same bytes. Upscaled video is smooth enough that this is several times smaller than the raw
-frames (bench/RESULTS.md "Kept windows, losslessly compressed"), and PyAV already carries the codec: no zstd or PNG
+frames (bench/RESULTS.md "Kept windows in blob storage"), and PyAV already carries the codec: no zstd or PNG
 dependency, and a codec that models neighbouring pixels beats a general-purpose compressor on pictures."""
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A window is a run of input frames, 1 + 4k long so the model pads nothing; neighbours share `overlap` frames, which
 are crossfaded in float (a raised-cosine ramp) before anything is quantised, so boundaries show no seam. Frames go
 to the sink as the upscaler finishes them: only the current window's input and the previous window's overlap tail
-are ever held, so memory does not grow with the clip. Each window draws its own noise (`noise_key=(index,)`).
+are ever held (and the previous window's input, where it was replayed without its tail), so memory does not grow
+with the clip. Each window draws its own noise (`noise_key=(index,)`).
 
 Finished windows can be kept in a `WindowStore`; a rerun of the same job replays them instead of computing them.
 Each kept window says what made it (its `RunInfo`: the tier, its levers as they ran, the split): an output is never
@@ -59,6 +60,13 @@ class WindowPlan:
     def finished_frames(self, window: Window) -> int:
         """Output frames final once `window` is done: all but the tail the next window fades into."""
         return window.frames - (self.overlap if window.index < len(self.windows) - 1 else 0)
+
+    @property
+    def tails_stand_alone(self) -> bool:
+        """Whether a window's tail is its own frames alone, none of them faded into from the window before (windows
+        at least twice the overlap long): then it can be computed again from the window's input alone, and a store
+        may drop it once the next window is kept."""
+        return self.length >= 2 * self.overlap
 
 
 def overlap_for(window: int, overlap: int | None) -> int:
@@ -139,7 +147,8 @@ class StoredWindow:
 class WindowRecorder(Protocol):
     def add(self, pixels: np.ndarray) -> None: ...
 
-    def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None: ...
+    # `supersedes`: the window's replay makes the previous window's tail useless (`WindowPlan.tails_stand_alone`)
+    def commit(self, tail: torch.Tensor | None, made: RunInfo, supersedes: bool = True) -> None: ...
 
 
 class WindowStore(Protocol):
@@ -285,13 +294,13 @@ class _DirectoryRecorder:
         self.shape = [(self.shape[0] if self.shape else 0) + len(pixels), *pixels.shape[1:]]
         self.dtype = pixels.dtype.name
 
-    def commit(self, tail: torch.Tensor | None, made: RunInfo) -> None:
+    def commit(self, tail: torch.Tensor | None, made: RunInfo, supersedes: bool = True) -> None:
         if tail is not None:
             np.save(self.store._path(self.index, "tail.npy"), tail.cpu().numpy())
         self.partial.replace(self.store._path(self.index, "u8"))
         # Written last: a window counts as kept only once everything it needs is on disk.
         self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape, "dtype": self.dtype, "made": made.kept()}))
-        if self.store.drop_superseded_tails and (superseded := self.store.superseded_tail(self.index)):
+        if supersedes and self.store.drop_superseded_tails and (superseded := self.store.superseded_tail(self.index)):
             (self.store.directory / superseded).unlink(missing_ok=True)
 
     def discard(self) -> None:
@@ -338,16 +347,18 @@ def upscale_windows(
 
         stored = store.load(window.index) if store is not None else None
         # Replayed only if made as every window before it: one made otherwise is computed again (and kept anew)
+        last = window.index == len(plan.windows) - 1
         if (
             stored is not None
             and len(stored.pixels) == plan.finished_frames(window)
             and stored.pixels.dtype == torch.empty((), dtype=dtype).numpy().dtype
             and all(stored.made.made_like(before) for before in made)
+            and (stored.tail is not None or last or not plan.overlap or plan.tails_stand_alone)  # else not redone
         ):
             for start in range(0, len(stored.pixels), 8):
                 sink(dequantise(torch.from_numpy(np.array(stored.pixels[start : start + 8]))))
             tail, restored = stored.tail, restored + 1
-            tailless = window if tail is None and window.index < len(plan.windows) - 1 and plan.overlap else None
+            tailless = window if tail is None and not last and plan.overlap else None
             made.append(stored.made)
             stored = None  # its pages go before the next window is downloaded (the scratch estimate counts one)
             if progress is not None:
@@ -360,7 +371,7 @@ def upscale_windows(
                 progress(WindowProgress(index, len(plan.windows), event.stage, event.done, event.total, tiles))
 
         if tailless is not None:  # this window is computed after all: the one before's tail, computed again
-            # (a window's tail is its own frames before any crossfade: the window before it plays no part)
+            # (its tail stands alone, `WindowPlan.tails_stand_alone`: the window before it plays no part)
             retail = _Blender(plan, tailless, None, lambda frames: None, None, dtype)
             # (its progress unsaid: the job's would go back; its cancel still seen between tiles)
             computed = _computed(
@@ -370,7 +381,6 @@ def upscale_windows(
             runs.append(computed)  # the engine's seconds
             del held[: window.start - held_from]
             held_from = window.start
-        last = window.index == len(plan.windows) - 1
         blender = _Blender(plan, window, tail, sink, store.record(window.index, last) if store is not None else None, dtype)
         taking = perf_counter()
         video = _video(held)
@@ -465,6 +475,6 @@ class _Blender:
         tail = torch.cat(self.tail) if self.tail else None
         if self.recorder is not None:
             started = perf_counter()
-            self.recorder.commit(tail, made)
+            self.recorder.commit(tail, made, self.plan.tails_stand_alone)
             self.committed_s = perf_counter() - started
         return tail
