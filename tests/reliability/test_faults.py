@@ -1411,9 +1411,11 @@ def test_a_message_behind_a_stuck_tail_goes_to_the_front_and_costs_no_attempt(
     stuck = {
         "VSRQ_S3_ENDPOINT_URL": f"http://127.0.0.1:{partition.port}",
         "VSRQ_S3_TIMEOUT_S": "600",
-        "VSRQ_LEASE_S": "8",  # the stuck job stays leased while the next two arrive
+        "VSRQ_LEASE_S": "12",  # the stuck job stays leased while the next two arrive
         "VSRQ_WORKER_STORAGE_RETRY_S": "1",  # its tail goes silent a second into its upload
-        "VSRQ_WORKER_TAIL_STALL_S": "2",
+        # the idle worker exits two heartbeats and a stall past the stall (worker.tasks._finish_tails): at 2 s, a
+        # loaded CI machine's two creates reached it after it had exited
+        "VSRQ_WORKER_TAIL_STALL_S": "4",
     }
     tailing = create(api, clips["medium"])
     partition.hang(f"PUT /{stack.bucket}/outputs/{tailing}/".encode())  # the output's upload
@@ -1423,7 +1425,7 @@ def test_a_message_behind_a_stuck_tail_goes_to_the_front_and_costs_no_attempt(
         while partition.hung < 1:
             assert time.monotonic() < deadline, first.text()[-3000:]
             time.sleep(0.05)
-        time.sleep(3.5)  # the retry's second, then silent past the stall
+        time.sleep(5.5)  # the retry's second, then silent past the stall
         refused, behind = create(api, clips["small"]), create(api, clips["small"])
         first.wait_for(lambda: not first.alive, "the stuck worker's exit", 60)
         started(workers())
