@@ -263,8 +263,8 @@ class BlobWindowStore:
                         self._upload(path)
                         self.stored.add(path.name)
                 # not where `close` deleted the JSON before its upload: the window is not kept, the tail still needed
-                superseded = self.local.superseded_tail(index)
-                if supersedes and f"window-{index:05d}.json" in self.stored and superseded in self.stored | self.listed:
+                superseded, meta = self.local.superseded_tail(index), self.local._path(index, "json").name
+                if supersedes and meta in self.stored and superseded in self.stored | self.listed:
                     self._delete(superseded)
         except FATAL:
             raise
