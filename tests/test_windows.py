@@ -209,15 +209,18 @@ def test_windows_kept_by_another_version_replay_when_readable_and_are_computed_a
     assert [key[-1] for key in resumed.calls] == [0, 1, 2]  # window 0 replayed, then run again for its tail
 
 
-@pytest.mark.parametrize("pixels", ["missing", "short"])
+@pytest.mark.parametrize("pixels", ["missing", "short", "empty JSON"])
 def test_a_kept_window_whose_pixel_file_is_missing_or_short_is_computed_again(pixels, tmp_path):
-    """A window's JSON without its pixel file, or with one not of its shape (files that came from two attempts): the
-    window is computed again, never a crash, and the frames are the uninterrupted run's."""
+    """A window's JSON without its pixel file, or with one not of its shape (files that came from two attempts), or
+    a JSON cut short (a process killed as it wrote one; CI's Ctrl-C once landed there): the window is computed again,
+    never a crash, and the frames are the uninterrupted run's."""
     video, plan = frames(30), plan_windows(30, window=13, overlap=4)  # 3 windows
     uninterrupted = collect(Offset(), iter(video), plan, store=DirectoryWindowStore(tmp_path / "windows", "job"))
     u8 = DirectoryWindowStore(tmp_path / "windows", "job")._path(1, "u8")
     if pixels == "missing":
         u8.unlink()
+    elif pixels == "empty JSON":
+        u8.with_suffix(".json").write_text("")
     else:
         u8.write_bytes(u8.read_bytes()[:-1])
     resumed = Offset()

@@ -175,7 +175,7 @@ class DirectoryWindowStore:
     (`refuse_foreign`)."""
 
     MARKER = "job.json"  # {"key": key}: the job the windows were computed for
-    _OWN = re.compile(r"window-\d{5,}\.(json|u8|u8\.partial|tail\.npy|mkv)|job\.json\.partial")
+    _OWN = re.compile(r"window-\d{5,}\.(json|json\.partial|u8|u8\.partial|tail\.npy|mkv)|job\.json\.partial")
 
     def __init__(self, directory: str | Path, key: str, drop_superseded_tails: bool = True) -> None:
         """`drop_superseded_tails`: a window's tail goes once the next window is kept (`superseded_tail`)."""
@@ -185,9 +185,7 @@ class DirectoryWindowStore:
         if marker.exists() and _marker_key(marker) != key:
             self.drop()
         self.directory.mkdir(parents=True, exist_ok=True)
-        partial = marker.with_name(f"{self.MARKER}.partial")  # whole or absent: a half-written one refused the folder
-        partial.write_text(json.dumps({"key": key}))
-        partial.replace(marker)
+        _write_whole(marker, {"key": key})  # whole or absent: a half-written one refused the folder
 
     @classmethod
     def refuse_foreign(cls, directory: Path) -> None:
@@ -216,7 +214,10 @@ class DirectoryWindowStore:
         meta = self._path(index, "json")
         if not meta.exists():
             return None
-        kept = json.loads(meta.read_text())
+        try:
+            kept = json.loads(meta.read_bytes())
+        except (OSError, ValueError):  # not this store's writing (it writes JSON whole): computed again
+            return None
         # kept by a version that did not say what made it, or says it in a way this one cannot read: computed again
         made = RunInfo.of_kept(kept.get("made"))
         if made is None:
@@ -270,6 +271,13 @@ class DirectoryWindowStore:
         return f"window-{index - 1:05d}.tail.npy" if index > 0 else None
 
 
+def _write_whole(path: Path, value: object) -> None:
+    """Writes `value` as JSON to `path` so that readers find the whole file or none (a `.partial` renamed over it)."""
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps(value))
+    partial.replace(path)
+
+
 def _marker_key(path: Path) -> str | None:
     """The key a store's marker names; None where the file is not one (unreadable, or not `{"key": str}`)."""
     try:
@@ -298,8 +306,9 @@ class _DirectoryRecorder:
         if tail is not None:
             np.save(self.store._path(self.index, "tail.npy"), tail.cpu().numpy())
         self.partial.replace(self.store._path(self.index, "u8"))
-        # Written last: a window counts as kept only once everything it needs is on disk.
-        self.store._path(self.index, "json").write_text(json.dumps({"shape": self.shape, "dtype": self.dtype, "made": made.kept()}))
+        # Written last, whole: a window counts as kept only once everything it needs is on disk (Ctrl-C can land
+        # between a file's creation and its bytes)
+        _write_whole(self.store._path(self.index, "json"), {"shape": self.shape, "dtype": self.dtype, "made": made.kept()})
         if supersedes and self.store.drop_superseded_tails and (superseded := self.store.superseded_tail(self.index)):
             (self.store.directory / superseded).unlink(missing_ok=True)
 
