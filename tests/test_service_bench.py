@@ -94,10 +94,11 @@ def test_the_service_bench_reports_every_figure(tmp_path):
 
 def test_the_world_phase_upscales_real_files_and_recovers_a_killed_job(tmp_path):
     """bench/service.py's world phase on the CPU, its worker on the lanczos model (the diffusion model's tiles are too
-    many on a CPU for files this size): a real file (H.264 and AAC in MPEG-TS with captions, three windows) through
-    the real stack twice, then once more with its worker killed once it kept a window."""
+    many on a CPU for files this size): a real file (portrait MPEG-4 Part 2 and AAC in MP4, two windows;
+    the smallest corpus file of more than one window, for CI's time) through the real stack twice, then once more
+    with its worker killed once it kept a window."""
     out = tmp_path / "world.jsonl"
-    name = "muxjs-sintel-captions.ts"
+    name = "hachoir-quicktime.mp4"
     main(["--checkpoint", "lanczos", "--devices", "cpu", "--phases", "world", "--world", name, "--world-kill",
           name, "--lease-s", "6", "--dir", str(tmp_path / "bench"), "--out", str(out)])  # fmt: skip
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -105,7 +106,7 @@ def test_the_world_phase_upscales_real_files_and_recovers_a_killed_job(tmp_path)
     assert [(job["round"], job["job"]) for job in jobs] == [("first", name), ("hot", name)]
     for job in jobs:  # read back by PyAV: twice the stored size, every frame, the sound kept
         assert job["status"] == "completed" and job["output_ok"], job
-    assert jobs[0]["input"] == {"size": [400, 170], "frames": 240, "sound": True} and jobs[0]["windows"] == 3
+    assert jobs[0]["input"] == {"size": [190, 240], "frames": 149, "sound": True} and jobs[0]["windows"] == 2
     [world] = [record for record in records if record["phase"] == "world"]
     assert (world["completed_both"], world["outputs_ok"], world["same_bytes_twice"]) == (1, 1, 1), world
     assert set(world["first_over_hot_s"]) == {name} and world["failed"] == {}

@@ -1392,7 +1392,7 @@ def test_a_stuck_tail_sends_the_next_job_back_and_its_worker_exits(
     assert partition.hung == 1
     assert first.exit_status == 70, first.text()[-3000:]
     assert '"reason": "tail_stuck"' in first.text()
-    assert f"prefetched the input of {following}" in first.text() and left == []
+    assert f"prefetched the input of {following}" in first.text() and left == [], (left, first.text()[-6000:])
     assert last.status == Status.COMPLETED
     assert [(job.status, job.attempt) for job in records] == [(Status.COMPLETED, 2)] * 2, records
     assert reasons == [["lease_expired"], ["worker_tail_stuck"]]  # the waiting job was sent back, not reaped

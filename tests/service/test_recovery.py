@@ -127,7 +127,7 @@ def test_a_killed_worker_s_job_resumes_from_its_kept_windows(
     enqueue(jobs, settings, job)
 
     # Attempt 1, on a worker with a short lease: killed as soon as its first window is kept
-    env = {**service_env, **WINDOWS, "VSRQ_LEASE_S": "2", "VSRQ_WORKER_HEARTBEAT_S": "0.2"}
+    env = {**service_env, **WINDOWS, "VSRQ_LEASE_S": "4", "VSRQ_WORKER_HEARTBEAT_S": "0.2"}
     with celery_worker(env, "lanczos", queue, tmp_path / "killed.log") as log:
         wait_until(lambda: kept_windows(s3, job.id), 120, log, step_s=0.02)
         running = jobs.require(job.id)
