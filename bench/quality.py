@@ -179,8 +179,8 @@ def dit(run: Run, transformer: torch.nn.Module, repeat: int) -> None:
 
 
 def profile(run: Run, call, top: int = 12) -> dict:
-    """One more call under torch.profiler: its kernels' time in all, and the `top` kernels by time (name, calls,
-    milliseconds, share): where a lever set's time goes."""
+    """One more call under torch.profiler: its kernels' time in all, the `top` kernels by time (name, calls,
+    milliseconds, share): where a lever set's time goes, and every kernel's name (what ran, whatever its time)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -199,6 +199,7 @@ def profile(run: Run, call, top: int = 12) -> dict:
              "share": round(getattr(e, attribute) / max(total_us, 1), 4)}
             for e in events[:top]
         ],
+        "names": sorted({e.key[:90] for e in events}),
     }  # fmt: skip
 
 

@@ -35,7 +35,9 @@ def test_the_quality_bench_measures_every_lever_set(tmp_path):
         top = record["kernels"]["top"]
         assert top and record["kernels"]["total_ms"] >= sum(k["ms"] for k in top) > 0, record
         assert [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
-    assert any("scaled_mm" in k["name"] for k in dit[3]["kernels"]["top"]), dit[3]
+    # FP8 linears ran as scaled_mm (on a tiny model under a loaded CPU, its few microseconds may miss the top 12)
+    assert any("scaled_mm" in name for name in dit[3]["kernels"]["names"]), dit[3]
+    assert not any("scaled_mm" in name for name in dit[0]["kernels"]["names"]), dit[0]
     assert [r["quality"] for r in pipeline] == ["lossless", "high", "high", "high"]
     for record in pipeline[1:]:
         assert 40 < record["psnr_db_worst_frame"] <= record["psnr_db_mean"] < 99, record
