@@ -35,10 +35,12 @@ corpus: setup
 	$(PY) tests/corpus/fetch.py
 
 test: corpus
-	# two processes, each test file whole in one of them (files share their stack), the longest files first
-	# (tests/conftest.py's LONGEST_FIRST, kept as collected); FIGURE lines: run a file with -s. A process that crashes
-	# is not replaced: its replacement left the run waiting for ever (xdist's loadfile, session 43), not failing
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0
+	# three processes on CI's two cores (with two, a fifth of the run's CPU time sat idle: tests wait on leases,
+	# restarts and subprocesses; 19 min 31 s of tests -> 15 min 16 s, bench/RESULTS.md), each test file whole in one of
+	# them (files share their stack), the longest files first (tests/conftest.py's LONGEST_FIRST, kept as collected);
+	# FIGURE lines: run a file with -s. A process that crashes is not replaced: its replacement left the run waiting for
+	# ever (xdist's loadfile, session 43), not failing
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --max-worker-restart 0
 
 # infra/lock/*.txt from pyproject.toml's ranges, keeping the versions they pin (UPGRADE=--upgrade for the newest).
 # Needs uv (`pip install uv`). The worker's and the API's images: any platform, torch's CUDA build from PyPI. The

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = {entry["name"]: entry for entry in load_manifest()["file"]}
 # Through the real command line too: non-square pixels with MP2 audio, Theora, and a refusal (cover art only).
 CLI = ["devede-base_pal_wide.mpg", "mecavideo-Effet_force_magnetique.ogv", "mutagen-covr-with-name.m4a"]
-# Lanczos and the frames' quantisation on one torch thread: two pytest workers share the box's cores, and torch's
+# Lanczos and the frames' quantisation on one torch thread: the pytest workers share the box's cores, and torch's
 # OpenMP threads (one per core in each) spin waiting for each other, at a few times the CPU. No pixel changes.
 THREADS = 1
 
