@@ -209,7 +209,7 @@ def test_windows_kept_by_another_version_replay_when_readable_and_are_computed_a
     assert [key[-1] for key in resumed.calls] == [0, 1, 2]  # window 0 replayed, then run again for its tail
 
 
-@pytest.mark.parametrize("pixels", ["missing", "short", "empty JSON"])
+@pytest.mark.parametrize("pixels", ["missing", "short", "empty JSON", "JSON of another shape"])
 def test_a_kept_window_whose_pixel_file_is_missing_or_short_is_computed_again(pixels, tmp_path):
     """A window's JSON without its pixel file, or with one not of its shape (files that came from two attempts), or
     a JSON cut short (a process killed as it wrote one; CI's Ctrl-C once landed there): the window is computed again,
@@ -221,6 +221,8 @@ def test_a_kept_window_whose_pixel_file_is_missing_or_short_is_computed_again(pi
         u8.unlink()
     elif pixels == "empty JSON":
         u8.with_suffix(".json").write_text("")
+    elif pixels == "JSON of another shape":
+        u8.with_suffix(".json").write_text("[]")
     else:
         u8.write_bytes(u8.read_bytes()[:-1])
     resumed = Offset()

@@ -218,6 +218,8 @@ class DirectoryWindowStore:
             kept = json.loads(meta.read_bytes())
         except (OSError, ValueError):  # not this store's writing (it writes JSON whole): computed again
             return None
+        if not isinstance(kept, dict):
+            return None
         # kept by a version that did not say what made it, or says it in a way this one cannot read: computed again
         made = RunInfo.of_kept(kept.get("made"))
         if made is None:
