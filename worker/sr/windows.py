@@ -310,7 +310,8 @@ class _DirectoryRecorder:
         self.partial.replace(self.store._path(self.index, "u8"))
         # Written last, whole: a window counts as kept only once everything it needs is on disk (Ctrl-C can land
         # between a file's creation and its bytes)
-        _write_whole(self.store._path(self.index, "json"), {"shape": self.shape, "dtype": self.dtype, "made": made.kept()})
+        kept = {"shape": self.shape, "dtype": self.dtype, "made": made.kept()}
+        _write_whole(self.store._path(self.index, "json"), kept)
         if supersedes and self.store.drop_superseded_tails and (superseded := self.store.superseded_tail(self.index)):
             (self.store.directory / superseded).unlink(missing_ok=True)
 
