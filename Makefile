@@ -36,7 +36,7 @@ corpus: setup
 
 test: corpus
 	# three processes on CI's two cores (with two, a fifth of the run's CPU time sat idle: tests wait on leases,
-	# restarts and subprocesses; 19 min 31 s of tests -> 15 min 16 s, bench/RESULTS.md), each test file whole in one of
+	# restarts and subprocesses; 19 min 31 s of tests -> 15 to 17 min, bench/RESULTS.md), each test file whole in one of
 	# them (files share their stack), the longest files first (tests/conftest.py's LONGEST_FIRST, kept as collected);
 	# FIGURE lines: run a file with -s. A process that crashes is not replaced: its replacement left the run waiting for
 	# ever (xdist's loadfile, session 43), not failing

@@ -18,7 +18,7 @@ from worker.sr.engine import SREngine  # noqa: E402
 
 # `make test` hands whole files to three processes (xdist --dist loadfile --no-loadscope-reorder) in the order the
 # items are collected: the longest files first (their seconds in a clean 2-core CI run's junit report), so that
-# the run does not end on a long file in one process while the other idles. Files not listed follow, most tests
+# the run does not end on a long file in one process while the others idle. Files not listed follow, most tests
 # first (xdist's own order). A new file that takes over a minute belongs in this list.
 LONGEST_FIRST = [
     "tests/reliability/test_faults.py",

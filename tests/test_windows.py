@@ -210,7 +210,7 @@ def test_windows_kept_by_another_version_replay_when_readable_and_are_computed_a
 
 
 @pytest.mark.parametrize("pixels", ["missing", "short", "empty JSON", "JSON of another shape"])
-def test_a_kept_window_whose_pixel_file_is_missing_or_short_is_computed_again(pixels, tmp_path):
+def test_a_kept_window_whose_files_are_missing_short_or_unreadable_is_computed_again(pixels, tmp_path):
     """A window's JSON without its pixel file, or with one not of its shape (files that came from two attempts), or
     a JSON cut short (a process killed as it wrote one; CI's Ctrl-C once landed there): the window is computed again,
     never a crash, and the frames are the uninterrupted run's."""
