@@ -211,14 +211,8 @@ class DirectoryWindowStore:
         return any(self.directory.glob("window-*.json"))
 
     def load(self, index: int) -> StoredWindow | None:
-        meta = self._path(index, "json")
-        if not meta.exists():
-            return None
-        try:
-            kept = json.loads(meta.read_bytes())
-        except (OSError, ValueError):  # not this store's writing (it writes JSON whole): computed again
-            return None
-        if not isinstance(kept, dict):
+        kept = _read_whole(self._path(index, "json"))
+        if kept is None:  # none, or not this store's writing (it writes JSON whole): computed again
             return None
         # kept by a version that did not say what made it, or says it in a way this one cannot read: computed again
         made = RunInfo.of_kept(kept.get("made"))
@@ -280,13 +274,19 @@ def _write_whole(path: Path, value: object) -> None:
     partial.replace(path)
 
 
-def _marker_key(path: Path) -> str | None:
-    """The key a store's marker names; None where the file is not one (unreadable, or not `{"key": str}`)."""
+def _read_whole(path: Path) -> dict | None:
+    """The JSON object at `path`; None where there is none (missing, unreadable, cut short, not an object)."""
     try:
-        marker = json.loads(path.read_bytes())
+        value = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
-    ours = isinstance(marker, dict) and set(marker) == {"key"} and isinstance(marker["key"], str)
+    return value if isinstance(value, dict) else None
+
+
+def _marker_key(path: Path) -> str | None:
+    """The key a store's marker names; None where the file is not one (unreadable, or not `{"key": str}`)."""
+    marker = _read_whole(path)
+    ours = marker is not None and set(marker) == {"key"} and isinstance(marker["key"], str)
     return marker["key"] if ours else None
 
 
