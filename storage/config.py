@@ -253,7 +253,8 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     metrics_port: int = Field(0, ge=0, le=65535)  # 0: no /metrics on the workers
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for the scraper
-    worker_ttl_s: int = Field(30, ge=3)  # a worker missing from the registry this long is gone (storage/workers.py)
+    # a worker missing from the registry this long is gone (storage/workers.py); the reaper takes its jobs back
+    worker_ttl_s: int = Field(30, ge=3)  # half this later (worker/gone.py)
 
     @field_validator("models")
     @classmethod

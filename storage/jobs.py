@@ -348,6 +348,7 @@ class Video(BaseModel):
 # Why the reaper requeued an attempt. Events stored before it said so named the worker: the owner's view says this.
 LEASE_EXPIRED = "the worker running the attempt stopped sending heartbeats, and its lease ran out"
 WORKER_RESTARTED = "the worker running the attempt died and was started again, which took the job back"
+WORKER_GONE = "the worker running the attempt is gone: it stopped saying it is alive, and its heartbeats stopped"
 
 
 class WebhookAttempt(BaseModel):
@@ -629,11 +630,13 @@ return ARGV[3]
 # attempt will lease it), fails the job once it has used max attempts, or cancels it when its owner asked to (a new
 # attempt would start without the flag and run to the end). An attempt that does not count (its worker, not the job,
 # was at fault) is `excused`: max attempts allows that many more.
+# ARGV[10], where given: only when nothing wrote the job for that many seconds (a worker gone from the registry).
 # Returns the new status, or '' when the lease turned out to be alive (the reaper lost a race with a heartbeat).
 _REQUEUE = """
 fenced(ARGV[1])
 local t = now()
 if ARGV[5] == '1' and tonumber(field('lease_until')) > t then return '' end
+if (ARGV[10] or '') ~= '' and tonumber(field('updated_at')) > t - tonumber(ARGV[10]) then return '' end
 local reason = cjson.decode(ARGV[2])
 if field('cancel_requested') == '1' then
   move('cancelled', t)
@@ -1084,14 +1087,14 @@ class JobStore:
         reason = JobErrorInfo(code="lease_expired", message=LEASE_EXPIRED)
         return self._requeue(self.expired_leases(limit), reason, expired_only=True)
 
+    def running(self) -> list[JobRecord]:
+        """The jobs in progress (each holding a lease), read one by one."""
+        jobs = (self.get(raw.decode()) for raw in self.redis.zrange(self._leases_key, 0, -1))
+        return [job for job in jobs if job is not None and job.status == Status.IN_PROGRESS]
+
     def leased_by(self, held: Callable[[str], bool]) -> list[str]:
         """The running jobs whose lease holder (`JobRecord.worker`, "{worker name}/{pid}") `held` picks."""
-        found = []
-        for raw in self.redis.zrange(self._leases_key, 0, -1):
-            job = self.get(raw.decode())
-            if job is not None and job.status == Status.IN_PROGRESS and job.worker and held(job.worker):
-                found.append(job.id)
-        return found
+        return [job.id for job in self.running() if job.worker and held(job.worker)]
 
     def take_back(self, job_ids: Sequence[str]) -> dict[str, Status]:
         """Requeues (or fails, after `max_attempts`) jobs whose worker is known dead before their lease runs out: a
@@ -1099,7 +1102,17 @@ class JobStore:
         reason = JobErrorInfo(code="worker_restarted", message=WORKER_RESTARTED)
         return self._requeue(job_ids, reason, expired_only=False)
 
-    def _requeue(self, job_ids: Sequence[str], reason: JobErrorInfo, *, expired_only: bool) -> dict[str, Status]:
+    def take_back_silent(self, job_ids: Sequence[str], silent_s: float) -> dict[str, Status]:
+        """Requeues (or fails, after `max_attempts`) jobs whose worker is gone from the registry (`worker.gone`),
+        each only where no heartbeat (nor any other write) has touched it for `silent_s`: checked in the same script,
+        so a job leased again since the caller looked, or still beaten by a worker that only lost its registry entry,
+        stays where it is."""
+        reason = JobErrorInfo(code="worker_gone", message=WORKER_GONE)
+        return self._requeue(job_ids, reason, expired_only=False, silent_s=silent_s)
+
+    def _requeue(
+        self, job_ids: Sequence[str], reason: JobErrorInfo, *, expired_only: bool, silent_s: float | None = None
+    ) -> dict[str, Status]:
         """Each attempt counts against `max_attempts`: a job that kills its worker every time must end."""
         outcome: dict[str, Status] = {}
         for job_id in job_ids:
@@ -1110,7 +1123,7 @@ class JobStore:
                 fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(
                     "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s,
-                    int(expired_only), 1, 0, self.enqueue_grace_s, 1,
+                    int(expired_only), 1, 0, self.enqueue_grace_s, 1, "" if silent_s is None else silent_s,
                 ).decode()  # fmt: skip
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue

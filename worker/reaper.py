@@ -1,7 +1,8 @@
-"""The reaper: requeues the jobs whose worker stopped sending heartbeats (or fails them after `max_attempts`), sends the
-message of queued jobs whose sender died before sending it, sends again the message of queued jobs the broker no
-longer holds (a consumer killed as it took it: worker.lost), sweeps blob storage (storage.lifecycle), and relays due
-webhooks from the outbox to their delivery workers (worker.webhooks).
+"""The reaper: requeues the jobs whose worker stopped sending heartbeats or is gone from the worker registry
+(worker.gone), or fails them after `max_attempts`; sends the message of queued jobs whose sender died before sending
+it, sends again the message of queued jobs the broker no longer holds (a consumer killed as it took it: worker.lost),
+sweeps blob storage (storage.lifecycle), and relays due webhooks from the outbox to their delivery workers
+(worker.webhooks).
 
     python -m worker.reaper            every VSRQ_REAP_INTERVAL_S seconds (default 10), until SIGTERM / SIGINT
 
@@ -26,6 +27,7 @@ from storage.queue import send_upscale
 from storage.webhooks import relay_once
 from worker import service
 from worker.celery_app import app
+from worker.gone import GoneWorkers
 from worker.lost import LostMessages
 from worker.webhooks import outbox
 
@@ -33,21 +35,28 @@ log = logging.getLogger("vsrq.reaper")
 
 
 def reap_once(
-    jobs: JobStore, celery: Celery, enqueue_grace_s: float | None = None, lost: LostMessages | None = None
+    jobs: JobStore,
+    celery: Celery,
+    enqueue_grace_s: float | None = None,
+    lost: LostMessages | None = None,
+    gone: GoneWorkers | None = None,
 ) -> dict[str, Status]:
-    """One pass: expired leases are requeued (or failed), and a requeued job gets a new `vsrq.upscale` message; so does
-    a queued job whose message was not confirmed sent within `enqueue_grace_s` (default: the store's) or whose retry's
-    wait is over, and, given `lost` (the looks of earlier passes), one whose message the broker has not held for its
-    grace."""
-    outcome = jobs.reap()
+    """One pass: expired leases are requeued (or failed), and so, given `gone` (the looks of earlier passes), are the
+    jobs of workers gone from the registry; a requeued job gets a new `vsrq.upscale` message; so does a queued job
+    whose message was not confirmed sent within `enqueue_grace_s` (default: the store's) or whose retry's wait is over,
+    and, given `lost`, one whose message the broker has not held for its grace."""
+    outcome = {job_id: (status, "lease expired") for job_id, status in jobs.reap().items()}
+    if gone is not None:
+        taken = jobs.take_back_silent(gone.due(jobs), gone.silent_s)
+        outcome |= {job_id: (status, "its worker gone") for job_id, status in taken.items()}
     ended = []  # failed or cancelled with no attempt alive to clean up: their files go once the messages are sent
-    for job_id, status in outcome.items():
+    for job_id, (status, why) in outcome.items():
         job = jobs.get(job_id)
         if status == Status.QUEUED and job is not None:
             send_upscale(celery, jobs, job, first=True)  # it waited its turn already: first among the queued
         elif job is not None:
             ended.append(job)
-        log.info("%s: lease expired, now %s", job_id, status, extra={"job_id": job_id})
+        log.info("%s: %s, now %s", job_id, why, status, extra={"job_id": job_id})
     for job in jobs.unsent(enqueue_grace_s):
         # a job attempted before ranks first among the queued (JobStore's queue order): its message goes there too
         send_upscale(celery, jobs, job, first=job.attempt > 0)
@@ -64,7 +73,7 @@ def reap_once(
         )  # fmt: skip
     for job in ended:  # storage that hangs holds the pass here, after every message it had to send
         forget_attempts(service.blobs(), job)
-    return outcome
+    return {job_id: status for job_id, (status, _) in outcome.items()}
 
 
 class Outage:
@@ -118,11 +127,13 @@ def main() -> None:
     next_sweep = monotonic()
     queues = list(dict.fromkeys(settings.models.values()))
     lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)
+    # a worker's entry is rewritten every third of its TTL: half of it is past the beat a live one owes
+    gone = GoneWorkers(grace_s=settings.worker_ttl_s / 2, silent_s=settings.worker_ttl_s)
     reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
         began = monotonic()
         try:
-            reap_once(service.jobs(), app, lost=lost)
+            reap_once(service.jobs(), app, lost=lost, gone=gone)
             reaper_passed(service.jobs())  # /healthz and `vsrq status` tell a dead reaper by this
             reaping.passed()
         except Exception as error:  # Redis restarting: try again next time rather than exit

@@ -135,9 +135,11 @@ def _register(sender: Any, **_: Any) -> None:
     # Logged before the entry is written: whoever sees the entry finds the line
     log.info("ready, %.1f s after the process started", started.seconds())
     _presence.start()
+    # Connected now, after every module's own shutdown handlers (worker.tasks lets its last job's tail end): the entry
+    # stays while the process still holds a job, which the reaper would take back once the entry is gone (worker.gone)
+    worker_shutdown.connect(_unregister, weak=False)
 
 
-@worker_shutdown.connect
 def _unregister(**_: Any) -> None:
     if _presence is not None:
         _presence.stop()

@@ -40,6 +40,7 @@ from storage.blobs import S3BlobStore, output_prefix
 from storage.config import Settings
 from storage.jobs import TERMINAL, InputInfo, JobEvent, JobRecord, JobStore, Status, open_redis
 from storage.queue import UPSCALE_TASK, make_celery
+from storage.workers import WorkerRegistry
 from worker.attempt import EX_CONFIG, OUTDATED_TRIES
 from worker.errors import Cancelled
 from worker.heartbeat import Heartbeat
@@ -1330,17 +1331,23 @@ def test_a_stalled_tail_that_lost_its_lease_promotes_nothing(api, reaper, jobs, 
         assert outputs(blobs, job.id) == [job.output.key] and "/attempt-2-" in job.output.key
 
 
-def test_a_warm_shutdown_finishes_the_tail_in_flight(api, reaper, jobs, blobs, clips, workers, s3_cut):
+def test_a_warm_shutdown_finishes_the_tail_in_flight(stack, api, reaper, jobs, blobs, clips, workers, s3_cut):
     """SIGTERM (a deploy, a scale-in) with a tail in flight: the worker finishes it, and the job it had started, before
-    it exits; nothing waits out a lease."""
+    it exits; nothing waits out a lease. Until then it stays in the worker registry: a reaper takes back the jobs of
+    a worker gone from it (worker.gone)."""
     partition, s3 = s3_cut
     worker = started(workers(**s3))
+    tailing, following = create(api, clips["medium"]), create(api, clips["small"])
+    upload = f"PUT /{stack.bucket}/outputs/{tailing}/".encode()
+    partition.hold(upload)  # the first job's output waits: its tail is in flight until released
     try:
-        tailing, following = hold_a_tail(api, jobs, partition, clips, worker)
+        wait_until(jobs, tailing, lambda job: job.stage == "uploading")
+        wait_until(jobs, following, lambda job: job.status == Status.IN_PROGRESS and holder(job, [worker]) is worker)
         os.kill(worker.pid, signal.SIGTERM)
-        time.sleep(0.5)
+        worker.wait_for(lambda: "waiting for the last job's tail" in worker.text(), "a shutdown waiting on its tail", 60)
+        assert WorkerRegistry(jobs.redis).get(f"{worker.name}@localhost") is not None
     finally:
-        partition.heal()
+        partition.release(upload)
     deadline = time.monotonic() + 60
     while worker.alive:
         assert time.monotonic() < deadline, worker.text()[-3000:]

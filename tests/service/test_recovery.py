@@ -41,9 +41,11 @@ from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore, new_upload_id,
 from storage.config import Settings
 from storage.jobs import InputInfo, JobRecord, JobStore, Lease, StaleAttempt
 from storage.queue import make_celery, send_upscale
+from storage.workers import WorkerInfo, WorkerRegistry
 from worker import service
 from worker.errors import Cancelled, InvalidRequest
 from worker.frames import quantise
+from worker.gone import GoneWorkers
 from worker.heartbeat import Heartbeat
 from worker.media import lossless
 from worker.kept_windows import WINDOWS_HELD, BlobWindowStore, windows_key
@@ -60,6 +62,7 @@ from worker.upscale import UpscaleOptions, begin_upscale, upscale_file
 from ..reliability.processes import Partition
 from ..test_windows import Recording
 from .conftest import MiB, auth
+from .test_webhooks import running
 from .test_worker import celery_worker
 
 # Small windows, so that a 37-frame clip is 4 of them (of 13 frames, crossfading over 4)
@@ -187,6 +190,72 @@ def test_a_worker_restarted_under_its_name_takes_back_its_dead_predecessor_s_job
     assert requeued.detail["reason"]["code"] == "worker_restarted"
     [said] = [line for line in log.read_text().splitlines() if "dead predecessor" in line]
     assert json.loads(said)["message"] == f"{job.id}: held by this worker's dead predecessor, now queued"
+
+
+def test_a_worker_gone_from_the_registry_loses_its_job_only_when_missing_on_two_looks_and_silent(jobs, s3, long_clip):
+    """The reaper's rule (worker.gone), on the real store: a job is due once its holder has been missing from the
+    worker registry for the grace, over two looks; it is taken back only where nothing has written it for `silent_s`.
+    A live holder's job, a holder seen again, and a job still beaten are left alone."""
+    registry, name = WorkerRegistry(jobs.redis, ttl_s=30), f"gone-{secrets.token_hex(3)}@host"
+    info = WorkerInfo(name=name, queues=["q"], host="host", pid=123, started_at=time.time())
+    job = create_record(jobs, s3, long_clip, f"vsrq.gone-{secrets.token_hex(3)}")
+    lease = jobs.lease(job.id, f"{name}/123", 60)
+    gone = GoneWorkers(grace_s=0.5, silent_s=1.0)
+
+    registry.register(info)
+    assert job.id not in gone.due(jobs)  # alive
+    registry.remove(name)  # as its entry expires
+    assert job.id not in gone.due(jobs)  # one look: the grace starts
+    time.sleep(0.6)
+    registry.register(info)  # back (a Redis restart had lost the entry): its grace starts again at its next absence
+    assert job.id not in gone.due(jobs)
+    registry.remove(name)
+    assert job.id not in gone.due(jobs)
+    time.sleep(0.6)
+    lease.heartbeat(progress=10)  # its heartbeats go on: not silent
+    assert job.id in gone.due(jobs)
+    assert jobs.take_back_silent([job.id], gone.silent_s) == {}
+    assert jobs.require(job.id).status == "in_progress"
+    time.sleep(1.1)  # silent for `silent_s`
+    assert job.id in gone.due(jobs)
+    assert jobs.take_back_silent([job.id], gone.silent_s) == {job.id: "queued"}
+    [requeued] = [event for event in jobs.events(job.id) if event.type == "requeued"]
+    assert requeued.detail["reason"]["code"] == "worker_gone"
+    with pytest.raises(StaleAttempt):
+        lease.heartbeat()  # the gone worker, were it only cut off, finds it lost
+
+
+def test_a_killed_worker_s_job_goes_to_another_once_its_registry_entry_expires(
+    service_env, settings, redis_client, s3, long_clip, tmp_path
+):
+    """A pod evicted, a node lost: the killed worker is not started again under its name, so its job waited for its
+    lease (120 s by default, 60 s here) while another worker idled. The reaper (its process, as deployed) takes it back
+    once the killed worker's registry entry has expired (`VSRQ_WORKER_TTL_S`, 3 s here) and half that again, and
+    another worker completes it. A Redis database of the test's own: the reaper sees no other test's jobs."""
+    store_url = settings.redis_url.rsplit("/", 1)[0] + "/7"
+    own = redis.Redis.from_url(store_url)
+    own.flushdb()
+    jobs = JobStore(own, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+    queue = f"vsrq.gone-{secrets.token_hex(3)}"
+    env = {**service_env, **WINDOWS, "VSRQ_REDIS_URL": store_url, "VSRQ_LEASE_S": "60", "VSRQ_WORKER_TTL_S": "3",
+           "VSRQ_REAP_INTERVAL_S": "0.5", "VSRQ_MODELS": json.dumps({"lanczos": queue})}  # fmt: skip
+    job = create_record(jobs, s3, long_clip, queue)
+    send_upscale(make_celery(settings.model_copy(update={"redis_url": store_url})), jobs, job)
+    with running(["worker.reaper"], env, tmp_path / "reaper.log"):
+        with celery_worker(env, "lanczos", queue, tmp_path / "killed.log") as log:
+            running_job = wait_until(lambda: (held := jobs.require(job.id)).status == "in_progress" and held, 120, log)
+            os.kill(int(running_job.worker.rsplit("/", 1)[1]), signal.SIGKILL)
+        killed = time.monotonic()
+        with celery_worker(env, "lanczos", queue, tmp_path / "other.log") as log:
+            done = wait_until(lambda: ended(jobs, job.id), 120, log)
+            took = time.monotonic() - killed
+    print(f"FIGURE killed worker's job completed by another {took:.1f} s after the kill (lease 60 s, registry TTL 3 s)")
+    assert took < 40, f"waited for the lease: {took:.1f} s"  # it had almost 60 s left
+    assert (done.status, done.attempt) == ("completed", 2), done
+    [requeued] = [event for event in jobs.events(job.id) if event.type == "requeued"]
+    assert requeued.detail["reason"]["code"] == "worker_gone"
+    assert f"{job.id}: its worker gone, now queued" in (tmp_path / "reaper.log").read_text()
+    own.flushdb()
 
 
 def test_a_job_cancelled_while_its_worker_is_dead_leaves_nothing_of_its_attempt(
