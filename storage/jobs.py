@@ -381,6 +381,12 @@ class VideoEvent(BaseModel):
         "it ended early (its worker lost, a retry)",
     )
     error: JobErrorInfo | None = Field(None, description="`failed`: the job's error")
+    attempts_left: int | None = Field(
+        None,
+        description="`requeued`: how many more attempts may end early before the job fails (`VSRQ_MAX_ATTEMPTS` "
+        "less the ones that counted: an attempt whose worker died after getting further than every one before it, "
+        "or that its worker gave back through no fault of the job, does not count)",
+    )
     retry_in_s: float | None = Field(
         None, description="`requeued`: seconds the next attempt waits first (an input's origin that was down, or asked "
         "for that long with Retry-After); absent: it may start at once",
@@ -407,6 +413,7 @@ class VideoEvent(BaseModel):
             reason=reason,
             error=detail.get("error") if event.type == "failed" else None,
             retry_in_s=detail.get("retry_in_s") if event.type == "requeued" else None,
+            attempts_left=detail.get("attempts_left") if event.type == "requeued" else None,
             request_id=detail.get("request_id"),
             webhook=WebhookAttempt(**detail) if event.type == "webhook" else None,
         )
@@ -664,6 +671,8 @@ end
 move('queued', t)
 redis.call('HSET', JOB, 'progress', 0)
 redis.call('HDEL', JOB, 'stage', 'eta')
+-- how many more attempts may end so before the job fails: what its owner cannot tell from `attempt` alone
+local left = tonumber(ARGV[3]) - (tonumber(field('attempt')) - tonumber(field('excused') or '0'))
 local wait = tonumber(ARGV[7] or '0')
 if wait > 0 then
   -- No message yet: its mark in UNSENT makes `unsent` hand it to the reaper once the wait is over, and `sent` ranks
@@ -673,9 +682,9 @@ if wait > 0 then
   redis.call('HSET', JOB, 'retry_at', t + wait)
   redis.call('ZREM', QUEUE, id)
   redis.call('ZADD', UNSENT, t + wait - tonumber(ARGV[8]), id)
-  event('requeued', t, {reason = reason, retry_in_s = wait})
+  event('requeued', t, {reason = reason, retry_in_s = wait, attempts_left = left})
 else
-  event('requeued', t, {reason = reason})
+  event('requeued', t, {reason = reason, attempts_left = left})
 end
 return 'queued'
 """

@@ -840,7 +840,10 @@ function eventText(event) {
     case "created": return "Created";
     case "leased": return `Attempt ${event.attempt} started`;
     case "stage": return STAGE_LABEL[event.stage] || event.stage;
-    case "requeued": return `Attempt ${event.attempt} ended: ${event.reason.message} (${event.reason.code}); it will run again`;
+    case "requeued": {
+      const left = event.attempts_left == null ? "" : ` (${event.attempts_left} more may end so before it fails)`;
+      return `Attempt ${event.attempt} ended: ${event.reason.message} (${event.reason.code}); it will run again${left}`;
+    }
     case "cancel_requested": return "Cancel asked";
     case "completed": return "Completed";
     case "failed": return `Failed: ${readable(event.error.message)} (${event.error.code})`;

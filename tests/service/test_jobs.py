@@ -20,6 +20,7 @@ from storage.jobs import (
     OutputInfo,
     StaleAttempt,
     Status,
+    VideoEvent,
     new_lease_token,
 )
 from worker.heartbeat import Heartbeat, Pace
@@ -340,6 +341,10 @@ def test_an_attempt_that_got_further_than_every_one_before_does_not_count(jobs: 
     so a job that kills its worker at the same point fails after `max_attempts`."""
     jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=2, prefix="vsrq-further-" + secrets.token_hex(4))
     job = make(jobs)
+
+    def attempts_left(job_id: str) -> list[int | None]:  # what each `requeued` event told the job's owner
+        return [VideoEvent.of(event).attempts_left for event in jobs.events(job_id) if event.type == "requeued"]
+
     for progress in (10, 35, 60, 85):  # four restarts, each further on: none counts
         lease = jobs.lease(job.id, "w", 30)
         lease.heartbeat(progress=progress)
@@ -352,12 +357,14 @@ def test_an_attempt_that_got_further_than_every_one_before_does_not_count(jobs: 
     assert requeued == {job.id: Status.FAILED}
     failed = jobs.require(job.id)
     assert failed.error.code == "worker_restarted" and failed.error.message.startswith("gave up after 2 attempts")
+    assert attempts_left(job.id) == [2, 2, 2, 2, 1]  # the owner was told none of the four counted, then one did
     # a retry its worker chose (an error it caught) counts however far it got: VSRQ_MAX_ATTEMPTS=1 means one try
     other = make(jobs)
     for progress, status in ((40, Status.QUEUED), (70, Status.FAILED)):
         lease = jobs.lease(other.id, "w", 30)
         lease.heartbeat(progress=progress)
         assert lease.retry("storage_unavailable", "x") == status
+    assert attempts_left(other.id) == [1]
 
 
 def test_progress_a_client_sees_never_goes_back_when_an_attempt_resumes(jobs: JobStore):

@@ -138,7 +138,7 @@ def until(page, expression: str, timeout_s: float = 20) -> None:
 
 
 @pytest.mark.usefixtures("worker")
-def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_context, tmp_path):
+def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_context, jobs, tmp_path):
     from playwright.sync_api import expect
 
     clip = write_clip(tmp_path / "holiday.mp4", 48, SIZE, audio_codec="aac")
@@ -247,6 +247,16 @@ def test_a_person_upscales_compares_downloads_cancels_and_deletes(api, browser_c
     waiting = page.locator("li.job[data-status='queued']")
     expect(waiting.locator(".job-stage")).to_have_text(re.compile(r"Queued · (next up|\d+ ahead)"))
     job_id = waiting.get_attribute("data-id")
+    # were a worker to take it and die, its history says so, and how many more attempts it has
+    jobs.lease(job_id, "gone@host/1", 60)
+    jobs.take_back([job_id])
+    waiting = page.locator(f"li.job[data-id='{job_id}']")
+    expect(waiting).to_have_attribute("data-status", "queued")
+    waiting.get_by_role("button", name="History").click()
+    expect(waiting.locator(".job-history")).to_contain_text(
+        "Attempt 1 ended: the worker running the attempt died and was started again, which took the job back "
+        "(worker_restarted); it will run again (2 more may end so before it fails)"
+    )
     waiting.get_by_role("button", name="Cancel").click()
     cancelled = page.locator(f"li.job[data-id='{job_id}']")
     expect(cancelled.locator(".badge")).to_have_text("Cancelled")
