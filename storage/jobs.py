@@ -213,6 +213,7 @@ class JobRecord(BaseModel):
     completed_at: float | None = None
     expires_at: float | None = None
     lease_until: float | None = None
+    leased_at: float | None = None  # when the holding lease was taken (Redis time)
     retry_at: float | None = None  # a retry told to wait (`JobStore.retry`): not leased before, out of line until sent
     updated_at: float
 
@@ -532,7 +533,7 @@ local function move(to, t)
   end
   if from == 'in_progress' then
     redis.call('ZREM', LEASES, id)
-    redis.call('HDEL', JOB, 'lease_until', 'worker', 'lease_token')
+    redis.call('HDEL', JOB, 'lease_until', 'worker', 'lease_token', 'leased_at')
   end
   redis.call('HSET', JOB, 'status', to, 'updated_at', t)
   announce(to, t)
@@ -551,7 +552,7 @@ _LEASE = """
 local t = now()
 local function hold()
   local lease_until = t + tonumber(ARGV[2])
-  redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'lease_token', ARGV[3])
+  redis.call('HSET', JOB, 'worker', ARGV[1], 'lease_until', lease_until, 'lease_token', ARGV[3], 'leased_at', t)
   redis.call('ZADD', LEASES, lease_until, field('id'))
 end
 local current, held = status(), field('lease_token')

@@ -224,6 +224,22 @@ def test_a_worker_gone_from_the_registry_loses_its_job_only_when_missing_on_two_
     with pytest.raises(StaleAttempt):
         lease.heartbeat()  # the gone worker, were it only cut off, finds it lost
 
+    # Started again under its name, by a process whose own look for its predecessor's jobs failed (Redis down as it
+    # started): the name is alive, the holder is not: another pid, or (a container's) the same pid registered since
+    for pid, registered_since_s in ((456, -60), (123, 1)):
+        lease = jobs.lease(job.id, f"{name}/123", 60)
+        registered = time.time() + registered_since_s
+        registry.register(info.model_copy(update={"pid": pid, "started_at": registered}))
+        assert job.id not in gone.due(jobs)
+        time.sleep(1.1)
+        assert job.id in gone.due(jobs)
+        assert jobs.take_back_silent([job.id], gone.silent_s) == {job.id: "queued"}, pid
+    registry.register(info.model_copy(update={"started_at": time.time() - 60}))  # the holder itself, alive
+    lease = jobs.lease(job.id, f"{name}/123", 60)
+    time.sleep(1.1)
+    assert job.id not in gone.due(jobs)
+    registry.remove(name)
+
 
 def test_a_killed_worker_s_job_goes_to_another_once_its_registry_entry_expires(
     service_env, settings, redis_client, s3, long_clip, tmp_path
