@@ -1123,12 +1123,14 @@ class JobStore:
     def _requeue(
         self, job_ids: Sequence[str], reason: JobErrorInfo, *, expired_only: bool, silent_s: float | None = None
     ) -> dict[str, Status]:
-        """Each attempt counts against `max_attempts`: a job that kills its worker every time must end."""
+        """Each attempt counts against `max_attempts`: a job that kills its worker every time must end. The least done
+        is requeued first: the last requeued runs first (the queue's order, and `send_upscale(first=True)` for the
+        messages, sent in the order returned), so of the jobs a dead worker held (one in its tail, the next begun) the
+        one nearest its end runs first."""
         outcome: dict[str, Status] = {}
-        for job_id in job_ids:
-            job = self.get(job_id)
-            if job is None or job.status != Status.IN_PROGRESS:
-                continue
+        held = [job for job in map(self.get, job_ids) if job is not None and job.status == Status.IN_PROGRESS]
+        for job in sorted(held, key=lambda job: job.shown_progress):
+            job_id = job.id
             try:
                 fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 import pytest
 
 from storage.config import Settings
-from storage.jobs import InputInfo, JobStore, new_job_id
+from storage.jobs import InputInfo, JobStore, Status, new_job_id
 from storage.queue import UPSCALE_TASK, make_celery, next_job_ids, send_upscale
+from worker.reaper import reap_once
 
 
 def test_the_peek_names_the_jobs_in_the_order_a_worker_takes_them(settings: Settings, redis_client):
@@ -60,6 +62,30 @@ def test_a_requeued_job_is_taken_before_the_jobs_that_waited(settings: Settings,
             taken.append(messages.get_nowait().decode()[0][0])
     assert taken == [records[2].id, records[0].id, records[1].id]
     assert not redis_client.keys(f"{prefix}{queue}*")
+
+
+def test_of_two_jobs_a_dead_worker_held_the_one_nearer_its_end_runs_first(settings: Settings, jobs: JobStore):
+    """A worker killed in one job's tail (90 %) with the next job begun (5 %): both leases run out together and the
+    reaper requeues both. The one nearly done runs first: it ends in moments where the other would hold it back for
+    a whole job (a user trial saw it wait 23 s behind a job just begun)."""
+    app = make_celery(settings)
+    queue = f"vsrq.nearer-{secrets.token_hex(3)}"
+    tail, begun = (
+        jobs.create(owner="erin", model="lanczos", queue=queue, params={}, input=InputInfo(key="k", bytes=0))
+        for _ in range(2)
+    )
+    for record, progress in ((tail, 90), (begun, 5)):  # the tail's lease runs out first, as it was taken first
+        jobs.lease(record.id, "killed@host/1", 1).heartbeat(progress=progress)
+    time.sleep(1.1)
+
+    assert reap_once(jobs, app, enqueue_grace_s=3600) == {begun.id: Status.QUEUED, tail.id: Status.QUEUED}
+    assert [jobs.queue_position(jobs.require(job.id)) for job in (tail, begun)] == [0, 1]
+    taken = []
+    with app.connection_for_read() as connection, connection.SimpleQueue(queue, no_ack=True) as messages:
+        for _ in range(2):
+            taken.append(messages.get_nowait().decode()[0][0])
+    assert taken == [tail.id, begun.id]
+    assert next_job_ids(app, [queue]) == []  # no other message was sent
 
 
 def test_the_peek_skips_messages_it_cannot_read_and_names_the_jobs_behind_them(settings: Settings, redis_client):
