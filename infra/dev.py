@@ -125,14 +125,14 @@ class DevStack:
             # its predecessor's name requeues the jobs that one held at once (worker/signals.py), not after the lease
             self._spawn("web", [*python, "gunicorn", "--config", "infra/gunicorn.conf.py", "api.app:create_app()"])
             self._spawn("worker", [*python, "celery", "-A", "worker.tasks", "worker", "--pool", "solo",
-                                   "--concurrency", "1", "-Q", QUEUE, "-n", "dev@localhost",
-                                   "--loglevel", "INFO", "--without-gossip", "--without-mingle"])  # fmt: skip
+                                   "--concurrency", "1", "--without-gossip", "--without-mingle", "-Q", QUEUE,
+                                   "-n", "dev@localhost", "--loglevel", "INFO"])  # fmt: skip
             self._spawn("reaper", [*python, "worker.reaper"])
             self._wait_for_worker(time.monotonic() + timeout_s)
             # after the wait, which counts workers: the one it waits for is the model's
             self._spawn("webhooks", [*python, "celery", "-A", "worker.webhooks", "worker", "--pool", "threads",
-                                     "--concurrency", "4", "-Q", "vsrq.webhooks",
-                                     "-n", "hooks@localhost"])  # fmt: skip
+                                     "--concurrency", "4", "--without-gossip", "--without-mingle",
+                                     "-Q", "vsrq.webhooks", "-n", "hooks@localhost"])  # fmt: skip
             self._state_files = devstate.write(self.root, self.state())
         except BaseException:
             self.stop()

@@ -107,8 +107,10 @@ def test_every_variable_set_is_read_by_the_code():
 
 
 def test_commands_are_the_procfiles():
-    web, reaper, worker = PROCFILE["web"], PROCFILE["reaper"], PROCFILE["worker"]
+    web, reaper, worker, webhooks = PROCFILE["web"], PROCFILE["reaper"], PROCFILE["worker"], PROCFILE["webhooks"]
     worker_prefix = worker[: worker.index("-Q")]
+    # the Procfile's options but their concurrency, which each deployment sizes
+    webhooks_options = [option for option in webhooks[: webhooks.index("-Q")] if option.startswith("--without")]
     version = PYPROJECT["version"]
     images = {"api": f"vsrq-api:{version}", "worker": f"vsrq-worker:{version}"}
     served = set(json.loads(config_map()["VSRQ_MODELS"]).values())
@@ -119,6 +121,7 @@ def test_commands_are_the_procfiles():
             assert container["image"] == images["worker"], name
         elif command[:3] == ["celery", "-A", "worker.webhooks"]:
             assert queue_of(command) == "vsrq.webhooks" and container["image"] == images["api"], name
+            assert set(webhooks_options) <= set(command) and webhooks_options, name
         else:
             assert command in (web, reaper), name
             assert container["image"] == images["api"], name

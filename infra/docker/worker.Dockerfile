@@ -35,4 +35,4 @@ VOLUME ["/cache"]
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9100/metrics', timeout=4)"]
 # the Procfile's `worker`: one solo process per pipeline group, on the queue its model is served on
-CMD ["sh", "-c", "exec celery -A worker.tasks worker --pool solo --concurrency 1 -Q ${VSRQ_WORKER_QUEUE:-vsrq.k6} -n ${HOSTNAME}@vsrq"]
+CMD ["sh", "-c", "exec celery -A worker.tasks worker --pool solo --concurrency 1 --without-gossip --without-mingle -Q ${VSRQ_WORKER_QUEUE:-vsrq.k6} -n ${HOSTNAME}@vsrq"]
