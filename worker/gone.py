@@ -44,7 +44,9 @@ class GoneWorkers:
         missing = {(job.id, job.lease_token or job.worker) for job in running if not _alive(job, alive)}
         # a holder seen alive again, or a lease ended, starts its grace again at its next absence
         self._missing_since = {lease: self._missing_since.get(lease, now) for lease in missing}
-        return [job_id for (job_id, _), since in self._missing_since.items() if since < now and now - since >= self.grace_s]
+        waited = {lease: now - since for lease, since in self._missing_since.items()}
+        # two looks at least (a lease first missed on this one has waited 0), and the grace
+        return [job_id for (job_id, _), seconds in waited.items() if 0 < seconds and seconds >= self.grace_s]
 
 
 def _alive(job: JobRecord, alive: dict[str, WorkerInfo]) -> bool:

@@ -1344,7 +1344,7 @@ def test_a_warm_shutdown_finishes_the_tail_in_flight(stack, api, reaper, jobs, b
         wait_until(jobs, tailing, lambda job: job.stage == "uploading")
         wait_until(jobs, following, lambda job: job.status == Status.IN_PROGRESS and holder(job, [worker]) is worker)
         os.kill(worker.pid, signal.SIGTERM)
-        worker.wait_for(lambda: "waiting for the last job's tail" in worker.text(), "a shutdown waiting on its tail", 60)
+        worker.wait_for(lambda: "waiting for the last job's tail" in worker.text(), "its shutdown waiting", 60)
         assert WorkerRegistry(jobs.redis).get(f"{worker.name}@localhost") is not None
     finally:
         partition.release(upload)
