@@ -17,6 +17,7 @@ A caller sees only its own jobs: another key's job answers 404, exactly as a mis
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import PurePosixPath
 from typing import Any
@@ -40,6 +41,8 @@ from storage.queue import send_upscale
 from storage.ssrf import UnsafeUrl, public_addresses
 from storage.uploads import UploadNotFound, UploadStatus, parts_prefix
 from storage.webhooks import Outbox, relay_now
+
+log = logging.getLogger("vsrq.api")
 
 blueprint = Blueprint("videos", __name__)
 
@@ -376,9 +379,13 @@ def delete_video(job_id: str) -> Response:
     except JobActive:
         raise ApiError(409, "job_active", "The job is running: cancel it, then delete it.") from None
     services().idempotency.forget_job(job_id)
-    # The record goes first: nobody can see a job whose files are half gone. Files left by a crash here are deleted by
-    # the reaper's storage sweep.
-    delete_job_files(blobs, job)
+    # The record goes first: nobody can see a job whose files are half gone. The job is deleted from here on: files
+    # that storage (down) or a crash left are the reaper's storage sweep's, and a 503 would send the client to retry
+    # into a 404
+    try:
+        delete_job_files(jobs, blobs, job)
+    except Exception as error:
+        log.warning("%s deleted; its files are left to the storage sweep (%s)", job_id, error)
     return jsonify(id=job_id, object="video.deleted", deleted=True)
 
 

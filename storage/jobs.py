@@ -474,7 +474,7 @@ _PRELUDE = (
     + "}\n"
     + """
 local JOB, EVENTS, QUEUE, LEASES, SEQ, ALL = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[11]
-local OUTBOX, WEBHOOKS, UNSENT, CURSOR = KEYS[12], KEYS[13], KEYS[14], KEYS[15]
+local OUTBOX, WEBHOOKS, UNSENT, CURSOR, DOOMED = KEYS[12], KEYS[13], KEYS[14], KEYS[15], KEYS[16]
 local function fail(code, message) error({err = code .. ' ' .. message}) end
 local function now()
   local t = redis.call('TIME')
@@ -734,6 +734,10 @@ if current == 'in_progress' then fail('job_active', 'the job is in progress: can
 local id = field('id')
 for _, key in ipairs({QUEUE, LEASES, ALL, UNSENT, KEYS[VIEW[current]]}) do redis.call('ZREM', key, id) end
 redis.call('SET', CURSOR, field('owner') .. ' ' .. field('seq'), 'EX', ARGV[1])
+-- an input of the job's own outlives the record until its blob is deleted (`forget_doomed`): storage down then, or
+-- the deleter killed, the sweep still finds it, where it would otherwise wait for an unclaimed upload's TTL (a day)
+local input = cjson.decode(field('input'))
+if input.owned_by_job then redis.call('ZADD', DOOMED, now(), input.key) end
 redis.call('DEL', JOB, EVENTS)
 return 1
 """
@@ -830,6 +834,11 @@ class JobStore:
     def _unsent_key(self) -> str:
         return f"{self.prefix}:unsent"
 
+    @property
+    def _doomed_key(self) -> str:
+        """zset: the inputs of deleted jobs that owned them, by when the record went, until their blob is gone."""
+        return f"{self.prefix}:doomed-inputs"
+
     def _cursor_key(self, job_id: str) -> str:
         """A deleted job's place in its owner's listing: "{owner} {seq}" (a string, so `records` never sees it)."""
         return f"{self._job_key(job_id)}:cursor"
@@ -851,6 +860,7 @@ class JobStore:
             *outbox_keys(self.prefix),
             self._unsent_key,
             self._cursor_key(job_id),
+            self._doomed_key,
         ]
 
     def _run(self, script: str, job_id: str, *args: Any) -> Any:
@@ -1074,9 +1084,18 @@ class JobStore:
         return self.require(job_id)
 
     def delete(self, job_id: str) -> None:
-        """Removes the record (not its blobs: the caller deletes those). Raises `JobActive` while it runs. Its id
-        stays a valid `after` of `page` for DELETED_CURSOR_TTL_S."""
+        """Removes the record (not its blobs: the caller deletes those, `storage.lifecycle.delete_job_files`; an input
+        of the job's own is marked doomed until then). Raises `JobActive` while it runs. Its id stays a valid `after`
+        of `page` for DELETED_CURSOR_TTL_S."""
         self._run("delete", job_id, DELETED_CURSOR_TTL_S)
+
+    def doomed_inputs(self, limit: int = 1000) -> list[str]:
+        """The blob keys of deleted jobs' own inputs not known to be deleted yet (`delete`), oldest first."""
+        return [key.decode() for key in self.redis.zrange(self._doomed_key, 0, limit - 1)]
+
+    def forget_doomed(self, key: str) -> None:
+        """A deleted job's own input is gone from blob storage."""
+        self.redis.zrem(self._doomed_key, key)
 
     def note(self, job_id: str, kind: str, detail: dict[str, Any]) -> None:
         """Appends an event that changes nothing (a webhook delivery attempt). Raises `JobNotFound` once deleted."""

@@ -32,13 +32,15 @@ log = logging.getLogger("vsrq.lifecycle")
 UPLOADS, OUTPUTS, WORK = "uploads/", "outputs/", "work/"
 
 
-def delete_job_files(blobs: BlobStore, job: JobRecord) -> None:
-    """A deleted or expired job's files: every attempt's output, its kept windows, and its input when the job owns it
-    (a reusable upload is left to its TTL)."""
+def delete_job_files(jobs: JobStore, blobs: BlobStore, job: JobRecord) -> None:
+    """A deleted or expired job's files, its record gone: every attempt's output, its kept windows, and its input when
+    the job owns it (a reusable upload is left to its TTL). What storage failed to delete is the sweep's: outputs and
+    windows of no job, and the input, which the record's deletion marked doomed (`JobStore.delete`)."""
     blobs.delete_prefix(output_prefix(job.id))
     blobs.delete_prefix(work_prefix(job.id))
     if job.input.owned_by_job:
         blobs.delete(job.input.key)
+        jobs.forget_doomed(job.input.key)
 
 
 def forget_attempts(blobs: BlobStore, job: JobRecord) -> None:
@@ -67,6 +69,10 @@ class SweepReport:
 def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings) -> SweepReport:
     now = jobs.now()
     aborted = blobs.abort_incomplete(now - settings.multipart_abort_s)
+    doomed = jobs.doomed_inputs()  # deleted jobs' own inputs whose deletion failed (storage down, a crash)
+    for key in doomed:
+        blobs.delete(key)
+        jobs.forget_doomed(key)
     # Listed before the jobs are read: an upload a job claims after this is younger than its TTL's start.
     born_before = now - settings.upload_ttl_s
     stale_uploads = [blob.key for blob in blobs.entries(UPLOADS) if (blob.modified or now) < born_before]
@@ -88,7 +94,7 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings) -> SweepReport:
     outputs = _delete_grouped(
         jobs, blobs, OUTPUTS, live, keep=lambda job, key: job.status not in TERMINAL or promoted(job, key)
     )
-    report = SweepReport(aborted, len(unclaimed), len(expired), work, outputs)
+    report = SweepReport(aborted, len(unclaimed) + len(doomed), len(expired), work, outputs)
     if report != SweepReport():
         log.info("storage sweep: %s", report)
     return report
@@ -99,7 +105,7 @@ def _expire(jobs: JobStore, blobs: BlobStore, job: JobRecord) -> bool:
         jobs.delete(job.id)  # the record first, as DELETE does: nobody sees a job whose files are half gone
     except JobNotFound:  # deleted by its owner meanwhile
         return False
-    delete_job_files(blobs, job)
+    delete_job_files(jobs, blobs, job)
     return True
 
 

@@ -39,6 +39,7 @@ from infra.stack import Stack, free_ports
 from storage.blobs import S3BlobStore, output_prefix
 from storage.config import Settings
 from storage.jobs import TERMINAL, InputInfo, JobEvent, JobRecord, JobStore, Status, open_redis
+from storage.lifecycle import sweep
 from storage.queue import UPSCALE_TASK, make_celery
 from storage.workers import WorkerRegistry
 from worker.attempt import EX_CONFIG, OUTDATED_TRIES
@@ -531,6 +532,29 @@ def test_a_storage_outage_during_download_and_upload_is_waited_out(stack, api, r
     assert [job.attempt for job in records] == [1, 1], [requeues(jobs, job.id) for job in records]
     assert matches == [True, True]
     assert all(len(outputs(blobs, job.id)) == 1 for job in records)
+
+
+def test_a_job_deleted_while_storage_is_down_is_deleted_and_its_input_goes_once_storage_is_back(
+    stack, env, api, jobs, blobs, clips
+):
+    """A user trial: DELETE while blob storage was down removed the record, then answered 503 "retry", and the retry
+    got 404 (OpenAI's SDK raised NotFoundError for a delete that had worked); the job's own input stayed in the bucket
+    for an unclaimed upload's TTL, a day. Now the delete answers that it deleted the job, and the storage sweep deletes
+    the input once storage is back."""
+    job_id = create(api, clips["small"])  # no worker runs here: it stays queued
+    key = jobs.require(job_id).input.key
+    assert blobs.exists(key)
+    stack.stop_service("weed")
+    try:
+        response = requests.delete(f"{api}/v1/videos/{job_id}", headers=AUTH, timeout=60)
+    finally:
+        stack.start_service("weed")
+    assert (response.status_code, response.json()) == (200, {"id": job_id, "object": "video.deleted", "deleted": True})
+    assert requests.get(f"{api}/v1/videos/{job_id}", headers=AUTH, timeout=30).status_code == 404
+    assert blobs.exists(key) and key in jobs.doomed_inputs()  # storage was down: left to the sweep
+    with mock.patch.dict(os.environ, env):
+        report = sweep(jobs, blobs, Settings(_env_file=None))
+    assert not blobs.exists(key) and key not in jobs.doomed_inputs() and report.uploads_deleted >= 1
 
 
 def test_a_storage_partition_longer_than_the_lease_is_waited_out(stack, api, reaper, jobs, blobs, clips, workers):
