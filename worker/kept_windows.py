@@ -57,6 +57,7 @@ import torch
 
 from storage.blobs import BlobStore, Progress, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
+from worker.attempt import classify
 from worker.errors import Cancelled
 from worker.media import lossless
 from worker.media.reader import READING
@@ -213,9 +214,9 @@ class BlobWindowStore:
                 self._upload(self.directory / MARKER)
         except FATAL:
             raise
-        except Exception:  # storage down: safe all the same, a later attempt replays no window made otherwise than
-            # the ones before it (`upscale_windows`), and this attempt's windows replace them as they are kept
-            log.warning("kept windows not dropped: blob storage unavailable", exc_info=True)
+        except Exception as error:  # storage down: safe all the same, a later attempt replays no window made
+            # otherwise than the ones before it (`upscale_windows`), and this attempt's windows replace them as kept
+            _not_done("kept windows not dropped", error)
 
     def release_local(self) -> None:
         """Once the engine is done: every window is in the encoder, so what is left of the local raw copies (each goes
@@ -277,7 +278,7 @@ class BlobWindowStore:
                 return
             # storage down: the attempt goes on (its output upload waits it out); only a later attempt would recompute
             # this window
-            log.warning("window %d not kept: blob storage unavailable", index, exc_info=True)
+            _not_done(f"window {index} not kept", error)
         finally:
             self.local.forget(index)  # up or not, this attempt never reads it again: a later one reads blob storage
 
@@ -313,6 +314,15 @@ class BlobWindowStore:
     def _upload(self, path: Path) -> None:
         with path.open("rb") as file:
             self.blobs.put(self.prefix + path.name, file, progress=self.progress)
+
+
+def _not_done(what: str, error: Exception) -> None:
+    """Logs what storage kept from happening: an outage in one line, as the reaper logs one (a dependency, not a bug:
+    every window of a long outage meets it), any other error with its traceback."""
+    if classify(error)[1] == "storage_unavailable":
+        log.warning("%s: blob storage unavailable (%s: %s)", what, type(error).__name__, error)
+    else:
+        log.warning("%s: %s", what, error, exc_info=error)
 
 
 class _UploadingRecorder:

@@ -37,6 +37,7 @@ import requests
 import torch
 
 from api.schemas import UpscaleParams
+from infra.stack import free_ports
 from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore, new_upload_id, output_prefix, upload_key, work_prefix
 from storage.config import Settings
 from storage.jobs import InputInfo, JobRecord, JobStore, Lease, StaleAttempt
@@ -363,6 +364,28 @@ def test_a_job_keeps_every_window_but_its_last(frames, kept, s3, tmp_path):
     # every window is committed, the last dropping its local copy (a file's unlink)
     assert (result.kept_upload_s > 0) == bool(kept) and 0 < result.windows_s["kept"], result
     s3.delete_prefix(work_prefix(job_id))
+
+
+def test_windows_not_kept_while_storage_is_down_log_a_line_each_not_a_traceback(settings, tmp_path, caplog):
+    """A user trial: through a 40 s storage outage a worker logged every window it could not keep as a WARNING with a
+    traceback of up to 6.8 KB (40 of them): an outage is a dependency's, not a bug. One line each now, with the cause;
+    the job completes all the same."""
+    import logging
+
+    down = settings.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{free_ports(1)[0]}"})  # nothing listens
+    blobs = S3BlobStore.from_settings(down)
+    store = BlobWindowStore(blobs, "video_1", tmp_path / "windows", "key", earlier=False, uploads_behind=100)
+    source = write_clip(tmp_path / "input.mp4", 37, (144, 192))
+    options = UpscaleOptions(SRRequest(scale=2, seed=7), window=13, window_overlap=4)
+    with caplog.at_level(logging.WARNING, logger="vsrq.worker"):
+        encoding = begin_upscale(source, tmp_path / "output.mp4", LanczosUpscaler(), options, store=store)
+        store.wait(60)
+        result = encoding.finish()
+        store.close()
+    unkept = [record for record in caplog.records if "not kept" in record.getMessage()]
+    assert result.windows == 4 and len(unkept) == 3, [record.getMessage() for record in caplog.records]
+    assert all(record.exc_info is None for record in unkept)
+    assert all("blob storage unavailable (EndpointConnectionError" in record.getMessage() for record in unkept)
 
 
 def noting_requests(settings: Settings, job_id: str) -> tuple[S3BlobStore, list[str]]:
