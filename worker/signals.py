@@ -19,6 +19,7 @@ import psutil
 import redis.exceptions
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
 
+from storage.clock import redis_now
 from storage.jobs import Status
 from storage.lifecycle import forget_attempts
 from storage.logs import configure, current_job, settings_secrets
@@ -71,7 +72,7 @@ def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
             elif job is not None:  # failed or cancelled: the dead attempt's files go now
                 forget_attempts(service.blobs(), job)
             log.warning("%s: held by this worker's dead predecessor, now %s", job_id, status, extra={"job_id": job_id})
-    except redis.exceptions.RedisError as error:  # then the reaper requeues them once their leases run out
+    except redis.exceptions.RedisError as error:  # the reaper requeues them (worker.gone: the name is another pid's)
         log.warning("could not look for a dead predecessor's jobs: %s", error)
 
 
@@ -129,7 +130,7 @@ def _register(sender: Any, **_: Any) -> None:
             gpus=_gpu_names(devices),
             host=socket.gethostname(),
             pid=os.getpid(),
-            started_at=service.jobs().redis.time()[0],
+            started_at=_redis_now(),
         )
     )
     # Logged before the entry is written: whoever sees the entry finds the line
@@ -138,6 +139,17 @@ def _register(sender: Any, **_: Any) -> None:
     # Connected now, after every module's own shutdown handlers (worker.tasks lets its last job's tail end): the entry
     # stays while the process still holds a job, which the reaper would take back once the entry is gone (worker.gone)
     worker_shutdown.connect(_unregister, weak=False)
+
+
+def _redis_now() -> float:
+    """Redis's clock, against which leases are taken (worker.gone compares them); 0 where Redis does not answer now:
+    the entry must be written all the same, by its beats once Redis is back, or the reaper takes this live worker for
+    gone (0: started before any lease, so never taken for a successor)."""
+    try:
+        return redis_now(service.jobs().redis)
+    except redis.exceptions.RedisError as error:
+        log.error("ready, but Redis does not answer (%s): the worker registry entry follows when it does", error)
+        return 0.0
 
 
 def _unregister(**_: Any) -> None:
