@@ -11,7 +11,8 @@ Every change of state runs as one Lua script, so it is atomic against every othe
 fence that every worker write carries, and a write whose lease no longer holds the job (retried, reaped, finished,
 or leased again under the same attempt number after Redis lost the lease's write) is refused with `StaleAttempt`. A
 worker keeps its lease alive with heartbeats (which also carry progress, and return the cancel flag); a periodic
-reaper requeues the jobs whose lease ran out, and fails them after `max_attempts`.
+reaper requeues the jobs whose lease ran out or whose worker is gone (worker.gone), and fails them after
+`max_attempts`.
 
 Times come from Redis (`TIME`), so workers' and API servers' clocks never disagree about a lease. Keys:
 
@@ -26,6 +27,7 @@ Times come from Redis (`TIME`), so workers' and API servers' clocks never disagr
                                     sends it before the reaper does
     vsrq:owner:{owner}:{view}       zset: the owner's job ids by creation order; view = "all" or a status
     vsrq:webhooks:*                 the webhook outbox (storage.webhooks): a job's end writes its webhook there
+    vsrq:doomed-inputs              zset: deleted jobs' own inputs by when the record went, until their blob is gone
 """
 
 from __future__ import annotations

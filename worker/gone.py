@@ -13,6 +13,12 @@ heartbeats come sooner still. The looks are this process's own, as worker.lost's
 its grace again. The silence is checked again in the requeue's script (`JobStore.take_back_silent`), so a job leased
 again since the look is not touched. What a gone worker was holding is requeued as its lease running out would have
 requeued it (`worker_gone`), and counts as that would.
+
+What it costs: a live worker cut off from Redis (a partition) looks gone too, so its job goes back after about 1.5 ×
+`worker_ttl_s` and a pass, where the lease alone waited `VSRQ_LEASE_S` (fenced: the cut-off worker's later writes are
+refused, its work is redone from its kept windows); a deployment that must ride out longer partitions raises
+`VSRQ_WORKER_TTL_S`. And one worker per name, running its own tasks (the solo pool): a second process of the same name,
+or a pool child's pid, is a holder no entry names.
 """
 
 from __future__ import annotations

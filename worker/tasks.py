@@ -188,8 +188,8 @@ def upscale(self, job_id: str) -> None:
 
 @worker_shutdown.connect
 def _finish_tails(**_: Any) -> None:
-    """A warm shutdown (a deploy, a scale-in) lets the tail in flight end its job; left to its lease, the job would be
-    done again by another worker. Not a stuck one: its job is left to its lease, and the process exits at once, Celery
+    """A warm shutdown (a deploy, a scale-in) lets the tail in flight end its job; left to the reaper, the job would be
+    done again by another worker. Not a stuck one: its job is left to the reaper, and the process exits at once, Celery
     having shut down by now (its consumer closed, its messages acknowledged or given back): the stuck call's threads
     (boto3's transfer threads among them) would hold a normal exit."""
     _prefetcher.close()  # first: a guess no job will use stops downloading, and its files go (os._exit below skips
@@ -205,7 +205,7 @@ def _finish_tails(**_: Any) -> None:
             _finisher.wait_behind(2 * heartbeat_s + _tail_stall_s())
             log.error(
                 "the last job's tail is stuck (no heartbeat for %.0f s): exiting without it (status %d), its job is "
-                "requeued once its lease runs out", silent_s, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
+                "requeued once the reaper finds this worker gone", silent_s, EX_SOFTWARE, extra={"reason": TAIL_STUCK},
             )  # fmt: skip
             logging.shutdown()  # flushes the log
             os._exit(EX_SOFTWARE)
