@@ -69,6 +69,8 @@ def test_of_two_jobs_a_dead_worker_held_the_one_nearer_its_end_runs_first(settin
     reaper requeues both. The one nearly done runs first: it ends in moments where the other would hold it back for
     a whole job (a user trial saw it wait 23 s behind a job just begun)."""
     app = make_celery(settings)
+    # a store of its own: the reaper's pass would take any other test's expired lease too
+    jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=3, prefix=f"vsrq-nearer-{secrets.token_hex(4)}")
     queue = f"vsrq.nearer-{secrets.token_hex(3)}"
     tail, begun = (
         jobs.create(owner="erin", model="lanczos", queue=queue, params={}, input=InputInfo(key="k", bytes=0))

@@ -40,7 +40,7 @@ from api.schemas import UpscaleParams
 from infra.stack import free_ports
 from storage.blobs import BlobStore, LocalBlobStore, S3BlobStore, new_upload_id, output_prefix, upload_key, work_prefix
 from storage.config import Settings
-from storage.jobs import InputInfo, JobRecord, JobStore, Lease, StaleAttempt
+from storage.jobs import InputInfo, JobRecord, JobStore, Lease, OutputInfo, StaleAttempt
 from storage.queue import make_celery, send_upscale
 from storage.workers import WorkerInfo, WorkerRegistry
 from worker import service
@@ -240,23 +240,26 @@ def test_a_worker_gone_from_the_registry_loses_its_job_only_when_missing_on_two_
     time.sleep(1.1)
     assert job.id not in gone.due(jobs)
     registry.remove(name)
+    lease.complete(OutputInfo(key="k", bytes=0, sha256="0" * 64))  # no lease left to a later test's reaper
 
 
 def test_a_killed_worker_s_job_goes_to_another_once_its_registry_entry_expires(
-    service_env, settings, redis_client, s3, long_clip, tmp_path
+    service_env, settings, long_clip, tmp_path
 ):
     """A pod evicted, a node lost: the killed worker is not started again under its name, so its job waited for its
     lease (120 s by default, 60 s here) while another worker idled. The reaper (its process, as deployed) takes it back
     once the killed worker's registry entry has expired (`VSRQ_WORKER_TTL_S`, 3 s here) and half that again, and
-    another worker completes it. A Redis database of the test's own: the reaper sees no other test's jobs."""
+    another worker completes it. A Redis database and a blob store of the test's own: the reaper sees no other test's
+    jobs, and its storage sweep deletes no other test's files."""
     store_url = settings.redis_url.rsplit("/", 1)[0] + "/7"
     own = redis.Redis.from_url(store_url)
     own.flushdb()
     jobs = JobStore(own, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
     queue = f"vsrq.gone-{secrets.token_hex(3)}"
     env = {**service_env, **WINDOWS, "VSRQ_REDIS_URL": store_url, "VSRQ_LEASE_S": "60", "VSRQ_WORKER_TTL_S": "3",
-           "VSRQ_REAP_INTERVAL_S": "0.5", "VSRQ_MODELS": json.dumps({"lanczos": queue})}  # fmt: skip
-    job = create_record(jobs, s3, long_clip, queue)
+           "VSRQ_REAP_INTERVAL_S": "0.5", "VSRQ_MODELS": json.dumps({"lanczos": queue}),
+           "VSRQ_BLOB_BACKEND": "local", "VSRQ_LOCAL_BLOB_DIR": str(tmp_path / "blobs")}  # fmt: skip
+    job = create_record(jobs, LocalBlobStore(tmp_path / "blobs"), long_clip, queue)
     send_upscale(make_celery(settings.model_copy(update={"redis_url": store_url})), jobs, job)
     with running(["worker.reaper"], env, tmp_path / "reaper.log"):
         with celery_worker(env, "lanczos", queue, tmp_path / "killed.log") as log:
