@@ -69,10 +69,15 @@ class SweepReport:
 def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings) -> SweepReport:
     now = jobs.now()
     aborted = blobs.abort_incomplete(now - settings.multipart_abort_s)
-    doomed = jobs.doomed_inputs()  # deleted jobs' own inputs whose deletion failed (storage down, a crash)
-    for key in doomed:
-        blobs.delete(key)
+    doomed = 0  # deleted jobs' own inputs whose deletion failed (storage down, a crash)
+    for key in jobs.doomed_inputs():
+        try:
+            blobs.delete(key)
+        except Exception as error:  # one storage refuses (a lock, a policy) must not hold the rest of the sweep
+            log.warning("storage sweep: %s not deleted (%s); tried again next time", key, error)
+            continue
         jobs.forget_doomed(key)
+        doomed += 1
     # Listed before the jobs are read: an upload a job claims after this is younger than its TTL's start.
     born_before = now - settings.upload_ttl_s
     stale_uploads = [blob.key for blob in blobs.entries(UPLOADS) if (blob.modified or now) < born_before]
@@ -94,7 +99,7 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings) -> SweepReport:
     outputs = _delete_grouped(
         jobs, blobs, OUTPUTS, live, keep=lambda job, key: job.status not in TERMINAL or promoted(job, key)
     )
-    report = SweepReport(aborted, len(unclaimed) + len(doomed), len(expired), work, outputs)
+    report = SweepReport(aborted, len(unclaimed) + doomed, len(expired), work, outputs)
     if report != SweepReport():
         log.info("storage sweep: %s", report)
     return report
