@@ -59,13 +59,7 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "retry", "gpu_oom", "The GPU ran out of memory."
     if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return "retry", "redis_unavailable", "The job store could not be reached."
-    unreachable = (  # S3UploadFailedError, RetriesExceededError: boto3's transfer manager gave up on the parts
-        botocore.exceptions.ConnectionError,
-        botocore.exceptions.HTTPClientError,
-        S3UploadFailedError,
-        RetriesExceededError,
-    )
-    if isinstance(error, unreachable):
+    if isinstance(error, _UNREACHABLE):
         return "retry", "storage_unavailable", "Blob storage could not be reached."
     if isinstance(error, botocore.exceptions.ClientError) and _transient(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."
@@ -126,6 +120,23 @@ _BOTOCORE_TRANSIENT = OrRetryChecker(
 # any other (a HEAD against the wrong region answers a bare 400) they are refusals that stay.
 _DAMAGED = {"IncompleteBody", "BadDigest", "XAmzContentSHA256Mismatch", "ClientDisconnected", "BadRequest"}
 _UPLOADS = {"PutObject", "UploadPart", "CompleteMultipartUpload"}
+
+
+# S3UploadFailedError, RetriesExceededError: boto3's transfer manager gave up on the parts
+_UNREACHABLE = (
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.HTTPClientError,
+    S3UploadFailedError,
+    RetriesExceededError,
+)
+
+
+def storage_unavailable(error: BaseException) -> bool:
+    """Whether blob storage could not be reached, or answered that it may on the next try: what `classify` calls
+    `storage_unavailable`, told without its further checks (a refusal's asks storage again)."""
+    return isinstance(error, _UNREACHABLE) or (
+        isinstance(error, botocore.exceptions.ClientError) and _transient(error)
+    )
 
 
 def _transient(error: botocore.exceptions.ClientError) -> bool:

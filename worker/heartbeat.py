@@ -25,7 +25,7 @@ from tenacity import (
 
 from storage.jobs import FileDigest, Lease, MediaInfo, Stage, StaleAttempt
 from worker import service
-from worker.attempt import classify
+from worker.attempt import storage_unavailable
 from worker.errors import Cancelled
 from worker.sr.windows import WindowProgress
 
@@ -194,7 +194,7 @@ class Heartbeat:
         `storage_retry_s`, its lease kept alive. A cancel stops it between tries, and mid-transfer while bytes move (a
         blocked request ends first). Past that, the error ends the attempt as a `retry` (see `classify`)."""
         retrying = Retrying(
-            retry=retry_if_exception(lambda error: classify(error)[1] == "storage_unavailable"),
+            retry=retry_if_exception(storage_unavailable),
             wait=wait_exponential(multiplier=0.25, max=1),
             stop=stop_after_delay(service.worker_settings().storage_retry_s),
             before_sleep=self._storage_failed,

@@ -57,7 +57,7 @@ import torch
 
 from storage.blobs import BlobStore, Progress, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
-from worker.attempt import classify
+from worker.attempt import storage_unavailable
 from worker.errors import Cancelled
 from worker.media import lossless
 from worker.media.reader import READING
@@ -319,7 +319,7 @@ class BlobWindowStore:
 def _not_done(what: str, error: Exception) -> None:
     """Logs what storage kept from happening: an outage in one line, as the reaper logs one (a dependency, not a bug:
     every window of a long outage meets it), any other error with its traceback."""
-    if classify(error)[1] == "storage_unavailable":
+    if storage_unavailable(error):
         log.warning("%s: blob storage unavailable (%s: %s)", what, type(error).__name__, error)
     else:
         log.warning("%s: %s", what, error, exc_info=error)
