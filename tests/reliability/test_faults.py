@@ -535,7 +535,7 @@ def test_a_storage_outage_during_download_and_upload_is_waited_out(stack, api, r
 
 
 def test_a_job_deleted_while_storage_is_down_is_deleted_and_its_input_goes_once_storage_is_back(
-    stack, env, api, jobs, blobs, clips
+    stack, env, api, reaper, jobs, blobs, clips
 ):
     """A user trial: DELETE while blob storage was down removed the record, then answered 503 "retry", and the retry
     got 404 (OpenAI's SDK raised NotFoundError for a delete that had worked); the job's own input stayed in the bucket
@@ -544,16 +544,21 @@ def test_a_job_deleted_while_storage_is_down_is_deleted_and_its_input_goes_once_
     job_id = create(api, clips["small"])  # no worker runs here: it stays queued
     key = jobs.require(job_id).input.key
     assert blobs.exists(key)
-    stack.stop_service("weed")
+    reaper.pause()  # its sweep (every second here) would race this test's own
     try:
-        response = requests.delete(f"{api}/v1/videos/{job_id}", headers=AUTH, timeout=60)
+        stack.stop_service("weed")
+        try:
+            response = requests.delete(f"{api}/v1/videos/{job_id}", headers=AUTH, timeout=60)
+        finally:
+            stack.start_service("weed")
+        deleted = {"id": job_id, "object": "video.deleted", "deleted": True}
+        assert (response.status_code, response.json()) == (200, deleted)
+        assert requests.get(f"{api}/v1/videos/{job_id}", headers=AUTH, timeout=30).status_code == 404
+        assert blobs.exists(key) and key in jobs.doomed_inputs()  # storage was down: left to the sweep
+        with mock.patch.dict(os.environ, env):
+            report = sweep(jobs, blobs, Settings(_env_file=None))
     finally:
-        stack.start_service("weed")
-    assert (response.status_code, response.json()) == (200, {"id": job_id, "object": "video.deleted", "deleted": True})
-    assert requests.get(f"{api}/v1/videos/{job_id}", headers=AUTH, timeout=30).status_code == 404
-    assert blobs.exists(key) and key in jobs.doomed_inputs()  # storage was down: left to the sweep
-    with mock.patch.dict(os.environ, env):
-        report = sweep(jobs, blobs, Settings(_env_file=None))
+        reaper.resume()
     assert not blobs.exists(key) and key not in jobs.doomed_inputs() and report.uploads_deleted >= 1
 
 
