@@ -161,7 +161,8 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = Field(8, ge=1)
     webhook_retry_base_s: float = Field(120, gt=0)
     webhook_retry_max_s: float = Field(4 * 3600, gt=0)
-    # A webhook handed to a delivery worker is handed out again if its attempt has not ended by then (the worker died)
+    # A webhook handed to a delivery worker is handed out again if its attempt has not ended by then (the worker died;
+    # sooner once that worker is gone from the registry: worker/gone.py)
     webhook_claim_s: float = Field(120, gt=0)
 
     # Inputs named by an https URL, fetched by the worker (worker/fetch.py)

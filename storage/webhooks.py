@@ -5,12 +5,15 @@ an ended job always has its event, even if every process dies right after. Keys:
 
     vsrq:webhooks:outbox     zset: event ids by when they are due (now, a retry's time, or a claim's expiry)
     vsrq:webhooks:events     hash: {id} -> the event (JSON: job, owner, url, type, at), and beside it {id}:claim,
-                             {id}:attempts and {id}:payload (the exact body, fixed at the first attempt)
+                             {id}:attempts, {id}:payload (the exact body, fixed at the first attempt) and, while an
+                             attempt runs, {id}:holder (its worker, "{name}/{pid}" as the worker registry names it)
+    vsrq:webhooks:held       zset: the events whose attempt is running, by when it started
 
 The relay (worker.webhooks) `take`s due events: each take is a new claim, and pushes the event's due time past the
 claim's expiry, so an event whose relay or delivery worker died is taken again then (at least once; receivers
 dedupe on `webhook-id`). A delivery `start`s, fenced by its claim; it ends with `retry` or `done`, both fenced.
-An event leaves the outbox only through `done`: delivered, or given up.
+An event leaves the outbox only through `done`: delivered, or given up. An attempt whose worker is gone is taken back
+sooner than its claim (`held`, `take_back`: worker.gone).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pydantic import BaseModel
 from redis import Redis
 
 from storage.clock import redis_now
+from storage.workers import Held
 
 log = logging.getLogger("vsrq.webhooks")
 
@@ -66,12 +70,20 @@ _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
-# A new claim of event `id` for ARGV[1] seconds (it is due again then): its number.
+# A new claim of event `id` for ARGV[1] seconds (it is due again then): its number. An attempt of an earlier claim no
+# longer holds it.
 _CLAIM = """
 local function claim(id)
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), id)
+  redis.call('ZREM', KEYS[3], id)
+  redis.call('HDEL', KEYS[2], id .. ':holder')
   return redis.call('HINCRBY', KEYS[2], id .. ':claim', 1)
 end
+"""
+# The end of an attempt: nothing holds the event now.
+_RELEASE = """
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1] .. ':holder')
 """
 # ARGV: claim seconds, limit. Returns [id, claim, id, claim...].
 _TAKE = (
@@ -102,12 +114,14 @@ if not due or tonumber(due) > now or redis.call('HEXISTS', KEYS[2], ARGV[2]) == 
 return claim(ARGV[2])
 """
 )
-# ARGV: id, claim, hold seconds (the attempt's longest run). Returns [event, attempt, payload or nil].
+# ARGV: id, claim, hold seconds (the attempt's longest run), holder. Returns [event, attempt, payload or nil].
 _START = (
     _FENCE
     + _NOW
     + """
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1] .. ':holder', ARGV[4])
 local attempt = redis.call('HINCRBY', KEYS[2], ARGV[1] .. ':attempts', 1)
 return {redis.call('HGET', KEYS[2], ARGV[1]), attempt, redis.call('HGET', KEYS[2], ARGV[1] .. ':payload')}
 """
@@ -116,6 +130,7 @@ return {redis.call('HGET', KEYS[2], ARGV[1]), attempt, redis.call('HGET', KEYS[2
 _RETRY = (
     _FENCE
     + _NOW
+    + _RELEASE
     + """
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
 return 1
@@ -124,9 +139,37 @@ return 1
 # ARGV: id, claim.
 _DONE = (
     _FENCE
+    + _RELEASE
     + """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1], ARGV[1] .. ':claim', ARGV[1] .. ':attempts', ARGV[1] .. ':payload')
+return 1
+"""
+)
+# Returns [id, claim, holder, began, ...] of every attempt running.
+_HELD = """
+local held = {}
+local began = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+for i = 1, #began, 2 do
+  local claim, holder = unpack(redis.call('HMGET', KEYS[2], began[i] .. ':claim', began[i] .. ':holder'))
+  if claim and holder then
+    for _, value in ipairs({began[i], claim, holder, began[i + 1]}) do table.insert(held, value) end
+  end
+end
+return held
+"""
+# ARGV: id, claim, silent seconds. Makes the event due now where that claim's attempt still runs and began at least
+# `silent` seconds ago (0: any), so that the relay's next take hands it out under a new claim. Returns 1, or false.
+_TAKE_BACK = (
+    _FENCE
+    + _NOW
+    + """
+local began = redis.call('ZSCORE', KEYS[3], ARGV[1])
+if not began or now - tonumber(began) < tonumber(ARGV[3]) then return false end
+redis.call('ZADD', KEYS[1], 'XX', now, ARGV[1])
+"""
+    + _RELEASE
+    + """
 return 1
 """
 )
@@ -135,9 +178,10 @@ return 1
 class Outbox:
     def __init__(self, redis: Redis, prefix: str = "vsrq") -> None:
         self.redis = redis
-        self.keys = outbox_keys(prefix)
-        self._take, self._take_one, self._start, self._retry, self._done = (
-            redis.register_script(script) for script in (_TAKE, _TAKE_ONE, _START, _RETRY, _DONE)
+        self.keys = [*outbox_keys(prefix), f"{prefix}:webhooks:held"]
+        scripts = (_TAKE, _TAKE_ONE, _START, _RETRY, _DONE, _HELD, _TAKE_BACK)
+        self._take, self._take_one, self._start, self._retry, self._done, self._held, self._take_back = (
+            redis.register_script(script) for script in scripts
         )
 
     def take(self, claim_s: float, limit: int = 100) -> list[Claim]:
@@ -150,9 +194,10 @@ class Outbox:
         claim = self._take_one(keys=self.keys, args=[claim_s, event_id])
         return Claim(event_id, int(claim)) if claim else None
 
-    def start(self, event_id: str, claim: int, hold_s: float) -> Started | None:
-        """Counts one more attempt and holds the event for `hold_s`; None when `claim` is no longer the latest."""
-        reply = self._start(keys=self.keys, args=[event_id, claim, hold_s])
+    def start(self, event_id: str, claim: int, hold_s: float, holder: str) -> Started | None:
+        """Counts one more attempt, made by `holder` ("{worker name}/{pid}"), and holds the event for `hold_s`; None
+        when `claim` is no longer the latest."""
+        reply = self._start(keys=self.keys, args=[event_id, claim, hold_s, holder])
         if not reply:
             return None
         raw, attempt, payload = reply
@@ -172,6 +217,17 @@ class Outbox:
     def done(self, event_id: str, claim: int) -> bool:
         """Removes the event (delivered, or given up). False when `claim` is no longer the latest."""
         return bool(self._done(keys=self.keys, args=[event_id, claim]))
+
+    def held(self) -> list[Held]:
+        """The attempts running now, as one snapshot: each event's claim, its holder and when it began."""
+        flat = [value.decode() for value in self._held(keys=self.keys)]
+        return [Held(flat[i], flat[i + 1], flat[i + 2], float(flat[i + 3])) for i in range(0, len(flat), 4)]
+
+    def take_back(self, held: list[Held], silent_s: float = 0) -> list[str]:
+        """Makes each of these attempts' events due now, where its claim is still the latest and the attempt began
+        `silent_s` ago or more (its worker is gone: worker.gone); the relay hands them out again. The ids taken back."""
+        taken = (self._take_back(keys=self.keys, args=[holding.id, holding.token, silent_s]) for holding in held)
+        return [holding.id for holding, took in zip(held, taken, strict=True) if took]
 
     def next_due_s(self) -> float:
         """Seconds until `take` has an event to give (0: now; inf: none waiting)."""

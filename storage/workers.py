@@ -10,6 +10,7 @@ Expiry rather than a goodbye: a worker killed with SIGKILL, or on a host that lo
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 from redis import Redis
@@ -34,6 +35,16 @@ class WorkerInfo(BaseModel):
 
 
 _JSON_FIELDS = ("queues", "devices", "gpus", "qualities")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a worker process holds, named as the registry names it: a job's lease, a webhook's attempt."""
+
+    id: str  # the job's or the event's
+    token: str  # this holding's own (a job's lease token, an event's claim): a new one is another holding
+    holder: str  # "{worker name}/{pid}"
+    since: float | None  # when it was taken, on Redis's clock (None: not recorded, by older code)
 
 
 class WorkerRegistry:

@@ -14,51 +14,65 @@ its grace again. The silence is checked again in the requeue's script (`JobStore
 again since the look is not touched. What a gone worker was holding is requeued as its lease running out would have
 requeued it (`worker_gone`), and counts as that would.
 
+A webhook's attempt is held the same way (storage.webhooks records its delivery worker and when it started): a delivery
+worker killed mid-attempt held its event for `webhook_claim_s` (120 s); the reaper makes the event due again once its
+holder is gone and the attempt began `worker_ttl_s` ago (an attempt lasts `webhook_timeout_s`), and a delivery worker
+started again under its name does so at once (worker.signals), as a GPU worker does for its predecessor's jobs.
+
 What it costs: a live worker cut off from Redis (a partition) looks gone too, so its job goes back after about 1.5 ×
 `worker_ttl_s` and a pass, where the lease alone waited `VSRQ_LEASE_S` (fenced: the cut-off worker's later writes are
 refused, its work is redone from its kept windows); a deployment that must ride out longer partitions raises
-`VSRQ_WORKER_TTL_S`. And one worker per name, running its own tasks (the solo pool): a second process of the same name,
-or a pool child's pid, is a holder no entry names.
+`VSRQ_WORKER_TTL_S`. And one worker per name, running its own tasks (the solo or threads pool): a second process of
+the same name, or a pool child's pid, is a holder no entry names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from time import monotonic
 
-from storage.jobs import JobRecord, JobStore
-from storage.workers import WorkerInfo, WorkerRegistry
+from redis import Redis
+
+from storage.jobs import JobStore
+from storage.workers import Held, WorkerInfo, WorkerRegistry
 
 
 class GoneWorkers:
-    """`grace_s`: how long a holder must be found gone from the registry, over two looks at least, before its jobs are
-    due; `silent_s`: how long nothing may have written a job of its (the registry's TTL: a live worker beats far more
-    often)."""
+    """`grace_s`: how long a holder must be found gone from the registry, over two looks at least, before what it holds
+    is due; `silent_s`: how long nothing may have written it (the registry's TTL: a live worker beats far more often).
+    One instance per kind of holding (jobs' leases, webhooks' attempts): a look forgets what it was not shown."""
 
     def __init__(self, grace_s: float, silent_s: float) -> None:
         self.grace_s, self.silent_s = grace_s, silent_s
-        self._missing_since: dict[tuple[str, str], float] = {}  # (job id, lease token) -> when a look first missed
-        # its holder: a lease's own, so that a job leased again (a container's new process may hold its predecessor's
-        # name and pid) starts a grace of its own
+        self._missing_since: dict[tuple[str, str], float] = {}  # (id, token) -> when a look first missed its holder:
+        # a holding's own, so that a job leased again (a container's new process may hold its predecessor's name and
+        # pid) starts a grace of its own
 
-    def due(self, jobs: JobStore) -> list[str]:
-        """One look: the running jobs whose holder was gone from the registry on every look for `grace_s`, for the
-        caller to take back with `JobStore.take_back_silent(ids, self.silent_s)`."""
-        # the jobs first, then the registry: a worker that registers between the two reads is seen alive
-        running = [job for job in jobs.running() if job.worker]
-        alive = {worker.name: worker for worker in WorkerRegistry(jobs.redis).list()} if running else {}
+    def due(self, held: Sequence[Held], redis: Redis) -> list[str]:
+        """One look: the ids of `held` whose holder was gone from the registry on every look for `grace_s`, for the
+        caller to take back if still silent (`JobStore.take_back_silent`, `Outbox.take_back_silent`). `held` is read
+        before this call reads the registry: a worker that registers between the two reads is seen alive."""
+        alive = {worker.name: worker for worker in WorkerRegistry(redis).list()} if held else {}
         now = monotonic()
-        missing = {(job.id, job.lease_token or job.worker) for job in running if not _alive(job, alive)}
-        # a holder seen alive again, or a lease ended, starts its grace again at its next absence
-        self._missing_since = {lease: self._missing_since.get(lease, now) for lease in missing}
-        waited = {lease: now - since for lease, since in self._missing_since.items()}
-        # two looks at least (a lease first missed on this one has waited 0), and the grace
-        return [job_id for (job_id, _), seconds in waited.items() if 0 < seconds and seconds >= self.grace_s]
+        missing = {(holding.id, holding.token) for holding in held if not _alive(holding, alive)}
+        # a holder seen alive again, or a holding ended, starts its grace again at its next absence
+        self._missing_since = {key: self._missing_since.get(key, now) for key in missing}
+        waited = {key: now - since for key, since in self._missing_since.items()}
+        # two looks at least (a holding first missed on this one has waited 0), and the grace
+        return [held_id for (held_id, _), seconds in waited.items() if 0 < seconds and seconds >= self.grace_s]
 
 
-def _alive(job: JobRecord, alive: dict[str, WorkerInfo]) -> bool:
-    """Whether the process holding the job's lease is the live worker of its name: not where none is, nor where the one
-    that is has another pid or registered after the lease was taken (a worker started again under its name, whose
-    own look for its predecessor's jobs failed; in a container, the new process may get the dead one's pid)."""
-    name, _, pid = job.worker.rpartition("/")
+def leases(jobs: JobStore) -> list[Held]:
+    """The running jobs' leases."""
+    return [
+        Held(job.id, job.lease_token or job.worker, job.worker, job.leased_at) for job in jobs.running() if job.worker
+    ]
+
+
+def _alive(held: Held, alive: dict[str, WorkerInfo]) -> bool:
+    """Whether the process holding it is the live worker of its name: not where none is, nor where the one that is has
+    another pid or registered after it was taken (a worker started again under its name, whose own look for its
+    predecessor's holdings failed; in a container, the new process may get the dead one's pid)."""
+    name, _, pid = held.holder.rpartition("/")
     live = alive.get(name)
-    return live is not None and str(live.pid) == pid and (job.leased_at is None or live.started_at <= job.leased_at)
+    return live is not None and str(live.pid) == pid and (held.since is None or live.started_at <= held.since)

@@ -2,7 +2,7 @@
 (worker.gone), or fails them after `max_attempts`; sends the message of queued jobs whose sender died before sending
 it, sends again the message of queued jobs the broker no longer holds (a consumer killed as it took it: worker.lost),
 sweeps blob storage (storage.lifecycle), and relays due webhooks from the outbox to their delivery workers
-(worker.webhooks).
+(worker.webhooks), again at once where the one delivering it is gone from the registry.
 
     python -m worker.reaper            every VSRQ_REAP_INTERVAL_S seconds (default 10), until SIGTERM / SIGINT
 
@@ -24,10 +24,10 @@ from storage.lifecycle import forget_attempts, sweep
 from storage.logs import configure, settings_secrets
 from storage.overview import lost_message_resent, reaper_passed
 from storage.queue import send_upscale
-from storage.webhooks import relay_once
+from storage.webhooks import Claim, Outbox, relay_once
 from worker import service
 from worker.celery_app import app
-from worker.gone import GoneWorkers
+from worker.gone import GoneWorkers, leases
 from worker.lost import LostMessages
 from worker.webhooks import outbox
 
@@ -47,7 +47,7 @@ def reap_once(
     and, given `lost`, one whose message the broker has not held for its grace."""
     outcome = {job_id: (status, "lease expired") for job_id, status in jobs.reap().items()}
     if gone is not None:
-        taken = jobs.take_back_silent(gone.due(jobs), gone.silent_s)
+        taken = jobs.take_back_silent(gone.due(leases(jobs), jobs.redis), gone.silent_s)
         outcome |= {job_id: (status, "its worker gone") for job_id, status in taken.items()}
     ended = []  # failed or cancelled with no attempt alive to clean up: their files go once the messages are sent
     for job_id, (status, why) in outcome.items():
@@ -74,6 +74,17 @@ def reap_once(
     for job in ended:  # storage that hangs holds the pass here, after every message it had to send
         forget_attempts(service.blobs(), job)
     return {job_id: status for job_id, (status, _) in outcome.items()}
+
+
+def relay_pass(box: Outbox, celery: Celery, claim_s: float, gone: GoneWorkers | None = None) -> list[Claim]:
+    """One pass of the webhook relay: given `gone` (the looks of earlier passes), the attempts of delivery workers gone
+    from the registry are due again at once, not when their claim runs out; then every due event goes out."""
+    if gone is not None:
+        held = box.held()
+        due = set(gone.due(held, box.redis))
+        for event_id in box.take_back([holding for holding in held if holding.id in due], gone.silent_s):
+            log.warning("%s: its delivery worker is gone: due again now", event_id)
+    return relay_once(box, celery, claim_s)
 
 
 class Outage:
@@ -129,6 +140,7 @@ def main() -> None:
     lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)
     # a worker's entry is rewritten every third of its TTL: half of it is past the beat a live one owes
     gone = GoneWorkers(grace_s=settings.worker_ttl_s / 2, silent_s=settings.worker_ttl_s)
+    gone_hooks = GoneWorkers(grace_s=gone.grace_s, silent_s=gone.silent_s)  # the webhooks' attempts: looks of their own
     reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
         began = monotonic()
@@ -139,7 +151,7 @@ def main() -> None:
         except Exception as error:  # Redis restarting: try again next time rather than exit
             reaping.failed(error)
         try:
-            relay_once(outbox(), app, settings.webhook_claim_s)
+            relay_pass(outbox(), app, settings.webhook_claim_s, gone_hooks)
             relaying.passed()
         except Exception as error:  # Redis or the broker down: the events wait in the outbox for the next pass
             relaying.failed(error)

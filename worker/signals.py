@@ -20,10 +20,11 @@ import redis.exceptions
 from celery.signals import setup_logging, task_postrun, task_prerun, worker_init, worker_ready, worker_shutdown
 
 from storage.clock import redis_now
-from storage.jobs import Status
+from storage.jobs import JobStore, Status
 from storage.lifecycle import forget_attempts
 from storage.logs import configure, current_job, settings_secrets
 from storage.queue import UPSCALE_TASK, send_upscale
+from storage.webhooks import DELIVER_TASK, Outbox
 from storage.workers import WorkerInfo, WorkerRegistry
 from worker import metrics, service, started
 
@@ -46,11 +47,13 @@ def _metrics_port(**_: Any) -> None:
 
 
 @worker_init.connect
-def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
+def _take_back_what_a_dead_predecessor_held(sender: Any, **_: Any) -> None:
     """A worker started under the name of one that died (`kill -9`, the OOM killer, a container or `vsrq dev`
-    restarting it) requeues the jobs that process held at once, instead of leaving them to their lease (120 s): the
-    process is gone, and its pid says so. Never while a worker of this name is alive, here or on another host."""
-    if UPSCALE_TASK not in sender.app.tasks:
+    restarting it) requeues the jobs that process held, or hands out again the webhooks it was delivering, at once,
+    instead of leaving them to their lease (120 s) or claim (120 s): the process is gone, and its pid says so. Never
+    while a worker of this name is alive, here or on another host."""
+    runs_jobs, delivers = UPSCALE_TASK in sender.app.tasks, DELIVER_TASK in sender.app.tasks
+    if not runs_jobs and not delivers:
         return
     configure_logging()  # the first `worker_init` receiver: Celery sets logging up only after them
     name, host, pid, jobs = sender.hostname, socket.gethostname(), os.getpid(), service.jobs()
@@ -66,14 +69,23 @@ def _take_back_a_dead_predecessor_s_jobs(sender: Any, **_: Any) -> None:
             holder_name, _, holder_pid = holder.rpartition("/")
             return holder_name == name and (int(holder_pid) == pid or not psutil.pid_exists(int(holder_pid)))
 
-        for job_id, status in jobs.take_back(jobs.leased_by(dead)).items():
-            if (job := jobs.get(job_id)) is not None and status == Status.QUEUED:
-                send_upscale(sender.app, jobs, job, first=True)  # its turn had come
-            elif job is not None:  # failed or cancelled: the dead attempt's files go now
-                forget_attempts(service.blobs(), job)
-            log.warning("%s: held by this worker's dead predecessor, now %s", job_id, status, extra={"job_id": job_id})
-    except redis.exceptions.RedisError as error:  # the reaper requeues them (worker.gone: the name is another pid's)
-        log.warning("could not look for a dead predecessor's jobs: %s", error)
+        if runs_jobs:
+            _take_back_jobs(sender.app, jobs, dead)
+        if delivers:
+            box = Outbox(jobs.redis, jobs.prefix)
+            for event_id in box.take_back([held for held in box.held() if dead(held.holder)]):
+                log.warning("%s: delivered by this worker's dead predecessor, due again now", event_id)
+    except redis.exceptions.RedisError as error:  # the reaper takes them back (worker.gone: the name is another pid's)
+        log.warning("could not look for what a dead predecessor held: %s", error)
+
+
+def _take_back_jobs(app: Any, jobs: JobStore, dead: Callable[[str], bool]) -> None:
+    for job_id, status in jobs.take_back(jobs.leased_by(dead)).items():
+        if (job := jobs.get(job_id)) is not None and status == Status.QUEUED:
+            send_upscale(app, jobs, job, first=True)  # its turn had come
+        elif job is not None:  # failed or cancelled: the dead attempt's files go now
+            forget_attempts(service.blobs(), job)
+        log.warning("%s: held by this worker's dead predecessor, now %s", job_id, status, extra={"job_id": job_id})
 
 
 class Presence:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import urllib3
+from celery import Task
 from celery.signals import worker_init
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
@@ -69,10 +71,11 @@ class Attempt:
     retry_after_s: float | None = None
 
 
-@app.task(name=DELIVER_TASK)
-def deliver_webhook(event_id: str, claim: int) -> None:
+@app.task(name=DELIVER_TASK, bind=True)
+def deliver_webhook(task: Task, event_id: str, claim: int) -> None:
     settings, box, jobs = service.settings(), outbox(), service.jobs()
-    started = box.start(event_id, claim, settings.webhook_claim_s)
+    # held in the worker registry's terms, so that the reaper can tell this worker gone (worker.gone)
+    started = box.start(event_id, claim, settings.webhook_claim_s, f"{task.request.hostname}/{os.getpid()}")
     if started is None:  # a later claim took the event over (this message waited longer than a claim lasts)
         log.info("dropped a stale message for %s (claim %d)", event_id, claim)
         return

@@ -22,12 +22,15 @@ class Received:
 
 class Receiver:
     """An HTTPS server on 127.0.0.1: answers each path with the statuses scripted for it, then 200; keeps every
-    request."""
+    request. A scripted `HANG` answers nothing until `release()`: an attempt in flight."""
+
+    HANG = 0
 
     def __init__(self, cert: trustme.LeafCert) -> None:
         self.requests: list[Received] = []
         self._scripts: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self._released: dict[str, threading.Event] = {}
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -37,6 +40,9 @@ class Receiver:
                     receiver.requests.append(Received(self.path, dict(self.headers), body, time.monotonic()))
                     script = receiver._scripts.get(self.path, [])
                     status = script.pop(0) if script else 200
+                if status == Receiver.HANG:
+                    receiver._released.setdefault(self.path, threading.Event()).wait(60)
+                    return  # the connection closes without an answer
                 self.send_response(status)
                 if 300 <= status < 400:
                     self.send_header("Location", f"{self.path}/moved")
@@ -57,6 +63,10 @@ class Receiver:
         path = f"/hooks/{secrets.token_hex(4)}"
         self._scripts[path] = list(statuses)
         return path
+
+    def release(self, path: str) -> None:
+        """Ends the path's hung requests, and hangs it no more."""
+        self._released.setdefault(path, threading.Event()).set()
 
     def url(self, path: str) -> str:
         return f"https://localhost:{self.port}{path}"  # a name: TLS checks it while the socket uses the address

@@ -46,7 +46,7 @@ from storage.workers import WorkerInfo, WorkerRegistry
 from worker import service
 from worker.errors import Cancelled, InvalidRequest
 from worker.frames import quantise
-from worker.gone import GoneWorkers
+from worker.gone import GoneWorkers, leases
 from worker.heartbeat import Heartbeat
 from worker.media import lossless
 from worker.kept_windows import WINDOWS_HELD, BlobWindowStore, windows_key
@@ -204,21 +204,21 @@ def test_a_worker_gone_from_the_registry_loses_its_job_only_when_missing_on_two_
     gone = GoneWorkers(grace_s=0.5, silent_s=1.0)
 
     registry.register(info)
-    assert job.id not in gone.due(jobs)  # alive
+    assert job.id not in gone.due(leases(jobs), jobs.redis)  # alive
     registry.remove(name)  # as its entry expires
-    assert job.id not in gone.due(jobs)  # one look: the grace starts
+    assert job.id not in gone.due(leases(jobs), jobs.redis)  # one look: the grace starts
     time.sleep(0.6)
     registry.register(info)  # back (a Redis restart had lost the entry): its grace starts again at its next absence
-    assert job.id not in gone.due(jobs)
+    assert job.id not in gone.due(leases(jobs), jobs.redis)
     registry.remove(name)
-    assert job.id not in gone.due(jobs)
+    assert job.id not in gone.due(leases(jobs), jobs.redis)
     time.sleep(0.6)
     lease.heartbeat(progress=10)  # its heartbeats go on: not silent
-    assert job.id in gone.due(jobs)
+    assert job.id in gone.due(leases(jobs), jobs.redis)
     assert jobs.take_back_silent([job.id], gone.silent_s) == {}
     assert jobs.require(job.id).status == "in_progress"
     time.sleep(1.1)  # silent for `silent_s`
-    assert job.id in gone.due(jobs)
+    assert job.id in gone.due(leases(jobs), jobs.redis)
     assert jobs.take_back_silent([job.id], gone.silent_s) == {job.id: "queued"}
     [requeued] = [event for event in jobs.events(job.id) if event.type == "requeued"]
     assert requeued.detail["reason"]["code"] == "worker_gone"
@@ -231,14 +231,14 @@ def test_a_worker_gone_from_the_registry_loses_its_job_only_when_missing_on_two_
         lease = jobs.lease(job.id, f"{name}/123", 60)
         registered = time.time() + registered_since_s
         registry.register(info.model_copy(update={"pid": pid, "started_at": registered}))
-        assert job.id not in gone.due(jobs)
+        assert job.id not in gone.due(leases(jobs), jobs.redis)
         time.sleep(1.1)
-        assert job.id in gone.due(jobs)
+        assert job.id in gone.due(leases(jobs), jobs.redis)
         assert jobs.take_back_silent([job.id], gone.silent_s) == {job.id: "queued"}, pid
     registry.register(info.model_copy(update={"started_at": time.time() - 60}))  # the holder itself, alive
     lease = jobs.lease(job.id, f"{name}/123", 60)
     time.sleep(1.1)
-    assert job.id not in gone.due(jobs)
+    assert job.id not in gone.due(leases(jobs), jobs.redis)
     registry.remove(name)
     lease.complete(OutputInfo(key="k", bytes=0, sha256="0" * 64))  # no lease left to a later test's reaper
 

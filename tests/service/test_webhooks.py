@@ -22,6 +22,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 import requests
 import standardwebhooks
 import trustme
@@ -169,14 +170,17 @@ def upscaler(hooks_env, tmp_path_factory) -> Iterator[Path]:
         yield log
 
 
+def delivery_worker(name: str) -> list[str]:
+    """The Procfile's `webhooks` process, named `name`."""
+    return ["celery", "-A", "worker.webhooks", "worker", "--pool", "threads", "--concurrency", "4", "-Q", QUEUE,
+            "-n", name, "--without-gossip", "--without-mingle", "--loglevel", "info"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def webhook_worker(hooks_env, tmp_path_factory) -> Iterator[Path]:
     """The Procfile's `webhooks` process: its log file."""
     log = tmp_path_factory.mktemp("hooks") / "webhooks.log"
-    command = ["celery", "-A", "worker.webhooks", "worker", "--pool", "threads", "--concurrency", "4", "-Q", QUEUE,
-               "-n", f"hooks-{secrets.token_hex(3)}@localhost", "--without-gossip", "--without-mingle",
-               "--loglevel", "info"]  # fmt: skip
-    with running(command, hooks_env, log):
+    with running(delivery_worker(f"hooks-{secrets.token_hex(3)}@localhost"), hooks_env, log):
         yield log
 
 
@@ -354,3 +358,78 @@ def test_a_relay_killed_between_taking_and_sending_loses_nothing(
     (attempt,) = webhook_events(jobs, job_id, 1)
     assert (attempt["attempt"], attempt["outcome"]) == (1, "delivered")
     verify(call.body, call.headers, [SECRET])
+
+
+def test_an_attempt_is_held_by_its_worker_and_taken_back_only_while_it_still_runs(redis_client):
+    """What the reaper and a restarted delivery worker act on (storage.webhooks): an attempt records its worker until
+    it ends; taking it back makes the event due now, only for the attempt looked at (a later claim's is not touched)
+    and only once it has run `silent_s`."""
+    prefix = f"held-{secrets.token_hex(3)}"
+    jobs = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=prefix)
+    box = Outbox(redis_client, prefix)
+    ended_without_upscaling(jobs, "https://example.com/hook")
+    [claim] = box.take(claim_s=60)
+    assert box.held() == []  # handed out, not started
+    assert box.start(claim.event_id, claim.claim, 60, "hooks@a/123") is not None
+    [held] = box.held()
+    assert (held.id, held.token, held.holder) == (claim.event_id, str(claim.claim), "hooks@a/123")
+    assert abs(held.since - time.time()) < 5
+    assert box.take(claim_s=60) == []  # held for its attempt's hold (60 s)
+    assert box.take_back([held], silent_s=30) == []  # running for less than `silent_s`
+    assert box.take_back([held]) == [claim.event_id]
+    assert box.held() == []
+    [again] = box.take(claim_s=60)  # due at once, under a new claim
+    assert box.start(claim.event_id, claim.claim, 60, "hooks@a/123") is None  # the old message is fenced out
+    assert box.start(again.event_id, again.claim, 60, "hooks@b/456") is not None
+    assert box.take_back([held]) == []  # the attempt looked at is over: another runs
+    [now_held] = box.held()
+    assert now_held.holder == "hooks@b/456"
+    assert box.retry(again.event_id, again.claim, 60)  # an attempt's end: nothing holds it
+    assert box.held() == [] and box.take_back([now_held]) == []
+    redis_client.delete(*box.keys, *redis_client.keys(f"{prefix}:*"))
+
+
+@pytest.mark.parametrize("restarted", [True, False], ids=["started-again", "not-started-again"])
+def test_a_delivery_worker_killed_mid_attempt_does_not_hold_its_webhook_for_the_claim(
+    restarted, hooks_env, settings, receiver, tmp_path
+):
+    """A chaos trial: the receiver hung, the delivery worker was killed mid-attempt and started again under its name
+    within a second, and the webhook went out 121 s after the job ended: the whole claim (`webhook_claim_s`, 60 s
+    here). Started again under its name, the worker hands its predecessor's attempt out again at once; not started
+    again (a pod evicted), the reaper does once the killed worker's registry entry has expired (`VSRQ_WORKER_TTL_S`,
+    3 s here) and the attempt has run that long. A Redis database of the test's own: no other test's processes."""
+    store_url = settings.redis_url.rsplit("/", 1)[0] + "/8"
+    own = redis.Redis.from_url(store_url)
+    own.flushdb()
+    jobs = JobStore(own, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
+    # the registry's TTL is 30 s where the worker is started again: the reaper's rule cannot act first
+    env = {**hooks_env, "VSRQ_REDIS_URL": store_url, "VSRQ_BROKER_URL": store_url, "VSRQ_WEBHOOK_CLAIM_S": "60",
+           "VSRQ_WEBHOOK_TIMEOUT_S": "30", "VSRQ_WORKER_TTL_S": "30" if restarted else "3"}  # fmt: skip
+    path = receiver.path(Receiver.HANG)
+    job_id = ended_without_upscaling(jobs, receiver.url(path))
+    name = f"hooks-{secrets.token_hex(3)}@localhost"
+    try:
+        with running(["worker.reaper"], env, tmp_path / "reaper.log"):
+            with running(delivery_worker(name), env, tmp_path / "killed.log") as killed:
+                receiver.wait(path, 1)  # its attempt is in flight
+                killed.kill()
+                killed.wait()
+            at = time.monotonic()
+            other = name if restarted else f"hooks-{secrets.token_hex(3)}@localhost"
+            with running(delivery_worker(other), env, tmp_path / "other.log"):
+                _, call = receiver.wait(path, 2, limit_s=45)
+    finally:
+        receiver.release(path)
+    took = call.at - at
+    how = "started again" if restarted else "another worker, registry TTL 3 s"
+    print(f"FIGURE webhook delivered {took:.1f} s after its delivery worker's kill ({how}; claim 60 s)")
+    assert took < 20, f"waited for the claim: {took:.1f} s"
+    (attempt,) = webhook_events(jobs, job_id, 1)  # the killed attempt never answered: counted, not recorded
+    assert (attempt["attempt"], attempt["outcome"]) == (2, "delivered")
+    verify(call.body, call.headers, [SECRET])
+    event = f"msg_{job_id}_cancelled"
+    if restarted:
+        assert f"{event}: delivered by this worker's dead predecessor" in (tmp_path / "other.log").read_text()
+    else:
+        assert f"{event}: its delivery worker is gone" in (tmp_path / "reaper.log").read_text()
+    own.flushdb()
