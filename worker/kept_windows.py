@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-import json
 import logging
 import threading
 from collections import deque
@@ -186,8 +185,9 @@ class BlobWindowStore:
                     if name in self.listed:
                         self.blobs.download(self.prefix + name, self.directory / name, self.progress)
                 if pixels == packed:
-                    kept = json.loads(path("json").read_text())
-                    lossless.expand(path("mkv"), tuple(kept["shape"]), kept.get("dtype", "uint8"), path("u8"))
+                    if (frames := self.local.frames(index)) is None:  # not this store's writing: computed again
+                        return None
+                    lossless.expand(path("mkv"), *frames, path("u8"))
             return self.local.load(index)
         except FATAL:
             raise
@@ -287,8 +287,9 @@ class BlobWindowStore:
         random checkpoint's output) is not. Raw where FFV1 fails: kept all the same."""
         raw, packed = self.local._path(index, "u8"), self.local._path(index, "mkv")
         try:
-            kept = json.loads(self.local._path(index, "json").read_text())
-            lossless.compress(raw, tuple(kept["shape"]), kept["dtype"], packed)
+            if (frames := self.local.frames(index)) is None:
+                raise ValueError("its JSON does not say the frames' shape")
+            lossless.compress(raw, *frames, packed)
         except Exception:
             if not raw.exists():  # `close` deleted the local files: the attempt has ended
                 raise
