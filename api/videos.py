@@ -34,7 +34,7 @@ from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
 from api.uploads import hash_form, no_such_upload, receive_form, upload_name
-from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, upload_key
+from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, storage_unavailable, upload_key
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files, forget_attempts
 from storage.queue import send_upscale
@@ -384,8 +384,9 @@ def delete_video(job_id: str) -> Response:
     # into a 404
     try:
         delete_job_files(jobs, blobs, job)
-    except Exception as error:
-        log.warning("%s deleted; its files are left to the storage sweep (%s)", job_id, error)
+    except Exception as error:  # an outage in a line; anything else with its traceback (a bug, a refusal that stays)
+        cause = None if storage_unavailable(error) else error
+        log.warning("%s deleted; its files are left to the storage sweep (%s)", job_id, error, exc_info=cause)
     return jsonify(id=job_id, object="video.deleted", deleted=True)
 
 

@@ -20,9 +20,19 @@ from stat import S_ISREG
 from typing import Any, BinaryIO, Protocol
 
 import boto3
+import botocore.exceptions
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
+from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from botocore.retries.standard import (
+    OrRetryChecker,
+    RetryContext,
+    ThrottledRetryableChecker,
+    ThrottlingStatusCodeChecker,
+    TransientRetryableChecker,
+)
 
 from storage.config import Settings
 
@@ -435,6 +445,47 @@ def refusal(error: ClientError) -> str | None:
     if code == "NoSuchBucket" or (status == 404 and error.operation_name == "HeadBucket"):
         return "bucket"
     return None
+
+
+# botocore's own transient list (standard retry mode, as this module configures it): still transient past its 3 tries
+_BOTOCORE_TRANSIENT = OrRetryChecker(
+    [TransientRetryableChecker(), ThrottledRetryableChecker(), ThrottlingStatusCodeChecker()]
+)
+# S3's answers to an upload that reached it damaged (a body cut short or altered on the way: a partition that healed
+# mid-request), which botocore does not retry since its own bytes were sound. SeaweedFS answers a body cut short with
+# 499 ClientDisconnected, AWS with 400 IncompleteBody or RequestTimeout. Only a request with a body can arrive so: on
+# any other (a HEAD against the wrong region answers a bare 400) they are refusals that stay.
+_DAMAGED = {"IncompleteBody", "BadDigest", "XAmzContentSHA256Mismatch", "ClientDisconnected", "BadRequest"}
+_UPLOADS = {"PutObject", "UploadPart", "CompleteMultipartUpload"}
+# S3UploadFailedError, RetriesExceededError: boto3's transfer manager gave up on the parts
+UNREACHABLE = (
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.HTTPClientError,
+    S3UploadFailedError,
+    RetriesExceededError,
+)
+
+
+def storage_unavailable(error: BaseException) -> bool:
+    """Whether storage could not be reached, or answered that it may on the next try (an outage: waited out, logged
+    in a line), as opposed to a refusal that stays or a bug."""
+    return isinstance(error, UNREACHABLE) or (isinstance(error, ClientError) and _transient(error))
+
+
+def _transient(error: ClientError) -> bool:
+    """Whether storage's answer may change on the next try. A 400 with no S3 error code to an upload is one the server
+    could not parse as a request at all (botocore names it by its status): only bytes lost on the way make those of a
+    request botocore built. Refusals that stay (403 AccessDenied, 404 NoSuchBucket, InvalidAccessKeyId...) are
+    permanent; a conflict S3 says to try again (OperationAborted) is not."""
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    code = error.response.get("Error", {}).get("Code")
+    damaged = code in _DAMAGED or (status == 400 and code in (None, "400"))
+    if error.operation_name in _UPLOADS and damaged:
+        return True
+    if status >= 500 or status in (408, 499) or code == "OperationAborted":
+        return True
+    context = RetryContext(1, parsed_response=error.response, http_response=AWSResponse(None, status, {}, None))
+    return _BOTOCORE_TRANSIENT.is_retryable(context)
 
 
 # -- Local directory -----------------------------------------------------------------------------------------------

@@ -9,18 +9,9 @@ from typing import Literal
 import botocore.exceptions
 import redis.exceptions
 import torch
-from boto3.exceptions import RetriesExceededError, S3UploadFailedError
-from botocore.awsrequest import AWSResponse
-from botocore.retries.standard import (
-    OrRetryChecker,
-    RetryContext,
-    ThrottledRetryableChecker,
-    ThrottlingStatusCodeChecker,
-    TransientRetryableChecker,
-)
 from celery.worker import state as worker_state
 
-from storage.blobs import PREVIEWS, BlobNotFound, preview_key, refusal, work_prefix
+from storage.blobs import PREVIEWS, UNREACHABLE, BlobNotFound, preview_key, refusal, storage_unavailable, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
 from storage.queue import send_upscale
@@ -59,9 +50,9 @@ def classify(error: BaseException) -> tuple[Outcome, str, str]:
         return "retry", "gpu_oom", "The GPU ran out of memory."
     if isinstance(error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         return "retry", "redis_unavailable", "The job store could not be reached."
-    if isinstance(error, _UNREACHABLE):
+    if isinstance(error, UNREACHABLE):
         return "retry", "storage_unavailable", "Blob storage could not be reached."
-    if isinstance(error, botocore.exceptions.ClientError) and _transient(error):
+    if storage_unavailable(error):
         return "retry", "storage_unavailable", "Blob storage is unavailable."
     if isinstance(error, botocore.exceptions.ClientError) and refusal(error) and storage_refuses_worker():
         return "retry", STORAGE_REFUSED, "Blob storage refused the worker that took the job; another one will run it."
@@ -108,51 +99,6 @@ def retry_wait_s(error: BaseException, lease: Lease) -> float:
     if isinstance(error, WorkerOutdated):  # taken at once, it would come back to the same workers
         return OUTDATED_WAIT_S
     return 0.0
-
-
-# botocore's own transient list (standard retry mode, as storage.blobs configures): still transient past its 3 tries
-_BOTOCORE_TRANSIENT = OrRetryChecker(
-    [TransientRetryableChecker(), ThrottledRetryableChecker(), ThrottlingStatusCodeChecker()]
-)
-# S3's answers to an upload that reached it damaged (a body cut short or altered on the way: a partition that healed
-# mid-request), which botocore does not retry since its own bytes were sound. SeaweedFS answers a body cut short with
-# 499 ClientDisconnected, AWS with 400 IncompleteBody or RequestTimeout. Only a request with a body can arrive so: on
-# any other (a HEAD against the wrong region answers a bare 400) they are refusals that stay.
-_DAMAGED = {"IncompleteBody", "BadDigest", "XAmzContentSHA256Mismatch", "ClientDisconnected", "BadRequest"}
-_UPLOADS = {"PutObject", "UploadPart", "CompleteMultipartUpload"}
-
-
-# S3UploadFailedError, RetriesExceededError: boto3's transfer manager gave up on the parts
-_UNREACHABLE = (
-    botocore.exceptions.ConnectionError,
-    botocore.exceptions.HTTPClientError,
-    S3UploadFailedError,
-    RetriesExceededError,
-)
-
-
-def storage_unavailable(error: BaseException) -> bool:
-    """Whether blob storage could not be reached, or answered that it may on the next try: what `classify` calls
-    `storage_unavailable`, told without its further checks (a refusal's asks storage again)."""
-    return isinstance(error, _UNREACHABLE) or (
-        isinstance(error, botocore.exceptions.ClientError) and _transient(error)
-    )
-
-
-def _transient(error: botocore.exceptions.ClientError) -> bool:
-    """Whether storage's answer may change on the next try. A 400 with no S3 error code to an upload is one the server
-    could not parse as a request at all (botocore names it by its status): only bytes lost on the way make those of a
-    request botocore built. Refusals that stay (403 AccessDenied, 404 NoSuchBucket, InvalidAccessKeyId...) are
-    permanent; a conflict S3 says to try again (OperationAborted) is not."""
-    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    code = error.response.get("Error", {}).get("Code")
-    damaged = code in _DAMAGED or (status == 400 and code in (None, "400"))
-    if error.operation_name in _UPLOADS and damaged:
-        return True
-    if status >= 500 or status in (408, 499) or code == "OperationAborted":
-        return True
-    context = RetryContext(1, parsed_response=error.response, http_response=AWSResponse(None, status, {}, None))
-    return _BOTOCORE_TRANSIENT.is_retryable(context)
 
 
 def end(job: JobRecord, lease: Lease, output_key: str, error: Exception, windows: bool = True) -> None:

@@ -23,9 +23,9 @@ from tenacity import (
     wait_fixed,
 )
 
+from storage.blobs import storage_unavailable
 from storage.jobs import FileDigest, Lease, MediaInfo, Stage, StaleAttempt
 from worker import service
-from worker.attempt import storage_unavailable
 from worker.errors import Cancelled
 from worker.sr.windows import WindowProgress
 

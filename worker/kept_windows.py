@@ -54,9 +54,8 @@ import numpy as np
 import redis.exceptions
 import torch
 
-from storage.blobs import BlobStore, Progress, work_prefix
+from storage.blobs import BlobStore, Progress, storage_unavailable, work_prefix
 from storage.jobs import JobRecord, StaleAttempt
-from worker.attempt import storage_unavailable
 from worker.errors import Cancelled
 from worker.media import lossless
 from worker.media.reader import READING
