@@ -6,7 +6,8 @@ an ended job always has its event, even if every process dies right after. Keys:
     vsrq:webhooks:outbox     zset: event ids by when they are due (now, a retry's time, or a claim's expiry)
     vsrq:webhooks:events     hash: {id} -> the event (JSON: job, owner, url, type, at), and beside it {id}:claim,
                              {id}:attempts, {id}:payload (the exact body, fixed at the first attempt) and, while an
-                             attempt runs, {id}:holder (its worker, "{name}/{pid}" as the worker registry names it)
+                             attempt runs, {id}:holder ("{claim} {name}/{pid}": the claim it started under and its
+                             worker, as the worker registry names it)
     vsrq:webhooks:held       zset: the events whose attempt is running, by when it started
 
 The relay (worker.webhooks) `take`s due events: each take is a new claim, and pushes the event's due time past the
@@ -121,7 +122,7 @@ _START = (
     + """
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1] .. ':holder', ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[1] .. ':holder', ARGV[2] .. ' ' .. ARGV[4])
 local attempt = redis.call('HINCRBY', KEYS[2], ARGV[1] .. ':attempts', 1)
 return {redis.call('HGET', KEYS[2], ARGV[1]), attempt, redis.call('HGET', KEYS[2], ARGV[1] .. ':payload')}
 """
@@ -146,26 +147,33 @@ redis.call('HDEL', KEYS[2], ARGV[1], ARGV[1] .. ':claim', ARGV[1] .. ':attempts'
 return 1
 """
 )
-# Returns [id, claim, holder, began, ...] of every attempt running.
+# Returns [id, "{claim} {holder}", began, ...] of every attempt running. An entry whose event has a later claim (taken
+# by an older relay, which leaves it) or is gone is no attempt's now: dropped.
 _HELD = """
 local held = {}
 local began = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
 for i = 1, #began, 2 do
-  local claim, holder = unpack(redis.call('HMGET', KEYS[2], began[i] .. ':claim', began[i] .. ':holder'))
-  if claim and holder then
-    for _, value in ipairs({began[i], claim, holder, began[i + 1]}) do table.insert(held, value) end
+  local id = began[i]
+  local claim, holder = unpack(redis.call('HMGET', KEYS[2], id .. ':claim', id .. ':holder'))
+  if claim and holder and string.sub(holder, 1, #claim + 1) == claim .. ' ' then
+    for _, value in ipairs({id, holder, began[i + 1]}) do table.insert(held, value) end
+  else
+    redis.call('ZREM', KEYS[3], id)
+    redis.call('HDEL', KEYS[2], id .. ':holder')
   end
 end
 return held
 """
-# ARGV: id, claim, silent seconds. Makes the event due now where that claim's attempt still runs and began at least
-# `silent` seconds ago (0: any), so that the relay's next take hands it out under a new claim. Returns 1, or false.
+# ARGV: id, claim, silent seconds. Makes the event due now where that claim is the latest, its attempt still runs and
+# began at least `silent` seconds ago (0: any), so that the relay's next take hands it out under a new claim. Returns
+# 1, or false.
 _TAKE_BACK = (
     _FENCE
     + _NOW
     + """
-local began = redis.call('ZSCORE', KEYS[3], ARGV[1])
-if not began or now - tonumber(began) < tonumber(ARGV[3]) then return false end
+local began, holder = redis.call('ZSCORE', KEYS[3], ARGV[1]), redis.call('HGET', KEYS[2], ARGV[1] .. ':holder')
+if not began or not holder or string.sub(holder, 1, #ARGV[2] + 1) ~= ARGV[2] .. ' ' then return false end
+if now - tonumber(began) < tonumber(ARGV[3]) then return false end
 redis.call('ZADD', KEYS[1], 'XX', now, ARGV[1])
 """
     + _RELEASE
@@ -221,7 +229,8 @@ class Outbox:
     def held(self) -> list[Held]:
         """The attempts running now, as one snapshot: each event's claim, its holder and when it began."""
         flat = [value.decode() for value in self._held(keys=self.keys)]
-        return [Held(flat[i], flat[i + 1], flat[i + 2], float(flat[i + 3])) for i in range(0, len(flat), 4)]
+        held = ((flat[i], *flat[i + 1].split(" ", 1), float(flat[i + 2])) for i in range(0, len(flat), 3))
+        return [Held(event_id, claim, holder, began) for event_id, claim, holder, began in held]
 
     def take_back(self, held: list[Held], silent_s: float = 0) -> list[str]:
         """Makes each of these attempts' events due now, where its claim is still the latest and the attempt began

@@ -2,7 +2,7 @@
 (worker.gone), or fails them after `max_attempts`; sends the message of queued jobs whose sender died before sending
 it, sends again the message of queued jobs the broker no longer holds (a consumer killed as it took it: worker.lost),
 sweeps blob storage (storage.lifecycle), and relays due webhooks from the outbox to their delivery workers
-(worker.webhooks), again at once where the one delivering it is gone from the registry.
+(worker.webhooks), again before its claim runs out where the worker delivering it is gone (worker.gone).
 
     python -m worker.reaper            every VSRQ_REAP_INTERVAL_S seconds (default 10), until SIGTERM / SIGINT
 
@@ -140,7 +140,8 @@ def main() -> None:
     lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)
     # a worker's entry is rewritten every third of its TTL: half of it is past the beat a live one owes
     gone = GoneWorkers(grace_s=settings.worker_ttl_s / 2, silent_s=settings.worker_ttl_s)
-    gone_hooks = GoneWorkers(grace_s=gone.grace_s, silent_s=gone.silent_s)  # the webhooks' attempts: looks of their own
+    # the webhooks' attempts, looks of their own; silent for the longest POST too, so none is sent twice at once
+    gone_hooks = GoneWorkers(grace_s=gone.grace_s, silent_s=max(gone.silent_s, settings.webhook_timeout_s))
     reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
         began = monotonic()

@@ -65,7 +65,7 @@ class Receiver:
         return path
 
     def release(self, path: str) -> None:
-        """Ends the path's hung requests, and hangs it no more."""
+        """Ends the path's hung requests (closed without an answer); a later `HANG` of the path closes at once."""
         self._released.setdefault(path, threading.Event()).set()
 
     def url(self, path: str) -> str:

@@ -386,6 +386,15 @@ def test_an_attempt_is_held_by_its_worker_and_taken_back_only_while_it_still_run
     assert now_held.holder == "hooks@b/456"
     assert box.retry(again.event_id, again.claim, 60)  # an attempt's end: nothing holds it
     assert box.held() == [] and box.take_back([now_held]) == []
+    # A rolling deploy: an attempt started by this version, then a new claim taken by an older relay, whose script
+    # leaves the attempt's entry; the entry is no attempt's now, and goes at the next look
+    redis_client.zadd(box.keys[0], {again.event_id: 0})  # due
+    [third] = box.take(claim_s=60)
+    assert box.start(third.event_id, third.claim, 60, "hooks@c/789") is not None
+    [started] = box.held()
+    redis_client.hincrby(box.keys[1], f"{third.event_id}:claim", 1)  # what an older relay's take does
+    assert box.take_back([started]) == [] and box.held() == []
+    assert redis_client.zcard(box.keys[2]) == 0 and not redis_client.hexists(box.keys[1], f"{third.event_id}:holder")
     redis_client.delete(*box.keys, *redis_client.keys(f"{prefix}:*"))
 
 
@@ -397,14 +406,17 @@ def test_a_delivery_worker_killed_mid_attempt_does_not_hold_its_webhook_for_the_
     within a second, and the webhook went out 121 s after the job ended: the whole claim (`webhook_claim_s`, 60 s
     here). Started again under its name, the worker hands its predecessor's attempt out again at once; not started
     again (a pod evicted), the reaper does once the killed worker's registry entry has expired (`VSRQ_WORKER_TTL_S`,
-    3 s here) and the attempt has run that long. A Redis database of the test's own: no other test's processes."""
+    3 s here) and the attempt has run as long as its longest POST (`VSRQ_WEBHOOK_TIMEOUT_S`, 5 s). A Redis database of
+    the test's own: no other test's processes."""
     store_url = settings.redis_url.rsplit("/", 1)[0] + "/8"
     own = redis.Redis.from_url(store_url)
     own.flushdb()
     jobs = JobStore(own, result_ttl_s=settings.result_ttl_s, max_attempts=settings.max_attempts)
-    # the registry's TTL is 30 s where the worker is started again: the reaper's rule cannot act first
+    # The registry's TTL is 30 s where the worker is started again: the reaper's rule cannot act first. A blob store of
+    # the test's own: its reaper's storage sweep deletes no other test's files.
     env = {**hooks_env, "VSRQ_REDIS_URL": store_url, "VSRQ_BROKER_URL": store_url, "VSRQ_WEBHOOK_CLAIM_S": "60",
-           "VSRQ_WEBHOOK_TIMEOUT_S": "30", "VSRQ_WORKER_TTL_S": "30" if restarted else "3"}  # fmt: skip
+           "VSRQ_WEBHOOK_TIMEOUT_S": "5", "VSRQ_WORKER_TTL_S": "30" if restarted else "3",
+           "VSRQ_BLOB_BACKEND": "local", "VSRQ_LOCAL_BLOB_DIR": str(tmp_path / "blobs")}  # fmt: skip
     path = receiver.path(Receiver.HANG)
     job_id = ended_without_upscaling(jobs, receiver.url(path))
     name = f"hooks-{secrets.token_hex(3)}@localhost"
@@ -421,7 +433,7 @@ def test_a_delivery_worker_killed_mid_attempt_does_not_hold_its_webhook_for_the_
     finally:
         receiver.release(path)
     took = call.at - at
-    how = "started again" if restarted else "another worker, registry TTL 3 s"
+    how = "started again" if restarted else "another worker, registry TTL 3 s, attempt timeout 5 s"
     print(f"FIGURE webhook delivered {took:.1f} s after its delivery worker's kill ({how}; claim 60 s)")
     assert took < 20, f"waited for the claim: {took:.1f} s"
     (attempt,) = webhook_events(jobs, job_id, 1)  # the killed attempt never answered: counted, not recorded
