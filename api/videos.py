@@ -23,6 +23,7 @@ from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import redis
 from flask import Blueprint, Response, g, jsonify, redirect, request
 from pydantic import ValidationError
 
@@ -385,7 +386,8 @@ def delete_video(job_id: str) -> Response:
     try:
         delete_job_files(jobs, blobs, job)
     except Exception as error:  # an outage in a line; anything else with its traceback (a bug, a refusal that stays)
-        cause = None if storage_unavailable(error) else error
+        outage = storage_unavailable(error) or isinstance(error, (redis.ConnectionError, redis.TimeoutError))
+        cause = None if outage else error
         log.warning("%s deleted; its files are left to the storage sweep (%s)", job_id, error, exc_info=cause)
     return jsonify(id=job_id, object="video.deleted", deleted=True)
 

@@ -184,9 +184,9 @@ class BlobWindowStore:
                     if name in self.listed:
                         self.blobs.download(self.prefix + name, self.directory / name, self.progress)
                 if pixels == packed:
-                    if (frames := self.local.frames(index)) is None:  # not this store's writing: computed again
+                    if (layout := self.local.frame_layout(index)) is None:  # not this store's writing: computed again
                         return None
-                    lossless.expand(path("mkv"), *frames, path("u8"))
+                    lossless.expand(path("mkv"), *layout, path("u8"))
             return self.local.load(index)
         except FATAL:
             raise
@@ -286,12 +286,12 @@ class BlobWindowStore:
         random checkpoint's output) is not. Raw where FFV1 fails: kept all the same."""
         raw, packed = self.local._path(index, "u8"), self.local._path(index, "mkv")
         try:
-            if (frames := self.local.frames(index)) is None:
+            if (layout := self.local.frame_layout(index)) is None:
                 raise ValueError("its JSON does not say the frames' shape")
-            lossless.compress(raw, *frames, packed)
-        except Exception:
-            if not raw.exists():  # `close` deleted the local files: the attempt has ended
-                raise
+            lossless.compress(raw, *layout, packed)
+        except Exception as error:
+            if not raw.exists():  # `close` deleted the local files: the attempt has ended (what `_keep` looks for)
+                raise FileNotFoundError(f"window {index}'s frames are gone") from error
             log.warning("window %d kept raw: its frames were not compressed", index, exc_info=True)
             packed.unlink(missing_ok=True)
             return

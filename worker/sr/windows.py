@@ -215,10 +215,10 @@ class DirectoryWindowStore:
         if kept is None:  # none, or not this store's writing (it writes JSON whole): computed again
             return None
         # kept by a version that did not say what made it, or says it in a way this one cannot read: computed again
-        made, frames = RunInfo.of_kept(kept.get("made")), _frames_of(kept)
-        if made is None or frames is None:
+        made, layout = RunInfo.of_kept(kept.get("made")), _frame_layout(kept)
+        if made is None or layout is None:
             return None
-        shape, dtype, pixels_path = frames[0], np.dtype(frames[1]), self._path(index, "u8")
+        shape, dtype, pixels_path = layout[0], np.dtype(layout[1]), self._path(index, "u8")
         # a pixel file missing or not the JSON's (files that did not come from one commit): computed again, not a crash
         if not pixels_path.exists() or pixels_path.stat().st_size != math.prod(shape) * dtype.itemsize:
             return None
@@ -227,10 +227,10 @@ class DirectoryWindowStore:
         tail = torch.from_numpy(np.load(tail_path)) if tail_path.exists() else None
         return StoredWindow(pixels, tail, made)
 
-    def frames(self, index: int) -> tuple[tuple[int, ...], str] | None:
+    def frame_layout(self, index: int) -> tuple[tuple[int, ...], str] | None:
         """The shape and dtype of the frames kept for window `index`, as its JSON says; None where it says none."""
         kept = _read_whole(self._path(index, "json"))
-        return None if kept is None else _frames_of(kept)
+        return None if kept is None else _frame_layout(kept)
 
     def record(self, index: int, last: bool = False) -> _DirectoryRecorder:
         # a local directory (`vsrq upscale --keep-windows`) keeps every window, the last too: a rerun replays them all
@@ -287,7 +287,7 @@ def _read_whole(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _frames_of(kept: dict) -> tuple[tuple[int, ...], str] | None:
+def _frame_layout(kept: dict) -> tuple[tuple[int, ...], str] | None:
     """A kept window's frame shape and dtype, from its JSON (None where it has no shape)."""
     if not isinstance(kept.get("shape"), list):
         return None
