@@ -16,9 +16,10 @@ requeued it (`worker_gone`), and counts as that would.
 
 A webhook's attempt is held the same way (storage.webhooks records its delivery worker and when it started): a delivery
 worker killed mid-attempt held its event for `webhook_claim_s` (120 s); the reaper makes the event due again once its
-holder is gone and the attempt began `worker_ttl_s` ago, and `webhook_timeout_s` at least (an attempt's longest POST:
-one that began longer ago has none in flight), and a delivery worker started again under its name does so at once
-(worker.signals), as a GPU worker does for its predecessor's jobs.
+holder is gone and the attempt began `worker_ttl_s` ago, and `webhook_timeout_s` at least (its POST's own limit, which
+starts after the payload is read and the host resolved: with the defaults, 30 s against 10 leave the margin), and a
+delivery worker started again under its name does so at once (worker.signals), as a GPU worker does for its
+predecessor's jobs.
 
 What it costs: a live worker cut off from Redis (a partition) looks gone too, so its job goes back after about 1.5 ×
 `worker_ttl_s` and a pass, where the lease alone waited `VSRQ_LEASE_S` (fenced: the cut-off worker's later writes are

@@ -290,7 +290,8 @@ class BlobWindowStore:
                 raise ValueError("its JSON does not say the frames' shape")
             lossless.compress(raw, *layout, packed)
         except Exception as error:
-            if not raw.exists():  # `close` deleted the local files: the attempt has ended (what `_keep` looks for)
+            if self.uploads.stopped or not raw.exists():  # the attempt has ended, `close` deleting its files (as
+                # `_keep` looks for)
                 raise FileNotFoundError(f"window {index}'s frames are gone") from error
             log.warning("window %d kept raw: its frames were not compressed", index, exc_info=True)
             packed.unlink(missing_ok=True)

@@ -140,7 +140,7 @@ def main() -> None:
     lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)
     # a worker's entry is rewritten every third of its TTL: half of it is past the beat a live one owes
     gone = GoneWorkers(grace_s=settings.worker_ttl_s / 2, silent_s=settings.worker_ttl_s)
-    # the webhooks' attempts, looks of their own; silent for the longest POST too, so none is sent twice at once
+    # the webhooks' attempts, looks of their own; silent for a POST's limit too, so that none is sent twice at once
     gone_hooks = GoneWorkers(grace_s=gone.grace_s, silent_s=max(gone.silent_s, settings.webhook_timeout_s))
     reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
     while not stop.is_set():
