@@ -78,7 +78,8 @@ def reap_once(
 
 def relay_pass(box: Outbox, celery: Celery, claim_s: float, gone: GoneWorkers | None = None) -> list[Claim]:
     """One pass of the webhook relay: given `gone` (the looks of earlier passes), the attempts of delivery workers gone
-    from the registry are due again at once, not when their claim runs out; then every due event goes out."""
+    from the registry (and silent for `gone.silent_s`) are due again now, not when their claim runs out; then every due
+    event goes out."""
     if gone is not None:
         held = box.held()
         due = set(gone.due(held, box.redis))
