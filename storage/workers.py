@@ -10,6 +10,7 @@ Expiry rather than a goodbye: a worker killed with SIGKILL, or on a host that lo
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -45,6 +46,11 @@ class Held:
     token: str  # this holding's own (a job's lease token, an event's claim): a new one is another holding
     holder: str  # "{worker name}/{pid}"
     since: float | None  # when it was taken, on Redis's clock (None: not recorded, by older code)
+
+
+def this_process(name: str) -> str:
+    """This process as the holder of what it takes, `Held.holder`: its worker's name (Celery's node name) and pid."""
+    return f"{name}/{os.getpid()}"
 
 
 class WorkerRegistry:

@@ -15,7 +15,7 @@ from storage.blobs import PREVIEWS, UNREACHABLE, BlobNotFound, preview_key, refu
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
 from storage.queue import send_upscale
-from storage.webhooks import Outbox, relay_now
+from storage.webhooks import relay_now
 from worker import service
 from worker.backoff import backoff_s
 from worker.celery_app import app
@@ -85,8 +85,7 @@ def storage_refuses_worker() -> bool:
 def relay_webhook(job: JobRecord, ended: Status) -> None:
     """The webhook of a job that ended here (as `ended`) goes to a delivery worker now, not at the reaper's pass."""
     if job.webhook_url:
-        jobs = service.jobs()
-        relay_now(Outbox(jobs.redis, jobs.prefix), app, service.settings().webhook_claim_s, job.id, ended)
+        relay_now(service.outbox(), app, service.settings().webhook_claim_s, job.id, ended)
 
 
 def retry_wait_s(error: BaseException, lease: Lease) -> float:

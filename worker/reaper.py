@@ -29,7 +29,6 @@ from worker import service
 from worker.celery_app import app
 from worker.gone import GoneWorkers, leases
 from worker.lost import LostMessages
-from worker.webhooks import outbox
 
 log = logging.getLogger("vsrq.reaper")
 
@@ -123,7 +122,7 @@ def _wait_for_next_pass(stop: threading.Event, settings: Settings, began: float)
 def _next_due_s() -> float:
     """Seconds until the next waiting retry is due: a job's (`JobStore.unsent`) or a webhook's (the outbox)."""
     try:
-        return min(service.jobs().next_unsent_s(), outbox().next_due_s())
+        return min(service.jobs().next_unsent_s(), service.outbox().next_due_s())
     except Exception:  # Redis down: the pass after the usual interval finds out
         return float("inf")
 
@@ -153,7 +152,7 @@ def main() -> None:
         except Exception as error:  # Redis restarting: try again next time rather than exit
             reaping.failed(error)
         try:
-            relay_pass(outbox(), app, settings.webhook_claim_s, gone_hooks)
+            relay_pass(service.outbox(), app, settings.webhook_claim_s, gone_hooks)
             relaying.passed()
         except Exception as error:  # Redis or the broker down: the events wait in the outbox for the next pass
             relaying.failed(error)

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from storage.blobs import BlobStore, open_blob_store
 from storage.config import Settings, served_name
 from storage.jobs import JobStore
+from storage.webhooks import Outbox
 
 
 class WorkerSettings(BaseSettings):
@@ -117,6 +118,13 @@ def jobs() -> JobStore:
 @cache
 def blobs() -> BlobStore:
     return open_blob_store(settings())
+
+
+@cache
+def outbox() -> Outbox:
+    """The webhook outbox, the one the job store's scripts write (storage.webhooks)."""
+    store = jobs()
+    return Outbox(store.redis, store.prefix)
 
 
 @cache

@@ -24,7 +24,7 @@ from storage.jobs import JobStore, Status
 from storage.lifecycle import forget_attempts
 from storage.logs import configure, current_job, settings_secrets
 from storage.queue import UPSCALE_TASK, send_upscale
-from storage.webhooks import DELIVER_TASK, Outbox
+from storage.webhooks import DELIVER_TASK
 from storage.workers import WorkerInfo, WorkerRegistry
 from worker import metrics, service, started
 
@@ -72,7 +72,7 @@ def _take_back_what_a_dead_predecessor_held(sender: Any, **_: Any) -> None:
         if runs_jobs:
             _take_back_jobs(sender.app, jobs, dead)
         if delivers:
-            box = Outbox(jobs.redis, jobs.prefix)
+            box = service.outbox()
             for event_id in box.take_back([held for held in box.held() if dead(held.holder)]):
                 log.warning("%s: delivered by this worker's dead predecessor, due again now", event_id)
     except redis.exceptions.RedisError as error:  # the reaper takes them back (worker.gone: the name is another pid's)

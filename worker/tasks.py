@@ -49,6 +49,7 @@ from storage.jobs import (
     new_lease_token,
 )
 from storage.queue import UPSCALE_TASK, send_upscale
+from storage.workers import this_process
 from worker import heap, metrics, service, signals, started  # signals: importing it connects the process's handlers
 from worker.attempt import (
     EX_CONFIG,
@@ -146,7 +147,7 @@ def upscale(self, job_id: str) -> None:
     if _refuse_behind_a_stuck_tail(job_id, self.request.headers or {}):
         return
     # 1. Lease the job: only one delivery of its message gets a queued job
-    worker = f"{self.request.hostname or socket.gethostname()}/{os.getpid()}"
+    worker = this_process(self.request.hostname or socket.gethostname())
     token, lost = new_lease_token(), (self.request.headers or {}).get(LOST_LEASES_HEADER) or []
     try:
         lease = service.jobs().lease(job_id, worker, service.settings().lease_s, token=token, lost=lost)

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import cache
 from http import HTTPStatus
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -40,6 +38,7 @@ from storage.logs import job_context
 from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
 from storage.signatures import signed_headers
 from storage.webhooks import DELIVER_TASK, Outbox, Started
+from storage.workers import this_process
 from worker import metrics, service
 from worker import signals as _signals  # noqa: F401  (this worker's logging and registry entry)
 from worker.backoff import backoff_s, retry_after_s
@@ -52,12 +51,6 @@ log = logging.getLogger("vsrq.webhooks")
 def _say_unknown_variables(**_: Any) -> None:
     """A misspelt VSRQ_* name is said at start, as the API, the GPU worker and the reaper say it."""
     say_unknown_variables(log)
-
-
-@cache
-def outbox() -> Outbox:
-    jobs = service.jobs()
-    return Outbox(jobs.redis, jobs.prefix)  # the outbox the job store's scripts write
 
 
 @dataclass(frozen=True)
@@ -73,9 +66,9 @@ class Attempt:
 
 @app.task(name=DELIVER_TASK, bind=True)
 def deliver_webhook(task: Task, event_id: str, claim: int) -> None:
-    settings, box, jobs = service.settings(), outbox(), service.jobs()
+    settings, box, jobs = service.settings(), service.outbox(), service.jobs()
     # held in the worker registry's terms, so that the reaper can tell this worker gone (worker.gone)
-    started = box.start(event_id, claim, settings.webhook_claim_s, f"{task.request.hostname}/{os.getpid()}")
+    started = box.start(event_id, claim, settings.webhook_claim_s, this_process(task.request.hostname))
     if started is None:  # a later claim took the event over (this message waited longer than a claim lasts)
         log.info("dropped a stale message for %s (claim %d)", event_id, claim)
         return
