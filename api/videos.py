@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from api import idempotency, prefer
 from api.auth import admit_caller, owner
 from api.body import check_coding, hold_body_slot, json_object, release_body_slot
-from api.errors import ApiError, field_errors, problem
+from api.errors import UNAVAILABLE_RETRY_AFTER_S, ApiError, field_errors, problem
 from api.ratelimit import limits_of
 from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
@@ -39,7 +39,7 @@ from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, storage_unavailable
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files, forget_attempts
 from storage.queue import send_upscale
-from storage.ssrf import UnsafeUrl, public_addresses
+from storage.ssrf import SlowLookup, UnsafeUrl, public_addresses
 from storage.uploads import UploadNotFound, UploadStatus, parts_prefix
 from storage.webhooks import Outbox, relay_now
 
@@ -287,9 +287,19 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
 
 
 def _check_url(field: str, url: str, allow_loopback: bool, code: str = UnsafeUrl.code) -> None:
-    """422 unless `url` reaches only public addresses (storage.ssrf)."""
+    """422 unless `url` reaches only public addresses (storage.ssrf); 503 while its host's name takes longer than a
+    connection may to resolve (a request thread is not held by a resolver that does not answer)."""
+    limit_s = services().settings.fetch_connect_timeout_s
     try:
-        public_addresses(url, allow_loopback=allow_loopback)
+        public_addresses(url, allow_loopback=allow_loopback, timeout_s=limit_s)
+    except SlowLookup:
+        raise ApiError(
+            503,
+            "url_lookup_timeout",
+            f"{field}'s host was not resolved within {limit_s:g} s; retry later.",
+            errors=[{"field": field, "code": "url_lookup_timeout", "message": "its host was not resolved in time"}],
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+        ) from None
     except UnsafeUrl as error:
         raise ApiError(
             422,

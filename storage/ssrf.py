@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
@@ -32,8 +33,14 @@ class UnsafeUrl(ValueError):
     code = "unsafe_url"
 
 
-def public_addresses(url: str, *, allow_loopback: bool = False) -> list[IPAddress]:
-    """The addresses `url`'s host resolves to, all of them public; raises `UnsafeUrl` otherwise.
+class SlowLookup(TimeoutError):
+    """The host's name was not resolved in the time given: the resolver is slow or down, which may pass (unlike
+    `UnsafeUrl`)."""
+
+
+def public_addresses(url: str, *, allow_loopback: bool = False, timeout_s: float | None = None) -> list[IPAddress]:
+    """The addresses `url`'s host resolves to, all of them public; raises `UnsafeUrl` otherwise, and `SlowLookup` when
+    the resolver has not answered within `timeout_s` (None: its own limits).
 
     `allow_loopback` (development only) lets a local receiver on 127.0.0.1 / ::1 through."""
     parts = urlsplit(url)
@@ -43,7 +50,7 @@ def public_addresses(url: str, *, allow_loopback: bool = False) -> list[IPAddres
         raise UnsafeUrl("must not carry credentials")
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+        infos = _resolved(parts.hostname, port, timeout_s)
     except (ValueError, socket.gaierror, UnicodeError) as error:
         raise UnsafeUrl(f"host {parts.hostname!r} cannot be resolved") from error
     addresses = sorted({ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}, key=str)
@@ -53,6 +60,29 @@ def public_addresses(url: str, *, allow_loopback: bool = False) -> list[IPAddres
         if not is_public(address):
             raise UnsafeUrl(f"host {parts.hostname!r} resolves to a non-public address")
     return addresses
+
+
+def _resolved(host: str, port: int, timeout_s: float | None) -> list[tuple]:
+    """`getaddrinfo`, waited for at most `timeout_s`. It has no timeout of its own (the system resolver's can be tens
+    of seconds), so it runs on a daemon thread that, when nobody waits any more, ends at the resolver's limits."""
+    if timeout_s is None:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    answer: list[list[tuple] | Exception] = []
+    lookup = threading.Thread(target=_lookup, args=(host, port, answer), name=f"lookup {host}", daemon=True)
+    lookup.start()
+    lookup.join(max(timeout_s, 0))
+    if not answer:
+        raise SlowLookup(f"host {host!r} was not resolved within {timeout_s:.3g} s")
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
+
+
+def _lookup(host: str, port: int, answer: list[list[tuple] | Exception]) -> None:
+    try:
+        answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+    except Exception as error:  # handed to the caller's thread, which raises it
+        answer.append(error)
 
 
 def is_public(address: IPAddress) -> bool:

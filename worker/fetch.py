@@ -27,7 +27,7 @@ import urllib3
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
 from storage.config import Settings
-from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
+from storage.ssrf import SlowLookup, UnsafeUrl, pinned_pool, public_addresses, request_target
 from worker.backoff import retry_after_s
 from worker.errors import Cancelled, CodedError, PermanentError
 
@@ -101,9 +101,13 @@ def _get(url: str, settings: Settings) -> Iterator[urllib3.BaseHTTPResponse]:
     if parts.scheme != "https":
         raise FetchFailed(f"The input URL must use https (a redirect led to {parts.scheme}://{parts.hostname}).")
     try:
-        addresses = public_addresses(url, allow_loopback=settings.fetch_allow_loopback)
+        addresses = public_addresses(
+            url, allow_loopback=settings.fetch_allow_loopback, timeout_s=settings.fetch_connect_timeout_s
+        )
     except UnsafeUrl as error:
         raise FetchFailed(f"The input URL is refused: {error}.") from None
+    except SlowLookup:
+        raise FetchUnavailable(f"{parts.hostname} was not resolved in time.") from None
     target = request_target(parts)
     headers = {"Host": parts.netloc, "Accept-Encoding": "identity", "User-Agent": "vsrq"}
     timeout = urllib3.Timeout(connect=settings.fetch_connect_timeout_s, read=settings.fetch_read_timeout_s)

@@ -16,8 +16,8 @@ requeued it (`worker_gone`), and counts as that would.
 
 A webhook's attempt is held the same way (storage.webhooks records its delivery worker and when it started): a delivery
 worker killed mid-attempt held its event for `webhook_claim_s` (120 s); the reaper makes the event due again once its
-holder is gone and the attempt began `worker_ttl_s` ago, and `webhook_timeout_s` at least (its POST's own limit, which
-starts after the payload is read and the host resolved: with the defaults, 30 s against 10 leave the margin), and a
+holder is gone and the attempt began `worker_ttl_s` ago, and `webhook_timeout_s` at least (the attempt's own limit,
+counted from before its start is recorded: the payload, the host's lookup and the POST end within it), and a
 delivery worker started again under its name does so at once (worker.signals), as a GPU worker does for its
 predecessor's jobs.
 

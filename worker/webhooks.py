@@ -35,8 +35,8 @@ from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobNotFound, JobStore, VideoWebhook
 from storage.logs import job_context
-from storage.ssrf import UnsafeUrl, pinned_pool, public_addresses, request_target
 from storage.signatures import signed_headers
+from storage.ssrf import SlowLookup, UnsafeUrl, pinned_pool, public_addresses, request_target
 from storage.webhooks import DELIVER_TASK, Outbox, Started
 from storage.workers import this_process
 from worker import metrics, service
@@ -67,16 +67,19 @@ class Attempt:
 @app.task(name=DELIVER_TASK, bind=True)
 def deliver_webhook(task: Task, event_id: str, claim: int) -> None:
     settings, box, jobs = service.settings(), service.outbox(), service.jobs()
+    # the attempt's whole time, the payload and DNS too, counts from before `start` records when it began: the reaper
+    # sends it again only a POST's limit after that (worker.gone), so this one is over by then
+    deadline = time.monotonic() + settings.webhook_timeout_s
     # held in the worker registry's terms, so that the reaper can tell this worker gone (worker.gone)
     started = box.start(event_id, claim, settings.webhook_claim_s, this_process(task.request.hostname))
     if started is None:  # a later claim took the event over (this message waited longer than a claim lasts)
         log.info("dropped a stale message for %s (claim %d)", event_id, claim)
         return
     with job_context(started.event.job):
-        _end(started, _attempt(started, settings, box, jobs), settings, box, jobs)
+        _end(started, _attempt(started, settings, box, jobs, deadline), settings, box, jobs)
 
 
-def _attempt(started: Started, settings: Settings, box: Outbox, jobs: JobStore) -> Attempt:
+def _attempt(started: Started, settings: Settings, box: Outbox, jobs: JobStore, deadline: float) -> Attempt:
     event = started.event
     if started.attempt > settings.webhook_max_attempts:  # its delivery workers kept dying mid-attempt
         return Attempt("failed", "too_many_attempts", f"gave up after {started.attempt - 1} attempts")
@@ -88,7 +91,7 @@ def _attempt(started: Started, settings: Settings, box: Outbox, jobs: JobStore) 
     if payload is None:
         return Attempt("failed", "job_deleted", "the job was deleted before its webhook was first sent")
     headers = signed_headers([key.webhook_secret.get_secret_value()], started.event_id, int(time.time()), payload)
-    return post(event.url, payload, {**headers, "Content-Type": "application/json"}, settings)
+    return post(event.url, payload, {**headers, "Content-Type": "application/json"}, settings, deadline)
 
 
 def _payload(started: Started, box: Outbox, jobs: JobStore) -> bytes | None:
@@ -108,18 +111,21 @@ def _payload(started: Started, box: Outbox, jobs: JobStore) -> bytes | None:
     return box.keep_payload(started.event_id, json.dumps(body, separators=(",", ":")).encode())
 
 
-def post(url: str, body: bytes, headers: dict[str, str], settings: Settings) -> Attempt:
-    """One POST to the first checked address of `url`'s host that accepts a connection, within the attempt's time."""
+def post(url: str, body: bytes, headers: dict[str, str], settings: Settings, deadline: float) -> Attempt:
+    """One POST to the first checked address of `url`'s host that accepts a connection, over by `deadline`
+    (`time.monotonic()`): the host's lookup, the connection and the answer."""
     parts = urlsplit(url)
     try:
         if parts.scheme != "https":
             raise UnsafeUrl("must be an https URL")
-        addresses = public_addresses(url, allow_loopback=settings.webhook_allow_loopback)
+        remaining = deadline - time.monotonic()
+        addresses = public_addresses(url, allow_loopback=settings.webhook_allow_loopback, timeout_s=remaining)
     except UnsafeUrl as error:
         return Attempt("failed", UnsafeUrl.code, f"the webhook URL is refused: {error}")
+    except SlowLookup:
+        return Attempt("retry", "timeout", f"{parts.hostname} was not resolved within {settings.webhook_timeout_s:g} s")
     target = request_target(parts)
     headers = {**headers, "Host": parts.netloc, "User-Agent": "vsrq-webhooks"}
-    deadline = time.monotonic() + settings.webhook_timeout_s
     for address in addresses:
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -128,7 +128,7 @@ def test_unsafe_urls_are_refused_at_send_time(settings, tmp_path):
             public_addresses(f"https://{host}/")
     refused = 0
     for host in LOOPBACK_HOSTS:
-        attempt = post(f"https://{host}:9/hook", b"{}", {}, settings)
+        attempt = post(f"https://{host}:9/hook", b"{}", {}, settings, time.monotonic() + settings.webhook_timeout_s)
         assert (attempt.outcome, attempt.code) == ("failed", UnsafeUrl.code), attempt
         with pytest.raises(FetchFailed):
             fetch(f"https://{host}:9/video.mp4", tmp_path / "input", settings, lambda: False)
