@@ -49,6 +49,7 @@ from redis.exceptions import ResponseError
 
 from storage.clock import redis_now
 from storage.config import Settings
+from storage.primary import connect
 from storage.webhooks import outbox_keys
 
 
@@ -758,8 +759,9 @@ _ERROR_REPLY = re.compile(r"^(\w+) (.*?)(?: script: \w+, on @user_script:\d+\.)?
 
 
 def open_redis(settings: Settings) -> Redis:
-    """The Redis client of a process (API, worker, reaper, CLI): job records, idempotency, rate limits."""
-    return Redis.from_url(
+    """The Redis client of a process (API, worker, reaper, CLI): job records, idempotency, rate limits; it follows a
+    failover (storage.primary)."""
+    return connect(
         settings.redis_url,
         socket_timeout=settings.redis_timeout_s,
         socket_connect_timeout=settings.redis_timeout_s,

@@ -12,6 +12,7 @@ import base64
 import json
 import time
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
@@ -19,6 +20,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 from storage.config import Settings
 from storage.jobs import JOB_ID, JobRecord, JobStore
 
+BROKER_TRANSPORT = "storage.primary:BrokerTransport"  # kombu's Redis transport, following failovers
 UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry a header (worker.tasks.upscale)
 
 
@@ -39,6 +41,9 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,  # a GPU worker holds one message at a time, never one it cannot start
         worker_cancel_long_running_tasks_on_connection_loss=True,
         broker_connection_retry_on_startup=True,
+        # redis:// only: kombu, told a transport, reads a rediss:// URL without options as plain TCP; a Sentinel's
+        # URL follows its failovers already
+        broker_transport=BROKER_TRANSPORT if urlsplit(settings.celery_broker_url).scheme == "redis" else None,
         broker_transport_options=transport,
         result_backend_transport_options=transport,
         task_ignore_result=True,  # results live in the job records

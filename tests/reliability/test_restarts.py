@@ -15,13 +15,14 @@ import time
 from urllib.parse import urlsplit
 
 import psutil
+import redis
 import requests
 
-from infra.stack import binary, free_ports
-from storage.jobs import InputInfo
+from infra.stack import REDIS_CONF, binary, free_ports
+from storage.jobs import InputInfo, job_key
 
 from . import processes
-from .conftest import TOKENS, auth
+from .conftest import TOKENS, auth, status_counts, wait_all
 
 
 def post_lanczos_job(url: str, clip: bytes) -> str:
@@ -373,3 +374,60 @@ def test_a_message_a_dying_consumer_took_is_sent_again_and_runs_once(rel_env, se
             processes.stop_all([worker, reaper, api])
             if held is not None:  # queued for good: no consumer will ever run it
                 jobs.cancel(held)
+
+
+def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, tmp_path):
+    """A managed Redis fails over by promoting its replica and moving its endpoint to it; connections opened before
+    still reach the old primary, now a replica that refuses every write (READONLY). The API answered 500 to every
+    request that writes (any authenticated one: its rate limit) for as long as its processes lived. Here the endpoint
+    is a forwarder (new connections go where it points) in front of two real Redis servers: after the failover the
+    API, already serving, answers as before, and the worker, already running, runs a job created after it."""
+    from worker.media.synthetic import write_clip
+
+    a, b = free_ports(2)
+    servers = []
+    for port, name, extra in ((a, "a", []), (b, "b", ["--replicaof", "127.0.0.1", str(a)])):
+        (tmp_path / name).mkdir()
+        command = [binary("redis-server"), str(REDIS_CONF), "--port", str(port), "--dir", str(tmp_path / name), *extra]
+        servers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+    endpoint = processes.Partition(("127.0.0.1", a))
+    queue = "vsrq.failover-probe"
+    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{endpoint.port}/0", "VSRQ_WEB_WORKERS": "1",
+           "VSRQ_MODELS": json.dumps({"lanczos": queue})}  # fmt: skip
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.api(env, port, tmp_path).start()
+    worker = processes.worker(env, queue, tmp_path).start()
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
+    try:
+        processes.serving(api, url)
+        processes.started(worker)
+        before = post_lanczos_job(url, clip)
+        wait_all(url, "dave", [before], worker.log)
+        replica, primary = (redis.Redis(port=port) for port in (b, a))
+        deadline = time.monotonic() + 30  # B has the job before it is promoted, as a failover waits for
+        while replica.info("replication").get("master_link_status") != "up" or not replica.exists(job_key("vsrq", before)):
+            assert time.monotonic() < deadline, replica.info("replication")
+            time.sleep(0.1)
+
+        replica.execute_command("REPLICAOF", "NO", "ONE")  # the failover: B is the primary, A its replica
+        primary.execute_command("REPLICAOF", "127.0.0.1", str(b))
+        # until the endpoint moves, every connection reaches a replica: a request that writes is told to come back
+        waiting = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
+        assert (waiting.status_code, waiting.json()["code"]) == (503, "service_unavailable"), waiting.text
+        assert int(waiting.headers["Retry-After"]) > 0
+        endpoint.target = ("127.0.0.1", b)
+
+        seen = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
+        assert (seen.status_code, seen.json().get("status")) == (200, "completed"), seen.text
+        after = post_lanczos_job(url, clip)
+        done = wait_all(url, "dave", [after], worker.log, limit_s=60)[after]
+        assert (done["status"], worker.alive) == ("completed", True), done
+        assert replica.info("replication")["role"] == "master" and replica.exists(job_key("vsrq", after))
+        assert 500 not in status_counts(api.log), api.text()[-3000:]
+    finally:
+        processes.stop_all([worker, api])
+        endpoint.close()
+        for server in servers:
+            server.terminate()
+            server.wait(10)

@@ -1,0 +1,82 @@
+"""The connections to Redis of every process (API, worker, reaper, CLI; its own and Celery's), which follow a failover.
+
+A managed Redis (ElastiCache, Memorystore, Sentinel behind a DNS name) fails over by promoting a replica and moving
+its endpoint to it; a connection opened before still reaches the old primary, now a replica, which answers every write
+`READONLY`. redis-py takes that for the command's own error and keeps the connection: every API request that writes
+(a rate limit, a job) answered 500 for as long as the process lived. Here that answer closes the connection and is
+raised as a `ConnectionError`: the command is sent once more on a new connection, to whatever the endpoint names now,
+and what still fails is the outage every caller already handles (503 with Retry-After in the API, a retry in a
+worker). Only a write is refused there, and refused before it takes effect, so sending it again is safe. Celery's
+broker connections the same (`BrokerTransport`): a worker waiting for a message had its BRPOP ended by the failover
+and exited ("Unrecoverable error"), to be started again by whatever supervises it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from redis import Redis
+from redis.backoff import NoBackoff
+from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.exceptions import ConnectionError, ReadOnlyError, ResponseError
+from redis.retry import Retry
+
+
+class FailedOver(ConnectionError):
+    """The server this connection reaches is a replica now: a failover moved the primary elsewhere."""
+
+
+def connect(url: str, **options: Any) -> Redis:
+    """A client of `url` (`redis://`, `rediss://`, `unix://`) whose connections follow a failover; `options` are
+    redis-py's (timeouts, health checks)."""
+    kind = parse_url(url).get("connection_class", Connection)
+    # one more try for a failover alone: other connection errors keep the callers' own handling and timing
+    once_more = Retry(NoBackoff(), 1, supported_errors=(FailedOver,))
+    return Redis.from_url(url, connection_class=_FOLLOWING[kind], retry=once_more, **options)
+
+
+def demoted(error: ResponseError) -> bool:
+    """Whether `error` says its server became a replica: a write refused (as itself, or inside a script's error, which
+    Redis 6 wraps), or a blocking command ended by the change."""
+    text = str(error)
+    refused = isinstance(error, ReadOnlyError) or text.startswith("READONLY ") or "-READONLY " in text
+    return refused or (text.startswith("UNBLOCKED ") and "master -> replica" in text)
+
+
+class _FollowsFailover:
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except ResponseError as error:
+            if not demoted(error):
+                raise
+            self.disconnect()  # type: ignore[attr-defined]
+            where = self._host_error()  # type: ignore[attr-defined]
+            raise FailedOver(f"{where} is a replica now (a failover)") from error
+
+
+class _Tcp(_FollowsFailover, Connection):
+    pass
+
+
+class _Tls(_FollowsFailover, SSLConnection):
+    pass
+
+
+class _Unix(_FollowsFailover, UnixDomainSocketConnection):
+    pass
+
+
+_FOLLOWING = {Connection: _Tcp, SSLConnection: _Tls, UnixDomainSocketConnection: _Unix}
+
+
+class _BrokerChannel(kombu_redis.Channel):
+    connection_class, connection_class_ssl = _Tcp, _Tls
+
+
+class BrokerTransport(kombu_redis.Transport):
+    """kombu's Redis transport on connections that follow a failover: what the failover refuses or ends is a lost
+    connection (in kombu's `connection_errors`), which Celery's consumer and publishers connect again after."""
+
+    Channel = _BrokerChannel
