@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 import time
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -25,7 +26,10 @@ UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry 
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("vsrq", broker=settings.celery_broker_url, backend=settings.celery_broker_url)
+    # No result backend: results live in the job records (Celery's Redis one also refused a rediss:// URL without
+    # `ssl_cert_reqs`, so that every create answered 503)
+    app = Celery("vsrq", broker=settings.celery_broker_url)
+    scheme = urlsplit(settings.celery_broker_url).scheme
     # Redis redelivers an unacknowledged message after the visibility timeout, even while its worker still runs it:
     # keep it above the longest job. Recovery of dead workers is the reaper's, through leases, not Celery's. A
     # publish into a partition fails after the socket timeout instead of hanging its sender (API, reaper, worker).
@@ -41,12 +45,12 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,  # a GPU worker holds one message at a time, never one it cannot start
         worker_cancel_long_running_tasks_on_connection_loss=True,
         broker_connection_retry_on_startup=True,
-        # redis:// only: kombu, told a transport, reads a rediss:// URL without options as plain TCP; a Sentinel's
-        # URL follows its failovers already
-        broker_transport=BROKER_TRANSPORT if urlsplit(settings.celery_broker_url).scheme == "redis" else None,
+        broker_transport=BROKER_TRANSPORT if scheme in ("redis", "rediss") else None,  # a Sentinel's follows already
+        # a TLS broker's certificate verified, as redis-py verifies the job store's, unless the URL's ssl_* say
+        # otherwise (kombu alone verifies nothing for a rediss:// URL without them)
+        broker_use_ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED} if scheme == "rediss" else None,
         broker_transport_options=transport,
-        result_backend_transport_options=transport,
-        task_ignore_result=True,  # results live in the job records
+        task_ignore_result=True,
         task_serializer="json",
         accept_content=["json"],
         task_default_queue=next(iter(settings.models.values())),

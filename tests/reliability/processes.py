@@ -6,17 +6,21 @@ OOM killer enforces it (SIGKILL past the limit), without touching the host's cgr
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -342,3 +346,40 @@ class Partition:
         for released in self._holds.values():
             released.set()
         self._server.close()
+
+
+class TlsFront:
+    """A TLS endpoint on loopback in front of a plain TCP server at `target`, as a managed Redis's TLS port (or
+    stunnel) is: clients speak real TLS to `port`, with the certificate `cert` (trustme) gives; the bytes inside go to
+    `target` as they are. An event loop of its own, on a thread."""
+
+    def __init__(self, target: tuple[str, int], cert: Any) -> None:
+        self.target, self.connections = target, 0
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(context)
+        self._loop = asyncio.new_event_loop()
+        ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+        threading.Thread(target=self._run, args=(context, ready), daemon=True).start()
+        self.port = ready.result(10)
+
+    def _run(self, context: ssl.SSLContext, ready: concurrent.futures.Future[int]) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=context))
+        ready.set_result(server.sockets[0].getsockname()[1])
+        self._loop.run_forever()
+
+    async def _serve(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        upstream_in, upstream_out = await asyncio.open_connection(*self.target)
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(client_in, upstream_out), pump(upstream_in, client_out), return_exceptions=True)
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)

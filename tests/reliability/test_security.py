@@ -10,21 +10,26 @@ this machine (127.0.0.1, ::1, 0.0.0.0, the decimal and IPv4-mapped spellings of 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import requests
+import trustme
 
+from infra.stack import free_ports
 from storage.ssrf import UnsafeUrl, public_addresses
 from tests.service.test_api import assert_problem
 from worker.fetch import FetchFailed, fetch
 from worker.webhooks import post
 
+from . import processes
 from .conftest import LIMITED, PRESIGN_TTL_S, TOKENS, auth, create, wait_all, webhook_secret
 
 # Every kind of address a user-supplied URL must not reach, spelled as attackers spell them.
@@ -269,3 +274,40 @@ def test_no_secret_in_logs_or_job_bodies(rel_api, cpu_worker, rel_env, stack, al
     assert bodies > 0 and "POST /v1/videos" in texts["gunicorn log"] and alices_job["id"] in texts["worker log"]
     lines = sum(text.count("\n") for text in texts.values())
     print(f"FIGURE security secrets: 0 of {len(found_secrets)} secrets in {lines} log lines and {bodies} job bodies")
+
+
+def test_a_tls_redis_carries_the_jobs_and_its_certificate_is_checked(rel_env, clip, tmp_path):
+    """A managed Redis behind TLS, named as redis-py documents it (`rediss://host:port/db?ssl_ca_certs=...`): every
+    create answered 503 `enqueue_failed` (Celery's result backend, which vsrq never used, refused a rediss:// URL
+    without `ssl_cert_reqs`), and the broker's connections, unlike the job store's, took any certificate."""
+    from storage.config import Settings
+    from storage.queue import make_celery
+
+    authority = trustme.CA()
+    authority.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    plain = urlsplit(rel_env["VSRQ_REDIS_URL"])
+    front = processes.TlsFront((plain.hostname, plain.port), authority.issue_cert("127.0.0.1"))
+    queue, tls = "vsrq.tls-probe", f"rediss://127.0.0.1:{front.port}/3"  # a database of its own on the stack's Redis
+    env = {**rel_env, "VSRQ_REDIS_URL": f"{tls}?ssl_ca_certs={tmp_path / 'ca.pem'}", "VSRQ_WEB_WORKERS": "1",
+           "VSRQ_MODELS": json.dumps({"lanczos": queue}), "VSRQ_CONTENT_DELIVERY": "stream"}  # fmt: skip
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    api = processes.api(env, port, tmp_path).start()
+    worker = processes.worker(env, queue, tmp_path).start()
+    try:
+        processes.serving(api, url)
+        processes.started(worker)
+        job_id = create(url, "alice", clip).json().get("id")
+        assert job_id, api.text()[-3000:]
+        job = wait_all(url, "alice", [job_id], worker.log, limit_s=90)[job_id]
+        assert job["status"] == "completed", job
+        assert front.connections >= 3  # the API's, the worker's and the broker's all went through TLS
+
+        # the broker checks the certificate as the job store does: without the authority, neither connects
+        doubted = make_celery(Settings(**{"redis_url": tls}))
+        with doubted.connection_for_write() as broker, pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
+            broker.ensure_connection(max_retries=1)
+            broker.default_channel.client.ping()
+    finally:
+        processes.stop_all([worker, api])
+        front.close()
