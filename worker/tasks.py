@@ -29,6 +29,7 @@ from time import monotonic
 from typing import Any, BinaryIO
 
 import redis.exceptions
+from celery.concurrency import get_implementation
 from celery.exceptions import Reject
 from celery.signals import worker_init, worker_shutdown
 from celery.worker import state as worker_state
@@ -88,9 +89,10 @@ LOST_LEASES_HEADER = "vsrq_lost_leases"
 
 
 @worker_init.connect
-def _load_model(**_: Any) -> None:
+def _load_model(sender: Any, **_: Any) -> None:
     """Loads the upscaler before the worker takes its first message: a bad checkpoint stops the worker at once."""
     signals.configure_logging()  # Celery sets logging up only after `worker_init`: the load and warmup would be lost
+    _check_pool(sender)
     heap.fix_mmap_threshold()  # before any job: its frames must not stay resident in glibc's arenas once freed
     config = service.worker_settings()
     worker_names = {f"VSRQ_WORKER_{name.upper()}" for name in type(config).model_fields}
@@ -107,6 +109,16 @@ def _load_model(**_: Any) -> None:
     began = started.seconds()
     service.upscaler()
     log.info("model ready in %.1f s, %.1f s after the process started", started.seconds() - began, started.seconds())
+
+
+def _check_pool(worker: Any) -> None:
+    """One job at a time, in the process that holds the model: the solo pool. Celery's default, prefork, forks that
+    process once per CPU core (CUDA cannot be used again in a fork) and runs a job in each, beside the others."""
+    pool = get_implementation(worker.pool_cls)
+    if pool.__module__ != "celery.concurrency.solo":
+        _exit_refused(f"this worker runs its jobs one at a time on its model, with `--pool solo`; it was started with "
+                      f"the {pool.__module__.rsplit('.', 1)[-1]} pool: start it as the Procfile does "
+                      "(`celery -A worker.tasks worker --pool solo --concurrency 1 ...`)")  # fmt: skip
 
 
 def _check_job_store() -> None:

@@ -193,6 +193,24 @@ def test_a_misspelt_variable_is_said_at_start_not_ignored(rel_env, tmp_path):
         processes.stop_all([hooks, reaper, worker, api])
 
 
+def test_a_worker_started_without_the_solo_pool_says_so_and_exits(rel_env, tmp_path):
+    """`celery -A worker.tasks worker -Q vsrq.k6`, the Procfile's line without its `--pool solo`, ran Celery's default
+    prefork pool: the process that loaded the model forked once per CPU core (on a GPU, CUDA cannot be used again in
+    a fork) and each child ran a job beside the others. It exits at start now, status 78, saying how to start it."""
+    for pool in ([], ["--pool", "threads", "--concurrency", "2"]):  # Celery's default (prefork), and another
+        command = [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", *pool, "-Q", "vsrq.pool-probe",
+                   "-n", f"pool-probe-{len(pool)}@localhost", "--without-gossip", "--without-mingle"]  # fmt: skip
+        env = {**rel_env, "VSRQ_WORKER_MODEL": "lanczos", "VSRQ_WORKER_DEVICES": "cpu"}
+        worker = processes.Process(f"pool-{len(pool)}", command, env, tmp_path / f"pool-{len(pool)}.log").start()
+        try:
+            worker.wait_for(lambda: not worker.alive, "the worker's exit", timeout_s=60)
+            assert worker.exit_status == 78, worker.text()[-3000:]
+            said = "this worker runs its jobs one at a time on its model, with `--pool solo`"
+            assert said in worker.text() and "ready." not in worker.text(), worker.text()[-3000:]
+        finally:
+            worker.stop()
+
+
 def test_a_redis_that_would_lose_jobs_is_said_in_health_and_status(rel_env, tmp_path):
     """A Redis without its append-only file (a restart comes back empty: every job a 404) and evicting keys when full
     (an operator's run: 21 of 30 jobs just accepted answered 404), while /healthz said ok and nothing logged it."""
