@@ -43,7 +43,9 @@ def create_app(settings: Settings | None = None) -> Flask:
         blobs=open_blob_store(settings),
         jobs=JobStore.from_settings(settings, redis),
         celery=make_celery(settings),
-        idempotency=Idempotency(redis, settings.idempotency_ttl_s, settings.idempotency_in_flight_ttl_s),
+        idempotency=Idempotency(
+            redis, settings.idempotency_ttl_s, settings.idempotency_in_flight_ttl_s, settings.idempotency_lease_s
+        ),
         limiter=RateLimiter(redis),
         uploads=UploadStore(redis, ttl_s=settings.upload_ttl_s),
     )

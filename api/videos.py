@@ -81,21 +81,23 @@ def _created(files: frozenset[str]) -> tuple[Response, int]:
     """Creates the job, with the input in one of `files` (or named), once per `Idempotency-Key`."""
     key = idempotency.key_from(request.headers)
     if key is None:
-        status, body, _ = _create(files)
+        status, body, _ = _create(files, None)
         return _answer(body), status
-    store, caller = services().idempotency, owner()
-    remembered = store.claim(caller, key)
-    if remembered is not None:
-        replay = store.check_replay(remembered, lambda: _fingerprint(files))
+    store, jobs = services().idempotency, services().jobs
+    claim = store.claim(owner(), key, made=lambda job_id: _body(job) if (job := jobs.get(job_id)) else None)
+    if not isinstance(claim, idempotency.Claim):
+        replay = store.check_replay(claim, lambda: _fingerprint(files))
         response = _answer(replay.body)
         response.headers["Idempotent-Replayed"] = "true"
         return response, replay.status
     try:
-        status, body, fingerprint = _create(files)
+        with claim.held():
+            status, body, fingerprint = _create(files, claim)
     except BaseException:
-        store.release(caller, key)  # a failed request is not remembered: the caller may fix it and retry
+        claim.release()  # a failed request is not remembered: the caller may fix it and retry
         raise
-    store.finish(caller, key, fingerprint, status, body)
+    if not claim.finish(fingerprint, status, body):
+        log.warning("%s made under an Idempotency-Key that a repeat took over meanwhile", body["id"])
     return _answer(body), status
 
 
@@ -129,24 +131,26 @@ def _job_response(body: dict[str, Any]) -> Response:
     return response
 
 
-def _create(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
-    """Creates the job from this request; returns (status, body, the request's fingerprint). The key's job slot is
-    taken before the upload streams, so a key at its limit sends no video for nothing."""
+def _create(files: frozenset[str], claim: idempotency.Claim | None) -> tuple[int, dict[str, Any], str]:
+    """Creates the job from this request (under `claim`, its `Idempotency-Key`'s); returns (status, body, the request's
+    fingerprint). The key's job slot is taken before the upload streams, so a key at its limit sends no video for
+    nothing."""
     svc = services()
     svc.limiter.check_budget(g.api_key, svc.settings)
     with svc.limiter.job_slot(g.api_key, svc.settings, svc.jobs.active_keys(owner())):
-        return _create_from_request(files)
+        return _create_from_request(files, claim)
 
 
-def _create_from_request(files: frozenset[str]) -> tuple[int, dict[str, Any], str]:
+def _create_from_request(files: frozenset[str], claim: idempotency.Claim | None) -> tuple[int, dict[str, Any], str]:
     if request.mimetype == "application/json":
         body = json_object()
-        return 200, _create_job(*_named_input(body, files)), idempotency.fingerprint("json", body)
+        fingerprint = idempotency.fingerprint("json", body)
+        return 200, _create_job(*_named_input(body, files), _job_id(claim, fingerprint)), fingerprint
 
     form = receive_form(files)
     if form.file is None:  # a form may name its input instead, as SGLang's does with `video_url` / `reference_url`
-        body = _create_job(*_named_input(form.fields, files))
-        return 200, body, idempotency.fingerprint("multipart", {"fields": form.fields, "file": None})
+        fingerprint = idempotency.fingerprint("multipart", {"fields": form.fields, "file": None})
+        return 200, _create_job(*_named_input(form.fields, files), _job_id(claim, fingerprint)), fingerprint
     try:
         create = create_request(form.fields, references=False)
         stored = form.file
@@ -158,12 +162,19 @@ def _create_from_request(files: frozenset[str]) -> tuple[int, dict[str, Any], st
             upload_id=stored.id,
             owned_by_job=True,
         )
-        body = _create_job(create, source)
+        fingerprint = idempotency.fingerprint("multipart", {"fields": form.fields, "file": stored.blob.sha256})
+        body = _create_job(create, source, _job_id(claim, fingerprint))
     except BaseException:
         if form.file is not None:
             services().blobs.delete(form.file.blob.key)
         raise
-    return 200, body, idempotency.fingerprint("multipart", {"fields": form.fields, "file": stored.blob.sha256})
+    return 200, body, fingerprint
+
+
+def _job_id(claim: idempotency.Claim | None, fingerprint: str) -> str | None:
+    """The id the job is made with: its key's claim's, once the claim records what the request asks for (so that a
+    repeat after a crash finds the job); else a new one."""
+    return claim.making(fingerprint) if claim is not None else None
 
 
 def _fingerprint(files: frozenset[str]) -> str:
@@ -254,7 +265,7 @@ def _edited_output(fields: dict[str, Any]) -> InputInfo | None:
     return InputInfo(key=output.key, bytes=output.bytes, sha256=output.sha256, filename=f"{job.id}.mp4")
 
 
-def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
+def _create_job(create: CreateRequest, source: InputInfo, job_id: str | None) -> dict[str, Any]:
     settings, jobs = services().settings, services().jobs
     model = create.options.model or settings.default_model
     if model not in settings.models:
@@ -268,6 +279,7 @@ def _create_job(create: CreateRequest, source: InputInfo) -> dict[str, Any]:
     if create.options.webhook_url is not None:  # checked again when each delivery connects
         _check_url("webhook_url", create.options.webhook_url, settings.webhook_allow_loopback, "unsafe_webhook_url")
     job = jobs.create(
+        job_id=job_id,
         owner=owner(),
         model=model,
         queue=settings.models[model],

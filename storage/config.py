@@ -216,7 +216,8 @@ class Settings(BaseSettings):
     multipart_abort_s: int = Field(24 * 3600, ge=1)  # incomplete multipart uploads older than this are aborted
     sweep_interval_s: float = Field(600, gt=0)
     idempotency_ttl_s: int = Field(24 * 3600, ge=60)
-    idempotency_in_flight_ttl_s: int = Field(3600, ge=10)  # a claim whose request died is released after this
+    idempotency_in_flight_ttl_s: int = Field(3600, ge=10)  # the longest a create holds its key
+    idempotency_lease_s: float = Field(30, gt=0)  # a create not heard from this long died: a repeat takes its key
     list_limit_max: int = Field(100, ge=1)
 
     # Workers and recovery

@@ -4,13 +4,17 @@ lease show in /healthz and `vsrq status`; a Redis outage costs the reaper's log 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -449,3 +453,90 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
         for server in servers:
             server.terminate()
             server.wait(10)
+
+
+def test_a_create_cut_off_by_its_api_s_death_leaves_its_key_to_a_repeat_once_lapsed(rel_env, redis_client, tmp_path):
+    """`vsrq bulk` run again after its stack was killed mid-create: the key stayed `in_flight` for an hour (every
+    repeat 409, the run gave up), and a job the dead request had made was made again after the hour (a chaos trial).
+    With a lease of 2 s: killed mid-upload, the repeat gets 409 until the claim lapses, then makes the job; killed
+    after the job was made but before the key remembered it, the repeat gets that job, replayed: one job each."""
+    from worker.media.synthetic import write_clip
+
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
+    plain = urlsplit(rel_env["VSRQ_REDIS_URL"])
+    redis_way = processes.Partition((plain.hostname, plain.port))
+    env = {**rel_env, "VSRQ_IDEMPOTENCY_LEASE_S": "2", "VSRQ_WEB_WORKERS": "1",
+           "VSRQ_REDIS_URL": f"redis://127.0.0.1:{redis_way.port}/0"}  # fmt: skip
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    boundary = "vsrq-test-boundary"
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="clip.mp4"\r\n'
+            "Content-Type: video/mp4\r\n\r\n").encode()  # fmt: skip
+    tail = f"\r\n--{boundary}--\r\n".encode()
+
+    def send(key: str, body, timeout_s: float = 60) -> requests.Response:
+        headers = {**auth("dave"), "Idempotency-Key": key, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+        return requests.post(f"{url}/v1/videos", data=body, headers=headers, timeout=timeout_s)
+
+    def claim_of(key: str) -> dict:
+        raw = redis_client.get(f"vsrq:idem:dave:{hashlib.sha256(key.encode()).hexdigest()}")
+        return json.loads(raw) if raw else {}
+
+    def cut_off(key: str, body) -> None:
+        """Sends the request on a thread, to be cut off where the test kills its API process."""
+
+        def sending() -> None:
+            with contextlib.suppress(requests.RequestException):
+                send(key, body)
+
+        threading.Thread(target=sending, daemon=True).start()
+
+    api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+    try:
+        # 1. killed mid-upload: no job made
+        uploading, stalled = secrets.token_hex(8), threading.Event()
+
+        def trickle():
+            yield head + clip[:100]
+            stalled.wait(30)
+            yield clip[100:] + tail
+
+        cut_off(uploading, trickle())
+        deadline = time.monotonic() + 10
+        while not claim_of(uploading):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        api.kill()
+        stalled.set()
+        api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+        early = send(uploading, head + clip + tail)
+        waited = time.monotonic()
+        while early.status_code == 409:  # the claim lapses 2 s after its dead request last renewed it
+            assert early.json()["code"] == "idempotency_in_flight" and time.monotonic() - waited < 15, early.text
+            time.sleep(0.5)
+            early = send(uploading, head + clip + tail)
+        assert early.status_code == 200 and "Idempotent-Replayed" not in early.headers, early.text
+        assert send(uploading, head + clip + tail).json()["id"] == early.json()["id"]
+
+        # 2. killed after its job was made, before its key remembered it: the key's answer never reaches Redis
+        made = secrets.token_hex(8)
+        redis_way.hang(b'"state": "done"')
+        cut_off(made, head + clip + tail)
+        deadline = time.monotonic() + 20
+        while redis_way.hung == 0:
+            assert time.monotonic() < deadline, api.text()[-3000:]
+            time.sleep(0.05)
+        job_id = claim_of(made)["job"]
+        assert redis_client.exists(job_key("vsrq", job_id))  # the job the dead request made
+        api.kill()
+        api = processes.serving(processes.api(env, port, tmp_path).start(), url)
+        time.sleep(2.5)  # the lease
+        replayed = send(made, head + clip + tail)
+        assert replayed.status_code == 200 and replayed.headers.get("Idempotent-Replayed") == "true", replayed.text
+        assert replayed.json()["id"] == job_id
+        listed = requests.get(f"{url}/v1/videos?limit=100", headers=auth("dave"), timeout=30).json()["data"]
+        assert [job["id"] for job in listed].count(job_id) == 1
+        assert send(made, head + clip[:-1] + b"\0" + tail).json()["code"] == "idempotency_key_reused"
+    finally:
+        api.stop()
+        redis_way.close()
