@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -624,7 +625,10 @@ def run(args: argparse.Namespace) -> int:
     report = args.report
     report.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal(journal_path(report))
-    bulk = Bulk(Client(url, token), items, journal, s3, args.service_bucket or config.service_bucket(),
+    # a URL found in dev.json is looked for there again when it stops answering (its stack restarted elsewhere)
+    follow = partial(config.dev_api, args.token) if args.api_url is None and config.follows_dev_stack() else None
+    client = Client(url, token, follow=follow)
+    bulk = Bulk(client, items, journal, s3, args.service_bucket or config.service_bucket(),
                 max(1, args.concurrency), args.wait, args.poll, args.download, args.part_size * MIB)  # fmt: skip
     try:
         bulk.run()
@@ -640,8 +644,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"vsrq: bulk: {problem.code}: {problem.message} (rerun to carry on)", file=sys.stderr)
         return 1
     except requests.RequestException as error:
-        print(f"vsrq: bulk: api_unreachable: {url} does not answer ({_why(error)}): is the API up? `vsrq dev` starts "
-              "one here; --api-url or VSRQ_API_URL names another (rerun to carry on)", file=sys.stderr)  # fmt: skip
+        print(f"vsrq: bulk: api_unreachable: {client.base_url} does not answer ({_why(error)}): is the API up? "
+              "`vsrq dev` starts one here; --api-url or VSRQ_API_URL names another (rerun to carry on)",
+              file=sys.stderr)  # fmt: skip
         return 1
     finally:
         write_report(report, items, bulk.entries)

@@ -24,6 +24,20 @@ def token() -> str | None:
     return stack.get("token") if stack and api_url() == stack.get("url") else None
 
 
+def dev_api(token: str | None = None) -> tuple[str, str | None] | None:
+    """The running `vsrq dev` stack's URL and the key to use there (`token`, else VSRQ_TOKEN, else the stack's), read
+    afresh: a stack started again on another port is found; None while none runs."""
+    stack = _dev_stack()
+    if not stack.get("url"):
+        return None
+    return stack["url"], token or os.environ.get("VSRQ_TOKEN") or stack.get("token")
+
+
+def follows_dev_stack() -> bool:
+    """Whether the API's URL is the dev stack's (nothing else names one)."""
+    return not os.environ.get("VSRQ_API_URL") and bool(_dev_stack().get("url"))
+
+
 def _dev_stack() -> dict:
     return devstate.read() or {}
 

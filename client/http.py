@@ -87,15 +87,19 @@ class Client:
         *,
         timeout_s: tuple[float, float] = (10, 300),
         retry_for_s: float = 300,
+        follow: Callable[[], tuple[str, str | None] | None] | None = None,
     ) -> None:
-        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+        """`follow`: where the API is now (its URL and key), asked again whenever it stops answering: a `vsrq dev`
+        stack started again on another port (client.config.dev_api)."""
+        self.base_url, self.timeout_s, self.follow = base_url.rstrip("/"), timeout_s, follow
         self.session = requests.Session()
-        if token:  # none: an API with auth off (`vsrq dev` on loopback) takes the request as it is
-            self.session.headers["Authorization"] = f"Bearer {token}"
+        self._use(token)
         backoff = wait_exponential_jitter(initial=0.5, max=30)
 
         def wait(state: RetryCallState) -> float:
             error = state.outcome.exception() if state.outcome else None
+            if isinstance(error, requests.ConnectionError):
+                self._look_again()
             asked = getattr(error, "retry_after", None)
             return asked if asked is not None else backoff(state)
 
@@ -238,6 +242,20 @@ class Client:
         )(lambda: self.session.get(self.base_url + "/healthz", timeout=(min(within_s, self.timeout_s[0]), 10)))
 
     # -- plumbing ----------------------------------------------------------------------------------------------
+
+    def _use(self, token: str | None) -> None:
+        if token:  # none: an API with auth off (`vsrq dev` on loopback) takes the request as it is
+            self.session.headers["Authorization"] = f"Bearer {token}"
+        else:
+            self.session.headers.pop("Authorization", None)
+
+    def _look_again(self) -> None:
+        """Moves to where `follow` says the API is now, if that is elsewhere: the next try goes there."""
+        where = self.follow() if self.follow is not None else None
+        if where is not None and where[0].rstrip("/") != self.base_url:
+            log.warning("the API moved from %s to %s: carrying on there", self.base_url, where[0])
+            self.base_url = where[0].rstrip("/")
+            self._use(where[1])
 
     def _retry(self, call: Callable[[], Any]) -> Any:
         return self._retrying.copy()(call)

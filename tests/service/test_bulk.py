@@ -452,3 +452,40 @@ def test_a_folder_s_downloads_and_look_alike_names_are_told_apart(tmp_path):
     items, left_out = plan(str(folder), {"sr_resolution_scale": "4"}, s3=lambda: None, download=folder / "out")
     assert sorted(item.source for item in items) == ["clip.mov", "movie-x264.mp4", "movie.mkv", "talk-x2.mp4"]
     assert left_out == {"in the download folder": 2, ".srt": 1}
+
+
+def test_a_run_that_found_its_api_in_dev_json_follows_its_stack_to_another_port(api, worker, tmp_path, monkeypatch):
+    """`vsrq dev` stopped and started again on another port mid-run (a chaos trial): `vsrq bulk --wait`, which had
+    found its API in dev.json, asked the old port for its 5 minutes of retries and gave up (`api_unreachable`) while
+    dev.json named the running stack. It looks in dev.json again when its API stops answering, and carries on."""
+    from client import devstate
+    from tests.reliability.processes import Partition
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    (tmp_path / "in").mkdir()
+    for name in ("a.mp4", "b.mp4"):
+        write_clip(tmp_path / "in" / name, 5, (32, 48))
+    plain = requests.utils.urlparse(api)
+    old = Partition((plain.hostname, plain.port))  # the stack's first port, in front of the API
+    old.refuse(b"POST /v1/videos")  # it goes down as the run's first create arrives
+    state = {"pid": os.getpid(), "url": f"http://127.0.0.1:{old.port}", "token": KEYS["bulk"]}
+    devstate.write(tmp_path / "dev", state)
+    command = [sys.executable, "-m", "client.cli", "-v", "bulk", str(tmp_path / "in"), "--report",
+               str(tmp_path / "report.csv"), "--model", "lanczos", "--poll", "0.2", "--wait"]  # fmt: skip
+    env = {key: value for key, value in bulk_env(XDG_CONFIG_HOME=str(tmp_path / "config")).items()
+           if key not in ("VSRQ_API_URL", "VSRQ_TOKEN")}  # fmt: skip
+    run = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while old.refused == 0:
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.05)
+        old.close()  # the first port answers nothing any more; the stack runs on another
+        devstate.write(tmp_path / "dev", {**state, "url": api})
+        output, _ = run.communicate(timeout=90)
+    finally:
+        run.kill()
+        old.close()
+    assert run.returncode == 0, output
+    assert f"the API moved from http://127.0.0.1:{old.port} to {api}" in output
+    assert [row["status"] for row in report_rows(tmp_path / "report.csv")] == ["completed", "completed"]
