@@ -102,12 +102,15 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _job(running: dict[str, Running], job_id: str | None, now: float) -> str:
-    """`video_… upscaling 45 % attempt 2, running 3m10s, about 4m05s left`: how far a worker's job got (its record
-    may have gone)."""
+    """`video_… upscaling 45 % attempt 2, running 13s (3m10s since its first), about 4m05s left`: how far a worker's
+    job got (its record may have gone); the time is this attempt's."""
     job = running.get(job_id)
     if job is None:
         return job_id or "-"
-    since = f", running {_clock(now - job.started_at)}" if job.started_at else ""
+    began = job.attempt_started_at or job.started_at
+    since = f", running {_clock(now - began)}" if began else ""
+    if job.attempt > 1 and job.started_at and began != job.started_at:
+        since += f" ({_clock(now - job.started_at)} since its first)"
     left = f", about {_clock(job.eta - now)} left" if job.eta else ""
     return f"{job_id} {job.stage or 'starting'} {job.progress} % attempt {job.attempt}{since}{left}"
 

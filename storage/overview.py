@@ -41,6 +41,7 @@ class Running(BaseModel):
     progress: int  # as its owner sees it (`JobRecord.shown_progress`)
     attempt: int
     started_at: float | None  # the job's first attempt's start
+    attempt_started_at: float | None = None  # this attempt's (its lease's, Redis time)
     eta: float | None = None  # while upscaling: when its worker expects the engine to finish (`JobRecord.shown_eta`)
 
 
@@ -182,5 +183,6 @@ def overview(
 
 def _running(job: JobRecord) -> Running:
     return Running(
-        stage=job.stage, progress=job.shown_progress, attempt=job.attempt, started_at=job.started_at, eta=job.shown_eta
-    )
+        stage=job.stage, progress=job.shown_progress, attempt=job.attempt, started_at=job.started_at,
+        attempt_started_at=job.leased_at, eta=job.shown_eta,
+    )  # fmt: skip

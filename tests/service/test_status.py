@@ -67,12 +67,19 @@ def test_vsrq_status_shows_how_far_each_workers_job_got(service_env):
                    job=job.id)  # fmt: skip
     )
     running = json.loads(vsrq_status(env, "--json").stdout)["running"]
-    assert running[job.id] | {"started_at": 0, "eta": 0} == {
-        "stage": "upscaling", "progress": 45, "attempt": 1, "started_at": 0, "eta": 0
+    assert running[job.id] | {"started_at": 0, "attempt_started_at": 0, "eta": 0} == {
+        "stage": "upscaling", "progress": 45, "attempt": 1, "started_at": 0, "attempt_started_at": 0, "eta": 0
     }
     assert 3500 < running[job.id]["eta"] - time.time() <= 3600  # a loaded machine's CLI start takes seconds
     line = next(line for line in vsrq_status(env).stdout.splitlines() if "gpu0@host" in line)
     assert re.search(rf"job {job.id} upscaling 45 % attempt 1, running \d+s, about 59m\d\ds left  beat", line), line
+
+    # a second attempt: its own time, and the job's since its first (it showed the job's as the attempt's)
+    client.hset(f"vsrq:job:{job.id}", "started_at", time.time() - 74)  # the first attempt began 74 s ago
+    lease.retry("worker_restarted", "its worker started again")
+    jobs.lease(job.id, "gpu0@host", 30).heartbeat(progress=50, stage="upscaling")
+    line = next(line for line in vsrq_status(env).stdout.splitlines() if "gpu0@host" in line)
+    assert re.search(rf"job {job.id} upscaling \d+ % attempt 2, running \d+s \(1m1\ds since its first\)", line), line
     client.flushdb()
 
 
