@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import random
 import shutil
 import signal
 import socket
@@ -31,6 +32,7 @@ from infra.children import ending_with_this_process
 INFRA = Path(__file__).resolve().parent
 REDIS_CONF = INFRA / "redis.conf"
 SAID_AFTER_S = 2  # a stop still waiting after this says for what
+ADMIN_GRPC_OFFSET = 10000  # weed's GrpcPortOffset
 S3_CONFIG = INFRA / "seaweedfs" / "s3.json"
 # weed's defaults, for a development stack whose addresses stay put across restarts
 DEFAULT_PORTS = {
@@ -49,6 +51,28 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _free_stack_ports() -> dict[str, int]:
+    """Free ports for every service, weed's admin gRPC at its HTTP port + 10000: weed 4.48's plugin worker dials it
+    there whatever `-admin.port.grpc` says, and logged a refused dial every 5 s (a 3-minute run: 60 lines)."""
+    ports = dict(zip(DEFAULT_PORTS, free_ports(len(DEFAULT_PORTS)), strict=True))
+    taken = set(ports.values())
+    for candidate in random.sample(range(20000, 65536 - ADMIN_GRPC_OFFSET), 200):
+        pair = (candidate, candidate + ADMIN_GRPC_OFFSET)
+        if taken.isdisjoint(pair) and all(_free(port) for port in pair):
+            ports["admin"], ports["admin.grpc"] = pair
+            break
+    return ports
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def binary(name: str) -> str:
@@ -106,7 +130,7 @@ class Stack:
     ) -> None:
         """`s3=False`: Redis alone, for a stack whose blobs are in a local directory (`blob_backend = "local"`)."""
         self.root, self.bucket, self.s3 = Path(root).resolve(), bucket, s3
-        self.ports = ports or dict(zip(DEFAULT_PORTS, free_ports(len(DEFAULT_PORTS)), strict=True))
+        self.ports = ports or _free_stack_ports()
         identity = json.loads(S3_CONFIG.read_text())["identities"][0]["credentials"][0]
         self.access_key, self.secret_key = identity["accessKey"], identity["secretKey"]
         self._processes: dict[str, subprocess.Popen] = {}

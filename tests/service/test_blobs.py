@@ -122,3 +122,12 @@ def test_local_store_refuses_paths_out_of_its_directory(tmp_path):
         with pytest.raises(InvalidKey):
             store.put(key, io.BytesIO(b"y"))
     assert store.presigned_url("a", 60) is None  # no server to sign for: callers stream
+
+
+def test_the_stack_s_seaweedfs_logs_no_refused_dial_of_its_own(stack, redis_client):
+    """weed 4.48's plugin worker dials the admin server's gRPC at its HTTP port + 10000, whatever `-admin.port.grpc`
+    says: with the stack's random ports it logged a refused dial every 5 s (60 lines in a 3-minute run)."""
+    up_s = redis_client.info("server")["uptime_in_seconds"]  # started with weed
+    time.sleep(max(0, 11 - up_s))  # two of its dials at least
+    refused = [line for line in (stack.root / "weed.log").read_text().splitlines() if "connection refused" in line]
+    assert refused == [], refused[:3]
