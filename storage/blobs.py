@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import re
 import secrets
@@ -148,7 +149,9 @@ class BlobStore(Protocol):
     def entries(self, prefix: str) -> Iterator[BlobInfo]:
         """The blobs under `prefix`, with size and `modified`."""
 
-    def delete_prefix(self, prefix: str) -> int: ...
+    def delete_prefix(self, prefix: str) -> int:
+        """Deletes the blobs under `prefix` and drops writes under it never finished (a writer killed mid-upload:
+        their parts are in no listing of blobs, and stayed until `abort_incomplete`, a day); returns the blobs."""
 
     def abort_incomplete(self, before: float) -> int:
         """Drops writes begun before `before` (epoch seconds) and never finished; returns how many."""
@@ -403,13 +406,18 @@ class S3BlobStore:
         for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": key} for key in keys[start : start + 1000]]
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        self._abort_uploads(prefix, before=math.inf)
         return len(keys)
 
     def abort_incomplete(self, before: float) -> int:
+        return self._abort_uploads("", before)
+
+    def _abort_uploads(self, prefix: str, before: float) -> int:
         aborted = 0
-        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket):
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
+        for page in pages:
             for upload in page.get("Uploads", []):
-                if upload["Initiated"].timestamp() < before:
+                if upload["Key"].startswith(prefix) and upload["Initiated"].timestamp() < before:
                     self.client.abort_multipart_upload(
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
@@ -596,11 +604,20 @@ class LocalBlobStore:
         keys = list(self.keys(prefix))
         for key in keys:
             self.delete(key)
+        self._abort_writes(prefix, before=math.inf)
         return len(keys)
 
     def abort_incomplete(self, before: float) -> int:
-        # A put that died midway leaves its hidden `.partial` file: the local store's incomplete upload.
-        stale = [path for path in self.root.rglob(".*.partial") if path.is_file() and path.stat().st_mtime < before]
+        return self._abort_writes("", before)
+
+    def _abort_writes(self, prefix: str, before: float) -> int:
+        # A put that died midway leaves its hidden `.partial` file (`.{name}.{hex}.partial`) beside where the blob
+        # would have been: the local store's incomplete upload.
+        def under(path: Path) -> bool:
+            return (path.parent / path.name[1:]).relative_to(self.root).as_posix().startswith(prefix)
+
+        stale = [path for path in self.root.rglob(".*.partial")
+                 if path.is_file() and under(path) and path.stat().st_mtime < before]  # fmt: skip
         for path in stale:
             path.unlink(missing_ok=True)
         return len(stale)

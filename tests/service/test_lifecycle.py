@@ -108,6 +108,21 @@ def incomplete(blobs: BlobStore) -> set[str]:
     return {path.relative_to(blobs.root).as_posix() for path in blobs.root.rglob(".*.partial")}
 
 
+def test_deleting_a_job_s_work_drops_the_window_upload_a_killed_worker_left(blobs):
+    """A worker killed mid-upload of a kept window (a chaos trial: the whole stack `kill -9`ed) left an S3 multipart
+    upload under its job's work/ prefix: in no listing of blobs, and kept for the sweep's day after the job had
+    completed and its work/ was deleted. Another job's upload in flight stays."""
+    job, other = ("video_" + secrets.token_hex(12) for _ in range(2))
+    incomplete_upload(blobs, f"{work_prefix(job)}windows/k/window-00002.tail.npy")
+    incomplete_upload(blobs, f"{work_prefix(other)}windows/k/window-00001.tail.npy")
+    put(blobs, f"{work_prefix(job)}windows/k/window-00001.json")
+    assert blobs.delete_prefix(work_prefix(job)) == 1
+    assert {key.split("/")[1] for key in incomplete(blobs) if key.startswith("work/")} >= {other}
+    assert not any(key.startswith(work_prefix(job)) for key in incomplete(blobs))
+    blobs.delete_prefix(work_prefix(other))
+    assert not any(key.startswith(work_prefix(other)) for key in incomplete(blobs))
+
+
 def test_the_sweep_deletes_what_no_job_needs_and_keeps_the_rest(blobs, redis_client, settings):
     expiring, keeping = stores(redis_client)
 
