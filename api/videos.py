@@ -39,7 +39,7 @@ from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, storage_unavailable
 from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
 from storage.lifecycle import delete_job_files, forget_attempts
 from storage.queue import send_upscale
-from storage.ssrf import SlowLookup, UnsafeUrl, public_addresses
+from storage.ssrf import LookupUnavailable, UnsafeUrl, public_addresses
 from storage.uploads import UploadNotFound, UploadStatus, parts_prefix
 from storage.webhooks import Outbox, relay_now
 
@@ -299,17 +299,17 @@ def _create_job(create: CreateRequest, source: InputInfo, job_id: str | None) ->
 
 
 def _check_url(field: str, url: str, allow_loopback: bool, code: str = UnsafeUrl.code) -> None:
-    """422 unless `url` reaches only public addresses (storage.ssrf); 503 while its host's name takes longer than a
-    connection may to resolve (a request thread is not held by a resolver that does not answer)."""
+    """422 unless `url` reaches only public addresses (storage.ssrf); 503 while its host's name cannot be resolved
+    now (a resolver slower than a connection may take, or down: no request thread is held by one)."""
     limit_s = services().settings.fetch_connect_timeout_s
     try:
         public_addresses(url, allow_loopback=allow_loopback, timeout_s=limit_s)
-    except SlowLookup:
+    except LookupUnavailable as error:
         raise ApiError(
             503,
-            "url_lookup_timeout",
-            f"{field}'s host was not resolved within {limit_s:g} s; retry later.",
-            errors=[{"field": field, "code": "url_lookup_timeout", "message": "its host was not resolved in time"}],
+            "url_lookup_unavailable",
+            f"{field}'s host could not be resolved now ({error}); retry later.",
+            errors=[{"field": field, "code": "url_lookup_unavailable", "message": str(error)}],
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         ) from None
     except UnsafeUrl as error:

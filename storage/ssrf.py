@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
+import time
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
@@ -33,14 +34,14 @@ class UnsafeUrl(ValueError):
     code = "unsafe_url"
 
 
-class SlowLookup(TimeoutError):
-    """The host's name was not resolved in the time given: the resolver is slow or down, which may pass (unlike
-    `UnsafeUrl`)."""
+class LookupUnavailable(OSError):
+    """The host's name could not be resolved now: the resolver did not answer in the time given, said to try again
+    (EAI_AGAIN: down or failing upstream), or has too many lookups outstanding. It may pass, unlike `UnsafeUrl`."""
 
 
 def public_addresses(url: str, *, allow_loopback: bool = False, timeout_s: float | None = None) -> list[IPAddress]:
-    """The addresses `url`'s host resolves to, all of them public; raises `UnsafeUrl` otherwise, and `SlowLookup` when
-    the resolver has not answered within `timeout_s` (None: its own limits).
+    """The addresses `url`'s host resolves to, all of them public; raises `UnsafeUrl` otherwise, and
+    `LookupUnavailable` when the resolver cannot say now (within `timeout_s`; None: its own limits).
 
     `allow_loopback` (development only) lets a local receiver on 127.0.0.1 / ::1 through."""
     parts = urlsplit(url)
@@ -51,7 +52,11 @@ def public_addresses(url: str, *, allow_loopback: bool = False, timeout_s: float
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         infos = _resolved(parts.hostname, port, timeout_s)
-    except (ValueError, socket.gaierror, UnicodeError) as error:
+    except socket.gaierror as error:
+        if error.errno == socket.EAI_AGAIN:
+            raise LookupUnavailable(f"the resolver could not resolve {parts.hostname!r} now") from error
+        raise UnsafeUrl(f"host {parts.hostname!r} cannot be resolved") from error
+    except (ValueError, UnicodeError) as error:
         raise UnsafeUrl(f"host {parts.hostname!r} cannot be resolved") from error
     addresses = sorted({ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}, key=str)
     for address in addresses:
@@ -62,17 +67,24 @@ def public_addresses(url: str, *, allow_loopback: bool = False, timeout_s: float
     return addresses
 
 
+# lookups whose callers stopped waiting still run until the resolver gives up: at most this many at once
+_LOOKUPS = threading.BoundedSemaphore(32)
+
+
 def _resolved(host: str, port: int, timeout_s: float | None) -> list[tuple]:
     """`getaddrinfo`, waited for at most `timeout_s`. It has no timeout of its own (the system resolver's can be tens
     of seconds), so it runs on a daemon thread that, when nobody waits any more, ends at the resolver's limits."""
     if timeout_s is None:
         return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    deadline = time.monotonic() + timeout_s
+    if timeout_s <= 0 or not _LOOKUPS.acquire(timeout=timeout_s):
+        raise LookupUnavailable(f"{host!r} was not resolved in time")
     answer: list[list[tuple] | Exception] = []
     lookup = threading.Thread(target=_lookup, args=(host, port, answer), name=f"lookup {host}", daemon=True)
     lookup.start()
-    lookup.join(max(timeout_s, 0))
+    lookup.join(max(0.0, deadline - time.monotonic()))
     if not answer:
-        raise SlowLookup(f"host {host!r} was not resolved within {timeout_s:.3g} s")
+        raise LookupUnavailable(f"{host!r} was not resolved within {timeout_s:.3g} s")
     if isinstance(answer[0], Exception):
         raise answer[0]
     return answer[0]
@@ -83,6 +95,8 @@ def _lookup(host: str, port: int, answer: list[list[tuple] | Exception]) -> None
         answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
     except Exception as error:  # handed to the caller's thread, which raises it
         answer.append(error)
+    finally:
+        _LOOKUPS.release()
 
 
 def is_public(address: IPAddress) -> bool:

@@ -27,7 +27,7 @@ import urllib3
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
 
 from storage.config import Settings
-from storage.ssrf import SlowLookup, UnsafeUrl, pinned_pool, public_addresses, request_target
+from storage.ssrf import LookupUnavailable, UnsafeUrl, pinned_pool, public_addresses, request_target
 from worker.backoff import retry_after_s
 from worker.errors import Cancelled, CodedError, PermanentError
 
@@ -106,8 +106,8 @@ def _get(url: str, settings: Settings) -> Iterator[urllib3.BaseHTTPResponse]:
         )
     except UnsafeUrl as error:
         raise FetchFailed(f"The input URL is refused: {error}.") from None
-    except SlowLookup:
-        raise FetchUnavailable(f"{parts.hostname} was not resolved in time.") from None
+    except LookupUnavailable as error:
+        raise FetchUnavailable(f"The input URL's host could not be resolved now: {error}.") from None
     target = request_target(parts)
     headers = {"Host": parts.netloc, "Accept-Encoding": "identity", "User-Agent": "vsrq"}
     timeout = urllib3.Timeout(connect=settings.fetch_connect_timeout_s, read=settings.fetch_read_timeout_s)

@@ -36,7 +36,7 @@ from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobNotFound, JobStore, VideoWebhook
 from storage.logs import job_context
 from storage.signatures import signed_headers
-from storage.ssrf import SlowLookup, UnsafeUrl, pinned_pool, public_addresses, request_target
+from storage.ssrf import LookupUnavailable, UnsafeUrl, pinned_pool, public_addresses, request_target
 from storage.webhooks import DELIVER_TASK, Outbox, Started
 from storage.workers import this_process
 from worker import metrics, service
@@ -122,8 +122,8 @@ def post(url: str, body: bytes, headers: dict[str, str], settings: Settings, dea
         addresses = public_addresses(url, allow_loopback=settings.webhook_allow_loopback, timeout_s=remaining)
     except UnsafeUrl as error:
         return Attempt("failed", UnsafeUrl.code, f"the webhook URL is refused: {error}")
-    except SlowLookup:
-        return Attempt("retry", "timeout", f"{parts.hostname} was not resolved within {settings.webhook_timeout_s:g} s")
+    except LookupUnavailable as error:
+        return Attempt("retry", "lookup_unavailable", f"the webhook URL's host could not be resolved: {error}")
     target = request_target(parts)
     headers = {**headers, "Host": parts.netloc, "User-Agent": "vsrq-webhooks"}
     for address in addresses:
