@@ -27,7 +27,6 @@ import logging
 import math
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -36,6 +35,7 @@ from pydantic import BaseModel
 from redis import Redis
 
 from api.errors import ApiError
+from storage.clock import redis_now
 from storage.jobs import new_job_id
 
 log = logging.getLogger("vsrq.api")
@@ -55,13 +55,27 @@ class Remembered(BaseModel):
     alive_until: float | None = None  # in flight: the request lapses unless it renews its claim by then (Redis time)
 
 
-# KEYS[1]: the key's record. ARGV: the claim (JSON), the record's TTL, the lease. {outcome, record}: `claimed`, `held`
-# (in flight and renewed, or done), or `lapsed` (in flight, its request not heard from for a lease: it died)
-_CLAIM = """
+# Redis time, and the key's record when it is the in-flight claim of `token` (and lapsed, where asked), else nil.
+# Only claims are encoded here: a done record's body never goes through cjson, which turns [] into {} and rounds
+# numbers.
+_PRELUDE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local function claim_of(token, lapsed)
+  local raw = redis.call('GET', KEYS[1])
+  if not raw then return nil end
+  local record = cjson.decode(raw)
+  if record.state ~= 'in_flight' or record.token ~= token then return nil end
+  if lapsed and not (type(record.alive_until) == 'number' and record.alive_until < now) then return nil end
+  return record
+end
+"""
+
+# KEYS[1]: the key's record. ARGV: the claim (JSON), the record's TTL, the lease. {outcome, record}: `claimed`, `held`
+# (in flight and renewed, or done), or `lapsed` (in flight, its request not heard from for a lease: it died)
+_CLAIM = _PRELUDE + """
 local raw = redis.call('GET', KEYS[1])
-if raw then
+if raw then  -- returned as it is: a done record is decoded here, never encoded again
   local held = cjson.decode(raw)
   if held.state == 'in_flight' and type(held.alive_until) == 'number' and held.alive_until < now then
     return {'lapsed', raw}
@@ -76,33 +90,26 @@ redis.call('SET', KEYS[1], raw, 'EX', ARGV[2])
 return {'claimed', raw}
 """
 
-# KEYS[1]: the key's record. ARGV: the claim's token, then the JSON fields to set, the lease ('' keeps the TTL and
-# the lease), the TTL ('' keeps it). 0 unless the record is still that claim's.
-_UPDATE = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return 0 end
-local record = cjson.decode(raw)
-if record.state ~= 'in_flight' or record.token ~= ARGV[1] then return 0 end
-for field, value in pairs(cjson.decode(ARGV[2])) do record[field] = value end
-if ARGV[3] ~= '' then
-  local t = redis.call('TIME')
-  record.alive_until = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3])
-end
-if ARGV[4] ~= '' then
-  redis.call('SET', KEYS[1], cjson.encode(record), 'EX', ARGV[4])
-else
-  redis.call('SET', KEYS[1], cjson.encode(record), 'KEEPTTL')
-end
+# KEYS[1]: the key's record. ARGV: the claim's token, a fingerprint ('' keeps it), the lease, the record's TTL. Its
+# request is alive for another lease; 0 unless the record is still that claim's.
+_RENEW = _PRELUDE + """
+local record = claim_of(ARGV[1], false)
+if not record then return 0 end
+if ARGV[2] ~= '' then record.fingerprint = ARGV[2] end
+record.alive_until = now + tonumber(ARGV[3])
+redis.call('SET', KEYS[1], cjson.encode(record), 'EX', ARGV[4])
 return 1
 """
 
-# KEYS[1]: the key's record. ARGV[1]: the claim's token. Deletes it if it is still that claim's.
-_RELEASE = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return 0 end
-local record = cjson.decode(raw)
-if record.state ~= 'in_flight' or record.token ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
+# KEYS: the key's record, the made job's back reference. ARGV: the claim's token, '1' to end it only if it lapsed,
+# then the answer (the done record, JSON, or '' to forget the key), its TTL, the record's name. 0 unless the record is
+# still that claim's (and lapsed, where asked).
+_END = _PRELUDE + """
+if not claim_of(ARGV[1], ARGV[2] == '1') then return 0 end
+if ARGV[3] == '' then return redis.call('DEL', KEYS[1]) end
+redis.call('SET', KEYS[1], ARGV[3], 'EX', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[4])
+return 1
 """
 
 
@@ -121,10 +128,11 @@ def key_from(headers) -> str | None:
 
 
 class Claim:
-    """A key this request holds: the job it makes (`job`), renewed while `held`, ended by `finish` or `release`."""
+    """A key this request holds: the job it makes (`job`), renewed while `held`, ended by `finish` or `release`.
+    `lapsed`: a dead request's claim, which a repeat ends only while it stays lapsed (its request did not come back)."""
 
-    def __init__(self, store: Idempotency, name: str, token: str, job: str) -> None:
-        self.store, self.name, self.token, self.job = store, name, token, job
+    def __init__(self, store: Idempotency, name: str, token: str, job: str, lapsed: bool = False) -> None:
+        self.store, self.name, self.token, self.job, self.lapsed = store, name, token, job, lapsed
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -134,48 +142,47 @@ class Claim:
         def renew() -> None:
             while not ended.wait(self.store.lease_s / 3):
                 try:
-                    if not self.store._update(self.name, self.token, {}, lease=True):
+                    if not self.store._renew(self):
                         return  # ended, or taken over by a repeat that found it lapsed
                 except Exception as error:  # Redis briefly away: the next renewal, or the lease, decides
                     log.warning("idempotency claim not renewed (%s)", type(error).__name__)
 
-        renewer = threading.Thread(target=renew, name="idempotency claim", daemon=True)
-        renewer.start()
+        threading.Thread(target=renew, name="idempotency claim", daemon=True).start()
         try:
             yield
         finally:
             ended.set()
 
     def making(self, fingerprint: str) -> str:
-        """Says what the request asks for, before it makes its job: a repeat after a crash from here on finds the
-        job, or its absence, and compares itself with it. The job's id."""
-        if not self.store._update(self.name, self.token, {"fingerprint": fingerprint}, lease=True):
-            raise ApiError(409, "idempotency_in_flight",
-                           f"A repeat of this request took its `{HEADER}` over while it was silent; it made no job.",
+        """Says what the request asks for, right before it makes its job: a repeat after a crash from here on finds
+        the job, or its absence, and compares itself with it. The job's id."""
+        if not self.store._renew(self, fingerprint):
+            raise ApiError(409, "idempotency_taken_over",
+                           f"This request went unheard for {self.store.lease_s:g} s and a repeat under its "
+                           f"`{HEADER}` took the key over; it made no job: the repeat's answer is the one to use.",
                            headers={"Retry-After": "1"})  # fmt: skip
         return self.job
 
     def finish(self, fingerprint: str, status: int, body: dict[str, Any]) -> bool:
         """Remembers the answer; False if the claim is no longer this request's (taken over as lapsed)."""
-        done = Remembered(state="done", fingerprint=fingerprint, status=status, body=body)
-        if not self.store._update(self.name, self.token, done.model_dump(), ttl_s=self.store.ttl_s):
-            return False
-        self.store.redis.set(self.store._made(body["id"]), self.name, ex=self.store.ttl_s)  # for `forget_job`
-        return True
+        done = Remembered(state="done", fingerprint=fingerprint, status=status, body=body).model_dump_json()
+        return self.store._end(self, done, made=body["id"])
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """A failed request is not remembered: the caller may fix it and retry."""
-        self.store._release(keys=[self.name], args=[self.token])
+        return self.store._end(self, "")
 
 
 class Idempotency:
     def __init__(
         self, redis: Redis, ttl_s: int, in_flight_ttl_s: int, lease_s: float = 30, prefix: str = "vsrq"
     ) -> None:
+        """`in_flight_ttl_s`: how long a claim's record outlives its last renewal; `lease_s`: how long its request may
+        go unheard before a repeat takes it for dead."""
         self.redis, self.ttl_s, self.in_flight_ttl_s, self.prefix = redis, ttl_s, in_flight_ttl_s, prefix
         self.lease_s = lease_s
-        self._claim, self._update_script = redis.register_script(_CLAIM), redis.register_script(_UPDATE)
-        self._release = redis.register_script(_RELEASE)
+        self._claim, self._renew_script = redis.register_script(_CLAIM), redis.register_script(_RENEW)
+        self._end_script = redis.register_script(_END)
 
     def _key(self, owner: str, key: str) -> str:
         return f"{self.prefix}:idem:{owner}:{hashlib.sha256(key.encode()).hexdigest()}"
@@ -194,18 +201,21 @@ class Idempotency:
                 return Claim(self, name, token, record.job or "")
             if outcome == b"held":
                 return record
-            lapsed = Claim(self, name, record.token or "", record.job or "")
+            lapsed = Claim(self, name, record.token or "", record.job or "", lapsed=True)
             body = made(lapsed.job) if record.job and record.fingerprint else None
             if body is not None:  # the dead request made its job: the key answers with it from now on
                 lapsed.finish(record.fingerprint or "", 200, body)
             else:  # it died before making one: the key is free
                 lapsed.release()
-            # and look again (another repeat may have been quicker)
+            # and look again: another repeat may have been quicker, or the request heard from again
 
-    def _update(self, name: str, token: str, fields: dict[str, Any], *, lease: bool = False, ttl_s: int | None = None
-                ) -> bool:  # fmt: skip
-        args = [token, json.dumps(fields), self.lease_s if lease else "", ttl_s if ttl_s is not None else ""]
-        return bool(self._update_script(keys=[name], args=args))
+    def _renew(self, claim: Claim, fingerprint: str = "") -> bool:
+        args = [claim.token, fingerprint, self.lease_s, self.in_flight_ttl_s]
+        return bool(self._renew_script(keys=[claim.name], args=args))
+
+    def _end(self, claim: Claim, done: str, made: str = "") -> bool:
+        args = [claim.token, "1" if claim.lapsed else "", done, self.ttl_s, claim.name]
+        return bool(self._end_script(keys=[claim.name, self._made(made)], args=args))
 
     def _made(self, job_id: str) -> str:
         return f"{self.prefix}:idem-made:{job_id}"
@@ -222,8 +232,12 @@ class Idempotency:
         """Seconds a repeat of an in-flight request should wait (see the module's docstring)."""
         if remembered.started_at is None:  # claimed by an API of an earlier version
             return 1
-        elapsed = max(0.0, time.time() - remembered.started_at)
-        lapses_in = self.in_flight_ttl_s - elapsed
+        now = redis_now(self.redis)  # the clock the claim's times are on
+        elapsed = max(0.0, now - remembered.started_at)
+        if remembered.alive_until is not None:  # a request gone silent is taken for dead then
+            lapses_in = remembered.alive_until - now
+        else:
+            lapses_in = self.in_flight_ttl_s - elapsed
         return max(1, min(math.ceil(elapsed), MAX_RETRY_AFTER_S, math.ceil(lapses_in)))
 
     def check_replay(self, remembered: Remembered, request_fingerprint: Callable[[], str]) -> Remembered:

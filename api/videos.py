@@ -145,12 +145,12 @@ def _create_from_request(files: frozenset[str], claim: idempotency.Claim | None)
     if request.mimetype == "application/json":
         body = json_object()
         fingerprint = idempotency.fingerprint("json", body)
-        return 200, _create_job(*_named_input(body, files), _job_id(claim, fingerprint)), fingerprint
+        return 200, _create_job(*_named_input(body, files), claim, fingerprint), fingerprint
 
     form = receive_form(files)
     if form.file is None:  # a form may name its input instead, as SGLang's does with `video_url` / `reference_url`
         fingerprint = idempotency.fingerprint("multipart", {"fields": form.fields, "file": None})
-        return 200, _create_job(*_named_input(form.fields, files), _job_id(claim, fingerprint)), fingerprint
+        return 200, _create_job(*_named_input(form.fields, files), claim, fingerprint), fingerprint
     try:
         create = create_request(form.fields, references=False)
         stored = form.file
@@ -163,18 +163,12 @@ def _create_from_request(files: frozenset[str], claim: idempotency.Claim | None)
             owned_by_job=True,
         )
         fingerprint = idempotency.fingerprint("multipart", {"fields": form.fields, "file": stored.blob.sha256})
-        body = _create_job(create, source, _job_id(claim, fingerprint))
+        body = _create_job(create, source, claim, fingerprint)
     except BaseException:
         if form.file is not None:
             services().blobs.delete(form.file.blob.key)
         raise
     return 200, body, fingerprint
-
-
-def _job_id(claim: idempotency.Claim | None, fingerprint: str) -> str | None:
-    """The id the job is made with: its key's claim's, once the claim records what the request asks for (so that a
-    repeat after a crash finds the job); else a new one."""
-    return claim.making(fingerprint) if claim is not None else None
 
 
 def _fingerprint(files: frozenset[str]) -> str:
@@ -265,7 +259,10 @@ def _edited_output(fields: dict[str, Any]) -> InputInfo | None:
     return InputInfo(key=output.key, bytes=output.bytes, sha256=output.sha256, filename=f"{job.id}.mp4")
 
 
-def _create_job(create: CreateRequest, source: InputInfo, job_id: str | None) -> dict[str, Any]:
+def _create_job(
+    create: CreateRequest, source: InputInfo, claim: idempotency.Claim | None, fingerprint: str
+) -> dict[str, Any]:
+    """The job `create` asks for, on `source`; made under `claim`'s id where an `Idempotency-Key` holds one."""
     settings, jobs = services().settings, services().jobs
     model = create.options.model or settings.default_model
     if model not in settings.models:
@@ -278,6 +275,9 @@ def _create_job(create: CreateRequest, source: InputInfo, job_id: str | None) ->
         )
     if create.options.webhook_url is not None:  # checked again when each delivery connects
         _check_url("webhook_url", create.options.webhook_url, settings.webhook_allow_loopback, "unsafe_webhook_url")
+    # the claim says what this request asks for right before the job is made: a repeat after a crash finds one or
+    # the other, and a claim taken over meanwhile makes no job here
+    job_id = claim.making(fingerprint) if claim is not None else None
     job = jobs.create(
         job_id=job_id,
         owner=owner(),

@@ -216,8 +216,8 @@ class Settings(BaseSettings):
     multipart_abort_s: int = Field(24 * 3600, ge=1)  # incomplete multipart uploads older than this are aborted
     sweep_interval_s: float = Field(600, gt=0)
     idempotency_ttl_s: int = Field(24 * 3600, ge=60)
-    idempotency_in_flight_ttl_s: int = Field(3600, ge=10)  # the longest a create holds its key
-    idempotency_lease_s: float = Field(30, gt=0)  # a create not heard from this long died: a repeat takes its key
+    idempotency_in_flight_ttl_s: int = Field(3600, ge=10)  # a create's claim outlives its last renewal this long
+    idempotency_lease_s: float = Field(30, ge=1)  # a create not heard from this long died: a repeat takes its key
     list_limit_max: int = Field(100, ge=1)
 
     # Workers and recovery
@@ -277,6 +277,8 @@ class Settings(BaseSettings):
                 f"auth=none would serve anyone who reaches {self.bind}: bind to loopback, configure VSRQ_API_KEYS, "
                 "or set VSRQ_AUTH_NONE_PUBLIC=true if a gate in front of it does the authentication"
             )
+        if self.idempotency_lease_s >= self.idempotency_in_flight_ttl_s:
+            raise ValueError("idempotency_lease_s must be below idempotency_in_flight_ttl_s: a claim outlives its lease")
         if self.webhook_claim_s <= self.webhook_timeout_s:
             raise ValueError("webhook_claim_s must exceed webhook_timeout_s: an attempt in flight would be handed out")
         return self

@@ -54,4 +54,5 @@ def test_a_stop_says_what_it_waits_for_and_what_it_killed():
     stop_processes(processes, 3, said.append)
     assert 3 <= time.monotonic() - started < 6 and processes == {} and worker.returncode == -signal.SIGKILL
     assert said == ["waiting up to 3 s for worker to stop (a worker first ends the job it runs)",
-                    "worker did not stop within 3 s: killed (a job it held runs again at the next start)"], said  # fmt: skip
+                    "worker did not stop within 3 s: killed (a job it held runs again at the next start)"
+                    ], said  # fmt: skip

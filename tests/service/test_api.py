@@ -733,3 +733,28 @@ def test_a_wait_ends_when_its_client_hangs_up_and_a_deleted_job_is_404_to_a_wait
         finally:
             for end in (kept, client, left):
                 end.close()
+
+
+def test_a_key_whose_request_died_answers_with_the_job_it_made_exactly(redis_client):
+    """The key's store on the real Redis: a claim whose request died after making its job (it said so, then never
+    renewed) is found lapsed by a repeat a lease later, and remembered as that job's answer, byte for byte: its body
+    went through Redis's Lua JSON once, which turns an empty list into {} and rounds 29.97002997002997."""
+    from api.idempotency import Claim, Idempotency
+
+    store = Idempotency(redis_client, ttl_s=600, in_flight_ttl_s=60, lease_s=1)
+    key = secrets.token_hex(8)
+    first = store.claim("dave", key, made=lambda job_id: None)
+    assert isinstance(first, Claim)
+    first.making("the fingerprint")  # then the process died: no renewal, no finish
+    body = {"id": first.job, "status": "completed", "output": {"notes": [], "fps": 29.97002997002997},
+            "seq": 12345678901234567890}  # fmt: skip
+    repeat = store.claim("dave", key, made=lambda job_id: body)
+    assert not isinstance(repeat, Claim) and repeat.state == "in_flight"  # within its lease: still its request's
+    time.sleep(1.2)
+    asked: list[str] = []
+    replay = store.claim("dave", key, made=lambda job_id: asked.append(job_id) or body)
+    assert asked == [first.job] and not isinstance(replay, Claim), replay
+    assert store.check_replay(replay, lambda: "the fingerprint").body == body
+    assert json.dumps(replay.body) == json.dumps(body)
+    # the dead request, had it come back, finds its key no longer its own
+    assert not first.finish("the fingerprint", 200, body) and store.claim("dave", key, lambda _: None).body == body
