@@ -418,9 +418,14 @@ class S3BlobStore:
         for page in pages:
             for upload in page.get("Uploads", []):
                 if upload["Key"].startswith(prefix) and upload["Initiated"].timestamp() < before:
-                    self.client.abort_multipart_upload(
-                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-                    )
+                    try:
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                    except ClientError as error:  # ended since the listing (AWS says so; SeaweedFS answers 204)
+                        if error.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                            raise
+                        continue
                     aborted += 1
         return aborted
 
