@@ -626,7 +626,8 @@ def run(args: argparse.Namespace) -> int:
     report.parent.mkdir(parents=True, exist_ok=True)
     journal = Journal(journal_path(report))
     # a URL found in dev.json is looked for there again when it stops answering (its stack restarted elsewhere)
-    follow = partial(config.dev_api, args.token) if args.api_url is None and config.follows_dev_stack() else None
+    directory = config.dev_stack_directory() if args.api_url is None else None
+    follow = partial(config.dev_api, directory, args.token) if directory is not None else None
     client = Client(url, token, follow=follow)
     bulk = Bulk(client, items, journal, s3, args.service_bucket or config.service_bucket(),
                 max(1, args.concurrency), args.wait, args.poll, args.download, args.part_size * MIB)  # fmt: skip

@@ -24,18 +24,20 @@ def token() -> str | None:
     return stack.get("token") if stack and api_url() == stack.get("url") else None
 
 
-def dev_api(token: str | None = None) -> tuple[str, str | None] | None:
-    """The running `vsrq dev` stack's URL and the key to use there (`token`, else VSRQ_TOKEN, else the stack's), read
-    afresh: a stack started again on another port is found; None while none runs."""
+def dev_api(directory: str | None, token: str | None = None) -> tuple[str, str | None] | None:
+    """The URL of the `vsrq dev` stack running on `directory` (its jobs and keys: another stack's are not these), and
+    the key to use there (`token`, else VSRQ_TOKEN, else the stack's); read afresh, so a stack started again on
+    another port is found. None while it does not run."""
     stack = _dev_stack()
-    if not stack.get("url"):
+    if not stack.get("url") or stack.get("dir") != directory:
         return None
     return stack["url"], token or os.environ.get("VSRQ_TOKEN") or stack.get("token")
 
 
-def follows_dev_stack() -> bool:
-    """Whether the API's URL is the dev stack's (nothing else names one)."""
-    return not os.environ.get("VSRQ_API_URL") and bool(_dev_stack().get("url"))
+def dev_stack_directory() -> str | None:
+    """The directory of the dev stack whose URL the client uses (nothing else names one), else None."""
+    stack = _dev_stack()
+    return None if os.environ.get("VSRQ_API_URL") or not stack.get("url") else stack.get("dir")
 
 
 def _dev_stack() -> dict:

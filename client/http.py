@@ -13,6 +13,7 @@ import logging
 import mimetypes
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
@@ -92,6 +93,7 @@ class Client:
         """`follow`: where the API is now (its URL and key), asked again whenever it stops answering: a `vsrq dev`
         stack started again on another port (client.config.dev_api)."""
         self.base_url, self.timeout_s, self.follow = base_url.rstrip("/"), timeout_s, follow
+        self._moving = threading.Lock()
         self.session = requests.Session()
         self._use(token)
         backoff = wait_exponential_jitter(initial=0.5, max=30)
@@ -244,18 +246,22 @@ class Client:
     # -- plumbing ----------------------------------------------------------------------------------------------
 
     def _use(self, token: str | None) -> None:
+        # a new dict, set in one step: other threads' requests read the session's headers meanwhile
+        headers = self.session.headers.copy()
         if token:  # none: an API with auth off (`vsrq dev` on loopback) takes the request as it is
-            self.session.headers["Authorization"] = f"Bearer {token}"
+            headers["Authorization"] = f"Bearer {token}"
         else:
-            self.session.headers.pop("Authorization", None)
+            headers.pop("Authorization", None)
+        self.session.headers = headers
 
     def _look_again(self) -> None:
         """Moves to where `follow` says the API is now, if that is elsewhere: the next try goes there."""
         where = self.follow() if self.follow is not None else None
-        if where is not None and where[0].rstrip("/") != self.base_url:
-            log.warning("the API moved from %s to %s: carrying on there", self.base_url, where[0])
-            self.base_url = where[0].rstrip("/")
-            self._use(where[1])
+        with self._moving:  # several threads' retries may ask at once: one moves, the others see it moved
+            if where is not None and where[0].rstrip("/") != self.base_url:
+                log.warning("the API moved from %s to %s: carrying on there", self.base_url, where[0])
+                self._use(where[1])
+                self.base_url = where[0].rstrip("/")
 
     def _retry(self, call: Callable[[], Any]) -> Any:
         return self._retrying.copy()(call)

@@ -468,24 +468,29 @@ def test_a_run_that_found_its_api_in_dev_json_follows_its_stack_to_another_port(
     plain = requests.utils.urlparse(api)
     old = Partition((plain.hostname, plain.port))  # the stack's first port, in front of the API
     old.refuse(b"POST /v1/videos")  # it goes down as the run's first create arrives
-    state = {"pid": os.getpid(), "url": f"http://127.0.0.1:{old.port}", "token": KEYS["bulk"]}
+    state = {"pid": os.getpid(), "url": f"http://127.0.0.1:{old.port}", "token": KEYS["bulk"], "dir": "/stack/a"}
     devstate.write(tmp_path / "dev", state)
     command = [sys.executable, "-m", "client.cli", "-v", "bulk", str(tmp_path / "in"), "--report",
                str(tmp_path / "report.csv"), "--model", "lanczos", "--poll", "0.2", "--wait"]  # fmt: skip
     env = {key: value for key, value in bulk_env(XDG_CONFIG_HOME=str(tmp_path / "config")).items()
            if key not in ("VSRQ_API_URL", "VSRQ_TOKEN")}  # fmt: skip
-    run = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(tmp_path / "bulk.log", "w") as log:
+        run = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 30
         while old.refused == 0:
             assert time.monotonic() < deadline and run.poll() is None
             time.sleep(0.05)
-        old.close()  # the first port answers nothing any more; the stack runs on another
-        devstate.write(tmp_path / "dev", {**state, "url": api})
-        output, _ = run.communicate(timeout=90)
+        old.close()  # the first port answers nothing any more
+        devstate.write(tmp_path / "dev", {**state, "url": api, "dir": "/stack/b"})  # another stack: not followed
+        time.sleep(3)
+        assert run.poll() is None and "moved" not in (tmp_path / "bulk.log").read_text()
+        devstate.write(tmp_path / "dev", {**state, "url": api})  # its own, started again on another port
+        run.wait(timeout=90)
     finally:
         run.kill()
         old.close()
+    output = (tmp_path / "bulk.log").read_text()
     assert run.returncode == 0, output
     assert f"the API moved from http://127.0.0.1:{old.port} to {api}" in output
     assert [row["status"] for row in report_rows(tmp_path / "report.csv")] == ["completed", "completed"]
