@@ -7,8 +7,9 @@ its endpoint to it; a connection opened before still reaches the old primary, no
 raised as a `ConnectionError`: the command is sent once more on a new connection, to whatever the endpoint names now,
 and what still fails is the outage every caller already handles (503 with Retry-After in the API, a retry in a
 worker). Only a write is refused there, and refused before it takes effect, so sending it again is safe. Celery's
-broker connections the same (`BrokerTransport`): a worker waiting for a message had its BRPOP ended by the failover
-and exited ("Unrecoverable error"), to be started again by whatever supervises it.
+broker connections close the same way (`BrokerTransport`), and what follows is Celery's handling of a lost connection
+(its consumer connects again, a publish is retried by its retry policy): a worker waiting for a message had its BRPOP
+ended by the failover and exited ("Unrecoverable error"), to be started again by whatever supervises it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kombu.transport import redis as kombu_redis
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
-from redis.exceptions import ConnectionError, ReadOnlyError, ResponseError
+from redis.exceptions import ConnectionError, MasterDownError, ReadOnlyError, ResponseError
 from redis.retry import Retry
 
 
@@ -38,10 +39,12 @@ def connect(url: str, **options: Any) -> Redis:
 
 def demoted(error: ResponseError) -> bool:
     """Whether `error` says its server became a replica: a write refused (as itself, or inside a script's error, which
-    Redis 6 wraps), or a blocking command ended by the change."""
+    Redis 6 wraps), a blocking command ended by the change, or a read refused while it syncs with its new primary
+    (MASTERDOWN, where `replica-serve-stale-data` is off)."""
     text = str(error)
     refused = isinstance(error, ReadOnlyError) or text.startswith("READONLY ") or "-READONLY " in text
-    return refused or (text.startswith("UNBLOCKED ") and "master -> replica" in text)
+    syncing = isinstance(error, MasterDownError) or "-MASTERDOWN " in text
+    return refused or syncing or (text.startswith("UNBLOCKED ") and "master -> replica" in text)
 
 
 class _FollowsFailover:

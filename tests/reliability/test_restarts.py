@@ -19,6 +19,7 @@ import time
 from urllib.parse import urlsplit
 
 import psutil
+import pytest
 import redis
 import requests
 
@@ -402,8 +403,9 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
     """A managed Redis fails over by promoting its replica and moving its endpoint to it; connections opened before
     still reach the old primary, now a replica that refuses every write (READONLY). The API answered 500 to every
     request that writes (any authenticated one: its rate limit) for as long as its processes lived. Here the endpoint
-    is a forwarder (new connections go where it points) in front of two real Redis servers: after the failover the
-    API, already serving, answers as before, and the worker, already running, runs a job created after it."""
+    is a forwarder (new connections go where it points) in front of two real Redis servers: after a failover the API,
+    already serving, answers as before, and the worker, already running, runs a job created after it; a failover back
+    whose endpoint moves later is answered 503 until it does."""
     from worker.media.synthetic import write_clip
 
     a, b = free_ports(2)
@@ -424,29 +426,47 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
     try:
         processes.serving(api, url)
         processes.started(worker)
-        before = post_lanczos_job(url, clip)
-        wait_all(url, "dave", [before], worker.log)
-        replica, primary = (redis.Redis(port=port) for port in (b, a))
-        deadline = time.monotonic() + 30  # B has the job before it is promoted, as a failover waits for
-        while not (replica.info("replication").get("master_link_status") == "up"
-                   and replica.exists(job_key("vsrq", before))):  # fmt: skip
-            assert time.monotonic() < deadline, replica.info("replication")
-            time.sleep(0.1)
+        servers_at = {a: redis.Redis(port=a), b: redis.Redis(port=b)}
 
-        replica.execute_command("REPLICAOF", "NO", "ONE")  # the failover: B is the primary, A its replica
-        primary.execute_command("REPLICAOF", "127.0.0.1", str(b))
-        # until the endpoint moves, every connection reaches a replica: a request that writes is told to come back
+        def fail_over(old: int, new: int, endpoint_moves: bool) -> None:
+            """`new` (a replica of `old`, caught up on every job) becomes the primary, `old` its replica."""
+            deadline = time.monotonic() + 30
+            while True:
+                written = servers_at[old].info("replication")["master_repl_offset"]
+                if servers_at[new].info("replication")["master_repl_offset"] >= written:
+                    break
+                assert time.monotonic() < deadline, servers_at[new].info("replication")
+                time.sleep(0.1)
+            servers_at[new].execute_command("REPLICAOF", "NO", "ONE")
+            servers_at[old].execute_command("REPLICAOF", "127.0.0.1", str(new))
+            if endpoint_moves:
+                endpoint.target = ("127.0.0.1", new)
+
+        def a_job_runs() -> str:
+            job_id = post_lanczos_job(url, clip)
+            done = wait_all(url, "dave", [job_id], worker.log, limit_s=60)[job_id]
+            assert (done["status"], worker.alive) == ("completed", True), done
+            return job_id
+
+        before = a_job_runs()
+        # 1. the endpoint moves with the failover: the API's open connections reach the old primary, and its first
+        # request after it is answered from the new one (a connection found to be a replica's is tried again anew)
+        fail_over(a, b, endpoint_moves=True)
+        seen = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
+        assert (seen.status_code, seen.json().get("status")) == (200, "completed"), seen.text
+        after = a_job_runs()
+        assert servers_at[b].info("replication")["role"] == "master" and servers_at[b].exists(job_key("vsrq", after))
+
+        # 2. back again, the endpoint moving later: meanwhile every connection reaches a replica, and a request that
+        # writes is told to come back; then the API and the worker carry on
+        fail_over(b, a, endpoint_moves=False)
         waiting = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
         assert (waiting.status_code, waiting.json()["code"]) == (503, "service_unavailable"), waiting.text
         assert int(waiting.headers["Retry-After"]) > 0
-        endpoint.target = ("127.0.0.1", b)
-
-        seen = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
-        assert (seen.status_code, seen.json().get("status")) == (200, "completed"), seen.text
-        after = post_lanczos_job(url, clip)
-        done = wait_all(url, "dave", [after], worker.log, limit_s=60)[after]
-        assert (done["status"], worker.alive) == ("completed", True), done
-        assert replica.info("replication")["role"] == "master" and replica.exists(job_key("vsrq", after))
+        endpoint.target = ("127.0.0.1", a)
+        assert requests.get(f"{url}/v1/videos/{after}", headers=auth("dave"), timeout=30).status_code == 200
+        last = a_job_runs()
+        assert servers_at[a].info("replication")["role"] == "master" and servers_at[a].exists(job_key("vsrq", last))
         assert 500 not in status_counts(api.log), api.text()[-3000:]
     finally:
         processes.stop_all([worker, api])
@@ -541,3 +561,33 @@ def test_a_create_cut_off_by_its_api_s_death_leaves_its_key_to_a_repeat_once_lap
     finally:
         api.stop()
         redis_way.close()
+
+
+def test_a_replica_s_refusals_are_a_connection_to_try_again_not_an_error(tmp_path):
+    """What a client of a failing-over endpoint meets from a server that is a replica now: a write refused (READONLY)
+    and, where it serves no stale data, a read refused while it has no primary (MASTERDOWN). Each closes the
+    connection and is an outage (503 in the API, a retry in a worker), not the request's error (500)."""
+    from storage.primary import FailedOver, connect
+
+    port, nowhere = free_ports(2)
+    replica = subprocess.Popen(
+        [binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--replicaof", "127.0.0.1", str(nowhere),
+         "--replica-serve-stale-data", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = connect(f"redis://127.0.0.1:{port}/0", socket_timeout=5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:  # not listening yet
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        for command in (lambda: client.get("vsrq:probe"), lambda: client.set("vsrq:probe", 1)):
+            with pytest.raises(FailedOver):
+                command()
+    finally:
+        replica.terminate()
+        replica.wait(10)
