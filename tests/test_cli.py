@@ -305,9 +305,11 @@ def test_a_second_demo_or_dev_on_one_directory_is_refused_at_once(tmp_path):
     died minutes later in SeaweedFS's Go stack trace (`internal_error`)."""
     from infra.dev import claim
 
-    with claim(tmp_path / "demo"):  # as a running demo holds it
+    # as a running demo holds it, and the port a second dev asks for, as the first one's would be: the directory is
+    # what it is told about (told to choose another port, it met the directory next)
+    with claim(tmp_path / "demo"), socket.create_server(("127.0.0.1", 0)) as taken:
         demo = vsrq("demo", "--dir", str(tmp_path / "demo"))
-        dev = vsrq("dev", "--dir", str(tmp_path / "demo"), "--port", "1")
+        dev = vsrq("dev", "--dir", str(tmp_path / "demo"), "--port", str(taken.getsockname()[1]))
     said = f"{tmp_path / 'demo'} is in use by another `vsrq dev` or `vsrq demo` (pid {os.getpid()})"
     for command, result in (("demo", demo), ("dev", dev)):
         assert result.returncode == 2 and result.stderr.startswith(f"vsrq {command}: directory_in_use: {said}"), (

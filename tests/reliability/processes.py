@@ -355,6 +355,7 @@ class TlsFront:
 
     def __init__(self, target: tuple[str, int], cert: Any) -> None:
         self.target, self.connections = target, 0
+        self._writers: set[asyncio.StreamWriter] = set()
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         cert.configure_cert(context)
         self._loop = asyncio.new_event_loop()
@@ -367,10 +368,14 @@ class TlsFront:
         server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=context))
         ready.set_result(server.sockets[0].getsockname()[1])
         self._loop.run_forever()
+        server.close()  # stopped by `close`: its port and its connections go with it
+        for writer in self._writers:
+            writer.close()
 
     async def _serve(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
         self.connections += 1
         upstream_in, upstream_out = await asyncio.open_connection(*self.target)
+        self._writers |= {client_out, upstream_out}
 
         async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):
