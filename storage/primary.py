@@ -7,9 +7,9 @@ its endpoint to it; a connection opened before still reaches the old primary, no
 raised as a `ConnectionError`: the command is sent once more on a new connection, to whatever the endpoint names now,
 and what still fails is the outage every caller already handles (503 with Retry-After in the API, a retry in a
 worker). Only a write is refused there, and refused before it takes effect, so sending it again is safe. Celery's
-broker connections close the same way (`BrokerTransport`), and what follows is Celery's handling of a lost connection
-(its consumer connects again, a publish is retried by its retry policy): a worker waiting for a message had its BRPOP
-ended by the failover and exited ("Unrecoverable error"), to be started again by whatever supervises it.
+broker connections do the same (`BrokerTransport`), and what still fails is Celery's lost connection (its consumer
+connects again, a publish is retried by its retry policy): a worker waiting for a message had its BRPOP ended by the
+failover and exited ("Unrecoverable error"), to be started again by whatever supervises it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual as kombu_virtual
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
@@ -32,9 +33,12 @@ def connect(url: str, **options: Any) -> Redis:
     """A client of `url` (`redis://`, `rediss://`, `unix://`) whose connections follow a failover; `options` are
     redis-py's (timeouts, health checks)."""
     kind = parse_url(url).get("connection_class", Connection)
+    return Redis.from_url(url, connection_class=_FOLLOWING[kind], retry=_once_more(), **options)
+
+
+def _once_more() -> Retry:
     # one more try for a failover alone: other connection errors keep the callers' own handling and timing
-    once_more = Retry(NoBackoff(), 1, supported_errors=(FailedOver,))
-    return Redis.from_url(url, connection_class=_FOLLOWING[kind], retry=once_more, **options)
+    return Retry(NoBackoff(), 1, supported_errors=(FailedOver,))
 
 
 def demoted(error: ResponseError) -> bool:
@@ -74,8 +78,24 @@ class _Unix(_FollowsFailover, UnixDomainSocketConnection):
 _FOLLOWING = {Connection: _Tcp, SSLConnection: _Tls, UnixDomainSocketConnection: _Unix}
 
 
+class _BrokerQoS(kombu_redis.QoS):
+    def ack(self, delivery_tag: str) -> None:
+        """An ack a failover cut off (both tries reached a replica) still frees the message's place: a solo worker,
+        allowed one unacknowledged message, took no other for good (a trial: every worker busy at a failover). The
+        message stays in the broker's unacked index, given again after the visibility timeout and dropped then."""
+        try:
+            super().ack(delivery_tag)
+        except FailedOver:
+            kombu_virtual.QoS.ack(self, delivery_tag)
+            raise
+
+
 class _BrokerChannel(kombu_redis.Channel):
     connection_class, connection_class_ssl = _Tcp, _Tls
+    QoS = _BrokerQoS
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        return {**super()._connparams(asynchronous), "retry": _once_more()}  # an ack, a publish: as the job store's
 
 
 class BrokerTransport(kombu_redis.Transport):
