@@ -115,11 +115,14 @@ if not due or tonumber(due) > now or redis.call('HEXISTS', KEYS[2], ARGV[2]) == 
 return claim(ARGV[2])
 """
 )
-# ARGV: id, claim, hold seconds (the attempt's longest run), holder. Returns [event, attempt, payload or nil].
+# ARGV: id, claim, hold seconds (the attempt's longest run), holder. Returns [event, attempt, payload or nil]; false
+# under a later claim, or while an attempt of this claim runs (its message given again: Celery restores a message whose
+# ack a lost broker connection cut off, its attempt still running; a dead holder's attempt is taken back instead).
 _START = (
     _FENCE
     + _NOW
     + """
+if redis.call('HEXISTS', KEYS[2], ARGV[1] .. ':holder') == 1 then return false end
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1] .. ':holder', ARGV[2] .. ' ' .. ARGV[4])
@@ -204,7 +207,7 @@ class Outbox:
 
     def start(self, event_id: str, claim: int, hold_s: float, holder: str) -> Started | None:
         """Counts one more attempt, made by `holder` ("{worker name}/{pid}"), and holds the event for `hold_s`; None
-        when `claim` is no longer the latest."""
+        when `claim` is no longer the latest, or an attempt of it is running."""
         reply = self._start(keys=self.keys, args=[event_id, claim, hold_s, holder])
         if not reply:
             return None
