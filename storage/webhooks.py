@@ -122,7 +122,8 @@ _START = (
     _FENCE
     + _NOW
     + """
-if redis.call('HEXISTS', KEYS[2], ARGV[1] .. ':holder') == 1 then return false end
+local holder = redis.call('HGET', KEYS[2], ARGV[1] .. ':holder')
+if holder and string.sub(holder, 1, #ARGV[2] + 1) == ARGV[2] .. ' ' then return false end
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1] .. ':holder', ARGV[2] .. ' ' .. ARGV[4])

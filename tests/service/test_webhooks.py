@@ -399,6 +399,12 @@ def test_an_attempt_is_held_by_its_worker_and_taken_back_only_while_it_still_run
     newer = Held(third.event_id, str(third.claim + 1), started.holder, started.since)  # the new claim, this holder
     assert box.take_back([started]) == [] and box.take_back([newer]) == [] and box.held() == []
     assert redis_client.zcard(box.keys[2]) == 0 and not redis_client.hexists(box.keys[1], f"{third.event_id}:holder")
+    # an older relay's claim left the running attempt's holder: the new claim's message starts all the same
+    redis_client.zadd(box.keys[0], {third.event_id: 0})
+    [fourth] = box.take(claim_s=60)
+    assert box.start(fourth.event_id, fourth.claim, 60, "hooks@c/789") is not None
+    redis_client.hincrby(box.keys[1], f"{third.event_id}:claim", 1)
+    assert box.start(fourth.event_id, fourth.claim + 1, 60, "hooks@d/1") is not None
     redis_client.delete(*box.keys, *redis_client.keys(f"{prefix}:*"))
 
 
