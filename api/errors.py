@@ -57,7 +57,8 @@ _OPENAI_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
-RETRY_FIXES = frozenset({"idempotency_in_flight", "upload_completing"})  # the 409s that a later try can succeed
+# the 409s that a later try can succeed
+RETRY_FIXES = frozenset({"idempotency_in_flight", "idempotency_taken_over", "upload_completing"})
 # OpenAI's video operations that generate from a prompt: its SDKs call them by method, so Werkzeug's "check the URL
 # you entered" told their users nothing
 _GENERATION_ONLY = (

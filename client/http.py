@@ -38,7 +38,7 @@ TERMINAL = frozenset({"completed", "failed", "cancelled"})
 PART_BYTES = 64 * 1024 * 1024
 _TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 # A create still running under its idempotency key; an upload's parts still being joined by an earlier completion
-_RETRY_409 = frozenset({"idempotency_in_flight", "upload_completing"})
+_RETRY_409 = frozenset({"idempotency_in_flight", "idempotency_taken_over", "upload_completing"})
 log = logging.getLogger("vsrq.client")
 
 

@@ -207,7 +207,8 @@ def _unreachable(settings: Settings, error: Exception) -> str:
     url = urlsplit(settings.redis_url)
     shown = url._replace(netloc=url.netloc.rpartition("@")[2]).geturl() if "@" in url.netloc else settings.redis_url
     if isinstance(error, FailedOver):  # it answers, as a replica: its endpoint has not moved to the new primary yet
-        return f"{shown} reaches a replica ({error}): a failover is under way; try again once its endpoint has moved"
+        return (f"{shown} reaches a replica ({error}): a failover is under way (try again once its endpoint has "
+                "moved), or VSRQ_REDIS_URL names a replica, not the primary")
     return (
         f"{shown} does not answer ({error}): is the stack up? `vsrq dev` starts one here (and these commands find "
         "it); VSRQ_REDIS_URL names another"

@@ -19,7 +19,6 @@ import fcntl
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -122,9 +121,11 @@ class DevStack:
             self._claim_port()
             self.token, self.secret = self._credentials()
         except BaseException:  # the directory is this process's no more
+            if made:  # a start refused leaves nothing behind: its lock file, gone while still held, was all it wrote
+                with contextlib.suppress(OSError):
+                    (self.root / "in-use.lock").unlink()
+                    self.root.rmdir()
             self.stop()
-            if made:  # a start refused leaves nothing behind (its lock file was all it wrote)
-                shutil.rmtree(self.root, ignore_errors=True)
             raise
         try:
             self.stack.start()
@@ -236,7 +237,8 @@ class DevStack:
 
     def stop(self, timeout_s: float = 30) -> None:
         devstate.remove(self._state_files, os.getpid())
-        killed = stop_processes(self.supervisor.stop(), timeout_s, lambda said: _say(f"{said} (a worker ends its job)"))
+        killed = stop_processes(self.supervisor.stop(), timeout_s,
+                                lambda said: _say(f"{said} (a worker ends its job)" if "worker" in said else said))
         if killed:
             resumes = " (its job resumes at the next start)" if "worker" in killed else ""
             _say(f"{', '.join(killed)} did not stop within {timeout_s:g} s: killed{resumes}")

@@ -7,9 +7,10 @@ its endpoint to it; a connection opened before still reaches the old primary, no
 raised as a `ConnectionError`: the command is sent once more on a new connection, to whatever the endpoint names now,
 and what still fails is the outage every caller already handles (503 with Retry-After in the API, a retry in a
 worker). Only a write is refused there, and refused before it takes effect, so sending it again is safe. Celery's
-broker connections do the same (`BrokerTransport`), and what still fails is Celery's lost connection (its consumer
-connects again, a publish is retried by its retry policy): a worker waiting for a message had its BRPOP ended by the
-failover and exited ("Unrecoverable error"), to be started again by whatever supervises it.
+broker connections do the same (`BrokerTransport`; not a `socket://` broker's, whose class kombu fixes), and what
+still fails is Celery's lost connection (its consumer connects again, a publish is retried by its retry policy): a
+worker waiting for a message had its BRPOP ended by the failover and exited ("Unrecoverable error"), to be started
+again by whatever supervises it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kombu.transport import virtual as kombu_virtual
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
-from redis.exceptions import ConnectionError, MasterDownError, ReadOnlyError, ResponseError
+from redis.exceptions import ConnectionError, MasterDownError, ReadOnlyError, ResponseError, TimeoutError
 from redis.retry import Retry
 
 
@@ -79,13 +80,22 @@ _FOLLOWING = {Connection: _Tcp, SSLConnection: _Tls, UnixDomainSocketConnection:
 
 
 class _BrokerQoS(kombu_redis.QoS):
+    """An ack (or reject) that a failover or an outage cut off still frees the message's place: a solo worker, allowed
+    one unacknowledged message, took no other for good (a trial: every worker busy at a failover), its consumer never
+    told its connection was lost. The message stays in the broker's unacked index, given again after the visibility
+    timeout (and dropped then: its job ended)."""
+
     def ack(self, delivery_tag: str) -> None:
-        """An ack a failover cut off (both tries reached a replica) still frees the message's place: a solo worker,
-        allowed one unacknowledged message, took no other for good (a trial: every worker busy at a failover). The
-        message stays in the broker's unacked index, given again after the visibility timeout and dropped then."""
         try:
             super().ack(delivery_tag)
-        except FailedOver:
+        except (ConnectionError, TimeoutError):
+            kombu_virtual.QoS.ack(self, delivery_tag)
+            raise
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        try:
+            super().reject(delivery_tag, requeue)
+        except (ConnectionError, TimeoutError):
             kombu_virtual.QoS.ack(self, delivery_tag)
             raise
 

@@ -81,7 +81,11 @@ def _resolved(host: str, port: int, timeout_s: float | None) -> list[tuple]:
         raise LookupUnavailable(f"{host!r} was not resolved in time")
     answer: list[list[tuple] | Exception] = []
     lookup = threading.Thread(target=_lookup, args=(host, port, answer), name=f"lookup {host}", daemon=True)
-    lookup.start()
+    try:
+        lookup.start()
+    except BaseException:  # no thread (the process at its limit): its place is not taken
+        _LOOKUPS.release()
+        raise
     lookup.join(max(0.0, deadline - time.monotonic()))
     if not answer:
         raise LookupUnavailable(f"{host!r} was not resolved within {timeout_s:.3g} s")

@@ -116,14 +116,14 @@ return claim(ARGV[2])
 """
 )
 # ARGV: id, claim, hold seconds (the attempt's longest run), holder. Returns [event, attempt, payload or nil]; false
-# under a later claim, or while an attempt of this claim runs (its message given again: Celery restores a message whose
-# ack a lost broker connection cut off, its attempt still running; a dead holder's attempt is taken back instead).
+# under a later claim, or once this claim has started an attempt: one attempt a claim (Celery gives a message again
+# whose ack a lost broker connection cut off, its attempt running or ended; a dead holder's is taken back, a new claim).
 _START = (
     _FENCE
     + _NOW
     + """
-local holder = redis.call('HGET', KEYS[2], ARGV[1] .. ':holder')
-if holder and string.sub(holder, 1, #ARGV[2] + 1) == ARGV[2] .. ' ' then return false end
+if redis.call('HGET', KEYS[2], ARGV[1] .. ':started') == ARGV[2] then return false end
+redis.call('HSET', KEYS[2], ARGV[1] .. ':started', ARGV[2])
 redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[1])
 redis.call('ZADD', KEYS[3], now, ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1] .. ':holder', ARGV[2] .. ' ' .. ARGV[4])
@@ -147,7 +147,8 @@ _DONE = (
     + _RELEASE
     + """
 redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1], ARGV[1] .. ':claim', ARGV[1] .. ':attempts', ARGV[1] .. ':payload')
+redis.call('HDEL', KEYS[2], ARGV[1], ARGV[1] .. ':claim', ARGV[1] .. ':attempts', ARGV[1] .. ':payload',
+  ARGV[1] .. ':started')
 return 1
 """
 )
@@ -208,7 +209,7 @@ class Outbox:
 
     def start(self, event_id: str, claim: int, hold_s: float, holder: str) -> Started | None:
         """Counts one more attempt, made by `holder` ("{worker name}/{pid}"), and holds the event for `hold_s`; None
-        when `claim` is no longer the latest, or an attempt of it is running."""
+        when `claim` is no longer the latest, or has started an attempt already (one attempt a claim)."""
         reply = self._start(keys=self.keys, args=[event_id, claim, hold_s, holder])
         if not reply:
             return None

@@ -73,8 +73,8 @@ def deliver_webhook(task: Task, event_id: str, claim: int) -> None:
     # held in the worker registry's terms, so that the reaper can tell this worker gone (worker.gone)
     started = box.start(event_id, claim, settings.webhook_claim_s, this_process(task.request.hostname))
     if started is None:  # a later claim took the event over (this message waited longer than a claim lasts), or
-        # this message is one given again while its attempt runs
-        log.info("dropped a message for %s (claim %d): a later claim or a running attempt has it", event_id, claim)
+        # this message is one given again after its attempt started
+        log.info("dropped a message for %s (claim %d): a later claim, or its attempt, has it", event_id, claim)
         return
     with job_context(started.event.job):
         _end(started, _attempt(started, settings, box, jobs, deadline), settings, box, jobs)

@@ -389,6 +389,8 @@ def test_an_attempt_is_held_by_its_worker_and_taken_back_only_while_it_still_run
     assert now_held.holder == "hooks@b/456"
     assert box.retry(again.event_id, again.claim, 60)  # an attempt's end: nothing holds it
     assert box.held() == [] and box.take_back([now_held]) == []
+    # its message given again after it ended: its retry waits its backoff, not started again at once
+    assert box.start(again.event_id, again.claim, 60, "hooks@b/456") is None
     # A rolling deploy: an attempt started by this version, then a new claim taken by an older relay, whose script
     # leaves the attempt's entry; the entry is no attempt's now, and goes at the next look
     redis_client.zadd(box.keys[0], {again.event_id: 0})  # due
