@@ -5,9 +5,10 @@ an ended job always has its event, even if every process dies right after. Keys:
 
     vsrq:webhooks:outbox     zset: event ids by when they are due (now, a retry's time, or a claim's expiry)
     vsrq:webhooks:events     hash: {id} -> the event (JSON: job, owner, url, type, at), and beside it {id}:claim,
-                             {id}:attempts, {id}:payload (the exact body, fixed at the first attempt) and, while an
-                             attempt runs, {id}:holder ("{claim} {name}/{pid}": the claim it started under and its
-                             worker, as the worker registry names it)
+                             {id}:attempts, {id}:payload (the exact body, fixed at the first attempt), {id}:started
+                             (the last claim that started an attempt: one a claim) and, while an attempt runs,
+                             {id}:holder ("{claim} {name}/{pid}": the claim it started under and its worker, as the
+                             worker registry names it)
     vsrq:webhooks:held       zset: the events whose attempt is running, by when it started
 
 The relay (worker.webhooks) `take`s due events: each take is a new claim, and pushes the event's due time past the
