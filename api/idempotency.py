@@ -4,9 +4,10 @@ the same response replayed; a repeat while the first is still running gets 409; 
 gets 422. Requests that fail are not remembered, so the caller can fix and retry under the same key.
 
 The 409 carries `Retry-After`: as long again as the first request has run so far (an upload that took 20 s is not
-likely done in 1), from 1 s to 60 s and never past the moment its claim lapses unless renewed (a lease from now). A client that doubles nothing itself
-(OpenAI's SDK retries twice, waiting what the header says) thus waits out a first request up to about 4 times as long
-as it had run when the repeat came, instead of giving up after two half-second backoffs.
+likely done in 1), from 1 s to 60 s and never past the moment its claim lapses unless renewed (a lease from now).
+A client that doubles nothing itself (OpenAI's SDK retries twice, waiting what the header says) thus waits out a first
+request up to about 4 times as long as it had run when the repeat came, instead of giving up after two half-second
+backoffs.
 
 Keys are per API key: one caller's key never replays another caller's response. Deleting the job a key made frees
 the key: a replay would answer with a job nobody can fetch any more, so the same request makes a new one.

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
@@ -399,6 +400,46 @@ def test_a_message_a_dying_consumer_took_is_sent_again_and_runs_once(rel_env, se
                 jobs.cancel(held)
 
 
+class RedisPair:
+    """A managed Redis as its clients see it: two real servers, the second a replica of the first, behind a forwarder
+    (`url`) that stands for the endpoint's name: new connections go where it points, open ones stay."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.a, self.b = free_ports(2)
+        self._servers: list[subprocess.Popen] = []
+        for port, name, extra in ((self.a, "a", []), (self.b, "b", ["--replicaof", "127.0.0.1", str(self.a)])):
+            (tmp_path / name).mkdir()
+            command = [binary("redis-server"), str(REDIS_CONF), "--port", str(port), "--dir", str(tmp_path / name),
+                       *extra]  # fmt: skip
+            self._servers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+        self.server = {port: redis.Redis(port=port) for port in (self.a, self.b)}
+        self.endpoint = processes.Partition(("127.0.0.1", self.a))
+        self.url = f"redis://127.0.0.1:{self.endpoint.port}/0"
+
+    def fail_over(self, old: int, new: int, endpoint_moves: bool) -> None:
+        """`new` (a replica of `old`, caught up on every write) becomes the primary, `old` its replica."""
+        deadline = time.monotonic() + 30
+        while True:
+            written = self.server[old].info("replication")["master_repl_offset"]
+            if self.server[new].info("replication")["master_repl_offset"] >= written:
+                break
+            assert time.monotonic() < deadline, self.server[new].info("replication")
+            time.sleep(0.05)
+        self.server[new].execute_command("REPLICAOF", "NO", "ONE")
+        self.server[old].execute_command("REPLICAOF", "127.0.0.1", str(new))
+        if endpoint_moves:
+            self.move_endpoint(new)
+
+    def move_endpoint(self, port: int) -> None:
+        self.endpoint.target = ("127.0.0.1", port)
+
+    def close(self) -> None:
+        self.endpoint.close()
+        for server in self._servers:
+            server.kill()  # throwaway data: no shutdown save to wait for
+            server.wait(10)
+
+
 def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, tmp_path):
     """A managed Redis fails over by promoting its replica and moving its endpoint to it; connections opened before
     still reach the old primary, now a replica that refuses every write (READONLY). The API answered 500 to every
@@ -408,15 +449,10 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
     whose endpoint moves later is answered 503 until it does."""
     from worker.media.synthetic import write_clip
 
-    a, b = free_ports(2)
-    servers = []
-    for port, name, extra in ((a, "a", []), (b, "b", ["--replicaof", "127.0.0.1", str(a)])):
-        (tmp_path / name).mkdir()
-        command = [binary("redis-server"), str(REDIS_CONF), "--port", str(port), "--dir", str(tmp_path / name), *extra]
-        servers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
-    endpoint = processes.Partition(("127.0.0.1", a))
+    pair = RedisPair(tmp_path)
+    a, b = pair.a, pair.b
     queue = "vsrq.failover-probe"
-    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{endpoint.port}/0", "VSRQ_WEB_WORKERS": "1",
+    env = {**rel_env, "VSRQ_REDIS_URL": pair.url, "VSRQ_WEB_WORKERS": "1",
            "VSRQ_MODELS": json.dumps({"lanczos": queue})}  # fmt: skip
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
@@ -426,22 +462,6 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
     try:
         processes.serving(api, url)
         processes.started(worker)
-        servers_at = {a: redis.Redis(port=a), b: redis.Redis(port=b)}
-
-        def fail_over(old: int, new: int, endpoint_moves: bool) -> None:
-            """`new` (a replica of `old`, caught up on every job) becomes the primary, `old` its replica."""
-            deadline = time.monotonic() + 30
-            while True:
-                written = servers_at[old].info("replication")["master_repl_offset"]
-                if servers_at[new].info("replication")["master_repl_offset"] >= written:
-                    break
-                assert time.monotonic() < deadline, servers_at[new].info("replication")
-                time.sleep(0.1)
-            servers_at[new].execute_command("REPLICAOF", "NO", "ONE")
-            servers_at[old].execute_command("REPLICAOF", "127.0.0.1", str(new))
-            if endpoint_moves:
-                endpoint.target = ("127.0.0.1", new)
-
         def a_job_runs() -> str:
             job_id = post_lanczos_job(url, clip)
             done = wait_all(url, "dave", [job_id], worker.log, limit_s=60)[job_id]
@@ -451,32 +471,29 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
         before = a_job_runs()
         # 1. the endpoint moves with the failover: the API's open connections reach the old primary, and its first
         # request after it is answered from the new one (a connection found to be a replica's is tried again anew)
-        fail_over(a, b, endpoint_moves=True)
+        pair.fail_over(a, b, endpoint_moves=True)
         seen = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
         assert (seen.status_code, seen.json().get("status")) == (200, "completed"), seen.text
         after = a_job_runs()
-        assert servers_at[b].info("replication")["role"] == "master" and servers_at[b].exists(job_key("vsrq", after))
+        assert pair.server[b].info("replication")["role"] == "master" and pair.server[b].exists(job_key("vsrq", after))
 
         # 2. back again, the endpoint moving later: meanwhile every connection reaches a replica, and a request that
         # writes is told to come back; then the API and the worker carry on
-        fail_over(b, a, endpoint_moves=False)
+        pair.fail_over(b, a, endpoint_moves=False)
         waiting = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
         assert (waiting.status_code, waiting.json()["code"]) == (503, "service_unavailable"), waiting.text
         assert int(waiting.headers["Retry-After"]) > 0
         status = subprocess.run([sys.executable, "-m", "client.cli", "status"], env={**os.environ, **env},
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         assert "reaches a replica" in status.stderr and "a failover is under way" in status.stderr, status.stderr
-        endpoint.target = ("127.0.0.1", a)
+        pair.move_endpoint(a)
         assert requests.get(f"{url}/v1/videos/{after}", headers=auth("dave"), timeout=30).status_code == 200
         last = a_job_runs()
-        assert servers_at[a].info("replication")["role"] == "master" and servers_at[a].exists(job_key("vsrq", last))
+        assert pair.server[a].info("replication")["role"] == "master" and pair.server[a].exists(job_key("vsrq", last))
         assert 500 not in status_counts(api.log), api.text()[-3000:]
     finally:
         processes.stop_all([worker, api])
-        endpoint.close()
-        for server in servers:
-            server.kill()  # throwaway data: no shutdown save to wait for
-            server.wait(10)
+        pair.close()
 
 
 def test_a_create_cut_off_by_its_api_s_death_leaves_its_key_to_a_repeat_once_lapsed(rel_env, redis_client, tmp_path):
@@ -606,19 +623,14 @@ def test_an_ack_a_failover_cut_off_is_sent_anew_or_frees_its_place(tmp_path):
     from storage.primary import FailedOver
     from storage.queue import BROKER_TRANSPORT
 
-    a, b = free_ports(2)
-    servers = {}
-    for port, name, extra in ((a, "a", []), (b, "b", ["--replicaof", "127.0.0.1", str(a)])):
-        (tmp_path / name).mkdir()
-        command = [binary("redis-server"), str(REDIS_CONF), "--port", str(port), "--dir", str(tmp_path / name), *extra]
-        servers[port] = (subprocess.Popen(command, stdout=subprocess.DEVNULL), redis.Redis(port=port))
-    endpoint = processes.Partition(("127.0.0.1", a))
+    pair = RedisPair(tmp_path)
+    a, b = pair.a, pair.b
     exchange = Exchange("vsrq.ack-probe", type="direct")
     queue = Queue("vsrq.ack-probe", exchange, routing_key="probe")
 
     def one_message(n: int):
         """A message published and taken through the endpoint by a consumer allowed one unacknowledged message."""
-        connection = Connection(f"redis://127.0.0.1:{endpoint.port}/0", transport=BROKER_TRANSPORT)
+        connection = Connection(pair.url, transport=BROKER_TRANSPORT)
         connection.Producer().publish({"n": n}, exchange=exchange, routing_key="probe", declare=[queue])
         got: list = []
         consumer = connection.Consumer(queue, callbacks=[lambda body, message: got.append(message)], prefetch_count=1)
@@ -626,31 +638,18 @@ def test_an_ack_a_failover_cut_off_is_sent_anew_or_frees_its_place(tmp_path):
         connection.drain_events(timeout=10)
         return connection, consumer, got[0]
 
-    def fail_over(old: int, new: int) -> None:
-        deadline = time.monotonic() + 30
-        while servers[new][1].info("replication")["master_repl_offset"] < servers[old][1].info("replication")[
-                "master_repl_offset"]:  # fmt: skip
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        servers[new][1].execute_command("REPLICAOF", "NO", "ONE")
-        servers[old][1].execute_command("REPLICAOF", "127.0.0.1", str(new))
-
     try:
         connection, _, message = one_message(1)
-        fail_over(a, b)
-        endpoint.target = ("127.0.0.1", b)
+        pair.fail_over(a, b, endpoint_moves=True)
         message.ack()  # its connection reaches a replica; the new one, the new primary
-        assert servers[b][1].hlen("unacked") == 0
+        assert pair.server[b].hlen("unacked") == 0
         connection.release()
 
         connection, consumer, message = one_message(2)
-        fail_over(b, a)  # and the endpoint stays where it was: every connection reaches a replica
+        pair.fail_over(b, a, endpoint_moves=False)  # every connection reaches a replica
         with pytest.raises(FailedOver):
             message.ack()
         assert consumer.channel.qos.can_consume()  # its place is free: the next message is taken once it can be
         connection.release()
     finally:
-        endpoint.close()
-        for server, _ in servers.values():
-            server.kill()  # throwaway data: no shutdown save to wait for
-            server.wait(10)
+        pair.close()
