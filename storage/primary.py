@@ -10,11 +10,15 @@ worker). Only a write is refused there, and refused before it takes effect, so s
 broker connections do the same (`BrokerTransport`; not a `socket://` broker's, whose class kombu fixes), and what
 still fails is Celery's lost connection (its consumer connects again, a publish is retried by its retry policy): a
 worker waiting for a message had its BRPOP ended by the failover and exited ("Unrecoverable error"), to be started
-again by whatever supervises it.
+again by whatever supervises it. A worker's broker connections also wait for a primary when they connect
+(`await_primary_s`, the transport option): while the endpoint still names the demoted one, Celery connected,
+was refused and connected again, logging ~7 errors a second, and an ack cut off then was lost.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -24,6 +28,8 @@ from redis.backoff import NoBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError, MasterDownError, ReadOnlyError, ResponseError, TimeoutError
 from redis.retry import Retry
+
+log = logging.getLogger(__name__)
 
 
 class FailedOver(ConnectionError):
@@ -79,6 +85,54 @@ class _Unix(_FollowsFailover, UnixDomainSocketConnection):
 _FOLLOWING = {Connection: _Tcp, SSLConnection: _Tls, UnixDomainSocketConnection: _Unix}
 
 
+class _AwaitsPrimary(_FollowsFailover):
+    """A connection that, given `await_primary_s`, connects to a primary only: one that reaches a replica (the endpoint
+    still names the demoted primary) connects again every `_POLL_S` until the endpoint names the new one, for that
+    long at most. For a worker's broker alone: an API request would rather be told to come back (503)."""
+
+    _POLL_S = 0.25
+
+    def __init__(self, *args: Any, await_primary_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.await_primary_s = await_primary_s
+
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        if self._sock is not None or not self.await_primary_s:  # type: ignore[attr-defined]
+            return super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
+        deadline, said = time.monotonic() + self.await_primary_s, False
+        while True:
+            super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
+            if self._reaches_primary():
+                return
+            self.disconnect()  # type: ignore[attr-defined]
+            where = self._host_error()  # type: ignore[attr-defined]
+            if time.monotonic() >= deadline:
+                # not a FailedOver: the one retry it gets would wait as long again
+                raise ConnectionError(f"{where} is a replica (a failover): no primary there in {self.await_primary_s} s")
+            if not said:
+                log.warning("%s is a replica (a failover): waiting up to %.0f s for a primary there", where,
+                            self.await_primary_s)  # fmt: skip
+                said = True
+            time.sleep(self._POLL_S)
+
+    def _reaches_primary(self) -> bool:
+        self.send_command("ROLE")  # type: ignore[attr-defined]
+        try:
+            role = self.read_response()
+        except ResponseError:  # ROLE not allowed here (an ACL, a proxy): each command will say what the server is
+            return True
+        name = role[0].decode() if isinstance(role[0], bytes) else role[0]
+        return name == "master"
+
+
+class _BrokerTcp(_AwaitsPrimary, Connection):
+    pass
+
+
+class _BrokerTls(_AwaitsPrimary, SSLConnection):
+    pass
+
+
 class _BrokerQoS(kombu_redis.QoS):
     """An ack (or reject) that a failover or an outage cut off still frees the message's place: a solo worker, allowed
     one unacknowledged message, took no other for good (a trial: every worker busy at a failover), its consumer never
@@ -101,11 +155,14 @@ class _BrokerQoS(kombu_redis.QoS):
 
 
 class _BrokerChannel(kombu_redis.Channel):
-    connection_class, connection_class_ssl = _Tcp, _Tls
+    connection_class, connection_class_ssl = _BrokerTcp, _BrokerTls
     QoS = _BrokerQoS
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
-        return {**super()._connparams(asynchronous), "retry": _once_more()}  # an ack, a publish: as the job store's
+        params = {**super()._connparams(asynchronous), "retry": _once_more()}  # an ack, a publish: as the job store's
+        if issubclass(params["connection_class"], _AwaitsPrimary):
+            params["await_primary_s"] = float(self.connection.client.transport_options.get("await_primary_s", 0))
+        return params
 
 
 class BrokerTransport(kombu_redis.Transport):

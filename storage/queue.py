@@ -25,7 +25,10 @@ BROKER_TRANSPORT = "storage.primary:BrokerTransport"  # kombu's Redis transport,
 UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry a header (worker.tasks.upscale)
 
 
-def make_celery(settings: Settings) -> Celery:
+def make_celery(settings: Settings, *, await_primary_s: float = 0.0) -> Celery:
+    """The app both sides build; `await_primary_s`: how long a broker connection that reaches a replica (a Redis
+    failover whose endpoint has not moved yet) waits for a primary there (storage.primary): a worker's, not the API's,
+    whose request would rather be told to come back."""
     # No result backend: results live in the job records (Celery's Redis one also refused a rediss:// URL without
     # `ssl_cert_reqs`, so that every create answered 503)
     app = Celery("vsrq", broker=settings.celery_broker_url)
@@ -37,13 +40,15 @@ def make_celery(settings: Settings) -> Celery:
         "visibility_timeout": settings.longest_job_s + 3600,
         "socket_timeout": settings.redis_timeout_s,
         "socket_connect_timeout": settings.redis_timeout_s,
+        "await_primary_s": await_primary_s,
         **settings.broker_transport_options,
     }
     app.conf.update(
         task_acks_late=True,  # acknowledged when the task ends: a worker that dies mid-job leaves it to redeliver
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,  # a GPU worker holds one message at a time, never one it cannot start
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # Neither pool a worker runs (solo, threads) can cancel a running task: Celery's try logged a traceback
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry_on_startup=True,
         broker_transport=BROKER_TRANSPORT if scheme in ("redis", "rediss") else None,  # a Sentinel's follows already
         # a TLS broker's certificate verified, as redis-py verifies the job store's, unless the URL's ssl_* say

@@ -8,4 +8,5 @@ from __future__ import annotations
 from storage.config import Settings
 from storage.queue import make_celery
 
-app = make_celery(Settings())
+settings = Settings()
+app = make_celery(settings, await_primary_s=settings.redis_failover_wait_s)

@@ -479,6 +479,7 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
 
         # 2. back again, the endpoint moving later: meanwhile every connection reaches a replica, and a request that
         # writes is told to come back; then the API and the worker carry on
+        quiet_from = len(worker.text())
         pair.fail_over(b, a, endpoint_moves=False)
         waiting = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
         assert (waiting.status_code, waiting.json()["code"]) == (503, "service_unavailable"), waiting.text
@@ -486,8 +487,13 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
         status = subprocess.run([sys.executable, "-m", "client.cli", "status"], env={**os.environ, **env},
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         assert "reaches a replica" in status.stderr and "a failover is under way" in status.stderr, status.stderr
+        time.sleep(2)  # a window of seconds, as a managed endpoint takes to move
         pair.move_endpoint(a)
         assert requests.get(f"{url}/v1/videos/{after}", headers=auth("dave"), timeout=30).status_code == 200
+        # meanwhile the worker waited for a primary, saying so once: no error a second from Celery's reconnect loop
+        window = worker.text()[quiet_from:]
+        assert "is a replica (a failover): waiting up to" in window, window[-3000:]
+        assert not re.search(r"ERROR|CRITICAL", window), window[-3000:]
         last = a_job_runs()
         assert pair.server[a].info("replication")["role"] == "master" and pair.server[a].exists(job_key("vsrq", last))
         assert 500 not in status_counts(api.log), api.text()[-3000:]
@@ -628,9 +634,10 @@ def test_an_ack_a_failover_cut_off_is_sent_anew_or_frees_its_place(tmp_path):
     exchange = Exchange("vsrq.ack-probe", type="direct")
     queue = Queue("vsrq.ack-probe", exchange, routing_key="probe")
 
-    def one_message(n: int):
+    def one_message(n: int, await_primary_s: float = 0):
         """A message published and taken through the endpoint by a consumer allowed one unacknowledged message."""
-        connection = Connection(pair.url, transport=BROKER_TRANSPORT)
+        connection = Connection(pair.url, transport=BROKER_TRANSPORT,
+                                transport_options={"await_primary_s": await_primary_s})  # fmt: skip
         connection.Producer().publish({"n": n}, exchange=exchange, routing_key="probe", declare=[queue])
         got: list = []
         consumer = connection.Consumer(queue, callbacks=[lambda body, message: got.append(message)], prefetch_count=1)
@@ -645,11 +652,21 @@ def test_an_ack_a_failover_cut_off_is_sent_anew_or_frees_its_place(tmp_path):
         assert pair.server[b].hlen("unacked") == 0
         connection.release()
 
-        connection, consumer, message = one_message(2)
+        connection, consumer, two = one_message(2)
         pair.fail_over(b, a, endpoint_moves=False)  # every connection reaches a replica
         with pytest.raises(FailedOver):
-            message.ack()
+            two.ack()
         assert consumer.channel.qos.can_consume()  # its place is free: the next message is taken once it can be
+        connection.release()
+
+        # a worker's connection waits for a primary at the endpoint: an ack cut off while it moves lands
+        pair.move_endpoint(a)
+        connection, _, message = one_message(3, await_primary_s=20)
+        pair.fail_over(a, b, endpoint_moves=False)
+        threading.Timer(1.0, pair.move_endpoint, (b,)).start()
+        message.ack()
+        assert pair.server[b].info("replication")["role"] == "master"
+        assert pair.server[b].hkeys("unacked") == [two.delivery_tag.encode()]  # the ack above that failed
         connection.release()
     finally:
         pair.close()
