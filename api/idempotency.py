@@ -17,7 +17,9 @@ and names the job it will make, and the request's fingerprint once known, before
 that dies mid-request (a `kill -9`, the OOM killer, a node lost) stops renewing it: a repeat `lease_s` later finds it
 lapsed and either replays the job that request had made (the crash came after it) or takes the key over. Until then
 its claim held the key for `in_flight_ttl_s` (an hour): `vsrq bulk` run again after a restart gave up on it, and a
-job made just before the crash was made again by the run after the hour.
+job made just before the crash was made again by the run after the hour. A request that was only stalled for a lease
+(a paused VM) and comes back makes its job only while its claim is still its own (`Claim.making`'s fence), and a
+repeat frees a lapsed claim only while the job it names has not been made: one job a key, whichever comes first.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from redis import Redis
 
 from api.errors import ApiError
 from storage.clock import redis_now
-from storage.jobs import new_job_id
+from storage.jobs import Fence, job_key, new_job_id
 
 log = logging.getLogger("vsrq.api")
 
@@ -56,12 +58,15 @@ class Remembered(BaseModel):
     alive_until: float | None = None  # in flight: the request lapses unless it renews its claim by then (Redis time)
 
 
-# Redis time, and the key's record when it is the in-flight claim of `token` (and lapsed, where asked), else nil.
+# Redis time (`_NOW`), and the key's record when it is the in-flight claim of `token` (and lapsed, where asked), else
+# nil.
 # Only claims are encoded here: a done record's body never goes through cjson, which turns [] into {} and rounds
 # numbers.
-_PRELUDE = """
+_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+"""
+_PRELUDE = _NOW + """
 local function claim_of(token, lapsed)
   local raw = redis.call('GET', KEYS[1])
   if not raw then return nil end
@@ -74,7 +79,7 @@ end
 
 # KEYS[1]: the key's record. ARGV: the claim (JSON), the record's TTL, the lease. {outcome, record}: `claimed`, `held`
 # (in flight and renewed, or done), or `lapsed` (in flight, its request not heard from for a lease: it died)
-_CLAIM = _PRELUDE + """
+_CLAIM = _NOW + """
 local raw = redis.call('GET', KEYS[1])
 if raw then  -- returned as it is: a done record is decoded here, never encoded again
   local held = cjson.decode(raw)
@@ -102,11 +107,13 @@ redis.call('SET', KEYS[1], cjson.encode(record), 'EX', ARGV[4])
 return 1
 """
 
-# KEYS: the key's record, the made job's back reference. ARGV: the claim's token, '1' to end it only if it lapsed,
-# then the answer (the done record, JSON, or '' to forget the key), its TTL, the record's name. 0 unless the record is
-# still that claim's (and lapsed, where asked).
+# KEYS: the key's record, the made job's back reference, the claim's job. ARGV: the claim's token, '1' to end it only
+# if it lapsed, then the answer (the done record, JSON, or '' to forget the key), its TTL, the record's name. 0 unless
+# the record is still that claim's (and lapsed, where asked), or where a lapsed claim's job was made meanwhile (by its
+# request, come back: the key answers with that job, not another).
 _END = _PRELUDE + """
 if not claim_of(ARGV[1], ARGV[2] == '1') then return 0 end
+if ARGV[3] == '' and ARGV[2] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 if ARGV[3] == '' then return redis.call('DEL', KEYS[1]) end
 redis.call('SET', KEYS[1], ARGV[3], 'EX', ARGV[4])
 redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[4])
@@ -154,15 +161,20 @@ class Claim:
         finally:
             ended.set()
 
-    def making(self, fingerprint: str) -> str:
+    def making(self, fingerprint: str) -> tuple[str, Fence]:
         """Says what the request asks for, right before it makes its job: a repeat after a crash from here on finds
-        the job, or its absence, and compares itself with it. The job's id."""
+        the job, or its absence, and compares itself with it. The job's id, and the fence its making must pass: the
+        claim still this request's (a request that went unheard for a lease between here and its job may have lost
+        its key to a repeat, which made the job)."""
         if not self.store._renew(self, fingerprint):
-            raise ApiError(409, "idempotency_taken_over",
-                           f"This request went unheard for {self.store.lease_s:g} s and a repeat under its "
-                           f"`{HEADER}` took the key over; it made no job: the repeat's answer is the one to use.",
-                           headers={"Retry-After": "1"})  # fmt: skip
-        return self.job
+            raise self.taken_over()
+        return self.job, Fence(self.name, "token", self.token)
+
+    def taken_over(self) -> ApiError:
+        return ApiError(409, "idempotency_taken_over",
+                        f"This request went unheard for {self.store.lease_s:g} s and a repeat under its `{HEADER}` "
+                        "took the key over; it made no job: the repeat's answer is the one to use.",
+                        headers={"Retry-After": "1"})  # fmt: skip
 
     def finish(self, fingerprint: str, status: int, body: dict[str, Any]) -> bool:
         """Remembers the answer; False if the claim is no longer this request's (taken over as lapsed)."""
@@ -216,7 +228,8 @@ class Idempotency:
 
     def _end(self, claim: Claim, done: str, made: str = "") -> bool:
         args = [claim.token, "1" if claim.lapsed else "", done, self.ttl_s, claim.name]
-        return bool(self._end_script(keys=[claim.name, self._made(made)], args=args))
+        keys = [claim.name, self._made(made), job_key(self.prefix, claim.job)]
+        return bool(self._end_script(keys=keys, args=args))
 
     def _made(self, job_id: str) -> str:
         return f"{self.prefix}:idem-made:{job_id}"

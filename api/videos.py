@@ -36,7 +36,16 @@ from api.schemas import REFERENCES, CreateRequest, ListQuery, create_request
 from api.services import services
 from api.uploads import hash_form, no_such_upload, receive_form, upload_name
 from storage.blobs import SAFE_KEY, BlobError, BlobNotFound, storage_unavailable, upload_key
-from storage.jobs import InputInfo, InvalidCursor, InvalidTransition, JobActive, JobNotFound, JobRecord, Status
+from storage.jobs import (
+    FenceLost,
+    InputInfo,
+    InvalidCursor,
+    InvalidTransition,
+    JobActive,
+    JobNotFound,
+    JobRecord,
+    Status,
+)
 from storage.lifecycle import delete_job_files, forget_attempts
 from storage.queue import send_upscale
 from storage.ssrf import LookupUnavailable, UnsafeUrl, public_addresses
@@ -277,19 +286,25 @@ def _create_job(
         _check_url("webhook_url", create.options.webhook_url, settings.webhook_allow_loopback, "unsafe_webhook_url")
     # the claim says what this request asks for right before the job is made: a repeat after a crash finds one or
     # the other, and a claim taken over meanwhile makes no job here
-    job_id = claim.making(fingerprint) if claim is not None else None
-    job = jobs.create(
-        job_id=job_id,
-        owner=owner(),
-        model=model,
-        queue=settings.models[model],
-        params=create.params.model_dump(),
-        asks=sorted(create.params.model_dump(exclude_defaults=True)),
-        input=source,
-        metadata=create.options.metadata,
-        webhook_url=create.options.webhook_url,
-        request_id=g.get("request_id"),
-    )
+    job_id, fence = claim.making(fingerprint) if claim is not None else (None, None)
+    try:
+        job = jobs.create(
+            job_id=job_id,
+            fence=fence,
+            owner=owner(),
+            model=model,
+            queue=settings.models[model],
+            params=create.params.model_dump(),
+            asks=sorted(create.params.model_dump(exclude_defaults=True)),
+            input=source,
+            metadata=create.options.metadata,
+            webhook_url=create.options.webhook_url,
+            request_id=g.get("request_id"),
+        )
+    except FenceLost:
+        if claim is None:  # a new id's job is never made already
+            raise
+        raise claim.taken_over() from None
     try:
         send_upscale(services().celery, jobs, job)
     except Exception as error:

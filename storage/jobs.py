@@ -93,6 +93,23 @@ class InvalidTransition(JobError):
     code = "invalid_transition"
 
 
+class FenceLost(JobError):
+    """A create's fence no longer held when the job was to be written: no job was made."""
+
+    code = "fence_lost"
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What must still hold when a job is made: the JSON record at `key` has `field` equal to `value`. An
+    `Idempotency-Key`'s claim is one: a request that went unheard past its lease, its key taken over by a repeat that
+    made the job, must not make a second."""
+
+    key: str
+    field: str
+    value: str
+
+
 class StaleAttempt(JobError):
     """The writer's attempt no longer holds the job: stop working on it, write nothing more."""
 
@@ -752,6 +769,25 @@ event(ARGV[1], now(), cjson.decode(ARGV[2]))
 return 1
 """
 
+# KEYS: the job's record, its events, its queue, its owner's sets of all and of queued jobs, the unsent set, then a
+# fence's record where there is one. ARGV: the job's id, seq, creation time, `created` event, the fence's field and
+# value, then the record's fields and values. `made` where a job of that id exists, `fenced` where the fence's record
+# lacks that value, else `ok`: made.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'made' end
+if KEYS[7] then
+  local ok, record = pcall(cjson.decode, redis.call('GET', KEYS[7]) or 'null')
+  if not ok or type(record) ~= 'table' or record[ARGV[5]] ~= ARGV[6] then return 'fenced' end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[6], ARGV[3], ARGV[1])  -- until the API confirms the message: see `unsent`
+return 'ok'
+"""
+
 _ERROR_REPLY = re.compile(r"^(\w+) (.*?)(?: script: \w+, on @user_script:\d+\.)?$", re.DOTALL)
 
 
@@ -810,6 +846,7 @@ class JobStore:
         self._scripts: dict[str, Callable] = {
             name: redis.register_script(_script(body)) for name, body in scripts.items()
         }
+        self._create = redis.register_script(_CREATE)
 
     def check_access(self) -> None:
         """Raises what Redis answers a client it does not authenticate (`AuthenticationError`), or may not run the
@@ -891,9 +928,11 @@ class JobStore:
         webhook_url: str | None = None,
         job_id: str | None = None,
         request_id: str | None = None,
+        fence: Fence | None = None,
     ) -> JobRecord:
         """`request_id`: the id of the API request that creates it, kept on its `created` event. A user quotes the
-        job's id, while the API's log lines for that request carry only the request's (api/request_id.py)."""
+        job's id, while the API's log lines for that request carry only the request's (api/request_id.py). A job of
+        `job_id` already made, or a `fence` that does not hold, raises `FenceLost` and makes nothing."""
         job_id = job_id or new_job_id()
         seq = self.redis.incr(self._seq_key)
         created_at = redis_now(self.redis)
@@ -914,14 +953,14 @@ class JobStore:
         )
         detail = {"request_id": request_id} if request_id else {}
         event = JobEvent(type="created", at=created_at, attempt=0, status=Status.QUEUED, detail=detail)
-        with self.redis.pipeline(transaction=True) as tx:
-            tx.hset(self._job_key(job_id), mapping=_to_hash(job))
-            tx.rpush(f"{self._job_key(job_id)}:events", event.model_dump_json())
-            tx.zadd(self._queue_key(queue), {job_id: seq})
-            tx.zadd(self._owner_key(owner, "all"), {job_id: seq})
-            tx.zadd(self._owner_key(owner, Status.QUEUED), {job_id: seq})
-            tx.zadd(self._unsent_key, {job_id: created_at})  # until the API confirms the message: see `unsent`
-            tx.execute()
+        keys = [self._job_key(job_id), f"{self._job_key(job_id)}:events", self._queue_key(queue),
+                self._owner_key(owner, "all"), self._owner_key(owner, Status.QUEUED), self._unsent_key,
+                *([fence.key] if fence else [])]  # fmt: skip
+        fenced = [fence.field, fence.value] if fence else ["", ""]
+        mapping = [item for pair in _to_hash(job).items() for item in pair]
+        outcome = self._create(keys=keys, args=[job_id, seq, created_at, event.model_dump_json(), *fenced, *mapping])
+        if outcome != b"ok":
+            raise FenceLost(f"job {job_id} not made: {'one of that id exists' if outcome == b'made' else fence}")
         return job
 
     def abandon(self, job_id: str, code: str, message: str) -> JobRecord:

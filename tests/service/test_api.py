@@ -735,6 +735,60 @@ def test_a_wait_ends_when_its_client_hangs_up_and_a_deleted_job_is_404_to_a_wait
                 end.close()
 
 
+def test_a_request_unheard_past_its_lease_makes_no_second_job_beside_the_repeat_s(redis_client, jobs):
+    """A create that stalls for a whole lease between saying what it makes and making it (a paused VM, a process
+    frozen), its key taken over meanwhile by a repeat: the repeat's job is the only one, whichever comes first. Before,
+    the stalled request made its job too when it came back (two jobs for one key). The store and the jobs on the real
+    Redis, each request's steps in the order such a stall gives them."""
+    from api.errors import ApiError
+    from api.idempotency import Claim, Idempotency
+    from storage.jobs import FenceLost, InputInfo
+
+    store = Idempotency(redis_client, ttl_s=600, in_flight_ttl_s=60, lease_s=0.5)
+
+    def make(job_id, fence):
+        return jobs.create(job_id=job_id, fence=fence, owner="dave", model="lanczos", queue="q-" + secrets.token_hex(4),
+                           params={"sr_resolution_scale": 2.0}, input=InputInfo(key="uploads/dave/x", bytes=10))  # fmt: skip
+
+    def made(job_id):
+        job = jobs.get(job_id)
+        return {"id": job.id, "status": job.status} if job else None
+
+    # 1. the stalled request comes back after the repeat took its key: it makes nothing, the repeat its job
+    key = secrets.token_hex(8)
+    stalled = store.claim("dave", key, made)
+    assert isinstance(stalled, Claim)
+    stalled_job, stalled_fence = stalled.making("asks")
+    time.sleep(0.7)
+    repeat = store.claim("dave", key, made)
+    assert isinstance(repeat, Claim) and repeat.job != stalled_job
+    with pytest.raises(FenceLost):
+        make(stalled_job, stalled_fence)
+    assert jobs.get(stalled_job) is None and isinstance(stalled.taken_over(), ApiError)
+    make(*repeat.making("asks"))
+    assert repeat.finish("asks", 200, made(repeat.job)) and jobs.get(repeat.job) is not None
+
+    # 2. it comes back just after the repeat found no job of its own: the repeat answers with that job, makes none
+    key = secrets.token_hex(8)
+    stalled = store.claim("dave", key, made)
+    stalled_job, stalled_fence = stalled.making("asks")
+    time.sleep(0.7)
+    looks: list[str] = []
+
+    def made_as_the_stalled_request_comes_back(job_id):
+        looks.append(job_id)
+        if len(looks) == 1:  # none yet, as the repeat looks; made right after
+            make(stalled_job, stalled_fence)
+            return None
+        return made(job_id)
+
+    replay = store.claim("dave", key, made_as_the_stalled_request_comes_back)
+    assert not isinstance(replay, Claim) and replay.body["id"] == stalled_job, replay
+    assert looks == [stalled_job, stalled_job]
+    with pytest.raises(FenceLost):  # and a job of an id made already is never written again
+        make(stalled_job, None)
+
+
 def test_a_key_whose_request_died_answers_with_the_job_it_made_exactly(redis_client):
     """The key's store on the real Redis: a claim whose request died after making its job (it said so, then never
     renewed) is found lapsed by a repeat a lease later, and remembered as that job's answer, byte for byte: its body
