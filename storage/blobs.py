@@ -356,7 +356,7 @@ class S3BlobStore:
         # One join of a key runs at a time (its caller holds it): one begun before was killed midway, its parts kept
         for stale in self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=key).get("Uploads", []):
             if stale["Key"] == key:
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=stale["UploadId"])
+                self._abort_upload(key, stale["UploadId"])
         if any(size < MIN_PART_BYTES for size in sizes[:-1]):
             return _join_by_reading(self, key, sources, content_type)
         upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key, ContentType=content_type)[
@@ -418,16 +418,18 @@ class S3BlobStore:
         for page in pages:
             for upload in page.get("Uploads", []):
                 if upload["Key"].startswith(prefix) and upload["Initiated"].timestamp() < before:
-                    try:
-                        self.client.abort_multipart_upload(
-                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-                        )
-                    except ClientError as error:  # ended since the listing (AWS says so; SeaweedFS answers 204)
-                        if error.response.get("Error", {}).get("Code") != "NoSuchUpload":
-                            raise
-                        continue
-                    aborted += 1
+                    aborted += self._abort_upload(upload["Key"], upload["UploadId"])
         return aborted
+
+    def _abort_upload(self, key: str, upload_id: str) -> bool:
+        """False where it ended since it was listed (AWS says NoSuchUpload; SeaweedFS answers 204)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                raise
+            return False
+        return True
 
     def presigned_url(
         self, key: str, ttl_s: int, filename: str | None = None, content_type: str | None = None
