@@ -196,13 +196,14 @@ def register(app: Flask) -> None:
         code = (error.name or "error").lower().replace(" ", "_")
         return problem(error.code or 500, code, error.description or error.name)
 
-    # Redis restarting (or loading its AOF), blob storage unreachable: the request was fine, it can be sent again
-    # shortly. Never a 500, so clients and load balancers retry instead of reporting a bug.
+    # Redis restarting (or loading its AOF, or full: storage.primary), blob storage unreachable: the request was fine,
+    # it can be sent again shortly. Never a 500, so clients and load balancers retry instead of reporting a bug.
     @app.errorhandler(redis.exceptions.ConnectionError)
     @app.errorhandler(redis.exceptions.TimeoutError)
     @app.errorhandler(botocore.exceptions.ConnectionError)
     def _unavailable(error: Exception) -> Response:
-        log.warning("dependency unavailable on %s %s: %s", request.method, request.path, type(error).__name__)
+        log.warning("dependency unavailable on %s %s: %s: %s", request.method, request.path, type(error).__name__,
+                    error)  # fmt: skip
         return problem(
             503,
             "service_unavailable",

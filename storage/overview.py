@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.blobs import refusal
 from storage.jobs import JobRecord, JobStore, Stage, Status
+from storage.primary import memory_use
 from storage.workers import WorkerInfo, WorkerRegistry
 
 
@@ -98,6 +99,9 @@ def health(jobs: JobStore, workers: list[WorkerInfo], models: dict[str, str], re
     )
 
 
+NEARLY_FULL = 0.95  # of Redis's maxmemory: said before its writes are refused, and while they are
+
+
 def durability(redis: Redis) -> list[str]:
     """How the job store's Redis would lose jobs unsaid, as its INFO says (infra/redis.conf: AOF on, no eviction): no
     append-only file (a restart comes back empty: every job a 404), or keys evicted at maxmemory (accepted jobs 404
@@ -113,6 +117,12 @@ def durability(redis: Redis) -> list[str]:
     if memory.get("maxmemory", 0) and memory.get("maxmemory_policy", "noeviction") != "noeviction":
         problems.append(f"Redis evicts keys when full (maxmemory-policy {memory['maxmemory_policy']}): jobs vanish; "
                         "set noeviction")  # fmt: skip
+    if (use := memory_use(memory)) is not None and use >= NEARLY_FULL:
+        problems.append(f"Redis is full or nearly ({use:.0%} of maxmemory {memory['maxmemory_human']}): full, it "
+                        "refuses writes, so no job is made or run; free memory or raise maxmemory")  # fmt: skip
+    if persistence.get("rdb_last_bgsave_status") == "err":
+        problems.append("Redis's last snapshot failed (rdb_last_bgsave_status err): it refuses writes until one "
+                        "succeeds, unless stop-writes-on-bgsave-error is off; see its log")  # fmt: skip
     return problems
 
 

@@ -13,6 +13,10 @@ worker waiting for a message had its BRPOP ended by the failover and exited ("Un
 again by whatever supervises it. A worker's broker connections also wait for a primary when they connect
 (`await_primary_s`, the transport option): while the endpoint still names the demoted one, Celery connected,
 was refused and connected again, logging ~7 errors a second, and an ack cut off then was lost.
+
+A primary that refuses writes for now is met the same way (`Unwritable`): full at its `maxmemory` (OOM) or unable to
+save to disk (MISCONF). Its refusal was a command's own error: every API request answered 500 (its rate limit
+writes), and each Celery worker exited "Unrecoverable error" at its next ack, again at every start while it lasted.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from kombu.transport import virtual as kombu_virtual
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection, parse_url
-from redis.exceptions import ConnectionError, MasterDownError, ReadOnlyError, ResponseError, TimeoutError
+from redis.exceptions import (
+    ConnectionError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TimeoutError,
+)
 from redis.retry import Retry
 
 log = logging.getLogger(__name__)
@@ -34,6 +45,14 @@ log = logging.getLogger(__name__)
 
 class FailedOver(ConnectionError):
     """The server this connection reaches is a replica now: a failover moved the primary elsewhere."""
+
+
+class Unwritable(ConnectionError):
+    """The primary refuses writes for now: full at its `maxmemory` (noeviction), or unable to save to disk."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where} {reason}: it refuses writes")
+        self.reason = reason
 
 
 def connect(url: str, **options: Any) -> Redis:
@@ -58,15 +77,29 @@ def demoted(error: ResponseError) -> bool:
     return refused or syncing or (text.startswith("UNBLOCKED ") and "master -> replica" in text)
 
 
+def unwritable(error: ResponseError) -> str | None:
+    """Why `error` says its server takes no writes for now (as itself, or inside a script's error), else None."""
+    text = str(error)
+    if isinstance(error, OutOfMemoryError) or text.startswith("OOM ") or "-OOM " in text:
+        return "is full (maxmemory)"
+    if text.startswith("MISCONF ") or "-MISCONF " in text:
+        return "cannot save to disk (MISCONF)"
+    return None
+
+
 class _FollowsFailover:
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().read_response(*args, **kwargs)  # type: ignore[misc]
         except ResponseError as error:
-            if not demoted(error):
+            refused = unwritable(error)
+            if not demoted(error) and refused is None:
                 raise
+            # closed either way: replies of a transaction's other commands may still be on the way
             self.disconnect()  # type: ignore[attr-defined]
             where = self._host_error()  # type: ignore[attr-defined]
+            if refused is not None:
+                raise Unwritable(where, refused) from error
             raise FailedOver(f"{where} is a replica now (a failover)") from error
 
 
@@ -86,9 +119,9 @@ _FOLLOWING = {Connection: _Tcp, SSLConnection: _Tls, UnixDomainSocketConnection:
 
 
 class _AwaitsPrimary(_FollowsFailover):
-    """A connection that, given `await_primary_s`, connects to a primary only: one that reaches a replica (the endpoint
-    still names the demoted primary) connects again every `_POLL_S` until the endpoint names the new one, for that
-    long at most. For a worker's broker alone: an API request would rather be told to come back (503)."""
+    """A connection that, given `await_primary_s`, connects to a writable primary only: one that reaches a replica (the
+    endpoint still names the demoted primary) or a full one connects again every `_POLL_S` until it can write there,
+    for that long at most. For a worker's broker alone: an API request would rather be told to come back (503)."""
 
     _POLL_S = 0.25
 
@@ -102,27 +135,44 @@ class _AwaitsPrimary(_FollowsFailover):
         deadline, said = time.monotonic() + self.await_primary_s, False
         while True:
             super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
-            if self._reaches_primary():
+            unfit = self._unfit()
+            if unfit is None:
                 return
             self.disconnect()  # type: ignore[attr-defined]
             where = self._host_error()  # type: ignore[attr-defined]
             if time.monotonic() >= deadline:
                 # not a FailedOver: the one retry it gets would wait as long again
-                raise ConnectionError(f"{where} is a replica (a failover): no primary there in {self.await_primary_s} s")
+                raise ConnectionError(f"{where} {unfit}: still so after {self.await_primary_s} s")
             if not said:
-                log.warning("%s is a replica (a failover): waiting up to %.0f s for a primary there", where,
-                            self.await_primary_s)  # fmt: skip
+                log.warning("%s %s: waiting up to %.0f s for it to take writes", where, unfit, self.await_primary_s)
                 said = True
             time.sleep(self._POLL_S)
 
-    def _reaches_primary(self) -> bool:
-        self.send_command("ROLE")  # type: ignore[attr-defined]
+    def _unfit(self) -> str | None:
+        """Why the server cannot take a worker's writes now (a replica, full), as its ROLE and a write of a key that
+        expires at once say; None where they are not allowed here (an ACL, a proxy): each command will say."""
         try:
+            self.send_command("ROLE")  # type: ignore[attr-defined]
             role = self.read_response()
-        except ResponseError:  # ROLE not allowed here (an ACL, a proxy): each command will say what the server is
-            return True
-        name = role[0].decode() if isinstance(role[0], bytes) else role[0]
-        return name == "master"
+            name = role[0].decode() if isinstance(role[0], bytes) else role[0]
+            if name != "master":
+                return "is a replica (a failover)"
+            self.send_command("SET", "vsrq:writable-probe", 1, "PX", 1)  # type: ignore[attr-defined]
+            self.read_response()
+        except Unwritable as refused:
+            return refused.reason
+        except ResponseError:
+            return None
+        return None
+
+
+def memory_use(memory: dict[str, Any]) -> float | None:
+    """How full Redis is for its `maxmemory`, as its INFO memory says: the fraction used, None where it has no limit or
+    evicts keys rather than refuse writes. Writes are refused a little below 1: a command's own bytes count too."""
+    limit = int(memory.get("maxmemory", 0))
+    if not limit or memory.get("maxmemory_policy", "noeviction") != "noeviction":
+        return None
+    return int(memory.get("used_memory", 0)) / limit
 
 
 class _BrokerTcp(_AwaitsPrimary, Connection):

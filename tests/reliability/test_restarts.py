@@ -502,6 +502,72 @@ def test_a_redis_failover_is_followed_by_the_api_and_a_running_worker(rel_env, t
         pair.close()
 
 
+def test_a_full_redis_is_an_outage_said_and_outlived_not_a_crash(rel_env, tmp_path):
+    """Redis at its `maxmemory` (noeviction, as vsrq asks) refuses every write (OOM). Every authenticated request
+    answered 500 (the rate limit writes), /healthz said ok, and a Celery worker exited "Unrecoverable error" at its
+    next ack, and again at every start while it lasted (`vsrq dev` gave it up after 6). Here the API answers 503 with
+    Retry-After and /healthz names it; a worker started meanwhile waits, saying so; once memory is freed, a job runs."""
+    from worker.media.synthetic import write_clip
+
+    port = free_ports(1)[0]
+    (tmp_path / "redis").mkdir()
+    server = subprocess.Popen([binary("redis-server"), str(REDIS_CONF), "--port", str(port), "--dir",
+                               str(tmp_path / "redis")], stdout=subprocess.DEVNULL)  # fmt: skip
+    store = redis.Redis(port=port)
+    queue = "vsrq.full-probe"
+    env = {**rel_env, "VSRQ_REDIS_URL": f"redis://127.0.0.1:{port}/0", "VSRQ_WEB_WORKERS": "1",
+           "VSRQ_MODELS": json.dumps({"lanczos": queue})}  # fmt: skip
+    url = f"http://127.0.0.1:{free_ports(1)[0]}"
+    api = processes.api(env, int(url.rsplit(":", 1)[1]), tmp_path).start()
+    worker = processes.worker(env, queue, tmp_path).start()
+    late = None
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
+    try:
+        processes.serving(api, url)
+        processes.started(worker)
+        before = post_lanczos_job(url, clip)
+        assert wait_all(url, "dave", [before], worker.log, limit_s=60)[before]["status"] == "completed"
+
+        # 1. full: writes refused
+        store.config_set("maxmemory", store.info("memory")["used_memory"] + 2**20)
+        for size in (65536, 1024, 16):  # to the last bytes: a small write fits where a large one was refused
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                for n in range(100_000):
+                    store.set(f"junk:{size}:{n}", b"x" * size)
+        seen = requests.get(f"{url}/v1/videos/{before}", headers=auth("dave"), timeout=30)
+        assert (seen.status_code, seen.json().get("code")) == (503, "service_unavailable"), seen.text
+        assert int(seen.headers["Retry-After"]) > 0
+        made = requests.post(f"{url}/v1/videos", files={"video_reference": ("c.mp4", clip, "video/mp4")},
+                             data={"model": "lanczos"}, headers=auth("dave"), timeout=30)  # fmt: skip
+        assert made.status_code == 503, made.text
+        deadline = time.monotonic() + 20
+        while True:  # the API's health checks run every few seconds
+            said = requests.get(f"{url}/healthz", timeout=10).json()
+            if any(problem.startswith("Redis is full") for problem in said["problems"]):
+                break
+            assert time.monotonic() < deadline, said
+            time.sleep(0.5)
+        (tmp_path / "late").mkdir()
+        late = processes.worker(env, queue, tmp_path / "late").start()
+        late.wait_for(lambda: "is full (maxmemory): waiting up to" in late.text(), "a worker that waits", 60)
+        time.sleep(2)
+        assert late.alive and worker.alive, late.text()[-3000:]
+
+        # 2. freed: work goes on, with no process started again
+        store.delete(*store.keys("junk:*"))
+        store.config_set("maxmemory", 0)
+        after = post_lanczos_job(url, clip)
+        assert wait_all(url, "dave", [after], worker.log, limit_s=60)[after]["status"] == "completed"
+        assert late.alive and worker.alive
+        for process in (worker, late):
+            assert "Unrecoverable error" not in process.text(), process.text()[-3000:]
+        assert 500 not in status_counts(api.log), api.text()[-3000:]
+    finally:
+        processes.stop_all([p for p in (late, worker, api) if p is not None])
+        server.kill()
+        server.wait(10)
+
+
 def test_a_create_cut_off_by_its_api_s_death_leaves_its_key_to_a_repeat_once_lapsed(rel_env, redis_client, tmp_path):
     """`vsrq bulk` run again after its stack was killed mid-create: the key stayed `in_flight` for an hour (every
     repeat 409, the run gave up), and a job the dead request had made was made again after the hour (a chaos trial).
