@@ -105,8 +105,11 @@ def _created(files: frozenset[str]) -> tuple[Response, int]:
     except BaseException:
         claim.release()  # a failed request is not remembered: the caller may fix it and retry
         raise
-    if not claim.finish(fingerprint, status, body):
-        log.warning("%s made under an Idempotency-Key that a repeat took over meanwhile", body["id"])
+    try:
+        if not claim.finish(fingerprint, status, body):
+            log.warning("%s made under an Idempotency-Key that a repeat took over meanwhile", body["id"])
+    except redis.exceptions.RedisError as error:  # the job is made: said here, and a repeat finds it once this claim lapses
+        log.warning("%s made, its Idempotency-Key's answer not kept (%s)", body["id"], error)
     return _answer(body), status
 
 
@@ -307,9 +310,8 @@ def _create_job(
         raise claim.taken_over() from None
     try:
         send_upscale(services().celery, jobs, job)
-    except Exception as error:
-        jobs.abandon(job.id, "enqueue_failed", f"The job could not be queued: {type(error).__name__}")
-        raise ApiError(503, "enqueue_failed", "The job could not be queued; retry later.") from error
+    except Exception as error:  # made, and due a message until one is sent: the reaper sends it (JobStore.unsent)
+        log.warning("%s: its message was not sent (%s: %s); the reaper sends it", job.id, type(error).__name__, error)
     return _body(job)
 
 

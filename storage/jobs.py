@@ -540,7 +540,7 @@ local function move(to, t)
   redis.call('ZADD', KEYS[VIEW[to]], seq, id)
   if from == 'queued' then
     redis.call('ZREM', QUEUE, id)
-    redis.call('ZREM', UNSENT, id)  -- leased (so sent), cancelled or abandoned: no message is due any more
+    redis.call('ZREM', UNSENT, id)  -- leased (so sent) or cancelled: no message is due any more
     redis.call('HDEL', JOB, 'retry_at')
   end
   -- Queued again: its message is due, in the same write, so a sender that dies before sending leaves it to `unsent`
@@ -962,12 +962,6 @@ class JobStore:
         if outcome != b"ok":
             raise FenceLost(f"job {job_id} not made: {'one of that id exists' if outcome == b'made' else fence}")
         return job
-
-    def abandon(self, job_id: str, code: str, message: str) -> JobRecord:
-        """queued -> failed before any worker saw it (the broker refused the message)."""
-        error = JobErrorInfo(code=code, message=message).model_dump_json()
-        self._run("end", job_id, Status.QUEUED, 0, Status.FAILED, "", error, self.result_ttl_s)
-        return self.require(job_id)
 
     # -- read ------------------------------------------------------------------------------------------------------
 

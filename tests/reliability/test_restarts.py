@@ -568,6 +568,44 @@ def test_a_full_redis_is_an_outage_said_and_outlived_not_a_crash(rel_env, tmp_pa
         server.wait(10)
 
 
+def test_a_create_whose_message_the_broker_refused_answers_its_job_which_runs_once_it_is_back(rel_env, tmp_path):
+    """The broker (a Redis of its own here) down while a job is made: the API answered 503 `enqueue_failed`, "retry
+    later", yet left a failed job in the user's list and sent its `video.failed` webhook; a retry made a second job.
+    The job is made and waits for its message, which the reaper sends once the broker is back: it runs, once."""
+    from worker.media.synthetic import write_clip
+
+    broker_port = free_ports(1)[0]
+    queue = "vsrq.unsent-probe"
+    env = {**rel_env, "VSRQ_BROKER_URL": f"redis://127.0.0.1:{broker_port}/0", "VSRQ_WEB_WORKERS": "1",
+           "VSRQ_MODELS": json.dumps({"lanczos": queue}), "VSRQ_ENQUEUE_GRACE_S": "1", "VSRQ_REAP_INTERVAL_S": "0.5",
+           "VSRQ_REDIS_TIMEOUT_S": "2"}  # fmt: skip
+    url = f"http://127.0.0.1:{free_ports(1)[0]}"
+    api = processes.api(env, int(url.rsplit(":", 1)[1]), tmp_path).start()
+    broker = worker = reaper = None
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48)).read_bytes()
+    try:
+        processes.serving(api, url)
+        job_id = post_lanczos_job(url, clip)  # nothing listens at the broker's port
+        seen = requests.get(f"{url}/v1/videos/{job_id}", headers=auth("dave"), timeout=30).json()
+        assert seen["status"] == "queued" and seen.get("error") is None, seen
+        assert "its message was not sent" in api.text()
+
+        (tmp_path / "broker").mkdir()
+        broker = subprocess.Popen([binary("redis-server"), str(REDIS_CONF), "--port", str(broker_port), "--dir",
+                                   str(tmp_path / "broker")], stdout=subprocess.DEVNULL)  # fmt: skip
+        worker = processes.worker(env, queue, tmp_path).start()
+        reaper = processes.reaper(env, tmp_path).start()
+        done = wait_all(url, "dave", [job_id], worker.log, limit_s=90)[job_id]
+        assert (done["status"], done["attempt"]) == ("completed", 1), done
+        listed = requests.get(f"{url}/v1/videos?limit=100", headers=auth("dave"), timeout=30).json()["data"]
+        assert not [job for job in listed if (job.get("error") or {}).get("code") == "enqueue_failed"], listed
+    finally:
+        processes.stop_all([p for p in (reaper, worker, api) if p is not None])
+        if broker is not None:
+            broker.kill()
+            broker.wait(10)
+
+
 def test_a_create_cut_off_by_its_api_s_death_leaves_its_key_to_a_repeat_once_lapsed(rel_env, redis_client, tmp_path):
     """`vsrq bulk` run again after its stack was killed mid-create: the key stayed `in_flight` for an hour (every
     repeat 409, the run gave up), and a job the dead request had made was made again after the hour (a chaos trial).
