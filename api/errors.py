@@ -14,12 +14,17 @@ from typing import Any
 
 import botocore.exceptions
 import redis.exceptions
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from flask import Flask, Response, g, request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from werkzeug.exceptions import HTTPException
 
+from storage.blobs import refusal, storage_unavailable
+from storage.overview import storage_problem
+
 log = logging.getLogger("vsrq.api")
 UNAVAILABLE_RETRY_AFTER_S = 5  # about a Redis restart with its AOF, or an S3 gateway's
+REFUSED_RETRY_AFTER_S = 60  # storage refusing the service's key: mended by a person
 
 _TITLES = {
     400: "Bad request",
@@ -209,6 +214,24 @@ def register(app: Flask) -> None:
             "service_unavailable",
             "A backing service is briefly unavailable; retry after the delay in Retry-After.",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
+        )
+
+    # Storage refusing this service (its key, its writes, its bucket) is the operator's to mend, not the caller's:
+    # 503, the refusal in the log; an answer S3 says may change (a full disk's 500) is an outage as above
+    @app.errorhandler(botocore.exceptions.ClientError)
+    @app.errorhandler(S3UploadFailedError)
+    @app.errorhandler(RetriesExceededError)
+    def _storage(error: Exception) -> Response:
+        if storage_unavailable(error):
+            return _unavailable(error)
+        if not isinstance(error, botocore.exceptions.ClientError) or refusal(error) is None:
+            return _internal(error)
+        log.error("storage refuses this service on %s %s: %s", request.method, request.path, storage_problem(error))
+        return problem(
+            503,
+            "storage_refused",
+            "Storage refuses this service now; its operator has been told. Retry after the delay in Retry-After.",
+            headers={"Retry-After": str(REFUSED_RETRY_AFTER_S)},
         )
 
     @app.errorhandler(Exception)  # a bug, or a broken dependency: an invalid record from Redis is not the caller's

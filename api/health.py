@@ -72,7 +72,7 @@ def checks(svc: Services, *, detailed: bool) -> Checks:
     except Exception as error:
         found["redis"] = {"ok": False, "error": type(error).__name__, "detail": redis_problem(error)}
     try:
-        svc.blobs.check()
+        svc.blobs.check(write=detailed)  # an operator's look: writes too, an object written and deleted
         found["storage"] = {"ok": True, "backend": svc.settings.blob_backend}
     except Exception as error:
         found["storage"] = {"ok": False, "backend": svc.settings.blob_backend, "error": type(error).__name__,

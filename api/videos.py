@@ -477,6 +477,7 @@ def video_content(job_id: str) -> Response:
     try:
         stream = blobs.open(key, byte_range)  # a ranged GET on S3: a player seeking reads only what it shows
     except BlobNotFound:  # removed from storage under the job (a lifecycle rule, a hand's cleanup): it was a 500
+        blobs.check()  # unless the bucket itself is missing (misnamed): not the video's fate, and 503 (api.errors)
         raise ApiError(
             410, "output_gone", f"This job's {variant} is no longer in storage (removed before the job expired)."
         ) from None

@@ -74,11 +74,12 @@ def status(args: argparse.Namespace) -> int:
     except (RedisConnectionError, RedisTimeoutError) as error:
         print(f"vsrq: redis_unavailable: {_unreachable(settings, error)}", file=sys.stderr)
         return 1
-    # what /healthz checks beside Redis (api/health.py): jobs cannot be sent nor their outputs read without it. S3
-    # only (a local store's check would make its directory here), with short timeouts: a status is read at once
+    # what /healthz checks beside Redis (api/health.py): jobs cannot be sent nor their outputs read without it, and
+    # writes too (a key that may only read). S3 only (a local store's check would make its directory here), with short
+    # timeouts: a status is read at once
     if settings.blob_backend == "s3":
         try:
-            open_blob_store(settings.model_copy(update={"s3_timeout_s": 3.0})).check()
+            open_blob_store(settings.model_copy(update={"s3_timeout_s": 3.0})).check(write=True)
         except Exception as error:
             now.health.problems.append(f"storage: {storage_problem(error)}")
     if args.json:
@@ -202,13 +203,20 @@ def events(args: argparse.Namespace) -> int:
 
 def _unreachable(settings: Settings, error: Exception) -> str:
     """Why the stack's Redis does not answer, and what to do: as `vsrq bulk` says of an API that does not."""
-    from storage.primary import FailedOver
+    from redis.exceptions import AuthenticationError
+
+    from storage.overview import redis_problem
+    from storage.primary import FailedOver, Unwritable
 
     url = urlsplit(settings.redis_url)
     shown = url._replace(netloc=url.netloc.rpartition("@")[2]).geturl() if "@" in url.netloc else settings.redis_url
     if isinstance(error, FailedOver):  # it answers, as a replica: its endpoint has not moved to the new primary yet
         return (f"{shown} reaches a replica ({error}): a failover is under way (try again once its endpoint has "
                 "moved), or VSRQ_REDIS_URL names a replica, not the primary")
+    if isinstance(error, AuthenticationError):  # it answers: it is up
+        return f"{shown} {redis_problem(error)}: the password or user there is not the service's"
+    if isinstance(error, Unwritable):
+        return f"{error}: free memory there, or raise its maxmemory"
     return (
         f"{shown} does not answer ({error}): is the stack up? `vsrq dev` starts one here (and these commands find "
         "it); VSRQ_REDIS_URL names another"

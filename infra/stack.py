@@ -129,12 +129,19 @@ def stop_processes(
 
 class Stack:
     def __init__(
-        self, root: str | Path, *, bucket: str = "vsrq", ports: dict[str, int] | None = None, s3: bool = True
+        self,
+        root: str | Path,
+        *,
+        bucket: str = "vsrq",
+        ports: dict[str, int] | None = None,
+        s3: bool = True,
+        s3_config: Path = S3_CONFIG,
     ) -> None:
-        """`s3=False`: Redis alone, for a stack whose blobs are in a local directory (`blob_backend = "local"`)."""
-        self.root, self.bucket, self.s3 = Path(root).resolve(), bucket, s3
+        """`s3=False`: Redis alone, for a stack whose blobs are in a local directory (`blob_backend = "local"`).
+        `s3_config`: SeaweedFS's identities, the first the stack's own."""
+        self.root, self.bucket, self.s3, self.s3_config = Path(root).resolve(), bucket, s3, s3_config
         self.ports = ports or _free_stack_ports()
-        identity = json.loads(S3_CONFIG.read_text())["identities"][0]["credentials"][0]
+        identity = json.loads(s3_config.read_text())["identities"][0]["credentials"][0]
         self.access_key, self.secret_key = identity["accessKey"], identity["secretKey"]
         self._processes: dict[str, subprocess.Popen] = {}
 
@@ -228,7 +235,7 @@ class Stack:
                 # its logs with the stack's, not in $TMPDIR (glog's default), where every start left six files
                 binary("weed"), f"-logdir={directory}", "mini", f"-dir={directory}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-                f"-s3.config={S3_CONFIG}", f"-bucket={self.bucket}",
+                f"-s3.config={self.s3_config}", f"-bucket={self.bucket}",
                 f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}",
                 f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
                 f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume.grpc']}",

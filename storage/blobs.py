@@ -162,8 +162,9 @@ class BlobStore(Protocol):
         """A URL that GETs the blob for `ttl_s` seconds (answered as an attachment named `filename`, of `content_type`,
         where given), or None where the backend has no server to sign for."""
 
-    def check(self) -> None:
-        """Raises unless the store is reachable and usable (health checks)."""
+    def check(self, write: bool = False) -> None:
+        """Raises unless the store is reachable and usable (health checks); `write`: writes too, an object written
+        and deleted (a worker's start, `vsrq status`: a key that may only read passed, and failed every job)."""
 
 
 def open_blob_store(settings: Settings) -> BlobStore:
@@ -442,8 +443,15 @@ class S3BlobStore:
         # signed for the address clients reach storage at (SigV4 signs the host), which may not be the service's own
         return self._signer.generate_presigned_url("get_object", Params=params, ExpiresIn=ttl_s)
 
-    def check(self) -> None:
+    def check(self, write: bool = False) -> None:
         self.client.head_bucket(Bucket=self.bucket)
+        if write:
+            probe = f"{WRITE_PROBES}{secrets.token_hex(8)}"
+            self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"")
+            self.client.delete_object(Bucket=self.bucket, Key=probe)
+
+
+WRITE_PROBES = "probes/"  # `check(write=True)`'s objects, each deleted at once
 
 
 def _missing(error: ClientError) -> bool:
@@ -634,7 +642,7 @@ class LocalBlobStore:
     ) -> str | None:
         return None
 
-    def check(self) -> None:
+    def check(self, write: bool = False) -> None:
         if not os.access(self.root, os.W_OK):
             raise BlobError(f"{self.root} is not writable")
 

@@ -139,6 +139,8 @@ def storage_problem(error: Exception) -> str:
     """Storage's answer as an operator acts on it (a refused key and a missing bucket were both "ClientError")."""
     if isinstance(error, botocore.exceptions.ClientError):
         refused = refusal(error)
+        if refused == "key" and error.operation_name in ("PutObject", "DeleteObject"):
+            return f"it refuses this key's writes ({error.operation_name}, 403): give it write access"
         if refused == "key":
             return "it refuses the key (VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY), 403"
         if refused == "bucket":

@@ -14,6 +14,7 @@ from celery.worker import state as worker_state
 from storage.blobs import PREVIEWS, UNREACHABLE, BlobNotFound, preview_key, refusal, storage_unavailable, work_prefix
 from storage.jobs import JobRecord, Lease, StaleAttempt, Status
 from storage.lifecycle import promoted
+from storage.overview import storage_problem
 from storage.queue import send_upscale
 from storage.webhooks import relay_now
 from worker import service
@@ -69,17 +70,17 @@ OUTDATED_WAIT_S = 30.0
 OUTDATED_TRIES = 120
 
 
-def storage_refuses_worker() -> bool:
-    """Whether storage refuses this worker itself (its key, a rotation half done; its bucket), whatever the job: its
-    bucket refused too. A job's own object may be refused alone (its ACL; a missing key to a caller without
-    ListBucket), which is the job's to fail."""
+def storage_refuses_worker() -> str | None:
+    """What storage refuses this worker itself (its key, a rotation half done; its bucket; its writes), whatever the
+    job, as an operator reads it; None where it takes the worker's reads and writes. A job's own object may be refused
+    alone (its ACL; a missing key to a caller without ListBucket), which is the job's to fail."""
     try:
-        service.blobs().check()
+        service.blobs().check(write=True)
     except botocore.exceptions.ClientError as error:
-        return refusal(error) is not None
+        return storage_problem(error) if refusal(error) is not None else None
     except Exception:  # out of reach now: an outage, which the job's next attempt waits out
-        return False
-    return False
+        return None
+    return None
 
 
 def relay_webhook(job: JobRecord, ended: Status) -> None:

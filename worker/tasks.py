@@ -140,11 +140,11 @@ def _check_storage() -> None:
     """A worker that storage refuses (its key, its secret, its bucket: a rotation half done) failed every job it took,
     within milliseconds each, so it drained the queue before any healthy worker: it does not start. Storage out of
     reach is no reason: each job waits an outage out."""
-    if storage_refuses_worker():
+    if refused := storage_refuses_worker():
         settings = service.settings()
-        _exit_refused(f"blob storage refuses this worker (its bucket {settings.s3_bucket!r} at "
-                      f"{settings.s3_endpoint_url} answers 403 or 404): check VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY "
-                      "and VSRQ_S3_BUCKET")  # fmt: skip
+        _exit_refused(f"blob storage refuses this worker ({refused}; its bucket {settings.s3_bucket!r} at "
+                      f"{settings.s3_endpoint_url}): check VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY, VSRQ_S3_BUCKET "
+                      "and the key's permissions")  # fmt: skip
 
 
 def _exit_refused(why: str) -> None:
@@ -156,6 +156,8 @@ def _exit_refused(why: str) -> None:
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
 def upscale(self, job_id: str) -> None:
+    if worker_state.should_stop:  # this worker stops once its task returns: the job it gave back came straight to it
+        raise Reject("this worker is stopping", requeue=True)
     if _refuse_behind_a_stuck_tail(job_id, self.request.headers or {}):
         return
     # 1. Lease the job: only one delivery of its message gets a queued job

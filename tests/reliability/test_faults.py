@@ -22,6 +22,8 @@ import secrets
 import signal
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +53,8 @@ from worker.media.errors import InputTooLarge
 from worker.media.probe import probe
 from worker.media.synthetic import write_clip
 
+from tests.service.conftest import READ_ONLY, embedded_stack
+
 from . import processes
 from .processes import MemoryLimit, Partition, Process, Supervisor, serving, started
 
@@ -72,7 +76,7 @@ def logs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    with Stack(tmp_path_factory.mktemp("fault-stack")) as running:
+    with embedded_stack(tmp_path_factory.mktemp("fault-stack")) as running:
         yield running
 
 
@@ -834,10 +838,11 @@ def _redis_user_without_the_stores_keys(env: dict[str, str]) -> dict[str, str]:
     ("wrong", "said"),
     [
         (lambda env: {"VSRQ_S3_SECRET_KEY": "not-the-store-s-secret"}, ["blob storage refuses", "VSRQ_S3_SECRET_KEY"]),
+        (lambda env: READ_ONLY, ["blob storage refuses", "it refuses this key's writes (PutObject, 403)"]),
         (_wrong_redis_password, ["Redis refuses this worker's password or user", "VSRQ_REDIS_URL"]),
         (_redis_user_without_the_stores_keys, ["refuses this worker's user the scripts or keys it needs", "ACL"]),
     ],
-    ids=["storage", "redis", "redis-acl"],
+    ids=["storage", "storage-read-only", "redis", "redis-acl"],
 )
 def test_a_worker_that_storage_or_redis_refuses_takes_no_job(wrong, said, env, api, jobs, clips, logs):
     """A worker whose S3 secret is not the store's (a key rotation half done) started, registered, looked healthy and
@@ -861,6 +866,32 @@ def test_a_worker_that_storage_or_redis_refuses_takes_no_job(wrong, said, env, a
         assert (done.status, done.attempt) == (Status.COMPLETED, 1), done
     finally:
         worker.stop()
+
+
+def test_an_api_whose_storage_key_may_not_write_answers_503_and_the_operator_is_told_why(env, clips, logs):
+    """A key whose policy lacks PutObject: every create answered 500 `internal_error` ("something went wrong on our
+    side"), and /healthz and `vsrq status` said ok. Now a create is 503 `storage_refused` with Retry-After, the API's
+    log and the detailed health name the refusal, and so does `vsrq status` (each writes and deletes an object)."""
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    refused = {**env, **READ_ONLY}
+    (logs / "read-only").mkdir()
+    server = processes.api(refused, port, logs / "read-only").start()
+    try:
+        serving(server, url)
+        files = {"video_reference": ("clip.mp4", clips["small"], "video/mp4")}
+        made = requests.post(f"{url}/v1/videos", data={"model": "lanczos"}, files=files, headers=AUTH, timeout=60)
+        assert (made.status_code, made.json()["code"]) == (503, "storage_refused"), made.text
+        assert int(made.headers["Retry-After"]) > 0 and "Traceback" not in made.text
+        said = "it refuses this key's writes (PutObject, 403)"
+        assert said in server.text(), server.text()[-3000:]
+        detail = requests.get(f"{url}/v1/health", headers=AUTH, timeout=30).json()
+        assert said in " ".join(detail["problems"]), detail
+        status = subprocess.run([sys.executable, "-m", "client.cli", "status"], env={**os.environ, **refused},
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert f"storage: {said}" in status.stdout, (status.stdout, status.stderr)
+    finally:
+        server.stop()
 
 
 def test_a_job_from_a_newer_api_goes_back_rather_than_run_without_what_it_asks(env, api, jobs, clips, logs):

@@ -22,7 +22,7 @@ import pytest
 import redis
 import requests
 
-from infra.stack import Stack, free_ports
+from infra.stack import S3_CONFIG, Stack, free_ports
 from storage.blobs import S3BlobStore
 from storage.config import Settings
 from storage.jobs import JobStore
@@ -57,9 +57,24 @@ def vsrq(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess
     )  # fmt: skip
 
 
+# A second SeaweedFS identity that may read and list but not write: a key whose policy lacks PutObject
+READ_ONLY = {"VSRQ_S3_ACCESS_KEY": "vsrq-read-only", "VSRQ_S3_SECRET_KEY": "read-only-secret-for-loopback-only"}
+
+
+def embedded_stack(root: Path) -> Stack:
+    """The embedded stack, its SeaweedFS also knowing the `READ_ONLY` key."""
+    config = json.loads(S3_CONFIG.read_text())
+    config["identities"].append({
+        "name": "read-only", "actions": ["Read", "List"],
+        "credentials": [{"accessKey": READ_ONLY["VSRQ_S3_ACCESS_KEY"], "secretKey": READ_ONLY["VSRQ_S3_SECRET_KEY"]}],
+    })  # fmt: skip
+    (root / "s3.json").write_text(json.dumps(config))
+    return Stack(root / "data", s3_config=root / "s3.json")
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    with Stack(tmp_path_factory.mktemp("stack")) as running:
+    with embedded_stack(tmp_path_factory.mktemp("stack")) as running:
         yield running
 
 

@@ -100,6 +100,14 @@ def test_vsrq_status_without_redis_says_so(service_env):
     assert (result.returncode, result.stdout) == (1, "") and result.stderr.startswith("vsrq: redis_unavailable: ")
 
 
+def test_vsrq_status_says_a_refused_password_is_one_not_a_stack_down(service_env):
+    """A wrong password was said as Redis not answering ("is the stack up?"), where /healthz named it."""
+    url = service_env["VSRQ_REDIS_URL"].replace("redis://", "redis://someone:not-the-password@")
+    result = vsrq_status({**service_env, "VSRQ_REDIS_URL": url})
+    assert result.returncode == 1 and "it refuses the password or user" in result.stderr, result.stderr
+    assert "is the stack up" not in result.stderr and "not-the-password" not in result.stderr, result.stderr
+
+
 def test_vsrq_status_says_storage_is_unreachable(service_env):
     """As /healthz does (unavailable): before, `vsrq status` said `health ok`, checking workers, reaper and leases."""
     down = {**service_env, "VSRQ_S3_ENDPOINT_URL": "http://127.0.0.1:1"}
