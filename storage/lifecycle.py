@@ -19,6 +19,7 @@ store's modification times: the two servers' clocks are assumed to agree (NTP).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ class SweepReport:
     outputs_deleted: int = 0  # blobs under outputs/, besides those of expired jobs
 
 
-def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings) -> SweepReport:
+def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings, stop: threading.Event | None = None) -> SweepReport:
+    """`stop`: set, the sweep ends after the job it is expiring (a reaper stopping); the next one goes on from there."""
     now = jobs.now()
     aborted = blobs.abort_incomplete(now - settings.multipart_abort_s)
     doomed = 0  # deleted jobs' own inputs whose deletion failed (storage down, a crash)
@@ -84,6 +86,8 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings) -> SweepReport:
     live: dict[str, JobRecord] = {}
     expired: list[JobRecord] = []
     for job in jobs.records():
+        if stop is not None and stop.is_set():
+            return SweepReport(aborted, doomed, len(expired))
         if job.status in TERMINAL and job.expires_at is not None and job.expires_at < now:
             expired += [job] if _expire(jobs, blobs, job) else []
         else:

@@ -135,14 +135,18 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     log.info("reaping every %g s, sweeping storage every %g s", settings.reap_interval_s, settings.sweep_interval_s)
     say_unknown_variables(log)
-    next_sweep = monotonic()
     queues = list(dict.fromkeys(settings.models.values()))
     lost = LostMessages(queues, settings.lost_message_grace_s, unacked_s=settings.lost_unacked_s)
     # a worker's entry is rewritten every third of its TTL: half of it is past the beat a live one owes
     gone = GoneWorkers(grace_s=settings.worker_ttl_s / 2, silent_s=settings.worker_ttl_s)
     # the webhooks' attempts, looks of their own; silent for a POST's limit too, so that none is sent twice at once
     gone_hooks = GoneWorkers(grace_s=gone.grace_s, silent_s=max(gone.silent_s, settings.webhook_timeout_s))
-    reaping, relaying, sweeping = Outage("reap"), Outage("webhook relay"), Outage("storage sweep")
+    reaping, relaying = Outage("reap"), Outage("webhook relay")
+    # on a thread of its own: expiring a day's jobs took a minute, no lease reaped, no message sent meanwhile. Its
+    # clients made here first: two threads making boto3's at once may not
+    service.jobs(), service.blobs()
+    sweeper = threading.Thread(target=_sweep_every, args=(stop, settings), name="storage sweep", daemon=True)
+    sweeper.start()
     while not stop.is_set():
         began = monotonic()
         try:
@@ -156,14 +160,21 @@ def main() -> None:
             relaying.passed()
         except Exception as error:  # Redis or the broker down: the events wait in the outbox for the next pass
             relaying.failed(error)
-        if monotonic() >= next_sweep:
-            next_sweep = monotonic() + settings.sweep_interval_s
-            try:
-                sweep(service.jobs(), service.blobs(), settings)
-                sweeping.passed()
-            except Exception as error:  # storage or Redis down: the next sweep catches up
-                sweeping.failed(error)
         _wait_for_next_pass(stop, settings, began)
+    sweeper.join(settings.reap_interval_s)  # a sweep under way ends with its current deletion, or the process's end
+
+
+def _sweep_every(stop: threading.Event, settings: Settings) -> None:
+    """Sweeps blob storage every `sweep_interval_s`, the first time at once, until `stop`."""
+    sweeping = Outage("storage sweep")
+    while not stop.is_set():
+        began = monotonic()
+        try:
+            sweep(service.jobs(), service.blobs(), settings, stop)
+            sweeping.passed()
+        except Exception as error:  # storage or Redis down: the next sweep catches up
+            sweeping.failed(error)
+        stop.wait(max(0.0, began + settings.sweep_interval_s - monotonic()))
 
 
 if __name__ == "__main__":

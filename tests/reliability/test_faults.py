@@ -577,6 +577,28 @@ def test_a_job_deleted_while_storage_is_down_is_deleted_and_its_input_goes_once_
     assert not blobs.exists(key) and key not in jobs.doomed_inputs() and report.uploads_deleted >= 1
 
 
+def test_a_sweep_that_storage_holds_up_holds_no_reaping(env, jobs, logs, s3_cut):
+    """The storage sweep ran between the reaper's passes: expiring a day's jobs took a minute (a trial: 7,000 in 63 s),
+    storage that hung held it as long, and meanwhile no lease was reaped, no message sent, and /healthz said the reaper
+    was dead. The sweep runs on its own thread: with storage cut for its whole sweep, the passes go on."""
+    partition, through = s3_cut
+    partition.cut()
+    (logs / "sweep-held").mkdir()
+    held = {**env, **through, "VSRQ_S3_TIMEOUT_S": "20", "VSRQ_SWEEP_INTERVAL_S": "600"}
+    reaper = processes.reaper(held, logs / "sweep-held").start()
+    key = f"{jobs.prefix}:reaper:last_pass"
+    try:
+        deadline = time.monotonic() + 60
+        while (first := jobs.redis.get(key)) is None or float(first) < jobs.now() - 1:  # this reaper's first pass
+            assert time.monotonic() < deadline and reaper.alive, reaper.text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(4)  # the sweep, started after that pass, waits on storage the whole time (20 s a try)
+        assert "storage sweep failing" not in reaper.text(), "the sweep ended before the passes were looked at"
+        assert float(jobs.redis.get(key)) - float(first) >= 3, reaper.text()[-2000:]
+    finally:
+        reaper.stop()
+
+
 def test_a_storage_partition_longer_than_the_lease_is_waited_out(stack, api, reaper, jobs, blobs, clips, workers):
     # The worker reaches S3 through a partition: cut, its requests go unanswered (not refused) until their timeout,
     # longer than the lease, and no bytes move to call back. Only a beat independent of the transfer keeps the job.
