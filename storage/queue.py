@@ -19,7 +19,7 @@ from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from storage.config import Settings
-from storage.jobs import JOB_ID, JobRecord, JobStore
+from storage.jobs import JOB_ID, TERMINAL, JobRecord, JobStore
 
 BROKER_TRANSPORT = "storage.primary:BrokerTransport"  # kombu's Redis transport, following failovers
 UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry a header (worker.tasks.upscale)
@@ -110,6 +110,30 @@ def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str
         if (job_id := _upscale_job_id(raw)) is not None:
             ids.append(job_id)
     return ids
+
+
+def drop_ended(app: Celery, jobs: JobStore, queues: Iterable[str], depth: int = 1000) -> int:
+    """Removes, from the `depth` messages each list of `queues` gives next, those for jobs that ended or are gone (a
+    worker drops them): a cancelled backlog stayed ahead of the live messages until a worker reached it, ~1 KB a
+    message, and hid them from the lost-message look (worker.lost), which sent them again. Not those of jobs in
+    progress: a message sent again after a lease's lost reply takes the lease over (worker.tasks). How many went."""
+    keys = _list_keys(app, queues)
+    with app.pool.acquire(block=True) as connection:
+        client = connection.default_channel.client  # LRANGE and LREM are not prefixed by kombu: the keys are
+        with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.lrange(key, -depth, -1)
+            lists = pipe.execute()
+        found = [(key, raw, job_id) for key, items in zip(keys, lists) for raw in items
+                 if (job_id := _upscale_job_id(raw)) is not None]  # fmt: skip
+        statuses = jobs.statuses(job_id for _, _, job_id in found)
+        ended = [(key, raw) for key, raw, job_id in found if statuses[job_id] in (None, *TERMINAL)]
+        if not ended:
+            return 0
+        with client.pipeline(transaction=False) as pipe:
+            for key, raw in ended:
+                pipe.lrem(key, -1, raw)  # from the consuming end; gone meanwhile (taken): nothing
+            return sum(pipe.execute())
 
 
 def held_job_ids(

@@ -134,3 +134,31 @@ def test_a_message_taken_by_a_consumer_killed_before_its_lease_is_sent_again(
         if dead.id.encode() in raw:
             redis_client.hdel("unacked", tag), redis_client.zrem("unacked_index", tag)
     redis_client.delete(*redis_client.keys(f"{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
+
+
+def test_a_backlog_of_cancelled_jobs_ahead_is_dropped_not_taken_for_lost_messages(settings: Settings, redis_client):
+    """Jobs cancelled while queued leave their messages (a worker drops them when it gets there): a trial's 2,000
+    cancels put them ahead of the live jobs' messages, deeper than the look reads, and the reaper sent 60 of those
+    again as lost, with a warning each. The messages of ended jobs in the look's reach are removed, no live job's."""
+    store = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"vsrq-lost-{secrets.token_hex(4)}")
+    app = make_celery(settings)
+    queue = f"vsrq.lost-{secrets.token_hex(3)}"
+
+    def queued(n: int) -> list:
+        made = [store.create(owner="lost", model="lanczos", queue=queue, params={}, input=InputInfo(key="k"))
+                for _ in range(n)]  # fmt: skip
+        for job in made:
+            send_upscale(app, store, job)
+        return made
+
+    cancelled, live = queued(12), queued(3)
+    for job in cancelled:
+        store.cancel(job.id)
+    looks = LostMessages([queue], grace_s=0, depth=5)  # fewer than the cancelled jobs' messages ahead
+    try:
+        for _ in range(5):
+            assert looks.due(store, app) == []  # none taken for lost, on any look
+            time.sleep(0.01)
+        assert next_job_ids(app, [queue], limit=20) == [job.id for job in live]  # the cancelled ones' messages gone
+    finally:
+        redis_client.delete(*redis_client.keys(f"{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
