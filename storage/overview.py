@@ -152,23 +152,6 @@ def storage_problem(error: Exception) -> str:
     return f"it fails ({type(error).__name__})"
 
 
-def job_counts(jobs: JobStore) -> dict[Status, int]:
-    """Jobs by status, summed over the owners' per-status indexes (vsrq:owner:{owner}:{status}, storage/jobs.py).
-    Owners are found with SCAN, so one whose API key was removed still counts; the cost is one pass over the keyspace
-    in batches of 1000 keys, cheap at a scrape interval."""
-    counts = dict.fromkeys(Status, 0)
-    suffix = ":all"
-    with jobs.redis.pipeline(transaction=False) as pipe:
-        for key in jobs.redis.scan_iter(match=f"{jobs.prefix}:owner:*{suffix}", count=1000):
-            owner_prefix = key.decode().removesuffix(suffix)
-            for status in Status:
-                pipe.zcard(f"{owner_prefix}:{status}")
-        sizes = pipe.execute()
-    for index, size in enumerate(sizes):
-        counts[list(Status)[index % len(Status)]] += size
-    return counts
-
-
 def overview(
     jobs: JobStore,
     registry: WorkerRegistry,
@@ -183,7 +166,7 @@ def overview(
     names = sorted(set(models.values()).union(*(worker.queues for worker in workers if worker.model)))
     return Overview(
         queues={queue: jobs.queue_depth(queue) for queue in names},
-        jobs=job_counts(jobs),
+        jobs=jobs.counts(),
         workers=workers,
         running={job.id: _running(job) for job in map(jobs.get, {w.job for w in workers if w.job}) if job}
         if running
