@@ -65,6 +65,7 @@ _OUTPUT_NAME = re.compile(r"(.+)-x(?:2|2\.25|4)\.mp4")
 DEFAULT_SCALE = "2.25"
 OPEN = ("queued", "in_progress")  # the statuses a followed job is listed under until it ends
 PAGE = 100  # jobs a listing request returns (the API's most)
+PROGRESS_EVERY_S = 10.0  # a progress line this often where stderr is no terminal
 OUTPUT_EXISTS = "output_exists"  # a completed job whose output was not downloaded: another file is at its path
 REPORT_COLUMNS = (
     "source", "job_id", "status", "error_code", "error_message", "output", "queued_s", "running_s", "sha256"
@@ -357,6 +358,9 @@ class Bulk:
     in_the_way: set[str] = field(default_factory=set)  # items whose output path holds another file, this run
     resumed: int = 0  # items an earlier run had submitted already
     list_cost: float = len(OPEN)  # requests listing the key's open jobs took last (one a status, at the least)
+    _created_at: dict[str, float] = field(default_factory=dict)  # of this run's jobs, as the API said them
+    _said: str = ""  # the progress line printed last, without a terminal
+    _said_at: float = -math.inf
 
     def __post_init__(self) -> None:
         known = self.journal.load()
@@ -400,7 +404,12 @@ class Bulk:
         each job every `poll_s` spent the key's rate limit on 400 jobs: every other client of the key got 429."""
         if len(following) <= self.list_cost:
             return following
-        # the key's other open jobs lengthen the listing: once it takes as many requests as asking each, it stops
+        # the key's other open jobs lengthen the listing: once it takes as many requests as asking each, it stops;
+        # and newest first, it stops past the oldest job followed (a key with 24,000 older jobs queued: 240 pages a
+        # poll, 40 requests a second)
+        ids = {self.entries[item.id].job_id for item in following}
+        created = [self._created_at.get(job_id or "") for job_id in ids]
+        oldest = None if None in created else min(created, default=None)
         listed: dict[str, dict[str, Any]] = {}
         self.list_cost = 0
         try:
@@ -410,6 +419,9 @@ class Bulk:
                     if self.list_cost > len(following):
                         return following
                     listed |= {job["id"]: job for job in page}
+                    self._created_at |= {job["id"]: job["created_at"] for job in page if job["id"] in ids}
+                    if oldest is not None and page and page[-1]["created_at"] < oldest:
+                        break  # the rest are older than every job followed
         except ApiProblem as problem:
             if problem.status != 422:  # a deployment whose pages are shorter than PAGE: each job is asked
                 raise
@@ -440,10 +452,13 @@ class Bulk:
     def _count(self, bar: tqdm) -> None:
         counts = self.counts()
         bar.n = counts["completed"] + counts["failed"] + (0 if self.wait else counts["submitted"])
-        bar.set_postfix_str(
-            f"submitted {counts['submitted']}, done {counts['completed']}, failed {counts['failed']}", refresh=False
-        )
+        said = f"submitted {counts['submitted']}, done {counts['completed']}, failed {counts['failed']}"
+        bar.set_postfix_str(said, refresh=False)
         bar.refresh()
+        # no terminal (a CI log, nohup): no bar either, so a line now and then; the last one when the run ends
+        if bar.disable and time.monotonic() - self._said_at >= PROGRESS_EVERY_S and said != self._said:
+            print(f"vsrq bulk: {bar.n}/{len(self.items)} videos: {said}", file=sys.stderr, flush=True)
+            self._said, self._said_at = said, time.monotonic()
 
     def counts(self) -> Counter:
         counts: Counter = Counter()
@@ -474,6 +489,7 @@ class Bulk:
                             error_message=str(error))  # fmt: skip
         else:  # the entry as `_create` left it: an upload in parts is journalled before its job is made
             entry = _observed(replace(self.entries[item.id], job_id=job["id"]), job)
+            self._created_at[job["id"]] = job["created_at"]
         self._save(item, entry)
 
     def _create(self, item: Item) -> dict[str, Any]:
@@ -529,6 +545,7 @@ class Bulk:
             self._save(item, replace(entry, status="failed", error_code=problem.code, error_message=problem.message))
             return
         entry = _observed(entry, job)
+        self._created_at[job["id"]] = job["created_at"]
         if self.download is not None and entry.status == "completed" and entry.output is None:
             path = self.download / item.output
             try:

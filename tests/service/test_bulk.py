@@ -7,6 +7,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -127,6 +128,9 @@ def test_a_folder_interrupted_then_rerun_makes_each_job_exactly_once(api, worker
     second = run_bulk(command)
     assert second.returncode == 0, second.stdout + second.stderr
     assert job_count(api) - before == 10  # no duplicates
+    # no terminal here, so no bar: a progress line as it starts (then every 10 s), where nothing at all was said
+    progress = r"^vsrq bulk: \d+/10 videos: submitted \d+, done \d+, failed 0$"
+    assert re.search(progress, second.stderr, re.M), second.stderr
     assert f"10 videos: 10 submitted ({len(journalled)} by an earlier run), 10 completed" in second.stdout
     rows = by_source(report)
     assert sorted(rows) == sorted(frames) and len({row["job_id"] for row in rows.values()}) == 10
@@ -195,6 +199,34 @@ def test_many_jobs_are_followed_by_listing_not_one_request_each_per_poll(api, wo
     rounds = sum(path.startswith("/v1/videos?status=queued") for path in sent)
     print(f"FIGURE bulk following {len(items)} jobs: {rounds} polls, {len(asked_each)} requests about one job")
     assert rounds > 1 and len(asked_each) <= 2 * len(items), (rounds, len(asked_each))
+
+
+def test_following_a_run_lists_its_own_jobs_not_the_key_s_older_open_ones(api, worker, tmp_path, monkeypatch):
+    """`--wait` listed every open job of the key each poll: with 24,000 older jobs queued, 240 pages a poll, 40
+    requests a second without end (a trial), past the key's rate limit. Newest first, a listing stops past the oldest
+    job the run follows."""
+    monkeypatch.setattr(bulk_module, "PAGE", 5)
+    client = Client(api, KEYS["bulk"])
+    older = [client.create_from_file(write_clip(tmp_path / f"old{index}.mp4", 3, (16, 24)), {"model": "k6-vsr"})["id"]
+             for index in range(25)]  # fmt: skip  (no worker serves it here: queued throughout)
+    time.sleep(1.1)  # a job's `created_at` is in whole seconds (OpenAI's): the run's are newer
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for index in range(12):  # clips no other test sends: an Idempotency-Key would replay that test's jobs
+        write_clip(folder / f"clip{index}.mp4", 5 + index % 3, (24, 16))
+    items, _ = plan(str(folder), {"sr_resolution_scale": "2", "model": "lanczos"}, lambda: None)
+    sent: list[str] = []
+    client.session.hooks["response"].append(lambda response, **_: sent.append(response.request.path_url))
+    try:
+        bulk = Bulk(client, items, Journal(tmp_path / "journal.sqlite"), lambda: None, "vsrq", wait=True, poll_s=0.2)
+        bulk.run()
+        assert bulk.counts()["completed"] == len(items), bulk.entries
+    finally:
+        for job_id in older:  # out of the way of the tests after this one
+            requests.post(f"{api}/v1/videos/{job_id}/cancel", headers=auth("bulk"), timeout=30)
+    listings = [path for path in sent if path.startswith("/v1/videos?status=queued")]
+    rounds = sum("after=" not in path for path in listings)
+    assert rounds >= 1 and len(listings) <= 3 * rounds, listings  # the run's 12 at most: 3 pages of 5, not 8
 
 
 def test_a_deployment_with_shorter_pages_has_each_job_asked_about(api, worker, tmp_path, monkeypatch):
