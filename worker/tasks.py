@@ -321,6 +321,10 @@ def _attempt(job: JobRecord, lease: Lease, output_key: str, prefix: KeptPrefix) 
     except StaleAttempt as error:  # reaped or ended elsewhere: another attempt owns the job now
         log.warning("%s attempt %d lost the job: %s", job.id, lease.attempt, error.message)
         discard_attempt(output_key)  # uploaded before it found out: never promoted, so never kept
+    except JobNotFound:  # its record gone under it (a Redis evicting keys, or flushed): nothing to end nor tell
+        log.error("%s attempt %d: the job's record is gone from Redis (evicted? see /healthz): attempt dropped",
+                  job.id, lease.attempt)  # fmt: skip
+        discard_attempt(output_key)
     except Exception as error:
         end(job, lease, output_key, error, windows=prefix.may_hold())
 

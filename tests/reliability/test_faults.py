@@ -577,6 +577,24 @@ def test_a_job_deleted_while_storage_is_down_is_deleted_and_its_input_goes_once_
     assert not blobs.exists(key) and key not in jobs.doomed_inputs() and report.uploads_deleted >= 1
 
 
+def test_a_job_whose_record_vanished_mid_run_is_dropped_in_a_line(api, jobs, clips, workers):
+    """A Redis that evicts keys (allkeys-lru under pressure; /healthz warns of it) took a running job's record: the
+    worker logged "raised unexpected: JobNotFound" with a traceback. One line says what happened; the worker goes on."""
+    worker = started(workers())
+    job_id = create(api, clips["long"])
+    wait_until(jobs, job_id, lambda job: job.status == Status.IN_PROGRESS)
+    jobs.redis.delete(f"vsrq:job:{job_id}", f"vsrq:job:{job_id}:events")  # evicted
+    deadline = time.monotonic() + 60
+    while "the job's record is gone from Redis" not in worker.text():
+        assert time.monotonic() < deadline and worker.alive, worker.text()[-3000:]
+        time.sleep(0.2)
+    assert "raised unexpected" not in worker.text() and "Traceback" not in worker.text(), worker.text()[-3000:]
+    for key in jobs.redis.keys("vsrq:owner:faults:*"):  # the vanished job's traces in the owner's indexes
+        jobs.redis.zrem(key, job_id)
+    [after] = wait_all(jobs, [create(api, clips["small"])], limit_s=120)
+    assert after.status == Status.COMPLETED and worker.alive
+
+
 def test_a_sweep_that_storage_holds_up_holds_no_reaping(env, jobs, logs, s3_cut):
     """The storage sweep ran between the reaper's passes: expiring a day's jobs took a minute (a trial: 7,000 in 63 s),
     storage that hung held it as long, and meanwhile no lease was reaped, no message sent, and /healthz said the reaper
