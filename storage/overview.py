@@ -6,6 +6,7 @@ process do.
 
     vsrq:reaper:last_pass    the Redis time the reaper last finished a pass (written by `reaper_passed`)
     vsrq:reaper:lost_messages_resent    how many messages lost by dying consumers the reaper sent again (a counter)
+    vsrq:reaper:sweep_failing    why the reaper's last storage sweep failed, until one passes (written by `sweep_ended`)
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ def reaper_passed(jobs: JobStore) -> None:
     jobs.redis.set(_reaper_key(jobs), repr(jobs.now()), ex=24 * 3600)
 
 
+def _sweep_key(jobs: JobStore) -> str:
+    return f"{jobs.prefix}:reaper:sweep_failing"
+
+
+def sweep_ended(jobs: JobStore, problem: str | None) -> None:
+    """The reaper's storage sweep ended, failing with `problem` (as an operator reads it) or not: said in `health`
+    until one passes (a key without List: only the reaper's log said the sweep failed, storage filling unseen)."""
+    if problem is None:
+        jobs.redis.delete(_sweep_key(jobs))
+    else:
+        jobs.redis.set(_sweep_key(jobs), problem, ex=7 * 24 * 3600)
+
+
 def _resent_key(jobs: JobStore) -> str:
     return f"{jobs.prefix}:reaper:lost_messages_resent"
 
@@ -93,6 +107,8 @@ def health(jobs: JobStore, workers: list[WorkerInfo], models: dict[str, str], re
         problems.append("the reaper has not passed " + (f"for {since:.0f} s" if since is not None else "yet"))
     if overdue:
         problems.append(f"{overdue} job(s) in progress past their lease")
+    if (failing := jobs.redis.get(_sweep_key(jobs))) is not None:
+        problems.append(f"the storage sweep fails: {failing.decode()}; uploads, parts and outputs are not deleted")
     problems += durability(jobs.redis)
     return Health(
         workers=served, reaper_last_pass_s=since, reaper_ok=reaper_ok, overdue_jobs=overdue, problems=problems
@@ -135,12 +151,17 @@ def redis_problem(error: Exception) -> str:
     return f"it fails ({type(error).__name__})"
 
 
+# What a key refused only some requests lacks (a key refused everything fails HeadBucket, said as the key's refusal)
+_KEY_LACKS = {"PutObject": "writes", "DeleteObject": "writes", "ListObjectsV2": "listings",
+              "ListMultipartUploads": "listings"}  # fmt: skip
+
+
 def storage_problem(error: Exception) -> str:
     """Storage's answer as an operator acts on it (a refused key and a missing bucket were both "ClientError")."""
     if isinstance(error, botocore.exceptions.ClientError):
         refused = refusal(error)
-        if refused == "key" and error.operation_name in ("PutObject", "DeleteObject"):
-            return f"it refuses this key's writes ({error.operation_name}, 403): give it write access"
+        if refused == "key" and (kind := _KEY_LACKS.get(error.operation_name)):
+            return f"it refuses this key's {kind} ({error.operation_name}, 403): give it that access"
         if refused == "key":
             return "it refuses the key (VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY), 403"
         if refused == "bucket":

@@ -11,6 +11,7 @@ One reaper is enough, and more are safe: each requeue is an atomic, fenced scrip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -22,7 +23,7 @@ from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobStore, Status
 from storage.lifecycle import forget_attempts, sweep
 from storage.logs import configure, settings_secrets
-from storage.overview import lost_message_resent, reaper_passed
+from storage.overview import lost_message_resent, reaper_passed, storage_problem, sweep_ended
 from storage.queue import send_upscale
 from storage.webhooks import Claim, Outbox, relay_once
 from worker import service
@@ -172,8 +173,11 @@ def _sweep_every(stop: threading.Event, settings: Settings) -> None:
         try:
             sweep(service.jobs(), service.blobs(), settings, stop)
             sweeping.passed()
+            sweep_ended(service.jobs(), None)
         except Exception as error:  # storage or Redis down: the next sweep catches up
             sweeping.failed(error)
+            with contextlib.suppress(Exception):  # Redis down too: /healthz says that
+                sweep_ended(service.jobs(), storage_problem(error))
         stop.wait(max(0.0, began + settings.sweep_interval_s - monotonic()))
 
 

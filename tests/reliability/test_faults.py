@@ -53,7 +53,8 @@ from worker.media.errors import InputTooLarge
 from worker.media.probe import probe
 from worker.media.synthetic import write_clip
 
-from tests.service.conftest import READ_ONLY, embedded_stack
+from tests.service.conftest import NO_LIST, READ_ONLY, embedded_stack
+from tests.service.test_status import vsrq_status
 
 from . import processes
 from .processes import MemoryLimit, Partition, Process, Supervisor, serving, started
@@ -575,6 +576,34 @@ def test_a_job_deleted_while_storage_is_down_is_deleted_and_its_input_goes_once_
     finally:
         reaper.resume()
     assert not blobs.exists(key) and key not in jobs.doomed_inputs() and report.uploads_deleted >= 1
+
+
+def problems(env: dict[str, str]) -> list[str]:
+    """What `vsrq status` says is wrong, as /healthz would."""
+    return json.loads(vsrq_status(env, "--json").stdout)["health"]["problems"]
+
+
+def test_a_storage_sweep_that_fails_is_said_in_health(env, logs):
+    """A key that may not list: uploads' parts and kept windows were never deleted, and the sweep that "will" failed,
+    said only in the reaper's log; /healthz and `vsrq status` said ok. They say it now, until a sweep passes."""
+    (logs / "no-list").mkdir()
+    reaper = processes.reaper({**env, **NO_LIST, "VSRQ_SWEEP_INTERVAL_S": "600"}, logs / "no-list").start()
+    said = "the storage sweep fails: it refuses this key's listings ("
+    try:
+        deadline = time.monotonic() + 60
+        while not any(said in problem for problem in problems(env)):
+            assert time.monotonic() < deadline and reaper.alive, reaper.text()[-2000:]
+            time.sleep(0.5)
+    finally:
+        reaper.stop()
+    reaper = processes.reaper({**env, "VSRQ_SWEEP_INTERVAL_S": "600"}, logs / "no-list").start()  # the key mended
+    try:
+        deadline = time.monotonic() + 60
+        while any(said in problem for problem in problems(env)):
+            assert time.monotonic() < deadline and reaper.alive, reaper.text()[-2000:]
+            time.sleep(0.5)
+    finally:
+        reaper.stop()
 
 
 def test_a_job_whose_record_vanished_mid_run_is_dropped_in_a_line(api, jobs, clips, workers):

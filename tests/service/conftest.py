@@ -57,17 +57,18 @@ def vsrq(service_env: dict[str, str], *args: str) -> subprocess.CompletedProcess
     )  # fmt: skip
 
 
-# A second SeaweedFS identity that may read and list but not write: a key whose policy lacks PutObject
+# More SeaweedFS identities: one that may read and list but not write (a policy without PutObject), one that may not
+# list (without ListBucket)
 READ_ONLY = {"VSRQ_S3_ACCESS_KEY": "vsrq-read-only", "VSRQ_S3_SECRET_KEY": "read-only-secret-for-loopback-only"}
+NO_LIST = {"VSRQ_S3_ACCESS_KEY": "vsrq-no-list", "VSRQ_S3_SECRET_KEY": "no-list-secret-for-loopback-only"}
 
 
 def embedded_stack(root: Path) -> Stack:
-    """The embedded stack, its SeaweedFS also knowing the `READ_ONLY` key."""
+    """The embedded stack, its SeaweedFS also knowing the `READ_ONLY` and `NO_LIST` keys."""
     config = json.loads(S3_CONFIG.read_text())
-    config["identities"].append({
-        "name": "read-only", "actions": ["Read", "List"],
-        "credentials": [{"accessKey": READ_ONLY["VSRQ_S3_ACCESS_KEY"], "secretKey": READ_ONLY["VSRQ_S3_SECRET_KEY"]}],
-    })  # fmt: skip
+    for name, key, actions in (("read-only", READ_ONLY, ["Read", "List"]), ("no-list", NO_LIST, ["Read", "Write"])):
+        credentials = [{"accessKey": key["VSRQ_S3_ACCESS_KEY"], "secretKey": key["VSRQ_S3_SECRET_KEY"]}]
+        config["identities"].append({"name": name, "actions": actions, "credentials": credentials})
     (root / "s3.json").write_text(json.dumps(config))
     return Stack(root / "data", s3_config=root / "s3.json")
 
