@@ -45,6 +45,7 @@ log = logging.getLogger("vsrq.api")
 
 HEADER = "Idempotency-Key"
 MAX_RETRY_AFTER_S = 60  # OpenAI's SDK gives up at once on one over 120 s
+MAX_LOOKS = 10  # a repeat's looks at a lapsed claim before it answers 409 (a job made meanwhile, other repeats)
 
 
 class Remembered(BaseModel):
@@ -205,7 +206,7 @@ class Idempotency:
         (lapsed) is taken over, or, where that request made its job (`made(id)`: the job as GET shows it, or None),
         ends as that job's answer, which is what the key holds then."""
         name = self._key(owner, key)
-        while True:
+        for _ in range(MAX_LOOKS):
             token = secrets.token_hex(8)
             claim = Remembered(state="in_flight", token=token, job=new_job_id())
             outcome, raw = self._claim(keys=[name], args=[claim.model_dump_json(), self.in_flight_ttl_s, self.lease_s])
@@ -221,6 +222,9 @@ class Idempotency:
             else:  # it died before making one: the key is free
                 lapsed.release()
             # and look again: another repeat may have been quicker, or the request heard from again
+        # each look found the key changed since the one before (repeats racing): answered as still in flight
+        raise ApiError(409, "idempotency_in_flight", f"A request with this `{HEADER}` is still being processed; retry "
+                       "in 1 s.", headers={"Retry-After": "1"})  # fmt: skip
 
     def _renew(self, claim: Claim, fingerprint: str = "") -> bool:
         args = [claim.token, fingerprint, self.lease_s, self.in_flight_ttl_s]

@@ -23,6 +23,7 @@ from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import kombu.exceptions
 import redis
 from flask import Blueprint, Response, g, jsonify, redirect, request
 from pydantic import ValidationError
@@ -108,7 +109,7 @@ def _created(files: frozenset[str]) -> tuple[Response, int]:
     try:
         if not claim.finish(fingerprint, status, body):
             log.warning("%s made under an Idempotency-Key that a repeat took over meanwhile", body["id"])
-    except redis.exceptions.RedisError as error:  # the job is made: said here, and a repeat finds it once this claim lapses
+    except redis.exceptions.RedisError as error:  # the job is made: said here; a repeat finds it once the claim lapses
         log.warning("%s made, its Idempotency-Key's answer not kept (%s)", body["id"], error)
     return _answer(body), status
 
@@ -310,7 +311,9 @@ def _create_job(
         raise claim.taken_over() from None
     try:
         send_upscale(services().celery, jobs, job)
-    except Exception as error:  # made, and due a message until one is sent: the reaper sends it (JobStore.unsent)
+    except (kombu.exceptions.OperationalError, redis.exceptions.RedisError, OSError) as error:
+        # the broker out of reach or refusing: the job is made, and due a message until one is sent: the reaper sends
+        # it (JobStore.unsent)
         log.warning("%s: its message was not sent (%s: %s); the reaper sends it", job.id, type(error).__name__, error)
     return _body(job)
 

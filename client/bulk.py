@@ -455,7 +455,7 @@ class Bulk:
         said = f"submitted {counts['submitted']}, done {counts['completed']}, failed {counts['failed']}"
         bar.set_postfix_str(said, refresh=False)
         bar.refresh()
-        # no terminal (a CI log, nohup): no bar either, so a line now and then; the last one when the run ends
+        # no terminal (a CI log, nohup): no bar either, so a line now and then (the run's end says its summary)
         if bar.disable and time.monotonic() - self._said_at >= PROGRESS_EVERY_S and said != self._said:
             print(f"vsrq bulk: {bar.n}/{len(self.items)} videos: {said}", file=sys.stderr, flush=True)
             self._said, self._said_at = said, time.monotonic()

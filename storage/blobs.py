@@ -451,7 +451,9 @@ class S3BlobStore:
             self.client.delete_object(Bucket=self.bucket, Key=probe)
 
 
-WRITE_PROBES = "probes/"  # `check(write=True)`'s objects, each deleted at once
+# `check(write=True)`'s objects, each deleted at once: under the jobs' own prefix (a bucket policy may allow no other),
+# where the sweep deletes one left behind as a job that does not exist
+WRITE_PROBES = "work/write-probe-"
 
 
 def _missing(error: ClientError) -> bool:

@@ -124,8 +124,9 @@ class Settings(BaseSettings):
     # A Redis connection or reply silent this long fails: a partition costs this, not a hang (the kernel never
     # retransmits a request a middlebox accepted and dropped).
     redis_timeout_s: float = Field(10, gt=0)
-    # A worker's broker connection that reaches a replica (a failover whose endpoint has not moved yet) waits this
-    # long for a primary there before it counts as lost (0: at once). Managed Redis moves its endpoint in seconds.
+    # A broker connection of a worker or the reaper that reaches a replica (a failover whose endpoint has not moved
+    # yet) or a full primary waits this long for writes to be taken there before it counts as lost (0: at once).
+    # Managed Redis moves its endpoint in seconds.
     redis_failover_wait_s: float = Field(30, ge=0)
 
     # Blob storage: "s3" for any S3 endpoint (SeaweedFS, AWS, R2...), "local" for a directory (embedded mode).

@@ -136,9 +136,12 @@ def durability(redis: Redis) -> list[str]:
     if (use := memory_use(memory)) is not None and use >= NEARLY_FULL:
         problems.append(f"Redis is full or nearly ({use:.0%} of maxmemory {memory['maxmemory_human']}): full, it "
                         "refuses writes, so no job is made or run; free memory or raise maxmemory")  # fmt: skip
+    if persistence.get("aof_last_write_status") == "err":
+        problems.append("Redis cannot write its append-only file (aof_last_write_status err; a full disk?): it "
+                        "refuses writes until it can; see its log")  # fmt: skip
     if persistence.get("rdb_last_bgsave_status") == "err":
-        problems.append("Redis's last snapshot failed (rdb_last_bgsave_status err): it refuses writes until one "
-                        "succeeds, unless stop-writes-on-bgsave-error is off; see its log")  # fmt: skip
+        problems.append("Redis's last snapshot failed (rdb_last_bgsave_status err): it may refuse writes until one "
+                        "succeeds (stop-writes-on-bgsave-error); see its log")  # fmt: skip
     return problems
 
 
@@ -151,7 +154,7 @@ def redis_problem(error: Exception) -> str:
     return f"it fails ({type(error).__name__})"
 
 
-# What a key refused only some requests lacks (a key refused everything fails HeadBucket, said as the key's refusal)
+# What a key denied only some requests lacks (a key refused everything fails HeadBucket, said as the key's refusal)
 _KEY_LACKS = {"PutObject": "writes", "DeleteObject": "writes", "ListObjectsV2": "listings",
               "ListMultipartUploads": "listings"}  # fmt: skip
 
@@ -160,7 +163,8 @@ def storage_problem(error: Exception) -> str:
     """Storage's answer as an operator acts on it (a refused key and a missing bucket were both "ClientError")."""
     if isinstance(error, botocore.exceptions.ClientError):
         refused = refusal(error)
-        if refused == "key" and (kind := _KEY_LACKS.get(error.operation_name)):
+        lacks = error.response.get("Error", {}).get("Code") == "AccessDenied"  # not a wrong secret's refusal
+        if lacks and (kind := _KEY_LACKS.get(error.operation_name)):
             return f"it refuses this key's {kind} ({error.operation_name}, 403): give it that access"
         if refused == "key":
             return "it refuses the key (VSRQ_S3_ACCESS_KEY, VSRQ_S3_SECRET_KEY), 403"

@@ -10,9 +10,9 @@ worker). Only a write is refused there, and refused before it takes effect, so s
 broker connections do the same (`BrokerTransport`; not a `socket://` broker's, whose class kombu fixes), and what
 still fails is Celery's lost connection (its consumer connects again, a publish is retried by its retry policy): a
 worker waiting for a message had its BRPOP ended by the failover and exited ("Unrecoverable error"), to be started
-again by whatever supervises it. A worker's broker connections also wait for a primary when they connect
-(`await_primary_s`, the transport option): while the endpoint still names the demoted one, Celery connected,
-was refused and connected again, logging ~7 errors a second, and an ack cut off then was lost.
+again by whatever supervises it. The broker connections of workers and the reaper also wait for a primary that
+takes writes when they connect (`await_primary_s`, the transport option): while the endpoint still names the demoted
+one, Celery connected, was refused and connected again, logging ~7 errors a second, and an ack cut off then was lost.
 
 A primary that refuses writes for now is met the same way (`Unwritable`): full at its `maxmemory` (OOM) or unable to
 save to disk (MISCONF). Its refusal was a command's own error: every API request answered 500 (its rate limit
@@ -121,7 +121,8 @@ _FOLLOWING = {Connection: _Tcp, SSLConnection: _Tls, UnixDomainSocketConnection:
 class _AwaitsPrimary(_FollowsFailover):
     """A connection that, given `await_primary_s`, connects to a writable primary only: one that reaches a replica (the
     endpoint still names the demoted primary) or a full one connects again every `_POLL_S` until it can write there,
-    for that long at most. For a worker's broker alone: an API request would rather be told to come back (503)."""
+    for that long at most. For the broker of workers and the reaper: an API request would rather be told to come back
+    (503)."""
 
     _POLL_S = 0.25
 
@@ -150,25 +151,30 @@ class _AwaitsPrimary(_FollowsFailover):
 
     def _unfit(self) -> str | None:
         """Why the server cannot take a worker's writes now (a replica, full), as its ROLE and a write of a key that
-        expires at once say; None where they are not allowed here (an ACL, a proxy): each command will say."""
+        expires at once say; None where neither is allowed here (an ACL, a proxy): each command will say."""
         try:
             self.send_command("ROLE")  # type: ignore[attr-defined]
             role = self.read_response()
-            name = role[0].decode() if isinstance(role[0], bytes) else role[0]
-            if name != "master":
+            if (role[0].decode() if isinstance(role[0], bytes) else role[0]) in ("slave", "replica"):
                 return "is a replica (a failover)"
+        except ResponseError:  # ROLE not allowed (a restricted user): the write says
+            pass
+        try:
             self.send_command("SET", "vsrq:writable-probe", 1, "PX", 1)  # type: ignore[attr-defined]
             self.read_response()
+        except FailedOver:
+            return "is a replica (a failover)"
         except Unwritable as refused:
             return refused.reason
-        except ResponseError:
+        except ResponseError:  # the probe's key not allowed: each command will say
             return None
         return None
 
 
 def memory_use(memory: dict[str, Any]) -> float | None:
     """How full Redis is for its `maxmemory`, as its INFO memory says: the fraction used, None where it has no limit or
-    evicts keys rather than refuse writes. Writes are refused a little below 1: a command's own bytes count too."""
+    evicts keys rather than refuse writes. It refuses a write that would take it past 1, so it may refuse them all
+    while a little below it."""
     limit = int(memory.get("maxmemory", 0))
     if not limit or memory.get("maxmemory_policy", "noeviction") != "noeviction":
         return None

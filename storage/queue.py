@@ -12,6 +12,7 @@ import base64
 import json
 import ssl
 import time
+from collections import Counter
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -27,8 +28,9 @@ UPSCALE_TASK = "vsrq.upscale"  # args: [job_id]; a message sent again may carry 
 
 def make_celery(settings: Settings, *, await_primary_s: float = 0.0) -> Celery:
     """The app both sides build; `await_primary_s`: how long a broker connection that reaches a replica (a Redis
-    failover whose endpoint has not moved yet) waits for a primary there (storage.primary): a worker's, not the API's,
-    whose request would rather be told to come back."""
+    failover whose endpoint has not moved yet) or a full primary waits for one that takes writes there
+    (storage.primary): the workers' and the reaper's (worker.celery_app), not the API's, whose request would rather be
+    told to come back."""
     # No result backend: results live in the job records (Celery's Redis one also refused a rediss:// URL without
     # `ssl_cert_reqs`, so that every create answered 503)
     app = Celery("vsrq", broker=settings.celery_broker_url)
@@ -112,11 +114,12 @@ def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str
     return ids
 
 
-def drop_ended(app: Celery, jobs: JobStore, queues: Iterable[str], depth: int = 1000) -> int:
+def drop_ended(app: Celery, jobs: JobStore, queues: Iterable[str], depth: int = 1000) -> bool:
     """Removes, from the `depth` messages each list of `queues` gives next, those for jobs that ended or are gone (a
     worker drops them): a cancelled backlog stayed ahead of the live messages until a worker reached it, ~1 KB a
     message, and hid them from the lost-message look (worker.lost), which sent them again. Not those of jobs in
-    progress: a message sent again after a lease's lost reply takes the lease over (worker.tasks). How many went."""
+    progress: a message sent again after a lease's lost reply takes the lease over (worker.tasks). Whether a list's
+    whole reach (`depth` messages) went: more such may wait behind."""
     keys = _list_keys(app, queues)
     with app.pool.acquire(block=True) as connection:
         client = connection.default_channel.client  # LRANGE and LREM are not prefixed by kombu: the keys are
@@ -128,12 +131,13 @@ def drop_ended(app: Celery, jobs: JobStore, queues: Iterable[str], depth: int = 
                  if (job_id := _upscale_job_id(raw)) is not None]  # fmt: skip
         statuses = jobs.statuses(job_id for _, _, job_id in found)
         ended = [(key, raw) for key, raw, job_id in found if statuses[job_id] in (None, *TERMINAL)]
-        if not ended:
-            return 0
-        with client.pipeline(transaction=False) as pipe:
-            for key, raw in ended:
-                pipe.lrem(key, -1, raw)  # from the consuming end; gone meanwhile (taken): nothing
-            return sum(pipe.execute())
+        if ended:
+            with client.pipeline(transaction=False) as pipe:
+                for key, raw in ended:
+                    pipe.lrem(key, -1, raw)  # from the consuming end; gone meanwhile (taken): nothing
+                pipe.execute()
+    per_list = Counter(key for key, _ in ended)
+    return any(len(items) == depth and per_list[key] == depth for key, items in zip(keys, lists))
 
 
 def held_job_ids(

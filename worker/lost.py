@@ -31,8 +31,9 @@ class LostMessages:
     """`queues`: the served ones (a job of another has no worker to lose its message to); `front`: how many of each
     queue's first jobs are looked at per pass: a message a consumer takes is the front of its queue, and the jobs
     behind a lost one are leased and leave the queue, so lost jobs gather there; `depth`: how many messages of each list
-    are read (bounded cost; messages of ended jobs among them are removed first, and a look that removed any counts
-    for nothing; a job whose message still waits deeper is taken for lost: one harmless duplicate); `unacked_s`:
+    are read (bounded cost; messages of ended jobs among them are removed first, and a look whose reach held nothing
+    else counts for nothing; a job whose message still waits deeper is taken for lost: one harmless duplicate);
+    `unacked_s`:
     how long ago a consumer may have taken a queued job's message and still hold it (None: for as long as `unacked`
     keeps it)."""
 
@@ -45,12 +46,15 @@ class LostMessages:
     def due(self, jobs: JobStore, celery: Celery) -> list[JobRecord]:
         """One look: the queued jobs found without a message on every look for `grace_s` and two looks at least, for
         the caller to send one each (they start their grace again)."""
-        if drop_ended(celery, jobs, self.queues, self.depth):  # messages of ended jobs were ahead: the live ones may
-            self._missing_since.clear()  # wait deeper than this look reads (a cancelled backlog): no look, this pass
-            return []
         # the jobs first, then the broker: a message sent after the jobs were read is not needed by any of them
         candidates = [job_id for queue in self.queues for job_id in jobs.sent_front(queue, self.front)]
-        held = held_job_ids(celery, self.queues, self.depth, self.unacked_s) if candidates else set()
+        if not candidates:
+            return []
+        # messages of ended jobs ahead of the live ones go first; where a list's whole reach was such, more may hide
+        # the live ones deeper still (a cancelled backlog): this look says nothing, and starts no grace
+        if drop_ended(celery, jobs, self.queues, self.depth):
+            return []
+        held = held_job_ids(celery, self.queues, self.depth, self.unacked_s)
         now = monotonic()
         # a job found with a message, or no longer at the front, is forgotten: its next loss is a new one
         self._missing_since = {

@@ -17,8 +17,10 @@ import signal
 import threading
 from time import monotonic
 
+import botocore.exceptions
 from celery import Celery
 
+from storage.blobs import refusal
 from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobStore, Status
 from storage.lifecycle import forget_attempts, sweep
@@ -176,8 +178,10 @@ def _sweep_every(stop: threading.Event, settings: Settings) -> None:
             sweep_ended(service.jobs(), None)
         except Exception as error:  # storage or Redis down: the next sweep catches up
             sweeping.failed(error)
-            with contextlib.suppress(Exception):  # Redis down too: /healthz says that
-                sweep_ended(service.jobs(), storage_problem(error))
+            # a refusal stays until someone mends it: said in health (an outage is said there as one already)
+            if isinstance(error, botocore.exceptions.ClientError) and refusal(error):
+                with contextlib.suppress(Exception):  # Redis down too: /healthz says that
+                    sweep_ended(service.jobs(), storage_problem(error))
         stop.wait(max(0.0, began + settings.sweep_interval_s - monotonic()))
 
 
