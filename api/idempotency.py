@@ -110,11 +110,11 @@ return 1
 
 # KEYS: the key's record, the made job's back reference, the claim's job. ARGV: the claim's token, '1' to end it only
 # if it lapsed, then the answer (the done record, JSON, or '' to forget the key), its TTL, the record's name. 0 unless
-# the record is still that claim's (and lapsed, where asked), or where a lapsed claim's job was made meanwhile (by its
-# request, come back: the key answers with that job, not another).
+# the record is still that claim's (and lapsed, where asked), or where the claim is to be forgotten but its job was
+# made (by its request, failing after it, or come back after a lapse): the key answers with that job, not another.
 _END = _PRELUDE + """
 if not claim_of(ARGV[1], ARGV[2] == '1') then return 0 end
-if ARGV[3] == '' and ARGV[2] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+if ARGV[3] == '' and redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 if ARGV[3] == '' then return redis.call('DEL', KEYS[1]) end
 redis.call('SET', KEYS[1], ARGV[3], 'EX', ARGV[4])
 redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[4])
@@ -183,7 +183,9 @@ class Claim:
         return self.store._end(self, done, made=body["id"])
 
     def release(self) -> bool:
-        """A failed request is not remembered: the caller may fix it and retry."""
+        """A failed request is not remembered: the caller may fix it and retry. Unless it failed after making its job
+        (Redis gone as it read the job back): the claim stays, unrenewed, and a repeat a lease later gets that job;
+        forgotten, the repeat made a second one."""
         return self.store._end(self, "")
 
 

@@ -789,6 +789,35 @@ def test_a_request_unheard_past_its_lease_makes_no_second_job_beside_the_repeat_
         make(stalled_job, None)
 
 
+def test_a_request_that_failed_after_making_its_job_leaves_the_key_to_that_job(redis_client, jobs):
+    """A create that failed after its job was made (Redis gone as the job was read back: 503) forgot its key: the
+    client, told to retry, made a second job. The claim stays, unrenewed; a repeat gets 409 until it lapses, then that
+    job. One that failed before making its job still frees the key at once."""
+    from api.idempotency import Claim, Idempotency
+    from storage.jobs import InputInfo
+
+    store = Idempotency(redis_client, ttl_s=600, in_flight_ttl_s=60, lease_s=0.5)
+
+    def made(job_id):
+        job = jobs.get(job_id)
+        return {"id": job.id, "status": job.status} if job else None
+
+    failed = store.claim("dave", key := secrets.token_hex(8), made)
+    failed.making("asks")
+    assert failed.release() and isinstance(store.claim("dave", key, made), Claim)  # nothing made: free at once
+
+    claim = store.claim("dave", key := secrets.token_hex(8), made)
+    job_id, fence = claim.making("asks")
+    jobs.create(job_id=job_id, fence=fence, owner="dave", model="lanczos", queue="q-" + secrets.token_hex(4),
+                params={}, input=InputInfo(key="uploads/dave/x", bytes=10))  # fmt: skip
+    assert not claim.release()  # then the request failed: the key is not forgotten
+    held = store.claim("dave", key, made)
+    assert not isinstance(held, Claim) and held.state == "in_flight"
+    time.sleep(0.7)
+    replay = store.claim("dave", key, made)
+    assert not isinstance(replay, Claim) and replay.body["id"] == job_id, replay
+
+
 def test_a_key_whose_request_died_answers_with_the_job_it_made_exactly(redis_client):
     """The key's store on the real Redis: a claim whose request died after making its job (it said so, then never
     renewed) is found lapsed by a repeat a lease later, and remembered as that job's answer, byte for byte: its body
