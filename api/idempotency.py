@@ -225,8 +225,7 @@ class Idempotency:
                 lapsed.release()
             # and look again: another repeat may have been quicker, or the request heard from again
         # each look found the key changed since the one before (repeats racing): answered as still in flight
-        raise ApiError(409, "idempotency_in_flight", f"A request with this `{HEADER}` is still being processed; retry "
-                       "in 1 s.", headers={"Retry-After": "1"})  # fmt: skip
+        raise _in_flight(1)
 
     def _renew(self, claim: Claim, fingerprint: str = "") -> bool:
         args = [claim.token, fingerprint, self.lease_s, self.in_flight_ttl_s]
@@ -264,13 +263,13 @@ class Idempotency:
         """What to answer a repeat with: the remembered response, or the error that says why not. The repeat's
         fingerprint (which may mean reading its whole body) is computed only when there is one to compare with."""
         if remembered.state == "in_flight":
-            wait = self.retry_after_s(remembered)
-            raise ApiError(
-                409,
-                "idempotency_in_flight",
-                f"A request with this `{HEADER}` is still being processed; retry in {wait} s.",
-                headers={"Retry-After": str(wait)},
-            )
+            raise _in_flight(self.retry_after_s(remembered))
         if remembered.fingerprint != request_fingerprint():
             raise ApiError(422, "idempotency_key_reused", f"This `{HEADER}` was used for a different request.")
         return remembered
+
+
+def _in_flight(wait_s: int) -> ApiError:
+    return ApiError(409, "idempotency_in_flight",
+                    f"A request with this `{HEADER}` is still being processed; retry in {wait_s} s.",
+                    headers={"Retry-After": str(wait_s)})  # fmt: skip

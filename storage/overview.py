@@ -20,7 +20,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.blobs import refusal
 from storage.jobs import JobRecord, JobStore, Stage, Status
-from storage.primary import memory_use
 from storage.workers import WorkerInfo, WorkerRegistry
 
 
@@ -130,10 +129,12 @@ def durability(redis: Redis) -> list[str]:
     if not persistence.get("aof_enabled", 1):
         problems.append("Redis keeps no append-only file (appendonly no): a restart loses the jobs since its last "
                         "snapshot")  # fmt: skip
-    if memory.get("maxmemory", 0) and memory.get("maxmemory_policy", "noeviction") != "noeviction":
+    limit = memory.get("maxmemory", 0)
+    if limit and memory.get("maxmemory_policy", "noeviction") != "noeviction":
         problems.append(f"Redis evicts keys when full (maxmemory-policy {memory['maxmemory_policy']}): jobs vanish; "
                         "set noeviction")  # fmt: skip
-    if (use := memory_use(memory)) is not None and use >= NEARLY_FULL:
+    # without eviction, it refuses a write that would take it past maxmemory: it may refuse them all a little below
+    elif limit and (use := memory.get("used_memory", 0) / limit) >= NEARLY_FULL:
         problems.append(f"Redis is full or nearly ({use:.0%} of maxmemory {memory['maxmemory_human']}): full, it "
                         "refuses writes, so no job is made or run; free memory or raise maxmemory")  # fmt: skip
     if persistence.get("aof_last_write_status") == "err":

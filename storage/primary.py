@@ -171,16 +171,6 @@ class _AwaitsPrimary(_FollowsFailover):
         return None
 
 
-def memory_use(memory: dict[str, Any]) -> float | None:
-    """How full Redis is for its `maxmemory`, as its INFO memory says: the fraction used, None where it has no limit or
-    evicts keys rather than refuse writes. It refuses a write that would take it past 1, so it may refuse them all
-    while a little below it."""
-    limit = int(memory.get("maxmemory", 0))
-    if not limit or memory.get("maxmemory_policy", "noeviction") != "noeviction":
-        return None
-    return int(memory.get("used_memory", 0)) / limit
-
-
 class _BrokerTcp(_AwaitsPrimary, Connection):
     pass
 
