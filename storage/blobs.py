@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import math
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,9 +150,14 @@ class BlobStore(Protocol):
     def entries(self, prefix: str) -> Iterator[BlobInfo]:
         """The blobs under `prefix`, with size and `modified`."""
 
+    def delete_many(self, keys: Iterable[str]) -> list[str]:
+        """Deletes `keys` in as few requests as storage allows (a sweep expiring thousands of jobs); returns those it
+        refused (a bucket policy, an object lock). A missing key is not refused."""
+
     def delete_prefix(self, prefix: str) -> int:
         """Deletes the blobs under `prefix` and drops writes under it never finished (a writer killed mid-upload:
-        their parts are in no listing of blobs, and stayed until `abort_incomplete`, a day); returns the blobs."""
+        their parts are in no listing of blobs, and stayed until `abort_incomplete`, a day); returns the blobs.
+        Raises `BlobError` where storage refused one."""
 
     def abort_incomplete(self, before: float) -> int:
         """Drops writes begun before `before` (epoch seconds) and never finished; returns how many."""
@@ -402,11 +408,17 @@ class S3BlobStore:
             for item in page.get("Contents", []):
                 yield BlobInfo(item["Key"], item["Size"], modified=item["LastModified"].timestamp())
 
+    def delete_many(self, keys: Iterable[str]) -> list[str]:
+        refused, left = [], iter(keys)
+        while batch := list(itertools.islice(left, 1000)):  # DeleteObjects takes at most 1000 keys
+            objects = {"Objects": [{"Key": key} for key in batch], "Quiet": True}  # quiet: only the refused come back
+            answer = self.client.delete_objects(Bucket=self.bucket, Delete=objects)
+            refused += [error["Key"] for error in answer.get("Errors", []) if error.get("Code") != "NoSuchKey"]
+        return refused
+
     def delete_prefix(self, prefix: str) -> int:
         keys = list(self.keys(prefix))
-        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": key} for key in keys[start : start + 1000]]
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        _refused(prefix, self.delete_many(keys))
         self._abort_uploads(prefix, before=math.inf)
         return len(keys)
 
@@ -447,13 +459,24 @@ class S3BlobStore:
         self.client.head_bucket(Bucket=self.bucket)
         if write:
             probe = f"{WRITE_PROBES}{secrets.token_hex(8)}"
-            self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"")
-            self.client.delete_object(Bucket=self.bucket, Key=probe)
+            # a versioned bucket keeps a version and a delete marker of each probe unless its version is deleted
+            version = self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"").get("VersionId")
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=probe, **({"VersionId": version} if version else {}))
+            except ClientError as error:
+                if version is None or error.response.get("Error", {}).get("Code") != "AccessDenied":
+                    raise
+                self.client.delete_object(Bucket=self.bucket, Key=probe)  # no DeleteObjectVersion: a marker at least
 
 
 # `check(write=True)`'s objects, each deleted at once: under the jobs' own prefix (a bucket policy may allow no other),
 # where the sweep deletes one left behind as a job that does not exist
 WRITE_PROBES = "work/write-probe-"
+
+
+def _refused(prefix: str, keys: list[str]) -> None:
+    if keys:
+        raise BlobError(f"storage refused deleting {len(keys)} blob(s) under {prefix!r}, {keys[0]!r} first")
 
 
 def _missing(error: ClientError) -> bool:
@@ -617,10 +640,14 @@ class LocalBlobStore:
                 stat = path.stat()
                 yield BlobInfo(key, stat.st_size, modified=stat.st_mtime)
 
-    def delete_prefix(self, prefix: str) -> int:
-        keys = list(self.keys(prefix))
+    def delete_many(self, keys: Iterable[str]) -> list[str]:
         for key in keys:
             self.delete(key)
+        return []  # a file this process may not remove raises, as `delete` does
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = list(self.keys(prefix))
+        self.delete_many(keys)
         self._abort_writes(prefix, before=math.inf)
         return len(keys)
 

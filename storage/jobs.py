@@ -1133,13 +1133,15 @@ class JobStore:
         of `page` for DELETED_CURSOR_TTL_S."""
         self._run("delete", job_id, DELETED_CURSOR_TTL_S)
 
-    def doomed_inputs(self, limit: int = 1000) -> list[str]:
-        """The blob keys of deleted jobs' own inputs not known to be deleted yet (`delete`), oldest first."""
-        return [key.decode() for key in self.redis.zrange(self._doomed_key, 0, limit - 1)]
+    def doomed_inputs(self, limit: int | None = 1000) -> list[str]:
+        """The blob keys of deleted jobs' own inputs not known to be deleted yet (`delete`), oldest first; `None`:
+        all."""
+        return [key.decode() for key in self.redis.zrange(self._doomed_key, 0, -1 if limit is None else limit - 1)]
 
-    def forget_doomed(self, key: str) -> None:
-        """A deleted job's own input is gone from blob storage."""
-        self.redis.zrem(self._doomed_key, key)
+    def forget_doomed(self, *keys: str) -> None:
+        """Deleted jobs' own inputs are gone from blob storage."""
+        for start in range(0, len(keys), 1000):
+            self.redis.zrem(self._doomed_key, *keys[start : start + 1000])
 
     def note(self, job_id: str, kind: str, detail: dict[str, Any]) -> None:
         """Appends an event that changes nothing (a webhook delivery attempt). Raises `JobNotFound` once deleted."""

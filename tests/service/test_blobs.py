@@ -9,10 +9,11 @@ import time
 
 import pytest
 import requests
+from pydantic import SecretStr
 
-from storage.blobs import BlobNotFound, BlobStore, InvalidKey, LocalBlobStore, TooLarge
+from storage.blobs import BlobError, BlobNotFound, BlobStore, InvalidKey, LocalBlobStore, S3BlobStore, TooLarge
 
-from .conftest import PART
+from .conftest import PART, READ_ONLY
 
 
 class Trickle(io.RawIOBase):
@@ -132,3 +133,43 @@ def test_the_stack_s_seaweedfs_logs_no_refused_dial_of_its_own(stack, redis_clie
     lines = (stack.root / "weed.log").read_text().splitlines()
     refused = [line for line in lines if "Plugin worker" in line and "connection refused" in line]
     assert refused == [], refused[:3]
+
+
+def test_a_delete_storage_refuses_is_said_not_counted_as_done(s3, settings):
+    """S3's DeleteObjects answers 200 with a refusal per key (a key without Write, an object lock): the deletes the
+    storage sweep and a job's cleanup make in batches must not take that for done (they did, silently)."""
+    read_only = S3BlobStore.from_settings(
+        settings.model_copy(
+            update={
+                "s3_access_key": READ_ONLY["VSRQ_S3_ACCESS_KEY"],
+                "s3_secret_key": SecretStr(READ_ONLY["VSRQ_S3_SECRET_KEY"]),
+            }
+        )
+    )
+    prefix = f"work/video_{secrets.token_hex(12)}/"
+    s3.put(prefix + "windows/a", io.BytesIO(b"a"))
+    s3.put(prefix + "windows/b", io.BytesIO(b"b"))
+
+    assert sorted(read_only.delete_many([prefix + "windows/a", prefix + "windows/b"])) == [
+        prefix + "windows/a",
+        prefix + "windows/b",
+    ]
+    with pytest.raises(BlobError, match="refused deleting 2 blob"):
+        read_only.delete_prefix(prefix)
+    assert set(s3.keys(prefix)) == {prefix + "windows/a", prefix + "windows/b"}
+    assert s3.delete_many([prefix + "windows/a", prefix + "windows/b", prefix + "never-written"]) == []
+    assert list(s3.keys(prefix)) == []
+
+
+def test_the_write_probe_leaves_nothing_in_a_versioned_bucket(s3):
+    """`/v1/health`, `vsrq status` and each worker's start write and delete an object; in a versioned bucket each
+    probe left a version and a delete marker behind, for good."""
+    bucket = f"versioned-{secrets.token_hex(4)}"
+    s3.client.create_bucket(Bucket=bucket)
+    s3.client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    store = S3BlobStore(s3.client, bucket, part_bytes=PART)
+    for _ in range(3):
+        store.check(write=True)
+    left = s3.client.list_object_versions(Bucket=bucket)
+    assert not left.get("Versions") and not left.get("DeleteMarkers"), left
+    s3.client.delete_bucket(Bucket=bucket)
