@@ -286,7 +286,16 @@ def _create_job(
             f"Model {model!r} is not served here; {served}.",
             errors=[{"field": "model", "code": "unknown_model", "message": served}],
         )
-    if create.options.webhook_url is not None:  # checked again when each delivery connects
+    if create.options.webhook_url is not None:
+        if g.api_key.webhook_secret is None:  # vsrq signs every webhook: one it cannot sign would fail unseen
+            message = "this API key has no webhook_secret to sign its webhooks with (VSRQ_API_KEYS); poll instead"
+            raise ApiError(
+                422,
+                "webhook_secret_missing",
+                f"webhook_url is refused: {message}.",
+                errors=[{"field": "webhook_url", "code": "webhook_secret_missing", "message": message}],
+            )
+        # checked again when each delivery connects
         _check_url("webhook_url", create.options.webhook_url, settings.webhook_allow_loopback, "unsafe_webhook_url")
     # the claim says what this request asks for right before the job is made: a repeat after a crash finds one or
     # the other, and a claim taken over meanwhile makes no job here

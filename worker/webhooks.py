@@ -85,9 +85,10 @@ def _attempt(started: Started, settings: Settings, box: Outbox, jobs: JobStore, 
     if started.attempt > settings.webhook_max_attempts:  # its delivery workers kept dying mid-attempt
         return Attempt("failed", "too_many_attempts", f"gave up after {started.attempt - 1} attempts")
     key = next((key for key in settings.api_keys if key.id == event.owner), None)
-    if key is None or key.webhook_secret is None:
-        message = f"API key {event.owner!r} has no webhook_secret to sign with"
-        return Attempt("failed", "webhook_secret_missing", message)
+    if key is None or key.webhook_secret is None:  # the API knew it: this process's VSRQ_API_KEYS is not rolled out yet
+        known = "has no webhook_secret" if key is not None else "is not in VSRQ_API_KEYS"
+        message = f"API key {event.owner!r} {known} in this delivery worker's configuration, as the API's has it"
+        return Attempt("retry", "webhook_secret_missing", message)
     payload = started.payload or _payload(started, box, jobs)
     if payload is None:
         return Attempt("failed", "job_deleted", "the job was deleted before its webhook was first sent")

@@ -279,6 +279,13 @@ def test_openai_sdk_errors_read_well_and_are_not_retried_in_vain(anonymous_api, 
     with pytest.raises(openai.UnprocessableEntityError) as refused:  # SGLang's list of seeds, as the SDK sends lists
         sdk.videos.create(prompt="x", input_reference=("in.mp4", clip, "video/mp4"), extra_body={"seed": [1, 2]})
     assert (refused.value.code, refused.value.param) == ("invalid_request", "seed")  # as a JSON body's list
+    # a webhook this key could not sign (it has no webhook_secret) is refused at once, not failed unseen later
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        sdk.videos.create(
+            prompt="x", input_reference=("in.mp4", clip, "video/mp4"), extra_body={"webhook_url": "https://8.8.8.8/h"}
+        )
+    assert (refused.value.code, refused.value.param) == ("webhook_secret_missing", "webhook_url")
+    assert "no webhook_secret" in refused.value.message
 
     # a job nobody runs yet: the poll hint, then a 409 the SDK is told not to retry
     queued = sdk.videos.with_raw_response.create(

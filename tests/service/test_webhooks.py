@@ -319,6 +319,22 @@ def test_a_url_refused_at_send_time_fails_once_with_unsafe_url(webhook_worker, r
     assert not redis_client.hexists(Outbox(redis_client).keys[1], f"msg_{job_id}_cancelled")
 
 
+def test_an_owner_the_delivery_worker_does_not_know_yet_is_retried_not_given_up(webhook_worker, relay, jobs):
+    """A key added to the API's VSRQ_API_KEYS before the delivery workers' (a rolling deploy): its webhooks failed
+    for good at the first attempt; they wait for the configuration, over the attempts' backoff, as an outage's do."""
+    job = jobs.create(
+        owner="newcomer", model="k6-vsr", queue="vsrq.k6", params={}, input=InputInfo(key="uploads/n/x", bytes=0),
+        webhook_url="https://127.0.0.1:9/hook",
+    )  # fmt: skip
+    jobs.cancel(job.id)
+    attempts = webhook_events(jobs, job.id, 4)
+    assert [(attempt["outcome"], attempt["code"]) for attempt in attempts] == [
+        ("retrying", "webhook_secret_missing")
+    ] * 3 + [("failed", "webhook_secret_missing")], attempts
+    assert "'newcomer' is not in VSRQ_API_KEYS" in attempts[0]["message"]
+    assert "gave up after 4 attempts" in attempts[-1]["message"]
+
+
 def test_redirects_are_not_followed_and_410_ends_the_event(webhook_worker, relay, receiver, jobs):
     moved, gone = receiver.path(302), receiver.path(410)
     moved_job, gone_job = (ended_without_upscaling(jobs, receiver.url(path)) for path in (moved, gone))
