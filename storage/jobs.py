@@ -37,7 +37,7 @@ import itertools
 import json
 import re
 import secrets
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -1262,6 +1262,12 @@ class JobStore:
                 tx.set(f"{self._owners_key}:filled", 1, ex=3600)
                 tx.execute()
         return sorted(owner.decode() for owner in self.redis.smembers(self._owners_key))
+
+    def add_owners(self, owners: Collection[str]) -> None:
+        """Owners the storage sweep found in the records it read: an older API's, counted from the next sweep on
+        rather than the next hourly fill (`owners`)."""
+        if owners:
+            self.redis.sadd(self._owners_key, *owners)
 
     def counts(self) -> dict[Status, int]:
         """Jobs by status, summed over the owners' per-status indexes, in one round trip."""

@@ -97,7 +97,9 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings, stop: threading.
     claimed: set[str] = set()  # stale uploads a live job names
     expired: set[str] = set()
     expired_inputs: set[str] = set()
+    owners: set[str] = set()
     for job in jobs.records():
+        owners.add(job.owner)
         if stop is not None and stop.is_set():
             return SweepReport(aborted, 0, len(expired))
         if job.status in TERMINAL and job.expires_at is not None and job.expires_at < now:
@@ -109,6 +111,7 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings, stop: threading.
             live[job.id] = _Kept.of(job)
             if job.input.key in stale_uploads:
                 claimed.add(job.input.key)
+    jobs.add_owners(owners)  # those of jobs an API older than the owners' set made (a rolling deploy's old pods)
 
     # 3. Deleted jobs' own inputs (expired now, or deleted before while storage failed), then uploads nobody names
     doomed = _delete_doomed(jobs, blobs)

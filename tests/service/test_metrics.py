@@ -155,7 +155,10 @@ def test_jobs_are_counted_by_owner_without_reading_the_keyspace(tmp_path):
     import redis
 
     from infra.stack import REDIS_CONF, binary
+    from storage.blobs import LocalBlobStore
+    from storage.config import Settings
     from storage.jobs import InputInfo, JobStore, Status
+    from storage.lifecycle import sweep
 
     port = free_ports(1)[0]
     server = subprocess.Popen([binary("redis-server"), str(REDIS_CONF), "--port", str(port), "--dir", str(tmp_path)],
@@ -181,6 +184,13 @@ def test_jobs_are_counted_by_owner_without_reading_the_keyspace(tmp_path):
         store.create(owner="dee", model="lanczos", queue="q", params={}, input=InputInfo(key="k"))
         assert store.counts() == {**expected, Status.QUEUED: 4}
         assert client.info("commandstats")["cmdstat_scan"]["calls"] == scans  # no scan once filled
+        # an API older than the set (a rolling deploy's old pod) makes a job for a new owner: counted from the next
+        # storage sweep, not only once the hourly fill comes round
+        store.create(owner="eve", model="lanczos", queue="q", params={}, input=InputInfo(key="k"))
+        client.srem("vsrq:owners", "eve")
+        assert store.counts() == {**expected, Status.QUEUED: 4}
+        sweep(store, LocalBlobStore(tmp_path / "blobs"), Settings())
+        assert store.counts() == {**expected, Status.QUEUED: 5} and "eve" in store.owners()
     finally:
         server.kill()
         server.wait(10)
