@@ -223,6 +223,18 @@ def test_docker_compose_config():
     assert result.returncode == 0, result.stderr
 
 
+def test_the_api_is_given_time_to_finish_its_requests_when_stopped():
+    """A deploy stops API pods with SIGTERM: gunicorn finishes the requests in hand for up to its graceful_timeout, but
+    the orchestrators' defaults (Kubernetes 30 s, compose 10 s) killed slow uploads mid-way, and their clients' retries
+    met the dead request's Idempotency-Key claim (the upgrade trial of session 52)."""
+    graceful_s = float(re.search(r"^graceful_timeout = (\d+)", (INFRA / "gunicorn.conf.py").read_text(), re.M)[1])
+    (api,) = [doc for doc in K8S if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "vsrq-api"]
+    pod = api["spec"]["template"]["spec"]
+    pre_stop_s = float(pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pre_stop_s + graceful_s
+    assert float(COMPOSE["services"]["api"]["stop_grace_period"].removesuffix("s")) > graceful_s
+
+
 def test_no_image_is_latest():
     """Every image a recipe runs or builds from names a version: `:latest` (or no tag) changes under a running
     deployment."""
