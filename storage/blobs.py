@@ -7,13 +7,16 @@ read in parts (S3 multipart above `part_bytes`), never whole, while its size is 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import itertools
+import logging
 import math
 import os
 import re
 import secrets
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +40,8 @@ from botocore.retries.standard import (
 )
 
 from storage.config import Settings
+
+log = logging.getLogger("vsrq.blobs")
 
 # -- Key layout ----------------------------------------------------------------------------------------------------
 # uploads/{owner}/{upload_id}            an input video (POST /v1/uploads, or the file of a multipart create)
@@ -150,14 +155,15 @@ class BlobStore(Protocol):
     def entries(self, prefix: str) -> Iterator[BlobInfo]:
         """The blobs under `prefix`, with size and `modified`."""
 
-    def delete_many(self, keys: Iterable[str]) -> list[str]:
+    def delete_many(self, keys: Iterable[str]) -> dict[str, str]:
         """Deletes `keys` in as few requests as storage allows (a sweep expiring thousands of jobs); returns those it
-        refused (a bucket policy, an object lock). A missing key is not refused."""
+        did not delete, each with storage's code (a bucket policy, an object lock; one still failing after tries).
+        A missing key is deleted."""
 
     def delete_prefix(self, prefix: str) -> int:
         """Deletes the blobs under `prefix` and drops writes under it never finished (a writer killed mid-upload:
-        their parts are in no listing of blobs, and stayed until `abort_incomplete`, a day); returns the blobs.
-        Raises `BlobError` where storage refused one."""
+        their parts are in no listing of blobs, and stayed until `abort_incomplete`, a day); returns the blobs
+        deleted. What storage would not delete is logged and left to the storage sweep."""
 
     def abort_incomplete(self, before: float) -> int:
         """Drops writes begun before `before` (epoch seconds) and never finished; returns how many."""
@@ -408,19 +414,34 @@ class S3BlobStore:
             for item in page.get("Contents", []):
                 yield BlobInfo(item["Key"], item["Size"], modified=item["LastModified"].timestamp())
 
-    def delete_many(self, keys: Iterable[str]) -> list[str]:
-        refused, left = [], iter(keys)
+    def delete_many(self, keys: Iterable[str]) -> dict[str, str]:
+        refused: dict[str, str] = {}
+        left = iter(keys)
         while batch := list(itertools.islice(left, 1000)):  # DeleteObjects takes at most 1000 keys
-            objects = {"Objects": [{"Key": key} for key in batch], "Quiet": True}  # quiet: only the refused come back
-            answer = self.client.delete_objects(Bucket=self.bucket, Delete=objects)
-            refused += [error["Key"] for error in answer.get("Errors", []) if error.get("Code") != "NoSuchKey"]
+            refused |= self._delete_batch(batch)
+        return refused
+
+    def _delete_batch(self, keys: list[str]) -> dict[str, str]:
+        """One DeleteObjects, sent again for the keys it failed for a moment: its per-key errors come in a 200, which
+        botocore's retries never see."""
+        refused: dict[str, str] = {}
+        for pause_s in (0.2, 1.0, None):
+            objects = {"Objects": [{"Key": key} for key in keys], "Quiet": True}  # quiet: only errors come back
+            errors = self.client.delete_objects(Bucket=self.bucket, Delete=objects).get("Errors", [])
+            failed = {error["Key"]: error.get("Code", "") for error in errors if error.get("Code") != "NoSuchKey"}
+            keys = [key for key, code in failed.items() if code in TRANSIENT_CODES]
+            refused |= {key: code for key, code in failed.items() if code not in TRANSIENT_CODES or pause_s is None}
+            if not keys or pause_s is None:
+                return refused
+            time.sleep(pause_s)
         return refused
 
     def delete_prefix(self, prefix: str) -> int:
         keys = list(self.keys(prefix))
-        _refused(prefix, self.delete_many(keys))
+        refused = self.delete_many(keys)
+        _log_refused(prefix, refused)
         self._abort_uploads(prefix, before=math.inf)
-        return len(keys)
+        return len(keys) - len(refused)
 
     def abort_incomplete(self, before: float) -> int:
         return self._abort_uploads("", before)
@@ -463,10 +484,11 @@ class S3BlobStore:
             version = self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"").get("VersionId")
             try:
                 self.client.delete_object(Bucket=self.bucket, Key=probe, **({"VersionId": version} if version else {}))
-            except ClientError as error:
-                if version is None or error.response.get("Error", {}).get("Code") != "AccessDenied":
+            except ClientError:
+                if version is None:
                     raise
-                self.client.delete_object(Bucket=self.bucket, Key=probe)  # no DeleteObjectVersion: a marker at least
+                # a key without DeleteObjectVersion, a store without it: a delete marker at least, as before
+                self.client.delete_object(Bucket=self.bucket, Key=probe)
 
 
 # `check(write=True)`'s objects, each deleted at once: under the jobs' own prefix (a bucket policy may allow no other),
@@ -474,9 +496,15 @@ class S3BlobStore:
 WRITE_PROBES = "work/write-probe-"
 
 
-def _refused(prefix: str, keys: list[str]) -> None:
-    if keys:
-        raise BlobError(f"storage refused deleting {len(keys)} blob(s) under {prefix!r}, {keys[0]!r} first")
+# DeleteObjects' per-key codes worth another try (S3's own list of retryable errors names these)
+TRANSIENT_CODES = frozenset({"InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout"})
+
+
+def _log_refused(prefix: str, refused: dict[str, str]) -> None:
+    if refused:
+        key, code = next(iter(refused.items()))
+        log.warning("storage did not delete %d blob(s) under %r (%s: %s first); left to the storage sweep",
+                    len(refused), prefix, code, key)  # fmt: skip
 
 
 def _missing(error: ClientError) -> bool:
@@ -640,16 +668,21 @@ class LocalBlobStore:
                 stat = path.stat()
                 yield BlobInfo(key, stat.st_size, modified=stat.st_mtime)
 
-    def delete_many(self, keys: Iterable[str]) -> list[str]:
+    def delete_many(self, keys: Iterable[str]) -> dict[str, str]:
+        refused: dict[str, str] = {}
         for key in keys:
-            self.delete(key)
-        return []  # a file this process may not remove raises, as `delete` does
+            try:
+                self.delete(key)
+            except OSError as error:  # a file this process may not remove (permissions, a read-only mount)
+                refused[key] = errno.errorcode.get(error.errno or 0, type(error).__name__)
+        return refused
 
     def delete_prefix(self, prefix: str) -> int:
         keys = list(self.keys(prefix))
-        self.delete_many(keys)
+        refused = self.delete_many(keys)
+        _log_refused(prefix, refused)
         self._abort_writes(prefix, before=math.inf)
-        return len(keys)
+        return len(keys) - len(refused)
 
     def abort_incomplete(self, before: float) -> int:
         return self._abort_writes("", before)

@@ -1292,6 +1292,14 @@ class JobStore:
             found = pipe.execute()
         return {job_id: Status(status.decode()) if status else None for job_id, status in zip(ids, found)}
 
+    def get_many(self, job_ids: Collection[str]) -> dict[str, JobRecord | None]:
+        """Records in one round trip (the storage sweep's, for the blobs of jobs its scan did not meet)."""
+        ids = list(job_ids)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hgetall(self._job_key(job_id))
+            return {job_id: _from_hash(raw) for job_id, raw in zip(ids, pipe.execute())}
+
     def records(self, batch: int = 1000) -> Iterator[JobRecord]:
         """Every job record, by SCAN: for periodic sweeps, never for requests. Read `batch` at a time, in one round
         trip each (one each, a sweep of 50,000 jobs took 12 s)."""

@@ -18,10 +18,11 @@ store's modification times: the two servers' clocks are assumed to agree (NTP).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from storage.blobs import BlobStore, output_prefix, work_prefix
 from storage.config import Settings
@@ -68,24 +69,25 @@ class SweepReport:
 
 @dataclass(frozen=True, slots=True)
 class _Kept:
-    """What the sweep holds of a live job while it lists storage: a record is ~4.6 KB, this ~0.3 (250,000 live jobs
+    """What the sweep holds of a live job while it lists storage: ~0.26 KB where its record is ~4.6 (250,000 live jobs
     were 1.2 GB of reaper)."""
 
     ended: bool  # no attempt will write again
-    promoted: frozenset[str]  # the output and previews its completion kept
+    output: str | None  # the promoted output's key less `mp4`: the keys of it and its previews (`preview_key`) begin so
 
     @classmethod
     def of(cls, job: JobRecord) -> _Kept:
-        return cls(job.status in TERMINAL, frozenset(job.output.keys()) if job.output is not None else _NONE)
+        return cls(job.status in TERMINAL, job.output.key.removesuffix("mp4") if job.output else None)
 
-
-_NONE: frozenset[str] = frozenset()
+    def promoted(self, key: str) -> bool:
+        return self.output is not None and key.startswith(self.output)
 
 
 def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings, stop: threading.Event | None = None) -> SweepReport:
-    """`stop`: set, the sweep ends after the record it is reading (a reaper stopping); the next one goes on from there.
-    An expired job's record goes first, as DELETE does; its files go with the listings below, in batches, and what a
-    stop or a storage failure leaves is found by the next sweep as files of no job."""
+    """`stop`: set, the sweep ends after the record or the batch of blobs at hand (a reaper stopping); the next one
+    goes on from there. An expired job's record goes first, as DELETE does; its files go with the listings below, in
+    batches, and what a stop or a storage failure leaves is found by the next sweep as files of no job."""
+    stopping = stop.is_set if stop is not None else lambda: False
     now = jobs.now()
     aborted = blobs.abort_incomplete(now - settings.multipart_abort_s)
     # 1. Listed before the jobs are read: an upload a job claims after this is younger than its TTL's start.
@@ -100,7 +102,7 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings, stop: threading.
     owners: set[str] = set()
     for job in jobs.records():
         owners.add(job.owner)
-        if stop is not None and stop.is_set():
+        if stopping():
             return SweepReport(aborted, 0, len(expired))
         if job.status in TERMINAL and job.expires_at is not None and job.expires_at < now:
             if _expire(jobs, job):
@@ -119,10 +121,9 @@ def sweep(jobs: JobStore, blobs: BlobStore, settings: Settings, stop: threading.
     unclaimed_gone = len(unclaimed) - len(_delete(blobs, unclaimed, "unclaimed uploads"))
 
     # 4. Files of no live job, and of ended jobs besides their promoted output
-    work = _delete_grouped(jobs, blobs, WORK, live, expired, keep=lambda job, key: not job.ended)
-    outputs = _delete_grouped(
-        jobs, blobs, OUTPUTS, live, expired, keep=lambda job, key: not job.ended or key in job.promoted
-    )
+    known = _Known(jobs, live, expired)
+    work = _delete_grouped(blobs, WORK, known, lambda job, key: not job.ended, stopping)
+    outputs = _delete_grouped(blobs, OUTPUTS, known, lambda job, key: not job.ended or job.promoted(key), stopping)
     report = SweepReport(aborted, unclaimed_gone + len(doomed - expired_inputs), len(expired), work, outputs)
     if report != SweepReport():
         log.info("storage sweep: %s", report)
@@ -145,47 +146,59 @@ def promoted(job: JobRecord | None, key: str) -> bool:
 def _delete_doomed(jobs: JobStore, blobs: BlobStore) -> set[str]:
     """Deletes the inputs of deleted jobs that are marked doomed; returns those gone."""
     doomed = set(jobs.doomed_inputs(limit=None))
-    gone = doomed - set(_delete(blobs, doomed, "deleted jobs' inputs"))
+    gone = doomed.difference(_delete(blobs, doomed, "deleted jobs' inputs"))
     jobs.forget_doomed(*gone)
     return gone
 
 
-def _delete(blobs: BlobStore, keys: Collection[str], what: str) -> list[str]:
+def _delete(blobs: BlobStore, keys: Collection[str], what: str) -> Collection[str]:
     """Deletes `keys` in batches; returns those not deleted (storage refused them, or failed: tried next time)."""
     try:
         refused = blobs.delete_many(keys)
     except Exception as error:  # storage down: the next sweep goes on from here
         log.warning("storage sweep: %d %s not deleted (%s); tried again next time", len(keys), what, error)
-        return list(keys)
+        return keys
     if refused:  # one refusal (a lock, a policy) must not hold the rest of the sweep
-        log.warning("storage sweep: storage refused deleting %d %s, %s first", len(refused), what, refused[0])
-    return refused
+        key, code = next(iter(refused.items()))
+        log.warning("storage sweep: storage did not delete %d %s (%s: %s first)", len(refused), what, code, key)
+    return refused.keys()
+
+
+@dataclass
+class _Known:
+    """The jobs the listings' blobs belong to: the scan's live ones, those it expired, and others read as met (created
+    since the scan, or gone: deleted, or expired by an earlier sweep that stopped), a batch's in one round trip."""
+
+    jobs: JobStore
+    live: dict[str, _Kept]
+    expired: set[str]
+    others: dict[str, _Kept | None] = field(default_factory=dict)
+
+    def read(self, job_ids: set[str]) -> None:
+        unknown = [job_id for job_id in job_ids if job_id not in self.live and job_id not in self.others]
+        for job_id, record in self.jobs.get_many(unknown).items():
+            self.others[job_id] = None if record is None else _Kept.of(record)
+
+    def get(self, job_id: str) -> _Kept | None:
+        return self.live.get(job_id) or self.others.get(job_id)
 
 
 def _delete_grouped(
-    jobs: JobStore,
-    blobs: BlobStore,
-    root: str,
-    live: dict[str, _Kept],
-    expired: set[str],
-    keep: Callable[[_Kept, str], bool],
+    blobs: BlobStore, root: str, known: _Known, keep: Callable[[_Kept, str], bool], stopping: Callable[[], bool]
 ) -> int:
     """Deletes the blobs under root/{job_id}/ that `keep(job, key)` refuses, and all of those of jobs that no longer
-    exist; returns how many, those of jobs this sweep expired aside. A job missing from the scan is read again
-    first: it may have been created since."""
-    doomed: list[str] = []
-    counted: set[str] = set()  # of the doomed, those of jobs this sweep did not expire
-    others: dict[str, _Kept | None] = {}  # jobs the scan missed, read once each
-    for key in blobs.keys(root):
-        job_id = key.removeprefix(root).split("/", 1)[0]
-        if job_id in expired:
-            doomed.append(key)
-            continue
-        if (job := live.get(job_id)) is None:
-            if job_id not in others:
-                others[job_id] = None if (record := jobs.get(job_id)) is None else _Kept.of(record)
-            job = others[job_id]
-        if job is None or not keep(job, key):
-            doomed.append(key)
-            counted.add(key)
-    return len(counted.difference(_delete(blobs, doomed, f"blobs under {root}")))
+    exist, 1,000 of the listing at a time; returns how many, those of jobs this sweep expired aside."""
+    deleted = 0
+    listing = blobs.keys(root)
+    while not stopping() and (batch := list(itertools.islice(listing, 1000))):
+        job_ids = {key: key.removeprefix(root).split("/", 1)[0] for key in batch}
+        known.read({job_id for job_id in job_ids.values() if job_id not in known.expired})
+        doomed, counted = [], set()  # counted: the doomed of jobs this sweep did not expire
+        for key, job_id in job_ids.items():
+            if job_id in known.expired:
+                doomed.append(key)
+            elif (job := known.get(job_id)) is None or not keep(job, key):
+                doomed.append(key)
+                counted.add(key)
+        deleted += len(counted.difference(_delete(blobs, doomed, f"blobs under {root}")))
+    return deleted

@@ -7,6 +7,7 @@ Each sweep runs over a bucket and a job-key prefix of its own, so it never touch
 from __future__ import annotations
 
 import io
+import json
 import os
 import secrets
 import subprocess
@@ -238,20 +239,24 @@ def test_the_reaper_process_sweeps_storage(service_env, s3, jobs, tmp_path):
     assert "storage sweep" in log.read_text()
 
 
-def copies(jobs: JobStore, job_id: str, n: int) -> list[str]:
-    """`n` more records like `job_id`'s as the store wrote it, under new ids (one pipeline: thousands in a second)."""
+def copies(jobs: JobStore, job_id: str, n: int, *, own_inputs: bool = False) -> list[str]:
+    """`n` more records like `job_id`'s as the store wrote it, under new ids (one pipeline: thousands in a second);
+    `own_inputs`: each naming an input of its own, uploads/erin/{id}."""
     fields = jobs.redis.hgetall(job_key(jobs.prefix, job_id))
     ids = ["video_" + secrets.token_hex(12) for _ in range(n)]
     with jobs.redis.pipeline(transaction=False) as pipe:
         for new_id in ids:
-            pipe.hset(job_key(jobs.prefix, new_id), mapping={**fields, b"id": new_id.encode()})
+            copy = {**fields, b"id": new_id.encode()}
+            if own_inputs:
+                copy[b"input"] = json.dumps({**json.loads(fields[b"input"]), "key": f"uploads/erin/{new_id}"})
+            pipe.hset(job_key(jobs.prefix, new_id), mapping=copy)
         pipe.execute()
     return ids
 
 
 def test_a_sweep_over_thousands_of_jobs_holds_little_and_expires_them_in_few_requests(s3, redis_client, settings):
     """At 250,000 live jobs the reaper held 1.2 GB of records through each sweep, and expired ~110 jobs a second at
-    six storage requests each (the scale trial of session 51)."""
+    seven storage requests each (the scale trial of session 51)."""
     bucket = f"lifecycle-{secrets.token_hex(4)}"
     s3.client.create_bucket(Bucket=bucket)
     blobs = S3BlobStore(s3.client, bucket, part_bytes=PART)
@@ -261,24 +266,35 @@ def test_a_sweep_over_thousands_of_jobs_holds_little_and_expires_them_in_few_req
     doomed = new_job(expiring, blobs, owned=True)
     finish(expiring, blobs, doomed)
     live_ids = copies(keeping, live, 2000)
-    expired_ids = copies(expiring, doomed, 100)
-    for job_id in expired_ids:  # each expired job's output and kept window (its input is the copied record's)
+    expired_ids = copies(expiring, doomed, 100, own_inputs=True)
+    for job_id in expired_ids:  # each expired job's input, output and kept window
+        put(blobs, f"uploads/erin/{job_id}", b"i")
         put(blobs, attempt_output_key(job_id, 1, "t"), b"o")
         put(blobs, f"{work_prefix(job_id)}windows/window-00001.json", b"w")
     time.sleep(EXPIRED_TTL_S + 0.5)
 
     requests_made = []
-    blobs.client.meta.events.register("before-call.s3", lambda **kwargs: requests_made.append(kwargs["event_name"]))
+
+    def count(event_name: str, **_) -> None:
+        requests_made.append(event_name)
+
+    blobs.client.meta.events.register("before-call.s3", count)
     tracemalloc.start()
-    report = sweep(keeping, blobs, settings)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    try:
+        report = sweep(keeping, blobs, settings)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        blobs.client.meta.events.unregister("before-call.s3", count)
 
     assert report.jobs_expired == 101 and all(keeping.get(job_id) is None for job_id in expired_ids[:20])
-    assert not any(key.startswith((output_prefix(doomed), work_prefix(doomed))) for key in blobs.keys(""))
-    assert not [key for key in blobs.keys("") if key.split("/")[1] in set(expired_ids)]
-    assert keeping.get(live_ids[-1]) is not None and keeping.require(live).output is not None
-    assert len(requests_made) < 30, Counter(requests_made)  # listings and batched deletes, not six per job
+    left = set(blobs.keys(""))
+    assert not any(key.startswith((output_prefix(doomed), work_prefix(doomed))) for key in left)
+    assert not [key for key in left if key.split("/")[-1] in set(expired_ids) or key.split("/")[1] in set(expired_ids)]
+    completed = keeping.require(live)
+    assert completed.output.key in left and completed.input.key in left  # the live job's, read through its copies
+    assert keeping.get(live_ids[-1]) is not None
+    assert len(requests_made) < 30, Counter(requests_made)  # listings and batched deletes, not seven per job
     assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MiB at the peak for 2,001 live jobs"
     blobs.delete_prefix("")
     s3.client.delete_bucket(Bucket=bucket)
