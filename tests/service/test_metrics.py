@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,7 +151,6 @@ def test_jobs_are_counted_by_owner_without_reading_the_keyspace(tmp_path):
     """A /metrics scrape and `vsrq status` found the owners by SCAN, every call: 57 SCANs and 88 ms a scrape at 50,000
     jobs in a trial, growing with them. Owners are a set each create adds to, filled once where a store was written
     before it. On a Redis of its own, whose command counts are this test's."""
-    import subprocess
 
     import redis
 
@@ -189,7 +189,7 @@ def test_jobs_are_counted_by_owner_without_reading_the_keyspace(tmp_path):
         store.create(owner="eve", model="lanczos", queue="q", params={}, input=InputInfo(key="k"))
         client.srem("vsrq:owners", "eve")
         assert store.counts() == {**expected, Status.QUEUED: 4}
-        sweep(store, LocalBlobStore(tmp_path / "blobs"), Settings())
+        sweep(store, LocalBlobStore(tmp_path / "blobs"), Settings(_env_file=None))
         assert store.counts() == {**expected, Status.QUEUED: 5} and "eve" in store.owners()
     finally:
         server.kill()
