@@ -115,26 +115,37 @@ def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str
 
 
 def drop_ended(app: Celery, jobs: JobStore, queues: Iterable[str], depth: int = 1000) -> bool:
-    """Removes, from the `depth` messages each list of `queues` gives next, those for jobs that ended or are gone (a
-    worker drops them): a cancelled backlog stayed ahead of the live messages until a worker reached it, ~1 KB a
-    message, and hid them from the lost-message look (worker.lost), which sent them again. Not those of jobs in
-    progress: a message sent again after a lease's lost reply takes the lease over (worker.tasks). Whether a list's
-    whole reach (`depth` messages) went: more such may wait behind."""
+    """Removes, from the `depth` messages each list of `queues` gives next and from `unacked`, those for jobs that
+    ended or are gone (a worker drops them): a cancelled backlog stayed ahead of the live messages until a worker
+    reached it, ~1 KB a message, and hid them from the lost-message look (worker.lost), which sent them again; a
+    worker killed mid-job left its message in `unacked` for the visibility timeout (13 hours) after its job ended. Not
+    those of jobs in progress: a message sent again after a lease's lost reply takes the lease over (worker.tasks), and
+    a dead worker's comes back at the timeout as a last resort. Whether a list's whole reach (`depth` messages) went:
+    more such may wait behind."""
+    queues = list(queues)
     keys = _list_keys(app, queues)
+    unacked, index = _unacked_keys(app)
     with app.pool.acquire(block=True) as connection:
-        client = connection.default_channel.client  # LRANGE and LREM are not prefixed by kombu: the keys are
+        client = connection.default_channel.client  # LRANGE, LREM and HDEL are not prefixed by kombu: the keys are
         with client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.lrange(key, -depth, -1)
-            lists = pipe.execute()
+            pipe.hgetall(unacked)
+            *lists, taken = pipe.execute()
         found = [(key, raw, job_id) for key, items in zip(keys, lists) for raw in items
                  if (job_id := _upscale_job_id(raw)) is not None]  # fmt: skip
-        statuses = jobs.statuses(job_id for _, _, job_id in found)
+        held = {tag: job_id for tag, raw in taken.items()
+                if (job_id := _unacked_job_id(raw, queues)) is not None}  # fmt: skip
+        statuses = jobs.statuses([*(job_id for _, _, job_id in found), *held.values()])
         ended = [(key, raw) for key, raw, job_id in found if statuses[job_id] in (None, *TERMINAL)]
-        if ended:
+        ended_held = [tag for tag, job_id in held.items() if statuses[job_id] in (None, *TERMINAL)]
+        if ended or ended_held:
             with client.pipeline(transaction=False) as pipe:
                 for key, raw in ended:
                     pipe.lrem(key, -1, raw)  # from the consuming end; gone meanwhile (taken): nothing
+                for tag in ended_held:  # as kombu's own ack removes it: acknowledged meanwhile, nothing
+                    pipe.zrem(index, tag)
+                    pipe.hdel(unacked, tag)
                 pipe.execute()
     per_list = Counter(key for key, _ in ended)
     return any(len(items) == depth and per_list[key] == depth for key, items in zip(keys, lists))
@@ -149,10 +160,7 @@ def held_job_ids(
     a message nobody holds but a consumer between its BRPOP's reply and its write to `unacked` (microseconds, unless
     it is paused there), or a lost one: a consumer killed in between (the reaper, worker.lost). `taken_within_s`: a
     message a consumer took longer ago than this is not counted (its consumer's clock: kombu's `unacked_index`)."""
-    options = app.conf.broker_transport_options or {}
-    prefix = options.get("global_keyprefix", "")
-    unacked = prefix + options.get("unacked_key", Channel.unacked_key)
-    index = prefix + options.get("unacked_index_key", Channel.unacked_index_key)
+    unacked, index = _unacked_keys(app)
     with app.pool.acquire(block=True) as connection:
         # neither LRANGE nor HGETALL is prefixed by kombu's client: the keys carry it already
         with connection.default_channel.client.pipeline(transaction=True) as pipe:
@@ -164,16 +172,29 @@ def held_job_ids(
     ids = {_upscale_job_id(raw) for items in lists for raw in items}
     since = None if taken_within_s is None else time.time() - taken_within_s
     taken_at = dict(taken_at)
-    for tag, raw in taken.items():  # kombu writes [message, exchange, routing key] there
-        if since is not None and taken_at.get(tag, since) < since:
-            continue
-        try:
-            envelope = json.loads(raw)[0]
-        except Exception:  # not kombu's: skipped
-            continue
-        ids.add(_envelope_job_id(envelope))
+    for tag, raw in taken.items():
+        if since is None or taken_at.get(tag, since) >= since:
+            ids.add(_unacked_job_id(raw))
     ids.discard(None)
     return ids
+
+
+def _unacked_keys(app: Celery) -> tuple[str, str]:
+    """kombu's `unacked` hash and `unacked_index` sorted set, under the `global_keyprefix`."""
+    options = app.conf.broker_transport_options or {}
+    prefix = options.get("global_keyprefix", "")
+    return (prefix + options.get("unacked_key", Channel.unacked_key),
+            prefix + options.get("unacked_index_key", Channel.unacked_index_key))  # fmt: skip
+
+
+def _unacked_job_id(raw: bytes, queues: Iterable[str] | None = None) -> str | None:
+    """The job id of an `unacked` entry, which kombu writes as [message, exchange, routing key]; with `queues`, only
+    an entry routed to one of them (the hash is every queue's, another deployment's on the same Redis too)."""
+    try:
+        envelope, _, routing_key = json.loads(raw)
+    except Exception:  # not kombu's: skipped
+        return None
+    return _envelope_job_id(envelope) if queues is None or routing_key in queues else None
 
 
 def _list_keys(app: Celery, queues: Iterable[str]) -> list[str]:

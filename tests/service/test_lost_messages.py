@@ -6,6 +6,7 @@ looks its grace apart, and no other."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import subprocess
@@ -162,3 +163,40 @@ def test_a_backlog_of_cancelled_jobs_ahead_is_dropped_not_taken_for_lost_message
         assert next_job_ids(app, [queue], limit=20) == [job.id for job in live]  # the cancelled ones' messages gone
     finally:
         redis_client.delete(*redis_client.keys(f"{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
+
+
+def test_a_dead_workers_message_of_an_ended_job_is_dropped_from_unacked(settings: Settings, redis_client):
+    """A worker killed mid-job leaves its message in kombu's `unacked` hash, to come back at the visibility timeout
+    (13 hours); its job requeued and ended meanwhile, the entry stayed all that time (a soak: one per kill). The look
+    removes the entries of ended or deleted jobs of its queues; a running job's stays, as does another queue's."""
+    store = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"vsrq-lost-{secrets.token_hex(4)}")
+    app = make_celery(settings)
+    queue, other = f"vsrq.lost-{secrets.token_hex(3)}", f"vsrq.other-{secrets.token_hex(3)}"
+    ended, deleted, running, elsewhere = (
+        store.create(owner="lost", model="lanczos", queue=q, params={}, input=InputInfo(key="k"))
+        for q in (queue, queue, queue, other)
+    )
+
+    def unacked() -> set[str]:
+        return {tag.decode() for tag in redis_client.hkeys("unacked")}
+
+    with app.connection_for_read() as connection, contextlib.ExitStack() as consumers:
+        taken = {}  # each message taken by a consumer that never acknowledges it, as a killed worker's
+        for job in (ended, deleted, running, elsewhere):
+            send_upscale(app, store, job)
+            taken[job.id] = consumers.enter_context(connection.SimpleQueue(job.queue, no_ack=False)).get_nowait()
+        tags = {message.delivery_tag: job_id for job_id, message in taken.items()}
+        try:
+            assert set(tags) <= unacked()
+            store.cancel(ended.id)
+            store.cancel(deleted.id)
+            store.delete(deleted.id)
+            store.lease(running.id, "w@host/1", 60)
+            LostMessages([queue], grace_s=0).due(store, app)
+            assert {tags[tag] for tag in unacked() & set(tags)} == {running.id, elsewhere.id}
+            index = {tag.decode() for tag in redis_client.zrange("unacked_index", 0, -1)}
+            assert {tags[tag] for tag in index & set(tags)} == {running.id, elsewhere.id}
+        finally:
+            for message in taken.values():
+                message.ack()
+            redis_client.delete(*redis_client.keys(f"{store.prefix}:*"))
