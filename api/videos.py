@@ -18,6 +18,7 @@ A caller sees only its own jobs: another key's job answers 404, exactly as a mis
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import PurePosixPath
 from typing import Any
@@ -217,20 +218,21 @@ def _referenced_input(create: CreateRequest) -> InputInfo:
     mine, part = key.startswith(upload_key(caller, "")), key.startswith(parts_prefix(caller))
     ours = SAFE_KEY.fullmatch(key) and mine and not part
     upload_id = key.rsplit("/", 1)[-1]  # a key without a slash ("a") is no upload of the caller's: 404 below
-    if ours and (refused := _unfinished(upload_id)):
-        raise refused
     try:
         blob = services().blobs.head(key) if ours else None
     except BlobError:
         blob = None
+    if ours and (refused := _unfinished(upload_id, file_kept=blob is not None)):
+        raise refused
     if blob is None:
         raise no_such_upload()
     return InputInfo(key=key, bytes=blob.size, filename=upload_name(key), upload_id=upload_id, owned_by_job=False)
 
 
-def _unfinished(upload_id: str) -> ApiError | None:
-    """Why an upload of the caller's is no input (yet, or any more): still taking its parts, cancelled or expired.
-    None for a completed one, and for one no record was kept of (uploaded before records were)."""
+def _unfinished(upload_id: str, file_kept: bool) -> ApiError | None:
+    """Why an upload of the caller's is no input (yet, or any more): still taking its parts, cancelled or expired
+    (before its completion, or after it: its file deleted, as GET says). None for a completed one whose file is kept,
+    and for one no record was kept of (uploaded before records were)."""
     try:
         record = services().uploads.get(upload_id, owner())
     except UploadNotFound:
@@ -241,6 +243,9 @@ def _unfinished(upload_id: str) -> ApiError | None:
     if record.status is not UploadStatus.COMPLETED:
         return ApiError(409, f"upload_{record.status}",
                         f"Upload `{upload_id}` was {record.status} before it was completed: send the file again.")
+    if not file_kept and record.expires_at <= time.time():  # the sweep deleted it (a file gone before: 404)
+        return ApiError(409, "upload_expired", f"Upload `{upload_id}` expired: no job named it within its time, and "
+                        "its file was deleted; send the file again.")  # fmt: skip
     return None
 
 
@@ -287,8 +292,8 @@ def _create_job(
             errors=[{"field": "model", "code": "unknown_model", "message": served}],
         )
     if create.options.webhook_url is not None:
-        if g.api_key.webhook_secret is None:  # vsrq signs every webhook: one it cannot sign would fail unseen
-            message = "this API key has no webhook_secret to sign its webhooks with (VSRQ_API_KEYS); poll instead"
+        if g.api_key.webhook_secret is None:  # vsrq signs every webhook: one this key cannot sign would never be sent
+            message = "this API key has no webhook_secret to sign webhooks with: ask the operator for one, or poll"
             raise ApiError(
                 422,
                 "webhook_secret_missing",

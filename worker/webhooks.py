@@ -11,8 +11,9 @@ worker (or comes back after the visibility timeout, hours later).
 
 An attempt checks the URL with storage.ssrf right before connecting and connects to an address that was checked (TLS
 is still verified against the URL's host name); it never follows a redirect. A 2xx delivers. 410 Gone, a URL refused
-at send time (`unsafe_url`), a key without a signing secret or a job deleted before its first attempt end the event
-at once. Anything else (a network error, a timeout, a 3xx, 4xx or 5xx) is retried after an exponential backoff with
+at send time (`unsafe_url`) or a job deleted before its first attempt end the event at once. Anything else (a network
+error, a timeout, a 3xx, 4xx or 5xx, and a key this process's settings lack or give no secret, which the API had: a
+configuration rolled out to the API first, or a key removed since) is retried after an exponential backoff with
 jitter, never sooner than the receiver's Retry-After, until `webhook_max_attempts`.
 """
 
@@ -85,9 +86,9 @@ def _attempt(started: Started, settings: Settings, box: Outbox, jobs: JobStore, 
     if started.attempt > settings.webhook_max_attempts:  # its delivery workers kept dying mid-attempt
         return Attempt("failed", "too_many_attempts", f"gave up after {started.attempt - 1} attempts")
     key = next((key for key in settings.api_keys if key.id == event.owner), None)
-    if key is None or key.webhook_secret is None:  # the API knew it: this process's VSRQ_API_KEYS is not rolled out yet
+    if key is None or key.webhook_secret is None:  # the API had it: a rollout under way, or a key removed since
         known = "has no webhook_secret" if key is not None else "is not in VSRQ_API_KEYS"
-        message = f"API key {event.owner!r} {known} in this delivery worker's configuration, as the API's has it"
+        message = f"API key {event.owner!r} {known} in this delivery worker's configuration"
         return Attempt("retry", "webhook_secret_missing", message)
     payload = started.payload or _payload(started, box, jobs)
     if payload is None:

@@ -226,7 +226,7 @@ def test_a_song_sent_in_parts_is_refused_as_its_parts_are_joined(api, s3, corpus
         assert not s3.exists(f"uploads/{KEY}/{upload_id}")
 
 
-def test_an_upload_sent_whole_answers_as_a_completed_one(api, s3, video):
+def test_an_upload_sent_whole_answers_as_a_completed_one(api, s3, video, redis_client):
     response = requests.post(
         f"{api}/v1/uploads", files={"file": ("phone.mp4", video, "video/mp4")}, headers=auth(KEY), timeout=30
     )
@@ -235,8 +235,13 @@ def test_an_upload_sent_whole_answers_as_a_completed_one(api, s3, video):
     assert (whole["status"], whole["bytes"], whole["file"]["id"]) == ("completed", len(video), whole["id"])
     assert whole["sha256"] == hashlib.sha256(video).hexdigest() and whole["filename"] == "phone.mp4"
     assert get(api, whole["id"]).json() == whole
-    s3.delete(whole["key"])  # no job named it within its TTL: the storage sweep deleted it
+    s3.delete(whole["key"])  # gone within its time (an operator): no such upload to a job
+    named = requests.post(f"{api}/v1/videos", json={"upload_id": whole["id"]}, headers=auth(KEY), timeout=10)
+    assert_problem(named, 404, "upload_not_found")
+    redis_client.hset(f"vsrq:upload:{whole['id']}", "expires_at", 0)  # no job named it within its TTL: swept
     assert get(api, whole["id"]).json()["status"] == "expired"  # what `vsrq bulk` asks before naming it again
+    named = requests.post(f"{api}/v1/videos", json={"upload_id": whole["id"]}, headers=auth(KEY), timeout=10)
+    assert "send the file again" in assert_problem(named, 409, "upload_expired")["detail"]  # as GET says: not 404
 
 
 def test_a_pending_upload_expires_and_then_takes_nothing(redis_client):
