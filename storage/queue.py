@@ -124,13 +124,13 @@ def drop_ended(app: Celery, jobs: JobStore, queues: Iterable[str], depth: int = 
     more such may wait behind."""
     queues = list(queues)
     keys = _list_keys(app, queues)
-    unacked, index = _unacked_keys(app)
+    prefix, unacked, index = _unacked_keys(app)
     with app.pool.acquire(block=True) as connection:
-        client = connection.default_channel.client  # LRANGE, LREM and HDEL are not prefixed by kombu: the keys are
+        client = connection.default_channel.client  # kombu prefixes HDEL and ZREM, not LRANGE, LREM or HGETALL
         with client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.lrange(key, -depth, -1)
-            pipe.hgetall(unacked)
+            pipe.hgetall(prefix + unacked)
             *lists, taken = pipe.execute()
         found = [(key, raw, job_id) for key, items in zip(keys, lists) for raw in items
                  if (job_id := _upscale_job_id(raw)) is not None]  # fmt: skip
@@ -160,13 +160,13 @@ def held_job_ids(
     a message nobody holds but a consumer between its BRPOP's reply and its write to `unacked` (microseconds, unless
     it is paused there), or a lost one: a consumer killed in between (the reaper, worker.lost). `taken_within_s`: a
     message a consumer took longer ago than this is not counted (its consumer's clock: kombu's `unacked_index`)."""
-    unacked, index = _unacked_keys(app)
+    prefix, unacked, index = _unacked_keys(app)
     with app.pool.acquire(block=True) as connection:
-        # neither LRANGE nor HGETALL is prefixed by kombu's client: the keys carry it already
+        # kombu's client prefixes ZRANGE, not LRANGE or HGETALL: their keys carry the prefix here
         with connection.default_channel.client.pipeline(transaction=True) as pipe:
             for key in _list_keys(app, queues):
                 pipe.lrange(key, -depth, -1)
-            pipe.hgetall(unacked)
+            pipe.hgetall(prefix + unacked)
             pipe.zrange(index, 0, -1, withscores=True)
             *lists, taken, taken_at = pipe.execute()
     ids = {_upscale_job_id(raw) for items in lists for raw in items}
@@ -179,12 +179,12 @@ def held_job_ids(
     return ids
 
 
-def _unacked_keys(app: Celery) -> tuple[str, str]:
-    """kombu's `unacked` hash and `unacked_index` sorted set, under the `global_keyprefix`."""
+def _unacked_keys(app: Celery) -> tuple[str, str, str]:
+    """The `global_keyprefix`, and kombu's `unacked` hash and `unacked_index` sorted set without it (its client adds it
+    to some commands' keys, `PrefixedStrictRedis.PREFIXED_SIMPLE_COMMANDS`, not to others')."""
     options = app.conf.broker_transport_options or {}
-    prefix = options.get("global_keyprefix", "")
-    return (prefix + options.get("unacked_key", Channel.unacked_key),
-            prefix + options.get("unacked_index_key", Channel.unacked_index_key))  # fmt: skip
+    return (options.get("global_keyprefix", ""), options.get("unacked_key", Channel.unacked_key),
+            options.get("unacked_index_key", Channel.unacked_index_key))  # fmt: skip
 
 
 def _unacked_job_id(raw: bytes, queues: Iterable[str] | None = None) -> str | None:

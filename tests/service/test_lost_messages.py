@@ -165,20 +165,22 @@ def test_a_backlog_of_cancelled_jobs_ahead_is_dropped_not_taken_for_lost_message
         redis_client.delete(*redis_client.keys(f"{queue}*"), *redis_client.keys(f"{store.prefix}:*"))
 
 
-def test_a_dead_workers_message_of_an_ended_job_is_dropped_from_unacked(settings: Settings, redis_client):
+@pytest.mark.parametrize("prefix", ["", "vsrq-unacked:"])
+def test_a_dead_workers_message_of_an_ended_job_is_dropped_from_unacked(settings: Settings, redis_client, prefix: str):
     """A worker killed mid-job leaves its message in kombu's `unacked` hash, to come back at the visibility timeout
     (13 hours); its job requeued and ended meanwhile, the entry stayed all that time (a soak: one per kill). The look
     removes the entries of ended or deleted jobs of its queues; a running job's stays, as does another queue's."""
     store = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"vsrq-lost-{secrets.token_hex(4)}")
-    app = make_celery(settings)
+    app = make_celery(settings.model_copy(update={"broker_transport_options": {"global_keyprefix": prefix}}))
     queue, other = f"vsrq.lost-{secrets.token_hex(3)}", f"vsrq.other-{secrets.token_hex(3)}"
     ended, deleted, running, elsewhere = (
         store.create(owner="lost", model="lanczos", queue=q, params={}, input=InputInfo(key="k"))
         for q in (queue, queue, queue, other)
     )
 
-    def unacked() -> set[str]:
-        return {tag.decode() for tag in redis_client.hkeys("unacked")}
+    def held_by(key: str) -> set[str]:  # the jobs of this test whose message `unacked` (or its index) holds
+        found = redis_client.zrange(key, 0, -1) if key.endswith("index") else redis_client.hkeys(key)
+        return {tags[tag] for tag in {tag.decode() for tag in found} & set(tags)}
 
     with app.connection_for_read() as connection, contextlib.ExitStack() as consumers:
         taken = {}  # each message taken by a consumer that never acknowledges it, as a killed worker's
@@ -187,16 +189,16 @@ def test_a_dead_workers_message_of_an_ended_job_is_dropped_from_unacked(settings
             taken[job.id] = consumers.enter_context(connection.SimpleQueue(job.queue, no_ack=False)).get_nowait()
         tags = {message.delivery_tag: job_id for job_id, message in taken.items()}
         try:
-            assert set(tags) <= unacked()
+            assert held_by(f"{prefix}unacked") == set(taken) == held_by(f"{prefix}unacked_index")
             store.cancel(ended.id)
             store.cancel(deleted.id)
             store.delete(deleted.id)
             store.lease(running.id, "w@host/1", 60)
             LostMessages([queue], grace_s=0).due(store, app)
-            assert {tags[tag] for tag in unacked() & set(tags)} == {running.id, elsewhere.id}
-            index = {tag.decode() for tag in redis_client.zrange("unacked_index", 0, -1)}
-            assert {tags[tag] for tag in index & set(tags)} == {running.id, elsewhere.id}
+            assert held_by(f"{prefix}unacked") == {running.id, elsewhere.id} == held_by(f"{prefix}unacked_index")
         finally:
             for message in taken.values():
                 message.ack()
-            redis_client.delete(*redis_client.keys(f"{store.prefix}:*"))
+            redis_client.delete(
+                *redis_client.keys(f"{store.prefix}:*"), *redis_client.keys(f"{prefix}_kombu.binding.vsrq.*-*")
+            )
