@@ -497,7 +497,7 @@ WRITE_PROBES = "work/write-probe-"
 
 
 # DeleteObjects' per-key codes worth another try (S3's own list of retryable errors names these)
-TRANSIENT_CODES = frozenset({"InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout"})
+TRANSIENT_CODES = frozenset({"InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout", "OperationAborted"})
 
 
 def _log_refused(prefix: str, refused: dict[str, str]) -> None:
@@ -558,7 +558,7 @@ def _transient(error: ClientError) -> bool:
     damaged = code in _DAMAGED or (status == 400 and code in (None, "400"))
     if error.operation_name in _UPLOADS and damaged:
         return True
-    if status >= 500 or status in (408, 499) or code == "OperationAborted":
+    if status >= 500 or status in (408, 499) or code in TRANSIENT_CODES:
         return True
     context = RetryContext(1, parsed_response=error.response, http_response=AWSResponse(None, status, {}, None))
     return _BOTOCORE_TRANSIENT.is_retryable(context)

@@ -63,8 +63,10 @@ class SweepReport:
     multipart_aborted: int = 0
     uploads_deleted: int = 0
     jobs_expired: int = 0
-    work_deleted: int = 0  # blobs under work/, besides those of expired jobs
-    outputs_deleted: int = 0  # blobs under outputs/, besides those of expired jobs
+    # blobs under work/ and outputs/, besides those of the jobs this sweep expired (those a stopped sweep left are
+    # counted by the next, as files of no job)
+    work_deleted: int = 0
+    outputs_deleted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,7 +164,7 @@ def main() -> None:
         except Exception as error:  # Redis or the broker down: the events wait in the outbox for the next pass
             relaying.failed(error)
         _wait_for_next_pass(stop, settings, began)
-    sweeper.join(settings.reap_interval_s)  # a sweep under way ends after the record or batch at hand, or with us
+    sweeper.join(settings.reap_interval_s)  # a sweep stops at its next record or batch of blobs, else ends with us
 
 
 def _sweep_every(stop: threading.Event, settings: Settings) -> None:

@@ -254,7 +254,9 @@ def copies(jobs: JobStore, job_id: str, n: int, *, own_inputs: bool = False) -> 
     return ids
 
 
-def test_a_sweep_over_thousands_of_jobs_holds_little_and_expires_them_in_few_requests(s3, redis_client, settings):
+def test_a_sweep_over_thousands_of_jobs_holds_little_and_expires_them_in_few_requests(
+    s3, redis_client, settings, request
+):
     """At 250,000 live jobs the reaper held 1.2 GB of records through each sweep, and expired ~110 jobs a second at
     seven storage requests each (the scale trial of session 51)."""
     bucket = f"lifecycle-{secrets.token_hex(4)}"
@@ -286,6 +288,8 @@ def test_a_sweep_over_thousands_of_jobs_holds_little_and_expires_them_in_few_req
     finally:
         tracemalloc.stop()
         blobs.client.meta.events.unregister("before-call.s3", count)
+        request.addfinalizer(lambda: redis_client.delete(*redis_client.keys(f"{keeping.prefix}:*")))
+        request.addfinalizer(lambda: (blobs.delete_prefix(""), s3.client.delete_bucket(Bucket=bucket)))
 
     assert report.jobs_expired == 101 and all(keeping.get(job_id) is None for job_id in expired_ids[:20])
     left = set(blobs.keys(""))
@@ -296,5 +300,3 @@ def test_a_sweep_over_thousands_of_jobs_holds_little_and_expires_them_in_few_req
     assert keeping.get(live_ids[-1]) is not None
     assert len(requests_made) < 30, Counter(requests_made)  # listings and batched deletes, not seven per job
     assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MiB at the peak for 2,001 live jobs"
-    blobs.delete_prefix("")
-    s3.client.delete_bucket(Bucket=bucket)
