@@ -115,40 +115,51 @@ def next_job_ids(app: Celery, queues: Iterable[str], limit: int = 8) -> list[str
 
 
 def drop_ended(app: Celery, jobs: JobStore, queues: Iterable[str], depth: int = 1000) -> bool:
-    """Removes, from the `depth` messages each list of `queues` gives next and from `unacked`, those for jobs that
-    ended or are gone (a worker drops them): a cancelled backlog stayed ahead of the live messages until a worker
-    reached it, ~1 KB a message, and hid them from the lost-message look (worker.lost), which sent them again; a
-    worker killed mid-job left its message in `unacked` for the visibility timeout (13 hours) after its job ended. Not
-    those of jobs in progress: a message sent again after a lease's lost reply takes the lease over (worker.tasks), and
-    a dead worker's comes back at the timeout as a last resort. Whether a list's whole reach (`depth` messages) went:
-    more such may wait behind."""
-    queues = list(queues)
+    """Removes, from the `depth` messages each list of `queues` gives next, those for jobs that ended or are gone (a
+    worker drops them): a cancelled backlog stayed ahead of the live messages until a worker reached it, ~1 KB a
+    message, and hid them from the lost-message look (worker.lost), which sent them again. Not those of jobs in
+    progress: a message sent again after a lease's lost reply takes the lease over (worker.tasks). Whether a list's
+    whole reach (`depth` messages) went: more such may wait behind."""
     keys = _list_keys(app, queues)
-    prefix, unacked, index = _unacked_keys(app)
     with app.pool.acquire(block=True) as connection:
-        client = connection.default_channel.client  # kombu prefixes HDEL and ZREM, not LRANGE, LREM or HGETALL
+        client = connection.default_channel.client  # LRANGE and LREM are not prefixed by kombu: the keys are
         with client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.lrange(key, -depth, -1)
-            pipe.hgetall(prefix + unacked)
-            *lists, taken = pipe.execute()
+            lists = pipe.execute()
         found = [(key, raw, job_id) for key, items in zip(keys, lists) for raw in items
                  if (job_id := _upscale_job_id(raw)) is not None]  # fmt: skip
-        held = {tag: job_id for tag, raw in taken.items()
-                if (job_id := _unacked_job_id(raw, queues)) is not None}  # fmt: skip
-        statuses = jobs.statuses([*(job_id for _, _, job_id in found), *held.values()])
+        statuses = jobs.statuses(job_id for _, _, job_id in found)
         ended = [(key, raw) for key, raw, job_id in found if statuses[job_id] in (None, *TERMINAL)]
-        ended_held = [tag for tag, job_id in held.items() if statuses[job_id] in (None, *TERMINAL)]
-        if ended or ended_held:
+        if ended:
             with client.pipeline(transaction=False) as pipe:
                 for key, raw in ended:
                     pipe.lrem(key, -1, raw)  # from the consuming end; gone meanwhile (taken): nothing
-                for tag in ended_held:  # as kombu's own ack removes it: acknowledged meanwhile, nothing
-                    pipe.zrem(index, tag)
-                    pipe.hdel(unacked, tag)
                 pipe.execute()
     per_list = Counter(key for key, _ in ended)
     return any(len(items) == depth and per_list[key] == depth for key, items in zip(keys, lists))
+
+
+def drop_ended_unacked(app: Celery, jobs: JobStore, queues: Iterable[str]) -> int:
+    """Removes from kombu's `unacked` the messages of `queues` whose jobs ended or are gone: a worker killed mid-job
+    left its message there for the visibility timeout (13 hours) after its job was requeued and ended (a soak: one
+    per kill). Not those of jobs in progress: a dead worker's comes back at the timeout, a last resort. Returns how
+    many."""
+    queues = list(queues)
+    prefix, unacked, index = _unacked_keys(app)
+    with app.pool.acquire(block=True) as connection:
+        client = connection.default_channel.client  # kombu prefixes HDEL and ZREM, not HGETALL
+        held = {tag: job_id for tag, raw in client.hgetall(prefix + unacked).items()
+                if (job_id := _unacked_job_id(raw, queues)) is not None}  # fmt: skip
+        statuses = jobs.statuses(held.values())
+        ended = [tag for tag, job_id in held.items() if statuses[job_id] in (None, *TERMINAL)]
+        if ended:
+            with client.pipeline(transaction=False) as pipe:
+                for tag in ended:  # as kombu's own ack removes it: acknowledged meanwhile, nothing
+                    pipe.zrem(index, tag)
+                    pipe.hdel(unacked, tag)
+                pipe.execute()
+    return len(ended)
 
 
 def held_job_ids(

@@ -46,12 +46,13 @@ class LostMessages:
     def due(self, jobs: JobStore, celery: Celery) -> list[JobRecord]:
         """One look: the queued jobs found without a message on every look for `grace_s` and two looks at least, for
         the caller to send one each (they start their grace again)."""
-        # messages of ended jobs go first, a queue idle or not (a dead worker's in `unacked`); where a list's whole
-        # reach was such, more may hide the live ones deeper still (a cancelled backlog): this look says nothing
-        reach_dropped = drop_ended(celery, jobs, self.queues, self.depth)
         # the jobs first, then the broker: a message sent after the jobs were read is not needed by any of them
         candidates = [job_id for queue in self.queues for job_id in jobs.sent_front(queue, self.front)]
-        if not candidates or reach_dropped:
+        if not candidates:
+            return []
+        # messages of ended jobs ahead of the live ones go first; where a list's whole reach was such, more may hide
+        # the live ones deeper still (a cancelled backlog): this look says nothing, and starts no grace
+        if drop_ended(celery, jobs, self.queues, self.depth):
             return []
         held = held_job_ids(celery, self.queues, self.depth, self.unacked_s)
         now = monotonic()

@@ -26,7 +26,7 @@ from storage.jobs import JobStore, Status
 from storage.lifecycle import forget_attempts, sweep
 from storage.logs import configure, settings_secrets
 from storage.overview import lost_message_resent, reaper_passed, storage_problem, sweep_ended
-from storage.queue import send_upscale
+from storage.queue import drop_ended_unacked, send_upscale
 from storage.webhooks import Claim, Outbox, relay_once
 from worker import service
 from worker.celery_app import app
@@ -148,7 +148,7 @@ def main() -> None:
     # on a thread of its own: expiring a day's jobs took a minute, no lease reaped, no message sent meanwhile. Its
     # clients made here first: two threads making boto3's at once may not
     service.jobs(), service.blobs()
-    sweeper = threading.Thread(target=_sweep_every, args=(stop, settings), name="storage sweep", daemon=True)
+    sweeper = threading.Thread(target=_sweep_every, args=(stop, settings, queues), name="storage sweep", daemon=True)
     sweeper.start()
     while not stop.is_set():
         began = monotonic()
@@ -167,11 +167,16 @@ def main() -> None:
     sweeper.join(settings.reap_interval_s)  # a sweep stops at its next record or batch of blobs, else ends with us
 
 
-def _sweep_every(stop: threading.Event, settings: Settings) -> None:
-    """Sweeps blob storage every `sweep_interval_s`, the first time at once, until `stop`."""
+def _sweep_every(stop: threading.Event, settings: Settings, queues: list[str]) -> None:
+    """Sweeps blob storage every `sweep_interval_s`, the first time at once, until `stop`; and kombu's `unacked` of
+    the messages of ended jobs (there for 13 hours otherwise), off the passes' path: a broker down stalls no pass."""
     sweeping = Outage("storage sweep")
     while not stop.is_set():
         began = monotonic()
+        try:
+            drop_ended_unacked(app, service.jobs(), queues)
+        except Exception as error:  # the broker or Redis down: the next sweep tries again
+            log.warning("unacked messages of ended jobs not looked for (%s: %s)", type(error).__name__, error)
         try:
             sweep(service.jobs(), service.blobs(), settings, stop)
             sweeping.passed()

@@ -18,7 +18,14 @@ import pytest
 from storage.config import Settings
 from storage.jobs import InputInfo, JobStore
 from storage.overview import overview
-from storage.queue import UPSCALE_TASK, _upscale_job_id, make_celery, next_job_ids, send_upscale
+from storage.queue import (
+    UPSCALE_TASK,
+    _upscale_job_id,
+    drop_ended_unacked,
+    make_celery,
+    next_job_ids,
+    send_upscale,
+)
 from storage.workers import WorkerRegistry
 from worker.lost import LostMessages
 from worker.reaper import reap_once
@@ -168,8 +175,9 @@ def test_a_backlog_of_cancelled_jobs_ahead_is_dropped_not_taken_for_lost_message
 @pytest.mark.parametrize("prefix", ["", "vsrq-unacked:"])
 def test_a_dead_workers_message_of_an_ended_job_is_dropped_from_unacked(settings: Settings, redis_client, prefix: str):
     """A worker killed mid-job leaves its message in kombu's `unacked` hash, to come back at the visibility timeout
-    (13 hours); its job requeued and ended meanwhile, the entry stayed all that time (a soak: one per kill). The look
-    removes the entries of ended or deleted jobs of its queues; a running job's stays, as does another queue's."""
+    (13 hours); its job requeued and ended meanwhile, the entry stayed all that time (a soak: one per kill). The
+    reaper's sweep removes the entries of ended or deleted jobs of its queues; a running job's stays, as does another
+    queue's."""
     store = JobStore(redis_client, result_ttl_s=60, max_attempts=3, prefix=f"vsrq-lost-{secrets.token_hex(4)}")
     app = make_celery(settings.model_copy(update={"broker_transport_options": {"global_keyprefix": prefix}}))
     queue, other = f"vsrq.lost-{secrets.token_hex(3)}", f"vsrq.other-{secrets.token_hex(3)}"
@@ -194,7 +202,7 @@ def test_a_dead_workers_message_of_an_ended_job_is_dropped_from_unacked(settings
             store.cancel(deleted.id)
             store.delete(deleted.id)
             store.lease(running.id, "w@host/1", 60)
-            LostMessages([queue], grace_s=0).due(store, app)
+            assert drop_ended_unacked(app, store, [queue]) == 2  # what the reaper's sweep thread does
             assert held_by(f"{prefix}unacked") == {running.id, elsewhere.id} == held_by(f"{prefix}unacked_index")
         finally:
             for message in taken.values():
