@@ -33,9 +33,8 @@ class LostMessages:
     behind a lost one are leased and leave the queue, so lost jobs gather there; `depth`: how many messages of each list
     are read (bounded cost; messages of ended jobs among them are removed first, and a look whose reach held nothing
     else counts for nothing; a job whose message still waits deeper is taken for lost: one harmless duplicate);
-    `unacked_s`:
-    how long ago a consumer may have taken a queued job's message and still hold it (None: for as long as `unacked`
-    keeps it)."""
+    `unacked_s`: how long ago a consumer may have taken a queued job's message and still hold it (None: for as long as
+    `unacked` keeps it)."""
 
     def __init__(
         self, queues: list[str], grace_s: float, front: int = 100, depth: int = 1000, unacked_s: float | None = None

@@ -170,13 +170,14 @@ def main() -> None:
 def _sweep_every(stop: threading.Event, settings: Settings, queues: list[str]) -> None:
     """Sweeps blob storage every `sweep_interval_s`, the first time at once, until `stop`; and kombu's `unacked` of
     the messages of ended jobs (there for 13 hours otherwise), off the passes' path: a broker down stalls no pass."""
-    sweeping = Outage("storage sweep")
+    sweeping, unacked = Outage("storage sweep"), Outage("the look at unacked messages")
     while not stop.is_set():
         began = monotonic()
         try:
             drop_ended_unacked(app, service.jobs(), queues)
+            unacked.passed()
         except Exception as error:  # the broker or Redis down: the next sweep tries again
-            log.warning("unacked messages of ended jobs not looked for (%s: %s)", type(error).__name__, error)
+            unacked.failed(error)
         try:
             sweep(service.jobs(), service.blobs(), settings, stop)
             sweeping.passed()

@@ -156,8 +156,8 @@ def _exit_refused(why: str) -> None:
 
 @app.task(name=UPSCALE_TASK, bind=True, max_retries=None)  # retried only while its job cannot be leased
 def upscale(self, job_id: str) -> None:
-    if worker_state.should_stop:  # this worker said it stops (storage refused it, a tail stuck): the job it gave back
-        # came straight to it
+    # this worker said it stops (storage refused it, a tail stuck): the job it gave back came straight to it
+    if worker_state.should_stop:
         raise Reject("this worker is stopping", requeue=True)
     if _refuse_behind_a_stuck_tail(job_id, self.request.headers or {}):
         return
