@@ -5,12 +5,14 @@ import os
 import resource
 import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 from infra.children import die_with_parent
 from storage.config import Settings, loopback_host, say_unknown_variables
+from storage.held_dirs import held_directory
 from storage.logs import dict_config, settings_secrets
+
+METRICS_PREFIX = "vsrq-api-metrics-"  # not the "vsrq-metrics-" of releases before: theirs have no lock to read
 
 _settings = Settings()  # VSRQ_BIND, VSRQ_WEB_WORKERS, VSRQ_WEB_THREADS among them
 bind = _settings.bind
@@ -44,11 +46,15 @@ logconfig_dict = dict_config(_settings.log_format, _settings.log_level, settings
 
 # /metrics (api/metrics.py) sums the samples that every worker process writes to this directory (prometheus-client's
 # multiprocess mode). Set here, before the workers fork and import prometheus_client; emptied at start, since the
-# files of a previous run would be summed in. One made here goes when the master exits (on_exit); the variable that
-# says so is inherited, as the directory is, by a master re-executed with USR2 and read again on a HUP's reload.
+# files of a previous run would be summed in. One made here goes when the master exits (on_exit). A HUP's reload
+# reads the variable again; a master USR2 re-executes gets gunicorn's environment from before this file first ran,
+# so it makes one of its own, unless a HUP came before (then it shares this one, hence on_exit's test).
+# Held (storage.held_dirs), so that the next API started in this temporary directory removes it where the master was
+# killed (SIGKILL, the OOM killer) and on_exit never ran; inherited by a re-executed master, which may use it.
 if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vsrq-metrics-")
-    os.environ["_VSRQ_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    _made, _held = held_directory(METRICS_PREFIX)
+    os.set_inheritable(_held, True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ["_VSRQ_METRICS_DIR"] = str(_made)
 
 
 def when_ready(server) -> None:
@@ -80,7 +86,7 @@ def on_starting(server) -> None:
 
 def on_exit(server) -> None:
     # Not where a master re-executed by USR2 goes on: it may hold the same directory (after a HUP, gunicorn's saved
-    # environment names it), which would be deleted under it; one it made of its own is left (an upgrade's, rare)
+    # environment names it), which would be deleted under it; one it made of its own goes at the next start
     made = os.environ.get("_VSRQ_METRICS_DIR")
     if made and made == os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not server.reexec_pid:
         shutil.rmtree(made, ignore_errors=True)

@@ -34,10 +34,10 @@ import botocore.exceptions
 import redis.exceptions
 
 from storage.blobs import BlobNotFound
+from storage.held_dirs import held_directory, release
 from storage.jobs import FileDigest, JobRecord, Status
 from storage.queue import next_job_ids
 from worker import metrics, service
-from worker.scratch import held_directory, release
 
 log = logging.getLogger("vsrq.worker")
 

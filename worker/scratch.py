@@ -1,10 +1,8 @@
 """The worker's scratch disk: its directories, what a job writes to it at most, and whether the disk has that much
 left.
 
-Each directory a worker makes there (a job's scratch, its prefetch cache) is held for its life by a lock file its
-process flock's: one nobody holds is a dead process's (`kill -9`, the OOM killer), and the next directory made with its
-prefix removes it. A killed worker's job scratch held its input and raw frames, gigabytes at real sizes, until the
-disk filled. flock, not a PID: it works across PID namespaces sharing the volume, where a PID says nothing.
+Each directory a worker makes there (a job's scratch, its prefetch cache) is held for its life (`storage.held_dirs`): a
+dead worker's is removed by the next one made with its prefix.
 
 A job's scratch directory holds its input, its kept windows while its engine runs, and its MP4 until its tail ends; a
 prefetched input (worker.prefetch) and the held tails' files (worker.finisher) share the disk with it.
@@ -17,53 +15,19 @@ frames) and the MP4 encoded so far.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 import shutil
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import av
 
+from storage.held_dirs import held_directory, release
 from worker.media import webp
 from worker.media.source import fragmented, open_input
 from worker.sr.windows import DEFAULT_WINDOW, overlap_for, window_count
 
 JOB_PREFIX = "vsrq-job-"  # a job's scratch directory
-_LOCK = "lock"  # flock'ed by the directory's process for its life
-_GRACE_S = 60  # a hidden directory younger than this may be being made
-
-
-def held_directory(prefix: str, root: Path | None = None) -> tuple[Path, int]:
-    """A new directory named `prefix`… under `root` (the temporary directory), and the descriptor of its lock file,
-    flock'ed: the directory is this process's while the descriptor stays open. Dead processes' directories of the
-    same prefix are removed first. It is made under a hidden name and shown once locked, so that a sweep never sees
-    a live one unlocked (its lock file made, not yet locked: a sweep in between deleted a live job's scratch)."""
-    root = root or Path(tempfile.gettempdir())
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"{prefix}*"):
-        if _abandoned(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-    for stale in root.glob(f".{prefix}*"):  # its process killed before it showed it
-        with contextlib.suppress(OSError):
-            if time.time() - stale.stat().st_mtime > _GRACE_S:
-                shutil.rmtree(stale, ignore_errors=True)
-    hidden = Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=root))
-    held = os.open(hidden / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    directory = hidden.with_name(hidden.name[1:])
-    hidden.rename(directory)
-    return directory, held
-
-
-def release(directory: Path, held: int) -> None:
-    """Removes a `held_directory` and lets go of it."""
-    shutil.rmtree(directory, ignore_errors=True)
-    os.close(held)
 
 
 @contextmanager
@@ -74,25 +38,6 @@ def job_scratch(root: Path | None = None) -> Iterator[Path]:
         yield directory
     finally:
         release(directory, held)
-
-
-def _abandoned(directory: Path) -> bool:
-    """Whether a held directory is a dead process's: this user's, and its lock file held by no process."""
-    try:
-        if directory.stat().st_uid != os.geteuid():
-            return False
-        handle = os.open(directory / _LOCK, os.O_RDWR)
-    except FileNotFoundError:  # none: made before lock files were (or gone already)
-        return directory.exists()
-    except OSError:
-        return False
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # its process is alive
-        return False
-    finally:
-        os.close(handle)
-    return True
 
 
 def scratch_bytes(

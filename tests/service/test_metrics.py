@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
+import psutil
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +22,7 @@ from .conftest import KEYS, serve_api
 from .test_worker import celery_worker, create, wait_for
 
 Samples = dict[tuple[str, frozenset], float]
+METRICS_PREFIX = "vsrq-api-metrics-"  # infra/gunicorn.conf.py's
 
 
 def scrape(url: str) -> Samples:
@@ -142,9 +144,33 @@ def test_the_api_s_metrics_directory_goes_when_it_stops(service_env, tmp_path):
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         with serve_api({**service_env, "TMPDIR": str(tmp_path)}, tmp_path / "gunicorn.log") as url:
             scrape(url)
-            [made] = tmp_path.glob("vsrq-metrics-*")
+            [made] = tmp_path.glob(f"{METRICS_PREFIX}*")
             assert any(made.glob("*.db"))
-    assert list(tmp_path.glob("vsrq-metrics-*")) == []
+    assert list(tmp_path.glob(f"{METRICS_PREFIX}*")) == []
+
+
+def test_a_killed_api_s_metrics_directory_goes_at_the_next_start(service_env, tmp_path):
+    """A master killed hard (SIGKILL, the OOM killer) never cleans up: its directory goes when the next API starts in
+    the same temporary directory (a container's /tmp outlives its process), a live one's stays. Before: a soak trial
+    found one kept for good at every kill."""
+    env = {**service_env, "TMPDIR": str(tmp_path)}
+    with mock.patch.dict(os.environ):
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        with serve_api(env, tmp_path / "killed.log") as url:
+            scrape(url)
+            [killed] = tmp_path.glob(f"{METRICS_PREFIX}*")
+            children = psutil.Process().children()
+            [master] = [child for child in children if child.environ().get("TMPDIR") == env["TMPDIR"]]
+            workers = master.children()
+            master.kill()
+            psutil.wait_procs([master, *workers], timeout=30)
+        assert killed.exists()
+        with serve_api(env, tmp_path / "live.log"):
+            with serve_api(env, tmp_path / "next.log") as url:
+                scrape(url)
+                assert not killed.exists()
+                assert len(list(tmp_path.glob(f"{METRICS_PREFIX}*"))) == 2  # the live API's kept
+    assert list(tmp_path.glob(f"{METRICS_PREFIX}*")) == []
 
 
 def test_jobs_are_counted_by_owner_without_reading_the_keyspace(tmp_path):
