@@ -248,8 +248,17 @@ class JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    webhook_url: HttpsUrl | None = None
-    metadata: dict[str, str] = Field(default_factory=dict, max_length=16)
+    webhook_url: HttpsUrl | None = Field(
+        None,
+        description="an https URL POSTed to once the job ends (the `webhooks` section), signed with the API key's "
+        "webhook_secret (a key without one is refused: webhook_secret_missing); a public address only, no redirect "
+        "followed; retried with backoff (8 attempts over 2-4 h by default) until it answers 2xx or 410",
+    )
+    metadata: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="the caller's own labels, returned with the job: 16 at most, keys of 64 characters, values of 512",
+    )
 
     @field_validator("metadata", mode="before")
     @classmethod
