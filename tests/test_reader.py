@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from av.video.reformatter import ColorRange
 
+from worker.media.errors import InputCorrupt
 from worker.media.probe import decode_declared_picture, probe
-from worker.media.reader import EXACT_8_BIT, _source_colour, read_frames
+from worker.media.reader import EXACT_8_BIT, Reading, _source_colour, read_frames
 from worker.media.synthetic import write_clip
 
 # Real files (tests/corpus/manifest.toml) of each kind of conversion: 10-bit HEVC (BT.601 tagged), RGB (argb) and
@@ -213,3 +214,83 @@ def test_8_bit_pictures_are_read_in_their_exact_colours(tmp_path, matrix):
     bars = [picture[:, bar * width // 8 + 16 : (bar + 1) * width // 8 - 16].reshape(-1, 3).mean(0) for bar in range(8)]
     error = np.abs(np.array(bars) - exact).max()
     assert error <= 0.75, (error, np.round(bars, 1).tolist(), np.round(exact, 1).tolist())
+
+
+# -- damaged real files: read as players read them, or refused before the work ----------------------------------------
+
+
+def _segment(corpus_cache: Path) -> bytes:
+    """A real MPEG-TS (H.264 and AAC, 134 frames of 388x300): what a damaged download or recording starts from."""
+    return (corpus_cache / "muxjs-test-segment.ts").read_bytes()
+
+
+def _read(path: Path) -> tuple[list[np.ndarray], Reading]:
+    reading = Reading()
+    return list(read_frames(path, probe(path).video, reading)), reading
+
+
+def test_frames_a_damaged_file_does_not_decode_are_the_frames_before_them(corpus_cache, tmp_path):
+    """5 % of an MPEG-TS lost a third of the way in (a download that skipped a block): FFmpeg's decoder gives 120 of
+    its 128 frames, silently. Counted only at the end, the job failed after every window had run (`input_corrupt`,
+    "decoded 120 frames, the container holds 128"); players show the frame before each missing one, and so does the
+    reader now, each in its place, so the sound stays in sync."""
+    data = _segment(corpus_cache)
+    damaged = tmp_path / "lost.ts"
+    damaged.write_bytes(data[: len(data) // 3] + data[len(data) // 3 + len(data) // 20 :])
+    video = probe(damaged).video
+    with av.open(str(damaged)) as container:  # what the decoder gives, and where
+        given = [frame.pts for frame in container.decode(container.streams.video[0])]
+    frames, reading = _read(damaged)
+    assert (video.frames, len(given)) == (128, 120) and len(frames) == video.frames
+    assert reading.repeated == video.frames - len(given) == 8
+    missing = [index for index, pts in enumerate(video.presented) if pts not in given]
+    assert len(missing) == 8 and all(np.array_equal(frames[index], frames[index - 1]) for index in missing)
+
+
+def test_a_file_missing_a_tenth_of_its_frames_is_refused_where_that_is_met(corpus_cache, tmp_path):
+    data = _segment(corpus_cache)[: 62_416]  # its first 40 frames, then 5 % of them lost
+    damaged = tmp_path / "ruined.ts"
+    damaged.write_bytes(data[: len(data) // 3] + data[len(data) // 3 + len(data) // 20 :])
+    video = probe(damaged).video
+    read = 0
+    with pytest.raises(InputCorrupt, match="over a tenth of its 40 frames do not decode"):
+        for _ in read_frames(damaged, video):
+            read += 1
+    assert read < 30 < video.frames
+
+
+def test_a_stream_that_appears_mid_file_ends_nothing(corpus_cache, tmp_path):
+    """One bit flipped in a TS packet's PID: FFmpeg meets a stream its header did not list, and PyAV 18's demux then
+    raised IndexError after the last packet (the job: `internal_error`). Its packets are not the video's: every frame
+    is read, and the probe reads to the end."""
+    data = bytearray(_segment(corpus_cache))
+    at = 645 * 188  # a packet that starts a frame of the video (PID 0x100), two thirds in
+    assert data[at : at + 3] == bytes.fromhex("474100")
+    data[at + 2] = 0x10  # PID 0x110: no stream of the file's
+    moved = tmp_path / "moved.ts"
+    moved.write_bytes(bytes(data))
+    with av.open(str(moved)) as container, pytest.raises(IndexError):  # PyAV's own
+        for _ in container.demux():
+            pass
+    frames, reading = _read(moved)
+    assert len(frames) == probe(moved).video.frames > 120
+
+
+def test_a_ts_cut_in_its_sound_reads_what_it_holds(corpus_cache, tmp_path):
+    """The first 8 KiB of an MPEG-TS (a download stopped at once): FFmpeg's AAC parser hands on pieces of the cut
+    packet flagged corrupt, with no position in the file; taken for a position, None failed the job as
+    `internal_error`."""
+    cut = tmp_path / "cut.ts"
+    cut.write_bytes(_segment(corpus_cache)[:8192])
+    frames, _ = _read(cut)
+    assert len(frames) == probe(cut).video.frames > 0
+
+
+def test_timestamps_no_recording_has_are_called_damaged(corpus_cache, tmp_path):
+    """An FLV appended to itself: its second part's sound starts over, and the span FFmpeg gives wraps to 9.2e15 s.
+    That is damage to say so, not a length over the limit ("its audio runs to 9223372032559810 s")."""
+    data = (corpus_cache / "hachoir-breakdance.flv").read_bytes()
+    joined = tmp_path / "joined.flv"
+    joined.write_bytes(data + data)
+    with pytest.raises(InputCorrupt, match="timestamps jump .* ahead, longer than any recording: they are damaged"):
+        probe(joined)

@@ -552,6 +552,12 @@ def _notes(
                      "frames after went on (a muxer's error): each was timed between its neighbours")
     if not video.cfr:
         notes.append(f"variable frame rate (average {float(video.fps):.3f} fps): every frame keeps its timestamp")
+    if reading.repeated:
+        notes.append(f"{reading.repeated} of the source's {source.frames} frames do not decode (the file is damaged "
+                     "there): each was shown as the frame before it, as players do, so the output keeps its timing")
+    if reading.damaged:
+        notes.append(f"the decoder found damage in {reading.damaged} of the source's frames and covered it as players "
+                     "do: those frames and the ones after them, up to the next keyframe, may show smears or blocks")
     if info.cut_short:
         notes.append("the source file ends partway through a frame or a sound packet (a recording that stopped while "
                      "it was written, or a partial copy): what comes before the cut was upscaled")  # fmt: skip

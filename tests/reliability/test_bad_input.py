@@ -202,8 +202,31 @@ ODD: dict[str, tuple[Callable[[Path], Path], tuple[int, int, int]]] = {
 }
 
 
-def test_bad_files_fail_with_their_code_and_odd_ones_complete(rel_api, cpu_worker, tmp_path, clip):
+def damaged_files(corpus_cache: Path) -> tuple[dict[str, tuple[bytes, str]], dict[str, tuple[bytes, str | None, int]]]:
+    """Real files damaged as downloads and recordings are: (name -> (bytes, the failed job's code)), and those that
+    complete (name -> (bytes, a note the job has, its frames))."""
+    ts = (corpus_cache / "muxjs-test-segment.ts").read_bytes()
+    flv = (corpus_cache / "hachoir-breakdance.flv").read_bytes()
+    first_40 = ts[:62_416]  # its first 40 frames, then 5 % of them lost
+    lost = first_40[: len(first_40) // 3] + first_40[len(first_40) // 3 + len(first_40) // 20 :]
+    failing = {
+        # a sound packet's timestamps wrapped past int64: "its audio runs to 9223372032559810 s" (input_too_large)
+        "flv joined to itself": (flv + flv, "input_corrupt"),
+        "ts a tenth of its frames lost": (lost, "input_corrupt"),
+    }
+    completing = {
+        # the decoder gives 120 of 128 frames: failed after every window had run, "decoded 120 frames, the container
+        # holds 128"
+        "ts a block lost": (ts[: len(ts) // 3] + ts[len(ts) // 3 + len(ts) // 20 :], "8 of the source's 128", 128),
+        "ts cut at 8 KiB": (ts[:8192], None, 6),  # internal_error: a sound packet's position None
+    }
+    return failing, completing
+
+
+def test_bad_files_fail_with_their_code_and_odd_ones_complete(rel_api, cpu_worker, tmp_path, clip, corpus_cache):
     corpus = bad_files(tmp_path)
+    damaged, readable = damaged_files(corpus_cache)
+    corpus |= damaged
     submitted: dict[str, str] = {}  # case -> job id
     for name, (data, _) in corpus.items():
         response = create(rel_api.url, KEY, data)
@@ -211,6 +234,10 @@ def test_bad_files_fail_with_their_code_and_odd_ones_complete(rel_api, cpu_worke
         submitted[name] = response.json()["id"]
     for name, (write, _) in ODD.items():
         response = create(rel_api.url, KEY, write(tmp_path / "odd.mp4").read_bytes())
+        assert response.status_code == 200, (name, response.text)
+        submitted[name] = response.json()["id"]
+    for name, (data, _, _) in readable.items():
+        response = create(rel_api.url, KEY, data)
         assert response.status_code == 200, (name, response.text)
         submitted[name] = response.json()["id"]
     # a header injection and a path traversal in the filename: stored as the caller's label, never as a key or header
@@ -236,6 +263,11 @@ def test_bad_files_fail_with_their_code_and_odd_ones_complete(rel_api, cpu_worke
         assert job["status"] == "completed", (name, job)
         assert (job["size"], job["output"]["media"]["frames"]) == (f"{width}x{height}", frames), (name, job)
 
+    for name, (_, note, frames) in readable.items():
+        job = outcomes[name]
+        assert job["status"] == "completed" and job["output"]["media"]["frames"] == frames, (name, job)
+        assert note is None or any(note in line for line in job["output"]["notes"]), (name, job["output"]["notes"])
+
     nasty_job = outcomes["nasty filename"]
     assert nasty_job["status"] == "completed", nasty_job
     stored = requests.get(f"{rel_api.url}/v1/videos/{nasty_job['id']}", headers=auth(KEY), timeout=30)
@@ -250,7 +282,7 @@ def test_bad_files_fail_with_their_code_and_odd_ones_complete(rel_api, cpu_worke
     codes = sorted({job["error"]["code"] for job in outcomes.values() if job["error"]})
     print(
         f"FIGURE bad_input files: {len(corpus)} bad -> {len(corpus)} failed with a stable code ({', '.join(codes)}); "
-        f"{len(ODD) + 1}/{len(ODD) + 1} odd-but-valid completed"
+        f"{len(ODD) + len(readable) + 1}/{len(ODD) + len(readable) + 1} odd-but-valid or damaged-but-readable completed"
     )
 
 

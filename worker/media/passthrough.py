@@ -29,7 +29,7 @@ from av.subtitles.subtitle import AssSubtitle, SubtitleSet
 
 from worker.media.errors import InputCorrupt
 from worker.media.probe import AudioInfo, AVError, MediaInfo, cut_off
-from worker.media.source import open_input
+from worker.media.source import demux, open_input
 from worker.media.timecode import output_count, recount
 
 COPY_AUDIO = frozenset({"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"})
@@ -144,7 +144,7 @@ class Passthrough:
         self.streams = [self.container.streams[index] for index in wanted]
         self.handlers: dict[int, _Handler] = {}
         self._actions = wanted
-        self._packets = self.container.demux(self.streams) if self.streams else iter(())
+        self._packets = demux(self.container, *self.streams) if self.streams else iter(())
         self._pending: av.Packet | None = None
 
     def add_streams(self, output: av.container.OutputContainer) -> None:

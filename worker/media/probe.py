@@ -37,9 +37,11 @@ from worker.media.matroska import codec_ids, header_only
 from worker.media.mp4_boxes import chapter_tracks, children, movie, presented
 from worker.media.protection import protection
 from worker.media.side_data import SideData, side_data
-from worker.media.source import alpha_beside, fragmented, iso_bmff, open_input, unpacker
+from worker.media.source import alpha_beside, demux, fragmented, iso_bmff, open_input, unpacker
 from worker.media.timecode import Count, timecode_counts
 
+# A span of timestamps no recording has (30 days): a damaged file's (an FLV joined to itself: 9.2e15 s, int64 wrapped)
+_NO_RECORDING_S = 30 * 86400
 AVError = (av.error.FFmpegError, OSError)  # PyAV raises both, depending on the errno FFmpeg returns
 
 # FFmpeg's AVColorSpace / AVColorRange values, named for people.
@@ -82,6 +84,9 @@ class VideoInfo:
     mirrored: bool = False  # after the turn by `rotation`, flipped left to right for display
     # Variable rate only: every frame's presentation time in `time_base`, counted from the first frame.
     timestamps: tuple[int, ...] = field(default=(), repr=False)
+    # Every frame's presentation time in `time_base`, in order, where each frame has one of its own and none was
+    # retimed (else empty): where the reader places each frame it decodes (`reader._Timeline`).
+    presented: tuple[int, ...] = field(default=(), repr=False)
     # Variable rate only: how long the last frame lasts in `time_base`, as its packet says (0: it does not say).
     last_duration: int = 0
     # A stream that changes size mid-way: each size its keyframes were seen at, (width, height) as stored, in order
@@ -175,10 +180,10 @@ class MediaInfo:
     cut_short: bool = False  # the file ends inside a packet (`cut_off`): a recording that stopped mid-write
 
     def to_dict(self) -> dict:
-        """JSON-ready (timestamps left out)."""
+        """JSON-ready (the frames' timestamps left out)."""
         info = asdict(self)
         info["path"] = str(self.path)
-        del info["video"]["timestamps"]
+        del info["video"]["timestamps"], info["video"]["presented"]
         info["video"].update(fps=str(self.video.fps), time_base=str(self.video.time_base), sar=str(self.video.sar))
         return info
 
@@ -263,7 +268,7 @@ def _probe(path: Path, size: int, limits: Limits, alive: Callable[[], bool] | No
     try:
         container = open_input(path, metadata_errors="replace")
     except AVError as error:
-        raise InputUnreadable(f"{path.name} is not a video file FFmpeg can read ({_reason(error)})") from None
+        raise InputUnreadable(f"{path.name} is not a video file FFmpeg can read ({reason(error)})") from None
     with container:
         stream = _video_stream(container, path)
         _check_declared(container, stream, path, limits)
@@ -340,13 +345,14 @@ def _subtitle_codec(stream: av.stream.Stream, tracks_codecs: list[str]) -> str:
     return codec
 
 
-def _reason(error: BaseException) -> str:
-    reason = getattr(error, "strerror", None) or str(error)
+def reason(error: BaseException) -> str:
+    """What FFmpeg said of `error`, for a user: its words, not its errno or the function that failed."""
+    said = getattr(error, "strerror", None) or str(error)
     # FFmpeg's decoders answer bad data with POSIX codes too (its GIF decoder EPERM for an LZW code past its table):
     # "Operation not permitted" alone sent users to check the file's permissions
     if isinstance(error, OSError) and "avcodec_" in str(error):
-        return f"its data does not decode: {reason}"
-    return reason
+        return f"its data does not decode: {said}"
+    return said
 
 
 def _video_stream(container: av.container.InputContainer, path: Path) -> av.VideoStream:
@@ -483,7 +489,7 @@ def cut_off(packet: av.Packet, size: int) -> bool:
     phone or OBS crashing, a fragmented MP4 copied while it grew). The demuxer hands over the bytes there are and
     flags the packet corrupt. It holds no whole frame: counted, the video came up frames short only once decoded
     (frame threads drop the frames decoded beside it), after the upscaling; copied, its sound does not decode."""
-    return packet.is_corrupt and packet.pos >= 0 and packet.pos + packet.size >= size
+    return packet.is_corrupt and packet.pos is not None and packet.pos >= 0 and packet.pos + packet.size >= size
 
 
 def _scan(
@@ -501,7 +507,7 @@ def _scan(
     second_field = second_fields(stream)
     size = path.stat().st_size
     try:
-        for packet in container.demux():
+        for packet in demux(container):
             stop_if_asked(alive)
             if packet.size == 0:
                 continue
@@ -525,10 +531,16 @@ def _scan(
                 if owner.type in ("video", "audio"):  # not a data track's clock (teletext, SCTE-35), nor subtitles
                     scan.earliest, scan.latest_end = min(scan.earliest, start), max(scan.latest_end, end)
                 # the sound's too: a second of video with ten hours of it came back ten hours long
-                if limits.max_seconds is not None and scan.latest_end - scan.earliest > limits.max_seconds:
+                span = scan.latest_end - scan.earliest
+                if limits.max_seconds is not None and span > max(limits.max_seconds, _NO_RECORDING_S):
+                    raise InputCorrupt(
+                        f"{path.name}: its {owner.type}'s timestamps jump {span:.3g} s ahead, longer than any "
+                        "recording: they are damaged"
+                    )
+                if limits.max_seconds is not None and span > limits.max_seconds:
                     raise InputTooLarge(
-                        f"{path.name} lasts over {limits.max_seconds:g} s (its {owner.type} runs to "
-                        f"{scan.latest_end - scan.earliest:.0f} s); the limit is {limits.max_seconds:g} s"
+                        f"{path.name} lasts over {limits.max_seconds:g} s (its {owner.type} spans {span:.0f} s); "
+                        f"the limit is {limits.max_seconds:g} s"
                     )
                 if owner.type == "audio" and not packet.is_discard:
                     scan.audio_latest[owner.index] = start
@@ -560,7 +572,7 @@ def _scan(
         else:
             _seen(scan, stream, _decoded_key(stream, None))
     except AVError as error:
-        raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
+        raise InputCorrupt(f"{path.name} cannot be read to the end ({reason(error)})") from None
     if scan.first_frame is None:
         raise InputCorrupt(f"{path.name} holds no decodable video frame")
     _leading(scan, path, stream.index)
@@ -652,7 +664,7 @@ def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
             decode_declared_picture(stream)
             unpack = unpacker(stream)
             left, after = len(leading), 0
-            for packet in container.demux(stream):
+            for packet in demux(container, stream):
                 if not packet.size or cut_off(packet, size):
                     continue
                 left -= packet.pts in leading
@@ -662,7 +674,7 @@ def _decoded_times(path: Path, index: int, leading: set[int]) -> set[int]:
                     break
             shown.update(frame.pts for frame in stream.decode(None))
     except AVError as error:
-        raise InputCorrupt(f"{path.name}: its first frames cannot be decoded ({_reason(error)})") from None
+        raise InputCorrupt(f"{path.name}: its first frames cannot be decoded ({reason(error)})") from None
     return shown
 
 
@@ -672,9 +684,9 @@ def _packets_held(path: Path, index: int) -> int:
     fewer packets than the index lists is no sign of a cut file until they are counted without it."""
     try:
         with open_input(path, options={"ignore_editlist": "1"}) as container:
-            return sum(1 for packet in container.demux(container.streams[index]) if packet.size)
+            return sum(1 for packet in demux(container, container.streams[index]) if packet.size)
     except AVError as error:
-        raise InputCorrupt(f"{path.name} cannot be read to the end ({_reason(error)})") from None
+        raise InputCorrupt(f"{path.name} cannot be read to the end ({reason(error)})") from None
 
 
 def decode_declared_picture(stream: av.VideoStream) -> None:
@@ -794,10 +806,18 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         alpha_beside=alpha_beside(stream),
         stereo=_stereo(stream, path),
         retimed=retimed,
+        presented=_presented_times(scan.timestamps) if not retimed else (),
         undecodable=scan.undecodable,
         mastering=mastering,
         light_level=light_level,
     )
+
+
+def _presented_times(pts: list[int | None]) -> tuple[int, ...]:
+    """`pts` in order, where every frame has a timestamp of its own (else empty: nothing to place frames by)."""
+    if None in pts or len(set(pts)) < len(pts):
+        return ()
+    return tuple(sorted(pts))
 
 
 def _frame_clock(

@@ -21,9 +21,9 @@ from av.video.reformatter import ColorRange, Colorspace, Interpolation, VideoRef
 
 from worker.media import alpha_track, webp
 from worker.media.errors import InputCorrupt, InputTooLarge
-from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture
+from worker.media.probe import AVError, VideoInfo, cut_off, decode_declared_picture, reason
 from worker.media.side_data import SideData, side_data
-from worker.media.source import decoder, open_input, unpacker
+from worker.media.source import decoder, demux, open_input, unpacker
 
 T = TypeVar("T")
 _UNSPECIFIED = 2  # AVCOL_SPC_UNSPECIFIED
@@ -47,12 +47,17 @@ class Reading:
     """What `read_frames` met, counted as it reads: the frames flagged interlaced (each one deinterlaced) and the
     field order they were read in ("auto": each frame's own flag); the frames with a transparent pixel (composited
     over the background: `_over`); the frames carrying closed captions in the video stream (CEA-608/708, A/53), which
-    the output cannot carry (PyAV gives no way to attach them to a frame it encodes)."""
+    the output cannot carry (PyAV gives no way to attach them to a frame it encodes); the frames of a damaged file it
+    could not decode, and those it concealed damage in."""
 
     interlaced: int = 0
     parity: str | None = None
     transparent: int = 0
     captions: int = 0
+    # the frames the decoder could not give (damage in the file: it skipped them, or failed on their data), each
+    # shown as the frame before it (`_Timeline`); and those it gave flagged corrupt (its concealment of damage)
+    repeated: int = 0
+    damaged: int = 0
 
 
 # How an interlaced source becomes progressive frames: one for each source frame (its rate), one for each field (twice
@@ -113,8 +118,9 @@ def read_frames(
     `field` cadence two frames come out of every source frame, one at each field's instant, at `film` four of every
     five, telecine undone (`video` then counts them: `at_cadence`). Frames with an alpha channel are composited over
     `background` (8-bit RGB; `reading` counts those it made a difference to). Raises `InputCorrupt` if decoding fails
-    or yields another frame count, `InputTooLarge` for a frame over `max_pixels` the probe did not see (it decodes
-    an intra-only codec's keyframes once a second: MJPEG's others of 12000x12000 took a worker to 4.5 GB)."""
+    or yields another frame count (a tenth of them missing: `_Timeline`), `InputTooLarge` for a frame over
+    `max_pixels` the probe did not see (it decodes an intra-only codec's keyframes once a second: MJPEG's others of
+    12000x12000 took a worker to 4.5 GB)."""
     reading = reading or Reading()
     if video.codec == "webp":  # animated WebP: FFmpeg cannot decode it (`webp`)
         pictures = (_over(rgba, background, reading, video.codec) for rgba in webp.read(Path(path)))
@@ -128,7 +134,8 @@ def read_frames(
                 break
             yield pixels
     except AVError as error:
-        raise InputCorrupt(f"{Path(path).name}: decoding failed after {count} frames ({error})") from None
+        name = Path(path).name
+        raise InputCorrupt(f"{name}: its video does not decode past frame {count} ({reason(error)})") from None
     finally:
         pictures.close()
     if count != video.frames:
@@ -157,12 +164,20 @@ def _pictures(
     reformatter = VideoReformatter()
     # an animated AVIF's alpha comes from a track of its own, a frame for each of the colour track's
     alphas = alpha_track.frames(path, video.alpha_index)
+    shown: np.ndarray | None = None
     with open_input(path) as container, closing(alphas):
+        # AVI's timestamps are its packets' order, which packed B-frames shuffle (FFmpeg's decoded pts 1, 3, 2, 5, 4)
+        placed = cadence == "frame" and container.format.name != "avi"
+        timeline = _Timeline(video, reading, Path(path).name) if placed else None
         stream = container.streams[video.index]
         stream.thread_type = "AUTO"
         decode_declared_picture(stream)
-        frames = _decode(container, stream, Path(path).stat().st_size)
+        frames = _decode(container, stream, Path(path).stat().st_size, passing=bool(timeline and timeline.places))
         for frame in _deinterlaced(frames, stream, reading, cadence):
+            reading.damaged += frame.is_corrupt
+            missing = timeline.missing_before(_in_stream_time(frame, stream)) if timeline else 0
+            if missing == LATE:
+                continue
             if max_pixels is not None and frame.width * frame.height > max_pixels:
                 raise InputTooLarge(
                     f"{Path(path).name} has a frame of {frame.width}x{frame.height} at {float(frame.time or 0):.3f} s; "
@@ -185,7 +200,67 @@ def _pictures(
             pixels = pixels if inner is None else _boxed(pixels, width, height)
             upright = np.rot90(pixels, turns) if turns else pixels
             upright = np.fliplr(upright) if video.mirrored else upright
-            yield np.ascontiguousarray(upright)  # `pixels` itself where nothing turned or flipped it
+            for _ in range(missing):  # the first frame stands in for any missing before it
+                yield (upright if shown is None else shown).copy()
+            shown = np.ascontiguousarray(upright)  # `pixels` itself where nothing turned or flipped it
+            yield shown
+    for _ in range(timeline.missing_after() if timeline and shown is not None else 0):
+        yield shown.copy()
+
+
+def _in_stream_time(frame: av.VideoFrame, stream: av.VideoStream) -> int | None:
+    """The frame's timestamp in its stream's time base: bwdif's frames are in another (1/180000 for 1/90000)."""
+    if frame.pts is None or frame.time_base in (None, stream.time_base):
+        return frame.pts
+    exact = frame.pts * frame.time_base / stream.time_base
+    return exact.numerator if exact.denominator == 1 else None
+
+
+LATE = -1  # `_Timeline.missing_before`: a frame whose place was filled before it came
+
+
+class _Timeline:
+    """Where each frame the decoder gives belongs among the frames the probe counted, by its timestamp (`presented`):
+    so that a frame it did not give is found where it was missing. A damaged file's decoder skips the frames whose data
+    it cannot use (an MPEG-TS with a chunk lost: 120 of 133), and players show the frame before instead; counted only
+    at the end, the job failed after all its windows had run. A tenth of the frames missing is a file too damaged to
+    upscale, refused as soon as it is met."""
+
+    def __init__(self, video: VideoInfo, reading: Reading, name: str) -> None:
+        placed = len(video.presented) == video.frames  # else: frames it reads otherwise, or timestamps it lacks
+        self.places = {pts: index for index, pts in enumerate(video.presented)} if placed else {}
+        self.frames, self.reading, self.name = video.frames, reading, name
+        self.next = 0
+        self.filled: set[int] = set()
+
+    def missing_before(self, pts: int | None) -> int:
+        """How many frames were missing before the frame decoded at `pts`; LATE where it is one of them, given after
+        the frames that follow it (a damaged stream's decoder can): its place holds the frame before it already."""
+        place = self.places.get(pts) if pts is not None else None
+        if place is not None and place < self.next:
+            if place in self.filled:
+                self.filled.discard(place)
+                return LATE
+            self.places = {}  # timestamps out of order: nothing more is placed by them
+        if place is None or not self.places:  # not placed: it is the next frame
+            self.next += 1
+            return 0
+        missing, self.next = place - self.next, place + 1
+        self.filled.update(range(place - missing, place))
+        return self._count(missing)
+
+    def missing_after(self) -> int:
+        """How many frames are missing after the last one decoded."""
+        return self._count(max(0, self.frames - self.next)) if self.places else 0
+
+    def _count(self, missing: int) -> int:
+        self.reading.repeated += missing
+        if self.reading.repeated > max(1, self.frames // 10):
+            raise InputCorrupt(
+                f"{self.name}: over a tenth of its {self.frames} frames do not decode ({self.reading.repeated} missing "
+                f"by frame {self.next}): the file is too damaged to upscale"
+            )
+        return missing
 
 
 # Codecs whose alpha is always meant (animations for the web): a frame of theirs transparent everywhere is a blank
@@ -241,16 +316,24 @@ def _boxed(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
     return boxed
 
 
-def _decode(container: av.container.InputContainer, stream: av.VideoStream, size: int) -> Iterator[av.VideoFrame]:
+def _decode(
+    container: av.container.InputContainer, stream: av.VideoStream, size: int, passing: bool = False
+) -> Iterator[av.VideoFrame]:
     """Every frame of `stream` (a file of `size` bytes). Empty packets are skipped, not sent: Ogg stores a Theora
     frame that repeats the one before as a 0-byte packet, which the decoder takes for the end of the stream (every
     later packet: EINVAL). So is the packet a cut file ends in (`cut_off`). The probe counts frames the same way.
-    Packed B-frames are unpacked first (`unpacker`); a WebM with alpha is decoded by libvpx (`decoder`)."""
+    Packed B-frames are unpacked first (`unpacker`); a WebM with alpha is decoded by libvpx (`decoder`). Where
+    `passing`, a packet whose data the decoder refuses is passed over, as players do (`_pictures` then finds its frame
+    missing); else it ends the read."""
     unpack, context = unpacker(stream), decoder(stream)
-    for packet in container.demux(stream):
+    for packet in demux(container, stream):
         if packet.size and not cut_off(packet, size):
             for sent in unpack(packet):
-                yield from context.decode(sent)
+                try:
+                    yield from context.decode(sent)
+                except av.error.InvalidDataError:
+                    if not passing:
+                        raise
     for sent in unpack(None):
         yield from context.decode(sent)
     yield from context.decode(None)

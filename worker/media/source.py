@@ -4,7 +4,7 @@ decoder reads: one place, so that the probe, the reader and the carried streams 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import av
@@ -23,6 +23,17 @@ def open_input(path: str | Path, **kwargs) -> av.container.InputContainer:
         options["fflags"] = options.get("fflags", "") + "+ignidx"
         kwargs["options"] = options
     return av.open(str(path), **kwargs)
+
+
+def demux(container: av.container.InputContainer, *streams: av.stream.Stream) -> Iterator[av.Packet]:
+    """`container.demux(*streams)`, ended where a stream appeared after the header. MPEG-TS, MPEG-PS and FLV add a
+    stream as they first meet its packets (a PMT update, a bit flipped in a PID); PyAV 18 skips those packets, then its
+    closing flush walks every stream FFmpeg knows and raises IndexError on the first it never wrapped, after every
+    packet has been read: the end of the file, not a failure (a worker failed such a job as `internal_error`)."""
+    try:
+        yield from container.demux(*streams)
+    except IndexError:
+        return
 
 
 def iso_bmff(container: av.container.InputContainer) -> bool:
