@@ -8,6 +8,7 @@ read in parts (S3 multipart above `part_bytes`), never whole, while its size is 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
 import itertools
@@ -484,11 +485,23 @@ class S3BlobStore:
             version = self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"").get("VersionId")
             try:
                 self.client.delete_object(Bucket=self.bucket, Key=probe, **({"VersionId": version} if version else {}))
-            except ClientError:
+            except ClientError as error:
                 if version is None:
                     raise
                 # a key without DeleteObjectVersion, a store without it: a delete marker at least, as before
                 self.client.delete_object(Bucket=self.bucket, Key=probe)
+                _say_versions_kept(self.bucket, error.response.get("Error", {}).get("Code", "unknown"))
+
+
+@functools.cache
+def _say_versions_kept(bucket: str, code: str) -> None:
+    """Once a process: every health check and start would say it again."""
+    log.warning(
+        "storage refused to delete a write probe's version in the versioned bucket %s (%s): each check leaves a "
+        "version and a delete marker under %s; give the key s3:DeleteObjectVersion, or add a lifecycle rule that "
+        "expires them",
+        bucket, code, WRITE_PROBES,
+    )  # fmt: skip
 
 
 # `check(write=True)`'s objects, each deleted at once: under the jobs' own prefix (a bucket policy may allow no other),
