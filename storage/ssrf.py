@@ -131,6 +131,21 @@ def pinned_pool(
     )
 
 
+def pinned_connection(
+    parts: SplitResult, address: IPAddress, ca_bundle: Path | None, timeout_s: float
+) -> urllib3.connection.HTTPSConnection:
+    """`pinned_pool`'s one connection, for a caller that needs its socket (to cut an exchange at a deadline)."""
+    return urllib3.connection.HTTPSConnection(
+        str(address),
+        parts.port or 443,
+        timeout=timeout_s,
+        server_hostname=parts.hostname,
+        assert_hostname=parts.hostname,
+        cert_reqs="CERT_REQUIRED",
+        ca_certs=str(ca_bundle or certifi.where()),
+    )
+
+
 def request_target(parts: SplitResult) -> str:
     """The path and query to send on a pinned connection."""
     return urlunsplit(("", "", parts.path or "/", parts.query, ""))

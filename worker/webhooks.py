@@ -19,8 +19,12 @@ jitter, never sooner than the receiver's Retry-After, until `webhook_max_attempt
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import logging
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,7 +41,7 @@ from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobNotFound, JobStore, VideoWebhook
 from storage.logs import job_context
 from storage.signatures import signed_headers
-from storage.ssrf import LookupUnavailable, UnsafeUrl, pinned_pool, public_addresses, request_target
+from storage.ssrf import LookupUnavailable, UnsafeUrl, pinned_connection, public_addresses, request_target
 from storage.webhooks import DELIVER_TASK, Outbox, Started
 from storage.workers import this_process
 from worker import metrics, service
@@ -129,28 +133,45 @@ def post(url: str, body: bytes, headers: dict[str, str], settings: Settings, dea
         return Attempt("retry", "lookup_unavailable", f"the webhook URL's host could not be resolved: {error}")
     target = request_target(parts)
     headers = {**headers, "Host": parts.netloc, "User-Agent": "vsrq-webhooks"}
+    late = Attempt("retry", "timeout", f"no answer within {settings.webhook_timeout_s:g} s")
     for address in addresses:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        pool = pinned_pool(parts, address, settings.webhook_ca_bundle, urllib3.Timeout(total=remaining))
+        connection = pinned_connection(parts, address, settings.webhook_ca_bundle, remaining)
+        # urllib3's timeouts bound each read of the socket, not the answer: a receiver that sent a byte every few
+        # seconds held an attempt (and a delivery thread) for as long as it liked. Cut at the deadline instead.
+        cut = threading.Event()
+        watchdog = threading.Timer(remaining, _cut, (connection, cut))
+        watchdog.start()
         try:
-            response = pool.urlopen(
-                "POST", target, body=body, headers=headers, redirect=False, retries=False, preload_content=False
-            )
-            response.close()  # the answer's body is never read: its size costs nothing
+            connection.request("POST", target, body=body, headers=headers, preload_content=False)
+            response = connection.getresponse()  # the answer's body is never read: its size costs nothing
         except (NewConnectionError, ConnectTimeoutError):  # this address is down: try the next
             continue
         except SSLError as error:
             return Attempt("retry", "tls_failed", f"TLS with {parts.hostname} failed: {error.__context__ or error}")
         except urllib3.exceptions.TimeoutError:
-            return Attempt("retry", "timeout", f"no answer within {settings.webhook_timeout_s:g} s")
-        except (urllib3.exceptions.HTTPError, OSError) as error:
+            return late
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as error:
+            if cut.is_set():
+                return late
             return Attempt("retry", "connection_failed", f"the connection failed ({type(error).__name__})")
         finally:
-            pool.close()
+            watchdog.cancel()
+            connection.close()
+        if cut.is_set():  # http.client takes the end of the connection for the end of the headers
+            return late
         return _judged(response.status, response.headers.get("Retry-After"))
     return Attempt("retry", "connection_failed", f"{parts.hostname} could not be reached")
+
+
+def _cut(connection: urllib3.connection.HTTPSConnection, cut: threading.Event) -> None:
+    """Ends an exchange past its deadline: the thread blocked reading the socket wakes to a closed connection."""
+    cut.set()
+    if connection.sock is not None:
+        with contextlib.suppress(OSError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _judged(status: int, retry_after: str | None) -> Attempt:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import ssl
 import threading
@@ -22,9 +23,11 @@ class Received:
 
 class Receiver:
     """An HTTPS server on 127.0.0.1: answers each path with the statuses scripted for it, then 200; keeps every
-    request. A scripted `HANG` answers nothing until `release()`: an attempt in flight."""
+    request. A scripted `HANG` answers nothing until `release()`: an attempt in flight; `TRICKLE` sends an answer
+    that never ends."""
 
     HANG = 0
+    TRICKLE = 1  # 200's status line at once, then a header line a second until `release()`: never a whole answer
 
     def __init__(self, cert: trustme.LeafCert) -> None:
         self.requests: list[Received] = []
@@ -43,6 +46,14 @@ class Receiver:
                 if status == Receiver.HANG:
                     receiver._released.setdefault(self.path, threading.Event()).wait(60)
                     return  # the connection closes without an answer
+                if status == Receiver.TRICKLE:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                    released = receiver._released.setdefault(self.path, threading.Event())
+                    with contextlib.suppress(OSError):  # the caller may cut the connection
+                        while not released.wait(1):
+                            self.wfile.write(b"X-Trickle: 1\r\n")
+                            self.wfile.flush()
+                    return
                 self.send_response(status)
                 if 300 <= status < 400:
                     self.send_header("Location", f"{self.path}/moved")

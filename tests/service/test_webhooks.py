@@ -348,6 +348,21 @@ def test_redirects_are_not_followed_and_410_ends_the_event(webhook_worker, relay
     assert len(receiver.received(gone)) == 1
 
 
+def test_an_answer_that_never_ends_is_cut_at_the_attempt_s_limit(webhook_worker, relay, receiver, jobs):
+    """A receiver that sends a status line, then a header line a second (a chaos trial's): urllib3's timeout bounds
+    each read, so the attempt lasted as long as the receiver liked, holding a delivery thread, and the claim's end
+    sent the event again beside it. Now it ends at VSRQ_WEBHOOK_TIMEOUT_S (2 s here), is retried, and delivered."""
+    path = receiver.path(Receiver.TRICKLE)
+    job_id = ended_without_upscaling(jobs, receiver.url(path))
+    try:
+        first, second = webhook_events(jobs, job_id, 2, limit_s=20)
+    finally:
+        receiver.release(path)
+    assert (first["outcome"], first["code"]) == ("retrying", "timeout") and second["outcome"] == "delivered"
+    started, again = receiver.received(path)[:2]
+    assert again.at - started.at < 2 + 1 + 2  # the limit, the backoff's longest wait (1 s) and a loaded box's slack
+
+
 def test_a_relay_killed_between_taking_and_sending_loses_nothing(
     webhook_worker, relay, receiver, jobs, redis_client, hooks_env, tmp_path
 ):
