@@ -132,8 +132,12 @@ def json_object() -> dict[str, Any]:
     return body
 
 
+CLIENT_CLOSED = 499  # nginx's status for a request its client closed: logged and counted, never sent
+
+
 class TimedInput:
-    """`wsgi.input` whose reads that time out (the worker's pacing) answer 408 rather than look like a disconnect."""
+    """`wsgi.input` whose reads that time out (the worker's pacing) answer 408 rather than look like a disconnect,
+    and whose connection the client closed answer 499 rather than look like our failure."""
 
     def __init__(self, stream: BinaryIO) -> None:
         self._stream = stream
@@ -146,6 +150,11 @@ class TimedInput:
                 408,
                 "request_timeout",
                 f"The request body arrived too slowly ({error.strerror or error}); send it again, at a steady pace.",
+            ) from None
+        except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+            # a client that lost its network mid-upload: its own doing, not a 500 with a traceback (nginx's 499)
+            raise ApiError(
+                CLIENT_CLOSED, "client_disconnected", "The client closed the connection before its body arrived."
             ) from None
 
     def read(self, *args: Any) -> bytes:
