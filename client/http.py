@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import requests
 from requests_toolbelt import MultipartEncoder
@@ -105,6 +105,7 @@ class Client:
             asked = getattr(error, "retry_after", None)
             return asked if asked is not None else backoff(state)
 
+        self.retry_for_s = retry_for_s
         self._retrying = Retrying(
             retry=retry_if_exception(_transient),
             wait=wait,
@@ -124,12 +125,15 @@ class Client:
         content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
         key = idempotency_key or secrets.token_hex(16)  # one key for every try
 
+        progress = _Progress()
+
         def send() -> requests.Response:
             with open(path, "rb") as video:  # opened per try: a retry sends the file from its start
-                form = MultipartEncoder({**fields, "video_reference": (name, video, content_type)})
+                body = _Body(video, path.stat().st_size, progress)
+                form = MultipartEncoder({**fields, "video_reference": (name, body, content_type)})
                 return self._request("POST", "/v1/videos", data=form, headers=_headers(key, form.content_type))
 
-        return self._retry(send).json()
+        return self._retry(send, progress).json()
 
     def upload_in_parts(self, path: str | Path, part_bytes: int = PART_BYTES) -> str:
         """A local file as an upload in parts (OpenAI's Uploads API): each part retried alone, so a connection that
@@ -139,11 +143,20 @@ class Client:
         declared = {"bytes": size, "filename": name, "mime_type": mimetypes.guess_type(name)[0] or "video/mp4"}
         upload = self._retry(lambda: self._request("POST", "/v1/uploads", json=declared)).json()
         part_ids, parts_url = [], f"/v1/uploads/{upload['id']}/parts"
-        with open(path, "rb") as video:
-            while data := video.read(part_bytes):  # one part in memory: what a retry sends again
-                files = {"data": (name, data, "application/octet-stream")}
-                part = self._retry(lambda files=files: self._request("POST", parts_url, files=files)).json()
-                part_ids.append(part["id"])
+
+        def send(offset: int, progress: _Progress) -> requests.Response:
+            # streamed from the file, as a create's is: sent as one `bytes`, a part had to cross the link within the
+            # connect timeout (10 s: urllib3 sends a body under it, and `sendall` bounds the whole call)
+            with open(path, "rb") as video:
+                video.seek(offset)
+                body = _Body(video, min(part_bytes, size - offset), progress)
+                form = MultipartEncoder({"data": (name, body, "application/octet-stream")})
+                return self._request("POST", parts_url, data=form, headers={"Content-Type": form.content_type})
+
+        for offset in range(0, size, part_bytes):
+            progress = _Progress()
+            part = self._retry(lambda offset=offset, progress=progress: send(offset, progress), progress).json()
+            part_ids.append(part["id"])
         body = {"part_ids": part_ids}  # completing again with the same parts answers the same upload
         self._retry(lambda: self._request("POST", f"/v1/uploads/{upload['id']}/complete", json=body))
         return upload["id"]
@@ -263,14 +276,57 @@ class Client:
                 self._use(where[1])
                 self.base_url = where[0].rstrip("/")
 
-    def _retry(self, call: Callable[[], Any]) -> Any:
-        return self._retrying.copy()(call)
+    def _retry(self, call: Callable[[], Any], progress: _Progress | None = None) -> Any:
+        """`call`, retried on what a later try can fix for `retry_for_s`, counted from the first try, or from the end
+        of the last try that got further through its transfer than any before it (`progress`): a 58 MB upload cut
+        320 s in over a slow link was not sent again at all, its window spent before the cut."""
+        if progress is None:
+            return self._retrying.copy()(call)
+
+        def stop(state: RetryCallState) -> bool:
+            ended = state.outcome_timestamp or time.monotonic()
+            if progress.gained():
+                progress.since = ended
+            return ended - (progress.since or state.start_time) >= self.retry_for_s
+
+        return self._retrying.copy(stop=stop)(call)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         response = self.session.request(method, self.base_url + path, timeout=self.timeout_s, **kwargs)
         if response.status_code >= 400:
             raise _problem(response)
         return response
+
+
+class _Progress:
+    """How far the tries of one transfer got: the most bytes one of them sent."""
+
+    def __init__(self) -> None:
+        self.best = self._told = 0
+        self.since: float | None = None  # when a try last got further than any before it
+
+    def gained(self) -> bool:
+        """Whether a try got further since this was last asked."""
+        gained, self._told = self.best > self._told, self.best
+        return gained
+
+
+class _Body:
+    """`size` bytes of an open file from where it stands, read as a request body streams them (`MultipartEncoder`
+    sizes it by `len`: what is left), counted into the transfer's `progress`."""
+
+    def __init__(self, file: BinaryIO, size: int, progress: _Progress) -> None:
+        self._file, self._left, self._sent, self._progress = file, size, 0, progress
+
+    def __len__(self) -> int:
+        return self._left
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._file.read(self._left if size is None or size < 0 else min(size, self._left))
+        self._left -= len(data)
+        self._sent += len(data)
+        self._progress.best = max(self._progress.best, self._sent)
+        return data
 
 
 def _headers(idempotency_key: str, content_type: str) -> dict[str, str]:

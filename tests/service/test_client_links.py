@@ -1,0 +1,63 @@
+"""`client.http.Client` (what `vsrq bulk` and `vsrq demo` send through) over the links users have: an uplink slower
+than a request's timeouts, and a connection cut mid-transfer, through a relay in front of the live API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from client.http import Client
+from worker.media.synthetic import write_clip
+
+from .conftest import KEYS, auth, padded
+from .link import Link
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def video(tmp_path) -> bytes:
+    """A real MP4 grown to 3 MiB."""
+    return padded(write_clip(tmp_path / "clip.mp4", 9, (32, 48), audio_codec="aac").read_bytes(), 3 * MiB)
+
+
+@pytest.fixture
+def link(api) -> Iterator[callable]:
+    links = []
+
+    def make(**shape) -> Link:
+        links.append(Link(urlsplit(api).port, **shape))
+        return links[-1]
+
+    yield make
+    for made in links:
+        made.close()
+
+
+def test_parts_cross_an_uplink_slower_than_the_connect_timeout(link, tmp_path):
+    """Parts of 5 MiB over a 1 MiB/s uplink with a 0.5 s connect timeout (10 s and 64 MiB parts: any uplink under
+    ~50 Mbit/s). Sent as one `bytes`, a part had to cross within the connect timeout (less what the socket buffers
+    took): every try failed, with no fault at all (the network trial of session 53). Streamed, each part goes at the
+    link's pace."""
+    clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48), audio_codec="aac").read_bytes()
+    path = tmp_path / "big.mp4"
+    path.write_bytes(padded(clip, 6 * MiB))
+    client = Client(link(rate=MiB).url, KEYS["bulk"], timeout_s=(0.5, 30), retry_for_s=5)
+    upload_id = client.upload_in_parts(path, 5 * MiB)
+    upload = requests.get(f"{client.base_url}/v1/uploads/{upload_id}", headers=auth("bulk"), timeout=10).json()
+    assert (upload["status"], upload["bytes"], len(upload["part_ids"])) == ("completed", 6 * MiB, 2)
+
+
+def test_a_transfer_cut_after_its_retry_window_is_sent_again(link, video, tmp_path):
+    """A create of 3 MiB over a 512 KiB/s uplink, cut 2 MiB in (4 s), with 3 s of retries: the window counted from
+    the first try's start was spent before the cut, so the create was never sent again (a 58 MB upload cut 320 s in,
+    in the trial). A try that got further than any before starts the window again: the create is sent again."""
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(video)
+    cut = link(rate=MiB / 2, cut_after=2 * MiB)
+    client = Client(cut.url, KEYS["bulk"], timeout_s=(1, 30), retry_for_s=3)
+    job = client.create_from_file(path, {"model": "lanczos", "sr_resolution_scale": "2"})
+    assert cut.cuts == 1 and job["status"] in ("queued", "in_progress", "completed"), job
