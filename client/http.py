@@ -224,27 +224,44 @@ class Client:
 
     def download(self, job_id: str, path: str | Path, *, sha256: str | None = None) -> Path:
         """The job's MP4 into `path`: written beside it, checked against `sha256` when given, then renamed into
-        place, so `path` is either absent or whole."""
+        place, so `path` is either absent or whole. A try cut short is followed by one for the rest (`Range`, under
+        `If-Range`: the same output or the whole again), not for all of it again."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+        progress, got = _Progress(), {"digest": hashlib.sha256(), "tag": None}
 
         def fetch() -> Path:
-            partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+            have = partial.stat().st_size if partial.exists() else 0
+            headers = {"Range": f"bytes={have}-", "If-Range": got["tag"]} if have and got["tag"] else {}
             try:
-                with self._request("GET", f"/v1/videos/{job_id}/content", stream=True) as response:
-                    digest = hashlib.sha256()
-                    with open(partial, "wb") as sink:
-                        for chunk in response.iter_content(1 << 20):
-                            digest.update(chunk)
-                            sink.write(chunk)
-                if sha256 is not None and digest.hexdigest() != sha256:
-                    raise DownloadMismatch(f"{job_id}: got sha256 {digest.hexdigest()}, the job recorded {sha256}")
-                os.replace(partial, path)
-            finally:
+                response = self._request("GET", f"/v1/videos/{job_id}/content", stream=True, headers=headers)
+            except ApiProblem as problem:
+                if problem.status != 416:
+                    raise
+                response = None
+            if response is None or response.status_code != 206:  # the whole, from its start
                 partial.unlink(missing_ok=True)
+                have, got["digest"] = 0, hashlib.sha256()
+                if response is None:  # a range past the end: a file other than the one begun
+                    raise DownloadMismatch(f"{job_id}: its output changed during the download")
+            with response, open(partial, "ab") as sink:
+                got["tag"] = response.headers.get("ETag")
+                for chunk in response.iter_content(1 << 20):
+                    sink.write(chunk)
+                    got["digest"].update(chunk)
+                    have += len(chunk)
+                    progress.best = max(progress.best, have)
+            if sha256 is not None and (digest := got["digest"].hexdigest()) != sha256:
+                partial.unlink(missing_ok=True)
+                raise DownloadMismatch(f"{job_id}: got sha256 {digest}, the job recorded {sha256}")
+            os.replace(partial, path)
             return path
 
-        return self._retry(fetch)
+        try:
+            return self._retry(fetch, progress)
+        finally:
+            partial.unlink(missing_ok=True)
 
     def reach(self, within_s: float = 10) -> None:
         """Returns once the API answers at all (`/healthz`, whatever its status); raises the connection's error when

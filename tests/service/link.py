@@ -15,10 +15,13 @@ from infra.stack import free_ports
 
 class Link:
     """Relays 127.0.0.1:`port` to 127.0.0.1:`target`. Upstream bytes go at `rate` bytes a second (None: as fast as
-    they come); the first connection to send more than `cut_after` bytes upstream is reset, both ways, once."""
+    they come); the first connection to carry more than `cut_after` bytes upstream, or `cut_down_after` downstream, is
+    reset, both ways, once."""
 
-    def __init__(self, target: int, rate: float | None = None, cut_after: int | None = None) -> None:
-        self.target, self.rate, self.cut_after = target, rate, cut_after
+    def __init__(
+        self, target: int, rate: float | None = None, cut_after: int | None = None, cut_down_after: int | None = None
+    ) -> None:
+        self.target, self.rate, self.cut_after, self.cut_down_after = target, rate, cut_after, cut_down_after
         self.cuts = 0
         self.port = free_ports(1)[0]
         self._listener = socket.socket()
@@ -46,7 +49,7 @@ class Link:
     def _relay(self, client: socket.socket, server: socket.socket) -> None:
         """Both directions on one thread, so that a cut's close is the socket's last use: closed while another thread
         waits in recv on it, a socket sends its reset only once that recv returns (the API saw none, and timed out)."""
-        sent, started, ends = 0, time.monotonic(), {client: server, server: client}
+        sent, received, started, ends = 0, 0, time.monotonic(), {client: server, server: client}
         with contextlib.suppress(OSError), client, server:
             while ends:
                 ready, _, _ = select.select(list(ends), [], [])
@@ -56,12 +59,12 @@ class Link:
                         ends[source].shutdown(socket.SHUT_WR)
                         del ends[source]
                         continue
-                    if source is client:
-                        sent += len(data)
-                        if self.cut_after is not None and sent > self.cut_after and self._cut_now():
-                            for end in (client, server):
-                                end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                            return  # closed by the `with`: a reset each way
+                    sent += len(data) if source is client else 0
+                    received += len(data) if source is server else 0
+                    if (_past(sent, self.cut_after) or _past(received, self.cut_down_after)) and self._cut_now():
+                        for end in (client, server):
+                            end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return  # closed by the `with`: a reset each way
                     ends[source].sendall(data)
                     if source is client and self.rate is not None:  # `sent` bytes take sent / rate seconds
                         time.sleep(max(0.0, started + sent / self.rate - time.monotonic()))
@@ -72,3 +75,7 @@ class Link:
                 return False
             self.cuts += 1
             return True
+
+
+def _past(count: int, limit: int | None) -> bool:
+    return limit is not None and count > limit
