@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, jsonify
@@ -64,14 +65,17 @@ def detailed() -> tuple[Response, int]:
     return jsonify(body), status
 
 
-def checks(svc: Services, *, detailed: bool) -> Checks:
+def checks(svc: Services, *, detailed: bool, step: Callable[[str], None] = lambda name: None) -> Checks:
+    """Redis, storage, then what Redis says of the workers; `step` is told which before each is asked."""
     found: dict[str, Any] = {}
     try:
+        step("Redis")
         svc.redis.ping()
         found["redis"] = {"ok": True}
     except Exception as error:
         found["redis"] = {"ok": False, "error": type(error).__name__, "detail": redis_problem(error)}
     try:
+        step("storage")
         svc.blobs.check(write=detailed)  # an operator's look: writes too, an object written and deleted
         found["storage"] = {"ok": True, "backend": svc.settings.blob_backend}
     except Exception as error:
@@ -80,6 +84,7 @@ def checks(svc: Services, *, detailed: bool) -> Checks:
     problems: list[str] = []
     if found["redis"]["ok"]:
         try:
+            step("Redis")
             registered = WorkerRegistry(svc.redis, ttl_s=svc.settings.worker_ttl_s).list()
             now = health(svc.jobs, registered, svc.settings.models, svc.settings.reaper_stale_s)
             problems = now.problems
@@ -108,6 +113,7 @@ class Monitor:
     def __init__(self, svc: Services) -> None:
         self._svc = svc
         self._public: tuple[float, Checks] | None = None  # (monotonic time checked, result); replaced whole
+        self._asking: tuple[str, float] | None = None  # what the checks wait on now, since when
         self._answering: list[str] | None = None
         self._checked, self._pinged = threading.Event(), threading.Event()
         self._ping_started = threading.Lock()
@@ -122,6 +128,8 @@ class Monitor:
         if checked is None or age > STALE_S:
             since = f"for {age:.0f} s" if age is not None else "yet"
             problem = f"the health checks have not finished {since}"
+            if (asking := self._asking) is not None:  # a storage that hangs is not a Redis that does
+                problem += f": {asking[0]} has not answered for {time.monotonic() - asking[1]:.0f} s"
             return {"status": "unavailable", "problems": [problem], "checks": {}}, 503
         return checked[1]
 
@@ -134,8 +142,12 @@ class Monitor:
         return self._answering
 
     def _check(self) -> None:
-        self._public = (time.monotonic(), checks(self._svc, detailed=False))
+        self._public = (time.monotonic(), checks(self._svc, detailed=False, step=self._ask))
+        self._asking = None
         self._checked.set()
+
+    def _ask(self, name: str) -> None:
+        self._asking = (name, time.monotonic())
 
     def _ping(self) -> None:
         try:

@@ -657,6 +657,27 @@ def test_a_sweep_that_storage_holds_up_holds_no_reaping(env, logs, s3_cut):
         reaper.stop()
 
 
+def test_health_names_the_storage_it_waits_on(env, logs, s3_cut):
+    """Storage that hangs holds the API's health checks (the network trial of session 53: 90 s). /healthz said only
+    "the health checks have not finished for N s", the same for a Redis that hangs; it now says which."""
+    partition, through = s3_cut
+    port = free_ports(1)[0]
+    (logs / "health-held").mkdir()
+    server = processes.api({**env, **through, "VSRQ_S3_TIMEOUT_S": "30"}, port, logs / "health-held").start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        processes.serving(server, url)
+        partition.cut()
+        deadline = time.monotonic() + 30
+        while "storage has not answered" not in (said := requests.get(f"{url}/healthz", timeout=10).text):
+            assert time.monotonic() < deadline, said
+            time.sleep(0.5)
+        assert "the health checks have not finished" in said and "Redis" not in said, said
+    finally:
+        partition.heal()
+        server.stop()
+
+
 def test_a_storage_partition_longer_than_the_lease_is_waited_out(stack, api, reaper, jobs, blobs, clips, workers):
     # The worker reaches S3 through a partition: cut, its requests go unanswered (not refused) until their timeout,
     # longer than the lease, and no bytes move to call back. Only a beat independent of the transfer keeps the job.
