@@ -369,7 +369,10 @@ def _video_stream(container: av.container.InputContainer, path: Path) -> av.Vide
     best = container.streams.best("video")
     stream = best if best in streams else next((s for s in streams if s.disposition & av.stream.Disposition.default), streams[0])
     if stream.codec_context is None:
-        raise InputUnsupportedCodec(f"{path.name}: FFmpeg has no decoder for its video codec")
+        # FFmpeg names no codec alike for a sample entry it does not know and for one damaged past reading
+        raise InputUnsupportedCodec(
+            f"{path.name}: FFmpeg does not know its video codec (or the file's header naming it is damaged)"
+        )
     return stream
 
 
