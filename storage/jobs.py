@@ -676,10 +676,12 @@ end
 local attempts = tonumber(field('attempt')) - tonumber(field('excused') or '0')
 -- An attempt whose worker died (the reaper's requeue, ARGV[9]) after getting further than every one before it is no
 -- sign of a job that cannot run: a long one meets deploys, preemptions and restarts, and three anywhere in it failed
--- it. One that got nowhere new counts, as does every retry its worker chose (an error it caught).
+-- it. Nor is one its worker ran beside a job further on (ARGV[11]: the next job's head beside a job's tail), which a
+-- kill in that tail took with it: three such kills failed a valid job queued behind. One that got nowhere new counts,
+-- as does every retry its worker chose (an error it caught).
 local progress, furthest = tonumber(field('progress') or '0'), tonumber(field('furthest') or '0')
 if progress > furthest then redis.call('HSET', JOB, 'furthest', progress) end
-if ARGV[6] == '0' or (ARGV[9] == '1' and progress > furthest) then
+if ARGV[6] == '0' or (ARGV[9] == '1' and (progress > furthest or ARGV[11] == '1')) then
   redis.call('HINCRBY', JOB, 'excused', 1)
 elseif attempts >= tonumber(ARGV[3]) then
   move('failed', t)
@@ -1194,13 +1196,19 @@ class JobStore:
         one nearest its end runs first."""
         outcome: dict[str, Status] = {}
         held = [job for job in map(self.get, job_ids) if job is not None and job.status == Status.IN_PROGRESS]
-        for job in sorted(held, key=lambda job: job.shown_progress):
+        held.sort(key=lambda job: job.shown_progress)
+        # of the jobs one dead process held, all but the furthest on were beside it (its tail's overlap with the next
+        # head): not what killed it, as far as anyone can tell; a lease that ran out says nothing of the others
+        furthest = {job.worker: job.id for job in held}
+        for job in held:
             job_id = job.id
+            beside = not expired_only and job.worker is not None and furthest[job.worker] != job_id
             try:
                 fence = lease_fence(job.attempt, job.lease_token)
                 status = self._run(
                     "requeue", job_id, fence, reason.model_dump_json(), self.max_attempts, self.result_ttl_s,
                     int(expired_only), 1, 0, self.enqueue_grace_s, 1, "" if silent_s is None else silent_s,
+                    int(beside),
                 ).decode()  # fmt: skip
             except (StaleAttempt, JobNotFound):  # it ended, or was taken, between the scan and the script
                 continue

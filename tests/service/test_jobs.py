@@ -333,6 +333,24 @@ def test_an_attempt_sent_back_because_of_another_job_does_not_count(jobs: JobSto
     assert failed.error.code == "device_lost" and failed.error.message == "gave up after 2 attempts; the last: x"
 
 
+def test_a_job_begun_beside_another_s_tail_is_not_charged_for_kills_in_that_tail(jobs: JobStore):
+    """A worker reads the next job while the last one's tail encodes and uploads: a kill there takes both. The next
+    job, at 0 % each time, was charged each attempt and failed after `max_attempts` kills in another job's tail (a
+    trial's valid 30 s clip; alone, it completed in 32 s). Of the jobs one dead process held, only the furthest on
+    counts; a job that kills its worker alone still fails after `max_attempts`."""
+    jobs = JobStore(jobs.redis, result_ttl_s=60, max_attempts=2, prefix="vsrq-beside-" + secrets.token_hex(4))
+    tail, head = make(jobs), make(jobs)
+    for kill in range(3):
+        jobs.lease(tail.id, "w/7", 30).heartbeat(progress=95)
+        jobs.lease(head.id, "w/7", 30).heartbeat(progress=0)
+        outcome = jobs.take_back([tail.id, head.id])
+        assert outcome[head.id] == Status.QUEUED, kill
+    assert outcome[tail.id] == Status.FAILED  # no further than 95 twice: its own two attempts
+    for expected in (Status.QUEUED, Status.FAILED):  # then alone, at 0 % each time: its own two
+        jobs.lease(head.id, "w/8", 30).heartbeat(progress=0)
+        assert jobs.take_back([head.id]) == {head.id: expected}
+
+
 def test_an_attempt_that_got_further_than_every_one_before_does_not_count(jobs: JobStore):
     """A long job whose worker was killed three times (deploys, preemptions), each time further on (a kill resumes
     from its kept windows), failed `worker_restarted` with its work done; an attempt that gets nowhere new still counts,
