@@ -294,3 +294,26 @@ def test_timestamps_no_recording_has_are_called_damaged(corpus_cache, tmp_path):
     joined.write_bytes(data + data)
     with pytest.raises(InputCorrupt, match="timestamps jump .* ahead, longer than any recording: they are damaged"):
         probe(joined)
+
+
+def test_decode_times_stored_as_presentation_times_are_no_missing_frames(tmp_path):
+    """x264 with B-frames muxed with each packet's decode time as its presentation time (`ffmpeg -c copy` from an AVI,
+    an MP4 without `ctts`): the decoder's frames carry their timestamps shuffled (0, 80, 120, 40...). Placed by them,
+    each B-frame looked missing, a repeat stood in, and past a tenth the healthy file was refused (a review's)."""
+    path = tmp_path / "dts.mkv"
+    with av.open(str(path), "w", format="matroska") as out:
+        stream = out.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt, stream.options = 64, 48, "yuv420p", {"bf": "2", "g": "30"}
+        packets = []
+        for index in range(60):
+            pixels = np.full((48, 64, 3), index * 4, np.uint8)
+            pixels[:, index] = 255  # a line that moves: each frame its own
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts, frame.time_base = index, Fraction(1, 25)
+            packets += stream.encode(frame)
+        for packet in [*packets, *stream.encode(None)]:
+            packet.pts = packet.dts
+            out.mux(packet)
+    frames, reading = _read(path)
+    assert len(frames) == 60 and reading.repeated == 0
+    assert [int(np.argmax(frame[24, :, 0] == frame[24, :, 0].max())) for frame in frames] == list(range(60))

@@ -809,16 +809,21 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
         alpha_beside=alpha_beside(stream),
         stereo=_stereo(stream, path),
         retimed=retimed,
-        presented=_presented_times(scan.timestamps) if not retimed else (),
+        presented=_presented_times(scan.timestamps, bool(stream.codec_context.has_b_frames)) if not retimed else (),
         undecodable=scan.undecodable,
         mastering=mastering,
         light_level=light_level,
     )
 
 
-def _presented_times(pts: list[int | None]) -> tuple[int, ...]:
-    """`pts` in order, where every frame has a timestamp of its own (else empty: nothing to place frames by)."""
+def _presented_times(pts: list[int | None], reordered: bool) -> tuple[int, ...]:
+    """`pts` (decode order) in presentation order, where every frame has a timestamp of its own (else empty: nothing
+    to place frames by). Empty too where the decoder reorders frames (`reordered`: B-frames) but the timestamps rise
+    in decode order: decode times stored as presentation times (`ffmpeg -c copy` from an AVI, an MP4 without `ctts`),
+    which the decoder's frames carry shuffled (0, 80, 120, 40...), as if frames were missing."""
     if None in pts or len(set(pts)) < len(pts):
+        return ()
+    if reordered and all(earlier < later for earlier, later in zip(pts, pts[1:])):
         return ()
     return tuple(sorted(pts))
 
