@@ -340,6 +340,8 @@ class _Body:
 
     def read(self, size: int = -1) -> bytes:
         data = self._file.read(self._left if size is None or size < 0 else min(size, self._left))
+        if self._left and not data:  # the file shrank as it was sent: the body declared would never end
+            raise OSError(f"{getattr(self._file, 'name', 'the file')} shrank while it was sent")
         self._left -= len(data)
         self._sent += len(data)
         self._progress.best = max(self._progress.best, self._sent)

@@ -24,6 +24,7 @@ import http.client
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import urllib3
 from celery import Task
 from celery.signals import worker_init
 from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, SSLError
+from urllib3.util.ssl_match_hostname import CertificateError
 
 from storage.config import Settings, say_unknown_variables
 from storage.jobs import JobNotFound, JobStore, VideoWebhook
@@ -143,15 +145,19 @@ def post(url: str, body: bytes, headers: dict[str, str], settings: Settings, dea
         # seconds held an attempt (and a delivery thread) for as long as it liked. Cut at the deadline instead.
         cut = threading.Event()
         watchdog = threading.Timer(remaining, _cut, (connection, cut))
+        watchdog.daemon = True
         watchdog.start()
         try:
             connection.request("POST", target, body=body, headers=headers, preload_content=False)
             response = connection.getresponse()  # the answer's body is never read: its size costs nothing
+            response.close()
         except (NewConnectionError, ConnectTimeoutError):  # this address is down: try the next
             continue
-        except SSLError as error:
+        # the certificate (another name's: CertificateError, a ValueError; an untrusted chain), as urllib3 raises it
+        # through a pool or the ssl module through a connection
+        except (SSLError, ssl.SSLError, ssl.CertificateError, CertificateError) as error:
             return Attempt("retry", "tls_failed", f"TLS with {parts.hostname} failed: {error.__context__ or error}")
-        except urllib3.exceptions.TimeoutError:
+        except (urllib3.exceptions.TimeoutError, TimeoutError):
             return late
         except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as error:
             if cut.is_set():

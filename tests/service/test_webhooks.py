@@ -36,7 +36,7 @@ from storage.signatures import WebhookVerificationError, new_secret, signed_head
 from storage.webhooks import QUEUE, Outbox
 from storage.workers import Held
 from worker.backoff import retry_after_s
-from worker.webhooks import backoff
+from worker.webhooks import backoff, post
 
 from .conftest import ROOT, UNREADABLE, WEBHOOK_SECRETS, auth, serve_api
 from .receiver import Receiver
@@ -361,6 +361,32 @@ def test_an_answer_that_never_ends_is_cut_at_the_attempt_s_limit(webhook_worker,
     assert (first["outcome"], first["code"]) == ("retrying", "timeout") and second["outcome"] == "delivered"
     started, again = receiver.received(path)[:2]
     assert again.at - started.at < 2 + 1 + 2  # the limit, the backoff's longest wait (1 s) and a loaded box's slack
+
+
+def test_a_certificate_for_another_name_or_from_an_unknown_ca_is_tls_failed(tmp_path):
+    """Once the attempt had a connection of its own (to cut it at its deadline), a certificate for another name raised
+    out of the attempt (urllib3's CertificateError, a ValueError) and an unknown CA was `connection_failed` (a
+    review's). Both are `tls_failed`, retried; the right certificate is delivered."""
+    ca, stranger = trustme.CA(), trustme.CA()
+    ca_file, stranger_file = tmp_path / "ca.pem", tmp_path / "stranger.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    stranger.cert_pem.write_to_path(str(stranger_file))
+    receivers = [Receiver(ca.issue_cert(name)) for name in ("example.org", "localhost")]
+    for receiver in receivers:
+        threading.Thread(target=receiver.server.serve_forever, daemon=True).start()
+    wrong_name, right = (receiver.url("/h") for receiver in receivers)
+    try:
+        for url, bundle, expected in [
+            (wrong_name, ca_file, ("retry", "tls_failed")), (right, stranger_file, ("retry", "tls_failed")),
+            (right, ca_file, ("delivered", None)),
+        ]:  # fmt: skip
+            settings = Settings(_env_file=None, webhook_allow_loopback=True, webhook_ca_bundle=bundle)
+            attempt = post(url, b"{}", {}, settings, time.monotonic() + 5)
+            assert (attempt.outcome, attempt.code) == expected, attempt
+    finally:
+        for receiver in receivers:
+            receiver.server.shutdown()
+            receiver.server.server_close()
 
 
 def test_a_relay_killed_between_taking_and_sending_loses_nothing(
