@@ -142,8 +142,10 @@ class Monitor:
         return self._answering
 
     def _check(self) -> None:
-        self._public = (time.monotonic(), checks(self._svc, detailed=False, step=self._ask))
-        self._asking = None
+        try:
+            self._public = (time.monotonic(), checks(self._svc, detailed=False, step=self._ask))
+        finally:
+            self._asking = None
         self._checked.set()
 
     def _ask(self, name: str) -> None:

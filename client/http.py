@@ -233,25 +233,29 @@ class Client:
 
         def fetch() -> Path:
             have = partial.stat().st_size if partial.exists() else 0
-            headers = {"Range": f"bytes={have}-", "If-Range": got["tag"]} if have and got["tag"] else {}
+            # the bytes as stored (a compressing proxy's would not count as the range does)
+            headers = {"Accept-Encoding": "identity"}
+            if have and got["tag"]:
+                headers |= {"Range": f"bytes={have}-", "If-Range": got["tag"]}
             try:
                 response = self._request("GET", f"/v1/videos/{job_id}/content", stream=True, headers=headers)
             except ApiProblem as problem:
-                if problem.status != 416:
+                if problem.status != 416:  # a range from the end: the try before got every byte (then failed)
                     raise
                 response = None
-            if response is None or response.status_code != 206:  # the whole, from its start
-                partial.unlink(missing_ok=True)
-                have, got["digest"] = 0, hashlib.sha256()
-                if response is None:  # a range past the end: a file other than the one begun
-                    raise DownloadMismatch(f"{job_id}: its output changed during the download")
-            with response, open(partial, "ab") as sink:
-                got["tag"] = response.headers.get("ETag")
-                for chunk in response.iter_content(1 << 20):
-                    sink.write(chunk)
-                    got["digest"].update(chunk)
-                    have += len(chunk)
-                    progress.best = max(progress.best, have)
+            if response is not None:
+                if response.status_code != 206 or not response.headers.get("Content-Range", "").startswith(
+                    f"bytes {have}-"
+                ):  # the whole, from its start (a first try, another output, or a range not the one asked)
+                    partial.unlink(missing_ok=True)
+                    have, got["digest"] = 0, hashlib.sha256()
+                with response, open(partial, "ab") as sink:
+                    got["tag"] = response.headers.get("ETag")
+                    for chunk in response.iter_content(1 << 20):
+                        sink.write(chunk)
+                        got["digest"].update(chunk)
+                        have += len(chunk)
+                        progress.best = max(progress.best, have)
             if sha256 is not None and (digest := got["digest"].hexdigest()) != sha256:
                 partial.unlink(missing_ok=True)
                 raise DownloadMismatch(f"{job_id}: got sha256 {digest}, the job recorded {sha256}")

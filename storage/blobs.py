@@ -497,9 +497,9 @@ class S3BlobStore:
 def _say_versions_kept(bucket: str, code: str) -> None:
     """Once a process: every health check and start would say it again."""
     log.warning(
-        "storage refused to delete a write probe's version in the versioned bucket %s (%s): each check leaves a "
-        "version and a delete marker under %s; give the key s3:DeleteObjectVersion, or add a lifecycle rule that "
-        "expires them",
+        "storage did not delete a write probe's version in the versioned bucket %s (%s): where it refuses, each check "
+        "leaves a version and a delete marker under %s; give the key s3:DeleteObjectVersion, or add a lifecycle rule "
+        "that expires them",
         bucket, code, WRITE_PROBES,
     )  # fmt: skip
 

@@ -261,17 +261,14 @@ def test_a_file_missing_a_tenth_of_its_frames_is_refused_where_that_is_met(corpu
 
 def test_a_stream_that_appears_mid_file_ends_nothing(corpus_cache, tmp_path):
     """One bit flipped in a TS packet's PID: FFmpeg meets a stream its header did not list, and PyAV 18's demux then
-    raised IndexError after the last packet (the job: `internal_error`). Its packets are not the video's: every frame
-    is read, and the probe reads to the end."""
+    raised IndexError after the last packet (the job: `internal_error`; it reads a table past its end, so it may not,
+    elsewhere). Its packets are not the video's: every frame is read, and the probe reads to the end."""
     data = bytearray(_segment(corpus_cache))
     at = 645 * 188  # a packet that starts a frame of the video (PID 0x100), two thirds in
     assert data[at : at + 3] == bytes.fromhex("474100")
     data[at + 2] = 0x10  # PID 0x110: no stream of the file's
     moved = tmp_path / "moved.ts"
     moved.write_bytes(bytes(data))
-    with av.open(str(moved)) as container, pytest.raises(IndexError):  # PyAV's own
-        for _ in container.demux():
-            pass
     frames, reading = _read(moved)
     assert len(frames) == probe(moved).video.frames > 120
 

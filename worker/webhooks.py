@@ -175,9 +175,9 @@ def post(url: str, body: bytes, headers: dict[str, str], settings: Settings, dea
 def _cut(connection: urllib3.connection.HTTPSConnection, cut: threading.Event) -> None:
     """Ends an exchange past its deadline: the thread blocked reading the socket wakes to a closed connection."""
     cut.set()
-    if connection.sock is not None:
+    if (sock := connection.sock) is not None:  # read once: the attempt's thread may close it meanwhile
         with contextlib.suppress(OSError):
-            connection.sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _judged(status: int, retry_after: str | None) -> Attempt:

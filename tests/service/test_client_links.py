@@ -41,17 +41,17 @@ def link(api) -> Iterator[callable]:
 
 
 def test_parts_cross_an_uplink_slower_than_the_connect_timeout(link, tmp_path):
-    """Parts of 5 MiB over a 1 MiB/s uplink with a 0.5 s connect timeout (10 s and 64 MiB parts: any uplink under
-    ~50 Mbit/s). Sent as one `bytes`, a part had to cross within the connect timeout (less what the socket buffers
-    took): every try failed, with no fault at all (the network trial of session 53). Streamed, each part goes at the
-    link's pace."""
+    """Parts of 8 MiB over a 1 MiB/s uplink with a 2 s connect timeout (10 s and 64 MiB parts: any uplink under
+    ~50 Mbit/s). Sent as one `bytes`, a part had to cross within the connect timeout (less the 4 MiB the socket
+    buffers took): every try failed, with no fault at all (the network trial of session 53). Streamed, each part goes
+    at the link's pace."""
     clip = write_clip(tmp_path / "clip.mp4", 9, (32, 48), audio_codec="aac").read_bytes()
     path = tmp_path / "big.mp4"
-    path.write_bytes(padded(clip, 6 * MiB))
-    client = Client(link(rate=MiB).url, KEYS["bulk"], timeout_s=(0.5, 30), retry_for_s=5)
-    upload_id = client.upload_in_parts(path, 5 * MiB)
+    path.write_bytes(padded(clip, 9 * MiB))
+    client = Client(link(rate=MiB).url, KEYS["bulk"], timeout_s=(2, 30), retry_for_s=5)
+    upload_id = client.upload_in_parts(path, 8 * MiB)
     upload = requests.get(f"{client.base_url}/v1/uploads/{upload_id}", headers=auth("bulk"), timeout=10).json()
-    assert (upload["status"], upload["bytes"], len(upload["part_ids"])) == ("completed", 6 * MiB, 2)
+    assert (upload["status"], upload["bytes"], len(upload["part_ids"])) == ("completed", 9 * MiB, 2)
 
 
 def test_a_transfer_cut_after_its_retry_window_is_sent_again(link, video, tmp_path):

@@ -163,7 +163,7 @@ def test_a_killed_api_s_metrics_directory_goes_at_the_next_start(service_env, tm
             [master] = [child for child in children if child.environ().get("TMPDIR") == env["TMPDIR"]]
             workers = master.children()
             master.kill()
-            psutil.wait_procs([master, *workers], timeout=30)
+            assert psutil.wait_procs([master, *workers], timeout=30)[1] == []  # its workers die with it
         assert killed.exists()
         with serve_api(env, tmp_path / "live.log"):
             with serve_api(env, tmp_path / "next.log") as url:

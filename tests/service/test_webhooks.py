@@ -360,7 +360,7 @@ def test_an_answer_that_never_ends_is_cut_at_the_attempt_s_limit(webhook_worker,
         receiver.release(path)
     assert (first["outcome"], first["code"]) == ("retrying", "timeout") and second["outcome"] == "delivered"
     started, again = receiver.received(path)[:2]
-    assert again.at - started.at < 2 + 1 + 2  # the limit, the backoff's longest wait (1 s) and a loaded box's slack
+    assert again.at - started.at < 2 + 8  # the limit, then the backoff (0.1-0.2 s) and a loaded box's slack
 
 
 def test_a_certificate_for_another_name_or_from_an_unknown_ca_is_tls_failed(tmp_path):

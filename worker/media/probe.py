@@ -535,7 +535,7 @@ def _scan(
                     scan.earliest, scan.latest_end = min(scan.earliest, start), max(scan.latest_end, end)
                 # the sound's too: a second of video with ten hours of it came back ten hours long
                 span = scan.latest_end - scan.earliest
-                if limits.max_seconds is not None and span > max(limits.max_seconds, _NO_RECORDING_S):
+                if span > _NO_RECORDING_S and (limits.max_seconds is None or span > limits.max_seconds):
                     raise InputCorrupt(
                         f"{path.name}: its {owner.type}'s timestamps jump {span:.3g} s ahead, longer than any "
                         "recording: they are damaged"

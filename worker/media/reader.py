@@ -166,15 +166,15 @@ def _pictures(
     alphas = alpha_track.frames(path, video.alpha_index)
     shown: np.ndarray | None = None
     with open_input(path) as container, closing(alphas):
-        # AVI's timestamps are its packets' order, which packed B-frames shuffle (FFmpeg's decoded pts 1, 3, 2, 5, 4)
-        placed = cadence == "frame" and container.format.name != "avi"
+        # AVI's timestamps are its packets' order, which packed B-frames shuffle (FFmpeg's decoded pts 1, 3, 2, 5, 4);
+        # an animated AVIF's alpha frames come one for each colour frame decoded, which a filled place would skew
+        placed = cadence == "frame" and container.format.name != "avi" and video.alpha_index is None
         timeline = _Timeline(video, reading, Path(path).name) if placed else None
         stream = container.streams[video.index]
         stream.thread_type = "AUTO"
         decode_declared_picture(stream)
         frames = _decode(container, stream, Path(path).stat().st_size, passing=bool(timeline and timeline.places))
-        for frame in _deinterlaced(frames, stream, reading, cadence):
-            reading.damaged += frame.is_corrupt
+        for frame in _deinterlaced(_damage_counted(frames, reading), stream, reading, cadence):
             missing = timeline.missing_before(_in_stream_time(frame, stream)) if timeline else 0
             if missing == LATE:
                 continue
@@ -206,6 +206,13 @@ def _pictures(
             yield shown
     for _ in range(timeline.missing_after() if timeline and shown is not None else 0):
         yield shown.copy()
+
+
+def _damage_counted(frames: Iterator[av.VideoFrame], reading: Reading) -> Iterator[av.VideoFrame]:
+    """`frames` as decoded, those the decoder flagged corrupt (damage it concealed) counted, one each."""
+    for frame in frames:
+        reading.damaged += frame.is_corrupt
+        yield frame
 
 
 def _in_stream_time(frame: av.VideoFrame, stream: av.VideoStream) -> int | None:
@@ -326,17 +333,21 @@ def _decode(
     `passing`, a packet whose data the decoder refuses is passed over, as players do (`_pictures` then finds its frame
     missing); else it ends the read."""
     unpack, context = unpacker(stream), decoder(stream)
+
+    def decoded(sent: av.Packet | None) -> Iterator[av.VideoFrame]:
+        try:
+            yield from context.decode(sent)
+        except av.error.InvalidDataError:
+            if not passing:
+                raise
+
     for packet in demux(container, stream):
         if packet.size and not cut_off(packet, size):
             for sent in unpack(packet):
-                try:
-                    yield from context.decode(sent)
-                except av.error.InvalidDataError:
-                    if not passing:
-                        raise
+                yield from decoded(sent)
     for sent in unpack(None):
-        yield from context.decode(sent)
-    yield from context.decode(None)
+        yield from decoded(sent)
+    yield from decoded(None)  # frame threads answer for their last packets here
 
 
 def _deinterlaced(

@@ -28,12 +28,16 @@ def open_input(path: str | Path, **kwargs) -> av.container.InputContainer:
 def demux(container: av.container.InputContainer, *streams: av.stream.Stream) -> Iterator[av.Packet]:
     """`container.demux(*streams)`, ended where a stream appeared after the header. MPEG-TS, MPEG-PS and FLV add a
     stream as they first meet its packets (a PMT update, a bit flipped in a PID); PyAV 18 skips those packets, then its
-    closing flush walks every stream FFmpeg knows and raises IndexError on the first it never wrapped, after every
-    packet has been read: the end of the file, not a failure (a worker failed such a job as `internal_error`)."""
+    closing flush walks every stream FFmpeg knows and may raise IndexError on one it never wrapped (it reads a table
+    sized for the streams at the start past its end), after every packet has been read and the flush's empty packets
+    begun: the end of the file, not a failure (a worker failed such a job as `internal_error`)."""
+    last = None
     try:
-        yield from container.demux(*streams)
+        for last in container.demux(*streams):
+            yield last
     except IndexError:
-        return
+        if last is None or last.size:  # not at the flush (its packets are empty): not this
+            raise
 
 
 def iso_bmff(container: av.container.InputContainer) -> bool:
