@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import certifi
@@ -119,31 +120,26 @@ def pinned_pool(
 ) -> urllib3.HTTPSConnectionPool:
     """An HTTPS pool whose socket goes to `address` (one `public_addresses` checked) while SNI and the certificate
     check use the URL's host name: DNS is never asked again between the check and the connection."""
-    return urllib3.HTTPSConnectionPool(
-        str(address),
-        parts.port or 443,
-        server_hostname=parts.hostname,
-        assert_hostname=parts.hostname,
-        cert_reqs="CERT_REQUIRED",
-        ca_certs=str(ca_bundle or certifi.where()),
-        timeout=timeout,
-        retries=False,
-    )
+    return urllib3.HTTPSConnectionPool(**_pinned(parts, address, ca_bundle), timeout=timeout, retries=False)
 
 
 def pinned_connection(
     parts: SplitResult, address: IPAddress, ca_bundle: Path | None, timeout_s: float
 ) -> urllib3.connection.HTTPSConnection:
     """`pinned_pool`'s one connection, for a caller that needs its socket (to cut an exchange at a deadline)."""
-    return urllib3.connection.HTTPSConnection(
-        str(address),
-        parts.port or 443,
-        timeout=timeout_s,
-        server_hostname=parts.hostname,
-        assert_hostname=parts.hostname,
-        cert_reqs="CERT_REQUIRED",
-        ca_certs=str(ca_bundle or certifi.where()),
-    )
+    return urllib3.connection.HTTPSConnection(**_pinned(parts, address, ca_bundle), timeout=timeout_s)
+
+
+def _pinned(parts: SplitResult, address: IPAddress, ca_bundle: Path | None) -> dict[str, Any]:
+    """Where a pinned pool or connection goes, and how it checks TLS: one place for both."""
+    return {
+        "host": str(address),
+        "port": parts.port or 443,
+        "server_hostname": parts.hostname,
+        "assert_hostname": parts.hostname,
+        "cert_reqs": "CERT_REQUIRED",
+        "ca_certs": str(ca_bundle or certifi.where()),
+    }
 
 
 def request_target(parts: SplitResult) -> str:

@@ -153,9 +153,9 @@ def post(url: str, body: bytes, headers: dict[str, str], settings: Settings, dea
             response.close()
         except (NewConnectionError, ConnectTimeoutError):  # this address is down: try the next
             continue
-        # the certificate (another name's: CertificateError, a ValueError; an untrusted chain), as urllib3 raises it
-        # through a pool or the ssl module through a connection
-        except (SSLError, ssl.SSLError, ssl.CertificateError, CertificateError) as error:
+        # the certificate (another name's: urllib3's CertificateError, a ValueError; an untrusted chain: ssl's), as
+        # urllib3 raises it through a pool or the ssl module through a connection
+        except (SSLError, ssl.SSLError, CertificateError) as error:
             return Attempt("retry", "tls_failed", f"TLS with {parts.hostname} failed: {error.__context__ or error}")
         except (urllib3.exceptions.TimeoutError, TimeoutError):
             return late
