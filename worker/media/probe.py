@@ -817,11 +817,12 @@ def _video_info(stream: av.VideoStream, scan: _Scan, path: Path, limits: Limits)
 
 
 def _presented_times(pts: list[int | None], reordered: bool) -> tuple[int, ...]:
-    """`pts` (decode order) in presentation order, where every frame has a timestamp of its own (else empty: nothing
-    to place frames by). Empty too where the decoder reorders frames (`reordered`: B-frames) but the timestamps rise
-    in decode order: decode times stored as presentation times (`ffmpeg -c copy` from an AVI, an MP4 without `ctts`),
-    which the decoder's frames carry shuffled (0, 80, 120, 40...), as if frames were missing."""
-    if None in pts or len(set(pts)) < len(pts):
+    """`pts` (decode order) in presentation order, where every frame has a timestamp (else empty: nothing to place
+    frames by; `_check_order` refused repeated ones). Empty too where the decoder reorders frames (`reordered`:
+    B-frames) but the timestamps rise in decode order: decode times stored as presentation times (`ffmpeg -c copy`
+    from an AVI, an MP4 without `ctts`), which the decoder's frames carry shuffled (0, 80, 120, 40...), as if frames
+    were missing."""
+    if None in pts:
         return ()
     if reordered and all(earlier < later for earlier, later in zip(pts, pts[1:])):
         return ()
